@@ -1,0 +1,219 @@
+"""The public collectives.
+
+Every collective follows the same path:
+
+1. Local checks (buffer type, dtype, contiguity, scheme and algorithm names, op) are turned into an
+   error *code* rather than raised at once, and every rank joins one tiny all-reduce (a handshake)
+   carrying that code and a fingerprint of its arguments (length, dtype, scheme and options,
+   algorithm, op, seed, step). If any rank is invalid or the ranks disagree, *every* rank raises
+   before any data moves: the faulty rank its own error, the others a PeerError or MismatchError
+   naming the ranks and values. ``DQCOLL_VALIDATE=0`` skips the handshake (local errors still
+   raise, but a peer may then wait until its timeout).
+2. The scheme plans the call (statistics, allocation) and the executor runs the schedule.
+3. The result is written into the caller's buffer last, so an error leaves the input untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from typing import Any
+
+import torch
+
+from . import envs, schemes
+from .comm import Communicator, get_default_comm
+from .errors import DqcollError, InvalidArgumentError, MismatchError, PeerError
+from .executor import run_schedule
+from .interop import as_torch_view
+from .schemes.base import CallContext, Scheme
+from .topology import algorithms
+from .topology.schedule import Schedule
+from .types import Collective, ReduceOp
+
+__all__ = ["allreduce"]
+
+log = logging.getLogger("dqcoll")
+
+_ERROR_CODES = {
+    "buffer": 1,
+    "dtype": 2,
+    "layout": 3,
+    "scheme": 4,
+    "algorithm": 5,
+    "op": 6,
+    "other": 7,
+}
+_ERROR_NAMES = {v: k for k, v in _ERROR_CODES.items()}
+_DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step")
+
+
+@dataclasses.dataclass
+class _Request:
+    tensor: torch.Tensor | None = None
+    scheme: Scheme | None = None
+    schedule: Schedule | None = None
+    op: ReduceOp | None = None
+    error: DqcollError | None = None
+    category: str = ""
+    fingerprint: tuple[int, ...] = ()
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _choose_algorithm(name: str, world_size: int) -> str:
+    if name != "auto":
+        return name
+    # Until a tuned table exists for this setup: butterfly moves the ring's bytes with a
+    # log2(n)-deep reduction tree, so its error is lower at the same cost.
+    return "butterfly"
+
+
+def _prepare(
+    buf: Any,
+    *,
+    op: str | ReduceOp,
+    scheme: str | Scheme,
+    scheme_options: dict[str, Any],
+    algorithm: str,
+    comm: Communicator,
+    seed: int,
+    step: int,
+) -> _Request:
+    request = _Request()
+
+    def fail(category: str, exc: DqcollError) -> _Request:
+        request.error, request.category = exc, category
+        return request
+
+    try:
+        request.op = ReduceOp.parse(op)
+    except DqcollError as exc:
+        return fail("op", exc)
+    try:
+        if isinstance(scheme, str):
+            entry_options = schemes.spec(scheme).options
+            options = {k: v for k, v in scheme_options.items() if k in entry_options or k not in ("bits",)}
+            request.scheme = schemes.get(scheme, **options)
+        else:
+            request.scheme = scheme
+    except DqcollError as exc:
+        return fail("scheme", exc)
+    try:
+        name = _choose_algorithm(algorithm, comm.world_size)
+        request.schedule = algorithms.build_schedule(name, comm.world_size)
+    except DqcollError as exc:
+        return fail("algorithm", exc)
+    try:
+        tensor = as_torch_view(buf)
+    except DqcollError as exc:
+        return fail("buffer", exc)
+    assert request.scheme is not None
+    if tensor.dtype not in request.scheme.spec.dtypes:
+        return fail("dtype", InvalidArgumentError(
+            f"rank {comm.rank}: scheme {request.scheme.spec.name!r} takes "
+            f"{[str(d).replace('torch.', '') for d in request.scheme.spec.dtypes]}, got "
+            f"{str(tensor.dtype).replace('torch.', '')}"
+        ))
+    if not tensor.is_contiguous():
+        return fail("layout", InvalidArgumentError(
+            f"rank {comm.rank}: expected a contiguous tensor, got shape {tuple(tensor.shape)} "
+            f"with strides {tensor.stride()}"
+        ))
+    request.tensor = tensor
+    options_text = repr(request.scheme)
+    request.fingerprint = (
+        tensor.numel(),
+        _DTYPE_IDS[tensor.dtype],
+        _crc(request.scheme.spec.name + options_text),
+        _crc(request.schedule.algorithm),
+        _crc(request.op.value),
+        seed & ((1 << 62) - 1),
+        step,
+    )
+    return request
+
+
+def _handshake(request: _Request, comm: Communicator, what: str) -> None:
+    """Raise on every rank if any rank is invalid or the ranks disagree (one tiny all-reduce)."""
+    n = comm.world_size
+    if not envs.validate() or n == 1:
+        if request.error is not None:
+            raise request.error
+        return
+    k = len(_FIELDS)
+    vector = torch.zeros(2 * k + n, dtype=torch.int64)
+    if request.error is None:
+        fields = torch.tensor(request.fingerprint, dtype=torch.int64)
+        vector[:k] = fields
+        vector[k : 2 * k] = -fields
+    else:
+        vector[2 * k + comm.rank] = _ERROR_CODES[request.category]
+    vector = vector.to(comm.device)
+    comm.transport.allreduce(vector, "max", what=f"{what} argument check")
+    vector = vector.cpu()
+    codes = vector[2 * k :].tolist()
+    if request.error is not None:
+        raise request.error
+    bad = [(r, _ERROR_NAMES.get(c, "other")) for r, c in enumerate(codes) if c]
+    if bad:
+        listed = ", ".join(f"rank {r} ({cat})" for r, cat in bad)
+        raise PeerError(f"rank {comm.rank}: {what} not run: invalid input on {listed}")
+    high = vector[:k].tolist()
+    low = [-v for v in vector[k : 2 * k].tolist()]
+    differ = [(f, lo, hi) for f, lo, hi in zip(_FIELDS, low, high, strict=True) if lo != hi]
+    if differ:
+        detail = "; ".join(
+            f"{f} (min {lo}, max {hi})" if f in ("numel", "seed", "step") else f"{f}"
+            for f, lo, hi in differ
+        )
+        raise MismatchError(f"rank {comm.rank}: {what}: ranks disagree on {detail}")
+
+
+def allreduce(
+    buf: Any,
+    *,
+    op: str | ReduceOp = "sum",
+    scheme: str | Scheme = "dynamiq",
+    bits: float = 5.0,
+    algorithm: str = "auto",
+    comm: Communicator | None = None,
+    seed: int | None = None,
+    step: int | None = None,
+    **scheme_options: Any,
+) -> Any:
+    """Quantized all-reduce of ``buf`` in place; returns ``buf``.
+
+    ``buf``: torch tensor, NumPy or CuPy array, contiguous, fp32/bf16/fp16, any length.
+    ``op``: "sum" or "avg". ``scheme``: a registered name (see ``dqcoll.schemes.list_schemes()``)
+    or a scheme object; ``bits`` and ``scheme_options`` (e.g. ``levels="uniform"``) configure it.
+    ``algorithm``: "ring", "butterfly", "direct" or "auto". ``seed``/``step`` key the random
+    rounding (default: the communicator's seed and call counter).
+    """
+    comm = comm or get_default_comm()
+    call_step = comm.next_step()
+    step = call_step if step is None else int(step)
+    seed = comm.seed if seed is None else int(seed)
+    what = f"allreduce#{call_step}"
+    options = dict(scheme_options)
+    options["bits"] = bits
+    request = _prepare(buf, op=op, scheme=scheme, scheme_options=options, algorithm=algorithm,
+                       comm=comm, seed=seed, step=step)
+    _handshake(request, comm, what)
+    tensor, scheme_obj, schedule = request.tensor, request.scheme, request.schedule
+    assert tensor is not None and scheme_obj is not None and schedule is not None
+    assert request.op is not None
+    flat = tensor.view(-1)
+    if flat.numel() == 0 or comm.world_size == 1:
+        comm.last_info = {"scheme": scheme_obj.spec.name, "algorithm": schedule.algorithm}
+        return buf
+    ctx = CallContext(comm.transport, request.op, seed, step, Collective.ALLREDUCE, what)
+    call = scheme_obj.begin(flat, ctx)
+    run_schedule(schedule, call, comm.transport, what=what)
+    call.finish(flat)
+    comm.last_info = {"scheme": scheme_obj.spec.name, "algorithm": schedule.algorithm, **call.info}
+    return buf

@@ -1,0 +1,1 @@
+"""Command line: ``dqcoll demo | bench | eval | tune | simulate``."""

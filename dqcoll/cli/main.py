@@ -1,0 +1,31 @@
+"""``dqcoll`` console script: one sub-command per module of :mod:`dqcoll.cli`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# sub-command -> (module, help)
+COMMANDS = {
+    "demo": ("dqcoll.cli.demo", "4 ranks over gloo on this machine: quantized all-reduce table"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="dqcoll", description="quantized collectives")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints usage / error and exits
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Every ``DQCOLL_*`` environment variable, typed and documented in one place.
+
+Nothing else in dqcoll reads ``os.environ`` for its own settings (the torchrun variables
+``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`).
+Values are read at call time, so tests can monkeypatch them.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["timeout_s", "kernels", "validate", "log_level", "tuning_dir", "ENV_VARS"]
+
+# name -> (default, description)
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "DQCOLL_TIMEOUT_S": (
+        "300",
+        "Seconds any distributed wait may block before raising CollectiveTimeoutError.",
+    ),
+    "DQCOLL_KERNELS": (
+        "auto",
+        "auto | torch | triton. auto uses Triton for CUDA tensors when it is importable and the "
+        "torch reference otherwise; an explicit choice that cannot be honoured raises.",
+    ),
+    "DQCOLL_VALIDATE": (
+        "1",
+        "1: every collective first checks, with one tiny all-reduce, that all ranks passed matching "
+        "arguments (length, dtype, scheme, ...) and valid inputs. 0 skips it (saves one latency).",
+    ),
+    "DQCOLL_LOG_LEVEL": ("WARNING", "Log level of the 'dqcoll' logger."),
+    "DQCOLL_TUNING_DIR": (
+        "",
+        "Extra directory searched for tuned algorithm tables before the packaged ones.",
+    ),
+}
+
+
+def _get(name: str) -> str:
+    return os.environ.get(name, ENV_VARS[name][0])
+
+
+def timeout_s() -> float:
+    value = float(_get("DQCOLL_TIMEOUT_S"))
+    if value <= 0:
+        raise ValueError(f"DQCOLL_TIMEOUT_S must be positive, got {value}")
+    return value
+
+
+def kernels() -> str:
+    value = _get("DQCOLL_KERNELS").strip().lower()
+    if value not in ("auto", "torch", "triton"):
+        raise ValueError(f"DQCOLL_KERNELS must be auto, torch or triton, got {value!r}")
+    return value
+
+
+def validate() -> bool:
+    return _get("DQCOLL_VALIDATE").strip() not in ("0", "false", "no", "off")
+
+
+def log_level() -> str:
+    return _get("DQCOLL_LOG_LEVEL").upper()
+
+
+def tuning_dir() -> str:
+    return _get("DQCOLL_TUNING_DIR")

@@ -1,0 +1,46 @@
+"""Exceptions raised by dqcoll.
+
+Every error a collective raises is a :class:`DqcollError`, so a training loop can catch one type.
+Errors that concern a peer (a timeout, a dead rank, invalid input on another rank) name the rank
+and the collective step, so the log of any single rank says what went wrong where.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DqcollError",
+    "InvalidArgumentError",
+    "MismatchError",
+    "PeerError",
+    "CollectiveTimeoutError",
+    "CommAbortedError",
+    "UnsupportedError",
+]
+
+
+class DqcollError(RuntimeError):
+    """Base class of every error raised by dqcoll."""
+
+
+class InvalidArgumentError(DqcollError, ValueError):
+    """An argument is invalid on this rank (dtype, contiguity, unknown name, ...)."""
+
+
+class MismatchError(DqcollError, ValueError):
+    """Ranks called the same collective with different arguments (length, dtype, scheme, ...)."""
+
+
+class PeerError(DqcollError):
+    """Another rank reported an error for this collective; this rank's inputs were fine."""
+
+
+class CollectiveTimeoutError(DqcollError, TimeoutError):
+    """A distributed wait ran past its timeout; the message names the peer and the step."""
+
+
+class CommAbortedError(DqcollError):
+    """The communicator was aborted (a peer died or a rank raised inside a local run)."""
+
+
+class UnsupportedError(DqcollError, NotImplementedError):
+    """An explicit request that cannot be honoured here (missing GPU, Triton, NCCL, ...)."""

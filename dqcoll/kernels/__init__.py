@@ -1,0 +1,94 @@
+"""Fast paths, chosen per device; the torch references in :mod:`dqcoll.schemes` define the bytes.
+
+:func:`dynamiq_ops` returns the set of DynamiQ operations to use for tensors on ``device``:
+Triton kernels for CUDA tensors when Triton is importable, the torch reference otherwise.
+``DQCOLL_KERNELS=torch|triton`` forces one; forcing Triton where it cannot run raises.
+Triton is imported lazily, so ``import dqcoll`` works without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .. import envs
+from ..errors import UnsupportedError
+
+__all__ = ["DynamiqOps", "dynamiq_ops", "triton_available"]
+
+log = logging.getLogger("dqcoll")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamiqOps:
+    """One implementation of every DynamiQ step (signatures of the torch reference)."""
+
+    name: str
+    stats_center: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    encode: Callable[..., torch.Tensor]
+    decode: Callable[..., torch.Tensor]
+    decode_accumulate: Callable[..., None]
+    decode_accumulate_encode: Callable[..., torch.Tensor]
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> str | None:
+    """None when Triton can be used, else the reason it cannot."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return f"triton is not importable ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_ops() -> DynamiqOps:
+    from ..schemes.dynamiq import codec
+
+    return DynamiqOps(
+        name="torch",
+        stats_center=codec.stats_center_torch,
+        encode=codec.encode_torch,
+        decode=codec.decode_torch,
+        decode_accumulate=codec.decode_accumulate_torch,
+        decode_accumulate_encode=codec.decode_accumulate_encode_torch,
+    )
+
+
+def _triton_ops() -> DynamiqOps:
+    from . import dynamiq_triton  # type: ignore[attr-defined]
+
+    return dynamiq_triton.OPS  # type: ignore[no-any-return]
+
+
+_logged: set[str] = set()
+
+
+def dynamiq_ops(device: torch.device) -> DynamiqOps:
+    choice = envs.kernels()
+    if choice == "torch":
+        return _torch_ops()
+    reason = triton_available()
+    if choice == "triton":
+        if reason is not None:
+            raise UnsupportedError(f"DQCOLL_KERNELS=triton was requested but {reason}")
+        return _triton_ops()
+    if device.type != "cuda":
+        return _torch_ops()
+    if reason is not None:
+        if reason not in _logged:
+            _logged.add(reason)
+            log.warning("dqcoll: using the torch reference for CUDA tensors: %s", reason)
+        return _torch_ops()
+    try:
+        return _triton_ops()
+    except ImportError as exc:
+        why = f"Triton kernels are not available ({exc})"
+        if why not in _logged:
+            _logged.add(why)
+            log.warning("dqcoll: using the torch reference for CUDA tensors: %s", why)
+        return _torch_ops()

@@ -1,0 +1,80 @@
+"""Compression schemes and their registry.
+
+``schemes.get("dynamiq", bits=5)`` returns a configured scheme; ``schemes.list_schemes()`` names
+them; ``schemes.spec("mxfp8")`` tells what one can do without building it. A scheme module
+registers itself with :func:`register_scheme`; see docs/extending.md for how to add one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from .base import CallContext, Scheme, SchemeCall, SchemeSpec
+
+__all__ = [
+    "Scheme",
+    "SchemeCall",
+    "SchemeSpec",
+    "CallContext",
+    "SchemeEntry",
+    "register_scheme",
+    "get",
+    "spec",
+    "list_schemes",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemeEntry:
+    spec: SchemeSpec
+    factory: Callable[..., Scheme]
+
+
+_REGISTRY: dict[str, SchemeEntry] = {}
+
+
+def register_scheme(spec: SchemeSpec, factory: Callable[..., Scheme]) -> None:
+    if spec.name in _REGISTRY:
+        raise InvalidArgumentError(f"scheme {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = SchemeEntry(spec, factory)
+
+
+def _entry(name: str) -> SchemeEntry:
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise InvalidArgumentError(
+            f"unknown scheme {name!r}; registered schemes: {sorted(_REGISTRY)}"
+        )
+    return _REGISTRY[name]
+
+
+def spec(name: str) -> SchemeSpec:
+    return _entry(name).spec
+
+
+def get(name: str, **options: Any) -> Scheme:
+    """A configured scheme. Unknown options raise and list the accepted ones."""
+    entry = _entry(name)
+    unknown = sorted(set(options) - set(entry.spec.options))
+    if unknown:
+        raise InvalidArgumentError(
+            f"scheme {name!r} does not take {unknown}; its options are {list(entry.spec.options)}"
+        )
+    return entry.factory(**options)
+
+
+def list_schemes() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _register_builtin() -> None:
+    from .dynamiq import DynamiqScheme
+    from .none import NoneScheme
+
+    register_scheme(NoneScheme.spec, NoneScheme)  # type: ignore[arg-type]
+    register_scheme(DynamiqScheme.spec, DynamiqScheme)
+
+
+_register_builtin()

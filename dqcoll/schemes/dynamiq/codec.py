@@ -1,0 +1,329 @@
+"""The DynamiQ codec, pure torch: this module *is* the format.
+
+Layout: coordinates in super-groups of 256, each cut into 16 groups of 16. One super-group at width
+``b`` in {2, 4, 8} is one *record* (``b = 0`` means "all zero on every rank": no record at all):
+
+====================  ===============  ==================================================
+bytes                 field            meaning
+====================  ===============  ==================================================
+``0 .. 32b``          codes            256 codes of ``b`` bits, ``l + R`` for level ``l`` in
+                                       ``[-R, R]``, ``R = 2**(b-1) - 1``; packed LSB-first:
+                                       code ``j`` sits in byte ``j*b // 8`` at bit ``j*b % 8``
+``32b .. 32b+16``     group codes      hierarchical scales: uint8 ``q`` per group of 16
+``32b+16 .. 32b+18``  unit             hierarchical scales: bf16 (little-endian) super unit
+====================  ===============  ==================================================
+
+so a record is ``32b + 18`` bytes: 82 / 146 / 274 B for b = 2 / 4 / 8. With *flat* scales (the
+ablation) the 18 bytes of scales are replaced by 8 bf16 scales, one per 32 coordinates
+(``32b + 16`` bytes).
+
+Scales (hierarchical): group scale ``s_g = max |x|`` over the group; ``unit = bf16_ceil(max_g s_g
+/ 255)`` (fp32 division, then rounded *up* to bf16); ``q_g = clamp(ceil(s_g / unit), 1, 255)``;
+decoded scale ``D_g = q_g * unit`` in fp32, exact (8-bit times 8-bit significands), and never
+smaller than ``s_g`` up to fp32 rounding. An all-zero super-group has ``unit = 0``; a non-finite one
+stores ``unit = NaN``, so NaN/Inf anywhere in a partial sum reaches every rank's output.
+
+Levels: magnitude of level ``r`` is ``m_r = ((1 + 2 eps^2)^r - 1) / ((1 + 2 eps^2)^R - 1)`` with
+``eps`` = 0.23 / 0.18 / 0.10 for b = 2 / 4 / 8 (``levels="nonuniform"``), or ``r / R``
+(``levels="uniform"``); computed in float64, stored as fp32.
+
+Rounding: ``y = clamp(x / D_g, -1, 1)``, ``a = |y|``; ``r`` is the number of interior levels
+``m_1..m_{R-1}`` that are ``<= a``; ``lo, hi = m_r, m_{r+1}``; round up iff
+``(a - lo) > u * (hi - lo)`` with ``u`` from :mod:`.rng`. This is unbiased in the value domain
+(``P(up) = (a - lo) / (hi - lo)``) and uses no division, so a kernel reproduces it exactly.
+Decoding is ``table[code] * D_g`` in fp32; accumulation is ``acc + decoded`` in fp32, one rounding
+each (kernels must not contract them into an FMA).
+
+Sums over 256 coordinates (statistics) use a fixed halving tree (``v[:h] + v[h:]``, 8 levels)
+rather than ``torch.sum``, whose order is unspecified, so any implementation can match the bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import torch
+
+from . import rng
+
+__all__ = [
+    "SUPER",
+    "GROUP",
+    "GROUPS",
+    "FLAT_BLOCK",
+    "WIDTHS",
+    "EPSILON",
+    "Levels",
+    "Scales",
+    "Widths",
+    "RoundingMode",
+    "CodecConfig",
+    "record_nbytes",
+    "level_magnitudes",
+    "code_table",
+    "bf16_ceil",
+    "tree_sum",
+    "stats_center_torch",
+    "encode_torch",
+    "decode_torch",
+    "decode_accumulate_torch",
+    "decode_accumulate_encode_torch",
+    "pack_codes",
+    "unpack_codes",
+]
+
+SUPER = 256  # coordinates per super-group (one bit-width, one unit)
+GROUP = 16  # coordinates per group (one uint8 scale code)
+GROUPS = SUPER // GROUP
+FLAT_BLOCK = 32  # coordinates per bf16 scale in the flat-scales ablation
+WIDTHS = (2, 4, 8)
+EPSILON = {2: 0.23, 4: 0.18, 8: 0.10}
+# Rows of super-groups the reference processes at once: bounds its temporaries (int64 hashes are
+# 8 B per coordinate) without changing any result.
+_ROWS_PER_BLOCK = 4096
+
+
+class Levels(enum.Enum):
+    NONUNIFORM = "nonuniform"
+    UNIFORM = "uniform"
+
+
+class Scales(enum.Enum):
+    HIERARCHICAL = "hierarchical"
+    FLAT = "flat"
+
+
+class Widths(enum.Enum):
+    VARIABLE = "variable"
+    FIXED = "fixed"
+
+
+class RoundingMode(enum.Enum):
+    CORRELATED = "correlated"
+    INDEPENDENT = "independent"
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecConfig:
+    levels: Levels = Levels.NONUNIFORM
+    scales: Scales = Scales.HIERARCHICAL
+    rounding: RoundingMode = RoundingMode.CORRELATED
+
+
+def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
+    """Wire bytes of one super-group at ``width`` bits (0 for width 0)."""
+    if width == 0:
+        return 0
+    if width not in WIDTHS:
+        raise ValueError(f"width must be 0 or one of {WIDTHS}, got {width}")
+    codes = SUPER * width // 8
+    return codes + (GROUPS + 2 if scales is Scales.HIERARCHICAL else 2 * SUPER // FLAT_BLOCK)
+
+
+@functools.lru_cache(maxsize=None)
+def _magnitudes(width: int, levels: Levels) -> tuple[float, ...]:
+    top = 2 ** (width - 1) - 1
+    if levels is Levels.UNIFORM:
+        return tuple(r / top for r in range(top + 1))
+    base = 1.0 + 2.0 * EPSILON[width] ** 2
+    return tuple((base**r - 1.0) / (base**top - 1.0) for r in range(top + 1))
+
+
+def level_magnitudes(width: int, levels: Levels, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 ``[m_0 = 0, ..., m_R = 1]``."""
+    return torch.tensor(_magnitudes(width, levels), dtype=torch.float32, device=device)
+
+
+def code_table(width: int, levels: Levels, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 value of each of the ``2**width`` codes: ``sign(l) * m_|l|`` for code ``l + R``;
+    codes above ``2R`` (only code 3 at 2 bits) are never written and decode to 0."""
+    mags = _magnitudes(width, levels)
+    top = len(mags) - 1
+    values = [0.0] * (2**width)
+    for level in range(-top, top + 1):
+        values[level + top] = mags[abs(level)] * (1.0 if level >= 0 else -1.0)
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def bf16_ceil(v: torch.Tensor) -> torch.Tensor:
+    """Round non-negative fp32 values *up* to bf16 (returned as bf16). Adding 0xFFFF to the bit
+    pattern carries into the kept 16 bits unless the dropped half is zero; inf stays inf and NaN
+    stays NaN."""
+    bits = v.contiguous().view(torch.int32).to(torch.int64)
+    rounded = (bits + 0xFFFF) >> 16  # positive patterns only: no sign bit to worry about
+    nan = torch.isnan(v)
+    rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)  # canonical NaN
+    return rounded.to(torch.int16).view(torch.bfloat16)
+
+
+def tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension (a power of two) by a fixed halving tree."""
+    width = v.shape[-1]
+    while width > 1:
+        width //= 2
+        v = v[..., :width] + v[..., width:]
+    return v[..., 0]
+
+
+def stats_center_torch(
+    x: torch.Tensor, numel: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per super-group mean and squared L2 norm after centring, and the centred values.
+
+    ``x`` is fp32 ``[S, 256]`` holding ``numel`` valid coordinates followed by zero padding. The
+    mean is over the valid coordinates only, and padding stays exactly zero after centring.
+    Returns ``(centred [S, 256], mean [S], norm2 [S])``.
+    """
+    rows = x.shape[0]
+    counts = torch.full((rows,), float(SUPER), dtype=torch.float32, device=x.device)
+    tail = numel - (rows - 1) * SUPER
+    counts[-1] = float(tail)
+    mean = tree_sum(x) / counts
+    centred = x - mean[:, None]
+    if tail < SUPER:
+        centred[-1, tail:] = 0.0
+    norm2 = tree_sum(centred * centred)
+    return centred, mean, norm2
+
+
+def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 ``[k, 256]`` codes below ``2**width`` -> uint8 ``[k, 32 * width]``, LSB-first."""
+    per_byte = 8 // width
+    c = codes.view(codes.shape[0], SUPER // per_byte, per_byte)
+    packed = torch.zeros(c.shape[:2], dtype=torch.int64, device=codes.device)
+    for j in range(per_byte):
+        packed |= c[..., j] << (j * width)  # code j of the byte at bits [j*width, (j+1)*width)
+    return packed.to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 ``[k, 32 * width]`` -> int64 ``[k, 256]`` codes (inverse of :func:`pack_codes`)."""
+    per_byte = 8 // width
+    mask = (1 << width) - 1
+    b = packed.to(torch.int64)
+    parts = [(b >> (j * width)) & mask for j in range(per_byte)]
+    return torch.stack(parts, dim=-1).reshape(packed.shape[0], SUPER)
+
+
+def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoded per-coordinate scale ``D`` [k, 256] and the scale bytes [k, 18 or 16]."""
+    k = x.shape[0]
+    if scales is Scales.FLAT:
+        absmax = x.abs().view(k, SUPER // FLAT_BLOCK, FLAT_BLOCK).amax(-1)
+        scale = bf16_ceil(absmax)
+        decoded = scale.float().repeat_interleave(FLAT_BLOCK, dim=1)
+        return decoded, scale.view(torch.uint8).view(k, 2 * SUPER // FLAT_BLOCK)
+    group = x.abs().view(k, GROUPS, GROUP).amax(-1)  # [k, 16]; NaN propagates
+    top = group.amax(-1)  # [k]
+    unit = bf16_ceil(top / 255.0)
+    unit32 = unit.float()
+    ratio = torch.ceil(group / unit32[:, None])
+    q = torch.where(
+        (unit32[:, None] > 0) & torch.isfinite(unit32[:, None]),
+        ratio.clamp(1.0, 255.0),
+        torch.ones_like(ratio),
+    ).to(torch.uint8)
+    decoded = (q.float() * unit32[:, None]).repeat_interleave(GROUP, dim=1)
+    meta = torch.cat([q, unit.view(torch.uint8).view(k, 2)], dim=1)
+    return decoded, meta
+
+
+def _scales_decode(meta: torch.Tensor, scales: Scales) -> torch.Tensor:
+    k = meta.shape[0]
+    if scales is Scales.FLAT:
+        scale = meta.contiguous().view(torch.bfloat16).float()  # [k, 8]
+        return scale.repeat_interleave(FLAT_BLOCK, dim=1)
+    q = meta[:, :GROUPS].float()
+    unit = meta[:, GROUPS:].contiguous().view(torch.bfloat16).float()  # [k, 1]
+    return (q * unit).repeat_interleave(GROUP, dim=1)
+
+
+def _encode_rows(
+    x: torch.Tensor,
+    width: int,
+    index_base: torch.Tensor,
+    rank: int,
+    world_size: int,
+    key: int,
+    config: CodecConfig,
+) -> torch.Tensor:
+    k = x.shape[0]
+    decoded_scale, meta = _scales_encode(x, config.scales)
+    ok = (decoded_scale > 0) & torch.isfinite(decoded_scale)
+    y = torch.where(ok, x / torch.where(ok, decoded_scale, 1.0), 0.0).clamp(-1.0, 1.0)
+    a = y.abs()
+    mags = level_magnitudes(width, config.levels, x.device)
+    top = mags.numel() - 1
+    r = torch.searchsorted(mags[1:top].contiguous(), a.contiguous(), right=True)
+    lo = mags[r]
+    hi = mags[r + 1]
+    index = index_base[:, None] + torch.arange(SUPER, device=x.device)
+    u = rng.rounding_uniforms(
+        key, rank, world_size, index, config.rounding is RoundingMode.CORRELATED
+    )
+    level = r + ((a - lo) > u * (hi - lo)).to(torch.int64)
+    codes = torch.where(y < 0, top - level, top + level)
+    return torch.cat([pack_codes(codes, width), meta], dim=1).reshape(k, -1)
+
+
+def encode_torch(
+    x: torch.Tensor,
+    width: int,
+    index_base: torch.Tensor,
+    rank: int,
+    world_size: int,
+    key: int,
+    config: CodecConfig,
+) -> torch.Tensor:
+    """Encode fp32 ``x [k, 256]`` at ``width`` bits -> records uint8 ``[k, record_nbytes]``.
+
+    ``index_base[i]`` is the global index of row ``i``'s first coordinate (its super-group index
+    times 256 in the caller's buffer), which keys the random numbers; ``rank``/``world_size`` and
+    the call ``key`` select this rank's uniforms.
+    """
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != SUPER:
+        raise ValueError(f"expected fp32 [k, {SUPER}], got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(
+        (x.shape[0], record_nbytes(width, config.scales)), dtype=torch.uint8, device=x.device
+    )
+    for start in range(0, x.shape[0], _ROWS_PER_BLOCK):
+        stop = min(start + _ROWS_PER_BLOCK, x.shape[0])
+        out[start:stop] = _encode_rows(
+            x[start:stop], width, index_base[start:stop], rank, world_size, key, config
+        )
+    return out
+
+
+def decode_torch(records: torch.Tensor, width: int, config: CodecConfig) -> torch.Tensor:
+    """Records uint8 ``[k, record_nbytes]`` -> fp32 ``[k, 256]``."""
+    k = records.shape[0]
+    code_bytes = SUPER * width // 8
+    codes = unpack_codes(records[:, :code_bytes], width)
+    values = code_table(width, config.levels, records.device)[codes]
+    return values * _scales_decode(records[:, code_bytes:], config.scales).view(k, SUPER)
+
+
+def decode_accumulate_torch(
+    records: torch.Tensor, width: int, config: CodecConfig, acc: torch.Tensor
+) -> None:
+    """``acc += decode(records)`` in fp32 (one rounding per coordinate)."""
+    acc.add_(decode_torch(records, width, config))
+
+
+def decode_accumulate_encode_torch(
+    records: torch.Tensor,
+    width: int,
+    acc: torch.Tensor,
+    index_base: torch.Tensor,
+    rank: int,
+    world_size: int,
+    key: int,
+    config: CodecConfig,
+) -> torch.Tensor:
+    """The per-hop operation: ``acc += decode(records)``, then encode ``acc`` (same width).
+
+    Scales are recomputed from the new partial sum, so nothing overflows or clips."""
+    decode_accumulate_torch(records, width, config, acc)
+    return encode_torch(acc, width, index_base, rank, world_size, key, config)

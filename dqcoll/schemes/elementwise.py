@@ -1,0 +1,140 @@
+"""Shared machinery for schemes that code each block of coordinates on its own.
+
+Such a scheme (``none``, ``bf16``, MX formats, int blocks) only says how to encode and decode a
+run of whole blocks; this module cuts the buffer into ``n`` chunks of whole blocks (balanced to
+one block), pads the tail block with zeros, runs the per-hop decompress-accumulate-recompress
+and writes the result back.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from ..types import ReduceOp
+from .base import CallContext, SchemeSpec
+
+__all__ = ["BlockCodec", "BlockCall", "split_blocks"]
+
+
+def split_blocks(num_blocks: int, parts: int) -> list[int]:
+    """Bounds cutting ``num_blocks`` into ``parts`` runs whose lengths differ by at most one."""
+    return [c * num_blocks // parts for c in range(parts + 1)]
+
+
+class BlockCodec(abc.ABC):
+    """A scheme whose payload is a function of one chunk of whole blocks (and ``count``)."""
+
+    spec: SchemeSpec
+    block: int = 1  # coordinates per block; chunks hold whole blocks
+    # "pre": divide every input by n before compressing (keeps partial sums in range);
+    # "post": sum exactly and divide the decoded result.
+    avg_mode: str = "post"
+
+    @abc.abstractmethod
+    def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
+        """Payload bytes for ``numel`` coordinates (a multiple of ``block``) summing ``count`` ranks."""
+
+    @abc.abstractmethod
+    def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
+        """fp32 ``values`` (a multiple of ``block`` long) -> flat uint8 payload."""
+
+    @abc.abstractmethod
+    def decode_values(self, payload: torch.Tensor, numel: int, count: int, ctx: Any) -> torch.Tensor:
+        """Flat uint8 payload -> fp32 values."""
+
+    def __repr__(self) -> str:
+        # Stable across processes: the argument check compares it between ranks.
+        options = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
+        return f"{type(self).__name__}({options})"
+
+    # -- per call ---------------------------------------------------------------------------
+
+    def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
+        """Per-call state (global statistics, ...); ``work`` is the padded fp32 input."""
+        return None
+
+    def begin(self, x: torch.Tensor, ctx: CallContext) -> BlockCall:
+        return BlockCall(self, x, ctx)
+
+    # -- single-shot codec ------------------------------------------------------------------
+
+    def wire_nbytes(self, numel: int) -> int:
+        padded = -(-numel // self.block) * self.block
+        return self.chunk_nbytes(padded, 1, None)
+
+    def encode(self, x: torch.Tensor) -> dict[str, Any]:
+        flat = x.detach().reshape(-1).float()
+        padded = torch.zeros(-(-flat.numel() // self.block) * self.block, device=flat.device)
+        padded[: flat.numel()] = flat
+        state = self.single_shot_state(padded)
+        return {
+            "numel": flat.numel(),
+            "shape": tuple(x.shape),
+            "state": state,
+            "data": self.encode_values(padded, 1, state),
+        }
+
+    def decode(self, payload: dict[str, Any]) -> torch.Tensor:
+        padded = -(-payload["numel"] // self.block) * self.block
+        values = self.decode_values(payload["data"], padded, 1, payload["state"])
+        return values[: payload["numel"]].reshape(payload["shape"])
+
+    def single_shot_state(self, padded: torch.Tensor) -> Any:
+        """Per-call state when the codec is used on one tensor, outside a collective."""
+        return None
+
+
+class BlockCall:
+    """One collective call of a :class:`BlockCodec`."""
+
+    def __init__(self, codec: BlockCodec, x: torch.Tensor, ctx: CallContext) -> None:
+        n = ctx.world_size
+        self.codec = codec
+        self.numel = x.numel()
+        self.out_dtype = x.dtype
+        self.op = ctx.op
+        self.world_size = n
+        block = codec.block
+        padded = -(-self.numel // block) * block
+        work = torch.zeros(padded, dtype=torch.float32, device=x.device)
+        work[: self.numel] = x.reshape(-1)
+        if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
+            work.div_(n)
+        self.work = work
+        self.chunk_bounds = [b * block for b in split_blocks(padded // block, n)]
+        self.state = codec.prepare(work, ctx)
+        self.info: dict[str, Any] = {}
+
+    def _chunk(self, chunk: int) -> torch.Tensor:
+        return self.work[self.chunk_bounds[chunk] : self.chunk_bounds[chunk + 1]]
+
+    def payload_nbytes(self, chunk: int, count: int) -> int:
+        return self.codec.chunk_nbytes(self._chunk(chunk).numel(), count, self.state)
+
+    def compress(self, chunk: int, count: int) -> torch.Tensor:
+        return self.codec.encode_values(self._chunk(chunk), count, self.state)
+
+    def _decode(self, chunk: int, payload: torch.Tensor, count: int) -> torch.Tensor:
+        values = self._chunk(chunk)
+        return self.codec.decode_values(payload, values.numel(), count, self.state)
+
+    def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        self._chunk(chunk).copy_(self._decode(chunk, payload, count))
+
+    def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        self._chunk(chunk).add_(self._decode(chunk, payload, count))
+
+    def decompress_accumulate_recompress(
+        self, chunk: int, payload: torch.Tensor, count: int, out_count: int
+    ) -> torch.Tensor:
+        self.decompress_accumulate(chunk, payload, count)
+        return self.compress(chunk, out_count)
+
+    def finish(self, out: torch.Tensor) -> None:
+        result = self.work[: self.numel]
+        if self.op is ReduceOp.AVG and self.codec.avg_mode == "post":
+            result = result / self.world_size
+        out.copy_(result.reshape(out.shape))

@@ -1,0 +1,67 @@
+"""Run several ranks in one process, for tests, examples and notebooks.
+
+``run_local(world_size, fn, *args)`` starts one thread per rank over the ``local`` transport and
+calls ``fn(comm, *args)`` on each; inside ``fn`` the rank's communicator is also the default, so
+``dqcoll.allreduce(x)`` works without ``comm=``. When a rank raises, the group is aborted so the
+others stop waiting at once, and the first *root-cause* exception is re-raised after every thread
+has ended.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .comm import Communicator, set_default_comm
+from .errors import CommAbortedError
+from .transports.local import LocalHub
+
+__all__ = ["run_local"]
+
+
+def run_local(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    timeout_s: float | None = None,
+    return_exceptions: bool = False,
+) -> list[Any]:
+    """Each rank's return value, in rank order (its exception instead, if ``return_exceptions``)."""
+    hub = LocalHub(world_size, timeout_s=timeout_s)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def body(rank: int) -> None:
+        comm = Communicator(hub.transport(rank), seed=seed, device=device)
+        set_default_comm(comm, thread_local=True)
+        try:
+            results[rank] = fn(comm, *args)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+            errors[rank] = exc
+            if not return_exceptions:
+                hub.abort(f"rank {rank} raised {exc.__class__.__name__}: {exc}")
+        finally:
+            set_default_comm(None, thread_local=True)
+
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"dqcoll-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if return_exceptions:
+        return [errors[r] if errors[r] is not None else results[r] for r in range(world_size)]
+    root = [e for e in errors if e is not None and not isinstance(e, CommAbortedError)]
+    if root:
+        raise root[0]
+    aborted = [e for e in errors if e is not None]
+    if aborted:
+        raise aborted[0]
+    return results

@@ -1,0 +1,157 @@
+"""Schedule builders and their registry.
+
+Every builder returns a :class:`~dqcoll.topology.schedule.Schedule` for ``world_size`` ranks in
+which chunk ``c`` is reduced onto rank ``c``:
+
+* ``ring``: chunk ``c`` travels the path ``c+1 -> c+2 -> ... -> c`` (depth ``n-1``), then around
+  again to gather. Bandwidth-optimal, but a partial sum is re-quantized ``n-1`` times.
+* ``butterfly``: chunk ``c`` is reduced over a binomial tree on the ranks relative to ``c``
+  (``v = (r - c) mod n``; ``v`` sends at step ``lowbit(v)`` to ``v - lowbit(v)``), so its depth is
+  ``ceil(log2 n)``. In step ``k`` every rank sends to the same peer ``r - 2^k``: one message a
+  step, like recursive halving, and every rank sends each foreign chunk exactly once, the same
+  bytes as the ring. Any ``n`` works, not only powers of two.
+* ``direct`` (two-shot): every rank sends chunk ``c`` straight to ``c``, which sends the result
+  straight back: depth 1, ``n-1`` peers per step.
+
+A ring over a topology-aware rank order is the topology package's business; these builders only
+know rank numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ..errors import InvalidArgumentError
+from .schedule import Schedule, assign_roles
+
+__all__ = [
+    "AlgorithmSpec",
+    "register_algorithm",
+    "get",
+    "list_algorithms",
+    "build_schedule",
+    "build_ring_schedule",
+    "build_butterfly_schedule",
+    "build_direct_schedule",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """A schedule builder and what it can do."""
+
+    name: str
+    build: Callable[[int], Schedule]
+    description: str
+    min_world_size: int = 1
+    max_world_size: int | None = None
+    # Longest chain of re-quantizations of one partial sum, as a function of n.
+    depth: Callable[[int], int] = lambda n: max(n - 1, 0)
+
+    def supports(self, world_size: int) -> bool:
+        if world_size < self.min_world_size:
+            return False
+        return self.max_world_size is None or world_size <= self.max_world_size
+
+
+_REGISTRY: dict[str, AlgorithmSpec] = {}
+_CACHE: dict[tuple[str, int], Schedule] = {}
+
+
+def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
+    if spec.name in _REGISTRY:
+        raise InvalidArgumentError(f"algorithm {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> AlgorithmSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unknown algorithm {name!r}; registered algorithms: {sorted(_REGISTRY)}"
+        ) from None
+
+
+def list_algorithms() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_schedule(name: str, world_size: int) -> Schedule:
+    """The (cached) schedule of algorithm ``name`` for ``world_size`` ranks."""
+    spec = get(name)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}")
+    if not spec.supports(world_size):
+        raise InvalidArgumentError(
+            f"algorithm {name!r} supports world sizes {spec.min_world_size}.."
+            f"{spec.max_world_size or 'any'}, got {world_size}"
+        )
+    key = (name, world_size)
+    if key not in _CACHE:
+        _CACHE[key] = spec.build(world_size)
+    return _CACHE[key]
+
+
+def build_ring_schedule(world_size: int) -> Schedule:
+    n = world_size
+    # Reduce step t: rank r sends chunk (r - 1 - t) mod n to r + 1.
+    reduce = [[(r, (r + 1) % n, (r - 1 - t) % n) for r in range(n)] for t in range(n - 1)]
+    # Gather step t: rank r forwards chunk (r - t) mod n to r + 1.
+    gather = [[(r, (r + 1) % n, (r - t) % n) for r in range(n)] for t in range(n - 1)]
+    return assign_roles("ring", n, reduce, gather)
+
+
+def _lowbit_index(v: int) -> int:
+    return (v & -v).bit_length() - 1
+
+
+def build_butterfly_schedule(world_size: int) -> Schedule:
+    n = world_size
+    levels = (n - 1).bit_length()  # ceil(log2 n) for n >= 1
+    reduce: list[list[tuple[int, int, int]]] = [[] for _ in range(levels)]
+    gather: list[list[tuple[int, int, int]]] = [[] for _ in range(levels)]
+    for chunk in range(n):
+        for v in range(1, n):
+            k = _lowbit_index(v)
+            src = (chunk + v) % n
+            dst = (chunk + v - (1 << k)) % n
+            reduce[k].append((src, dst, chunk))
+            # The out-tree mirrors the in-tree: the highest levels fan out first.
+            gather[levels - 1 - k].append((dst, src, chunk))
+    return assign_roles("butterfly", n, reduce, gather)
+
+
+def build_direct_schedule(world_size: int) -> Schedule:
+    n = world_size
+    reduce = [[(r, c, c) for c in range(n) for r in range(n) if r != c]]
+    gather = [[(c, r, c) for c in range(n) for r in range(n) if r != c]]
+    return assign_roles("direct", n, reduce if n > 1 else [], gather if n > 1 else [])
+
+
+register_algorithm(
+    AlgorithmSpec(
+        name="ring",
+        build=build_ring_schedule,
+        description="path c+1 -> ... -> c; bandwidth-optimal, depth n-1",
+        depth=lambda n: max(n - 1, 0),
+    )
+)
+register_algorithm(
+    AlgorithmSpec(
+        name="butterfly",
+        build=build_butterfly_schedule,
+        description="binomial in-trees shifted per chunk; ring's bytes, depth ceil(log2 n)",
+        depth=lambda n: (n - 1).bit_length(),
+    )
+)
+register_algorithm(
+    AlgorithmSpec(
+        name="direct",
+        build=build_direct_schedule,
+        description="two-shot: every chunk straight to its sink and back; depth 1",
+        depth=lambda n: 1 if n > 1 else 0,
+    )
+)

@@ -1,0 +1,129 @@
+"""Proves a :class:`~dqcoll.topology.schedule.Schedule` correct by symbolic execution.
+
+Reduce phase: every rank starts holding its own contribution to every chunk. A transfer moves the
+sender's whole partial sum to the receiver, which must not have sent that chunk yet. The check
+fails if a contribution would be counted twice, if a rank sends a chunk twice or before all of its
+children arrived, or if a sink ends without every rank's contribution exactly once.
+
+Gather phase: only a rank that holds the final result of a chunk may send it; at the end every
+rank holds every chunk's final result, received exactly once. Roles must match the tree shape
+(what :func:`~dqcoll.topology.schedule.assign_roles` derives), and within a step a rank sends at
+most one message per peer after bundling, which the executor relies on.
+"""
+
+from __future__ import annotations
+
+from .schedule import Phase, Role, Schedule
+
+__all__ = ["ScheduleError", "check_schedule"]
+
+
+class ScheduleError(ValueError):
+    """A schedule violates one of the properties listed in the module docstring."""
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` naming the first violated property; return None if correct."""
+    n = schedule.world_size
+    if n < 1:
+        raise ScheduleError(f"world_size must be >= 1, got {n}")
+    held = [[frozenset([r]) for _ in range(n)] for r in range(n)]  # held[rank][chunk]
+    sent = [[False] * n for _ in range(n)]
+    pending_children: dict[tuple[int, int], int] = {}
+    for step in schedule.reduce:
+        if step.phase is not Phase.REDUCE:
+            raise ScheduleError("a gather step inside the reduce phase")
+        for t in step.transfers:
+            pending_children[(t.dst, t.chunk)] = pending_children.get((t.dst, t.chunk), 0) + 1
+    for index, step in enumerate(schedule.reduce):
+        incoming: list[tuple[int, int, frozenset[int]]] = []
+        for t in step.transfers:
+            _check_ranks(t.src, t.dst, t.chunk, n, index)
+            if sent[t.src][t.chunk]:
+                raise ScheduleError(f"reduce step {index}: rank {t.src} sends chunk {t.chunk} twice")
+            if pending_children.get((t.src, t.chunk), 0):
+                raise ScheduleError(
+                    f"reduce step {index}: rank {t.src} sends chunk {t.chunk} before all its "
+                    f"children arrived"
+                )
+            if t.src == schedule.sink(t.chunk):
+                raise ScheduleError(f"reduce step {index}: sink {t.src} sends its own chunk")
+            sent[t.src][t.chunk] = True
+            incoming.append((t.dst, t.chunk, held[t.src][t.chunk]))
+        for dst, chunk, contribution in incoming:
+            if sent[dst][chunk]:
+                raise ScheduleError(
+                    f"reduce step {index}: rank {dst} receives chunk {chunk} after sending it"
+                )
+            overlap = held[dst][chunk] & contribution
+            if overlap:
+                raise ScheduleError(
+                    f"reduce step {index}: chunk {chunk} counts ranks {sorted(overlap)} twice at "
+                    f"rank {dst}"
+                )
+            held[dst][chunk] = held[dst][chunk] | contribution
+            pending_children[(dst, chunk)] -= 1
+    _check_roles(schedule)
+    everyone = frozenset(range(n))
+    for chunk in range(n):
+        sink = schedule.sink(chunk)
+        if held[sink][chunk] != everyone:
+            missing = sorted(everyone - held[sink][chunk])
+            raise ScheduleError(f"chunk {chunk}: sink {sink} misses contributions of ranks {missing}")
+        for rank in range(n):
+            if rank != sink and not sent[rank][chunk]:
+                raise ScheduleError(f"chunk {chunk}: rank {rank} never sends its contribution")
+
+    final = [[schedule.sink(c) == r for c in range(n)] for r in range(n)]
+    for index, step in enumerate(schedule.gather):
+        if step.phase is not Phase.GATHER:
+            raise ScheduleError("a reduce step inside the gather phase")
+        arrivals = []
+        for t in step.transfers:
+            _check_ranks(t.src, t.dst, t.chunk, n, index)
+            if t.role is not Role.GATHER:
+                raise ScheduleError(f"gather step {index}: transfer {t} has role {t.role.value}")
+            if not final[t.src][t.chunk]:
+                raise ScheduleError(
+                    f"gather step {index}: rank {t.src} forwards chunk {t.chunk} before it has it"
+                )
+            arrivals.append((t.dst, t.chunk))
+        for dst, chunk in arrivals:
+            if final[dst][chunk]:
+                raise ScheduleError(f"gather step {index}: rank {dst} receives chunk {chunk} twice")
+            final[dst][chunk] = True
+    for rank in range(n):
+        for chunk in range(n):
+            if not final[rank][chunk]:
+                raise ScheduleError(f"rank {rank} never receives the result of chunk {chunk}")
+
+
+def _check_ranks(src: int, dst: int, chunk: int, n: int, index: int) -> None:
+    for name, value in (("src", src), ("dst", dst), ("chunk", chunk)):
+        if not 0 <= value < n:
+            raise ScheduleError(f"step {index}: {name}={value} outside [0, {n})")
+    if src == dst:
+        raise ScheduleError(f"step {index}: rank {src} sends chunk {chunk} to itself")
+
+
+def _check_roles(schedule: Schedule) -> None:
+    """Each (receiver, chunk) has exactly one last child, FINAL at the sink, FORWARD elsewhere."""
+    order: dict[tuple[int, int], list[tuple[int, int, Role]]] = {}
+    for index, step in enumerate(schedule.reduce):
+        for t in step.transfers:
+            order.setdefault((t.dst, t.chunk), []).append((index, t.src, t.role))
+    for (dst, chunk), arrivals in order.items():
+        arrivals.sort()
+        *rest, (_, _, last_role) = arrivals
+        expected = Role.FINAL if dst == schedule.sink(chunk) else Role.FORWARD
+        if last_role is not expected:
+            raise ScheduleError(
+                f"chunk {chunk} at rank {dst}: last child has role {last_role.value}, expected "
+                f"{expected.value}"
+            )
+        for _, src, role in rest:
+            if role is not Role.ACCUMULATE:
+                raise ScheduleError(
+                    f"chunk {chunk} at rank {dst}: child {src} has role {role.value}, expected "
+                    f"accumulate"
+                )

@@ -1,0 +1,159 @@
+"""Schedules as plain data.
+
+A collective over ``n`` ranks cuts the buffer into ``n`` chunks; chunk ``c`` is reduced onto its
+*sink*, rank ``c`` (the NCCL convention: after a reduce-scatter rank ``r`` holds shard ``r``).
+
+* The reduce-scatter part is, per chunk, an **in-tree**: every transfer points towards the sink.
+  A rank sends a chunk once, after all of its children for that chunk have arrived.
+* The all-gather part is, per chunk, an **out-tree** from the sink that forwards the sink's
+  compressed bytes unchanged, so every rank decodes the very same bytes (bit-identical replicas).
+
+A :class:`Schedule` is a list of :class:`Step`; the transfers of one step happen together
+(posted as one group, like ``ncclGroupStart/End``). The *role* of a transfer says what its
+receiver does with it. Roles are derived from the tree shape by :func:`assign_roles`, so builders
+only list ``(src, dst, chunk)`` per step. Schedules are checked by :mod:`dqcoll.topology.checker`
+without any device; the executor runs any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Role", "Phase", "Transfer", "Step", "Schedule", "assign_roles"]
+
+
+class Phase(enum.Enum):
+    REDUCE = "reduce"  # reduce-scatter: partial sums travel towards each chunk's sink
+    GATHER = "gather"  # all-gather: the sink's compressed result travels to everyone
+
+
+class Role(enum.Enum):
+    """What the *receiver* of a transfer does with it."""
+
+    ACCUMULATE = "accumulate"  # a child that is not the last: decompress-accumulate
+    FORWARD = "forward"  # the last child of an internal node: fused decompress-accumulate-recompress
+    FINAL = "final"  # the last child at the sink: decompress-accumulate, recompress, self-decode
+    GATHER = "gather"  # all-gather: keep the bytes (to forward them) and decode them
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Transfer:
+    src: int
+    dst: int
+    chunk: int
+    role: Role = dataclasses.field(default=Role.ACCUMULATE, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    phase: Phase
+    transfers: tuple[Transfer, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A whole all-reduce: ``reduce`` steps (reduce-scatter) then ``gather`` steps (all-gather)."""
+
+    algorithm: str
+    world_size: int
+    reduce: tuple[Step, ...]
+    gather: tuple[Step, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.world_size
+
+    def sink(self, chunk: int) -> int:
+        return chunk
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        return self.reduce + self.gather
+
+    def num_transfers(self) -> int:
+        return sum(len(s.transfers) for s in self.steps)
+
+    def depth(self, chunk: int) -> int:
+        """Longest path (in transfers) from a leaf to the sink of ``chunk`` in the reduce phase."""
+        depth = {r: 0 for r in range(self.world_size)}
+        for step in self.reduce:
+            for t in step.transfers:
+                if t.chunk == chunk:
+                    depth[t.dst] = max(depth[t.dst], depth[t.src] + 1)
+        return depth[self.sink(chunk)]
+
+    def to_json(self) -> str:
+        def steps(seq: Sequence[Step]) -> list[list[list[int | str]]]:
+            return [[[t.src, t.dst, t.chunk, t.role.value] for t in s.transfers] for s in seq]
+
+        return json.dumps(
+            {
+                "algorithm": self.algorithm,
+                "world_size": self.world_size,
+                "reduce": steps(self.reduce),
+                "gather": steps(self.gather),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        data = json.loads(text)
+
+        def steps(seq: list[list[list[int | str]]], phase: Phase) -> tuple[Step, ...]:
+            return tuple(
+                Step(phase, tuple(Transfer(int(a), int(b), int(c), Role(str(r))) for a, b, c, r in s))
+                for s in seq
+            )
+
+        return cls(
+            algorithm=data["algorithm"],
+            world_size=int(data["world_size"]),
+            reduce=steps(data["reduce"], Phase.REDUCE),
+            gather=steps(data["gather"], Phase.GATHER),
+        )
+
+
+def assign_roles(
+    algorithm: str,
+    world_size: int,
+    reduce: Iterable[Iterable[tuple[int, int, int]]],
+    gather: Iterable[Iterable[tuple[int, int, int]]],
+) -> Schedule:
+    """Build a :class:`Schedule` from bare ``(src, dst, chunk)`` triples per step.
+
+    The last transfer a rank receives for a chunk (in step order, then by source rank) is its
+    ``FORWARD`` transfer, or ``FINAL`` at the sink; earlier ones are ``ACCUMULATE``. Every
+    all-gather transfer is ``GATHER``. Within a step transfers are sorted, so the order in which
+    a receiver accumulates its children is a property of the schedule, not of the builder.
+    """
+    reduce_steps = [sorted(set(step)) for step in reduce]
+    gather_steps = [sorted(set(step)) for step in gather]
+    last: dict[tuple[int, int], tuple[int, int]] = {}  # (dst, chunk) -> (step index, src)
+    for index, step in enumerate(reduce_steps):
+        for src, dst, chunk in step:
+            key = (dst, chunk)
+            if key not in last or (index, src) > last[key]:
+                last[key] = (index, src)
+
+    def role(index: int, src: int, dst: int, chunk: int) -> Role:
+        if last[(dst, chunk)] != (index, src):
+            return Role.ACCUMULATE
+        return Role.FINAL if dst == chunk else Role.FORWARD
+
+    return Schedule(
+        algorithm=algorithm,
+        world_size=world_size,
+        reduce=tuple(
+            Step(Phase.REDUCE, tuple(Transfer(s, d, c, role(i, s, d, c)) for s, d, c in step))
+            for i, step in enumerate(reduce_steps)
+            if step
+        ),
+        gather=tuple(
+            Step(Phase.GATHER, tuple(Transfer(s, d, c, Role.GATHER) for s, d, c in step))
+            for step in gather_steps
+            if step
+        ),
+    )

@@ -1,0 +1,90 @@
+"""The transport protocol: what the executor needs from a network.
+
+Four operations, all blocking for the calling rank and all bounded by a timeout:
+
+* ``exchange(sends, recvs)``: grouped point-to-point, posted together (``ncclGroupStart/End``,
+  ``batch_isend_irecv``). At most one message per peer and direction per call; receive buffers
+  have the exact size the sender sends (both sides derive sizes from the same plan).
+* ``allreduce(tensor, op)``: a small uncompressed in-place all-reduce, for per-super-group
+  statistics and argument checks. Every rank must end with identical values.
+* ``barrier()`` and ``close()``/``abort(reason)``.
+
+Every call takes ``what``, a short description of the collective step ("allreduce#3 reduce step
+2"), which goes into every error message together with the peer rank.
+
+Byte counters count what this rank puts on the wire: point-to-point payload bytes exactly, and for
+``allreduce`` the bytes of a bandwidth-optimal ring all-reduce, ``2 (n-1)/n * nbytes``, which is
+what NCCL sends for messages of this size class and the bound the byte budget is written against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Transport", "Counters", "ring_allreduce_nbytes", "ALLREDUCE_OPS"]
+
+ALLREDUCE_OPS = ("sum", "max", "min")
+
+
+class Counters(dict[str, int]):
+    """Per-rank traffic counters (bytes and message counts), all plain ints."""
+
+    KEYS = ("bytes_sent", "bytes_recv", "payload_bytes_sent", "allreduce_bytes_sent",
+            "messages_sent", "messages_recv", "allreduces")
+
+    def __init__(self) -> None:
+        super().__init__({key: 0 for key in self.KEYS})
+
+    def reset(self) -> None:
+        for key in self.KEYS:
+            self[key] = 0
+
+    def count_send(self, nbytes: int) -> None:
+        self["bytes_sent"] += nbytes
+        self["payload_bytes_sent"] += nbytes
+        self["messages_sent"] += 1
+
+    def count_recv(self, nbytes: int) -> None:
+        self["bytes_recv"] += nbytes
+        self["messages_recv"] += 1
+
+    def count_allreduce(self, nbytes: int, world_size: int) -> None:
+        wire = ring_allreduce_nbytes(nbytes, world_size)
+        self["bytes_sent"] += wire
+        self["bytes_recv"] += wire
+        self["allreduce_bytes_sent"] += wire
+        self["allreduces"] += 1
+
+
+def ring_allreduce_nbytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (n-1)/n * nbytes, rounded up."""
+    if world_size <= 1:
+        return 0
+    return -(-2 * (world_size - 1) * nbytes // world_size)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    rank: int
+    world_size: int
+    counters: Counters
+    name: str
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        what: str,
+    ) -> None: ...
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None: ...
+
+    def barrier(self, *, what: str = "barrier") -> None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...

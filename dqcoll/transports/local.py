@@ -1,0 +1,173 @@
+"""The ``local`` transport: ``n`` ranks as threads of one process, sharing mailboxes.
+
+For tests, for the simulator's cross-checks and for several ranks on one device. Messages are
+copied into the receiver's mailbox when sent (the sender may reuse its buffer at once, as after
+``ncclGroupEnd``), on the tensors' own device. Small all-reduces deposit each rank's tensor and
+reduce them in rank order, so every rank computes the very same values.
+
+Any wait is bounded by the timeout and names the peer and the step. :meth:`LocalHub.abort` (used
+by :func:`dqcoll.testing.run_local` when a rank raises) wakes every waiting rank with
+:class:`~dqcoll.errors.CommAbortedError`, as ``ncclCommAbort`` would.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .. import envs
+from ..errors import CollectiveTimeoutError, CommAbortedError, InvalidArgumentError
+from .base import ALLREDUCE_OPS, Counters
+
+__all__ = ["LocalHub", "LocalTransport"]
+
+
+class LocalHub:
+    """State shared by the ranks of one local group."""
+
+    def __init__(self, world_size: int, *, timeout_s: float | None = None) -> None:
+        if world_size < 1:
+            raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = envs.timeout_s() if timeout_s is None else timeout_s
+        self._cond = threading.Condition()
+        self._mailboxes: dict[tuple[int, int], collections.deque[torch.Tensor]] = (
+            collections.defaultdict(collections.deque)
+        )
+        # Small all-reduces: sequence number -> deposited tensors, and how many ranks read them.
+        self._reduce_slots: dict[int, list[torch.Tensor | None]] = {}
+        self._reduce_reads: dict[int, int] = {}
+        self._reduce_seq = [0] * world_size
+        self._aborted: str | None = None
+
+    def transport(self, rank: int) -> LocalTransport:
+        return LocalTransport(self, rank)
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            if self._aborted is None:
+                self._aborted = reason
+            self._cond.notify_all()
+
+    def _check_aborted(self) -> None:
+        if self._aborted is not None:
+            raise CommAbortedError(f"communicator aborted: {self._aborted}")
+
+    def _wait(self, ready, *, rank: int, waiting_for: str, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._check_aborted()
+            if ready():
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeoutError(
+                    f"rank {rank}: timed out after {self.timeout_s:g} s waiting for {waiting_for} "
+                    f"at {what}"
+                )
+            self._cond.wait(min(remaining, 1.0))
+
+
+class LocalTransport:
+    name = "local"
+
+    def __init__(self, hub: LocalHub, rank: int) -> None:
+        if not 0 <= rank < hub.world_size:
+            raise InvalidArgumentError(f"rank {rank} outside [0, {hub.world_size})")
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+        self.counters = Counters()
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        what: str,
+    ) -> None:
+        hub = self.hub
+        _check_peers(sends, recvs, self.rank, self.world_size)
+        with hub._cond:
+            hub._check_aborted()
+            for peer, tensor in sends:
+                hub._mailboxes[(self.rank, peer)].append(tensor.detach().clone())
+                self.counters.count_send(tensor.numel() * tensor.element_size())
+            hub._cond.notify_all()
+            for peer, buffer in recvs:
+                box = hub._mailboxes[(peer, self.rank)]
+                hub._wait(lambda box=box: len(box) > 0, rank=self.rank,
+                          waiting_for=f"a message from rank {peer}", what=what)
+                message = box.popleft()
+                nbytes = buffer.numel() * buffer.element_size()
+                got = message.numel() * message.element_size()
+                if got != nbytes:
+                    raise InvalidArgumentError(
+                        f"rank {self.rank}: expected {nbytes} bytes from rank {peer} at {what}, "
+                        f"got {got}"
+                    )
+                buffer.copy_(message.view(buffer.dtype).view(buffer.shape))
+                self.counters.count_recv(nbytes)
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
+        if op not in ALLREDUCE_OPS:
+            raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
+        hub = self.hub
+        n = self.world_size
+        with hub._cond:
+            hub._check_aborted()
+            seq = hub._reduce_seq[self.rank]
+            hub._reduce_seq[self.rank] += 1
+            slots = hub._reduce_slots.setdefault(seq, [None] * n)
+            slots[self.rank] = tensor.detach().clone()
+            hub._cond.notify_all()
+            hub._wait(lambda: all(s is not None for s in slots), rank=self.rank,
+                      waiting_for="every rank's contribution to a small all-reduce", what=what)
+            shapes = {tuple(s.shape) for s in slots if s is not None}
+            if len(shapes) != 1:
+                raise InvalidArgumentError(
+                    f"rank {self.rank}: small all-reduce at {what} got shapes {sorted(shapes)}"
+                )
+            result = slots[0].clone()  # type: ignore[union-attr]
+            for other in slots[1:]:
+                other = other.to(result.device)  # type: ignore[union-attr]
+                if op == "sum":
+                    result.add_(other)
+                elif op == "max":
+                    torch.maximum(result, other, out=result)
+                else:
+                    torch.minimum(result, other, out=result)
+            hub._reduce_reads[seq] = hub._reduce_reads.get(seq, 0) + 1
+            if hub._reduce_reads[seq] == n:
+                del hub._reduce_slots[seq]
+                del hub._reduce_reads[seq]
+        tensor.copy_(result)
+        self.counters.count_allreduce(tensor.numel() * tensor.element_size(), n)
+
+    def barrier(self, *, what: str = "barrier") -> None:
+        self.allreduce(torch.zeros(1), "sum", what=what)
+
+    def abort(self, reason: str) -> None:
+        self.hub.abort(f"rank {self.rank}: {reason}")
+
+    def close(self) -> None:
+        pass
+
+
+def _check_peers(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    rank: int,
+    world_size: int,
+) -> None:
+    for kind, items in (("send to", sends), ("receive from", recvs)):
+        peers = [peer for peer, _ in items]
+        if len(set(peers)) != len(peers):
+            raise InvalidArgumentError(f"rank {rank}: one exchange may {kind} each peer once: {peers}")
+        for peer in peers:
+            if not 0 <= peer < world_size or peer == rank:
+                raise InvalidArgumentError(f"rank {rank}: cannot {kind} rank {peer}")

@@ -1,0 +1,110 @@
+"""The ``torch`` transport: any ``torch.distributed`` process group (gloo on CPU, nccl on GPU).
+
+This is how dqcoll drops into a job launched by torchrun: the job's own process group carries
+dqcoll's grouped point-to-point messages (``batch_isend_irecv``) and small all-reduces. Every wait
+goes through ``Work.wait(timeout)``; a timeout or a broken connection becomes a
+:class:`~dqcoll.errors.CollectiveTimeoutError` / :class:`~dqcoll.errors.PeerError` that names the
+peer and the step. The group's own timeout (``init_process_group(timeout=...)``) still bounds
+gloo's internals.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..errors import CollectiveTimeoutError, InvalidArgumentError, PeerError
+from .base import ALLREDUCE_OPS, Counters
+
+__all__ = ["TorchTransport"]
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchTransport:
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout_s: float | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidArgumentError(
+                "the torch transport needs an initialised torch.distributed process group "
+                "(call torch.distributed.init_process_group first, or dqcoll.init(backend='gloo'))"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.timeout_s = envs.timeout_s() if timeout_s is None else timeout_s
+        self.counters = Counters()
+        self.backend = str(dist.get_backend(self.group))
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+
+    def _wait(self, works: list[tuple[str, int, dist.Work]], what: str) -> None:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        for kind, peer, work in works:
+            try:
+                ok = work.wait(timeout)
+            except RuntimeError as exc:
+                text = str(exc)
+                if "imed out" in text or "imeout" in text:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: timed out after {self.timeout_s:g} s on {kind} rank "
+                        f"{peer} at {what}: {text.splitlines()[0]}"
+                    ) from exc
+                raise PeerError(
+                    f"rank {self.rank}: {kind} rank {peer} failed at {what}: {text.splitlines()[0]}"
+                ) from exc
+            if ok is False:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:g} s on {kind} rank {peer} "
+                    f"at {what}"
+                )
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        what: str,
+    ) -> None:
+        ops = []
+        labels: list[tuple[str, int]] = []
+        for peer, tensor in sends:
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), self._global[peer], self.group))
+            labels.append(("sending to", peer))
+        for peer, buffer in recvs:
+            ops.append(dist.P2POp(dist.irecv, buffer, self._global[peer], self.group))
+            labels.append(("receiving from", peer))
+        if not ops:
+            return
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            raise PeerError(f"rank {self.rank}: posting messages failed at {what}: {exc}") from exc
+        self._wait([(k, p, w) for (k, p), w in zip(labels, works, strict=True)], what)
+        for _, tensor in sends:
+            self.counters.count_send(tensor.numel() * tensor.element_size())
+        for _, buffer in recvs:
+            self.counters.count_recv(buffer.numel() * buffer.element_size())
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
+        if op not in ALLREDUCE_OPS:
+            raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
+        assert work is not None
+        self._wait([("all-reducing with", -1, work)], what)
+        self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
+
+    def barrier(self, *, what: str = "barrier") -> None:
+        self.allreduce(torch.zeros(1), "sum", what=what)
+
+    def abort(self, reason: str) -> None:
+        # torch.distributed has no portable abort for gloo; peers learn of it through their timeouts
+        # or the closed connections once this process exits.
+        pass
+
+    def close(self) -> None:
+        pass
