@@ -2,7 +2,7 @@
 
 Such a scheme (``none``, ``bf16``, MX formats, int blocks) only says how to encode and decode a
 run of whole blocks; this module cuts the buffer into ``n`` chunks of whole blocks (balanced to
-one block), pads the tail block with zeros, runs the per-hop decompress-accumulate-recompress
+one block; for reduce-scatter and all-gather, one chunk per shard), pads with zeros, runs the per-hop decompress-accumulate-recompress
 and writes the result back.
 """
 
@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..types import ReduceOp
+from ..errors import InvalidArgumentError
+from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 
 __all__ = ["BlockCodec", "BlockCall", "split_blocks"]
@@ -88,23 +89,39 @@ class BlockCodec(abc.ABC):
 
 
 class BlockCall:
-    """One collective call of a :class:`BlockCodec`."""
+    """One collective call of a :class:`BlockCodec`.
+
+    All-reduce: the buffer is padded to whole blocks and cut into ``n`` balanced chunks.
+    Reduce-scatter / all-gather: chunk ``c`` must be shard ``c`` (elements ``[c m, (c+1) m)``), so
+    each shard is padded to whole blocks on its own.
+    """
 
     def __init__(self, codec: BlockCodec, x: torch.Tensor, ctx: CallContext) -> None:
         n = ctx.world_size
         self.codec = codec
         self.numel = x.numel()
-        self.out_dtype = x.dtype
         self.op = ctx.op
         self.world_size = n
         block = codec.block
-        padded = -(-self.numel // block) * block
-        work = torch.zeros(padded, dtype=torch.float32, device=x.device)
-        work[: self.numel] = x.reshape(-1)
+        self.sharded = ctx.collective is not Collective.ALLREDUCE
+        if self.sharded:
+            if self.numel % n:
+                raise InvalidArgumentError(
+                    f"{ctx.what}: {self.numel} elements do not split into {n} equal shards"
+                )
+            self.shard = self.numel // n
+            self.shard_padded = -(-self.shard // block) * block
+            work = torch.zeros(n * self.shard_padded, dtype=torch.float32, device=x.device)
+            work.view(n, self.shard_padded)[:, : self.shard] = x.reshape(n, self.shard)
+            self.chunk_bounds = [c * self.shard_padded for c in range(n + 1)]
+        else:
+            padded = -(-self.numel // block) * block
+            work = torch.zeros(padded, dtype=torch.float32, device=x.device)
+            work[: self.numel] = x.reshape(-1)
+            self.chunk_bounds = [b * block for b in split_blocks(padded // block, n)]
         if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
             work.div_(n)
         self.work = work
-        self.chunk_bounds = [b * block for b in split_blocks(padded // block, n)]
         self.state = codec.prepare(work, ctx)
         self.info: dict[str, Any] = {}
 
@@ -134,7 +151,10 @@ class BlockCall:
         return self.compress(chunk, out_count)
 
     def finish(self, out: torch.Tensor) -> None:
-        result = self.work[: self.numel]
+        if self.sharded:
+            result = self.work.view(self.world_size, self.shard_padded)[:, : self.shard]
+        else:
+            result = self.work[: self.numel]
         if self.op is ReduceOp.AVG and self.codec.avg_mode == "post":
             result = result / self.world_size
         out.copy_(result.reshape(out.shape))

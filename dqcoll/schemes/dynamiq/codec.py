@@ -168,22 +168,21 @@ def tree_sum(v: torch.Tensor) -> torch.Tensor:
 
 
 def stats_center_torch(
-    x: torch.Tensor, numel: int
+    x: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per super-group mean and squared L2 norm after centring, and the centred values.
 
-    ``x`` is fp32 ``[S, 256]`` holding ``numel`` valid coordinates followed by zero padding. The
-    mean is over the valid coordinates only, and padding stays exactly zero after centring.
-    Returns ``(centred [S, 256], mean [S], norm2 [S])``.
+    ``x`` is fp32 ``[S, 256]``; row ``i`` holds ``valid[i]`` (int, 1..256) valid coordinates
+    followed by zero padding. The mean is over the valid coordinates, and padding stays exactly
+    zero after centring. Returns ``(centred [S, 256], mean [S], norm2 [S])``.
     """
-    rows = x.shape[0]
-    counts = torch.full((rows,), float(SUPER), dtype=torch.float32, device=x.device)
-    tail = numel - (rows - 1) * SUPER
-    counts[-1] = float(tail)
+    counts = valid.to(device=x.device, dtype=torch.float32)
     mean = tree_sum(x) / counts
     centred = x - mean[:, None]
-    if tail < SUPER:
-        centred[-1, tail:] = 0.0
+    partial = valid < SUPER
+    if bool(partial.any()):
+        pad = torch.arange(SUPER, device=x.device)[None, :] >= valid.to(x.device)[:, None]
+        centred = centred.masked_fill(pad, 0.0)
     norm2 = tree_sum(centred * centred)
     return centred, mean, norm2
 

@@ -150,14 +150,40 @@ class DynamiqCall:
         self.key = rng.call_key(ctx.seed, ctx.step)
         self.numel = numel = x.numel()
         self.ops = dynamiq_ops(device)
-        rows = -(-numel // SUPER)
+
+        # Layout: all-reduce pads the tail only; reduce-scatter / all-gather pad each shard, so
+        # that chunk c is exactly shard c.
+        self.sharded = ctx.collective is not Collective.ALLREDUCE
+        if self.sharded:
+            if numel % n:
+                raise InvalidArgumentError(
+                    f"{ctx.what}: {numel} elements do not split into {n} equal shards"
+                )
+            shard = numel // n
+            shard_rows = -(-shard // SUPER)
+            rows = n * shard_rows
+            flat = torch.zeros(n, shard_rows * SUPER, dtype=torch.float32, device=device)
+            flat[:, :shard] = x.reshape(n, shard)
+            in_shard = torch.arange(shard_rows, dtype=torch.int64)
+            row_start = (torch.arange(n, dtype=torch.int64)[:, None] * shard
+                         + in_shard[None, :] * SUPER).reshape(-1)
+            valid = (shard - in_shard * SUPER).clamp(max=SUPER).repeat(n)
+            row_chunk = torch.arange(n, dtype=torch.int64).repeat_interleave(shard_rows)
+            self.shard = (shard, shard_rows)
+        else:
+            rows = -(-numel // SUPER)
+            flat = torch.zeros(rows, SUPER, dtype=torch.float32, device=device)
+            flat.view(-1)[:numel] = x.reshape(-1)
+            row_start = torch.arange(rows, dtype=torch.int64) * SUPER
+            valid = (numel - row_start).clamp(max=SUPER)
+            row_chunk = torch.zeros(rows, dtype=torch.int64)
+            self.shard = None
+        flat = flat.view(rows, SUPER)
 
         # 1. Scale for avg, statistics and centring (rows in the original order).
-        flat = torch.zeros(rows * SUPER, dtype=torch.float32, device=device)
-        flat[:numel] = x.reshape(-1)
         if ctx.op is ReduceOp.AVG:
             flat.div_(n)
-        centred, mean, norm2 = self.ops.stats_center(flat.view(rows, SUPER), numel)
+        centred, mean, norm2 = self.ops.stats_center(flat, valid)
         del flat
 
         # 2. One small uncompressed all-reduce of both statistics.
@@ -171,41 +197,45 @@ class DynamiqCall:
         )
         widths = self.allocation.widths  # int64 [rows], host
 
-        # 4. Reorder by width and cut into n chunks of equal bytes.
-        order = torch.argsort(widths, stable=True)
+        # 4. Reorder by width (within each shard when sharded) and cut into chunks.
+        order = torch.argsort(row_chunk * 16 + widths, stable=True)
         self.order = order.to(device)
         sorted_widths = widths[order]
-        self.work = centred[self.order]  # fp32 [rows, 256], sorted by width
+        self.work = centred[self.order]  # fp32 [rows, 256]
         del centred
         self.mean_sorted = stats[0][self.order]
-        self.index_base = self.order * SUPER  # global index of each row's first coordinate
+        self.index_base = row_start.to(device)[self.order]  # global index of each row's start
         sizes = torch.zeros(9, dtype=torch.int64)
         for w in WIDTHS:
             sizes[w] = record_nbytes(w, self.config.scales)
         offsets = torch.zeros(rows + 1, dtype=torch.int64)
         torch.cumsum(sizes[sorted_widths], 0, out=offsets[1:])
         self.row_offsets = offsets.tolist()  # byte offset of each sorted row's record
-        total = self.row_offsets[-1]
-        bounds = [0]
-        for c in range(1, n):
-            target = (c * total + n // 2) // n
-            bounds.append(max(bounds[-1], int(torch.searchsorted(offsets, target))))
-        bounds.append(rows)
+        if self.sharded:
+            bounds = [c * (rows // n) for c in range(n + 1)]
+        else:  # n chunks of (nearly) equal bytes
+            total = self.row_offsets[-1]
+            bounds = [0]
+            for c in range(1, n):
+                target = (c * total + n // 2) // n
+                bounds.append(max(bounds[-1], int(torch.searchsorted(offsets, target))))
+            bounds.append(rows)
         self.chunk_bounds = bounds
-        # Where each width's run starts and ends in the sorted rows.
-        counts = {w: int((sorted_widths == w).sum()) for w in (0, *WIDTHS)}
+        # Maximal runs of equal width in the sorted rows (width-0 rows have no records).
         self.runs: list[tuple[int, int, int]] = []
-        start = counts[0]
-        for w in WIDTHS:
-            if counts[w]:
-                self.runs.append((w, start, start + counts[w]))
-            start += counts[w]
+        change = torch.nonzero(sorted_widths[1:] != sorted_widths[:-1]).squeeze(1) + 1
+        edges = [0, *change.tolist(), rows]
+        for a, b in zip(edges[:-1], edges[1:], strict=True):
+            width = int(sorted_widths[a])
+            if width and b > a:
+                self.runs.append((width, a, b))
+        counts = {w: int((widths == w).sum()) for w in (0, *WIDTHS)}
         bits_used = 8.0 * self.allocation.total_nbytes / max(numel, 1)
         self.info: dict[str, Any] = {
             "bits": bits_used,
             "u": self.allocation.u,
             "over_budget": self.allocation.over_budget,
-            "widths": {w: counts[w] for w in (0, *WIDTHS)},
+            "widths": counts,
         }
 
     # -- chunk geometry -----------------------------------------------------------------------
@@ -265,4 +295,9 @@ class DynamiqCall:
     def finish(self, out: torch.Tensor) -> None:
         restored = torch.empty_like(self.work)
         restored[self.order] = self.work + self.mean_sorted[:, None]
-        out.copy_(restored.view(-1)[: self.numel].view(out.shape))
+        if self.shard is not None:
+            shard, shard_rows = self.shard
+            result = restored.view(self.world_size, shard_rows * SUPER)[:, :shard]
+        else:
+            result = restored.view(-1)[: self.numel]
+        out.copy_(result.reshape(out.shape))
