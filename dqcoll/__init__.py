@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import metrics, schemes, testing, topology
-from .api import allreduce
+from .api import all_gather, allreduce, reduce_scatter
 from .comm import Communicator, init
 from .errors import DqcollError
 from .types import ReduceOp
@@ -15,9 +15,11 @@ __all__ = [
     "DqcollError",
     "ReduceOp",
     "__version__",
+    "all_gather",
     "allreduce",
     "init",
     "metrics",
+    "reduce_scatter",
     "schemes",
     "testing",
     "topology",

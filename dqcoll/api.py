@@ -32,7 +32,7 @@ from .topology import algorithms
 from .topology.schedule import Schedule
 from .types import Collective, ReduceOp
 
-__all__ = ["allreduce"]
+__all__ = ["allreduce", "reduce_scatter", "all_gather"]
 
 log = logging.getLogger("dqcoll")
 
@@ -56,6 +56,7 @@ class _Request:
     scheme: Scheme | None = None
     schedule: Schedule | None = None
     op: ReduceOp | None = None
+    out: torch.Tensor | None = None
     error: DqcollError | None = None
     category: str = ""
     fingerprint: tuple[int, ...] = ()
@@ -174,6 +175,109 @@ def _handshake(request: _Request, comm: Communicator, what: str) -> None:
         raise MismatchError(f"rank {comm.rank}: {what}: ranks disagree on {detail}")
 
 
+def _run(
+    collective: Collective,
+    buf: Any,
+    out: Any,
+    *,
+    op: str | ReduceOp,
+    scheme: str | Scheme,
+    bits: float,
+    algorithm: str,
+    comm: Communicator | None,
+    seed: int | None,
+    step: int | None,
+    scheme_options: dict[str, Any],
+) -> None:
+    comm = comm or get_default_comm()
+    call_step = comm.next_step()
+    step = call_step if step is None else int(step)
+    seed = comm.seed if seed is None else int(seed)
+    what = f"{collective.value}#{call_step}"
+    options = dict(scheme_options)
+    options["bits"] = bits
+    request = _prepare(buf, op=op, scheme=scheme, scheme_options=options, algorithm=algorithm,
+                       comm=comm, seed=seed, step=step)
+    out_tensor = None
+    if request.error is None and collective is not Collective.ALLREDUCE:
+        _check_output(request, out, collective, comm)
+        out_tensor = request.out
+    _handshake(request, comm, what)
+    tensor, scheme_obj, schedule = request.tensor, request.scheme, request.schedule
+    assert tensor is not None and scheme_obj is not None and schedule is not None
+    assert request.op is not None
+    n = comm.world_size
+    flat = tensor.view(-1)
+    comm.last_info = {"scheme": scheme_obj.spec.name, "algorithm": schedule.algorithm}
+    if collective is Collective.ALLREDUCE:
+        if flat.numel() == 0 or n == 1:
+            return
+        x = flat
+    elif collective is Collective.REDUCE_SCATTER:
+        assert out_tensor is not None
+        if flat.numel() == 0 or n == 1:
+            out_tensor.view(-1).copy_(flat)
+            return
+        x = flat
+    else:
+        assert out_tensor is not None
+        if flat.numel() == 0 or n == 1:
+            out_tensor.view(-1).copy_(flat)
+            return
+        x = torch.zeros(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+        x.view(n, -1)[comm.rank] = flat
+    ctx = CallContext(comm.transport, request.op, seed, step, collective, what)
+    call = scheme_obj.begin(x, ctx)
+    run_schedule(schedule, call, comm.transport, what=what, collective=collective)
+    if collective is Collective.ALLREDUCE:
+        call.finish(flat)
+    elif collective is Collective.REDUCE_SCATTER:
+        assert out_tensor is not None
+        full = torch.empty_like(flat)
+        call.finish(full)
+        out_tensor.view(-1).copy_(full.view(n, -1)[comm.rank])
+    else:
+        assert out_tensor is not None
+        call.finish(out_tensor.view(-1))
+    comm.last_info.update(call.info)
+
+
+def _check_output(request: _Request, out: Any, collective: Collective, comm: Communicator) -> None:
+    """The shape rules of reduce-scatter (out = one shard) and all-gather (out = n shards)."""
+    tensor = request.tensor
+    assert tensor is not None
+    try:
+        out_tensor = as_torch_view(out, name="out")
+    except DqcollError as exc:
+        request.error, request.category = exc, "buffer"
+        return
+    n = comm.world_size
+    if collective is Collective.REDUCE_SCATTER:
+        expected, rule = tensor.numel(), "world_size x out.numel() == buf.numel()"
+        got = n * out_tensor.numel()
+    else:
+        expected, rule = n * tensor.numel(), "out.numel() == world_size x shard.numel()"
+        got = out_tensor.numel()
+    problem = None
+    if got != expected:
+        problem = (
+            f"rank {comm.rank}: {collective.value} needs {rule}: input has {tensor.numel()} "
+            f"elements, out has {out_tensor.numel()}, world size {n}"
+        )
+    elif out_tensor.dtype != tensor.dtype:
+        problem = f"rank {comm.rank}: out dtype {out_tensor.dtype} differs from input {tensor.dtype}"
+    elif out_tensor.device != tensor.device:
+        problem = f"rank {comm.rank}: out is on {out_tensor.device}, input on {tensor.device}"
+    elif not out_tensor.is_contiguous():
+        problem = (
+            f"rank {comm.rank}: expected a contiguous out tensor, got strides {out_tensor.stride()}"
+        )
+    if problem is not None:
+        request.error, request.category = InvalidArgumentError(problem), "buffer"
+        return
+    request.out = out_tensor
+
+
 def allreduce(
     buf: Any,
     *,
@@ -194,26 +298,47 @@ def allreduce(
     ``algorithm``: "ring", "butterfly", "direct" or "auto". ``seed``/``step`` key the random
     rounding (default: the communicator's seed and call counter).
     """
-    comm = comm or get_default_comm()
-    call_step = comm.next_step()
-    step = call_step if step is None else int(step)
-    seed = comm.seed if seed is None else int(seed)
-    what = f"allreduce#{call_step}"
-    options = dict(scheme_options)
-    options["bits"] = bits
-    request = _prepare(buf, op=op, scheme=scheme, scheme_options=options, algorithm=algorithm,
-                       comm=comm, seed=seed, step=step)
-    _handshake(request, comm, what)
-    tensor, scheme_obj, schedule = request.tensor, request.scheme, request.schedule
-    assert tensor is not None and scheme_obj is not None and schedule is not None
-    assert request.op is not None
-    flat = tensor.view(-1)
-    if flat.numel() == 0 or comm.world_size == 1:
-        comm.last_info = {"scheme": scheme_obj.spec.name, "algorithm": schedule.algorithm}
-        return buf
-    ctx = CallContext(comm.transport, request.op, seed, step, Collective.ALLREDUCE, what)
-    call = scheme_obj.begin(flat, ctx)
-    run_schedule(schedule, call, comm.transport, what=what)
-    call.finish(flat)
-    comm.last_info = {"scheme": scheme_obj.spec.name, "algorithm": schedule.algorithm, **call.info}
+    _run(Collective.ALLREDUCE, buf, None, op=op, scheme=scheme, bits=bits, algorithm=algorithm,
+         comm=comm, seed=seed, step=step, scheme_options=scheme_options)
     return buf
+
+
+def reduce_scatter(
+    buf: Any,
+    out: Any,
+    *,
+    op: str | ReduceOp = "sum",
+    scheme: str | Scheme = "dynamiq",
+    bits: float = 5.0,
+    algorithm: str = "auto",
+    comm: Communicator | None = None,
+    seed: int | None = None,
+    step: int | None = None,
+    **scheme_options: Any,
+) -> Any:
+    """Quantized reduce-scatter: ``out`` (``buf.numel() / world_size`` elements) receives shard
+    ``rank`` of the reduction of ``buf``; returns ``out``. Equal to the matching part of
+    :func:`allreduce` with the same arguments on the same layout."""
+    _run(Collective.REDUCE_SCATTER, buf, out, op=op, scheme=scheme, bits=bits,
+         algorithm=algorithm, comm=comm, seed=seed, step=step, scheme_options=scheme_options)
+    return out
+
+
+def all_gather(
+    shard: Any,
+    out: Any,
+    *,
+    scheme: str | Scheme = "dynamiq",
+    bits: float = 5.0,
+    algorithm: str = "auto",
+    comm: Communicator | None = None,
+    seed: int | None = None,
+    step: int | None = None,
+    **scheme_options: Any,
+) -> Any:
+    """Quantized all-gather: ``out`` (``world_size * shard.numel()`` elements) receives every
+    rank's shard in rank order, each decoded from the same bytes on every rank (the owner's own
+    shard too); returns ``out``."""
+    _run(Collective.ALL_GATHER, shard, out, op="sum", scheme=scheme, bits=bits,
+         algorithm=algorithm, comm=comm, seed=seed, step=step, scheme_options=scheme_options)
+    return out

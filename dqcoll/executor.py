@@ -20,6 +20,7 @@ import torch
 
 from .schemes.base import SchemeCall
 from .topology.schedule import Role, Schedule
+from .types import Collective
 from .transports.base import Transport
 
 __all__ = ["RankPlan", "rank_plan", "run_schedule"]
@@ -75,11 +76,21 @@ def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
     return RankPlan(plan(schedule.reduce), plan(schedule.gather), _subtree_sizes(schedule))
 
 
-def run_schedule(schedule: Schedule, call: SchemeCall, transport: Transport, *, what: str) -> None:
-    """All-reduce ``call.work`` across the ranks of ``transport`` along ``schedule``.
+def run_schedule(
+    schedule: Schedule,
+    call: SchemeCall,
+    transport: Transport,
+    *,
+    what: str,
+    collective: Collective = Collective.ALLREDUCE,
+) -> None:
+    """Run ``collective`` on ``call.work`` across the ranks of ``transport`` along ``schedule``.
 
-    On return every rank's ``call.work`` holds the decoded result of every chunk, decoded from the
-    same bytes on every rank.
+    * all-reduce: on return every rank's ``call.work`` holds the decoded result of every chunk,
+      decoded from the same bytes on every rank;
+    * reduce-scatter: only the reduce steps; chunk ``rank`` holds the decoded result;
+    * all-gather: only the gather steps, starting from each rank's own chunk, which its owner
+      compresses and decodes like everyone else (so all ranks hold identical values).
     """
     rank = transport.rank
     n = transport.world_size
@@ -100,7 +111,17 @@ def run_schedule(schedule: Schedule, call: SchemeCall, transport: Transport, *, 
             return outgoing.pop(chunk)
         return call.compress(chunk, 1)  # a leaf: nothing arrived for this chunk
 
-    for phase, steps in (("reduce", plan.reduce), ("gather", plan.gather)):
+    phases = []
+    if collective is not Collective.ALL_GATHER:
+        phases.append(("reduce", plan.reduce))
+    gather_count = n
+    if collective is Collective.ALL_GATHER:
+        gather_count = 1  # each chunk is one rank's data, not a sum
+        final[rank] = call.compress(rank, 1)
+        call.decompress(rank, final[rank], 1)
+    if collective is not Collective.REDUCE_SCATTER:
+        phases.append(("gather", plan.gather))
+    for phase, steps in phases:
         for index, step in enumerate(steps):
             label = f"{what} {phase} step {index}"
             sends = []
@@ -113,7 +134,7 @@ def run_schedule(schedule: Schedule, call: SchemeCall, transport: Transport, *, 
             layouts = []
             for peer, items in step.recvs:
                 sizes = [
-                    call.payload_nbytes(c, subtree[peer][c] if phase == "reduce" else n)
+                    call.payload_nbytes(c, subtree[peer][c] if phase == "reduce" else gather_count)
                     for c, _ in items
                 ]
                 buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
@@ -128,7 +149,7 @@ def run_schedule(schedule: Schedule, call: SchemeCall, transport: Transport, *, 
                     offset += size
                     if role is Role.GATHER:
                         final[chunk] = payload
-                        call.decompress(chunk, payload, n)
+                        call.decompress(chunk, payload, gather_count)
                         continue
                     count = subtree[peer][chunk]
                     if role is Role.ACCUMULATE:
