@@ -1,0 +1,464 @@
+"""Gradient sources: one tensor per rank, deterministic per (spec, seed, rank), for evaluations.
+
+``dqcoll eval``, the simulator and the accuracy docs compare schemes on *the same gradients*; this
+module makes them. A source is named by a spec string::
+
+    kind[:key=value[;key=value...]]        values may be comma-separated lists
+
+and built with::
+
+    from dqcoll.sources import make_source
+    src = make_source("lognormal-mixture:supergroups=4096", world_size=8, numel=None, seed=0)
+    x3 = src.rank_tensor(3)           # fp32, 1-D, src.numel long; same bytes on every call
+    exact = src.exact_sum()           # fp64 sum over the ranks (the reference for vNMSE)
+
+Kinds (``list_sources()``; defaults in brackets):
+
+``gaussian:std=[1];mean=[0];shared=[0]``
+    every coordinate of every rank ``mean + std * (sqrt(shared) z + sqrt(1 - shared) e_rank)``,
+    ``z`` common to all ranks and ``e_rank`` private, both N(0, 1). ``shared`` is the correlation
+    between ranks (0: independent workers; real data-parallel gradients sit in between).
+    Length ``numel`` [2**20].
+``lognormal-mixture:weights=[0.79,0.21];mu=[-3.99,-16.41];sigma=[1.22,4.63];supergroups=[4096]``
+    super-groups of 256 coordinates. Each super-group's magnitude ``M`` is drawn once, shared by
+    all ranks, from the mixture of log-normals (natural log: ``log M ~ N(mu_k, sigma_k^2)`` with
+    probability ``weights_k``); each rank's 256 coordinates are i.i.d. N(0, (M / 16)^2), so a
+    super-group's expected squared norm is ``M^2``. The defaults fit the super-group norms of
+    LLM gradients: most super-groups moderate, a fifth nearly zero over many decades (skew is what
+    variable bit widths exploit). Length ``supergroups * 256`` (or ``numel`` if given, which must
+    not be longer).
+``files:path=PATH`` (or ``files:PATH``)
+    saved tensors, one file per rank: ``PATH`` is a directory (its ``.pt``/``.npy``/
+    ``.safetensors`` files in sorted name order), a glob, or a template with ``{rank}``. A file
+    may hold one tensor or several (a state dict / safetensors file: flattened and concatenated in
+    sorted key order). Rank ``r`` reads the ``r``-th file; ``numel`` truncates.
+``stdlib-lm:steps=[50];batch=[16];width=[64];layers=[2];context=[64];lr=[0.003]``
+    real gradients of the tiny byte-level transformer of :mod:`dqcoll.tinylm`, trained here for
+    ``steps`` AdamW steps on the Python standard library's source; rank ``r``'s tensor is the
+    flattened gradient of its own batch of ``batch`` windows at the trained weights (different
+    data per rank, same weights: data parallelism). About 0.12 M coordinates at the defaults.
+
+Determinism: random draws use ``torch.Generator`` streams seeded from a hash of (seed, stream,
+rank) (:func:`dqcoll.tinylm.derived_seed`), so a rank's tensor does not depend on the world size
+or on which other ranks were asked for (except ``shared`` parts, which depend on the seed only).
+
+Rejected: numpy ``RandomState`` (a second generator family to keep in step) and sources as
+classes picked by ``isinstance`` chains (a registry keeps ``dqcoll eval --help`` honest).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import glob
+import math
+import os
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import InvalidArgumentError
+from .tinylm import derived_seed
+
+__all__ = [
+    "SUPERGROUP",
+    "GradientSource",
+    "SourceSpec",
+    "list_sources",
+    "load_tensor_file",
+    "make_source",
+    "parse_source_spec",
+    "register_source",
+]
+
+SUPERGROUP = 256  # coordinates that share one magnitude in the lognormal-mixture source
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """A parsed spec string: ``kind`` and its ``key=value`` parameters (values as text)."""
+
+    kind: str
+    params: tuple[tuple[str, str], ...] = ()
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.params).get(key, default)
+
+    def __str__(self) -> str:
+        if not self.params:
+            return self.kind
+        return self.kind + ":" + ";".join(f"{k}={v}" for k, v in self.params)
+
+
+def parse_source_spec(text: str) -> SourceSpec:
+    """``"kind:a=1;b=2,3"`` -> ``SourceSpec("kind", (("a", "1"), ("b", "2,3")))``.
+
+    A parameter text without ``=`` (``files:grads/``) is taken as ``path=...``.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidArgumentError(f"source spec must be a non-empty string, got {text!r}")
+    kind, _, rest = text.strip().partition(":")
+    kind = kind.strip().lower()
+    params: list[tuple[str, str]] = []
+    if rest.strip():
+        if "=" not in rest:
+            params.append(("path", rest.strip()))
+        else:
+            for item in rest.split(";"):
+                if not item.strip():
+                    continue
+                key, eq, value = item.partition("=")
+                if not eq:
+                    raise InvalidArgumentError(
+                        f"source spec {text!r}: expected key=value, got {item!r}"
+                    )
+                params.append((key.strip().lower(), value.strip()))
+    keys = [k for k, _ in params]
+    if len(set(keys)) != len(keys):
+        raise InvalidArgumentError(f"source spec {text!r}: repeated parameter in {keys}")
+    return SourceSpec(kind, tuple(params))
+
+
+class GradientSource(abc.ABC):
+    """``world_size`` fp32 tensors of ``numel`` coordinates, one per rank."""
+
+    def __init__(self, spec: SourceSpec, world_size: int, numel: int, seed: int) -> None:
+        self.spec = spec
+        self.world_size = world_size
+        self.numel = numel
+        self.seed = seed
+
+    @property
+    def name(self) -> str:
+        return str(self.spec)
+
+    @abc.abstractmethod
+    def _make(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s tensor (fp32, 1-D, ``numel`` long)."""
+
+    def rank_tensor(self, rank: int) -> torch.Tensor:
+        if not 0 <= rank < self.world_size:
+            raise InvalidArgumentError(
+                f"source {self.name!r}: rank {rank} outside [0, {self.world_size})"
+            )
+        return self._make(rank)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.rank_tensor(r) for r in range(self.world_size)]
+
+    def exact_sum(self) -> torch.Tensor:
+        """The fp64 sum over all ranks: the reference an all-reduce is measured against."""
+        total = torch.zeros(self.numel, dtype=torch.float64)
+        for r in range(self.world_size):
+            total += self.rank_tensor(r).double()
+        return total
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.name!r}, world_size={self.world_size}, "
+                f"numel={self.numel}, seed={self.seed})")
+
+
+# -- parameter helpers -----------------------------------------------------------------------------
+
+
+def _floats(spec: SourceSpec, key: str, default: str) -> list[float]:
+    text = spec.get(key, default) or default
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidArgumentError(
+            f"source {spec.kind!r}: {key} must be numbers, got {text!r}"
+        ) from None
+
+
+def _float(spec: SourceSpec, key: str, default: float) -> float:
+    values = _floats(spec, key, repr(default))
+    if len(values) != 1:
+        raise InvalidArgumentError(f"source {spec.kind!r}: {key} takes one number, got {values}")
+    return values[0]
+
+
+def _int(spec: SourceSpec, key: str, default: int) -> int:
+    value = _float(spec, key, default)
+    if value != int(value) or value < 0:
+        raise InvalidArgumentError(
+            f"source {spec.kind!r}: {key} must be a whole number >= 0, got {value}"
+        )
+    return int(value)
+
+
+def _generator(*parts: object) -> torch.Generator:
+    return torch.Generator().manual_seed(derived_seed(*parts))
+
+
+# -- gaussian -------------------------------------------------------------------------------------
+
+
+class GaussianSource(GradientSource):
+    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
+        super().__init__(spec, world_size, numel if numel is not None else 1 << 20, seed)
+        self.std = _float(spec, "std", 1.0)
+        self.mean = _float(spec, "mean", 0.0)
+        self.shared = _float(spec, "shared", 0.0)
+        if not 0.0 <= self.shared <= 1.0:
+            raise InvalidArgumentError(
+                f"source 'gaussian': shared must be in [0, 1], got {self.shared}"
+            )
+
+    @functools.cached_property
+    def _common(self) -> torch.Tensor:
+        return torch.randn(self.numel, generator=_generator(self.seed, "gaussian-shared"))
+
+    def _make(self, rank: int) -> torch.Tensor:
+        own = torch.randn(self.numel, generator=_generator(self.seed, "gaussian", rank))
+        if self.shared > 0.0:
+            own = math.sqrt(1.0 - self.shared) * own + math.sqrt(self.shared) * self._common
+        return own * self.std + self.mean
+
+
+# -- log-normal mixture of super-group magnitudes --------------------------------------------------
+
+
+class LognormalMixtureSource(GradientSource):
+    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
+        weights = _floats(spec, "weights", "0.79,0.21")
+        mu = _floats(spec, "mu", "-3.99,-16.41")
+        sigma = _floats(spec, "sigma", "1.22,4.63")
+        if not (len(weights) == len(mu) == len(sigma)) or not weights:
+            raise InvalidArgumentError(
+                f"source 'lognormal-mixture': weights, mu and sigma need the same length, got "
+                f"{len(weights)}, {len(mu)}, {len(sigma)}"
+            )
+        if min(weights) < 0 or sum(weights) <= 0 or min(sigma) < 0:
+            raise InvalidArgumentError(
+                f"source 'lognormal-mixture': weights must be >= 0 with a positive sum and sigma "
+                f">= 0, got weights={weights}, sigma={sigma}"
+            )
+        default_groups = 4096 if numel is None else -(-numel // SUPERGROUP)
+        groups = _int(spec, "supergroups", default_groups)
+        length = groups * SUPERGROUP if numel is None else numel
+        if length > groups * SUPERGROUP or groups == 0:
+            raise InvalidArgumentError(
+                f"source 'lognormal-mixture': numel={length} does not fit {groups} super-groups "
+                f"of {SUPERGROUP}"
+            )
+        super().__init__(spec, world_size, length, seed)
+        total = sum(weights)
+        self.weights = [w / total for w in weights]
+        self.mu, self.sigma, self.supergroups = mu, sigma, groups
+
+    @functools.cached_property
+    def magnitudes(self) -> torch.Tensor:
+        """fp64 magnitude ``M`` of each super-group, shared by every rank."""
+        g = _generator(self.seed, "lognormal-mixture-magnitudes")
+        component = torch.multinomial(torch.tensor(self.weights, dtype=torch.float64),
+                                      self.supergroups, replacement=True, generator=g)
+        normal = torch.randn(self.supergroups, generator=g, dtype=torch.float64)
+        mu = torch.tensor(self.mu, dtype=torch.float64)[component]
+        sigma = torch.tensor(self.sigma, dtype=torch.float64)[component]
+        return torch.exp(mu + sigma * normal)
+
+    def _make(self, rank: int) -> torch.Tensor:
+        noise = torch.randn(self.supergroups, SUPERGROUP, generator=_generator(
+            self.seed, "lognormal-mixture", rank), dtype=torch.float64)
+        values = noise * (self.magnitudes / math.sqrt(SUPERGROUP))[:, None]
+        return values.reshape(-1)[: self.numel].float()
+
+
+# -- saved tensors --------------------------------------------------------------------------------
+
+_FILE_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
+
+
+def load_tensor_file(path: str | os.PathLike[str]) -> torch.Tensor:
+    """One fp32 1-D tensor from a .pt/.pth, .npy or .safetensors file (several tensors: sorted
+    keys, flattened and concatenated)."""
+    path = pathlib.Path(path)
+    suffix = path.suffix.lower()
+    obj: Any
+    if suffix in (".pt", ".pth"):
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    elif suffix == ".npy":
+        import numpy as np
+
+        obj = torch.from_numpy(np.load(path, allow_pickle=False))
+    elif suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        obj = load_file(str(path))
+    else:
+        raise InvalidArgumentError(
+            f"{path}: unsupported suffix {suffix!r}; expected {_FILE_SUFFIXES}"
+        )
+    if isinstance(obj, dict):
+        parts = [obj[k] for k in sorted(obj)]
+        if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+            raise InvalidArgumentError(f"{path}: expected tensors, got keys {sorted(obj)}")
+        return torch.cat([p.detach().reshape(-1).float() for p in parts])
+    if not isinstance(obj, torch.Tensor):
+        raise InvalidArgumentError(
+            f"{path}: expected a tensor or a dict of tensors, got {type(obj)}"
+        )
+    return obj.detach().reshape(-1).float()
+
+
+class FileSource(GradientSource):
+    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
+        pattern = spec.get("path")
+        if not pattern:
+            raise InvalidArgumentError("source 'files' needs a path: files:path=DIR|GLOB|TEMPLATE")
+        if "{rank}" in pattern:
+            paths = [pattern.format(rank=r) for r in range(world_size)]
+        elif os.path.isdir(pattern):
+            paths = sorted(str(p) for p in pathlib.Path(pattern).iterdir()
+                           if p.suffix.lower() in _FILE_SUFFIXES)
+        else:
+            paths = sorted(glob.glob(pattern))
+        if len(paths) < world_size:
+            raise InvalidArgumentError(
+                f"source 'files': {pattern!r} gives {len(paths)} files, need one per rank "
+                f"({world_size})"
+            )
+        self.paths = paths[:world_size]
+        for p in self.paths:
+            if not os.path.isfile(p):
+                raise InvalidArgumentError(f"source 'files': {p} does not exist")
+        first = load_tensor_file(self.paths[0])
+        length = first.numel() if numel is None else numel
+        if length > first.numel():
+            raise InvalidArgumentError(
+                f"source 'files': numel={length} is longer than {self.paths[0]} ({first.numel()})"
+            )
+        super().__init__(spec, world_size, length, seed)
+
+    def _make(self, rank: int) -> torch.Tensor:
+        values = load_tensor_file(self.paths[rank])
+        if values.numel() < self.numel:
+            raise InvalidArgumentError(
+                f"source 'files': {self.paths[rank]} has {values.numel()} values, rank 0's file "
+                f"{self.numel}"
+            )
+        return values[: self.numel].contiguous()
+
+
+# -- real gradients of a small model trained here ------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_lm(width: int, layers: int, context: int, batch: int, steps: int, lr: float,
+                seed: int) -> Any:
+    from . import tinylm
+
+    model = tinylm.TinyLM(tinylm.LMConfig(width=width, layers=layers, context=context), seed=seed)
+    train, _ = tinylm.split_corpus(tinylm.stdlib_corpus())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = _generator(seed, "stdlib-lm-train")
+    with tinylm.torch_threads(1):
+        for _ in range(steps):
+            inputs, targets = tinylm.sample_batch(train, batch, context, g)
+            opt.zero_grad(set_to_none=True)
+            model(inputs, targets).backward()
+            opt.step()
+    return model
+
+
+class StdlibLMSource(GradientSource):
+    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
+        self.steps = _int(spec, "steps", 50)
+        self.batch = _int(spec, "batch", 16)
+        self.width = _int(spec, "width", 64)
+        self.layers = _int(spec, "layers", 2)
+        self.context = _int(spec, "context", 64)
+        self.lr = _float(spec, "lr", 3e-3)
+        self.seed = seed
+        total = sum(p.numel() for p in self._model().parameters())
+        length = total if numel is None else numel
+        if length > total:
+            raise InvalidArgumentError(
+                f"source 'stdlib-lm': numel={length} exceeds the model's {total} parameters"
+            )
+        super().__init__(spec, world_size, length, seed)
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _model(self) -> Any:
+        return _trained_lm(self.width, self.layers, self.context, self.batch, self.steps,
+                           self.lr, self.seed)
+
+    def _make(self, rank: int) -> torch.Tensor:
+        if rank not in self._cache:
+            from . import tinylm
+
+            model = self._model()
+            train, _ = tinylm.split_corpus(tinylm.stdlib_corpus())
+            inputs, targets = tinylm.sample_batch(
+                train, self.batch, self.context, _generator(self.seed, "stdlib-lm-grad", rank))
+            model.zero_grad(set_to_none=True)
+            with tinylm.torch_threads(1):
+                model(inputs, targets).backward()
+            self._cache[rank] = tinylm.flat_grad(model)[: self.numel].clone()
+            model.zero_grad(set_to_none=True)
+        return self._cache[rank]
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceEntry:
+    kind: str
+    factory: Callable[[SourceSpec, int, int | None, int], GradientSource]
+    params: tuple[str, ...]
+    description: str
+
+
+_REGISTRY: dict[str, SourceEntry] = {}
+
+
+def register_source(entry: SourceEntry) -> None:
+    if entry.kind in _REGISTRY:
+        raise InvalidArgumentError(f"source {entry.kind!r} is already registered")
+    _REGISTRY[entry.kind] = entry
+
+
+def list_sources() -> list[SourceEntry]:
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def make_source(spec: str | SourceSpec, *, world_size: int, numel: int | None = None,
+                seed: int = 0) -> GradientSource:
+    """Build a source from a spec string (see the module docstring)."""
+    parsed = spec if isinstance(spec, SourceSpec) else parse_source_spec(spec)
+    if parsed.kind not in _REGISTRY:
+        raise InvalidArgumentError(
+            f"unknown gradient source {parsed.kind!r}; registered: {sorted(_REGISTRY)}"
+        )
+    entry = _REGISTRY[parsed.kind]
+    unknown = sorted({k for k, _ in parsed.params} - set(entry.params))
+    if unknown:
+        raise InvalidArgumentError(
+            f"source {parsed.kind!r} does not take {unknown}; "
+            f"its parameters are {list(entry.params)}"
+        )
+    if world_size < 1:
+        raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
+    if numel is not None and numel < 1:
+        raise InvalidArgumentError(f"numel must be >= 1 or None, got {numel}")
+    return entry.factory(parsed, int(world_size), numel, int(seed))
+
+
+for _entry in (
+    SourceEntry("gaussian", GaussianSource, ("std", "mean", "shared"),
+                "i.i.d. normal coordinates, optionally correlated across ranks"),
+    SourceEntry("lognormal-mixture", LognormalMixtureSource,
+                ("weights", "mu", "sigma", "supergroups"),
+                "super-group magnitudes from a log-normal mixture, shared by all ranks"),
+    SourceEntry("files", FileSource, ("path",), "saved tensors, one file per rank"),
+    SourceEntry("stdlib-lm", StdlibLMSource,
+                ("steps", "batch", "width", "layers", "context", "lr"),
+                "real gradients of a tiny transformer LM trained here on stdlib source"),
+):
+    register_source(_entry)
+del _entry
