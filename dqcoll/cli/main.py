@@ -11,6 +11,7 @@ __all__ = ["main"]
 # sub-command -> (module, help)
 COMMANDS = {
     "demo": ("dqcoll.cli.demo", "4 ranks over gloo on this machine: quantized all-reduce table"),
+    "bench": ("dqcoll.cli.bench", "all-reduce benchmark (nccl-tests style) vs torch and DDP hooks"),
 }
 
 
