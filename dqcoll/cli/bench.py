@@ -459,9 +459,9 @@ def run_rank(args: argparse.Namespace) -> int:
 
     import dqcoll
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     comm = dqcoll.init(backend="gloo")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))  # torchrun sets it
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_ranks))
     rank, n = comm.rank, comm.world_size
     ctx = _Context(comm, rank, n, args.op, torch.device("cpu"))
     dtype = _DTYPES[args.datatype]
