@@ -70,11 +70,20 @@ def list_schemes() -> list[str]:
 
 
 def _register_builtin() -> None:
+    from .bf16 import BF16Scheme
     from .dynamiq import DynamiqScheme
+    from .global_qsgd import GlobalQSGDScheme
+    from .int_block import Int4BlockScheme, Int8BlockScheme
+    from .mx import MXFP4Scheme, MXFP6Scheme, MXFP8Scheme
     from .none import NoneScheme
+    from .thc import THCScheme
+    from .topk_block import TopKBlockScheme
 
     register_scheme(NoneScheme.spec, NoneScheme)  # type: ignore[arg-type]
     register_scheme(DynamiqScheme.spec, DynamiqScheme)
+    for scheme in (BF16Scheme, MXFP8Scheme, MXFP6Scheme, MXFP4Scheme, Int8BlockScheme,
+                   Int4BlockScheme, THCScheme, GlobalQSGDScheme, TopKBlockScheme):
+        register_scheme(scheme.spec, scheme)  # type: ignore[arg-type]
 
 
 _register_builtin()

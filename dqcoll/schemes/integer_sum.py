@@ -1,0 +1,193 @@
+"""Shared machinery for schemes whose partial sums are exact integers (``thc``, ``global_qsgd``).
+
+Such a scheme quantizes each rank's values *once*, to non-negative integer codes in
+``[0, code_max]`` on a grid every rank shares (the grid comes from a small all-reduce of global
+statistics), with unbiased stochastic rounding. From then on the collective only adds integers:
+a payload summing ``count`` ranks holds codes in ``[0, count * code_max]``, packed at a width
+both sides derive from ``count`` (:meth:`IntegerSumCodec.code_bits`), and a hop adds the incoming
+codes to its own, with no re-rounding. Only the final sum is dequantized, by every rank from the
+same integers, so the result is exactly ``dequantize(sum of every rank's codes)`` whatever the
+schedule: ring, butterfly and direct give bit-identical answers.
+
+Random numbers: one 24-bit uniform per (rank, coordinate) from the counter-based hash of
+:mod:`dqcoll.schemes.dynamiq.rng`, keyed by the call's seed and step, a per-scheme stream and the
+coordinate's index in the (padded, possibly rotated) buffer, so any transport and any chunking
+give the same codes.
+
+Rejected: re-quantizing partial sums per hop (that is what ``int8_block`` does; exactness is the
+point of these schemes) and one shared width for every payload (``ceil(log2(n code_max + 1))``
+bits already at the leaves, where ``log2(code_max + 1)`` suffice).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ..types import Collective, ReduceOp
+from .base import CallContext, SchemeSpec
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .dynamiq import rng
+from .elementwise import split_blocks
+
+__all__ = ["IntegerSumCall", "IntegerSumCodec", "rank_uniforms"]
+
+
+def rank_uniforms(
+    seed: int, step: int, stream: int, rank: int, index: torch.Tensor
+) -> torch.Tensor:
+    """fp32 uniforms on [0, 1) (24 random bits) for ``rank`` at int64 coordinate ``index``."""
+    key = rng.rank_key(rng.stream_key(rng.call_key(seed, step), stream), rank)
+    return rng.uniform24(rng.coord_hash(key, index))
+
+
+class IntegerSumCodec(abc.ABC):
+    """A scheme that quantizes once and sums integer codes exactly."""
+
+    spec: SchemeSpec
+    block: int = 1  # coordinates per layout block (chunks hold whole blocks)
+    stream: int = 0  # random stream of the scheme
+    seed: int = 0  # single-shot encode/decode only
+
+    # -- what a scheme defines ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
+        """Per-call state (global statistics); may transform ``work`` in place (a rotation)."""
+
+    @abc.abstractmethod
+    def code_max(self, state: Any) -> int:
+        """Largest code of one rank's contribution (codes are in ``[0, code_max]``)."""
+
+    @abc.abstractmethod
+    def quantize(self, values: torch.Tensor, uniforms: torch.Tensor, state: Any) -> torch.Tensor:
+        """fp32 values -> int64 codes in ``[0, code_max]``, stochastic rounding by ``uniforms``."""
+
+    @abc.abstractmethod
+    def dequantize(self, sums: torch.Tensor, count: int, state: Any) -> torch.Tensor:
+        """int64 sums of ``count`` ranks' codes -> fp32 values."""
+
+    def finish_values(self, work: torch.Tensor, state: Any) -> torch.Tensor:
+        """Undo what :meth:`prepare` did to the layout (e.g. the inverse rotation)."""
+        return work
+
+    def code_bits(self, count: int, state: Any) -> int:
+        """Wire width of a payload summing ``count`` ranks: just wide enough for the sum."""
+        return max(1, (count * self.code_max(state)).bit_length())
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
+        return f"{type(self).__name__}({options})"
+
+    # -- collective and single-shot use ----------------------------------------------------------
+
+    def begin(self, x: torch.Tensor, ctx: CallContext) -> IntegerSumCall:
+        return IntegerSumCall(self, x, ctx)
+
+    def wire_nbytes(self, numel: int) -> int:
+        padded = -(-numel // self.block) * self.block
+        return packed_nbytes(padded, self.code_bits(1, None))
+
+    def encode(self, x: torch.Tensor) -> dict[str, Any]:
+        """One rank's codes for ``x`` alone (statistics local, world size 1)."""
+        from ..transports.local import LocalHub
+
+        transport = LocalHub(1).transport(0)
+        ctx = CallContext(transport, ReduceOp.SUM, self.seed, 0, Collective.ALLREDUCE, "encode")
+        call = IntegerSumCall(self, x.detach().reshape(-1), ctx)
+        return {"shape": tuple(x.shape), "call": call, "data": call.compress(0, 1)}
+
+    def decode(self, payload: dict[str, Any]) -> torch.Tensor:
+        call: IntegerSumCall = payload["call"]
+        call.decompress(0, payload["data"], 1)
+        out = torch.empty(call.numel, dtype=torch.float32, device=call.work.device)
+        call.finish(out)
+        return out.reshape(payload["shape"])
+
+
+class IntegerSumCall:
+    """One collective call: the layout of :class:`~dqcoll.schemes.elementwise.BlockCall`
+    (padding to whole blocks; one chunk per shard for reduce-scatter / all-gather), integer
+    accumulators per chunk, and dequantization only of final sums."""
+
+    def __init__(self, codec: IntegerSumCodec, x: torch.Tensor, ctx: CallContext) -> None:
+        n = ctx.world_size
+        self.codec = codec
+        self.numel = x.numel()
+        self.op = ctx.op
+        self.rank = ctx.rank
+        self.world_size = n
+        self.seed, self.step = ctx.seed, ctx.step
+        block = codec.block
+        self.sharded = ctx.collective is not Collective.ALLREDUCE
+        if self.sharded:
+            if self.numel % n:
+                raise InvalidArgumentError(
+                    f"{ctx.what}: {self.numel} elements do not split into {n} equal shards"
+                )
+            self.shard = self.numel // n
+            self.shard_padded = -(-self.shard // block) * block
+            work = torch.zeros(n * self.shard_padded, dtype=torch.float32, device=x.device)
+            work.view(n, self.shard_padded)[:, : self.shard] = x.reshape(n, self.shard)
+            self.chunk_bounds = [c * self.shard_padded for c in range(n + 1)]
+        else:
+            padded = -(-self.numel // block) * block
+            work = torch.zeros(padded, dtype=torch.float32, device=x.device)
+            work[: self.numel] = x.reshape(-1)
+            self.chunk_bounds = [b * block for b in split_blocks(padded // block, n)]
+        self.work = work
+        self.state = codec.prepare(work, ctx)
+        self.sums: dict[int, torch.Tensor] = {}  # chunk -> int64 partial sum of codes
+        self.info: dict[str, Any] = {}
+
+    def _bounds(self, chunk: int) -> tuple[int, int]:
+        return self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+
+    def _own_codes(self, chunk: int) -> torch.Tensor:
+        lo, hi = self._bounds(chunk)
+        index = torch.arange(lo, hi, dtype=torch.int64, device=self.work.device)
+        uniforms = rank_uniforms(self.seed, self.step, self.codec.stream, self.rank, index)
+        return self.codec.quantize(self.work[lo:hi], uniforms, self.state)
+
+    def _sum(self, chunk: int) -> torch.Tensor:
+        if chunk not in self.sums:
+            self.sums[chunk] = self._own_codes(chunk)
+        return self.sums[chunk]
+
+    def payload_nbytes(self, chunk: int, count: int) -> int:
+        lo, hi = self._bounds(chunk)
+        return packed_nbytes(hi - lo, self.codec.code_bits(count, self.state))
+
+    def _unpack(self, chunk: int, payload: torch.Tensor, count: int) -> torch.Tensor:
+        lo, hi = self._bounds(chunk)
+        return unpack_bits(payload, self.codec.code_bits(count, self.state), hi - lo)
+
+    def compress(self, chunk: int, count: int) -> torch.Tensor:
+        return pack_bits(self._sum(chunk), self.codec.code_bits(count, self.state))
+
+    def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        lo, hi = self._bounds(chunk)
+        sums = self._unpack(chunk, payload, count)
+        self.work[lo:hi] = self.codec.dequantize(sums, count, self.state)
+
+    def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        self.sums[chunk] = self._sum(chunk) + self._unpack(chunk, payload, count)
+
+    def decompress_accumulate_recompress(
+        self, chunk: int, payload: torch.Tensor, count: int, out_count: int
+    ) -> torch.Tensor:
+        self.decompress_accumulate(chunk, payload, count)
+        return self.compress(chunk, out_count)
+
+    def finish(self, out: torch.Tensor) -> None:
+        work = self.codec.finish_values(self.work, self.state)
+        if self.sharded:
+            result = work.view(self.world_size, self.shard_padded)[:, : self.shard]
+        else:
+            result = work[: self.numel]
+        if self.op is ReduceOp.AVG:
+            result = result / self.world_size
+        out.copy_(result.reshape(out.shape))

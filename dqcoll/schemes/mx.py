@@ -1,0 +1,339 @@
+"""``mxfp8`` / ``mxfp6`` / ``mxfp4``: OCP Microscaling (MX v1.0) block formats, over any schedule.
+
+Format (OCP MX v1.0, §5 and §6.3), per block of 32 coordinates:
+
+* shared scale ``X = 2**e`` stored as E8M0 (one byte, ``e + 127``; ``0xFF`` = NaN), with
+  ``e = floor(log2(amax)) - emax_elem`` clamped to [-127, 127] (``amax = 0``: ``e = -127``);
+* 32 elements ``P_i = quantize(V_i / X)`` in the element format, round-to-nearest-even,
+  *saturating* at the largest finite element value (the spec's choice for conversions; ml_dtypes'
+  plain casts overflow to Inf/NaN instead, so the tests compare against casts of clamped values);
+* decoded value ``X * P_i``.
+
+Element formats (sign, exponent, mantissa bits; bias; largest value; emax):
+
+=======  =========  ====  =======  ====  ==================================================
+element  s.e.m      bias  max      emax  notes
+=======  =========  ====  =======  ====  ==================================================
+e4m3     1.4.3      7     448      8     ``S.1111.111`` is NaN, no Inf (``float8_e4m3fn``)
+e5m2     1.5.2      15    57344    15    exponent 31 is Inf/NaN (IEEE-like)
+e2m3     1.2.3      1     7.5      2     no Inf/NaN (``float6_e2m3fn``)
+e3m2     1.3.2      3     28       4     no Inf/NaN (``float6_e3m2fn``)
+e2m1     1.2.1      1     6        2     no Inf/NaN (``float4_e2m1fn``)
+=======  =========  ====  =======  ====  ==================================================
+
+Payload of a run of ``B`` blocks: ``B`` scale bytes, then ``B * 32`` element codes packed
+LSB-first (:mod:`.bitpack`): ``32 * (bits + 0.25)`` bits per block, i.e. 8.25 / 6.25 / 4.25 bits
+per coordinate. NaN or Inf anywhere in a block's partial sum makes its scale NaN, so every rank
+decodes that block as NaN (nothing silently lost).
+
+The DynamiQ paper's variant (``scale="global"``): one bf16 max all-reduce of each block's absmax
+first (16 bits per 32 coordinates through the statistics all-reduce, counted in ``bytes_sent``);
+a payload summing ``count`` ranks then uses the scale ``bf16_up(count * G / max_elem)`` known to
+both sides, so no scale travels with the codes and partial sums never saturate (``count * G``
+bounds them). Elements are ``V / scale`` rounded to nearest even. Rejected: one fixed scale for
+all hops (``n G / max``), which wastes the leaves' range by a factor ``n``.
+
+At every hop the receiver decodes, adds its own values in fp32 and re-encodes with fresh scales:
+round-to-nearest re-rounds the partial sum each hop (biased, not exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+from .base import CallContext, SchemeSpec
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .elementwise import BlockCall, BlockCodec
+
+__all__ = [
+    "FORMATS",
+    "MX_BLOCK",
+    "ElementFormat",
+    "MXFP4Scheme",
+    "MXFP6Scheme",
+    "MXFP8Scheme",
+    "MXScheme",
+    "ScaleMode",
+    "bf16_round_up",
+    "decode_table",
+    "encode_elements",
+    "mx_decode_torch",
+    "mx_encode_torch",
+    "pow2",
+]
+
+MX_BLOCK = 32  # elements per shared scale (OCP MX v1.0)
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementFormat:
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    max_value: float  # largest finite magnitude (saturation bound)
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest normal value (``floor(log2(max_value))``)."""
+        return math.floor(math.log2(self.max_value))
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value (subnormals share it)."""
+        return 1 - self.bias
+
+
+FORMATS: dict[str, ElementFormat] = {
+    "e4m3": ElementFormat("e4m3", 4, 3, 7, 448.0),
+    "e5m2": ElementFormat("e5m2", 5, 2, 15, 57344.0),
+    "e2m3": ElementFormat("e2m3", 2, 3, 1, 7.5),
+    "e3m2": ElementFormat("e3m2", 3, 2, 3, 28.0),
+    "e2m1": ElementFormat("e2m1", 2, 1, 1, 6.0),
+}
+
+
+class ScaleMode(enum.Enum):
+    OCP = "ocp"  # E8M0 per block, from the block's own amax (OCP MX v1.0)
+    GLOBAL = "global"  # bf16 per block from the all-reduced block max (DynamiQ paper's variant)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2**e`` for int ``e`` in [-149, 127], built from its bits (``torch.ldexp``
+    goes through ``pow`` and is not guaranteed exact)."""
+    e = e.to(torch.int64)
+    normal = ((e.clamp(-126, 127) + 127) << 23).to(torch.int32).view(torch.float32)
+    # Subnormal powers 2**-127 .. 2**-149: mantissa bit (e + 149) alone.
+    sub = (1 << (e.clamp(-149, -127) + 149)).to(torch.int32).view(torch.float32)
+    return torch.where(e >= -126, normal, sub)
+
+
+def _floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """``floor(log2(a))`` for positive finite fp32 ``a`` (subnormals included), exact, int64."""
+    _, exponent = torch.frexp(a)  # a = m * 2**exponent, m in [0.5, 1)
+    return exponent.to(torch.int64) - 1
+
+
+def encode_elements(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """fp32 values -> int64 element codes, round-to-nearest-even, saturating; NaN -> code 0.
+
+    Code layout: sign at bit ``ebits + mbits``, biased exponent above ``mbits`` mantissa bits;
+    biased exponent 0 holds subnormals ``mant * 2**(emin - mbits)``.
+    """
+    v = v.to(torch.float32)
+    sign = torch.signbit(v).to(torch.int64)
+    a = v.abs().nan_to_num(nan=0.0, posinf=fmt.max_value)
+    a = torch.clamp(a, max=fmt.max_value)  # saturate first: max is representable, so RNE keeps it
+    positive = a > 0
+    exponent = torch.where(positive, _floor_log2(torch.where(positive, a, 1.0)),
+                           torch.full_like(sign, fmt.emin)).clamp(min=fmt.emin)
+    quantum_exp = exponent - fmt.mbits  # spacing of representable values at this exponent
+    steps = torch.round(a * pow2(-quantum_exp))  # exact scaling, then round half to even
+    q = steps * pow2(quantum_exp)  # exact; may have carried into the next binade
+    q = torch.clamp(q, max=fmt.max_value)
+    normal = q >= 2.0**fmt.emin
+    e2 = torch.where(normal, _floor_log2(torch.where(normal, q, 1.0)), torch.full_like(sign, 0))
+    mant_normal = (q * pow2(fmt.mbits - e2)).to(torch.int64) - (1 << fmt.mbits)
+    mant_sub = (q * pow2(torch.full_like(e2, fmt.mbits - fmt.emin))).to(torch.int64)
+    biased = torch.where(normal, e2 + fmt.bias, torch.zeros_like(e2))
+    mant = torch.where(normal, mant_normal, mant_sub)
+    code = (sign << (fmt.ebits + fmt.mbits)) | (biased << fmt.mbits) | mant
+    return torch.where(v.isnan(), torch.zeros_like(code), code)
+
+
+@functools.lru_cache(maxsize=16)
+def _table_cpu(name: str) -> torch.Tensor:
+    fmt = FORMATS[name]
+    values = []
+    for code in range(1 << fmt.bits):
+        sign = -1.0 if code >> (fmt.ebits + fmt.mbits) else 1.0
+        biased = (code >> fmt.mbits) & ((1 << fmt.ebits) - 1)
+        mant = code & ((1 << fmt.mbits) - 1)
+        if biased == 0:
+            magnitude = mant * 2.0 ** (fmt.emin - fmt.mbits)
+        else:
+            magnitude = (1 + mant / 2**fmt.mbits) * 2.0 ** (biased - fmt.bias)
+        values.append(sign * magnitude if magnitude <= fmt.max_value else math.nan)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def decode_table(fmt: ElementFormat, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 value of every code (codes above the largest finite value, never emitted: NaN)."""
+    return _table_cpu(fmt.name).to(device)
+
+
+def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """Smallest bf16 >= ``x`` (non-negative fp32), returned as fp32; NaN/Inf stay."""
+    bits = x.to(torch.float32).view(torch.int32).to(torch.int64)
+    low = bits & 0xFFFF
+    up = (bits >> 16) + (low != 0).to(torch.int64)  # truncate, then one ulp up if anything was cut
+    rounded = (up << 16).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x.to(torch.float32))
+
+
+def mx_encode_torch(values: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """OCP MX: fp32 ``[B * 32]`` -> uint8 payload (``B`` E8M0 scales, then packed elements)."""
+    blocks = values.view(-1, MX_BLOCK)
+    amax = blocks.abs().amax(dim=1)
+    finite = torch.isfinite(amax)
+    positive = amax > 0
+    shared = _floor_log2(torch.where(positive & finite, amax, 1.0)) - fmt.emax
+    shared = torch.where(positive, shared, torch.full_like(shared, -E8M0_BIAS))
+    shared = shared.clamp(-E8M0_BIAS, E8M0_BIAS)  # E8M0 covers 2**-127 .. 2**127
+    scale_bytes = torch.where(finite, shared + E8M0_BIAS, torch.full_like(shared, E8M0_NAN))
+    scaled = blocks * pow2(-shared)[:, None]  # a power of two: exact unless it underflows
+    codes = encode_elements(scaled, fmt)
+    codes = torch.where(finite[:, None], codes, torch.zeros_like(codes))
+    return torch.cat([scale_bytes.to(torch.uint8), pack_bits(codes, fmt.bits)])
+
+
+def mx_decode_torch(payload: torch.Tensor, numel: int, fmt: ElementFormat) -> torch.Tensor:
+    """Inverse of :func:`mx_encode_torch`: uint8 payload -> fp32 ``[numel]``."""
+    nblocks = numel // MX_BLOCK
+    scale_bytes = payload[:nblocks].to(torch.int64)
+    codes = unpack_bits(payload[nblocks:], fmt.bits, numel).view(nblocks, MX_BLOCK)
+    values = decode_table(fmt, payload.device)[codes]
+    scale = pow2(scale_bytes - E8M0_BIAS)
+    scale = torch.where(scale_bytes == E8M0_NAN, torch.full_like(scale, math.nan), scale)
+    return (values * scale[:, None]).reshape(-1)
+
+
+class MXScheme(BlockCodec):
+    """Shared implementation; the registered names fix the element family."""
+
+    spec: SchemeSpec
+    elements: tuple[str, ...] = ()
+    block = MX_BLOCK
+    avg_mode = "post"
+
+    def __init__(self, element: str | None = None, scale: str | ScaleMode = "ocp") -> None:
+        element = (element or self.elements[0]).lower()
+        if element not in self.elements:
+            raise InvalidArgumentError(
+                f"{self.spec.name}: element must be one of {list(self.elements)}, got {element!r}"
+            )
+        try:
+            self.scale = scale if isinstance(scale, ScaleMode) else ScaleMode(str(scale).lower())
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{self.spec.name}: scale must be one of {[m.value for m in ScaleMode]}, "
+                f"got {scale!r}"
+            ) from None
+        self.element = element
+        self.format = FORMATS[element]
+        if self.scale is ScaleMode.GLOBAL:
+            # codes only on the wire; the bf16 block maxima go through the statistics all-reduce
+            self.spec = dataclasses.replace(
+                type(self).spec, bits_per_coord=float(self.format.bits), needs_global_stats=True)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(element={self.element!r}, scale={self.scale.value!r})"
+
+    # -- payload ---------------------------------------------------------------------------
+
+    def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
+        codes = packed_nbytes(numel, self.format.bits)
+        if self.scale is ScaleMode.GLOBAL:
+            return codes
+        return numel // MX_BLOCK + codes
+
+    def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
+        if self.scale is ScaleMode.OCP:
+            return None
+        gmax = self.single_shot_state(work).to(torch.bfloat16)  # exact: already bf16 values
+        ctx.transport.allreduce(gmax, "max", what=f"{ctx.what} block maxima")
+        return gmax.float()
+
+    def single_shot_state(self, padded: torch.Tensor) -> Any:
+        """Global variant: each block's absmax rounded up to bf16 (Inf marks a non-finite block:
+        max all-reduces of NaN are not portable across backends)."""
+        if self.scale is ScaleMode.OCP:
+            return None
+        amax = padded.view(-1, MX_BLOCK).abs().amax(dim=1)
+        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
+        return bf16_round_up(amax)
+
+    def global_scale(self, block_max: torch.Tensor, count: int) -> torch.Tensor:
+        """bf16 scale of a payload summing ``count`` ranks: ``bf16_up(count * G / max_elem)``."""
+        return bf16_round_up(block_max * float(count) / self.format.max_value)
+
+    def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
+        if self.scale is ScaleMode.OCP:
+            return mx_encode_torch(values, self.format)
+        scale = self.global_scale(ctx, count)
+        usable = (scale > 0) & torch.isfinite(scale)
+        safe = torch.where(usable, scale, torch.ones_like(scale))
+        codes = encode_elements(values.view(-1, MX_BLOCK) / safe[:, None], self.format)
+        codes = torch.where(usable[:, None], codes, torch.zeros_like(codes))
+        return pack_bits(codes, self.format.bits)
+
+    def decode_values(
+        self, payload: torch.Tensor, numel: int, count: int, ctx: Any
+    ) -> torch.Tensor:
+        if self.scale is ScaleMode.OCP:
+            return mx_decode_torch(payload, numel, self.format)
+        codes = unpack_bits(payload, self.format.bits, numel).view(-1, MX_BLOCK)
+        scale = self.global_scale(ctx, count)
+        scale = torch.where(torch.isinf(scale), torch.full_like(scale, math.nan), scale)
+        return (decode_table(self.format, payload.device)[codes] * scale[:, None]).reshape(-1)
+
+    def begin(self, x: torch.Tensor, ctx: CallContext) -> BlockCall:
+        if self.scale is ScaleMode.GLOBAL:
+            return _GlobalScaleCall(self, x, ctx)
+        return BlockCall(self, x, ctx)
+
+
+class _GlobalScaleCall(BlockCall):
+    """The global variant's codec state per chunk is that chunk's slice of the block maxima."""
+
+    def _chunk_state(self, chunk: int) -> torch.Tensor:
+        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+        return self.state[lo // MX_BLOCK : hi // MX_BLOCK]
+
+    def compress(self, chunk: int, count: int) -> torch.Tensor:
+        return self.codec.encode_values(self._chunk(chunk), count, self._chunk_state(chunk))
+
+    def _decode(self, chunk: int, payload: torch.Tensor, count: int) -> torch.Tensor:
+        numel = self.chunk_bounds[chunk + 1] - self.chunk_bounds[chunk]
+        return self.codec.decode_values(payload, numel, count, self._chunk_state(chunk))
+
+
+def _mx_spec(name: str, bits: int, elements: str) -> SchemeSpec:
+    return SchemeSpec(
+        name=name,
+        description=f"OCP MX v1.0: blocks of 32, E8M0 scale, {elements} elements, "
+        "round-to-nearest-even, saturating (scale='global': DynamiQ paper's bf16 scale from an "
+        "all-reduced block max)",
+        bits_per_coord=bits + 8 / MX_BLOCK,
+        unbiased=False,
+        exact_sums=False,
+        options=("element", "scale"),
+    )
+
+
+class MXFP8Scheme(MXScheme):
+    spec = _mx_spec("mxfp8", 8, "E4M3 (default) or E5M2")
+    elements = ("e4m3", "e5m2")
+
+
+class MXFP6Scheme(MXScheme):
+    spec = _mx_spec("mxfp6", 6, "E2M3 (default) or E3M2")
+    elements = ("e2m3", "e3m2")
+
+
+class MXFP4Scheme(MXScheme):
+    spec = _mx_spec("mxfp4", 4, "E2M1")
+    elements = ("e2m1",)

@@ -1,0 +1,143 @@
+"""``thc``: Tensor Homomorphic Compression: rotate, clamp, 4-bit uniform codes, exact integer sums.
+
+Per call, before the collective (every rank alike, from the call's seed and step, no traffic):
+
+1. a shared pseudo-random permutation of the (padded) buffer, then a randomized Hadamard
+   transform in blocks of ``rotation_block`` (random signs ``D``, then the orthonormal
+   Walsh-Hadamard ``H / sqrt(B)``). After it every coordinate is close to N(0, rms^2) with the
+   buffer's RMS, whatever the layout of the gradient; the permutation spreads large super-groups
+   over all blocks, so one global range fits every block.
+2. one max all-reduce of each rank's RMS (4 bytes) gives the range ``T = clamp * max_rms``.
+
+Each rank then clamps to ``[-T, T]`` and rounds stochastically to 16 uniform levels
+(``delta = 2T / 15``, code ``floor((y + T) / delta + u)`` in ``[0, 15]``): 4 bits per coordinate
+at the leaves. Codes add exactly (:mod:`.integer_sum`): a payload summing ``count`` ranks is
+``ceil(log2(15 count + 1))`` bits wide (5 bits at 2 ranks, 7 at 8). The final sum
+``S * delta - n T`` is decoded once, rotated back and un-permuted by every rank alike.
+
+Clamping makes the scheme biased for coordinates beyond ``T`` (rare after the rotation:
+P(|N(0,1)| > 2.5) = 1.2 %, but each clipped one loses its excess); inside the range the rounding is
+unbiased. ``clamp`` = 2.5 minimizes clipping error + rounding variance for Gaussian coordinates
+at 16 levels (2.0: 0.0235, 2.5: 0.0210, 3.0: 0.0267 sigma^2, computed from the Gaussian tail).
+
+Rejected: a rotation over the whole buffer padded to a power of two (up to 2x the wire bytes for
+odd sizes) and per-block ranges (a scale per block on the wire, which is not THC).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ..tinylm import derived_seed
+from ..types import Collective
+from .base import CallContext, SchemeSpec
+from .integer_sum import IntegerSumCodec
+
+__all__ = ["LEVELS", "THCScheme", "fwht"]
+
+LEVELS = 16  # 4-bit codes
+_STREAM = 0x54484321  # "THC!"
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform of each row of ``x`` ``[k, B]`` (``B`` a power of 2);
+    its own inverse."""
+    k, size = x.shape
+    y = x
+    h = 1
+    while h < size:
+        y = y.reshape(k, size // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(k, size) * (1.0 / math.sqrt(size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    segment: int  # coordinates per independently rotated segment (buffer, or one shard)
+    perm: torch.Tensor  # int64 [segment]: shared permutation within each segment
+    signs: torch.Tensor  # fp32 [segment]: shared Rademacher signs
+    limit: float  # T: clamp range
+    delta: float  # 2 T / 15
+
+
+class THCScheme(IntegerSumCodec):
+    spec = SchemeSpec(
+        name="thc",
+        description="THC: shared-seed randomized Hadamard rotation, global max RMS, clamp, 4-bit "
+        "uniform levels, stochastic rounding, exact integer sums (width ceil(log2(15n+1)))",
+        bits_per_coord=4.0,
+        unbiased=False,
+        exact_sums=True,
+        needs_global_stats=True,
+        options=("clamp", "rotation_block", "seed"),
+    )
+    stream = _STREAM
+
+    def __init__(self, clamp: float = 2.5, rotation_block: int = 1024, seed: int = 0) -> None:
+        rotation_block = int(rotation_block)
+        if rotation_block < 1 or rotation_block & (rotation_block - 1):
+            raise InvalidArgumentError(
+                f"thc: rotation_block must be a power of two, got {rotation_block}"
+            )
+        clamp = float(clamp)
+        if not clamp > 0:
+            raise InvalidArgumentError(f"thc: clamp must be positive, got {clamp}")
+        self.block = rotation_block
+        self.clamp = clamp
+        self.seed = int(seed)
+
+    def __repr__(self) -> str:
+        return f"THCScheme(clamp={self.clamp:g}, rotation_block={self.block})"
+
+    def _rotate(self, work: torch.Tensor, state: _State, inverse: bool) -> torch.Tensor:
+        segments = work.view(-1, state.segment)
+        if not inverse:
+            mixed = segments[:, state.perm] * state.signs
+            return fwht(mixed.reshape(-1, self.block)).reshape(segments.shape)
+        unrotated = fwht(segments.reshape(-1, self.block)).reshape(segments.shape) * state.signs
+        out = torch.empty_like(unrotated)
+        out[:, state.perm] = unrotated
+        return out
+
+    def prepare(self, work: torch.Tensor, ctx: CallContext) -> _State:
+        n = ctx.world_size
+        sharded = ctx.collective is not Collective.ALLREDUCE
+        segment = work.numel() // n if sharded else work.numel()
+        g = torch.Generator().manual_seed(derived_seed(ctx.seed, ctx.step, "thc-rotation"))
+        perm = torch.randperm(segment, generator=g).to(work.device)
+        signs = (torch.randint(0, 2, (segment,), generator=g) * 2 - 1).float().to(work.device)
+        partial = _State(segment, perm, signs, 0.0, 0.0)
+        rotated = self._rotate(work, partial, inverse=False)
+        work.copy_(rotated.reshape(-1))
+        rms = (work.double().square().sum() / max(work.numel(), 1)).sqrt().float().reshape(1)
+        rms = torch.where(torch.isfinite(rms), rms, torch.full_like(rms, math.inf))
+        ctx.transport.allreduce(rms, "max", what=f"{ctx.what} max rms")
+        limit = self.clamp * float(rms[0])
+        return _State(segment, perm, signs, limit, 2.0 * limit / (LEVELS - 1))
+
+    def code_max(self, state: Any) -> int:
+        return LEVELS - 1
+
+    def quantize(self, values: torch.Tensor, uniforms: torch.Tensor, state: Any) -> torch.Tensor:
+        if not math.isfinite(state.delta) or state.delta == 0.0:
+            # all zero (T = 0: code 0 decodes to 0) or non-finite (decoded as NaN)
+            return torch.zeros(values.shape, dtype=torch.int64, device=values.device)
+        y = (values.clamp(-state.limit, state.limit) + state.limit) / state.delta
+        return torch.floor(y + uniforms).clamp(0, LEVELS - 1).to(torch.int64)
+
+    def dequantize(self, sums: torch.Tensor, count: int, state: Any) -> torch.Tensor:
+        if not math.isfinite(state.delta):
+            return torch.full(sums.shape, math.nan, dtype=torch.float32, device=sums.device)
+        delta = torch.tensor(state.delta, dtype=torch.float32)
+        return sums.to(torch.float32) * delta - torch.tensor(count * state.limit,
+                                                              dtype=torch.float32)
+
+    def finish_values(self, work: torch.Tensor, state: Any) -> torch.Tensor:
+        return self._rotate(work, state, inverse=True).reshape(-1)
