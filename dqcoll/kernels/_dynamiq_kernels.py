@@ -1,0 +1,422 @@
+"""Triton kernels of the DynamiQ codec: the same bytes as :mod:`dqcoll.schemes.dynamiq.codec`.
+
+Every kernel here is a pure ``@triton.jit`` function with no policy: block sizes, warps, dtype
+checks and allocation live in :mod:`.dynamiq_triton` (launchers) and :mod:`._launch` (heuristics).
+The torch reference is the spec; each step below names the reference line it reproduces.
+
+One program handles ``ROWS`` super-groups of 256 coordinates, held as a ``[ROWS, NB, BS]`` tile:
+``NB x BS`` is ``16 x 16`` (hierarchical scales: one uint8 code per group of 16) or ``8 x 32``
+(flat scales: one bf16 per 32 coordinates), so the scale reduction is one ``max`` over the last
+axis and the per-coordinate scale is a broadcast, never a gather.
+
+Byte-exactness rules (the reference is fp32 IEEE, round to nearest, one rounding per operation):
+
+* launched with ``enable_fp_fusion=False`` (see :mod:`._launch`): ``a * b + c`` must stay two
+  roundings, as in torch;
+* every division is :func:`tl.math.div_rn` (IEEE), never ``/`` (approximate on NVIDIA);
+* sums over 256 coordinates use the reference's fixed halving tree (``v[:h] + v[h:]``);
+* ``max |x|`` is an integer ``max`` of the bit patterns with the sign cleared: for non-negative
+  floats the order of the patterns is the order of the values, and every NaN pattern sorts above
+  ``+inf``, so NaN propagates exactly as ``torch.amax`` does (``tl.max`` leaves NaN undefined);
+* the random numbers are the uint32 hash of :mod:`dqcoll.schemes.dynamiq.rng`, in uint32
+  arithmetic (wrapping multiplies, logical shifts);
+* the level search is a guess from ``log2`` (or ``a * R`` for uniform levels) corrected by one step
+  against the stored fp32 magnitudes, so it equals the reference's ``searchsorted`` whatever the
+  accuracy of ``log2`` (its error is far below one level);
+* all offsets are int64 (row index times row stride), so buffers above 2**31 elements work.
+
+Rejected: one ``tl.sum`` over 256 coordinates for the statistics (its order is unspecified, so its
+bits could not match the reference), ``tl.where``-free NaN handling through ``tl.maximum`` (NaN
+behaviour undefined), and a binary search over the magnitude table for the level (7 dependent
+gathers at 8 bits versus at most 4 independent ones here).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..schemes.dynamiq import rng
+
+# Constants of the hash, taken from the reference (a kernel reads module globals only as
+# constexprs). The shift amounts are written out in _mix32, as in rng.mix32.
+_M1 = tl.constexpr(rng._M1)
+_M2 = tl.constexpr(rng._M2)
+_FEISTEL_ROUNDS = tl.constexpr(rng.FEISTEL_ROUNDS)
+
+# Only builtins of ``triton.language`` are used, never its ``@triton.jit`` helpers (``tl.sum``,
+# ``tl.max``, ``tl.zeros``, ...): those live in ``triton.language.standard`` and are
+# compiled-only when Triton was imported without ``TRITON_INTERPRET``, so the interpreted copy of
+# this module (see dynamiq_triton) could not call them. Reductions are ``tl.reduce`` with Triton's
+# own combine functions: the interpreter recognises them (numpy fast path) and they compile
+# exactly as ``tl.sum``/``tl.max`` do on the GPU.
+_ADD = tl.standard._sum_combine
+_MAX = tl.standard._elementwise_max  # only ever applied to uint32 here: exact, no NaN
+
+
+# -- random numbers (rng.py, in uint32) ----------------------------------------------------------
+
+
+@triton.jit
+def _mix32(x):
+    """rng.mix32: ``x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 15`` (mod 2**32)."""
+    x = x ^ (x >> 16)  # logical shift: x is uint32
+    x = x * _M1  # wraps mod 2**32
+    x = x ^ (x >> 15)
+    x = x * _M2
+    x = x ^ (x >> 15)
+    return x
+
+
+@triton.jit
+def _coord_hash(key, g_lo, g_hi):
+    """``coord_hash(key, g) = mix32(mix32(key ^ g_lo) ^ g_hi)``."""
+    return _mix32(_mix32(g_lo ^ key) ^ g_hi)
+
+
+@triton.jit
+def _feistel(v, ck, HALF: tl.constexpr):
+    """One pass of the balanced Feistel network over ``2 * HALF`` bits (rng.feistel_rounds)."""
+    mask: tl.constexpr = (1 << HALF) - 1
+    left = v >> HALF
+    right = v & mask
+    for j in tl.static_range(_FEISTEL_ROUNDS):
+        f = _mix32(ck ^ (right | (j << 24))) & mask  # round j keyed in bits 24..31
+        new_right = left ^ f
+        left = right
+        right = new_right
+    return (left << HALF) | right
+
+
+@triton.jit
+def _rounding_uniforms(
+    gidx, jitter_key, perm_key, rank, world_size, inv_n, CORRELATED: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """fp32 uniforms of this rank at int64 global coordinate indices ``gidx``
+    (rng.rounding_uniforms): ``gamma``, or ``(pi_g(rank) + gamma) * fp32(1/n)``."""
+    g_lo = gidx.to(tl.uint32)  # truncation: the low 32 bits
+    g_hi = (gidx >> 32).to(tl.uint32)  # gidx >= 0, so the arithmetic shift is logical
+    h = _coord_hash(jitter_key.to(tl.uint32), g_lo, g_hi)
+    gamma = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # top 24 bits * 2**-24, exact
+    if CORRELATED:
+        ck = _coord_hash(perm_key.to(tl.uint32), g_lo, g_hi)
+        n = world_size.to(tl.uint32)
+        v = _feistel(g_lo * 0 + rank.to(tl.uint32), ck, HALF)
+        outside = v >= n
+        # Cycle walking: re-apply the network where the value fell outside [0, n).
+        while tl.reduce(outside.to(tl.int32), None, _MAX) > 0:
+            v = tl.where(outside, _feistel(v, ck, HALF), v)
+            outside = v >= n
+        u = (v.to(tl.float32) + gamma) * inv_n  # two roundings, as in torch
+    else:
+        u = gamma
+    return u
+
+
+# -- shared tile steps ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _bf16_ceil_bits(bits):
+    """bf16 pattern (in a uint32) of a non-negative fp32 given by its pattern, rounded *up*
+    (codec.bf16_ceil): adding 0xFFFF carries into the kept half unless the dropped half is zero;
+    NaN becomes the canonical 0x7FC0."""
+    rounded = (bits + 0xFFFF) >> 16
+    return tl.where(bits > 0x7F800000, 0x7FC0, rounded)  # patterns above +inf are NaN
+
+
+@triton.jit
+def _bf16_bits_to_fp32(bits):
+    """fp32 value of a bf16 pattern held in the low 16 bits of a uint32 (exact)."""
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_fp32(x):
+    """Exact upcast of fp32/bf16/fp16 values. bf16 goes through its bit pattern (a 16-bit shift),
+    which is what the hardware does and keeps bf16 denormals exact in the interpreter too."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _from_fp32(v, dtype: tl.constexpr):
+    """fp32 to ``dtype`` rounding to nearest even, as torch does. bf16 is rounded on the bit
+    pattern (torch's ``round_to_nearest_even``: add 0x7FFF plus the kept LSB, NaN to 0x7FC0)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
+def _halve(v, ROWS: tl.constexpr, W: tl.constexpr):
+    """``v[:, :W/2] + v[:, W/2:]`` of a ``[ROWS, W]`` tile: one level of the halving tree."""
+    return tl.reduce(tl.reshape(v, [ROWS, 2, W // 2]), 1, _ADD)
+
+
+@triton.jit
+def _tree_sum_256(v, ROWS: tl.constexpr):
+    """codec.tree_sum over the 256 coordinates of each row: 8 fixed halvings."""
+    v = _halve(v, ROWS, 256)
+    v = _halve(v, ROWS, 128)
+    v = _halve(v, ROWS, 64)
+    v = _halve(v, ROWS, 32)
+    v = _halve(v, ROWS, 16)
+    v = _halve(v, ROWS, 8)
+    v = _halve(v, ROWS, 4)
+    v = _halve(v, ROWS, 2)
+    return tl.reshape(v, [ROWS])
+
+
+@triton.jit
+def _decode_tile(
+    rec_ptr, rec_row, row_mask, table_ptr,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    HIERARCHICAL: tl.constexpr,
+):
+    """fp32 ``[ROWS, NB, BS]`` values of the records starting at byte offsets ``rec_row``
+    (codec.decode_torch): ``table[code] * D`` with ``D = q * unit`` or the flat bf16 scale."""
+    PER_BYTE: tl.constexpr = 8 // WIDTH
+    CODE_NBYTES: tl.constexpr = 32 * WIDTH
+    nb = tl.arange(0, NB)
+    coord = nb[None, :, None] * BS + tl.arange(0, BS)[None, None, :]  # [1, NB, BS]
+    m3 = row_mask[:, None, None]
+    base3 = rec_ptr + rec_row[:, None, None]
+    # Code j sits in byte j*b//8 at bit j*b%8 (LSB-first).
+    byte = tl.load(base3 + coord // PER_BYTE, mask=m3, other=0).to(tl.int32)
+    code = (byte >> ((coord % PER_BYTE) * WIDTH)) & ((1 << WIDTH) - 1)
+    value = tl.load(table_ptr + code)
+    m2 = row_mask[:, None]
+    scale_row = rec_ptr + rec_row + CODE_NBYTES  # [ROWS] pointers to the scale bytes
+    if HIERARCHICAL:
+        q = tl.load(scale_row[:, None] + nb[None, :], mask=m2, other=0).to(tl.float32)
+        unit_lo = tl.load(scale_row + NB, mask=row_mask, other=0).to(tl.uint32)
+        unit_hi = tl.load(scale_row + NB + 1, mask=row_mask, other=0).to(tl.uint32)
+        unit = _bf16_bits_to_fp32(unit_lo | (unit_hi << 8))  # bf16, little-endian
+        scale = q * unit[:, None]  # exact: 8-bit times 8-bit significands
+    else:
+        lo = tl.load(scale_row[:, None] + 2 * nb[None, :], mask=m2, other=0).to(tl.uint32)
+        hi = tl.load(scale_row[:, None] + 2 * nb[None, :] + 1, mask=m2, other=0).to(tl.uint32)
+        scale = _bf16_bits_to_fp32(lo | (hi << 8))
+    return value * scale[:, :, None]
+
+
+@triton.jit
+def _encode_tile(
+    x, gidx, row_mask, out_ptr, out_row, mag_ptr, level_k, level_inv_log2,
+    jitter_key, perm_key, rank, world_size, inv_n,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Encode the fp32 ``[ROWS, NB, BS]`` tile ``x`` into records at byte offsets ``out_row``
+    (codec._encode_rows)."""
+    TOP: tl.constexpr = (1 << (WIDTH - 1)) - 1  # R
+    PER_BYTE: tl.constexpr = 8 // WIDTH
+    CODE_NBYTES: tl.constexpr = 32 * WIDTH
+    nb = tl.arange(0, NB)
+    m2 = row_mask[:, None]
+    scale_row = out_ptr + out_row + CODE_NBYTES
+
+    # Scales. |x| as a bit pattern (sign cleared); integer max = NaN-propagating float max.
+    abs_bits = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    block_bits = tl.reduce(abs_bits, 2, _MAX)  # [ROWS, NB]
+    if HIERARCHICAL:
+        top_bits = tl.reduce(block_bits, 1, _MAX)  # [ROWS]
+        top = top_bits.to(tl.float32, bitcast=True)
+        unit_bits = _bf16_ceil_bits(tl.math.div_rn(top, 255.0).to(tl.uint32, bitcast=True))
+        unit = _bf16_bits_to_fp32(unit_bits)
+        group = block_bits.to(tl.float32, bitcast=True)
+        ratio = tl.math.ceil(tl.math.div_rn(group, unit[:, None]))
+        usable = (unit > 0.0) & (unit < float("inf"))  # False for 0, inf and NaN
+        q = tl.where(usable[:, None], tl.minimum(tl.maximum(ratio, 1.0), 255.0), 1.0)
+        scale = q * unit[:, None]  # [ROWS, NB], exact
+        tl.store(scale_row[:, None] + nb[None, :], q.to(tl.uint8), mask=m2)
+        tl.store(scale_row + NB, (unit_bits & 0xFF).to(tl.uint8), mask=row_mask)
+        tl.store(scale_row + NB + 1, (unit_bits >> 8).to(tl.uint8), mask=row_mask)
+    else:
+        scale_bits = _bf16_ceil_bits(block_bits)
+        scale = _bf16_bits_to_fp32(scale_bits)
+        tl.store(scale_row[:, None] + 2 * nb[None, :], (scale_bits & 0xFF).to(tl.uint8), mask=m2)
+        tl.store(scale_row[:, None] + 2 * nb[None, :] + 1, (scale_bits >> 8).to(tl.uint8), mask=m2)
+
+    # y = clamp(x / D, -1, 1) where D is positive and finite, else 0.
+    d = scale[:, :, None]
+    ok = (d > 0.0) & (d < float("inf"))
+    y = tl.where(ok, tl.math.div_rn(x, tl.where(ok, d, 1.0)), 0.0)
+    y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+    a = tl.abs(y)
+
+    # r = number of interior magnitudes m_1..m_{R-1} that are <= a; lo, hi = m_r, m_{r+1}.
+    if WIDTH == 2:  # R = 1: no interior level, m = [0, 1]
+        r = tl.full(a.shape, 0, tl.int32)
+        lo = tl.full(a.shape, 0.0, tl.float32)
+        hi = tl.full(a.shape, 1.0, tl.float32)
+    else:
+        if NONUNIFORM:  # m_r = (base^r - 1) / K  =>  r = log2(1 + a K) / log2(base)
+            guess = tl.log2(1.0 + a * level_k) * level_inv_log2
+        else:  # m_r = r / R
+            guess = a * TOP
+        r = tl.minimum(tl.maximum(tl.floor(guess).to(tl.int32), 0), TOP - 1)
+        below = tl.load(mag_ptr + r)
+        above = tl.load(mag_ptr + r + 1)
+        r = tl.where(below > a, r - 1, tl.where((above <= a) & (r < TOP - 1), r + 1, r))
+        lo = tl.load(mag_ptr + r)
+        hi = tl.load(mag_ptr + r + 1)
+
+    u = _rounding_uniforms(gidx, jitter_key, perm_key, rank, world_size, inv_n, CORRELATED, HALF)
+    level = r + ((a - lo) > u * (hi - lo)).to(tl.int32)  # P(up) = (a - lo) / (hi - lo)
+    codes = tl.where(y < 0.0, TOP - level, TOP + level)  # stored as l + R
+
+    # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8 (fields are disjoint: sum == or).
+    if PER_BYTE == 1:
+        packed = tl.reshape(codes, [ROWS, CODE_NBYTES])
+    else:
+        grouped = tl.reshape(codes, [ROWS, CODE_NBYTES, PER_BYTE])
+        shifts = tl.arange(0, PER_BYTE) * WIDTH
+        packed = tl.reduce(grouped << shifts[None, None, :], 2, _ADD)
+    byte_index = tl.arange(0, CODE_NBYTES)
+    tl.store(out_ptr + out_row[:, None] + byte_index[None, :], packed.to(tl.uint8), mask=m2)
+
+
+@triton.jit
+def _tile_coords(pid, n_rows, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
+    """Row indices (int64), their mask and the ``[1, NB, BS]`` coordinate index in a row."""
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    coord = tl.arange(0, NB)[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
+    return rows, rows < n_rows, coord
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _stats_center_kernel(
+    x_ptr, x_row_stride, valid_ptr, centred_ptr, mean_ptr, norm2_ptr, n_rows,
+    ROWS: tl.constexpr,
+):
+    """codec.stats_center_torch: tree-sum mean over the valid coordinates, centring (padding
+    stays exactly 0), tree-sum squared norm. ``x`` may be fp32, bf16 or fp16."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < n_rows
+    coord = tl.arange(0, 256)
+    m2 = row_mask[:, None]
+    x = _to_fp32(tl.load(x_ptr + rows[:, None] * x_row_stride + coord[None, :], mask=m2, other=0.0))
+    valid = tl.load(valid_ptr + rows, mask=row_mask, other=1)
+    mean = tl.math.div_rn(_tree_sum_256(x, ROWS), valid.to(tl.float32))
+    centred = x - mean[:, None]
+    centred = tl.where(coord[None, :] >= valid[:, None], 0.0, centred)
+    norm2 = _tree_sum_256(centred * centred, ROWS)  # products rounded before the adds
+    tl.store(centred_ptr + rows[:, None] * 256 + coord[None, :], centred, mask=m2)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(norm2_ptr + rows, norm2, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["jitter_key", "perm_key", "rank", "world_size"])
+def _encode_kernel(
+    x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, mag_ptr, level_k, level_inv_log2,
+    jitter_key, perm_key, rank, world_size, inv_n, n_rows,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """codec.encode_torch: a leaf compresses its local rows."""
+    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    m3 = row_mask[:, None, None]
+    x = tl.load(x_ptr + rows[:, None, None] * x_row_stride + coord, mask=m3, other=0.0)
+    base = tl.load(index_ptr + rows, mask=row_mask, other=0)
+    _encode_tile(
+        _to_fp32(x), base[:, None, None] + coord, row_mask, out_ptr, rows * out_row_stride,
+        mag_ptr, level_k, level_inv_log2, jitter_key, perm_key, rank, world_size, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, HALF,
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    rec_ptr, rec_row_stride, table_ptr, out_ptr, n_rows,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    HIERARCHICAL: tl.constexpr,
+):
+    """codec.decode_torch: records to fp32 rows (all-gather receive)."""
+    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    value = _decode_tile(
+        rec_ptr, rows * rec_row_stride, row_mask, table_ptr, WIDTH, ROWS, NB, BS, HIERARCHICAL
+    )
+    tl.store(out_ptr + rows[:, None, None] * 256 + coord, value, mask=row_mask[:, None, None])
+
+
+@triton.jit
+def _decode_accumulate_kernel(
+    rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, n_rows,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    HIERARCHICAL: tl.constexpr,
+):
+    """codec.decode_accumulate_torch: ``acc += decode(records)`` in fp32 (non-last child)."""
+    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    m3 = row_mask[:, None, None]
+    acc_at = acc_ptr + rows[:, None, None] * acc_row_stride + coord
+    acc = tl.load(acc_at, mask=m3, other=0.0)
+    value = _decode_tile(
+        rec_ptr, rows * rec_row_stride, row_mask, table_ptr, WIDTH, ROWS, NB, BS, HIERARCHICAL
+    )
+    tl.store(acc_at, acc + value, mask=m3)
+
+
+@triton.jit(do_not_specialize=["jitter_key", "perm_key", "rank", "world_size"])
+def _decode_accumulate_encode_kernel(
+    rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, index_ptr,
+    out_ptr, out_row_stride, mag_ptr, level_k, level_inv_log2,
+    jitter_key, perm_key, rank, world_size, inv_n, n_rows,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """codec.decode_accumulate_encode_torch, fused: the partial sum is encoded from registers;
+    it is also written back to ``acc`` (the executor keeps it: the sink decodes over it)."""
+    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    m3 = row_mask[:, None, None]
+    acc_at = acc_ptr + rows[:, None, None] * acc_row_stride + coord
+    acc = tl.load(acc_at, mask=m3, other=0.0)
+    value = _decode_tile(
+        rec_ptr, rows * rec_row_stride, row_mask, table_ptr, WIDTH, ROWS, NB, BS, HIERARCHICAL
+    )
+    acc = acc + value
+    tl.store(acc_at, acc, mask=m3)
+    base = tl.load(index_ptr + rows, mask=row_mask, other=0)
+    _encode_tile(
+        acc, base[:, None, None] + coord, row_mask, out_ptr, rows * out_row_stride,
+        mag_ptr, level_k, level_inv_log2, jitter_key, perm_key, rank, world_size, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, HALF,
+    )
+
+
+@triton.jit
+def _restore_kernel(
+    work_ptr, work_row_stride, mean_ptr, index_ptr, valid_ptr, out_ptr, n_rows,
+    ROWS: tl.constexpr,
+):
+    """Add back each row's summed mean and scatter the row's valid coordinates to their original
+    place ``index[i] + j`` of the flat output (any float dtype; the cast rounds to nearest even),
+    undoing the reorder and dropping the padding in one pass."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < n_rows
+    coord = tl.arange(0, 256)
+    m2 = row_mask[:, None]
+    work = tl.load(work_ptr + rows[:, None] * work_row_stride + coord[None, :], mask=m2, other=0.0)
+    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+    base = tl.load(index_ptr + rows, mask=row_mask, other=0)
+    valid = tl.load(valid_ptr + rows, mask=row_mask, other=0)
+    value = work + mean[:, None]
+    keep = m2 & (coord[None, :] < valid[:, None])
+    tl.store(out_ptr + base[:, None] + coord[None, :], _from_fp32(value, out_ptr.dtype.element_ty),
+             mask=keep)

@@ -1,0 +1,413 @@
+"""Launchers of the DynamiQ Triton kernels: check shapes, allocate, launch. ``OPS`` is what
+:func:`dqcoll.kernels.dynamiq_ops` hands out for CUDA tensors.
+
+Each launcher has the signature of its torch reference in :mod:`dqcoll.schemes.dynamiq.codec`
+and returns the same bytes (codes, scales) and the same fp32 values (statistics, decoded and
+accumulated rows; NaN payloads aside, which no record carries: a non-finite scale is stored as the
+canonical bf16 NaN). Extensions over the references, all exact: ``stats_center`` and ``encode``
+also take bf16/fp16 rows (upcast in registers, equal to the reference on ``x.float()``), and rows
+may be strided (unit stride inside a row).
+
+On CUDA tensors the compiled kernels run. On CPU tensors the same kernels run in Triton's
+interpreter (``TRITON_INTERPRET`` semantics, without the variable): this module loads a second,
+interpreted copy of :mod:`._dynamiq_kernels` on first use, so CPU tests check the very kernel
+source byte for byte against the reference, and nothing leaks into other code that uses Triton.
+The interpreter patches ``triton.language`` globally while it runs, so interpreted launches are
+serialised by a lock (the ``local`` transport runs ranks as threads). Rejected: requiring
+``TRITON_INTERPRET=1`` in the environment (it must be set before Triton is imported and then turns
+*every* kernel in the process into the interpreter, GPU tests included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..schemes.dynamiq import rng
+from ..schemes.dynamiq.codec import (
+    SUPER,
+    WIDTHS,
+    CodecConfig,
+    Levels,
+    RoundingMode,
+    Scales,
+    _magnitudes,
+    code_table,
+    record_nbytes,
+)
+from . import DynamiqOps
+from . import _dynamiq_kernels as compiled_kernels
+from ._launch import Kernel, LaunchConfig, compile_options, launch_config
+
+__all__ = [
+    "OPS",
+    "stats_center",
+    "encode",
+    "decode",
+    "decode_accumulate",
+    "decode_accumulate_encode",
+    "restore",
+    "restore_torch",
+]
+
+FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+# -- which copy of the kernels ----------------------------------------------------------------
+
+_INTERPRETER_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _interpret_mode() -> Iterator[None]:
+    """``@triton.jit`` builds interpreted functions inside this block (Triton reads the switch
+    when a function is decorated)."""
+    import triton
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4 caches the switch in knobs
+    scope = knobs.runtime.scope() if knobs is not None else contextlib.nullcontext()
+    try:
+        with scope:
+            if knobs is not None:
+                knobs.runtime.interpret = True
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreted_kernels() -> ModuleType:
+    name = f"{compiled_kernels.__name__}_interpreted"
+    spec = importlib.util.spec_from_file_location(name, compiled_kernels.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with _INTERPRETER_LOCK, _interpret_mode():
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _kernels_for(device: torch.device) -> tuple[ModuleType, bool]:
+    """(kernel module, interpreted?) for tensors on ``device``."""
+    if device.type == "cuda":
+        return compiled_kernels, False
+    if device.type == "cpu":
+        return _interpreted_kernels(), True
+    raise ValueError(f"dynamiq Triton kernels run on CUDA or (interpreted) CPU, got {device}")
+
+
+def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *args: Any,
+            **constexprs: Any) -> None:
+    grid = cfg.grid(n_rows)
+    if interpreted:
+        import numpy
+
+        # The kernels compute values they then discard (0/0 where a scale is zero); numpy would
+        # warn about each.
+        with _INTERPRETER_LOCK, numpy.errstate(all="ignore"):
+            kernel[grid](*args, **constexprs)
+    else:
+        kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, **compile_options())
+
+
+# -- host-side parameters ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundingParams:
+    """Per-call scalars of :func:`rng.rounding_uniforms`, computed once on the host."""
+
+    jitter_key: int  # rank_key(stream_key(key, STREAM_JITTER), rank)
+    perm_key: int  # stream_key(key, STREAM_PERM)
+    rank: int
+    world_size: int
+    inv_n: float  # fp32(1 / n), exactly representable as a Python float
+    correlated: bool  # correlated rounding with more than one rank
+    half_bits: int  # Feistel half width
+
+    @classmethod
+    def build(cls, key: int, rank: int, world_size: int, config: CodecConfig) -> RoundingParams:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        correlated = config.rounding is RoundingMode.CORRELATED and world_size > 1
+        return cls(
+            jitter_key=rng.rank_key(rng.stream_key(key, rng.STREAM_JITTER), rank),
+            perm_key=rng.stream_key(key, rng.STREAM_PERM),
+            rank=rank,
+            world_size=world_size,
+            inv_n=float(torch.tensor(1.0 / world_size, dtype=torch.float32)),
+            correlated=correlated,
+            half_bits=rng.feistel_half_bits(world_size) if correlated else 1,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelParams:
+    """Magnitude table and the constants of the level guess (see the kernels' docstring)."""
+
+    magnitudes: torch.Tensor  # fp32 [R + 1]
+    codes: torch.Tensor  # fp32 [2**width], decoded value of each code
+    k: float  # base**R - 1 (non-uniform levels)
+    inv_log2_base: float  # 1 / log2(base)
+
+
+@functools.lru_cache(maxsize=64)
+def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
+    mags = _magnitudes(width, levels)
+    top = len(mags) - 1
+    if levels is Levels.NONUNIFORM:
+        from ..schemes.dynamiq.codec import EPSILON
+
+        base = 1.0 + 2.0 * EPSILON[width] ** 2
+        k, inv_log2 = base**top - 1.0, 1.0 / math.log2(base)
+    else:
+        k, inv_log2 = 0.0, 0.0
+    return LevelParams(
+        magnitudes=torch.tensor(mags, dtype=torch.float32, device=device),
+        codes=code_table(width, levels, device),
+        k=k,
+        inv_log2_base=inv_log2,
+    )
+
+
+def _tile(config: CodecConfig) -> tuple[int, int, bool]:
+    """(blocks per row, coordinates per block, hierarchical?) of the kernels' row tile."""
+    if config.scales is Scales.HIERARCHICAL:
+        return 16, 16, True
+    return 8, 32, False
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def _check_width(width: int) -> None:
+    if width not in WIDTHS:
+        raise ValueError(f"width must be one of {WIDTHS}, got {width}")
+
+
+def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in dtypes or t.dim() != 2 or t.shape[1] != SUPER:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name}: expected [k, {SUPER}] of {allowed}, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    if t.shape[0] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: expected unit stride inside a row, got strides {t.stride()}")
+
+
+def _check_records(records: torch.Tensor, width: int, config: CodecConfig) -> None:
+    size = record_nbytes(width, config.scales)
+    if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != size:
+        raise ValueError(f"records: expected uint8 [k, {size}] ({width}-bit "
+                         f"{config.scales.value} records), got {records.dtype} "
+                         f"{tuple(records.shape)}")
+    if records.shape[0] > 1 and records.stride(1) != 1:
+        raise ValueError(f"records: expected unit stride inside a record, got strides "
+                         f"{records.stride()}")
+
+
+def _check_same(name: str, t: torch.Tensor, rows: int, device: torch.device) -> None:
+    if t.shape[0] != rows:
+        raise ValueError(f"{name}: expected {rows} rows, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _index(index_base: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    if index_base.dim() != 1 or index_base.shape[0] != rows:
+        raise ValueError(f"index_base: expected [{rows}], got {tuple(index_base.shape)}")
+    return index_base.to(device=device, dtype=torch.int64).contiguous()
+
+
+# -- operations (signatures of the torch references) ------------------------------------------
+
+
+def stats_center(
+    x: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton codec.stats_center_torch: ``(centred [S, 256] fp32, mean [S], norm2 [S])``."""
+    _check_rows("x", x, FLOAT_INPUTS)
+    rows = x.shape[0]
+    valid_dev = valid.to(device=x.device, dtype=torch.int32).reshape(-1).contiguous()
+    _check_same("valid", valid_dev, rows, x.device)
+    centred = torch.empty((rows, SUPER), dtype=torch.float32, device=x.device)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    norm2 = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        kernels, interpreted = _kernels_for(x.device)
+        cfg = launch_config(Kernel.STATS_CENTER, 0, rows, interpreted=interpreted)
+        _launch(kernels._stats_center_kernel, cfg, rows, interpreted,
+                x, x.stride(0), valid_dev, centred, mean, norm2, rows,
+                ROWS=cfg.rows_per_program)
+    return centred, mean, norm2
+
+
+def _encode_args(width: int, config: CodecConfig, device: torch.device, key: int, rank: int,
+                 world_size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    levels = _level_params(width, config.levels, device)
+    rp = RoundingParams.build(key, rank, world_size, config)
+    nb, bs, hierarchical = _tile(config)
+    args = (levels.magnitudes, levels.k, levels.inv_log2_base, rp.jitter_key, rp.perm_key,
+            rp.rank, rp.world_size, rp.inv_n)
+    constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical,
+                      NONUNIFORM=config.levels is Levels.NONUNIFORM, CORRELATED=rp.correlated,
+                      HALF=rp.half_bits)
+    return args, constexprs
+
+
+def encode(
+    x: torch.Tensor,
+    width: int,
+    index_base: torch.Tensor,
+    rank: int,
+    world_size: int,
+    key: int,
+    config: CodecConfig,
+) -> torch.Tensor:
+    """Triton codec.encode_torch: rows ``[k, 256]`` -> records uint8 ``[k, record_nbytes]``."""
+    _check_width(width)
+    _check_rows("x", x, FLOAT_INPUTS)
+    rows = x.shape[0]
+    index = _index(index_base, rows, x.device)
+    out = torch.empty((rows, record_nbytes(width, config.scales)), dtype=torch.uint8,
+                      device=x.device)
+    if rows:
+        kernels, interpreted = _kernels_for(x.device)
+        cfg = launch_config(Kernel.ENCODE, width, rows, interpreted=interpreted)
+        args, constexprs = _encode_args(width, config, x.device, key, rank, world_size)
+        _launch(kernels._encode_kernel, cfg, rows, interpreted,
+                x, x.stride(0), index, out, out.stride(0), *args, rows,
+                ROWS=cfg.rows_per_program, **constexprs)
+    return out
+
+
+def decode(records: torch.Tensor, width: int, config: CodecConfig) -> torch.Tensor:
+    """Triton codec.decode_torch: records -> fp32 ``[k, 256]``."""
+    _check_width(width)
+    _check_records(records, width, config)
+    rows = records.shape[0]
+    out = torch.empty((rows, SUPER), dtype=torch.float32, device=records.device)
+    if rows:
+        kernels, interpreted = _kernels_for(records.device)
+        cfg = launch_config(Kernel.DECODE, width, rows, interpreted=interpreted)
+        nb, bs, hierarchical = _tile(config)
+        table = _level_params(width, config.levels, records.device).codes
+        _launch(kernels._decode_kernel, cfg, rows, interpreted,
+                records, records.stride(0), table, out, rows,
+                WIDTH=width, ROWS=cfg.rows_per_program, NB=nb, BS=bs, HIERARCHICAL=hierarchical)
+    return out
+
+
+def decode_accumulate(
+    records: torch.Tensor, width: int, config: CodecConfig, acc: torch.Tensor
+) -> None:
+    """Triton codec.decode_accumulate_torch: ``acc += decode(records)`` in place."""
+    _check_width(width)
+    _check_records(records, width, config)
+    _check_rows("acc", acc, (torch.float32,))
+    rows = records.shape[0]
+    _check_same("acc", acc, rows, records.device)
+    if rows:
+        kernels, interpreted = _kernels_for(records.device)
+        cfg = launch_config(Kernel.DECODE_ACCUMULATE, width, rows, interpreted=interpreted)
+        nb, bs, hierarchical = _tile(config)
+        table = _level_params(width, config.levels, records.device).codes
+        _launch(kernels._decode_accumulate_kernel, cfg, rows, interpreted,
+                records, records.stride(0), table, acc, acc.stride(0), rows,
+                WIDTH=width, ROWS=cfg.rows_per_program, NB=nb, BS=bs, HIERARCHICAL=hierarchical)
+
+
+def decode_accumulate_encode(
+    records: torch.Tensor,
+    width: int,
+    acc: torch.Tensor,
+    index_base: torch.Tensor,
+    rank: int,
+    world_size: int,
+    key: int,
+    config: CodecConfig,
+) -> torch.Tensor:
+    """Triton codec.decode_accumulate_encode_torch, one fused kernel: ``acc += decode(records)``
+    (written back in place), then the new ``acc`` encoded at the same width."""
+    _check_width(width)
+    _check_records(records, width, config)
+    _check_rows("acc", acc, (torch.float32,))
+    rows = records.shape[0]
+    _check_same("acc", acc, rows, records.device)
+    index = _index(index_base, rows, records.device)
+    out = torch.empty_like(records, memory_format=torch.contiguous_format)
+    if rows:
+        kernels, interpreted = _kernels_for(records.device)
+        cfg = launch_config(Kernel.DECODE_ACCUMULATE_ENCODE, width, rows, interpreted=interpreted)
+        table = _level_params(width, config.levels, records.device).codes
+        args, constexprs = _encode_args(width, config, records.device, key, rank, world_size)
+        _launch(kernels._decode_accumulate_encode_kernel, cfg, rows, interpreted,
+                records, records.stride(0), table, acc, acc.stride(0), index,
+                out, out.stride(0), *args, rows,
+                ROWS=cfg.rows_per_program, **constexprs)
+    return out
+
+
+def restore_torch(
+    work: torch.Tensor, mean: torch.Tensor, index_base: torch.Tensor, valid: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Reference of :func:`restore`: ``out[index_base[i] + j] = work[i, j] + mean[i]`` for
+    ``j < valid[i]`` (out is flat; the cast to its dtype rounds to nearest even)."""
+    value = work + mean[:, None]
+    coord = torch.arange(SUPER, device=work.device)
+    keep = coord[None, :] < valid.to(work.device)[:, None]
+    target = index_base.to(work.device)[:, None] + coord[None, :]
+    out[target[keep]] = value[keep].to(out.dtype)
+
+
+def restore(
+    work: torch.Tensor, mean: torch.Tensor, index_base: torch.Tensor, valid: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Add back the summed means and undo the reorder in one pass (see :func:`restore_torch`):
+    ``work`` fp32 ``[S, 256]`` in sorted order, ``mean`` fp32 ``[S]``, ``index_base`` and
+    ``valid`` ``[S]``, ``out`` a flat contiguous fp32/bf16/fp16 tensor."""
+    _check_rows("work", work, (torch.float32,))
+    rows = work.shape[0]
+    device = work.device
+    if out.dim() != 1 or out.dtype not in FLOAT_INPUTS or (out.numel() > 1 and out.stride(0) != 1):
+        raise ValueError(f"out: expected a flat contiguous float tensor, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, expected {device}")
+    mean_dev = mean.to(device=device, dtype=torch.float32).contiguous()
+    index = _index(index_base, rows, device)
+    valid_dev = valid.to(device=device, dtype=torch.int32).reshape(-1).contiguous()
+    _check_same("mean", mean_dev, rows, device)
+    _check_same("valid", valid_dev, rows, device)
+    if rows:
+        kernels, interpreted = _kernels_for(device)
+        cfg = launch_config(Kernel.RESTORE, 0, rows, interpreted=interpreted)
+        _launch(kernels._restore_kernel, cfg, rows, interpreted,
+                work, work.stride(0), mean_dev, index, valid_dev, out, rows,
+                ROWS=cfg.rows_per_program)
+
+
+OPS = DynamiqOps(
+    name="triton",
+    stats_center=stats_center,
+    encode=encode,
+    decode=decode,
+    decode_accumulate=decode_accumulate,
+    decode_accumulate_encode=decode_accumulate_encode,
+)
