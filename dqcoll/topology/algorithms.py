@@ -144,7 +144,7 @@ register_algorithm(
         name="butterfly",
         build=build_butterfly_schedule,
         description="binomial in-trees shifted per chunk; ring's bytes, depth ceil(log2 n)",
-        depth=lambda n: (n - 1).bit_length(),
+        depth=lambda n: max(bin(v).count("1") for v in range(n)),
     )
 )
 register_algorithm(

@@ -90,6 +90,9 @@ def allocate_widths(
     f = norm2.double()
     zero = f == 0
     log_f = torch.log2(torch.where(zero, 1.0, f))  # +inf for inf, nan for nan
+    # +inf is a finite input whose squared norm overflowed fp32 (Inf/NaN inputs give NaN after
+    # centring): rank it as the largest finite norm rather than spending 8 bits on it.
+    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
     finite = torch.isfinite(log_f) & ~zero
     if not bool(finite.any()):
         widths = _widths_for(log_f, zero, 0.0)

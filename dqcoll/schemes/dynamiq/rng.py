@@ -12,8 +12,12 @@ high products, which the int64 emulation would have to split further for no gain
 
 Definitions (all arithmetic mod 2**32):
 
-* ``mix32`` is Chris Wellons' ``lowbias32`` (hash-prospector): ``x ^= x >> 16; x *= 0x7feb352d;
-  x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``.
+* ``mix32`` is a two-multiply xorshift hash from Chris Wellons' hash-prospector:
+  ``x ^= x >> 16; x *= 0x21f0aaad; x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15``. Both multipliers
+  are below 2**31, so in torch ``x * c`` (``x < 2**32``) stays below 2**63 and one int64 multiply
+  plus a mask is exact; ``lowbias32`` (0x846ca68b > 2**31) needed a split multiply and was 2.3x
+  slower in the reference, with the same avalanche (rms bias 1.1e-3 for both over 200k inputs,
+  which is the test's noise floor).
 * The call key is ``mix32(mix32(mix32(seed_lo ^ C0) ^ seed_hi) ^ mix32(step_lo ^ C1) ^ step_hi)``
   (computed once per call on the host); ``stream_key(key, s) = mix32(key ^ s)`` separates streams.
 * A coordinate's hash under a key: ``coord_hash(k, g) = mix32(mix32(k ^ g_lo) ^ g_hi)`` with the
@@ -52,8 +56,8 @@ __all__ = [
 ]
 
 MASK32 = 0xFFFFFFFF
-_M1 = 0x7FEB352D
-_M2 = 0x846CA68B
+_M1 = 0x21F0AAAD
+_M2 = 0x735A2D97
 _C0 = 0x243F6A88  # digits of pi: arbitrary, fixed constants that separate inputs
 _C1 = 0x85A308D3
 _C2 = 0x13198A2E
@@ -72,16 +76,15 @@ def mix32_int(x: int) -> int:
     x = (x * _M1) & MASK32
     x ^= x >> 15
     x = (x * _M2) & MASK32
-    x ^= x >> 16
+    x ^= x >> 15
     return x
 
 
 def mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """``(a * c) mod 2**32`` for int64 ``a`` in [0, 2**32): split ``c`` in 16-bit halves so that
-    no product reaches 2**63 (int64 overflow is not defined behaviour)."""
-    low = a * (c & 0xFFFF)  # < 2**48
-    high = ((a * (c >> 16)) & 0xFFFF) << 16  # only the low 16 bits survive the << 16 mod 2**32
-    return (low + high) & MASK32
+    """``(a * c) mod 2**32`` for int64 ``a`` in [0, 2**32) and ``c < 2**31``: the product is below
+    2**63, so the int64 multiply cannot overflow."""
+    assert c < 2**31
+    return (a * c) & MASK32
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +93,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     x = mul32(x, _M1)
     x = x ^ (x >> 15)
     x = mul32(x, _M2)
-    return x ^ (x >> 16)
+    return x ^ (x >> 15)
 
 
 def call_key(seed: int, step: int) -> int:

@@ -185,6 +185,14 @@ class DynamiqCall:
             flat.div_(n)
         centred, mean, norm2 = self.ops.stats_center(flat, valid)
         del flat
+        # A row whose squares all underflow fp32 (|x| below ~1e-23) has norm2 == 0 although it is
+        # not zero: give it the smallest normal norm so that it still gets a record (width 0 would
+        # drop it, and each rank would keep its own centred values).
+        empty = torch.nonzero(norm2 == 0).squeeze(1)
+        if empty.numel():  # scan only those rows
+            lost = empty[(centred[empty] != 0).any(dim=1)]
+            norm2 = norm2.clone()
+            norm2[lost] = torch.finfo(torch.float32).tiny
 
         # 2. One small uncompressed all-reduce of both statistics.
         stats = torch.stack([mean, norm2])

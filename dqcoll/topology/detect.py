@@ -1,0 +1,138 @@
+"""Detect the topology of the job this process belongs to.
+
+Sources, in order (each step says what it found in :attr:`Detection.notes`):
+
+1. **torchrun variables**: ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` give the number of hosts and
+   ranks per host (ranks host-major, as torchrun numbers them). Without them: one rank.
+2. **GPUs**: ``nvidia-smi topo -m`` where the binary exists. Any ``NV<k>`` entry between GPUs
+   means an NVLink fabric (ports not shared); otherwise PCIe (one shared root per host). Without
+   ``nvidia-smi``: CPU ranks, which share the host's cores and talk through loopback.
+3. **Network**: the speed of the fastest non-loopback interface in ``/sys/class/net/*/speed``
+   (Mb/s, as the kernel reports it); without one, :data:`FALLBACK_INTER_GBPS`.
+
+Documented fallback: with nothing to go on (a plain Python process on a laptop) the result is
+``Topology.single_host(1)``: one CPU rank, loopback links. Detection never raises for a missing
+tool; it only reads, never probes the network.
+
+Rejected: measuring links at start-up (a bandwidth test between ranks). It costs seconds on every
+job and its numbers drift with load; ``dqcoll tune`` takes measured figures through a JSON
+topology file instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+from .graph import LinkKind, Topology
+
+__all__ = ["Detection", "detect", "detect_topology", "FALLBACK_INTER_GBPS"]
+
+FALLBACK_INTER_GBPS = 10.0  # a common datacenter Ethernet port when the kernel does not say
+
+
+@dataclasses.dataclass(frozen=True)
+class Detection:
+    topology: Topology
+    notes: tuple[str, ...]
+
+
+def _env_int(env: dict[str, str], name: str) -> int | None:
+    value = env.get(name)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _nvidia_topo(run: bool) -> str | None:
+    if not run or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def parse_nvidia_topo(text: str) -> tuple[int, bool]:
+    """(number of GPUs, whether any pair is joined by NVLink) from ``nvidia-smi topo -m``."""
+    gpus = 0
+    nvlink = False
+    for line in text.splitlines():
+        if re.match(r"^\s*GPU\d+\s", line):
+            gpus += 1
+            nvlink = nvlink or bool(re.search(r"\bNV\d+\b", line))
+    return gpus, nvlink
+
+
+def _nic_gbps(sys_net: str) -> float | None:
+    best = None
+    for path in glob.glob(os.path.join(sys_net, "*", "speed")):
+        iface = os.path.basename(os.path.dirname(path))
+        if iface == "lo":
+            continue
+        try:
+            with open(path) as f:
+                mbps = int(f.read().strip())
+        except (OSError, ValueError):
+            continue  # virtual interfaces raise EINVAL or report -1
+        if mbps > 0:
+            best = max(best or 0.0, mbps / 1000.0)
+    return best
+
+
+def detect(
+    *,
+    world_size: int | None = None,
+    env: dict[str, str] | None = None,
+    nvidia_smi: bool = True,
+    sys_net: str = "/sys/class/net",
+    topo_text: str | None = None,
+) -> Detection:
+    """Detect the topology; arguments exist so tests can feed each source."""
+    env = dict(os.environ) if env is None else env
+    notes: list[str] = []
+    n = world_size if world_size is not None else _env_int(env, "WORLD_SIZE")
+    local = _env_int(env, "LOCAL_WORLD_SIZE")
+    if n is None:
+        n = 1
+        notes.append("WORLD_SIZE not set: one rank")
+    else:
+        notes.append(f"world size {n}")
+    if local is None or local < 1 or n % local:
+        if local is not None:
+            notes.append(f"LOCAL_WORLD_SIZE={local} does not divide {n}: one host")
+        local = n
+    hosts = n // local
+    text = topo_text if topo_text is not None else _nvidia_topo(nvidia_smi)
+    gpus, nvlink = parse_nvidia_topo(text) if text else (0, False)
+    nic = _nic_gbps(sys_net)
+    if nic is None:
+        nic = FALLBACK_INTER_GBPS
+        notes.append(f"no NIC speed in {sys_net}: assuming {nic:g} Gb/s")
+    else:
+        notes.append(f"fastest NIC {nic:g} Gb/s")
+    if gpus:
+        intra = LinkKind.NVLINK if nvlink else LinkKind.PCIE
+        notes.append(f"nvidia-smi: {gpus} GPU(s), {intra.value}")
+        topology = Topology.cluster(hosts, local, intra=intra, inter_gbps=nic,
+                                    name=f"detected-{hosts}x{local}-{intra.value}-{nic:g}g")
+    else:
+        notes.append("no GPU found: CPU ranks sharing each host's cores over loopback")
+        if hosts == 1:
+            topology = Topology.single_host(n, name=f"detected-host{n}-loopback")
+        else:
+            topology = Topology.cluster(hosts, local, intra="loopback", inter_gbps=nic,
+                                        device_kind="cpu",
+                                        name=f"detected-{hosts}x{local}-cpu-{nic:g}g")
+    return Detection(topology, tuple(notes))
+
+
+def detect_topology(*, world_size: int | None = None) -> Topology:
+    return detect(world_size=world_size).topology

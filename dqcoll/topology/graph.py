@@ -1,0 +1,365 @@
+"""The cluster as a graph: ranks on hosts, joined by links with a bandwidth and a latency.
+
+A :class:`Topology` says where each rank lives and which links a message between two ranks
+crosses. Two ranks on the same host talk through their *ports* into the host fabric (NVLink via
+NVSwitch, PCIe, or memory for CPU ranks); ranks on different hosts go out through the sending
+host's NIC and in through the receiving host's NIC (a non-blocking switch between hosts is
+assumed). A link that several ranks use - one NIC per node shared by its 8 GPUs, one PCIe root
+shared by a node's GPUs - is *one* link in :attr:`Topology.links`, so the cost model adds up the
+bytes of every rank that crosses it. Links are full duplex: sending and receiving are separate
+resources of the same bandwidth.
+
+Each rank also names its compute *device*; ranks that share one (4 CPU ranks on one 2-core host)
+share its throughput in the cost model the way they share a NIC.
+
+Presets (:meth:`Topology.cluster`, :meth:`Topology.single_host`, :meth:`Topology.flat`) cover the
+usual shapes; :func:`parse_topology` turns a short text (``"4x8@100"``, a JSON file, ``"detect"``)
+into one, and :mod:`.detect` builds one for the machine it runs on.
+
+Default link figures (per direction, :data:`LINK_DEFAULTS`) are round numbers near what NCCL
+reaches, not peaks: NVLink 4 on H100 SXM 450 GB/s nominal, ~360 GB/s measured busbw -> 2880 Gb/s;
+PCIe 4.0 x16 ~25 GB/s -> 200 Gb/s shared per node; network latency ~5 us (NIC + switch + verbs).
+``loopback`` is this 2-core VM's gloo-over-TCP loopback, calibrated in docs/topology.md.
+
+Rejected: a general graph with shortest-path routing (networkx-style). Every cluster dqcoll
+targets is "hosts with an internal fabric behind one NIC each", and a fixed two-level route keeps
+the cost model exact on the cases it is tested on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from typing import Any
+
+from ..errors import InvalidArgumentError
+
+__all__ = [
+    "LinkKind",
+    "Link",
+    "LinkSpec",
+    "LINK_DEFAULTS",
+    "Topology",
+    "parse_topology",
+]
+
+
+class LinkKind(enum.Enum):
+    NVLINK = "nvlink"  # GPU port into an NVSwitch fabric: one per GPU, not shared
+    PCIE = "pcie"  # the node's PCIe root: shared by every GPU of the node
+    LOOPBACK = "loopback"  # CPU ranks on one host talking through the kernel's TCP loopback
+    NETWORK = "network"  # a host's NIC: shared by every rank of the host
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSpec:
+    """Default figures of a link kind and whether one link serves a whole host."""
+
+    bandwidth_gbps: float  # per direction, gigabits per second
+    latency_us: float
+    shared_per_host: bool
+
+
+LINK_DEFAULTS: dict[LinkKind, LinkSpec] = {
+    LinkKind.NVLINK: LinkSpec(bandwidth_gbps=2880.0, latency_us=3.0, shared_per_host=False),
+    LinkKind.PCIE: LinkSpec(bandwidth_gbps=200.0, latency_us=5.0, shared_per_host=True),
+    # Calibrated on this 2-core VM with gloo (docs/topology.md): ~4.5 Gb/s per direction through
+    # the host's loopback, ~60 us per message round.
+    LinkKind.LOOPBACK: LinkSpec(bandwidth_gbps=4.5, latency_us=60.0, shared_per_host=True),
+    LinkKind.NETWORK: LinkSpec(bandwidth_gbps=100.0, latency_us=5.0, shared_per_host=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    name: str
+    kind: LinkKind
+    bandwidth_gbps: float  # per direction
+    latency_us: float
+
+    @property
+    def bytes_per_us(self) -> float:
+        return self.bandwidth_gbps * 1e3 / 8.0  # Gb/s -> bytes per microsecond
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind.value, "bandwidth_gbps": self.bandwidth_gbps,
+                "latency_us": self.latency_us}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Link:
+        return cls(str(data["name"]), LinkKind(data["kind"]), float(data["bandwidth_gbps"]),
+                   float(data["latency_us"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Ranks, hosts and links; see the module docstring for the routing rule."""
+
+    name: str
+    hosts: tuple[int, ...]  # hosts[rank]: the host a rank lives on
+    ports: tuple[int, ...]  # ports[rank]: index in ``links`` of the rank's port into its host
+    nics: tuple[int, ...]  # nics[host]: index in ``links`` of the host's NIC
+    links: tuple[Link, ...]
+    devices: tuple[int, ...]  # devices[rank]: compute device id (equal ids share throughput)
+    device_kind: str = "cpu"  # key into the cost model's kernel throughput table
+
+    def __post_init__(self) -> None:
+        n = len(self.hosts)
+        if n < 1:
+            raise InvalidArgumentError("a topology needs at least one rank")
+        for field, values in (("ports", self.ports), ("devices", self.devices)):
+            if len(values) != n:
+                raise InvalidArgumentError(f"topology {self.name!r}: {field} has {len(values)} "
+                                           f"entries for {n} ranks")
+        num_hosts = max(self.hosts) + 1
+        if sorted(set(self.hosts)) != list(range(num_hosts)):
+            raise InvalidArgumentError(f"topology {self.name!r}: hosts must be numbered 0.."
+                                       f"{num_hosts - 1}, got {sorted(set(self.hosts))}")
+        if len(self.nics) != num_hosts:
+            raise InvalidArgumentError(f"topology {self.name!r}: {len(self.nics)} NICs for "
+                                       f"{num_hosts} hosts")
+        for index in (*self.ports, *self.nics):
+            if not 0 <= index < len(self.links):
+                raise InvalidArgumentError(f"topology {self.name!r}: link index {index} outside "
+                                           f"[0, {len(self.links)})")
+
+    # -- shape ------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.nics)
+
+    def host_ranks(self, host: int) -> tuple[int, ...]:
+        return tuple(r for r, h in enumerate(self.hosts) if h == host)
+
+    def local_rank(self, rank: int) -> int:
+        return self.host_ranks(self.hosts[rank]).index(rank)
+
+    @property
+    def gpus_per_host(self) -> int | None:
+        """Ranks per host when every host has the same number, else None."""
+        counts = {len(self.host_ranks(h)) for h in range(self.num_hosts)}
+        return counts.pop() if len(counts) == 1 else None
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe identifier (the tuned tables are named by it)."""
+        return "".join(c if c.isalnum() or c in "-_." else "-" for c in self.name)
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def route(self, src: int, dst: int) -> tuple[tuple[int, str], ...]:
+        """The ``(link index, "tx" | "rx")`` resources a message from ``src`` to ``dst`` uses."""
+        if src == dst:
+            return ()
+        if self.hosts[src] == self.hosts[dst]:
+            return ((self.ports[src], "tx"), (self.ports[dst], "rx"))
+        return ((self.nics[self.hosts[src]], "tx"), (self.nics[self.hosts[dst]], "rx"))
+
+    def latency_us(self, src: int, dst: int) -> float:
+        return max((self.links[i].latency_us for i, _ in self.route(src, dst)), default=0.0)
+
+    def is_intra(self, src: int, dst: int) -> bool:
+        return self.hosts[src] == self.hosts[dst]
+
+    # -- presets ----------------------------------------------------------------------------
+
+    @classmethod
+    def cluster(
+        cls,
+        nodes: int,
+        gpus_per_node: int,
+        *,
+        intra: str | LinkKind = "nvlink",
+        inter_gbps: float = 100.0,
+        intra_gbps: float | None = None,
+        inter_latency_us: float | None = None,
+        intra_latency_us: float | None = None,
+        device_kind: str = "h100",
+        name: str | None = None,
+    ) -> Topology:
+        """``nodes`` hosts of ``gpus_per_node`` GPUs, ranks numbered host-major (as torchrun
+        does), one NIC of ``inter_gbps`` per node shared by its GPUs."""
+        if nodes < 1 or gpus_per_node < 1:
+            raise InvalidArgumentError(
+                f"cluster needs nodes >= 1 and gpus_per_node >= 1, got {nodes}x{gpus_per_node}")
+        intra_kind = LinkKind(intra) if not isinstance(intra, LinkKind) else intra
+        if intra_kind is LinkKind.NETWORK:
+            raise InvalidArgumentError("intra must be nvlink, pcie or loopback, not network")
+        intra_spec = LINK_DEFAULTS[intra_kind]
+        inter_spec = LINK_DEFAULTS[LinkKind.NETWORK]
+        bw_intra = intra_spec.bandwidth_gbps if intra_gbps is None else float(intra_gbps)
+        lat_intra = intra_spec.latency_us if intra_latency_us is None else float(intra_latency_us)
+        lat_inter = inter_spec.latency_us if inter_latency_us is None else float(inter_latency_us)
+        links: list[Link] = []
+        ports: list[int] = []
+        nics: list[int] = []
+        hosts: list[int] = []
+        for node in range(nodes):
+            nics.append(len(links))
+            links.append(Link(f"nic{node}", LinkKind.NETWORK, float(inter_gbps), lat_inter))
+            if intra_spec.shared_per_host:
+                shared = len(links)
+                links.append(Link(f"{intra_kind.value}{node}", intra_kind, bw_intra, lat_intra))
+            for local in range(gpus_per_node):
+                if intra_spec.shared_per_host:
+                    ports.append(shared)
+                else:
+                    ports.append(len(links))
+                    links.append(Link(f"{intra_kind.value}{node}.{local}", intra_kind, bw_intra,
+                                      lat_intra))
+                hosts.append(node)
+        label = name or f"{nodes}x{gpus_per_node}-{intra_kind.value}-{inter_gbps:g}g"
+        # CPU ranks share their host's cores; GPUs are one device each.
+        devices = tuple(hosts) if device_kind == "cpu" else tuple(range(nodes * gpus_per_node))
+        return cls(label, tuple(hosts), tuple(ports), tuple(nics), tuple(links),
+                   devices=devices, device_kind=device_kind)
+
+    @classmethod
+    def single_host(
+        cls,
+        world_size: int,
+        *,
+        kind: str | LinkKind = "loopback",
+        bandwidth_gbps: float | None = None,
+        latency_us: float | None = None,
+        shared_device: bool = True,
+        device_kind: str = "cpu",
+        name: str | None = None,
+    ) -> Topology:
+        """``world_size`` ranks on one host; CPU ranks share the host's cores (``shared_device``)."""
+        link_kind = LinkKind(kind) if not isinstance(kind, LinkKind) else kind
+        spec = LINK_DEFAULTS[link_kind]
+        bw = spec.bandwidth_gbps if bandwidth_gbps is None else float(bandwidth_gbps)
+        lat = spec.latency_us if latency_us is None else float(latency_us)
+        links = [Link("nic0", LinkKind.NETWORK, LINK_DEFAULTS[LinkKind.NETWORK].bandwidth_gbps,
+                      LINK_DEFAULTS[LinkKind.NETWORK].latency_us)]
+        if spec.shared_per_host:
+            links.append(Link(f"{link_kind.value}0", link_kind, bw, lat))
+            ports = [1] * world_size
+        else:
+            ports = []
+            for r in range(world_size):
+                ports.append(len(links))
+                links.append(Link(f"{link_kind.value}0.{r}", link_kind, bw, lat))
+        devices = [0] * world_size if shared_device else list(range(world_size))
+        label = name or f"host{world_size}-{link_kind.value}"
+        return cls(label, (0,) * world_size, tuple(ports), (0,), tuple(links), tuple(devices),
+                   device_kind=device_kind)
+
+    @classmethod
+    def flat(
+        cls,
+        world_size: int,
+        *,
+        bandwidth_gbps: float,
+        latency_us: float = 50.0,
+        shared_device: bool = False,
+        device_kind: str = "cpu",
+        name: str | None = None,
+    ) -> Topology:
+        """One rank per host, each behind its own NIC (the network-namespace emulation: one veth
+        with a ``tc`` rate limit per rank). ``shared_device``: the "hosts" share one machine's
+        cores, as network namespaces on one VM do."""
+        links = tuple(Link(f"nic{r}", LinkKind.NETWORK, float(bandwidth_gbps), float(latency_us))
+                      for r in range(world_size))
+        devices = (0,) * world_size if shared_device else tuple(range(world_size))
+        label = name or f"flat{world_size}-{bandwidth_gbps:g}g"
+        return cls(label, tuple(range(world_size)), tuple(range(world_size)),
+                   tuple(range(world_size)), links, devices, device_kind=device_kind)
+
+    # -- JSON -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "hosts": list(self.hosts),
+            "ports": list(self.ports),
+            "nics": list(self.nics),
+            "links": [link.to_dict() for link in self.links],
+            "devices": list(self.devices),
+            "device_kind": self.device_kind,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Topology:
+        try:
+            return cls(
+                name=str(data["name"]),
+                hosts=tuple(int(h) for h in data["hosts"]),
+                ports=tuple(int(p) for p in data["ports"]),
+                nics=tuple(int(i) for i in data["nics"]),
+                links=tuple(Link.from_dict(d) for d in data["links"]),
+                devices=tuple(int(d) for d in data.get("devices", range(len(data["hosts"])))),
+                device_kind=str(data.get("device_kind", "cpu")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"not a topology description: {exc}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Topology:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Topology:
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def describe(self) -> str:
+        g = self.gpus_per_host
+        shape = f"{self.num_hosts} host(s) x {g} rank(s)" if g else f"{self.world_size} ranks"
+        kinds: dict[str, Link] = {}
+        for link in self.links:
+            kinds.setdefault(link.kind.value, link)
+        parts = [f"{k} {v.bandwidth_gbps:g} Gb/s {v.latency_us:g} us" for k, v in kinds.items()]
+        return f"{self.name}: {shape}; " + ", ".join(parts)
+
+
+def parse_topology(text: str | Topology, *, world_size: int | None = None) -> Topology:
+    """A topology from a short description:
+
+    * a path to a JSON file written by :meth:`Topology.save`;
+    * ``"detect"``: :func:`dqcoll.topology.detect.detect_topology` on this machine;
+    * ``"NxG[-intra]@GBPS"``, e.g. ``"4x8@100"`` or ``"2x4-pcie@25"``: :meth:`Topology.cluster`;
+    * ``"host:N"``: :meth:`Topology.single_host` (loopback, shared CPU);
+    * ``"flat:N@GBPS"``: :meth:`Topology.flat`.
+    """
+    if isinstance(text, Topology):
+        return text
+    spec = text.strip()
+    if os.path.isfile(spec):
+        return Topology.load(spec)
+    if spec == "detect":
+        from .detect import detect_topology
+
+        return detect_topology(world_size=world_size)
+    try:
+        if spec.startswith("host:"):
+            return Topology.single_host(int(spec[5:]))
+        if spec.startswith("flat:"):
+            count, _, gbps = spec[5:].partition("@")
+            return Topology.flat(int(count), bandwidth_gbps=float(gbps or 1.0))
+        shape, _, gbps = spec.partition("@")
+        shape, _, intra = shape.partition("-")
+        nodes, _, gpus = shape.lower().partition("x")
+        return Topology.cluster(int(nodes), int(gpus), intra=intra or "nvlink",
+                                inter_gbps=float(gbps or 100.0))
+    except ValueError as exc:
+        raise InvalidArgumentError(
+            f"cannot read topology {text!r}: expected a JSON file, 'detect', 'NxG[-intra]@GBPS' "
+            f"(e.g. '4x8@100'), 'host:N' or 'flat:N@GBPS' ({exc})"
+        ) from None
+

@@ -1,0 +1,232 @@
+"""Hierarchical all-reduce: a scheme and a bit budget per level of the topology.
+
+Over ``H`` hosts of ``G`` ranks each (rank ``(h, j)`` = local rank ``j`` of host ``h``):
+
+1. **intra reduce-scatter**: inside each host, over the ``intra`` algorithm, local rank ``j``
+   ends with the host's sum of shard ``j`` (shard = 1/G of the buffer);
+2. **inter all-reduce**: the ``G`` groups of same-local-rank peers (one rank per host) all-reduce
+   their shard over the ``inter`` algorithm, so every byte on the network is the inter scheme's;
+3. **intra all-gather**: inside each host the reduced shards are gathered back.
+
+Each level has its own :class:`LevelSpec` (scheme, bits, algorithm), e.g. uncompressed over NVLink
+and ``dynamiq`` at 4 bits across nodes. :class:`HierarchicalPlan` is the plan as data; it has two
+readings that agree:
+
+* :meth:`HierarchicalPlan.flat_schedule` - one :class:`~.schedule.Schedule` over all ``n`` ranks
+  (chunk ``(h', j)`` reduced in-host onto ``(h, j)`` then across hosts onto its sink
+  ``(h', j)``), which :func:`~.checker.check_schedule` proves correct and which the executor runs
+  as is when both levels use one scheme. :meth:`HierarchicalPlan.step_levels` tells which level
+  each of its steps belongs to, for the cost model. The :class:`~.schedule.Schedule` IR is
+  unchanged.
+* :func:`hierarchical_allreduce` - the per-level execution: three ordinary collectives of
+  :mod:`dqcoll.api` over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the
+  caller's transport, so each level runs with its own scheme call.
+
+Ranks of a host need not be numbered contiguously: the plan lists each host's ranks.
+
+Rejected: a Schedule IR with a scheme per transfer. A partial sum would then change format in
+the middle of a tree, which no scheme call can do; levels as separate collectives keep each
+scheme's call (statistics, bit allocation) whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+from .algorithms import build_schedule
+from .graph import Topology
+from .schedule import Schedule, assign_roles
+
+__all__ = [
+    "Level",
+    "LevelSpec",
+    "HierarchicalPlan",
+    "build_hierarchical_plan",
+    "hierarchical_allreduce",
+]
+
+
+class Level(enum.Enum):
+    INTRA = "intra"
+    INTER = "inter"
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelSpec:
+    """How one level runs: the scheme (and its bit budget) and the algorithm among its ranks."""
+
+    scheme: str = "none"
+    bits: float = 5.0  # ignored by schemes without a ``bits`` option (none)
+    algorithm: str = "ring"
+    options: tuple[tuple[str, Any], ...] = ()  # further scheme options, e.g. (("levels", "uniform"),)
+
+    @property
+    def label(self) -> str:
+        from .. import schemes
+
+        takes_bits = "bits" in schemes.spec(self.scheme).options
+        return f"{self.algorithm}/{self.scheme}" + (f"{self.bits:g}" if takes_bits else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalPlan:
+    host_ranks: tuple[tuple[int, ...], ...]  # host_ranks[h][j]: global rank of local rank j on h
+    intra: LevelSpec
+    inter: LevelSpec
+
+    def __post_init__(self) -> None:
+        sizes = {len(r) for r in self.host_ranks}
+        if len(sizes) != 1 or not self.host_ranks:
+            raise InvalidArgumentError(
+                f"hierarchical plans need the same number of ranks on every host, got "
+                f"{[len(r) for r in self.host_ranks]}")
+        flat = sorted(r for ranks in self.host_ranks for r in ranks)
+        if flat != list(range(len(flat))):
+            raise InvalidArgumentError(f"host ranks must cover 0..{len(flat) - 1} once each")
+
+    @property
+    def nodes(self) -> int:
+        return len(self.host_ranks)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.host_ranks[0])
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def name(self) -> str:
+        return f"hier[{self.intra.label}|{self.inter.label}]"
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(host, local rank) of a global rank."""
+        for h, ranks in enumerate(self.host_ranks):
+            if rank in ranks:
+                return h, ranks.index(rank)
+        raise InvalidArgumentError(f"rank {rank} is not in the plan")
+
+    def intra_group(self, rank: int) -> tuple[int, ...]:
+        return self.host_ranks[self.position(rank)[0]]
+
+    def inter_group(self, rank: int) -> tuple[int, ...]:
+        j = self.position(rank)[1]
+        return tuple(ranks[j] for ranks in self.host_ranks)
+
+    @functools.cached_property
+    def intra_schedule(self) -> Schedule:
+        return build_schedule(self.intra.algorithm, self.gpus_per_node)
+
+    @functools.cached_property
+    def inter_schedule(self) -> Schedule:
+        return build_schedule(self.inter.algorithm, self.nodes)
+
+    def _intra_steps(self, steps) -> list[list[tuple[int, int, int]]]:  # type: ignore[no-untyped-def]
+        # Local transfer (a -> b, shard j) on every host h, for every chunk (h', j) of shard j.
+        hr = self.host_ranks
+        return [[(hr[h][t.src], hr[h][t.dst], hr[k][t.chunk]) for t in s.transfers
+                 for h in range(self.nodes) for k in range(self.nodes)] for s in steps]
+
+    def _inter_steps(self, steps) -> list[list[tuple[int, int, int]]]:  # type: ignore[no-untyped-def]
+        # Host transfer (x -> y, chunk k) for every local rank j: chunk (k, j).
+        hr = self.host_ranks
+        return [[(hr[t.src][j], hr[t.dst][j], hr[t.chunk][j]) for t in s.transfers
+                 for j in range(self.gpus_per_node)] for s in steps]
+
+    @functools.cached_property
+    def _flat(self) -> tuple[Schedule, tuple[Level, ...]]:
+        intra, inter = self.intra_schedule, self.inter_schedule
+        reduce = self._intra_steps(intra.reduce) + self._inter_steps(inter.reduce)
+        gather = self._inter_steps(inter.gather) + self._intra_steps(intra.gather)
+        schedule = assign_roles(self.name, self.world_size, reduce, gather)
+        levels = ((Level.INTRA,) * len(intra.reduce) + (Level.INTER,) * len(inter.reduce)
+                  + (Level.INTER,) * len(inter.gather) + (Level.INTRA,) * len(intra.gather))
+        return schedule, levels
+
+    def flat_schedule(self) -> Schedule:
+        """The whole plan as one schedule over all ranks (see the module docstring)."""
+        return self._flat[0]
+
+    def step_levels(self) -> tuple[Level, ...]:
+        """The level of each step of :meth:`flat_schedule` (reduce steps, then gather steps)."""
+        return self._flat[1]
+
+
+def build_hierarchical_plan(
+    topology: Topology,
+    *,
+    intra: LevelSpec | None = None,
+    inter: LevelSpec | None = None,
+) -> HierarchicalPlan:
+    """The plan for ``topology`` (every host must hold the same number of ranks). Defaults:
+    uncompressed ring inside hosts, dynamiq (5 bits) butterfly across them."""
+    host_ranks = tuple(topology.host_ranks(h) for h in range(topology.num_hosts))
+    return HierarchicalPlan(host_ranks, intra or LevelSpec("none", algorithm="ring"),
+                            inter or LevelSpec("dynamiq", 5.0, "butterfly"))
+
+
+def _phase_seed(seed: int, phase: int) -> int:
+    # Separate random streams for the three phases; 62 bits like the API's fingerprint.
+    return (seed ^ (0x9E3779B97F4A7C15 * phase)) & ((1 << 62) - 1)
+
+
+def hierarchical_allreduce(
+    buf: Any,
+    plan: HierarchicalPlan,
+    *,
+    op: str = "sum",
+    comm: Any = None,
+    seed: int | None = None,
+    step: int | None = None,
+) -> Any:
+    """All-reduce ``buf`` in place along ``plan``, each level with its own scheme; returns ``buf``.
+
+    ``comm`` is the caller's :class:`~dqcoll.comm.Communicator` (default: the current one); every
+    rank of it must call this with the same plan. ``op="avg"`` averages at each level, which
+    gives the global average since every host holds the same number of ranks.
+    """
+    from .. import api
+    from ..comm import Communicator, get_default_comm
+    from ..interop import as_torch_view
+    from ..transports.subgroup import SubgroupTransport
+
+    comm = comm or get_default_comm()
+    if comm.world_size != plan.world_size:
+        raise InvalidArgumentError(
+            f"plan is for {plan.world_size} ranks, communicator has {comm.world_size}")
+    call_step = comm.next_step()
+    step = call_step if step is None else int(step)
+    seed = comm.seed if seed is None else int(seed)
+    tensor = as_torch_view(buf)
+    flat = tensor.view(-1)
+    g = plan.gpus_per_node
+    numel = flat.numel()
+    if numel == 0 or comm.world_size == 1:
+        return buf
+    shard_numel = -(-numel // g)
+    padded = torch.zeros(g * shard_numel, dtype=flat.dtype, device=flat.device)
+    padded[:numel] = flat
+    intra = Communicator(SubgroupTransport(comm.transport, plan.intra_group(comm.rank)),
+                         device=comm.device)
+    inter = Communicator(SubgroupTransport(comm.transport, plan.inter_group(comm.rank)),
+                         device=comm.device)
+    shard = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
+    lo, hi = plan.intra, plan.inter
+    api.reduce_scatter(padded, shard, op=op, scheme=lo.scheme, bits=lo.bits,
+                       algorithm=lo.algorithm, comm=intra, seed=_phase_seed(seed, 0), step=step,
+                       **dict(lo.options))
+    api.allreduce(shard, op=op, scheme=hi.scheme, bits=hi.bits, algorithm=hi.algorithm,
+                  comm=inter, seed=_phase_seed(seed, 1), step=step, **dict(hi.options))
+    api.all_gather(shard, padded, scheme=lo.scheme, bits=lo.bits, algorithm=lo.algorithm,
+                   comm=intra, seed=_phase_seed(seed, 2), step=step, **dict(lo.options))
+    flat.copy_(padded[:numel])
+    comm.last_info = {"algorithm": plan.name, "intra": dict(intra.last_info),
+                      "inter": dict(inter.last_info)}
+    return buf

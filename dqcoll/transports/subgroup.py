@@ -1,0 +1,100 @@
+"""A view of some ranks of a transport as a transport of their own.
+
+Hierarchical all-reduce runs one collective among the ranks of a host and another among the ranks
+with the same local index on every host. :class:`SubgroupTransport` numbers the members of such a
+group ``0..k-1`` and forwards their messages to the underlying transport under the members'
+global ranks, so the executor and the schemes run unchanged on a subgroup. Byte counters are the
+parent's: the bytes go on the parent's wire.
+
+The small uncompressed ``allreduce`` of a subgroup is an all-to-all of the tensor among the
+members (one grouped exchange), reduced by every member in subgroup-rank order, so every member
+computes the very same values, as the ``local`` transport does. For the statistics DynamiQ
+exchanges (1/128 of the buffer) over groups of at most a few hosts' GPUs this costs little;
+a transport that can make real sub-communicators (``torch.distributed.new_group``,
+``ncclCommSplit``) is faster for large groups.
+
+Rejected: creating torch.distributed sub-groups here. ``new_group`` must be called by every rank
+of the world in the same order, so it belongs to set-up code, not to a per-call view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import InvalidArgumentError
+from .base import ALLREDUCE_OPS, Counters, Transport
+
+__all__ = ["SubgroupTransport"]
+
+
+class SubgroupTransport:
+    name = "subgroup"
+
+    def __init__(self, parent: Transport, ranks: Sequence[int]) -> None:
+        members = [int(r) for r in ranks]
+        if len(set(members)) != len(members) or not members:
+            raise InvalidArgumentError(f"subgroup ranks must be distinct and non-empty: {members}")
+        for r in members:
+            if not 0 <= r < parent.world_size:
+                raise InvalidArgumentError(
+                    f"subgroup rank {r} outside the parent's [0, {parent.world_size})")
+        if parent.rank not in members:
+            raise InvalidArgumentError(
+                f"rank {parent.rank} is not a member of the subgroup {members}")
+        self.parent = parent
+        self.ranks = tuple(members)
+        self.rank = members.index(parent.rank)
+        self.world_size = len(members)
+
+    @property
+    def counters(self) -> Counters:
+        return self.parent.counters
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        what: str,
+    ) -> None:
+        for peer, _ in (*sends, *recvs):
+            if not 0 <= peer < self.world_size:
+                raise InvalidArgumentError(
+                    f"subgroup rank {self.rank}: peer {peer} outside [0, {self.world_size})")
+        self.parent.exchange([(self.ranks[p], t) for p, t in sends],
+                             [(self.ranks[p], b) for p, b in recvs], what=what)
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
+        if op not in ALLREDUCE_OPS:
+            raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
+        k = self.world_size
+        if k == 1:
+            return
+        mine = tensor.detach().contiguous().clone()
+        peers = [p for p in range(k) if p != self.rank]
+        flat = mine.view(-1).view(torch.uint8) if mine.numel() else mine.view(-1)
+        received = {p: torch.empty_like(flat) for p in peers}
+        if flat.numel():
+            self.exchange([(p, flat) for p in peers], list(received.items()), what=what)
+        parts = [mine if p == self.rank else received[p].view(mine.dtype).view(mine.shape)
+                 for p in range(k)]
+        result = parts[0].clone()
+        for other in parts[1:]:
+            if op == "sum":
+                result.add_(other)
+            elif op == "max":
+                torch.maximum(result, other, out=result)
+            else:
+                torch.minimum(result, other, out=result)
+        tensor.copy_(result)
+
+    def barrier(self, *, what: str = "barrier") -> None:
+        self.allreduce(torch.zeros(1), "sum", what=what)
+
+    def abort(self, reason: str) -> None:
+        self.parent.abort(reason)
+
+    def close(self) -> None:
+        pass  # the parent belongs to the caller

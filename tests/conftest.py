@@ -1,0 +1,46 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The suite runs under pytest-xdist on 2 cores: one intra-op thread per worker avoids oversubscribing.
+torch.set_num_threads(1)
+os.environ.setdefault("DQCOLL_TIMEOUT_S", "60")
+
+
+def has_cuda() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords or "multi_rank_gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def integer_input(
+    rank: int, numel: int, dtype: torch.dtype = torch.float32, high: int = 64
+) -> torch.Tensor:
+    """Exactly representable inputs: integers in [-high, high], distinct per rank."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(-high, high + 1, (numel,), generator=g).to(dtype)
+
+
+def heavy_tailed(rank: int, numel: int, *, seed: int = 0, sigma: float = 2.0) -> torch.Tensor:
+    """Gradient-like data: super-group magnitudes log-normal (shared by ranks), noise per rank."""
+    rows = -(-numel // 256)
+    shared = torch.Generator().manual_seed(seed)
+    magnitude = torch.exp(torch.randn(rows, generator=shared) * sigma)
+    g = torch.Generator().manual_seed(seed * 7919 + rank + 1)
+    values = torch.randn(rows, 256, generator=g) * magnitude[:, None]
+    return values.reshape(-1)[:numel].contiguous()

@@ -1,0 +1,174 @@
+"""DynamiQ's parts on their own: random numbers, codec format, bit allocation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dqcoll.errors import InvalidArgumentError
+from dqcoll.schemes import get
+from dqcoll.schemes.dynamiq import allocate_widths, min_bits, rng
+from dqcoll.schemes.dynamiq import codec as C
+from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER
+
+
+# -- random numbers ---------------------------------------------------------------------------
+
+
+def test_mix32_matches_python_uint32() -> None:
+    """The torch int64 emulation of uint32 arithmetic equals exact Python integer arithmetic."""
+    values = [random.Random(1).getrandbits(32) for _ in range(2000)] + [0, 1, 2**32 - 1]
+    got = rng.mix32(torch.tensor(values)).tolist()
+    assert got == [rng.mix32_int(v) for v in values]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 31, 64, 100])
+def test_feistel_gives_a_permutation_per_coordinate(n: int) -> None:
+    """For every coordinate, pi maps the ranks onto [0, n) one to one."""
+    ck = rng.coord_hash(12345, torch.arange(2000))
+    pis = torch.stack([rng.permute_rank(r, n, ck) for r in range(n)])
+    assert torch.equal(pis.sort(0).values, torch.arange(n)[:, None].expand(n, 2000))
+
+
+def test_permutation_is_uniform() -> None:
+    """pi(0) is uniform over the ranks (chi-square within 5 sigma) for several n."""
+    ck = rng.coord_hash(rng.stream_key(rng.call_key(3, 4), rng.STREAM_PERM), torch.arange(60_000))
+    for n in (3, 7, 13, 40):
+        counts = torch.bincount(rng.permute_rank(0, n, ck), minlength=n).double()
+        expected = 60_000 / n
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert abs(chi2 - (n - 1)) < 5 * (2 * (n - 1)) ** 0.5, (n, chi2)
+
+
+def test_uniforms_in_range_and_stratified() -> None:
+    """Correlated uniforms lie in [0, 1) and the n ranks' uniforms for a coordinate fall in
+    distinct 1/n strata; independent ones are keyed by rank."""
+    idx = torch.arange(5000)
+    n = 6
+    u = torch.stack([rng.rounding_uniforms(9, r, n, idx, True) for r in range(n)])
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    strata = (u * n).floor().long().sort(0).values
+    assert torch.equal(strata, torch.arange(n)[:, None].expand(n, 5000))
+    a = rng.rounding_uniforms(9, 0, n, idx, False)
+    b = rng.rounding_uniforms(9, 1, n, idx, False)
+    assert not torch.equal(a, b)
+    assert abs(float(a.mean()) - 0.5) < 0.02
+
+
+# -- codec format -----------------------------------------------------------------------------
+
+
+def test_record_sizes() -> None:
+    """82 / 146 / 274 bytes per super-group at 2 / 4 / 8 bits; flat scales 80 / 144 / 272."""
+    assert [C.record_nbytes(w) for w in (2, 4, 8)] == [82, 146, 274]
+    assert [C.record_nbytes(w, C.Scales.FLAT) for w in (2, 4, 8)] == [80, 144, 272]
+    assert C.record_nbytes(0) == 0
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_pack_unpack_round_trip(width: int) -> None:
+    """Packing is LSB-first and lossless."""
+    codes = torch.randint(0, 2**width, (5, 256))
+    packed = C.pack_codes(codes, width)
+    assert packed.shape == (5, 32 * width)
+    assert torch.equal(C.unpack_codes(packed, width), codes)
+    if width == 2:
+        assert int(packed[0, 0]) == int(sum(int(codes[0, j]) << (2 * j) for j in range(4)))
+
+
+def test_bf16_ceil_rounds_up_minimally() -> None:
+    """bf16_ceil(v) >= v, and the next bf16 below it is < v."""
+    v = torch.rand(10_000) * torch.exp(torch.randn(10_000) * 10)
+    up = C.bf16_ceil(v).float()
+    assert bool((up >= v).all())
+    below = (C.bf16_ceil(v).view(torch.int16) - 1).view(torch.bfloat16).float()
+    exact = up == v
+    assert bool((below[~exact] < v[~exact]).all())
+
+
+def test_levels() -> None:
+    """Non-uniform levels are denser near zero and end at 1; code R means 0."""
+    for width in (4, 8):
+        mags = C.level_magnitudes(width, C.Levels.NONUNIFORM)
+        assert float(mags[0]) == 0.0 and float(mags[-1]) == 1.0
+        gaps = mags[1:] - mags[:-1]
+        assert bool((gaps[1:] > gaps[:-1]).all())
+        table = C.code_table(width, C.Levels.NONUNIFORM)
+        top = 2 ** (width - 1) - 1
+        assert float(table[top]) == 0.0 and torch.equal(table[: 2 * top + 1].flip(0), -table[: 2 * top + 1])
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_encode_never_clips(width: int) -> None:
+    """Decoded group scales are never smaller than the group's absmax, so |x| / D <= 1."""
+    x = torch.randn(64, 256) * torch.exp(torch.randn(64, 16) * 3).repeat_interleave(16, 1)
+    decoded, _ = C._scales_encode(x, C.Scales.HIERARCHICAL)
+    assert bool((x.abs() <= decoded).all())
+
+
+def test_non_finite_rows_decode_to_nan_and_others_stay_finite() -> None:
+    """A NaN or Inf in a super-group makes that super-group NaN after decoding; others unaffected."""
+    x = torch.randn(4, 256)
+    x[1, 7] = float("nan")
+    x[2, 100] = float("inf")
+    cfg = C.CodecConfig()
+    out = C.decode_torch(C.encode_torch(x, 4, torch.arange(4) * 256, 0, 1, 0, cfg), 4, cfg)
+    assert bool(torch.isnan(out[1]).all()) and bool(torch.isnan(out[2]).all())
+    assert bool(torch.isfinite(out[0]).all()) and bool(torch.isfinite(out[3]).all())
+
+
+def test_stats_center_ignores_padding() -> None:
+    """Means use the valid coordinates only and padding stays exactly zero."""
+    x = torch.zeros(2, 256)
+    x[0] = 1.0
+    x[1, :10] = 3.0
+    centred, mean, norm2 = C.stats_center_torch(x, torch.tensor([256, 10]))
+    assert mean.tolist() == [1.0, 3.0]
+    assert float(centred.abs().sum()) == 0.0 and norm2.tolist() == [0.0, 0.0]
+
+
+# -- allocation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2.9, 3.5, 5.0, 6.5, 8.0])
+def test_allocation_meets_budget(bits: float) -> None:
+    """Records plus statistics fit bits * numel / 8 and use most of it."""
+    f = torch.exp(torch.randn(4000) * 4).float()
+    numel = 4000 * 256
+    alloc = allocate_widths(f, numel, bits)
+    assert set(alloc.widths.unique().tolist()) <= {2, 4, 8}
+    assert alloc.total_nbytes <= bits * numel / 8
+    assert not alloc.over_budget
+    if bits < 8.8:
+        assert alloc.total_nbytes >= bits * numel / 8 - 274 * 2
+
+
+def test_allocation_follows_norms_and_skips_zeros() -> None:
+    """Larger norms never get fewer bits; exactly-zero super-groups get width 0; NaN gets 8."""
+    f = torch.exp(torch.linspace(-20, 20, 1000)).float()
+    f[10] = 0.0
+    f[20] = float("nan")
+    alloc = allocate_widths(f, 1000 * 256, 5.0)
+    w = alloc.widths.clone()
+    assert int(w[10]) == 0 and int(w[20]) == 8
+    rest = torch.cat([w[:10], w[11:20], w[21:]])
+    assert bool((rest[1:] >= rest[:-1]).all())
+
+
+def test_fixed_widths_and_minimum_bits() -> None:
+    """widths='fixed' puts everything at 4 bits; a budget below 2-bit cost raises."""
+    alloc = allocate_widths(torch.ones(10), 2560, 5.0, widths_mode=C.Widths.FIXED)
+    assert alloc.widths.tolist() == [4] * 10
+    assert min_bits() == pytest.approx((82 + STATS_BYTES_PER_SUPER) * 8 / 256)
+    with pytest.raises(InvalidArgumentError, match="minimum"):
+        get("dynamiq", bits=2.0)
+
+
+def test_unknown_option_values_are_rejected() -> None:
+    """Ablation switches take only their documented values."""
+    with pytest.raises(InvalidArgumentError, match="levels"):
+        get("dynamiq", levels="log")
+    with pytest.raises(InvalidArgumentError, match="does not take"):
+        get("dynamiq", colour="blue")
