@@ -212,6 +212,7 @@ class DynamiqCall:
         self.work = centred[self.order]  # fp32 [rows, 256]
         del centred
         self.mean_sorted = stats[0][self.order]
+        self.valid_sorted = valid[order]  # valid coordinates of each sorted row (for restore)
         self.index_base = row_start.to(device)[self.order]  # global index of each row's start
         sizes = torch.zeros(9, dtype=torch.int64)
         for w in WIDTHS:
@@ -301,6 +302,10 @@ class DynamiqCall:
         return out
 
     def finish(self, out: torch.Tensor) -> None:
+        if self.ops.restore is not None and out.is_contiguous() and out.device == self.work.device:
+            self.ops.restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted,
+                             out.view(-1))
+            return
         restored = torch.empty_like(self.work)
         restored[self.order] = self.work + self.mean_sorted[:, None]
         if self.shard is not None:
