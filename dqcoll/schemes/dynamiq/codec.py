@@ -248,6 +248,7 @@ def _encode_rows(
     world_size: int,
     key: int,
     config: CodecConfig,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k = x.shape[0]
     decoded_scale, meta = _scales_encode(x, config.scales)
@@ -260,9 +261,12 @@ def _encode_rows(
     lo = mags[r]
     hi = mags[r + 1]
     index = index_base[:, None] + torch.arange(SUPER, device=x.device)
-    u = rng.rounding_uniforms(
-        key, rank, world_size, index, config.rounding is RoundingMode.CORRELATED
-    )
+    if uniforms is not None:
+        u = uniforms
+    else:
+        u = rng.rounding_uniforms(
+            key, rank, world_size, index, config.rounding is RoundingMode.CORRELATED
+        )
     level = r + ((a - lo) > u * (hi - lo)).to(torch.int64)
     codes = torch.where(y < 0, top - level, top + level)
     return torch.cat([pack_codes(codes, width), meta], dim=1).reshape(k, -1)
@@ -276,12 +280,15 @@ def encode_torch(
     world_size: int,
     key: int,
     config: CodecConfig,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Encode fp32 ``x [k, 256]`` at ``width`` bits -> records uint8 ``[k, record_nbytes]``.
 
     ``index_base[i]`` is the global index of row ``i``'s first coordinate (its super-group index
     times 256 in the caller's buffer), which keys the random numbers; ``rank``/``world_size`` and
-    the call ``key`` select this rank's uniforms.
+    the call ``key`` select this rank's uniforms. ``uniforms`` (fp32 ``[k, 256]``), when given,
+    are used instead: the simulator passes the very uniforms :func:`rng.rounding_uniforms` gives
+    each row's own rank, to encode rows of many ranks in one call.
     """
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != SUPER:
         raise ValueError(f"expected fp32 [k, {SUPER}], got {x.dtype} {tuple(x.shape)}")
@@ -291,7 +298,8 @@ def encode_torch(
     for start in range(0, x.shape[0], _ROWS_PER_BLOCK):
         stop = min(start + _ROWS_PER_BLOCK, x.shape[0])
         out[start:stop] = _encode_rows(
-            x[start:stop], width, index_base[start:stop], rank, world_size, key, config
+            x[start:stop], width, index_base[start:stop], rank, world_size, key, config,
+            None if uniforms is None else uniforms[start:stop],
         )
     return out
 
