@@ -235,9 +235,11 @@ class MXScheme(BlockCodec):
         self.element = element
         self.format = FORMATS[element]
         if self.scale is ScaleMode.GLOBAL:
-            # codes only on the wire; the bf16 block maxima go through the statistics all-reduce
+            # codes on the wire; the bf16 block maxima (16 bits per block) go through the
+            # statistics all-reduce, which sends 2 (n-1)/n of them like the payload
             self.spec = dataclasses.replace(
-                type(self).spec, bits_per_coord=float(self.format.bits), needs_global_stats=True)
+                type(self).spec, bits_per_coord=self.format.bits + 16 / MX_BLOCK,
+                needs_global_stats=True)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(element={self.element!r}, scale={self.scale.value!r})"
