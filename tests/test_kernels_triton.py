@@ -15,16 +15,20 @@ not part of the format: no record stores a NaN payload).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import has_cuda, heavy_tailed
 
 pytest.importorskip("triton")
 
-import dqcoll  # noqa: E402
-from dqcoll.kernels import dynamiq_ops, dynamiq_triton  # noqa: E402
-from dqcoll.schemes.dynamiq import codec  # noqa: E402
-from dqcoll.schemes.dynamiq.codec import (  # noqa: E402
+import dqcoll
+from dqcoll.kernels import dynamiq_ops, dynamiq_triton
+from dqcoll.schemes.dynamiq import codec
+from dqcoll.schemes.dynamiq.codec import (
     SUPER,
     WIDTHS,
     CodecConfig,
@@ -33,7 +37,7 @@ from dqcoll.schemes.dynamiq.codec import (  # noqa: E402
     Scales,
     record_nbytes,
 )
-from dqcoll.testing import run_local  # noqa: E402
+from dqcoll.testing import run_local
 
 T = dynamiq_triton
 KEY = 0x5EED1234
@@ -278,13 +282,18 @@ def test_empty_inputs_and_bad_shapes() -> None:
                             torch.zeros(SUPER, 2).t())
 
 
-def test_forced_triton_allreduce_equals_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole all-reduce (statistics, reorder, every hop, all-gather) with DQCOLL_KERNELS=triton
-    on CPU tensors (interpreted kernels) ends with the same bits as with the torch reference."""
+@pytest.mark.parametrize("dtype, algorithm", [(torch.float32, "ring"),
+                                              (torch.bfloat16, "butterfly")])
+def test_forced_triton_allreduce_equals_reference(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, algorithm: str
+) -> None:
+    """The whole all-reduce (statistics, reorder, every hop, all-gather, restore) with
+    DQCOLL_KERNELS=triton on CPU tensors (interpreted kernels) ends with the same bits as with the
+    torch reference."""
 
     def body(comm):  # type: ignore[no-untyped-def]
-        x = heavy_tailed(comm.rank, 3 * SUPER * 3 + 77, seed=4)
-        dqcoll.allreduce(x, scheme="dynamiq", algorithm="ring", seed=9)
+        x = heavy_tailed(comm.rank, 3 * SUPER * 3 + 77, seed=4).to(dtype)
+        dqcoll.allreduce(x, scheme="dynamiq", algorithm=algorithm, seed=9)
         return x
 
     monkeypatch.setenv("DQCOLL_KERNELS", "torch")
@@ -295,6 +304,31 @@ def test_forced_triton_allreduce_equals_reference(monkeypatch: pytest.MonkeyPatc
     actual = run_local(3, body)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
+
+
+def test_import_without_triton() -> None:
+    """``import dqcoll`` does not import Triton; without Triton, automatic dispatch uses the torch
+    reference and DQCOLL_KERNELS=triton raises an error that names the reason."""
+    script = """
+import sys
+import dqcoll, torch
+assert "triton" not in sys.modules, "import dqcoll imported triton"
+sys.modules["triton"] = None  # as if not installed
+from dqcoll.kernels import dynamiq_ops, triton_available
+from dqcoll.errors import UnsupportedError
+import os
+assert "not importable" in triton_available()
+assert dynamiq_ops(torch.device("cpu")).name == "torch"
+os.environ["DQCOLL_KERNELS"] = "triton"
+try:
+    dynamiq_ops(torch.device("cpu"))
+except UnsupportedError as exc:
+    assert "DQCOLL_KERNELS=triton" in str(exc) and "triton is not importable" in str(exc)
+else:
+    raise AssertionError("no error")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "DQCOLL_KERNELS"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
 
 
 def test_kernel_module_uses_only_triton_builtins() -> None:

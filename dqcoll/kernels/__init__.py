@@ -33,6 +33,9 @@ class DynamiqOps:
     decode: Callable[..., torch.Tensor]
     decode_accumulate: Callable[..., None]
     decode_accumulate_encode: Callable[..., torch.Tensor]
+    # restore(work, mean, index_base, valid, out_flat): add back the means and undo the reorder in
+    # one pass; None: the scheme does it with torch ops (reference: dynamiq_triton.restore_torch).
+    restore: Callable[..., None] | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,15 +73,13 @@ _logged: set[str] = set()
 
 def dynamiq_ops(device: torch.device) -> DynamiqOps:
     choice = envs.kernels()
-    if choice == "torch":
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return _torch_ops()
     reason = triton_available()
     if choice == "triton":
         if reason is not None:
             raise UnsupportedError(f"DQCOLL_KERNELS=triton was requested but {reason}")
         return _triton_ops()
-    if device.type != "cuda":
-        return _torch_ops()
     if reason is not None:
         if reason not in _logged:
             _logged.add(reason)

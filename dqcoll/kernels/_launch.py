@@ -21,7 +21,7 @@ import dataclasses
 import enum
 import functools
 
-__all__ = ["Kernel", "LaunchConfig", "launch_config", "compile_options"]
+__all__ = ["Kernel", "LaunchConfig", "compile_options", "launch_config"]
 
 
 class Kernel(enum.Enum):

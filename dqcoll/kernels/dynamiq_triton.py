@@ -52,13 +52,13 @@ from ._launch import Kernel, LaunchConfig, compile_options, launch_config
 
 __all__ = [
     "OPS",
-    "stats_center",
-    "encode",
     "decode",
     "decode_accumulate",
     "decode_accumulate_encode",
+    "encode",
     "restore",
     "restore_torch",
+    "stats_center",
 ]
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
@@ -410,4 +410,5 @@ OPS = DynamiqOps(
     decode=decode,
     decode_accumulate=decode_accumulate,
     decode_accumulate_encode=decode_accumulate_encode,
+    restore=restore,
 )
