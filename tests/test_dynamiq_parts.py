@@ -19,9 +19,9 @@ from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER
 
 def test_mix32_matches_python_uint32() -> None:
     """The torch int64 emulation of uint32 arithmetic equals exact Python integer arithmetic."""
-    values = [random.Random(1).getrandbits(32) for _ in range(2000)] + [0, 1, 2**32 - 1]
-    got = rng.mix32(torch.tensor(values)).tolist()
-    assert got == [rng.mix32_int(v) for v in values]
+    values = [random.Random(1).getrandbits(32) for _ in range(2000)] + [0, 1, 2**31, 2**32 - 1]
+    got = rng.mix32(rng.to_uint32_bits(torch.tensor(values))).tolist()
+    assert [g & rng.MASK32 for g in got] == [rng.mix32_int(v) for v in values]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 31, 64, 100])
