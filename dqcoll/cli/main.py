@@ -12,6 +12,7 @@ __all__ = ["main"]
 COMMANDS = {
     "demo": ("dqcoll.cli.demo", "4 ranks over gloo on this machine: quantized all-reduce table"),
     "bench": ("dqcoll.cli.bench", "all-reduce benchmark (nccl-tests style) vs torch and DDP hooks"),
+    "eval": ("dqcoll.cli.eval", "vNMSE of every scheme on the same gradients (table, CSV, PNG)"),
 }
 
 
