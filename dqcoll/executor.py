@@ -44,15 +44,6 @@ class RankPlan:
     subtree: tuple[tuple[int, ...], ...]  # subtree[rank][chunk]
 
 
-def _subtree_sizes(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-    n = schedule.world_size
-    size = [[1] * n for _ in range(n)]
-    for step in schedule.reduce:
-        for t in step.transfers:
-            size[t.dst][t.chunk] += size[t.src][t.chunk]
-    return tuple(tuple(row) for row in size)
-
-
 @functools.lru_cache(maxsize=256)
 def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
     def plan(steps):  # type: ignore[no-untyped-def]
@@ -73,7 +64,7 @@ def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
             )
         return tuple(result)
 
-    return RankPlan(plan(schedule.reduce), plan(schedule.gather), _subtree_sizes(schedule))
+    return RankPlan(plan(schedule.reduce), plan(schedule.gather), schedule.subtree_sizes())
 
 
 def run_schedule(

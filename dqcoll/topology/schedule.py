@@ -85,6 +85,16 @@ class Schedule:
                     depth[t.dst] = max(depth[t.dst], depth[t.src] + 1)
         return depth[self.sink(chunk)]
 
+    def subtree_sizes(self) -> tuple[tuple[int, ...], ...]:
+        """``sizes[rank][chunk]``: how many ranks' contributions the partial sum that ``rank``
+        holds for ``chunk`` sums once all of its children arrived (1 at a leaf, n at the sink)."""
+        n = self.world_size
+        size = [[1] * n for _ in range(n)]
+        for step in self.reduce:
+            for t in step.transfers:
+                size[t.dst][t.chunk] += size[t.src][t.chunk]
+        return tuple(tuple(row) for row in size)
+
     def to_json(self) -> str:
         def steps(seq: Sequence[Step]) -> list[list[list[int | str]]]:
             return [[[t.src, t.dst, t.chunk, t.role.value] for t in s.transfers] for s in seq]
