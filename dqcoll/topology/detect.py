@@ -30,7 +30,7 @@ import subprocess
 
 from .graph import LinkKind, Topology
 
-__all__ = ["Detection", "detect", "detect_topology", "FALLBACK_INTER_GBPS"]
+__all__ = ["FALLBACK_INTER_GBPS", "Detection", "detect", "detect_topology"]
 
 FALLBACK_INTER_GBPS = 10.0  # a common datacenter Ethernet port when the kernel does not say
 

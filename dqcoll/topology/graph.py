@@ -37,10 +37,10 @@ from typing import Any
 from ..errors import InvalidArgumentError
 
 __all__ = [
-    "LinkKind",
-    "Link",
-    "LinkSpec",
     "LINK_DEFAULTS",
+    "Link",
+    "LinkKind",
+    "LinkSpec",
     "Topology",
     "parse_topology",
 ]
@@ -233,7 +233,7 @@ class Topology:
         device_kind: str = "cpu",
         name: str | None = None,
     ) -> Topology:
-        """``world_size`` ranks on one host; CPU ranks share the host's cores (``shared_device``)."""
+        """``world_size`` ranks on one host; CPU ranks share its cores (``shared_device``)."""
         link_kind = LinkKind(kind) if not isinstance(kind, LinkKind) else kind
         spec = LINK_DEFAULTS[link_kind]
         bw = spec.bandwidth_gbps if bandwidth_gbps is None else float(bandwidth_gbps)

@@ -44,9 +44,9 @@ from .graph import Topology
 from .schedule import Schedule, assign_roles
 
 __all__ = [
+    "HierarchicalPlan",
     "Level",
     "LevelSpec",
-    "HierarchicalPlan",
     "build_hierarchical_plan",
     "hierarchical_allreduce",
 ]
@@ -64,7 +64,8 @@ class LevelSpec:
     scheme: str = "none"
     bits: float = 5.0  # ignored by schemes without a ``bits`` option (none)
     algorithm: str = "ring"
-    options: tuple[tuple[str, Any], ...] = ()  # further scheme options, e.g. (("levels", "uniform"),)
+    # further scheme options, e.g. (("levels", "uniform"),)
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def label(self) -> str:

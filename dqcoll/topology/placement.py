@@ -25,7 +25,7 @@ from .algorithms import build_schedule
 from .graph import Topology
 from .schedule import Schedule, assign_roles
 
-__all__ = ["placement_order", "relabel_schedule", "build_placed_schedule"]
+__all__ = ["build_placed_schedule", "placement_order", "relabel_schedule"]
 
 
 def placement_order(topology: Topology) -> tuple[int, ...]:
