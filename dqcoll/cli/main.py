@@ -13,6 +13,8 @@ COMMANDS = {
     "demo": ("dqcoll.cli.demo", "4 ranks over gloo on this machine: quantized all-reduce table"),
     "bench": ("dqcoll.cli.bench", "all-reduce benchmark (nccl-tests style) vs torch and DDP hooks"),
     "eval": ("dqcoll.cli.eval", "vNMSE of every scheme on the same gradients (table, CSV, PNG)"),
+    "tune": ("dqcoll.cli.tune", "auto-tune algorithm x scheme x bits x tiles for a topology"),
+    "simulate": ("dqcoll.cli.simulate", "predicted time and vNMSE of a configuration at any scale"),
 }
 
 

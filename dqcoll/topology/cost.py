@@ -38,6 +38,7 @@ per-message cost fits the measured gloo runs as well (docs/topology.md) with few
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -244,6 +245,22 @@ def _pipeline(steps: Sequence[StepCost], tiles: int) -> float:
     return first + (t - 1) * max(network, compute)
 
 
+@functools.lru_cache(maxsize=256)
+def _unit_steps(schedule: Schedule, topology: Topology, costs: tuple[SchemeCost, ...],
+                params: CostParams) -> tuple[StepCost, ...]:
+    """Per-step costs for chunks of one coordinate: wire and kernel terms scale linearly with
+    the chunk size and latency does not, so one pass over the transfers prices every size."""
+    # A rank's first send of a chunk with nothing received for it is a leaf: it compresses.
+    received = {(t.dst, t.chunk) for s in schedule.reduce for t in s.transfers}
+    leaf = {(t.src, t.chunk): (t.src, t.chunk) not in received
+            for s in schedule.reduce for t in s.transfers}
+    result = []
+    for step, cost in zip(schedule.steps, costs, strict=True):
+        transfers = [(t.src, t.dst, t.chunk, t.role) for t in step.transfers]
+        result.append(_step_cost(transfers, topology, 1.0, cost, params, leaf))
+    return tuple(result)
+
+
 def _steps(schedule: Schedule, topology: Topology, numel: int,
            costs: Sequence[SchemeCost], params: CostParams) -> list[StepCost]:
     """Per-step costs; ``costs[i]`` is the scheme cost of step ``i`` (reduce steps, then gather)."""
@@ -252,15 +269,10 @@ def _steps(schedule: Schedule, topology: Topology, numel: int,
             f"schedule is for {schedule.world_size} ranks, topology {topology.name!r} has "
             f"{topology.world_size}")
     chunk_numel = numel / schedule.num_chunks
-    # A rank's first send of a chunk with nothing received for it is a leaf: it compresses.
-    received = {(t.dst, t.chunk) for s in schedule.reduce for t in s.transfers}
-    leaf = {(t.src, t.chunk): (t.src, t.chunk) not in received
-            for s in schedule.reduce for t in s.transfers}
-    result = []
-    for step, cost in zip(schedule.steps, costs, strict=True):
-        transfers = [(t.src, t.dst, t.chunk, t.role) for t in step.transfers]
-        result.append(_step_cost(transfers, topology, chunk_numel, cost, params, leaf))
-    return result
+    return [dataclasses.replace(s, wire_us=s.wire_us * chunk_numel,
+                                kernel_us=s.kernel_us * chunk_numel,
+                                max_link_bytes=s.max_link_bytes * chunk_numel)
+            for s in _unit_steps(schedule, topology, tuple(costs), params)]
 
 
 def _stats_us(topology: Topology, numel: int, params: CostParams, *, stats: bool,

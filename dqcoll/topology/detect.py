@@ -121,18 +121,17 @@ def detect(
     if gpus:
         intra = LinkKind.NVLINK if nvlink else LinkKind.PCIE
         notes.append(f"nvidia-smi: {gpus} GPU(s), {intra.value}")
-        topology = Topology.cluster(hosts, local, intra=intra, inter_gbps=nic,
-                                    name=f"detected-{hosts}x{local}-{intra.value}-{nic:g}g")
+        topology = Topology.cluster(hosts, local, intra=intra, inter_gbps=nic)
     else:
         notes.append("no GPU found: CPU ranks sharing each host's cores over loopback")
         if hosts == 1:
-            topology = Topology.single_host(n, name=f"detected-host{n}-loopback")
+            topology = Topology.single_host(n)
         else:
             topology = Topology.cluster(hosts, local, intra="loopback", inter_gbps=nic,
-                                        device_kind="cpu",
-                                        name=f"detected-{hosts}x{local}-cpu-{nic:g}g")
+                                        device_kind="cpu")
     return Detection(topology, tuple(notes))
 
 
 def detect_topology(*, world_size: int | None = None) -> Topology:
+    """The detected topology (named like the presets, so tuned tables for a preset apply)."""
     return detect(world_size=world_size).topology
