@@ -66,12 +66,18 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _choose_algorithm(name: str, world_size: int) -> str:
+def _choose_algorithm(name: str, world_size: int, buf: Any = None, scheme: Any = None) -> str:
     if name != "auto":
         return name
-    # Until a tuned table exists for this setup: butterfly moves the ring's bytes with a
-    # log2(n)-deep reduction tree, so its error is lower at the same cost.
-    return "butterfly"
+    # The tuned table of this topology (nearest smaller size bucket), else the documented
+    # fallback rule; see dqcoll.topology.tuning.
+    from .topology import tuning
+
+    scheme_name = scheme if isinstance(scheme, str) else getattr(
+        getattr(scheme, "spec", None), "name", "dynamiq")
+    return tuning.choose(world_size=world_size, nbytes=int(getattr(buf, "nbytes", 0) or 0),
+                         scheme=scheme_name,
+                         dtype=str(getattr(buf, "dtype", "float32")).replace("torch.", ""))
 
 
 def _prepare(
@@ -105,7 +111,7 @@ def _prepare(
     except DqcollError as exc:
         return fail("scheme", exc)
     try:
-        name = _choose_algorithm(algorithm, comm.world_size)
+        name = _choose_algorithm(algorithm, comm.world_size, buf, request.scheme)
         request.schedule = algorithms.build_schedule(name, comm.world_size)
     except DqcollError as exc:
         return fail("algorithm", exc)
