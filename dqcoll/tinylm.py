@@ -149,21 +149,26 @@ class TinyLM(nn.Module):
         self.cfg = cfg = cfg or LMConfig()
         if cfg.width % cfg.heads:
             raise ValueError(f"width {cfg.width} is not a multiple of heads {cfg.heads}")
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(derived_seed(seed, "tinylm-init"))
+        # Every weight is drawn from a private generator (overwriting the constructors' default
+        # init, which uses the global RNG), so replicas built concurrently by ranks running as
+        # threads start identical.
+        g = torch.Generator().manual_seed(derived_seed(seed, "tinylm-init"))
         self.embed = nn.Embedding(VOCAB, cfg.width)
         self.pos = nn.Parameter(torch.zeros(cfg.context, cfg.width))
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.width)
-        for name, p in self.named_parameters():
-            if name.endswith("weight") and p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-                if name.endswith(("proj.weight", "out.weight")):  # GPT-2 residual scaling
-                    p.data.mul_(1.0 / math.sqrt(2 * cfg.layers))
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-        nn.init.normal_(self.pos, std=0.01)
-        torch.random.set_rng_state(generator_state)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("weight") and p.dim() == 2:
+                    std = 0.02
+                    if name.endswith(("proj.weight", "out.weight")):  # GPT-2 residual scaling
+                        std /= math.sqrt(2 * cfg.layers)
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+                elif name.endswith("bias"):
+                    p.zero_()
+                elif p.dim() == 1:
+                    p.fill_(1.0)  # LayerNorm gains
+            self.pos.copy_(torch.randn(self.pos.shape, generator=g) * 0.01)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = inputs.shape[1]

@@ -1,0 +1,209 @@
+"""Convergence experiment: data-parallel training of a small transformer LM, gradients all-reduced
+through dqcoll with each scheme; writes docs/convergence.md, docs/convergence.png and .json.
+
+    .venv/bin/python tools/convergence.py                   # about 10 minutes on a 2-core VM
+    .venv/bin/python tools/convergence.py --steps 40 --schemes none dynamiq   # smoke test
+
+Setup: the byte-level transformer of :mod:`dqcoll.tinylm` (0.12 M parameters) on the Python
+standard library's source, ``--ranks`` data-parallel ranks as threads over dqcoll's ``local``
+transport (:func:`dqcoll.testing.run_local`). Every rank starts from the same weights; at every
+step each rank computes the gradient of its own batch, ``dqcoll.allreduce(grad, op="avg",
+scheme=...)`` averages it, and each rank applies the same AdamW update. All runs use the same seed,
+the same batches and the same number of steps; only the scheme differs. The fp32 reference is
+scheme ``none`` (fp32 on the wire, exact up to fp32 addition order). At the end, every rank's
+weights are checked bit-identical (replicas must not drift) and the validation loss (nats/byte)
+is measured on fixed held-out batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dqcoll
+from dqcoll import tinylm
+from dqcoll.testing import run_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_accuracy_docs import _commit, _machine
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+DEFAULT_SCHEMES = ["none", "bf16", "dynamiq:bits=5", "mxfp8", "mxfp4",
+                   "int4_block", "thc", "global_qsgd", "topk_block"]
+
+
+def _parse(spec: str) -> tuple[str, dict[str, object]]:
+    name, _, rest = spec.partition(":")
+    options: dict[str, object] = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        try:
+            options[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            options[key] = value
+    return name, options
+
+
+def _train_rank(comm, spec, args, train, valid):  # type: ignore[no-untyped-def]
+    name, options = _parse(spec)
+    cfg = tinylm.LMConfig(width=args.width, layers=args.layers, context=args.context)
+    model = tinylm.TinyLM(cfg, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    losses = []
+    for step in range(args.steps):
+        g = torch.Generator().manual_seed(tinylm.derived_seed(args.seed, "batch", step, comm.rank))
+        inputs, targets = tinylm.sample_batch(train, args.batch, args.context, g)
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        loss.backward()
+        flat = tinylm.flat_grad(model)
+        dqcoll.allreduce(flat, op="avg", scheme=name, algorithm=args.algorithm, step=step,
+                         seed=args.seed, **options)
+        tinylm.set_flat_grad(model, flat)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(tinylm.derived_seed(args.seed, "validation"))
+        val = [float(model(*tinylm.sample_batch(valid, 32, args.context, g)))
+               for _ in range(args.val_batches)]
+    return losses, params, sum(val) / len(val)
+
+
+def run_scheme(spec: str, args: argparse.Namespace, train: torch.Tensor,
+               valid: torch.Tensor) -> dict[str, object]:
+    start = time.perf_counter()
+    results = run_local(args.ranks, _train_rank, spec, args, train, valid, seed=args.seed)
+    elapsed = time.perf_counter() - start
+    params = [r[1] for r in results]
+    identical = all(torch.equal(params[0], p) for p in params[1:])
+    # training loss per step: mean over ranks (each rank's own batch)
+    curve = [sum(r[0][s] for r in results) / args.ranks for s in range(args.steps)]
+    tail = max(1, args.steps // 10)
+    return {"scheme": spec, "train_loss": curve, "final_train_loss": sum(curve[-tail:]) / tail,
+            "val_loss": results[0][2], "replicas_identical": identical, "time_s": elapsed}
+
+
+def _plot(runs: list[dict], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
+    window = max(1, args.steps // 30)
+    for run in runs:
+        curve = torch.tensor(run["train_loss"])
+        smooth = curve.unfold(0, window, 1).mean(1) if curve.numel() >= window else curve
+        xs = list(range(window - 1, window - 1 + smooth.numel()))
+        for a in (ax, zoom):
+            a.plot(xs, smooth.tolist(), label=run["scheme"], lw=1.2)
+    for a in (ax, zoom):
+        a.set_xlabel("step")
+        a.set_ylabel(f"training loss (nats/byte), mean of {window} steps")
+        a.grid(True, alpha=0.3)
+    start = args.steps // 2
+    finals = [r["final_train_loss"] for r in runs]
+    zoom.set_xlim(start, args.steps)
+    zoom.set_ylim(min(finals) - 0.1, max(finals) + 0.25)
+    zoom.set_title("second half")
+    ax.set_title(f"{args.ranks} ranks, {args.algorithm}, tiny LM on stdlib source")
+    zoom.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--schemes", nargs="+", default=DEFAULT_SCHEMES)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--algorithm", default="ring")
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--batch", type=int, default=8, help="windows per rank per step")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--val-batches", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(DOCS), help="directory for convergence.{md,png,json}")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # ranks are threads; one intra-op thread each
+    train, valid = tinylm.split_corpus(tinylm.stdlib_corpus())
+    started = time.time()
+    runs = []
+    for spec in args.schemes:
+        run = run_scheme(spec, args, train, valid)
+        print(f"{spec}: val {run['val_loss']:.4f}, final train {run['final_train_loss']:.4f}, "
+              f"replicas identical {run['replicas_identical']}, {run['time_s']:.0f} s",
+              file=sys.stderr, flush=True)
+        runs.append(run)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _plot(runs, out / "convergence.png", args)
+    (out / "convergence.json").write_text(json.dumps(
+        {"args": vars(args), "runs": runs}, indent=1))
+    (out / "convergence.md").write_text(_page(runs, args, time.time() - started, argv))
+    return 0
+
+
+def _page(runs: list[dict], args: argparse.Namespace, elapsed: float,
+          argv: list[str] | None) -> str:
+    ref = next((r for r in runs if r["scheme"] == "none"), runs[0])
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = " ".join(["tools/convergence.py", *(argv if argv is not None else sys.argv[1:])])
+    lines = ["| scheme | validation loss | vs fp32 | final train loss | vs fp32 | "
+             "replicas identical | time (s) |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        dv = (r["val_loss"] - ref["val_loss"]) / ref["val_loss"] * 100
+        dt = (r["final_train_loss"] - ref["final_train_loss"]) / ref["final_train_loss"] * 100
+        lines.append(f"| `{r['scheme']}` | {r['val_loss']:.4f} | {dv:+.2f} % | "
+                     f"{r['final_train_loss']:.4f} | {dt:+.2f} % | "
+                     f"{'yes' if r['replicas_identical'] else 'NO'} | {r['time_s']:.0f} |")
+    verdict = []
+    for r in runs:
+        if r["scheme"].startswith("dynamiq:bits=5"):
+            dv = abs(r["val_loss"] - ref["val_loss"]) / ref["val_loss"] * 100
+            verdict.append(f"dynamiq at 5 bits ends {dv:.2f} % from the fp32 validation loss: "
+                           f"**{'within' if dv < 1.0 else 'NOT within'} 1 %**.")
+    return f"""# Convergence: a small transformer LM trained data-parallel through dqcoll
+
+Generated by `.venv/bin/python {cmd}` on {when} in {elapsed:.0f} s.
+Machine: {_machine()}. Commit: {_commit()}.
+
+Setup: byte-level transformer (`dqcoll/tinylm.py`, width {args.width}, {args.layers} layers,
+context {args.context}, 0.12 M parameters) on the Python standard library's source (the last 5 %
+held out for validation); {args.ranks} data-parallel ranks (threads over the `local` transport),
+{args.batch} windows per rank per step, AdamW (lr {args.lr:g}, {args.warmup} warm-up steps,
+weight decay 0.01), {args.steps} steps, seed {args.seed}; gradients averaged by
+`dqcoll.allreduce(op="avg", algorithm="{args.algorithm}")` with the scheme of the row. Same seed,
+same batches, same steps for every row; `none` (fp32 on the wire) is the reference. Validation
+loss: mean over {args.val_batches} fixed held-out batches of 32 windows after the last step. Final
+train loss: mean over ranks and the last {max(1, args.steps // 10)} steps.
+
+{chr(10).join(verdict)}
+
+{chr(10).join(lines)}
+
+![loss curves](convergence.png)
+
+Differences of a few tenths of a percent are within what two fp32 runs with different seeds
+would show on a run this short; the larger gaps (4-bit block formats, sparsification, 1/n-range
+integers) are systematic. The accuracy numbers behind them: docs/accuracy.md.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
