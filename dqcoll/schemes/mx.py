@@ -252,6 +252,14 @@ class MXScheme(BlockCodec):
             return codes
         return numel // MX_BLOCK + codes
 
+    def wire_nbytes(self, numel: int) -> int:
+        """Single-shot bytes: codes and scales (global variant: the bf16 block maxima, 2 bytes
+        per block, which travel through the statistics all-reduce instead)."""
+        nbytes = super().wire_nbytes(numel)
+        if self.scale is ScaleMode.GLOBAL:
+            nbytes += 2 * -(-numel // MX_BLOCK)
+        return nbytes
+
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
         if self.scale is ScaleMode.OCP:
             return None
