@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -216,13 +217,13 @@ if scenario == "checks":
     attempt("invalid", lambda: dqcoll.allreduce(bad))
     report["payload_moved"] = comm.counters["payload_bytes_sent"] - sent
 
-if scenario in ("die", "stall"):
+if scenario in ("checks", "stall"):  # "checks" ends with rank 1 exiting mid-collective
     original = comm.transport.exchange
     def exchange(sends, recvs, *, what):
         if rank == 1 and "reduce step 1" in what:
-            if scenario == "die":
+            if scenario == "checks":
                 os._exit(17)
-            time.sleep(float(os.environ["DQCOLL_TIMEOUT_S"]) * 4)
+            time.sleep(float(os.environ["DQCOLL_TIMEOUT_S"]) * 1.5 + 1)
         return original(sends, recvs, what=what)
     comm.transport.exchange = exchange
     x = data(rank)
@@ -267,13 +268,20 @@ def _run_gloo(scenario: str, world_size: int, timeout_s: float) -> dict[int, dic
     return reports
 
 
-def test_gloo_transport_matches_local_and_reports_bad_input_everywhere():
+@pytest.fixture(scope="module")
+def gloo_checks() -> dict[int, dict]:
+    """One 3-process gloo job: transport checks, bad input, then rank 1 exits mid-collective."""
+    return _run_gloo("checks", 3, timeout_s=3.0)
+
+
+def test_gloo_transport_matches_local_and_reports_bad_input_everywhere(gloo_checks):
     """Over gloo processes: results are bit-identical across ranks, repeat bit for bit with the
     same seed and step, and match the local transport's (exactly for ``none``); a length mismatch
     raises MismatchError on every rank and an invalid input raises on its rank and PeerError
     (naming it) elsewhere, with no payload moved and buffers untouched."""
-    reports = _run_gloo("checks", 3, timeout_s=30)
-    for rank, rep in reports.items():
+    assert gloo_checks[1]["exit"] == 17  # it reported nothing: it exits in the last collective
+    for rank in (0, 2):
+        rep = gloo_checks[rank]
         assert rep["exit"] == 0, rep
         for key, value in rep.items():
             if key.startswith(("repeatable", "ranks_agree", "same_as_local_none")):
@@ -282,7 +290,7 @@ def test_gloo_transport_matches_local_and_reports_bad_input_everywhere():
             # local transport in rank order: with 3+ ranks the fp32 sums (and so a few rounding
             # decisions) may differ in the last bit, so only closeness holds across transports.
             if key.startswith("vs_local_dynamiq"):
-                assert value < 1e-2, (rank, key, value)
+                assert value < 1e-6, (rank, key, value)
         assert rep["mismatch"]["error"] == "MismatchError", rep
         assert "numel" in rep["mismatch"]["message"]
         assert rep["mismatch_untouched"]
@@ -294,12 +302,12 @@ def test_gloo_transport_matches_local_and_reports_bad_input_everywhere():
 
 
 @pytest.mark.parametrize("scenario", ["die", "stall"])
-def test_gloo_dead_or_stalled_rank_reported_within_timeout(scenario):
+def test_gloo_dead_or_stalled_rank_reported_within_timeout(scenario, gloo_checks):
     """Over gloo processes: when rank 1 exits (os._exit) or sleeps mid-collective, every other
     rank raises a DqcollError naming a peer rank and the step within the timeout (plus slack),
     and its buffer is untouched."""
     timeout_s = 3.0
-    reports = _run_gloo(scenario, 3, timeout_s=timeout_s)
+    reports = gloo_checks if scenario == "die" else _run_gloo(scenario, 3, timeout_s=timeout_s)
     if scenario == "die":
         assert reports[1]["exit"] == 17
     for rank in (0, 2):
@@ -307,7 +315,7 @@ def test_gloo_dead_or_stalled_rank_reported_within_timeout(scenario):
         assert rep["exit"] == 0, rep
         err = rep["collective"]
         assert err.get("error") in ("PeerError", "CollectiveTimeoutError"), rep
-        assert "allreduce#0" in err["message"] and "step" in err["message"]
+        assert re.search(r"allreduce#\d+ (reduce|gather) step \d", err["message"]), err
         assert "rank 1" in err["message"] or "rank 0" in err["message"] or "rank 2" in err[
             "message"]
         assert rep["elapsed_s"] < 2 * timeout_s + 5
@@ -423,7 +431,7 @@ def test_error_mid_collective_leaves_every_buffer_untouched():
             return type(exc).__name__, torch.equal(buf, x), comm.counters["payload_bytes_sent"]
         return None, torch.equal(buf, x), 0
 
-    results = run_local(3, fn, timeout_s=10.0, return_exceptions=True)
+    results = run_local(3, fn, timeout_s=1.0, return_exceptions=True)
     assert results[0][0] == "_Died"
     for name, untouched, _ in results:
         assert name is not None
