@@ -50,6 +50,14 @@ _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step")
 
 
+class _DefaultBits(float):
+    """The default ``bits`` (5.0), recognisable by identity: ``bits`` and ``target_vnmse``
+    conflict only when the caller gave both."""
+
+
+DEFAULT_BITS = _DefaultBits(5.0)
+
+
 @dataclasses.dataclass
 class _Request:
     tensor: torch.Tensor | None = None
@@ -104,7 +112,15 @@ def _prepare(
     try:
         if isinstance(scheme, str):
             entry_options = schemes.spec(scheme).options
-            options = {k: v for k, v in scheme_options.items() if k in entry_options or k not in ("bits",)}
+            if "target_vnmse" in scheme_options and "target_vnmse" not in entry_options:
+                raise InvalidArgumentError(
+                    f"target_vnmse is not supported by scheme {scheme!r} (it sets its error "
+                    f"through bits); schemes that take it: "
+                    f"{[s for s in schemes.list_schemes() if 'target_vnmse' in schemes.spec(s).options]}"
+                )
+            # `bits` is passed to the schemes that take it; the others have a fixed format.
+            options = {k: v for k, v in scheme_options.items()
+                       if k in entry_options or k != "bits"}
             request.scheme = schemes.get(scheme, **options)
         else:
             request.scheme = scheme
@@ -201,10 +217,19 @@ def _run(
     seed = comm.seed if seed is None else int(seed)
     what = f"{collective.value}#{call_step}"
     options = dict(scheme_options)
-    options["bits"] = bits
+    target = options.get("target_vnmse")
+    if target is None:
+        options.pop("target_vnmse", None)
+        options["bits"] = bits
+    elif bits is not DEFAULT_BITS:
+        raise InvalidArgumentError(
+            f"give bits or target_vnmse, not both (bits={bits!r}, target_vnmse={target!r})"
+        )
     request = _prepare(buf, op=op, scheme=scheme, scheme_options=options, algorithm=algorithm,
                        comm=comm, seed=seed, step=step)
     out_tensor = None
+    if request.error is None and collective is not Collective.ALLREDUCE:
+        _check_sharded_support(request, collective, comm)
     if request.error is None and collective is not Collective.ALLREDUCE:
         _check_output(request, out, collective, comm)
         out_tensor = request.out
@@ -232,7 +257,7 @@ def _run(
             return
         x = torch.zeros(n * flat.numel(), dtype=flat.dtype, device=flat.device)
         x.view(n, -1)[comm.rank] = flat
-    ctx = CallContext(comm.transport, request.op, seed, step, collective, what)
+    ctx = CallContext(comm.transport, request.op, seed, step, collective, what, schedule)
     call = scheme_obj.begin(x, ctx)
     run_schedule(schedule, call, comm.transport, what=what, collective=collective)
     if collective is Collective.ALLREDUCE:
@@ -246,6 +271,20 @@ def _run(
         assert out_tensor is not None
         call.finish(out_tensor.view(-1))
     comm.last_info.update(call.info)
+
+
+def _check_sharded_support(request: _Request, collective: Collective, comm: Communicator) -> None:
+    """A scheme that declares ``supports_reduce_scatter=False`` is refused, saying why."""
+    spec = request.scheme.spec if request.scheme is not None else None
+    if spec is None or spec.supports_reduce_scatter:
+        return
+    request.error = InvalidArgumentError(
+        f"rank {comm.rank}: scheme {spec.name!r} cannot run {collective.value}: its spec says "
+        f"supports_reduce_scatter=False ({spec.description}: its shards cannot be coded apart "
+        f"from the whole buffer); use allreduce, or one of "
+        f"{[s for s in schemes.list_schemes() if schemes.spec(s).supports_reduce_scatter]}"
+    )
+    request.category = "scheme"
 
 
 def _check_output(request: _Request, out: Any, collective: Collective, comm: Communicator) -> None:
@@ -270,6 +309,10 @@ def _check_output(request: _Request, out: Any, collective: Collective, comm: Com
             f"rank {comm.rank}: {collective.value} needs {rule}: input has {tensor.numel()} "
             f"elements, out has {out_tensor.numel()}, world size {n}"
         )
+        if collective is Collective.REDUCE_SCATTER and tensor.numel() % n:
+            padded = -(-tensor.numel() // n) * n
+            problem += (f" ({tensor.numel()} does not split into {n} equal shards: unequal "
+                        f"shards are not supported; pad the buffer to {padded} elements)")
     elif out_tensor.dtype != tensor.dtype:
         problem = f"rank {comm.rank}: out dtype {out_tensor.dtype} differs from input {tensor.dtype}"
     elif out_tensor.device != tensor.device:
@@ -289,7 +332,7 @@ def allreduce(
     *,
     op: str | ReduceOp = "sum",
     scheme: str | Scheme = "dynamiq",
-    bits: float = 5.0,
+    bits: float = DEFAULT_BITS,
     algorithm: str = "auto",
     comm: Communicator | None = None,
     seed: int | None = None,
@@ -303,6 +346,10 @@ def allreduce(
     or a scheme object; ``bits`` and ``scheme_options`` (e.g. ``levels="uniform"``) configure it.
     ``algorithm``: "ring", "butterfly", "direct" or "auto". ``seed``/``step`` key the random
     rounding (default: the communicator's seed and call counter).
+    ``target_vnmse=`` (a scheme option, dynamiq only, instead of ``bits``) chooses per call the
+    fewest bits whose predicted vNMSE meets the target (see
+    :mod:`dqcoll.schemes.dynamiq.error_model`); ``comm.last_info`` reports the bits used and
+    the prediction.
     """
     _run(Collective.ALLREDUCE, buf, None, op=op, scheme=scheme, bits=bits, algorithm=algorithm,
          comm=comm, seed=seed, step=step, scheme_options=scheme_options)
@@ -315,7 +362,7 @@ def reduce_scatter(
     *,
     op: str | ReduceOp = "sum",
     scheme: str | Scheme = "dynamiq",
-    bits: float = 5.0,
+    bits: float = DEFAULT_BITS,
     algorithm: str = "auto",
     comm: Communicator | None = None,
     seed: int | None = None,
@@ -335,7 +382,7 @@ def all_gather(
     out: Any,
     *,
     scheme: str | Scheme = "dynamiq",
-    bits: float = 5.0,
+    bits: float = DEFAULT_BITS,
     algorithm: str = "auto",
     comm: Communicator | None = None,
     seed: int | None = None,

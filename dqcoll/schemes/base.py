@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..topology.schedule import Schedule
 from ..transports.base import Transport
 from ..types import Collective, ReduceOp
 
@@ -66,6 +67,7 @@ class CallContext:
     step: int
     collective: Collective
     what: str  # prefix for error messages, e.g. "allreduce#3"
+    schedule: Schedule | None = None  # the schedule the call runs on (error models use it)
 
     @property
     def rank(self) -> int:

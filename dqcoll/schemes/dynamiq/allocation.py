@@ -13,6 +13,15 @@ bisection (float64, a fixed number of halvings) as the largest value whose total
 zero are zero on every rank after centring and get width 0 (no record). The allocation depends only
 on all-reduced values, so every rank computes the same widths without communication.
 
+The bisection evaluates the cost only where it can change: widths grow monotonically with ``u``,
+so between a known-feasible and a known-infeasible ``u`` only the super-groups whose widths differ
+at the two ends (the *active* ones) need evaluating, and their number shrinks with every halving
+(about ``2 S`` row evaluations in all instead of ``64 S``). A hint ``u_hint`` (e.g. the previous
+step's ``u``) brackets the answer first; the halvings from the initial bracket are then replayed
+with decisions outside the known bracket taken for free. The sequence of midpoints and decisions
+is the one of a plain bisection either way, so ``u`` and the widths are bit for bit the same with
+or without a hint.
+
 Non-finite ``F`` (an Inf/NaN input, or a norm that overflowed fp32) gets 8 bits; NaN values then
 flow through the records to every rank's output.
 """
@@ -24,9 +33,17 @@ import math
 
 import torch
 
-from .codec import SUPER, WIDTHS, Scales, Widths, record_nbytes
+from .codec import RAW_WIDTH, SUPER, WIDTHS, CodecConfig, Scales, Widths, record_nbytes
+from .error_model import ErrorModel, predicted_vnmse
 
-__all__ = ["Allocation", "allocate_widths", "STATS_BYTES_PER_SUPER", "min_bits", "C_SLOPE"]
+__all__ = [
+    "Allocation",
+    "allocate_widths",
+    "allocate_for_target",
+    "STATS_BYTES_PER_SUPER",
+    "min_bits",
+    "C_SLOPE",
+]
 
 C_SLOPE = 4.0 / math.log2(512.0 / 17.0)
 STATS_BYTES_PER_SUPER = 8  # fp32 mean and fp32 squared norm, all-reduced uncompressed
@@ -41,6 +58,8 @@ class Allocation:
     stats_nbytes: int
     budget_nbytes: int
     over_budget: bool  # even the cheapest allocation did not fit (tiny buffers)
+    predicted_vnmse: float = float("nan")  # target mode: the error model's prediction
+    target_met: bool | None = None  # target mode: False when even 8 bits everywhere falls short
 
     @property
     def total_nbytes(self) -> int:
@@ -52,9 +71,13 @@ def min_bits(scales: Scales = Scales.HIERARCHICAL) -> float:
     return (record_nbytes(2, scales) + STATS_BYTES_PER_SUPER) * 8.0 / SUPER
 
 
-def _widths_for(log_f: torch.Tensor, zero: torch.Tensor, u: float) -> torch.Tensor:
+def _widths_for(
+    log_f: torch.Tensor, zero: torch.Tensor, u: float, max_width: int = 8
+) -> torch.Tensor:
     v = C_SLOPE * log_f + u
     widths = torch.where(v >= 8.0, 8, torch.where(v >= 4.0, 4, 2))  # NaN v -> 2, fixed below
+    if max_width == RAW_WIDTH:
+        widths = torch.where(v >= 16.0, RAW_WIDTH, widths)
     widths = torch.where(torch.isnan(log_f), 8, widths)
     return torch.where(zero, 0, widths)
 
@@ -66,18 +89,20 @@ def allocate_widths(
     *,
     widths_mode: Widths = Widths.VARIABLE,
     scales: Scales = Scales.HIERARCHICAL,
+    u_hint: float | None = None,
+    max_width: int = 8,
 ) -> Allocation:
     """Widths for super-groups with summed squared norms ``norm2`` (fp32 [S]) under a budget of
-    ``bits`` per coordinate over ``numel`` coordinates (records plus statistics)."""
+    ``bits`` per coordinate over ``numel`` coordinates (records plus statistics). ``u_hint``, a
+    guess of the answer's ``u``, saves work and never changes the result. ``max_width=16``
+    lets the largest super-groups go raw (see :mod:`.codec`)."""
     rows = norm2.numel()
     # On the host, in float64: every rank (and every device type) computes the same widths, and
     # the executor needs the payload sizes on the host anyway.
     norm2 = norm2.detach().to("cpu")
     stats = STATS_BYTES_PER_SUPER * rows
     budget = int(math.floor(bits * numel / 8.0))
-    costs = torch.tensor([record_nbytes(w, scales) for w in (0, *WIDTHS)], dtype=torch.int64)
-    lookup = torch.zeros(9, dtype=torch.int64)
-    lookup[[0, *WIDTHS]] = costs
+    lookup = _cost_lookup(scales)
 
     def cost(widths: torch.Tensor) -> int:
         return int(lookup[widths].sum().item())
@@ -95,24 +120,164 @@ def allocate_widths(
     log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
     finite = torch.isfinite(log_f) & ~zero
     if not bool(finite.any()):
-        widths = _widths_for(log_f, zero, 0.0)
+        widths = _widths_for(log_f, zero, 0.0, max_width)
         payload = cost(widths)
         return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
     lo_log = float(log_f[finite].min())
     hi_log = float(log_f[finite].max())
     u_lo = 4.0 - C_SLOPE * hi_log - 1.0  # every finite super-group at 2 bits
-    u_hi = 8.0 - C_SLOPE * lo_log  # every finite super-group at 8 bits
-    cheapest = _widths_for(log_f, zero, u_lo)
+    u_hi = float(max_width) - C_SLOPE * lo_log  # every finite super-group at max_width
+    cheapest = _widths_for(log_f, zero, u_lo, max_width)
     if cost(cheapest) + stats > budget:
         return Allocation(cheapest, u_lo, cost(cheapest), stats, budget, True)
-    richest = _widths_for(log_f, zero, u_hi)
+    richest = _widths_for(log_f, zero, u_hi, max_width)
     if cost(richest) + stats <= budget:
         return Allocation(richest, u_hi, cost(richest), stats, budget, False)
+    search = _Bracket(log_f, zero, lookup, budget - stats, (u_lo, cheapest), (u_hi, richest),
+                      max_width)
+    if u_hint is not None and math.isfinite(u_hint):
+        search.bracket_around(float(u_hint))
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (u_lo + u_hi)
-        if cost(_widths_for(log_f, zero, mid)) + stats <= budget:
+        if search.feasible(mid):
             u_lo = mid
         else:
             u_hi = mid
-    widths = _widths_for(log_f, zero, u_lo)
+    widths = _widths_for(log_f, zero, u_lo, max_width)
     return Allocation(widths, u_lo, cost(widths), stats, budget, False)
+
+
+class _Bracket:
+    """A known-feasible and a known-infeasible ``u`` and the rows whose widths differ between them.
+
+    ``feasible(u)`` answers from the bracket when ``u`` lies outside it and otherwise evaluates
+    only the active rows, then narrows the bracket to ``u``: exact, because every row's width is
+    monotone in ``u`` (``fl(a + u)`` is monotone in ``u``), so a row with equal widths at both ends
+    has that width everywhere between them.
+    """
+
+    _HINT_STEP = 2.0**-10  # first half-width around a hint (u is O(1..100)); x8 per retry
+
+    def __init__(
+        self,
+        log_f: torch.Tensor,
+        zero: torch.Tensor,
+        lookup: torch.Tensor,
+        limit: int,
+        low: tuple[float, torch.Tensor],
+        high: tuple[float, torch.Tensor],
+        max_width: int = 8,
+    ) -> None:
+        self.max_width = max_width
+        self.lookup = lookup
+        self.limit = limit  # payload bytes allowed
+        self.u_lo, widths_lo = low  # feasible
+        self.u_hi, widths_hi = high  # infeasible
+        active = torch.nonzero(widths_lo != widths_hi).squeeze(1)
+        self.log_f, self.zero = log_f[active], zero[active]
+        self.w_lo, self.w_hi = widths_lo[active], widths_hi[active]
+        # cost of the rows whose width is settled
+        self.base = int(lookup[widths_lo].sum()) - int(lookup[self.w_lo].sum())
+        self.evaluations = 0
+
+    def feasible(self, u: float) -> bool:
+        if u <= self.u_lo:
+            return True
+        if u >= self.u_hi:
+            return False
+        self.evaluations += 1
+        widths = _widths_for(self.log_f, self.zero, u, self.max_width)
+        ok = self.base + int(self.lookup[widths].sum()) <= self.limit
+        settled = widths == (self.w_hi if ok else self.w_lo)
+        self.base += int(self.lookup[widths[settled]].sum())
+        keep = ~settled
+        self.log_f, self.zero, widths = self.log_f[keep], self.zero[keep], widths[keep]
+        if ok:
+            self.u_lo, self.w_lo, self.w_hi = u, widths, self.w_hi[keep]
+        else:
+            self.u_hi, self.w_lo, self.w_hi = u, self.w_lo[keep], widths
+        return ok
+
+    def bracket_around(self, hint: float) -> None:
+        """Narrow the bracket to a small interval around ``hint`` (when it is inside)."""
+        if not self.u_lo < hint < self.u_hi:
+            return
+        step = self._HINT_STEP
+        if self.feasible(hint):  # look above for an infeasible u (u_hi answers without work)
+            while self.feasible(min(hint + step, self.u_hi)):
+                step *= 8.0
+        else:  # look below for a feasible one
+            while not self.feasible(max(hint - step, self.u_lo)):
+                step *= 8.0
+
+
+def allocate_for_target(
+    norm2: torch.Tensor,
+    mean_sum: torch.Tensor,
+    valid: torch.Tensor,
+    target: float,
+    *,
+    world_size: int,
+    growth: float,
+    model: ErrorModel,
+    config: CodecConfig,
+    widths_mode: Widths = Widths.VARIABLE,
+    max_width: int = RAW_WIDTH,
+) -> Allocation:
+    """The cheapest widths whose predicted vNMSE (:mod:`.error_model`) is at most ``target``.
+
+    Same closed form as :func:`allocate_widths`; the bisection on ``u`` now keeps the smallest
+    ``u`` (fewest bits) whose prediction meets the target. Everything it reads is all-reduced, so
+    every rank picks the same widths.
+    """
+    rows = norm2.numel()
+    stats = STATS_BYTES_PER_SUPER * rows
+    f = norm2.detach().to("cpu", torch.float64)
+    means = mean_sum.detach().to("cpu", torch.float64)
+    counts = valid.detach().to("cpu", torch.float64)
+    finite_f = torch.where(torch.isfinite(f), f, 0.0)
+    energy = float(finite_f.sum()) * (1.0 + (world_size - 1) * model.rho)
+    energy += float((counts * means * means).nan_to_num(0.0, 0.0, 0.0).sum())
+    lookup = _cost_lookup(config.scales)
+
+    def result(widths: torch.Tensor, u: float) -> Allocation:
+        payload = int(lookup[widths].sum().item())
+        predicted = predicted_vnmse(widths, finite_f, energy, growth, model, config)
+        return Allocation(widths, u, payload, stats, payload + stats, False, predicted,
+                          predicted <= target)
+
+    if widths_mode is Widths.FIXED:
+        return result(torch.full((rows,), 4, dtype=torch.int64), float("nan"))
+    zero = f == 0
+    log_f = torch.log2(torch.where(zero, 1.0, f))
+    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
+    finite = torch.isfinite(log_f) & ~zero
+    if not bool(finite.any()):
+        return result(_widths_for(log_f, zero, 0.0, max_width), float("nan"))
+    u_lo = 4.0 - C_SLOPE * float(log_f[finite].max()) - 1.0  # everything at 2 bits
+    u_hi = float(max_width) - C_SLOPE * float(log_f[finite].min())  # everything at max_width
+
+    def widths(u: float) -> torch.Tensor:
+        return _widths_for(log_f, zero, u, max_width)
+
+    def error(u: float) -> float:
+        return predicted_vnmse(widths(u), finite_f, energy, growth, model, config)
+
+    if error(u_lo) <= target:
+        return result(widths(u_lo), u_lo)
+    if error(u_hi) > target:
+        return result(widths(u_hi), u_hi)
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (u_lo + u_hi)
+        if error(mid) <= target:
+            u_hi = mid
+        else:
+            u_lo = mid
+    return result(widths(u_hi), u_hi)
+
+
+def _cost_lookup(scales: Scales) -> torch.Tensor:
+    lookup = torch.zeros(RAW_WIDTH + 1, dtype=torch.int64)
+    for w in (*WIDTHS, RAW_WIDTH):
+        lookup[w] = record_nbytes(w, scales)
+    return lookup

@@ -12,6 +12,11 @@ Per call, before the main collective:
    (one multi-segment pass through the schedule, not one pass per width: one message per hop
    instead of three). Equal-byte chunks keep every rank's traffic at ``2 (n-1)/n`` of the total
    to within one record per transfer, which is what makes the byte budget hold per rank.
+   With ``balance="shards"`` the all-reduce uses the reduce-scatter layout instead: chunk ``c`` is
+   shard ``c`` (``ceil(numel / n)`` coordinates, padded to whole super-groups on its own), so its
+   result is bit for bit the reduce-scatter's followed by the all-gather of its bytes, at the price
+   of per-rank traffic that follows how the widths fall across shards. Reduce-scatter and
+   all-gather always use the shard layout.
 
 At every hop the executor calls the fused decompress-accumulate-recompress on each run; at the end
 each rank adds back the summed means and undoes the reorder.
@@ -22,6 +27,7 @@ not change them.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
@@ -32,10 +38,12 @@ from ...kernels import dynamiq_ops
 from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from . import rng
-from .allocation import Allocation, allocate_widths, min_bits
+from .allocation import Allocation, allocate_for_target, allocate_widths, min_bits
+from .error_model import ErrorModel, path_growth
 from .codec import (
     SUPER,
-    WIDTHS,
+    ALL_WIDTHS,
+    RAW_WIDTH,
     CodecConfig,
     Levels,
     RoundingMode,
@@ -44,7 +52,7 @@ from .codec import (
     record_nbytes,
 )
 
-__all__ = ["DynamiqScheme", "DynamiqCall"]
+__all__ = ["Balance", "DynamiqScheme", "DynamiqCall"]
 
 
 def _parse(enum_type: Any, value: Any, name: str) -> Any:
@@ -58,6 +66,13 @@ def _parse(enum_type: Any, value: Any, name: str) -> Any:
         ) from None
 
 
+class Balance(enum.Enum):
+    """How the all-reduce cuts the sorted super-groups into the ``n`` chunks of the schedule."""
+
+    BYTES = "bytes"  # chunks of equal wire bytes (per-rank traffic meets the budget)
+    SHARDS = "shards"  # chunk c = shard c, the reduce-scatter layout
+
+
 class DynamiqScheme:
     spec = SchemeSpec(
         name="dynamiq",
@@ -69,18 +84,24 @@ class DynamiqScheme:
         dtypes=FLOAT_DTYPES,
         supports_reduce_scatter=True,
         needs_global_stats=True,
-        options=("bits", "levels", "widths", "scales", "rounding", "seed"),
+        options=("bits", "target_vnmse", "error_model", "levels", "widths", "scales", "rounding",
+                 "seed", "balance", "u_hint"),
     )
 
     def __init__(
         self,
         bits: float = 5.0,
         *,
+        target_vnmse: float | None = None,
+        error_model: ErrorModel | None = None,
+        max_width: int | None = None,
         levels: str | Levels = "nonuniform",
         widths: str | Widths = "variable",
         scales: str | Scales = "hierarchical",
         rounding: str | RoundingMode = "correlated",
         seed: int = 0,
+        balance: str | Balance = "bytes",
+        u_hint: float | None = None,
     ) -> None:
         self.config = CodecConfig(
             levels=_parse(Levels, levels, "levels"),
@@ -100,13 +121,40 @@ class DynamiqScheme:
             )
         self.bits = bits
         self.seed = int(seed)
+        self.balance: Balance = _parse(Balance, balance, "balance")
+        # A guess of the allocation parameter (e.g. the previous step's ``last_info["u"]``): it
+        # only saves work in the bisection, whose result is the same with or without it, so it
+        # is left out of the argument check (ranks may pass different hints).
+        self.u_hint = None if u_hint is None else float(u_hint)
+        if target_vnmse is not None:
+            try:
+                target_vnmse = float(target_vnmse)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"dynamiq: target_vnmse must be a number, got {target_vnmse!r}"
+                ) from None
+            if not (math.isfinite(target_vnmse) and target_vnmse > 0):
+                raise InvalidArgumentError(
+                    f"dynamiq: target_vnmse must be positive and finite, got {target_vnmse!r}"
+                )
+        self.target_vnmse = target_vnmse
+        self.error_model = error_model or ErrorModel()
+        # Raw 16-bit super-groups: on by default when aiming at an error (tight targets need
+        # them), opt-in under a bit budget (they cost 514 B where 8 bits cost 274 B).
+        if max_width is None:
+            max_width = RAW_WIDTH if target_vnmse is not None else 8
+        if max_width not in (8, RAW_WIDTH):
+            raise InvalidArgumentError(f"dynamiq: max_width must be 8 or 16, got {max_width!r}")
+        self.max_width = int(max_width)
 
     def __repr__(self) -> str:
         c = self.config
+        budget = (f"target_vnmse={self.target_vnmse:g}, model={self.error_model}"
+                  if self.target_vnmse is not None else f"bits={self.bits:g}")
         return (
-            f"DynamiqScheme(bits={self.bits:g}, levels={c.levels.value}, "
+            f"DynamiqScheme({budget}, max_width={self.max_width}, levels={c.levels.value}, "
             f"widths={self.widths_mode.value}, scales={c.scales.value}, "
-            f"rounding={c.rounding.value})"
+            f"rounding={c.rounding.value}, balance={self.balance.value})"
         )
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> DynamiqCall:
@@ -141,6 +189,8 @@ class DynamiqScheme:
 class DynamiqCall:
     """One collective call: statistics, allocation, reorder, and the per-hop operations."""
 
+    tile_unit = 1  # the executor may cut chunks into tiles of whole rows (super-groups)
+
     def __init__(self, scheme: DynamiqScheme, x: torch.Tensor, ctx: CallContext) -> None:
         n = ctx.world_size
         device = x.device
@@ -151,24 +201,38 @@ class DynamiqCall:
         self.numel = numel = x.numel()
         self.ops = dynamiq_ops(device)
 
-        # Layout: all-reduce pads the tail only; reduce-scatter / all-gather pad each shard, so
-        # that chunk c is exactly shard c.
-        self.sharded = ctx.collective is not Collective.ALLREDUCE
+        # Layout: the byte-balanced all-reduce pads the tail only; reduce-scatter / all-gather (and
+        # the all-reduce with balance="shards") pad each shard of ceil(numel / n) coordinates on
+        # its own, so that chunk c is exactly shard c.
+        self.sharded = (ctx.collective is not Collective.ALLREDUCE
+                        or scheme.balance is Balance.SHARDS)
+        self.uneven = False  # sharded with numel % n != 0 (all-reduce only): shards differ
         if self.sharded:
-            if numel % n:
+            if numel % n and ctx.collective is not Collective.ALLREDUCE:
                 raise InvalidArgumentError(
                     f"{ctx.what}: {numel} elements do not split into {n} equal shards"
                 )
-            shard = numel // n
+            shard = -(-numel // n)
             shard_rows = -(-shard // SUPER)
-            rows = n * shard_rows
             flat = torch.zeros(n, shard_rows * SUPER, dtype=torch.float32, device=device)
-            flat[:, :shard] = x.reshape(n, shard)
+            full, rest = divmod(numel, shard)  # whole shards, then a shorter one
+            flat[:full, :shard] = x.reshape(-1)[: full * shard].reshape(full, shard)
+            if rest:
+                flat[full, :rest] = x.reshape(-1)[full * shard :]
+            lengths = (numel - torch.arange(n, dtype=torch.int64) * shard).clamp(0, shard)
             in_shard = torch.arange(shard_rows, dtype=torch.int64)
             row_start = (torch.arange(n, dtype=torch.int64)[:, None] * shard
                          + in_shard[None, :] * SUPER).reshape(-1)
-            valid = (shard - in_shard * SUPER).clamp(max=SUPER).repeat(n)
+            valid = (lengths[:, None] - in_shard[None, :] * SUPER).clamp(max=SUPER).reshape(-1)
             row_chunk = torch.arange(n, dtype=torch.int64).repeat_interleave(shard_rows)
+            shard_row_counts = -(-lengths // SUPER)
+            flat = flat.view(n * shard_rows, SUPER)
+            if numel % n:  # drop the rows past the end (a row with no valid coordinate)
+                self.uneven = True
+                exists = valid > 0
+                flat, row_start, valid, row_chunk = (
+                    flat[exists.to(device)], row_start[exists], valid[exists], row_chunk[exists])
+            rows = flat.shape[0]
             self.shard = (shard, shard_rows)
         else:
             rows = -(-numel // SUPER)
@@ -198,15 +262,26 @@ class DynamiqCall:
         stats = torch.stack([mean, norm2])
         ctx.transport.allreduce(stats, "sum", what=f"{ctx.what} statistics")
 
-        # 3. Widths from the summed norms (identical on every rank).
-        self.allocation: Allocation = allocate_widths(
-            stats[1], numel, scheme.bits, widths_mode=scheme.widths_mode,
-            scales=self.config.scales,
-        )
+        # 3. Widths from the summed norms (identical on every rank): under a bit budget, or the
+        #    cheapest whose predicted error meets target_vnmse.
+        if scheme.target_vnmse is not None:
+            schedule = getattr(ctx, "schedule", None)
+            growth = (path_growth(schedule, scheme.error_model.rho) if schedule is not None
+                      else 1.0)  # outside a collective: one quantization
+            self.allocation: Allocation = allocate_for_target(
+                stats[1], stats[0], valid, scheme.target_vnmse, world_size=n, growth=growth,
+                model=scheme.error_model, config=self.config, widths_mode=scheme.widths_mode,
+                max_width=scheme.max_width,
+            )
+        else:
+            self.allocation = allocate_widths(
+                stats[1], numel, scheme.bits, widths_mode=scheme.widths_mode,
+                scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
+            )
         widths = self.allocation.widths  # int64 [rows], host
 
         # 4. Reorder by width (within each shard when sharded) and cut into chunks.
-        order = torch.argsort(row_chunk * 16 + widths, stable=True)
+        order = torch.argsort(row_chunk * 32 + widths, stable=True)  # widths <= 16 < 32
         self.order = order.to(device)
         sorted_widths = widths[order]
         self.work = centred[self.order]  # fp32 [rows, 256]
@@ -214,14 +289,14 @@ class DynamiqCall:
         self.mean_sorted = stats[0][self.order]
         self.valid_sorted = valid[order]  # valid coordinates of each sorted row (for restore)
         self.index_base = row_start.to(device)[self.order]  # global index of each row's start
-        sizes = torch.zeros(9, dtype=torch.int64)
-        for w in WIDTHS:
+        sizes = torch.zeros(RAW_WIDTH + 1, dtype=torch.int64)
+        for w in ALL_WIDTHS:
             sizes[w] = record_nbytes(w, self.config.scales)
         offsets = torch.zeros(rows + 1, dtype=torch.int64)
         torch.cumsum(sizes[sorted_widths], 0, out=offsets[1:])
         self.row_offsets = offsets.tolist()  # byte offset of each sorted row's record
-        if self.sharded:
-            bounds = [c * (rows // n) for c in range(n + 1)]
+        if self.sharded:  # chunk c = the rows of shard c
+            bounds = [0, *torch.cumsum(shard_row_counts, 0).tolist()]
         else:  # n chunks of (nearly) equal bytes
             total = self.row_offsets[-1]
             bounds = [0]
@@ -238,12 +313,14 @@ class DynamiqCall:
             width = int(sorted_widths[a])
             if width and b > a:
                 self.runs.append((width, a, b))
-        counts = {w: int((widths == w).sum()) for w in (0, *WIDTHS)}
+        counts = {w: int((widths == w).sum()) for w in (0, *ALL_WIDTHS)}
         bits_used = 8.0 * self.allocation.total_nbytes / max(numel, 1)
         self.info: dict[str, Any] = {
             "bits": bits_used,
             "u": self.allocation.u,
             "over_budget": self.allocation.over_budget,
+            "predicted_vnmse": self.allocation.predicted_vnmse,
+            "target_met": self.allocation.target_met,
             "widths": counts,
         }
 
@@ -305,6 +382,15 @@ class DynamiqCall:
         if self.ops.restore is not None and out.is_contiguous() and out.device == self.work.device:
             self.ops.restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted,
                              out.view(-1))
+            return
+        if self.uneven:  # rows past the end were dropped: scatter by coordinate index
+            value = self.work + self.mean_sorted[:, None]
+            coord = torch.arange(SUPER, device=value.device)
+            keep = coord[None, :] < self.valid_sorted.to(value.device)[:, None]
+            target = self.index_base[:, None] + coord[None, :]
+            result = torch.empty(self.numel, dtype=torch.float32, device=value.device)
+            result[target[keep]] = value[keep]
+            out.copy_(result.reshape(out.shape))
             return
         restored = torch.empty_like(self.work)
         restored[self.order] = self.work + self.mean_sorted[:, None]
