@@ -157,8 +157,9 @@ def init(
             raise UnsupportedError(f"backend='nccl' is not available: {exc}") from exc
         transport = cupy_nccl.init_transport(  # type: ignore[attr-defined]
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-            timeout_s=timeout,
+            timeout_s=timeout, device=device,
         )
+        device = transport.device  # small all-reduces (argument checks) run on the GPU
     else:
         raise InvalidArgumentError(
             f"unknown backend {backend!r}; expected 'gloo', 'torch' or 'nccl'"

@@ -9,21 +9,81 @@ are exact and zero-byte messages are skipped by sender and receiver alike.
 A leaf compresses a chunk right before the step that sends it, and an internal node keeps only
 the one payload it will forward, so at most one compressed copy of the buffer is alive at a time
 besides the all-gather's.
+
+**Tiles and pipelining.** With ``tile_nbytes`` set, every chunk is cut into ``T`` tiles of whole
+``call.tile_unit`` rows (DynamiQ: whole 256-coordinate super-groups; block schemes: whole
+blocks), ``T = ceil(largest chunk's fp32 work bytes / tile_nbytes)``, and tile ``t`` of every chunk
+runs the whole schedule on its own. The tiles are views of the *same* call: statistics,
+allocation and random numbers (keyed by global coordinate index) were fixed by ``begin`` for the
+whole buffer, and every per-chunk operation is row-wise, so the decoded result is bit-identical
+whatever the tile size (``tests/test_pipelining.py`` checks every scheme, algorithm and
+collective). A view is a shallow copy of the call whose ``chunk_bounds`` are *refined*: fine chunk
+``c * T + t`` is tile ``t`` of chunk ``c``. A call opts in by declaring ``tile_unit`` and reading
+its chunk geometry only from ``chunk_bounds``; calls without it run untiled.
+
+``tiles_in_flight`` (default 2) tiles run at once, round-robin, in an order every rank derives
+from ``(T, steps, tiles_in_flight)`` alone, so the messages between any two ranks match one for
+one: while the exchange of one tile is on the wire, the codec of the other runs. How an exchange
+runs beside the codec depends on the transport:
+
+* a *stream-ordered* transport (``transport.stream_ordered``, the ``nccl`` one) with CUDA
+  tensors: exchanges are queued on a side stream that waits on an event recorded on the caller's
+  current stream after the tile's send payloads, and the caller's stream waits on the exchange's
+  event before decoding - no host thread, no host wait, no device-wide synchronisation;
+* any other transport (``local``, ``torch``/gloo, blocking for the calling thread): one
+  communication thread per call runs the exchanges in submission order on the caller's stream,
+  while the calling thread runs the codec of the other tile.
+
+``tile_nbytes`` counts the fp32 work buffer of one tile of one chunk (about the uncompressed bytes
+of the input the tile's kernel reads per hop). :data:`DEFAULT_TILE_NBYTES` is what the API uses
+when the caller and the tuner give none; ``None`` or ``0`` here means untiled (``T = 1``), the
+behaviour of callers written before tiling (the simulator). The cost model's ``tiles`` argument
+is the same ``T``.
+
+Rejected: one :class:`SchemeCall` per tile. A call's ``begin`` does the statistics all-reduce and
+the bit allocation; per-tile calls would cost one small all-reduce each and - worse - allocate
+bits per tile, so the result would depend on the tile size.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import copy
 import dataclasses
 import functools
+import itertools
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from .schemes.base import SchemeCall
-from .topology.schedule import Role, Schedule
-from .types import Collective
+from .topology.schedule import Role, Schedule, Step
 from .transports.base import Transport
+from .types import Collective
 
-__all__ = ["RankPlan", "rank_plan", "run_schedule"]
+__all__ = [
+    "DEFAULT_TILES_IN_FLIGHT",
+    "DEFAULT_TILE_NBYTES",
+    "RankPlan",
+    "TilePlan",
+    "plan_tiles",
+    "rank_plan",
+    "run_schedule",
+]
+
+# Per-chunk fp32 work bytes of one tile: 4 MiB is 4096 DynamiQ super-groups, ~0.66 MiB on the wire
+# at 5 bits. Big enough that the fixed cost per tile and step (a few kernel launches and one grouped
+# exchange, ~50-100 us of host time in Python) stays a few percent of the tile's codec time on CPU
+# (torch reference, ~100 MB/s per core here) and that a message to a peer is well past the size at
+# which NCCL reaches link bandwidth (~0.5 MiB); small enough that a 64 MiB chunk (512 MiB buffer
+# over 8 ranks) runs as 16 tiles. Measured on GPUs it is still owed (docs/gpu_transport.md); the
+# tuner sets it per message size.
+DEFAULT_TILE_NBYTES = 4 << 20
+DEFAULT_TILES_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +106,7 @@ class RankPlan:
 
 @functools.lru_cache(maxsize=256)
 def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
-    def plan(steps):  # type: ignore[no-untyped-def]
+    def plan(steps: Sequence[Step]) -> tuple[StepPlan, ...]:
         result = []
         for step in steps:
             sends: dict[int, list[int]] = {}
@@ -67,6 +127,304 @@ def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
     return RankPlan(plan(schedule.reduce), plan(schedule.gather), schedule.subtree_sizes())
 
 
+# -- tiles ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """How one call's chunks are cut into tiles."""
+
+    tiles: int  # T: tiles per chunk (some may be empty in short chunks)
+    bounds: tuple[int, ...]  # refined chunk_bounds: fine chunk c * T + t is tile t of chunk c
+    unit_nbytes: int  # fp32 work bytes of one chunk_bounds unit (a DynamiQ row: 1 KiB)
+
+
+def plan_tiles(call: SchemeCall, tile_nbytes: int | None) -> TilePlan | None:
+    """The tiles of ``call`` for ``tile_nbytes`` per chunk tile; None when it runs untiled."""
+    unit = getattr(call, "tile_unit", None)
+    if not tile_nbytes or unit is None:
+        return None
+    tile_nbytes = int(tile_nbytes)
+    if tile_nbytes < 0:
+        raise ValueError(f"tile_nbytes must be >= 0, got {tile_nbytes}")
+    work = call.work
+    rows = work.shape[0] if work.dim() else 0
+    unit_nbytes = (work.numel() // rows if rows else 1) * work.element_size()
+    bounds = list(call.chunk_bounds)
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    longest = max(lengths, default=0)
+    tiles = -(-longest * unit_nbytes // tile_nbytes) if longest else 1
+    tiles = max(1, min(tiles, -(-longest // unit) if longest else 1))  # a tile holds >= one unit
+    if tiles == 1:
+        return None
+    fine = [bounds[0]]
+    for lo, length in zip(bounds[:-1], lengths, strict=True):
+        blocks = length // unit
+        for t in range(1, tiles):
+            fine.append(lo + (t * blocks // tiles) * unit)
+        fine.append(lo + length)  # a remainder that is not a whole unit stays in the last tile
+    return TilePlan(tiles, tuple(fine), unit_nbytes)
+
+
+def _tile_view(call: SchemeCall, plan: TilePlan) -> SchemeCall:
+    view = copy.copy(call)  # shares work, state and every per-chunk table with the call
+    view.chunk_bounds = list(plan.bounds)
+    return view
+
+
+# -- one tile's walk through the schedule ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Exchange:
+    label: str
+    sends: list[tuple[int, torch.Tensor]]
+    recvs: list[tuple[int, torch.Tensor]]
+    layouts: list[tuple[int, tuple[tuple[int, Role], ...], list[int], torch.Tensor]]
+
+
+class _TileRun:
+    """The executor's state for one tile (for the whole buffer when untiled)."""
+
+    def __init__(
+        self,
+        call: SchemeCall,
+        plan: RankPlan,
+        rank: int,
+        n: int,
+        collective: Collective,
+        what: str,
+        *,
+        tile: int = 0,
+        tiles: int = 1,
+    ) -> None:
+        self.call = call
+        self.rank, self.n = rank, n
+        self.subtree = plan.subtree
+        self.collective = collective
+        self.tile, self.tiles = tile, tiles
+        self.prefix = what if tiles == 1 else f"{what} tile {tile}"
+        self.outgoing: dict[int, torch.Tensor] = {}  # reduce phase: the payload this rank forwards
+        self.final: dict[int, torch.Tensor] = {}  # gather phase: each chunk's result, compressed
+        self.gather_count = 1 if collective is Collective.ALL_GATHER else n
+        self.steps: list[tuple[str, int, StepPlan]] = []
+        if collective is not Collective.ALL_GATHER:
+            self.steps += [("reduce", i, s) for i, s in enumerate(plan.reduce)]
+        if collective is not Collective.REDUCE_SCATTER:
+            self.steps += [("gather", i, s) for i, s in enumerate(plan.gather)]
+
+    def _index(self, chunk: int) -> int:
+        """The call's chunk index of schedule chunk ``chunk`` in this tile."""
+        return chunk * self.tiles + self.tile
+
+    def start(self) -> None:
+        if self.collective is Collective.ALL_GATHER:
+            # each chunk is one rank's data, not a sum; the owner decodes its own bytes too
+            index = self._index(self.rank)
+            self.final[self.rank] = self.call.compress(index, 1)
+            self.call.decompress(index, self.final[self.rank], 1)
+
+    def _leaf_or_forward(self, chunk: int) -> torch.Tensor:
+        if chunk in self.outgoing:
+            return self.outgoing.pop(chunk)
+        return self.call.compress(self._index(chunk), 1)  # a leaf: nothing arrived for this chunk
+
+    def prepare(self, position: int) -> _Exchange:
+        phase, index, step = self.steps[position]
+        call = self.call
+        device = call.work.device
+        payload_of = self._leaf_or_forward if phase == "reduce" else self.final.__getitem__
+        sends = []
+        for peer, chunks in step.sends:
+            parts = [payload_of(c) for c in chunks]
+            message = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if message.numel():
+                sends.append((peer, message))
+        recvs = []
+        layouts = []
+        for peer, items in step.recvs:
+            counts = [self.subtree[peer][c] if phase == "reduce" else self.gather_count
+                      for c, _ in items]
+            sizes = [call.payload_nbytes(self._index(c), count)
+                     for (c, _), count in zip(items, counts, strict=True)]
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            if buffer.numel():
+                recvs.append((peer, buffer))
+            layouts.append((peer, items, sizes, buffer))
+        return _Exchange(f"{self.prefix} {phase} step {index}", sends, recvs, layouts)
+
+    def complete(self, exchange: _Exchange) -> None:
+        call, subtree, rank, n = self.call, self.subtree, self.rank, self.n
+        for peer, items, sizes, buffer in exchange.layouts:
+            offset = 0
+            for (chunk, role), size in zip(items, sizes, strict=True):
+                payload = buffer[offset : offset + size]
+                offset += size
+                index = self._index(chunk)
+                if role is Role.GATHER:
+                    self.final[chunk] = payload
+                    call.decompress(index, payload, self.gather_count)
+                    continue
+                count = subtree[peer][chunk]
+                if role is Role.ACCUMULATE:
+                    call.decompress_accumulate(index, payload, count)
+                elif role is Role.FORWARD:
+                    self.outgoing[chunk] = call.decompress_accumulate_recompress(
+                        index, payload, count, subtree[rank][chunk]
+                    )
+                else:  # Role.FINAL: the sink recompresses once more and decodes its own bytes
+                    self.final[chunk] = call.decompress_accumulate_recompress(
+                        index, payload, count, n
+                    )
+                    call.decompress(index, self.final[chunk], n)
+
+
+# -- how an exchange runs beside the codec ------------------------------------------------------
+
+
+class _Pending(Protocol):
+    def wait(self) -> None: ...
+
+
+class _Driver(Protocol):
+    def submit(self, exchange: _Exchange) -> _Pending: ...
+
+    def close(self) -> None: ...
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _InlineDriver:
+    """Untiled, or one tile in flight: the exchange runs in the calling thread."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def submit(self, exchange: _Exchange) -> _Pending:
+        self.transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+        return _Done()
+
+    def close(self) -> None:
+        pass
+
+
+class _FuturePending:
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+class _ThreadDriver:
+    """Exchanges of a host-blocking transport on one communication thread, in submission order.
+
+    The thread runs on the caller's current CUDA stream (for CUDA tensors), so its copies are
+    ordered after the codec kernels that produced the payloads, as in the untiled executor. A
+    daemon thread rather than a pool: an exchange stuck until its timeout must not hold up exit.
+    """
+
+    def __init__(self, transport: Transport, device: torch.device, name: str) -> None:
+        self.transport = transport
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.failed: BaseException | None = None
+        self.jobs: queue.SimpleQueue[tuple[_Exchange, concurrent.futures.Future[None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self.thread = threading.Thread(target=self._loop, name=f"dqcoll-comm {name}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            exchange, future = job
+            if self.failed is not None:  # the caller raises the first error before reaching this
+                future.set_exception(self.failed)
+                continue
+            try:
+                self.transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+            except BaseException as exc:  # handed to the waiting thread
+                self.failed = exc
+                future.set_exception(exc)
+                continue
+            future.set_result(None)
+
+    def submit(self, exchange: _Exchange) -> _Pending:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.jobs.put((exchange, future))
+        return _FuturePending(future)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+
+class _EventPending:
+    def __init__(self, event: Any, stream: Any) -> None:
+        self.event, self.stream = event, stream
+
+    def wait(self) -> None:
+        self.stream.wait_event(self.event)
+
+
+class _StreamDriver:
+    """Exchanges of a stream-ordered transport (NCCL) on a side stream, ordered by events."""
+
+    def __init__(self, transport: Transport, device: torch.device) -> None:
+        self.transport = transport
+        self.compute = torch.cuda.current_stream(device)
+        self.side = _side_stream(device)
+
+    def submit(self, exchange: _Exchange) -> _Pending:
+        ready = torch.cuda.Event()
+        ready.record(self.compute)
+        self.side.wait_event(ready)
+        with torch.cuda.stream(self.side):
+            self.transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+        for _, tensor in (*exchange.sends, *exchange.recvs):
+            # allocated on the compute stream, used on the side stream: the allocator must not
+            # hand the memory out again before the side stream is done with it
+            tensor.record_stream(self.side)
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return _EventPending(done, self.compute)
+
+    def close(self) -> None:
+        pass
+
+
+_SIDE_STREAMS: dict[tuple[int, int], Any] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One communication stream per (device, thread): created once, reused by every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, threading.get_ident())
+    with _SIDE_LOCK:
+        if key not in _SIDE_STREAMS:
+            _SIDE_STREAMS[key] = torch.cuda.Stream(device=index)
+        return _SIDE_STREAMS[key]
+
+
+def _make_driver(transport: Transport, device: torch.device, tiles_in_flight: int,
+                 what: str) -> _Driver:
+    if tiles_in_flight <= 1:
+        return _InlineDriver(transport)
+    if device.type == "cuda" and getattr(transport, "stream_ordered", False):
+        return _StreamDriver(transport, device)
+    return _ThreadDriver(transport, device, what)
+
+
+# -- the entry point ------------------------------------------------------------------------------
+
+
 def run_schedule(
     schedule: Schedule,
     call: SchemeCall,
@@ -74,6 +432,8 @@ def run_schedule(
     *,
     what: str,
     collective: Collective = Collective.ALLREDUCE,
+    tile_nbytes: int | None = None,
+    tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT,
 ) -> None:
     """Run ``collective`` on ``call.work`` across the ranks of ``transport`` along ``schedule``.
 
@@ -82,75 +442,66 @@ def run_schedule(
     * reduce-scatter: only the reduce steps; chunk ``rank`` holds the decoded result;
     * all-gather: only the gather steps, starting from each rank's own chunk, which its owner
       compresses and decodes like everyone else (so all ranks hold identical values).
+
+    ``tile_nbytes`` (None or 0: untiled) cuts each chunk into tiles of about that many fp32 work
+    bytes, run ``tiles_in_flight`` at a time (see the module docstring); every rank must pass the
+    same values. The number of tiles used is left in ``call.info["tiles"]``.
     """
     rank = transport.rank
     n = transport.world_size
     if schedule.world_size != n:
         raise ValueError(f"schedule is for {schedule.world_size} ranks, transport has {n}")
+    if tiles_in_flight < 1:
+        raise ValueError(f"tiles_in_flight must be >= 1, got {tiles_in_flight}")
     plan = rank_plan(schedule, rank)
-    subtree = plan.subtree
-    device = call.work.device
-    outgoing: dict[int, torch.Tensor] = {}  # reduce phase: the payload this rank forwards
-    final: dict[int, torch.Tensor] = {}  # gather phase: each chunk's result, compressed
+    tiling = plan_tiles(call, tile_nbytes)
+    info = getattr(call, "info", None)
+    if isinstance(info, dict):
+        info["tiles"] = tiling.tiles if tiling is not None else 1
+    if tiling is None:
+        run = _TileRun(call, plan, rank, n, collective, what)
+        run.start()
+        for position in range(len(run.steps)):
+            exchange = run.prepare(position)
+            transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+            run.complete(exchange)
+        return
+    view = _tile_view(call, tiling)
+    runs = [_TileRun(view, plan, rank, n, collective, what, tile=t, tiles=tiling.tiles)
+            for t in range(tiling.tiles)]
+    driver = _make_driver(transport, call.work.device, tiles_in_flight, what)
+    try:
+        _pipeline(runs, driver, tiles_in_flight)
+    finally:
+        driver.close()
 
-    def bundle(chunks: tuple[int, ...], payload_of) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        parts = [payload_of(c) for c in chunks]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def leaf_or_forward(chunk: int) -> torch.Tensor:
-        if chunk in outgoing:
-            return outgoing.pop(chunk)
-        return call.compress(chunk, 1)  # a leaf: nothing arrived for this chunk
+def _pipeline(runs: list[_TileRun], driver: _Driver, window: int) -> None:
+    """Round-robin over at most ``window`` tiles: wait for a tile's exchange, run its codec,
+    submit its next exchange, move to the next tile. The order depends only on the tile count,
+    the step count and ``window``, so it is the same on every rank."""
+    active: collections.deque[tuple[_TileRun, int, _Exchange, _Pending]] = collections.deque()
+    waiting = iter(runs)
+    exhausted = False
+    while True:
+        while not exhausted and len(active) < window:
+            run = next(waiting, None)
+            if run is None:
+                exhausted = True
+                break
+            run.start()
+            if run.steps:
+                _submit(active, driver, run, 0)
+        if not active:
+            return
+        run, position, exchange, pending = active.popleft()
+        pending.wait()
+        run.complete(exchange)
+        if position + 1 < len(run.steps):
+            _submit(active, driver, run, position + 1)
 
-    phases = []
-    if collective is not Collective.ALL_GATHER:
-        phases.append(("reduce", plan.reduce))
-    gather_count = n
-    if collective is Collective.ALL_GATHER:
-        gather_count = 1  # each chunk is one rank's data, not a sum
-        final[rank] = call.compress(rank, 1)
-        call.decompress(rank, final[rank], 1)
-    if collective is not Collective.REDUCE_SCATTER:
-        phases.append(("gather", plan.gather))
-    for phase, steps in phases:
-        for index, step in enumerate(steps):
-            label = f"{what} {phase} step {index}"
-            sends = []
-            for peer, chunks in step.sends:
-                payload_of = leaf_or_forward if phase == "reduce" else final.__getitem__
-                message = bundle(chunks, payload_of)
-                if message.numel():
-                    sends.append((peer, message))
-            recvs = []
-            layouts = []
-            for peer, items in step.recvs:
-                sizes = [
-                    call.payload_nbytes(c, subtree[peer][c] if phase == "reduce" else gather_count)
-                    for c, _ in items
-                ]
-                buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-                if buffer.numel():
-                    recvs.append((peer, buffer))
-                layouts.append((peer, items, sizes, buffer))
-            transport.exchange(sends, recvs, what=label)
-            for peer, items, sizes, buffer in layouts:
-                offset = 0
-                for (chunk, role), size in zip(items, sizes, strict=True):
-                    payload = buffer[offset : offset + size]
-                    offset += size
-                    if role is Role.GATHER:
-                        final[chunk] = payload
-                        call.decompress(chunk, payload, gather_count)
-                        continue
-                    count = subtree[peer][chunk]
-                    if role is Role.ACCUMULATE:
-                        call.decompress_accumulate(chunk, payload, count)
-                    elif role is Role.FORWARD:
-                        outgoing[chunk] = call.decompress_accumulate_recompress(
-                            chunk, payload, count, subtree[rank][chunk]
-                        )
-                    else:  # Role.FINAL: the sink recompresses once more and decodes its own bytes
-                        final[chunk] = call.decompress_accumulate_recompress(
-                            chunk, payload, count, n
-                        )
-                        call.decompress(chunk, final[chunk], n)
+
+def _submit(active: collections.deque[tuple[_TileRun, int, _Exchange, _Pending]], driver: _Driver,
+            run: _TileRun, position: int) -> None:
+    exchange = run.prepare(position)
+    active.append((run, position, exchange, driver.submit(exchange)))

@@ -8,6 +8,8 @@ updated in place and returned as is.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,14 @@ import torch
 
 from .errors import InvalidArgumentError
 
-__all__ = ["as_torch_view", "buffer_kind", "current_stream"]
+__all__ = [
+    "as_torch_view",
+    "buffer_device",
+    "buffer_kind",
+    "caller_stream",
+    "current_stream",
+    "stream_scope",
+]
 
 
 def buffer_kind(buf: Any) -> str:
@@ -59,3 +68,53 @@ def current_stream(tensor: torch.Tensor) -> Any:
     if tensor.device.type == "cuda":
         return torch.cuda.current_stream(tensor.device)
     return None
+
+
+# DLPack device types (dlpack.h DLDeviceType): kDLCUDA = 2, kDLCUDAManaged = 13.
+_DLPACK_CUDA_TYPES = (2, 13)
+
+
+def buffer_device(buf: Any) -> torch.device | None:
+    """The device ``buf`` lives on, without wrapping it; None when it cannot tell."""
+    kind = buffer_kind(buf)
+    if kind == "torch":
+        return buf.device  # type: ignore[no-any-return]
+    if kind == "numpy":
+        return torch.device("cpu")
+    if hasattr(buf, "__dlpack_device__"):
+        device_type, index = buf.__dlpack_device__()
+        if int(device_type) in _DLPACK_CUDA_TYPES:
+            return torch.device("cuda", int(index))
+        return torch.device("cpu")
+    return None
+
+
+def caller_stream(buf: Any) -> Any:
+    """The stream the caller queues its work on ``buf`` on: CuPy's current stream for a CuPy
+    array (wrapped as a ``torch.cuda.ExternalStream``), torch's current stream for anything else
+    on a GPU; None for host buffers."""
+    device = buffer_device(buf)
+    if device is None or device.type != "cuda":
+        return None
+    if buffer_kind(buf) == "cupy":
+        import cupy  # the caller passed a CuPy array, so CuPy is there
+
+        with cupy.cuda.Device(device.index):
+            pointer = cupy.cuda.get_current_stream().ptr
+        if pointer == 0:  # CuPy's null stream is the legacy default stream, as torch's default
+            return torch.cuda.default_stream(device)
+        return torch.cuda.ExternalStream(pointer, device=device)
+    return torch.cuda.current_stream(device)
+
+
+@contextlib.contextmanager
+def stream_scope(buf: Any) -> Iterator[None]:
+    """Inside, torch's current stream is the caller's stream for ``buf`` (see
+    :func:`caller_stream`): for a CuPy array, collectives queue their kernels and transfers on
+    CuPy's current stream. A no-op for torch tensors and host buffers."""
+    stream = caller_stream(buf) if buffer_kind(buf) == "cupy" else None
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield

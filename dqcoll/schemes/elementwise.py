@@ -122,6 +122,7 @@ class BlockCall:
         if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
             work.div_(n)
         self.work = work
+        self.tile_unit = block  # the executor may cut chunks into tiles of whole blocks
         self.state = codec.prepare(work, ctx)
         self.info: dict[str, Any] = {}
 

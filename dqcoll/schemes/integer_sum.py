@@ -139,6 +139,7 @@ class IntegerSumCall:
             work[: self.numel] = x.reshape(-1)
             self.chunk_bounds = [b * block for b in split_blocks(padded // block, n)]
         self.work = work
+        self.tile_unit = block  # the executor may cut chunks into tiles of whole blocks
         self.state = codec.prepare(work, ctx)
         self.sums: dict[int, torch.Tensor] = {}  # chunk -> int64 partial sum of codes
         self.info: dict[str, Any] = {}

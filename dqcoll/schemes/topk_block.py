@@ -108,6 +108,8 @@ def _as_fp32(payload: torch.Tensor) -> torch.Tensor:
 class TopKBlockCall:
     """One call: the bitmap all-reduce, the compacted union, dense fp32 hops."""
 
+    tile_unit = TOPK_BLOCK  # the executor may cut chunks into tiles of whole blocks
+
     def __init__(self, scheme: TopKBlockScheme, x: torch.Tensor, ctx: CallContext) -> None:
         n = ctx.world_size
         self.numel = x.numel()

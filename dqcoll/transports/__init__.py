@@ -62,8 +62,16 @@ def _torch_factory(group: Any = None, **kwargs: Any) -> Transport:
     return TorchTransport(group, **kwargs)
 
 
+def _nccl_factory(**kwargs: Any) -> Transport:
+    from .cupy_nccl import init_transport
+
+    return init_transport(**kwargs)
+
+
 register_transport(TransportSpec("local", _local_factory, "ranks as threads in one process",
                                  ("cpu", "cuda")))
 register_transport(TransportSpec("torch", _torch_factory,
                                  "an existing torch.distributed group (gloo, nccl)",
                                  ("cpu", "cuda")))
+register_transport(TransportSpec("nccl", _nccl_factory,
+                                 "CuPy's NCCL bindings (one GPU per process)", ("cuda",)))

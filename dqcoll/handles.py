@@ -1,0 +1,164 @@
+"""Asynchronous collectives: what ``dqcoll.allreduce(..., async_op=True)`` returns.
+
+A collective issued with ``async_op=True`` runs on a per-communicator worker thread, in issue
+order, while the caller goes on; :meth:`CollectiveHandle.wait` returns the result buffer (and
+raises the collective's error, if it had one), :meth:`CollectiveHandle.is_completed` polls.
+
+Streams (CUDA buffers): the collective is ordered after the work the caller had queued on its
+current stream when it issued the call (torch's current stream for torch tensors, CuPy's for
+CuPy arrays): an event recorded there is waited on by a side stream of the worker, which runs the
+whole collective. ``wait()`` then makes the *waiting* caller's current stream wait on an event
+recorded at the end of the collective - the host only waits until every kernel and transfer is
+queued, as ``torch.distributed``'s ``Work.wait()`` does for NCCL. With a stream-ordered transport
+(``nccl``) nothing in between synchronises the device; DynamiQ's statistics all-reduce is read by
+the host (the bit allocation), which waits for that one small transfer on the side stream only.
+
+Ordering: every rank must issue the same collectives in the same order, async or not (as with
+NCCL). A synchronous collective on a communicator first waits until that communicator's
+asynchronous ones have finished, so the messages of two calls never interleave; the sync path is
+otherwise unchanged. Errors of an asynchronous call surface at its ``wait()``, also errors of
+argument checking (every rank joins the argument handshake in the worker, so a bad argument on one
+rank still reaches the others as a PeerError rather than a hang).
+
+Rejected: running the collective in the caller's thread and only deferring the final copy. The
+executor's codec work is host-driven (one Python call per hop and tile), so only a thread frees
+the caller's host time on CPU, and on GPU the host must keep queueing kernels between transfers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .interop import caller_stream
+
+__all__ = ["CollectiveHandle", "drain", "submit"]
+
+
+class CollectiveHandle:
+    """The pending result of one asynchronous collective."""
+
+    def __init__(self, future: concurrent.futures.Future[Any], result: Any, buf: Any,
+                 what: str) -> None:
+        self._future = future
+        self._result = result
+        self._buf = buf  # decides which stream waits (torch's or CuPy's current stream)
+        self.what = what
+
+    def is_completed(self) -> bool:
+        """True once the collective is done: queued work finished on the device too."""
+        if not self._future.done():
+            return False
+        if self._future.exception() is not None:
+            return True
+        done = self._future.result()
+        return done is None or bool(done.query())
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Block until the collective is queued (CUDA) or done (CPU); return its output buffer.
+
+        On CUDA the caller's current stream is made to wait for the collective's last kernel, so
+        work queued after ``wait()`` sees the result. Raises the collective's error, if any;
+        ``timeout_s`` bounds the host wait (``TimeoutError``), not the collective's own timeout.
+        """
+        try:
+            done = self._future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"{self.what}: not finished after waiting {timeout_s:g} s on the host"
+            ) from None
+        if done is not None:
+            stream = caller_stream(self._buf)
+            if stream is not None:
+                stream.wait_event(done)
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "pending"
+        return f"CollectiveHandle({self.what!r}, {state})"
+
+
+class _Worker:
+    """One thread per communicator that runs its asynchronous collectives in issue order."""
+
+    def __init__(self, name: str) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self.last: concurrent.futures.Future[Any] | None = None
+        self.streams: dict[int, Any] = {}  # CUDA device index -> the worker's side stream
+        self.thread = threading.Thread(target=self._loop, name=f"dqcoll-async {name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, future = self.jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the handle's wait()
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.jobs.put((fn, future))
+        self.last = future
+        return future
+
+    def side_stream(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self.streams:
+            self.streams[index] = torch.cuda.Stream(device=index)
+        return self.streams[index]
+
+
+_WORKERS: weakref.WeakKeyDictionary[Any, _Worker] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _worker(comm: Any) -> _Worker:
+    with _LOCK:
+        worker = _WORKERS.get(comm)
+        if worker is None:
+            worker = _Worker(f"rank {comm.rank}")
+            _WORKERS[comm] = worker
+        return worker
+
+
+def drain(comm: Any) -> None:
+    """Wait until every asynchronous collective issued on ``comm`` so far has run (their errors
+    stay with their handles)."""
+    worker = _WORKERS.get(comm)
+    if worker is not None and worker.last is not None:
+        concurrent.futures.wait([worker.last])
+
+
+def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,
+           what: str) -> CollectiveHandle:
+    """Run ``run()`` (one whole collective on ``comm``) on the communicator's worker."""
+    worker = _worker(comm)
+    stream = caller_stream(buf)
+    if stream is None:
+        return CollectiveHandle(worker.submit(run), result, buf, what)
+    ready = torch.cuda.Event()
+    ready.record(stream)
+    device = stream.device
+
+    def job() -> Any:
+        side = worker.side_stream(device)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            run()
+        done = torch.cuda.Event()
+        done.record(side)
+        return done
+
+    return CollectiveHandle(worker.submit(job), result, buf, what)
