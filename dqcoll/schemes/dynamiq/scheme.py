@@ -191,8 +191,6 @@ class DynamiqCall:
 
     tile_unit = 1  # the executor may cut chunks into tiles of whole rows (super-groups)
 
-    tile_unit = 1  # the executor may cut chunks into tiles of whole rows (super-groups)
-
     def __init__(self, scheme: DynamiqScheme, x: torch.Tensor, ctx: CallContext) -> None:
         n = ctx.world_size
         device = x.device
