@@ -9,8 +9,17 @@ Every collective follows the same path:
    before any data moves: the faulty rank its own error, the others a PeerError or MismatchError
    naming the ranks and values. ``DQCOLL_VALIDATE=0`` skips the handshake (local errors still
    raise, but a peer may then wait until its timeout).
-2. The scheme plans the call (statistics, allocation) and the executor runs the schedule.
+2. The scheme plans the call (statistics, allocation) and the executor runs the schedule, cut
+   into tiles of ``tile_nbytes`` (default :data:`~dqcoll.executor.DEFAULT_TILE_NBYTES`) with
+   ``tiles_in_flight`` overlapping (see :mod:`dqcoll.executor`; the result does not depend on
+   either, but all ranks must agree on them, so they are part of the handshake).
 3. The result is written into the caller's buffer last, so an error leaves the input untouched.
+
+CUDA buffers: all work is queued on the caller's current stream - torch's for torch tensors,
+CuPy's for CuPy arrays (:func:`dqcoll.interop.stream_scope`). ``async_op=True`` returns a
+:class:`~dqcoll.handles.CollectiveHandle` at once and runs the collective on the communicator's
+worker (see :mod:`dqcoll.handles`); a synchronous call first waits for the communicator's pending
+asynchronous ones.
 """
 
 from __future__ import annotations
@@ -22,11 +31,11 @@ from typing import Any
 
 import torch
 
-from . import envs, schemes
+from . import envs, handles, schemes
 from .comm import Communicator, get_default_comm
 from .errors import DqcollError, InvalidArgumentError, MismatchError, PeerError
-from .executor import run_schedule
-from .interop import as_torch_view
+from .executor import DEFAULT_TILE_NBYTES, DEFAULT_TILES_IN_FLIGHT, run_schedule
+from .interop import as_torch_view, stream_scope
 from .schemes.base import CallContext, Scheme
 from .topology import algorithms
 from .topology.schedule import Schedule
@@ -47,7 +56,8 @@ _ERROR_CODES = {
 }
 _ERROR_NAMES = {v: k for k, v in _ERROR_CODES.items()}
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step")
+_FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step", "tile_nbytes",
+           "tiles_in_flight")
 
 
 class _DefaultBits(float):
@@ -98,12 +108,20 @@ def _prepare(
     comm: Communicator,
     seed: int,
     step: int,
+    tile_nbytes: int = 0,
+    tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT,
 ) -> _Request:
     request = _Request()
 
     def fail(category: str, exc: DqcollError) -> _Request:
         request.error, request.category = exc, category
         return request
+
+    if tile_nbytes < 0 or tiles_in_flight < 1:
+        return fail("other", InvalidArgumentError(
+            f"rank {comm.rank}: tile_nbytes must be >= 0 (0: untiled) and tiles_in_flight >= 1, "
+            f"got tile_nbytes={tile_nbytes}, tiles_in_flight={tiles_in_flight}"
+        ))
 
     try:
         request.op = ReduceOp.parse(op)
@@ -157,6 +175,8 @@ def _prepare(
         _crc(request.op.value),
         seed & ((1 << 62) - 1),
         step,
+        tile_nbytes,
+        tiles_in_flight,
     )
     return request
 
@@ -191,7 +211,8 @@ def _handshake(request: _Request, comm: Communicator, what: str) -> None:
     differ = [(f, lo, hi) for f, lo, hi in zip(_FIELDS, low, high, strict=True) if lo != hi]
     if differ:
         detail = "; ".join(
-            f"{f} (min {lo}, max {hi})" if f in ("numel", "seed", "step") else f"{f}"
+            f"{f} (min {lo}, max {hi})"
+            if f in ("numel", "seed", "step", "tile_nbytes", "tiles_in_flight") else f"{f}"
             for f, lo, hi in differ
         )
         raise MismatchError(f"rank {comm.rank}: {what}: ranks disagree on {detail}")
@@ -210,8 +231,12 @@ def _run(
     seed: int | None,
     step: int | None,
     scheme_options: dict[str, Any],
+    tile_nbytes: int | None = None,
+    tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT,
 ) -> None:
     comm = comm or get_default_comm()
+    tile_nbytes = DEFAULT_TILE_NBYTES if tile_nbytes is None else int(tile_nbytes)
+    tiles_in_flight = int(tiles_in_flight)
     call_step = comm.next_step()
     step = call_step if step is None else int(step)
     seed = comm.seed if seed is None else int(seed)
@@ -226,7 +251,8 @@ def _run(
             f"give bits or target_vnmse, not both (bits={bits!r}, target_vnmse={target!r})"
         )
     request = _prepare(buf, op=op, scheme=scheme, scheme_options=options, algorithm=algorithm,
-                       comm=comm, seed=seed, step=step)
+                       comm=comm, seed=seed, step=step, tile_nbytes=tile_nbytes,
+                       tiles_in_flight=tiles_in_flight)
     out_tensor = None
     if request.error is None and collective is not Collective.ALLREDUCE:
         _check_sharded_support(request, collective, comm)
@@ -259,7 +285,8 @@ def _run(
         x.view(n, -1)[comm.rank] = flat
     ctx = CallContext(comm.transport, request.op, seed, step, collective, what, schedule)
     call = scheme_obj.begin(x, ctx)
-    run_schedule(schedule, call, comm.transport, what=what, collective=collective)
+    run_schedule(schedule, call, comm.transport, what=what, collective=collective,
+                 tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
     if collective is Collective.ALLREDUCE:
         call.finish(flat)
     elif collective is Collective.REDUCE_SCATTER:
@@ -327,6 +354,19 @@ def _check_output(request: _Request, out: Any, collective: Collective, comm: Com
     request.out = out_tensor
 
 
+def _launch(collective: Collective, buf: Any, out: Any, result: Any, *, async_op: bool,
+            comm: Communicator | None, **kwargs: Any) -> Any:
+    """Run one collective now (in the caller's stream scope) or on the communicator's worker."""
+    comm = comm or get_default_comm()
+    if async_op:
+        return handles.submit(comm, lambda: _run(collective, buf, out, comm=comm, **kwargs),
+                              buf=buf, result=result, what=f"{collective.value} (async_op)")
+    handles.drain(comm)
+    with stream_scope(buf):
+        _run(collective, buf, out, comm=comm, **kwargs)
+    return result
+
+
 def allreduce(
     buf: Any,
     *,
@@ -337,6 +377,9 @@ def allreduce(
     comm: Communicator | None = None,
     seed: int | None = None,
     step: int | None = None,
+    async_op: bool = False,
+    tile_nbytes: int | None = None,
+    tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT,
     **scheme_options: Any,
 ) -> Any:
     """Quantized all-reduce of ``buf`` in place; returns ``buf``.
@@ -350,10 +393,15 @@ def allreduce(
     fewest bits whose predicted vNMSE meets the target (see
     :mod:`dqcoll.schemes.dynamiq.error_model`); ``comm.last_info`` reports the bits used and
     the prediction.
+    ``async_op=True`` returns a :class:`~dqcoll.handles.CollectiveHandle` (``wait()`` returns
+    ``buf``; ``is_completed()``) instead of ``buf``. ``tile_nbytes`` (None: the default, 4 MiB;
+    0: untiled) and ``tiles_in_flight`` set the pipelining (:mod:`dqcoll.executor`); the result
+    does not depend on them.
     """
-    _run(Collective.ALLREDUCE, buf, None, op=op, scheme=scheme, bits=bits, algorithm=algorithm,
-         comm=comm, seed=seed, step=step, scheme_options=scheme_options)
-    return buf
+    return _launch(Collective.ALLREDUCE, buf, None, buf, async_op=async_op, comm=comm, op=op,
+                   scheme=scheme, bits=bits, algorithm=algorithm, seed=seed, step=step,
+                   scheme_options=scheme_options, tile_nbytes=tile_nbytes,
+                   tiles_in_flight=tiles_in_flight)
 
 
 def reduce_scatter(
@@ -367,14 +415,18 @@ def reduce_scatter(
     comm: Communicator | None = None,
     seed: int | None = None,
     step: int | None = None,
+    async_op: bool = False,
+    tile_nbytes: int | None = None,
+    tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT,
     **scheme_options: Any,
 ) -> Any:
     """Quantized reduce-scatter: ``out`` (``buf.numel() / world_size`` elements) receives shard
     ``rank`` of the reduction of ``buf``; returns ``out``. Equal to the matching part of
     :func:`allreduce` with the same arguments on the same layout."""
-    _run(Collective.REDUCE_SCATTER, buf, out, op=op, scheme=scheme, bits=bits,
-         algorithm=algorithm, comm=comm, seed=seed, step=step, scheme_options=scheme_options)
-    return out
+    return _launch(Collective.REDUCE_SCATTER, buf, out, out, async_op=async_op, comm=comm, op=op,
+                   scheme=scheme, bits=bits, algorithm=algorithm, seed=seed, step=step,
+                   scheme_options=scheme_options, tile_nbytes=tile_nbytes,
+                   tiles_in_flight=tiles_in_flight)
 
 
 def all_gather(
@@ -387,11 +439,15 @@ def all_gather(
     comm: Communicator | None = None,
     seed: int | None = None,
     step: int | None = None,
+    async_op: bool = False,
+    tile_nbytes: int | None = None,
+    tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT,
     **scheme_options: Any,
 ) -> Any:
     """Quantized all-gather: ``out`` (``world_size * shard.numel()`` elements) receives every
     rank's shard in rank order, each decoded from the same bytes on every rank (the owner's own
     shard too); returns ``out``."""
-    _run(Collective.ALL_GATHER, shard, out, op="sum", scheme=scheme, bits=bits,
-         algorithm=algorithm, comm=comm, seed=seed, step=step, scheme_options=scheme_options)
-    return out
+    return _launch(Collective.ALL_GATHER, shard, out, out, async_op=async_op, comm=comm,
+                   op="sum", scheme=scheme, bits=bits, algorithm=algorithm, seed=seed, step=step,
+                   scheme_options=scheme_options, tile_nbytes=tile_nbytes,
+                   tiles_in_flight=tiles_in_flight)
