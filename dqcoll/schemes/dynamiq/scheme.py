@@ -84,8 +84,8 @@ class DynamiqScheme:
         dtypes=FLOAT_DTYPES,
         supports_reduce_scatter=True,
         needs_global_stats=True,
-        options=("bits", "target_vnmse", "error_model", "levels", "widths", "scales", "rounding",
-                 "seed", "balance", "u_hint"),
+        options=("bits", "target_vnmse", "error_model", "max_width", "levels", "widths",
+                 "scales", "rounding", "seed", "balance", "u_hint"),
     )
 
     def __init__(
