@@ -5,6 +5,10 @@ copied into the receiver's mailbox when sent (the sender may reuse its buffer at
 ``ncclGroupEnd``), on the tensors' own device. Small all-reduces deposit each rank's tensor and
 reduce them in rank order, so every rank computes the very same values.
 
+CUDA tensors: a deposit records an event on the sender's current stream and the reader's stream
+waits on it (and owns the copy's memory until it is done with it), so ranks may run on streams of
+their own (side streams of the pipelined executor, of ``async_op`` workers, CuPy's streams).
+
 Any wait is bounded by the timeout and names the peer and the step. :meth:`LocalHub.abort` (used
 by :func:`dqcoll.testing.run_local` when a rank raises) wakes every waiting rank with
 :class:`~dqcoll.errors.CommAbortedError`, as ``ncclCommAbort`` would.
@@ -95,14 +99,14 @@ class LocalTransport:
         with hub._cond:
             hub._check_aborted()
             for peer, tensor in sends:
-                hub._mailboxes[(self.rank, peer)].append(tensor.detach().clone())
+                hub._mailboxes[(self.rank, peer)].append(_deposit(tensor))
                 self.counters.count_send(tensor.numel() * tensor.element_size())
             hub._cond.notify_all()
             for peer, buffer in recvs:
                 box = hub._mailboxes[(peer, self.rank)]
                 hub._wait(lambda box=box: len(box) > 0, rank=self.rank,
                           waiting_for=f"a message from rank {peer}", what=what)
-                message = box.popleft()
+                message = _read(box.popleft())
                 nbytes = buffer.numel() * buffer.element_size()
                 got = message.numel() * message.element_size()
                 if got != nbytes:
@@ -123,7 +127,7 @@ class LocalTransport:
             seq = hub._reduce_seq[self.rank]
             hub._reduce_seq[self.rank] += 1
             slots = hub._reduce_slots.setdefault(seq, [None] * n)
-            slots[self.rank] = tensor.detach().clone()
+            slots[self.rank] = _deposit(tensor)
             hub._cond.notify_all()
             hub._wait(lambda: all(s is not None for s in slots), rank=self.rank,
                       waiting_for="every rank's contribution to a small all-reduce", what=what)
@@ -132,9 +136,9 @@ class LocalTransport:
                 raise InvalidArgumentError(
                     f"rank {self.rank}: small all-reduce at {what} got shapes {sorted(shapes)}"
                 )
-            result = slots[0].clone()  # type: ignore[union-attr]
+            result = _read(slots[0]).clone()  # type: ignore[arg-type]
             for other in slots[1:]:
-                other = other.to(result.device)  # type: ignore[union-attr]
+                other = _read(other).to(result.device)  # type: ignore[arg-type]
                 if op == "sum":
                     result.add_(other)
                 elif op == "max":
@@ -156,6 +160,26 @@ class LocalTransport:
 
     def close(self) -> None:
         pass
+
+
+def _deposit(tensor: torch.Tensor) -> torch.Tensor:
+    """A private copy of ``tensor`` for a mailbox; on CUDA with an event marking it ready."""
+    copy = tensor.detach().clone()
+    if copy.is_cuda:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(copy.device))
+        copy._dqcoll_ready = event  # type: ignore[attr-defined]
+    return copy
+
+
+def _read(copy: torch.Tensor) -> torch.Tensor:
+    """``copy`` made safe to read on the reader's current stream."""
+    event = getattr(copy, "_dqcoll_ready", None)
+    if event is not None:
+        stream = torch.cuda.current_stream(copy.device)
+        stream.wait_event(event)
+        copy.record_stream(stream)  # its memory is not reused before this stream has read it
+    return copy
 
 
 def _check_peers(
