@@ -65,7 +65,7 @@ def parse_nvidia_topo(text: str) -> tuple[int, bool]:
     gpus = 0
     nvlink = False
     for line in text.splitlines():
-        if re.match(r"^\s*GPU\d+\s", line):
+        if re.match(r"^GPU\d+\s", line):  # rows; the header line starts with blanks
             gpus += 1
             nvlink = nvlink or bool(re.search(r"\bNV\d+\b", line))
     return gpus, nvlink
