@@ -41,7 +41,7 @@ from .topology import algorithms
 from .topology.schedule import Schedule
 from .types import Collective, ReduceOp
 
-__all__ = ["allreduce", "reduce_scatter", "all_gather"]
+__all__ = ["all_gather", "allreduce", "reduce_scatter"]
 
 log = logging.getLogger("dqcoll")
 

@@ -20,7 +20,7 @@ from . import envs
 from .errors import InvalidArgumentError, UnsupportedError
 from .transports.base import Counters, Transport
 
-__all__ = ["Communicator", "init", "get_default_comm", "set_default_comm"]
+__all__ = ["Communicator", "get_default_comm", "init", "set_default_comm"]
 
 log = logging.getLogger("dqcoll")
 

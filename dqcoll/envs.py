@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "kernels", "validate", "log_level", "tuning_dir", "ENV_VARS"]
+__all__ = ["ENV_VARS", "kernels", "log_level", "timeout_s", "tuning_dir", "validate"]
 
 # name -> (default, description)
 ENV_VARS: dict[str, tuple[str, str]] = {

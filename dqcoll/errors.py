@@ -8,12 +8,12 @@ and the collective step, so the log of any single rank says what went wrong wher
 from __future__ import annotations
 
 __all__ = [
+    "CollectiveTimeoutError",
+    "CommAbortedError",
     "DqcollError",
     "InvalidArgumentError",
     "MismatchError",
     "PeerError",
-    "CollectiveTimeoutError",
-    "CommAbortedError",
     "UnsupportedError",
 ]
 

@@ -41,7 +41,7 @@ def run_local(
         set_default_comm(comm, thread_local=True)
         try:
             results[rank] = fn(comm, *args)
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+        except BaseException as exc:
             errors[rank] = exc
             if not return_exceptions:
                 hub.abort(f"rank {rank} raised {exc.__class__.__name__}: {exc}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReduceOp", "Collective"]
+__all__ = ["Collective", "ReduceOp"]
 
 
 class ReduceOp(enum.Enum):

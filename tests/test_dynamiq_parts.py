@@ -13,7 +13,6 @@ from dqcoll.schemes.dynamiq import allocate_widths, min_bits, rng
 from dqcoll.schemes.dynamiq import codec as C
 from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER
 
-
 # -- random numbers ---------------------------------------------------------------------------
 
 

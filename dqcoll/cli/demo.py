@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["main", "gradient_like"]
+__all__ = ["gradient_like", "main"]
 
 # DynamiQ paper's fit of super-group magnitudes (natural log): weights, means, std devs.
 MIXTURE = ((0.79, -3.99, 1.22), (0.21, -16.41, 4.63))

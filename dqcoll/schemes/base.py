@@ -36,7 +36,7 @@ from ..topology.schedule import Schedule
 from ..transports.base import Transport
 from ..types import Collective, ReduceOp
 
-__all__ = ["SchemeSpec", "CallContext", "SchemeCall", "Scheme", "FLOAT_DTYPES"]
+__all__ = ["FLOAT_DTYPES", "CallContext", "Scheme", "SchemeCall", "SchemeSpec"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 
-__all__ = ["BlockCodec", "BlockCall", "split_blocks"]
+__all__ = ["BlockCall", "BlockCodec", "split_blocks"]
 
 
 def split_blocks(num_blocks: int, parts: int) -> list[int]:

@@ -27,13 +27,13 @@ from .schedule import Schedule, assign_roles
 
 __all__ = [
     "AlgorithmSpec",
-    "register_algorithm",
-    "get",
-    "list_algorithms",
-    "build_schedule",
-    "build_ring_schedule",
     "build_butterfly_schedule",
     "build_direct_schedule",
+    "build_ring_schedule",
+    "build_schedule",
+    "get",
+    "list_algorithms",
+    "register_algorithm",
 ]
 
 

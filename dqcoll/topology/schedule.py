@@ -22,7 +22,7 @@ import enum
 import json
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Role", "Phase", "Transfer", "Step", "Schedule", "assign_roles"]
+__all__ = ["Phase", "Role", "Schedule", "Step", "Transfer", "assign_roles"]
 
 
 class Phase(enum.Enum):

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Transport", "Counters", "ring_allreduce_nbytes", "ALLREDUCE_OPS"]
+__all__ = ["ALLREDUCE_OPS", "Counters", "Transport", "ring_allreduce_nbytes"]
 
 ALLREDUCE_OPS = ("sum", "max", "min")
 

@@ -10,13 +10,13 @@ from .scheme import DynamiqCall, DynamiqScheme
 
 __all__ = [
     "Allocation",
-    "allocate_widths",
-    "min_bits",
     "CodecConfig",
+    "DynamiqCall",
+    "DynamiqScheme",
     "Levels",
     "RoundingMode",
     "Scales",
     "Widths",
-    "DynamiqCall",
-    "DynamiqScheme",
+    "allocate_widths",
+    "min_bits",
 ]

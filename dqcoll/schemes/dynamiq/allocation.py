@@ -37,12 +37,12 @@ from .codec import RAW_WIDTH, SUPER, WIDTHS, CodecConfig, Scales, Widths, record
 from .error_model import ErrorModel, predicted_vnmse
 
 __all__ = [
-    "Allocation",
-    "allocate_widths",
-    "allocate_for_target",
-    "STATS_BYTES_PER_SUPER",
-    "min_bits",
     "C_SLOPE",
+    "STATS_BYTES_PER_SUPER",
+    "Allocation",
+    "allocate_for_target",
+    "allocate_widths",
+    "min_bits",
 ]
 
 C_SLOPE = 4.0 / math.log2(512.0 / 17.0)

@@ -49,30 +49,30 @@ import torch
 from . import rng
 
 __all__ = [
-    "SUPER",
-    "GROUP",
-    "GROUPS",
-    "FLAT_BLOCK",
-    "WIDTHS",
-    "RAW_WIDTH",
     "ALL_WIDTHS",
     "EPSILON",
+    "FLAT_BLOCK",
+    "GROUP",
+    "GROUPS",
+    "RAW_WIDTH",
+    "SUPER",
+    "WIDTHS",
+    "CodecConfig",
     "Levels",
+    "RoundingMode",
     "Scales",
     "Widths",
-    "RoundingMode",
-    "CodecConfig",
-    "record_nbytes",
-    "level_magnitudes",
-    "code_table",
     "bf16_ceil",
-    "tree_sum",
-    "stats_center_torch",
-    "encode_torch",
-    "decode_torch",
-    "decode_accumulate_torch",
+    "code_table",
     "decode_accumulate_encode_torch",
+    "decode_accumulate_torch",
+    "decode_torch",
+    "encode_torch",
+    "level_magnitudes",
     "pack_codes",
+    "record_nbytes",
+    "stats_center_torch",
+    "tree_sum",
     "unpack_codes",
 ]
 
@@ -129,7 +129,7 @@ def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
     return codes + (GROUPS + 2 if scales is Scales.HIERARCHICAL else 2 * SUPER // FLAT_BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _magnitudes(width: int, levels: Levels) -> tuple[float, ...]:
     top = 2 ** (width - 1) - 1
     if levels is Levels.UNIFORM:
@@ -237,7 +237,6 @@ def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch
 
 
 def _scales_decode(meta: torch.Tensor, scales: Scales) -> torch.Tensor:
-    k = meta.shape[0]
     if scales is Scales.FLAT:
         scale = meta.contiguous().view(torch.bfloat16).float()  # [k, 8]
         return scale.repeat_interleave(FLAT_BLOCK, dim=1)

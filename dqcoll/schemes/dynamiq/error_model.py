@@ -42,7 +42,7 @@ import torch
 from ...topology.schedule import Schedule
 from .codec import CodecConfig, Levels, RoundingMode, Scales
 
-__all__ = ["EPSILON", "CORRELATED_FACTOR", "ErrorModel", "path_growth", "predicted_vnmse"]
+__all__ = ["CORRELATED_FACTOR", "EPSILON", "ErrorModel", "path_growth", "predicted_vnmse"]
 
 # Relative error of one compress/decompress per (levels, scales) and width: geometric mean of
 # i.i.d. N(0,1) and Student-t(3) coordinates, 2048 super-groups each, independent rounding

@@ -41,20 +41,20 @@ import torch
 
 __all__ = [
     "MASK32",
-    "mix32_int",
-    "mul32",
-    "to_uint32_bits",
-    "mix32",
-    "call_key",
-    "stream_key",
-    "rank_key",
-    "coord_hash",
-    "uniform24",
-    "feistel_rounds",
-    "permute_rank",
-    "rounding_uniforms",
     "STREAM_JITTER",
     "STREAM_PERM",
+    "call_key",
+    "coord_hash",
+    "feistel_rounds",
+    "mix32",
+    "mix32_int",
+    "mul32",
+    "permute_rank",
+    "rank_key",
+    "rounding_uniforms",
+    "stream_key",
+    "to_uint32_bits",
+    "uniform24",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -117,7 +117,7 @@ def call_key(seed: int, step: int) -> int:
     seed &= (1 << 64) - 1
     step &= (1 << 64) - 1
     k_seed = mix32_int(mix32_int((seed & MASK32) ^ _C0) ^ (seed >> 32))
-    k_step = mix32_int(((step & MASK32) ^ _C1)) ^ (step >> 32)
+    k_step = mix32_int((step & MASK32) ^ _C1) ^ (step >> 32)
     return mix32_int(k_seed ^ k_step)
 
 

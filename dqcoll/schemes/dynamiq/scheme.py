@@ -39,11 +39,10 @@ from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from . import rng
 from .allocation import Allocation, allocate_for_target, allocate_widths, min_bits
-from .error_model import ErrorModel, path_growth
 from .codec import (
-    SUPER,
     ALL_WIDTHS,
     RAW_WIDTH,
+    SUPER,
     CodecConfig,
     Levels,
     RoundingMode,
@@ -51,8 +50,9 @@ from .codec import (
     Widths,
     record_nbytes,
 )
+from .error_model import ErrorModel, path_growth
 
-__all__ = ["Balance", "DynamiqScheme", "DynamiqCall"]
+__all__ = ["Balance", "DynamiqCall", "DynamiqScheme"]
 
 
 def _parse(enum_type: Any, value: Any, name: str) -> Any:
