@@ -102,7 +102,7 @@ def _exact(s: Setup, inputs: list[torch.Tensor]) -> torch.Tensor:
     return total / s.world_size if s.op == "avg" else total
 
 
-_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
