@@ -49,7 +49,7 @@ def test_builders_pass_checker(nodes, gpus):
 
 
 def _round_robin(nodes: int, gpus: int) -> Topology:
-    """Ranks dealt to hosts round-robin (rank r on host r % nodes), a numbering some launchers use."""
+    """Ranks dealt to hosts round-robin (rank r on host r % nodes), as some launchers do."""
     base = Topology.cluster(nodes, gpus)
     hosts = tuple(r % nodes for r in range(nodes * gpus))
     ports = tuple(base.ports[h * gpus + r // nodes] for r, h in enumerate(hosts))
