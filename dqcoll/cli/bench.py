@@ -390,11 +390,12 @@ def _device_name(device: torch.device) -> str:
 
 
 def _git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dqcoll/
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=package,
                                 capture_output=True, text=True, timeout=10, check=True).stdout
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=here,
+        # "-dirty": the library itself differs from the commit (uncommitted edits in dqcoll/)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=package,
                                capture_output=True, timeout=10).returncode
     except (OSError, subprocess.SubprocessError):
         return "unknown"
