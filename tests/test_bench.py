@@ -110,3 +110,5 @@ def test_bench_end_to_end_checks_before_timing(tmp_path):
     assert all(r["type"] == "bfloat16" and r["size_nbytes"] == r["count"] * 2 for r in bf16)
     hooks = [r for r in rows if r["impl"] == "ddp fp16_hook"]
     assert all(r["redop"] == "avg" and r["ratio"] == pytest.approx(2.0) for r in hooks)
+    table = bench.render_markdown(str(out_json))  # --render: the same rows for docs/
+    assert table.count("\n| ") == 1 + len(rows) and "FAILED" in table

@@ -56,6 +56,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -418,7 +419,7 @@ def provenance(args: argparse.Namespace, world_size: int, device: torch.device) 
         "host": socket.gethostname(),
         "threads_per_rank": torch.get_num_threads(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "dqcoll bench " + " ".join(args.argv),
+        "command": "dqcoll bench " + shlex.join(args.argv),
     }
 
 
@@ -441,6 +442,33 @@ def _format_row(row: dict[str, Any], link: bool) -> str:
     if link:
         text += f"  {100.0 * row['link_floor_us'] / row['time_us']:>5.1f}%"
     return text
+
+
+def render_markdown(path: str) -> str:
+    """A results file as a markdown table (rows in run order) with its provenance line."""
+    with open(path) as f:
+        data = json.load(f)
+    prov = data["provenance"]
+    lines = [
+        f"`{prov['command']}` -- {prov['world_size']} ranks, {prov['topology']}; "
+        f"{prov['device']}; dqcoll {prov['dqcoll_version']} commit {prov['commit']}, "
+        f"torch {prov['torch_version']}, {prov['date_utc']}",
+        "",
+        "| impl | size(B) | count | type | redop | time(us) | algbw GB/s | busbw GB/s | wire_B "
+        "| ratio | vnmse |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in data["rows"]:
+        head = (f"| {row['impl']} | {row['size_nbytes']} | {row['count']} | {row['type']} | "
+                f"{row['redop']} |")
+        if not row["check_ok"]:
+            lines.append(head + f" FAILED: {row['check_reason']} | | | | | |")
+            continue
+        vnmse = "n/a" if row["vnmse"] is None else f"{row['vnmse']:.2e}"
+        lines.append(head + f" {row['time_us']:.0f} | {row['algbw_gbps']:.4f} | "
+                     f"{row['busbw_gbps']:.4f} | {row['wire_nbytes']} | {row['ratio']:.2f} | "
+                     f"{vnmse} |")
+    return "\n".join(lines)
 
 
 # -- the worker (one rank) -------------------------------------------------------------------
@@ -647,6 +675,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--launcher", default="auto", choices=("auto", "spawn", "env"),
                    help="spawn -g processes here, or be one rank of an env:// job")
+    p.add_argument("--render", default="", metavar="FILE",
+                   help="print a results JSON as a markdown table and exit (runs nothing)")
     return p
 
 
@@ -654,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if args.render:
+        print(render_markdown(args.render))
+        return 0
     launcher = args.launcher
     if launcher == "auto":
         launcher = "env" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "spawn"
