@@ -1,0 +1,132 @@
+"""The tuner on constructed cases, its tables, algorithm='auto', and the two commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dqcoll
+from dqcoll.cli import simulate as simulate_cli
+from dqcoll.cli import tune as tune_cli
+from dqcoll.testing import run_local
+from dqcoll.topology import tuning
+from dqcoll.topology.graph import Topology
+from dqcoll.topology.tuning import Candidate, TunedEntry, TunedTable, choose, tune
+
+SOURCE = "lognormal-mixture:supergroups=48"
+CANDIDATES = [
+    Candidate("ring", "none"),
+    Candidate("ring", "dynamiq", 6.0),
+    Candidate("hier:ring/ring", "dynamiq", 6.0),
+    Candidate("hier:ring/ring", "none"),
+]
+
+
+@pytest.fixture(scope="module")
+def slow_network_table():
+    """2 hosts x 4 GPUs behind 1 Gb/s NICs, tuned on a small candidate set."""
+    topology = Topology.cluster(2, 4, inter_gbps=1.0)
+    return tune(topology, [4096, 1 << 26], error_budget=0.02, candidates=CANDIDATES,
+                source=SOURCE)
+
+
+def test_slow_network_picks_hierarchical_compression(slow_network_table):
+    """With a slow inter-node link and a large message, hierarchical with dynamiq across nodes
+    wins: its bytes cross the NIC compressed once, NVLink carries the rest."""
+    big = slow_network_table.lookup(1 << 26)
+    assert big.choice == Candidate("hier:ring/ring", "dynamiq", 6.0)
+    assert big.vnmse <= 0.02
+    times = dict(big.times_us)
+    assert times["ring/none"] > 5 * big.predicted_us
+
+
+def test_tiny_message_picks_uncompressed(slow_network_table):
+    """A 4 KiB message is latency-bound: the statistics round of dynamiq costs more than the
+    bytes it saves, so an uncompressed configuration wins."""
+    small = slow_network_table.lookup(4096)
+    assert small.choice.scheme == "none"
+
+
+def test_error_budget_excludes_lossy_candidates():
+    """A budget below what dynamiq reaches leaves only uncompressed candidates."""
+    topology = Topology.cluster(2, 2, inter_gbps=1.0)
+    table = tune(topology, [1 << 24], error_budget=1e-9, candidates=CANDIDATES, source=SOURCE)
+    assert table.entries[0].choice.scheme == "none"
+    assert dict(table.errors)["ring/dynamiq@6"] > 1e-9
+
+
+def test_table_json_round_trip_and_lookup(slow_network_table, tmp_path):
+    """Tables round-trip through JSON; lookup takes the nearest smaller bucket (the smallest
+    bucket below all)."""
+    path = slow_network_table.save(str(tmp_path))
+    assert path.endswith("2x4-nvlink-1g-w8-float32.json")
+    loaded = TunedTable.load(path)
+    assert loaded == slow_network_table
+    assert loaded.lookup(100).nbytes == 4096
+    assert loaded.lookup((1 << 26) - 1).nbytes == 4096
+    assert loaded.lookup(1 << 30).nbytes == 1 << 26
+    text = loaded.render()
+    assert "hier:ring/ring/dynamiq@6" in text and "2x4-nvlink-1g" in text
+
+
+def _table(topology_key: str, world_size: int, algorithm: str) -> TunedTable:
+    entry = TunedEntry(1, Candidate(algorithm, "dynamiq", 5.0), 1.0, 0.0,
+                       (("dynamiq", algorithm), ("none", algorithm)), ())
+    return TunedTable(topology_key, world_size, "float32", 0.01, (entry,), ())
+
+
+def test_choose_reads_table_and_falls_back(tmp_path, monkeypatch):
+    """choose() returns the table's flat algorithm for the scheme; without a table, the
+    documented fallback (direct for n <= 2, else butterfly)."""
+    monkeypatch.setenv("DQCOLL_TUNING_DIR", str(tmp_path))
+    _table("mine", 6, "ring").save(str(tmp_path))
+    assert choose(world_size=6, nbytes=1 << 20, scheme="dynamiq", topology_key="mine") == "ring"
+    assert choose(world_size=6, nbytes=1 << 20, scheme="dynamiq",
+                  topology_key="other") == "butterfly"
+    assert choose(world_size=2, nbytes=1 << 20, scheme="none", topology_key="x") == "direct"
+    assert tuning.fallback_algorithm(7) == "butterfly"
+
+
+def test_allreduce_auto_uses_the_table(tmp_path, monkeypatch):
+    """allreduce(algorithm='auto') runs the algorithm of the tuned table of the detected
+    topology (4 CPU ranks on this host -> host4-loopback)."""
+    monkeypatch.setenv("DQCOLL_TUNING_DIR", str(tmp_path))
+    _table("host4-loopback", 4, "direct").save(str(tmp_path))
+
+    def body(comm):
+        x = torch.ones(1000)
+        dqcoll.allreduce(x, scheme="none", algorithm="auto", comm=comm)
+        return comm.last_info["algorithm"], x
+
+    for algorithm, x in run_local(4, body):
+        assert algorithm == "direct" and torch.equal(x, torch.full((1000,), 4.0))
+
+
+def test_tune_cli_writes_table_and_png(tmp_path, capsys):
+    """dqcoll tune writes the JSON table and a PNG and prints a readable table."""
+    code = tune_cli.main(["--topology", "2x2@10", "-b", "64K", "-e", "1M", "-f", "16",
+                          "--schemes", "none,dynamiq", "--bits", "6", "--tiles", "1,4",
+                          "--source", "lognormal-mixture:supergroups=16",
+                          "--out-dir", str(tmp_path)])
+    assert code == 0
+    table = TunedTable.load(str(tmp_path / "2x2-nvlink-10g-w4-float32.json"))
+    assert [e.nbytes for e in table.entries] == [1 << 16, 1 << 20]
+    assert table.complete and dict(table.provenance)["command"].startswith("dqcoll tune")
+    png = tmp_path / "2x2-nvlink-10g-w4-float32.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert "size(B)" in out and "wrote" in out
+
+
+def test_simulate_cli_json(capsys):
+    """dqcoll simulate --json reports predicted time, speed-up over an fp32 ring and vNMSE."""
+    code = simulate_cli.main(["--world-size", "4", "--algorithm", "butterfly", "--scheme",
+                              "dynamiq", "--bits", "6", "--source",
+                              "lognormal-mixture:supergroups=8", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 4 and report["complete"] is True
+    assert 0 < report["vnmse"] < 0.05
+    assert report["predicted_us"] > 0 and report["speedup_vs_ring_none"] > 0
