@@ -21,7 +21,7 @@ import dataclasses
 import enum
 import functools
 
-__all__ = ["Kernel", "LaunchConfig", "compile_options", "launch_config"]
+__all__ = ["OVERRIDES", "Kernel", "LaunchConfig", "compile_options", "launch_config"]
 
 
 class Kernel(enum.Enum):
@@ -53,20 +53,19 @@ _GPU_TABLE: dict[tuple[Kernel, int], LaunchConfig] = {
     (Kernel.RESTORE, 0): LaunchConfig(rows_per_program=8, num_warps=8),
 }
 _INTERPRETER_MAX_ROWS = 32
+# Set only by ``benchmarks/kernels.py --tune`` while it sweeps; consulted first on GPU.
+OVERRIDES: dict[tuple[Kernel, int], LaunchConfig] = {}
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def launch_config(
-    kernel: Kernel, width: int, n_rows: int, *, interpreted: bool,
-    override: LaunchConfig | None = None,
-) -> LaunchConfig:
+def launch_config(kernel: Kernel, width: int, n_rows: int, *, interpreted: bool) -> LaunchConfig:
     """The launch configuration of ``kernel`` at ``width`` bits (0 where the kernel has none)
     over ``n_rows`` super-groups."""
-    if override is not None:
-        return override
+    if (kernel, width) in OVERRIDES:
+        return OVERRIDES[(kernel, width)]
     if interpreted:
         rows = min(_next_pow2(max(n_rows, 1)), _INTERPRETER_MAX_ROWS)
         return LaunchConfig(rows_per_program=rows, num_warps=4)
