@@ -468,6 +468,25 @@ def render_markdown(path: str) -> str:
         lines.append(head + f" {row['time_us']:.0f} | {row['algbw_gbps']:.4f} | "
                      f"{row['busbw_gbps']:.4f} | {row['wire_nbytes']} | {row['ratio']:.2f} | "
                      f"{vnmse} |")
+    timed = [r for r in data["rows"] if r["check_ok"]]
+    ours = sorted({r["impl"] for r in timed if r["impl"].startswith("dqcoll ")})
+    peers = sorted({r["impl"] for r in timed if not r["impl"].startswith("dqcoll ")})
+    if ours and peers:
+        lines += ["", "Speed-up (peer time / dqcoll time at the same count; > 1: dqcoll faster):",
+                  "", "| dqcoll row | count | " + " | ".join(f"vs {p}" for p in peers) + " |",
+                  "|---|---:|" + "---:|" * len(peers)]
+        by_key = {(r["impl"], r["count"]): r["time_us"] for r in timed}
+        for impl in ours:
+            for count in sorted({r["count"] for r in timed if r["impl"] == impl}):
+                cells = [f"{by_key[(p, count)] / by_key[(impl, count)]:.3f}"
+                         if (p, count) in by_key else "" for p in peers]
+                lines.append(f"| {impl} | {count} | " + " | ".join(cells) + " |")
+    codec = [(r["count"], r["codec"]) for r in data["rows"] if "codec" in r]
+    if codec:
+        lines += ["", "Codec alone on rank 0 (single process, single-shot encode / decode, GB/s "
+                  "of fp32 input): " + "; ".join(
+                      f"{count} elements: {c['encode_gbps']:.4f} / {c['decode_gbps']:.4f}"
+                      for count, c in codec)]
     return "\n".join(lines)
 
 
