@@ -203,9 +203,10 @@ class _DqcollRunner(_Runner):
         import dqcoll
 
         c = self.case
+        # Schemes without a bits option ignore it (allreduce's default is passed).
         dqcoll.allreduce(self.buffer, op=self.ctx.redop, scheme=c.scheme,
-                         algorithm=c.algorithm, comm=self.ctx.comm,
-                         **({"bits": c.bits} if c.bits is not None else {}))
+                         bits=5.0 if c.bits is None else c.bits, algorithm=c.algorithm,
+                         comm=self.ctx.comm)
 
     def wire_nbytes(self) -> int:
         # Measured: everything this rank sends in one call (payload, statistics, argument check).
