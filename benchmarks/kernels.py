@@ -27,7 +27,8 @@ width-independent kernels; ``speedup_vs_torch`` is null above ``--torch-max-log2
 reference would take minutes). ``--tune`` first sweeps rows-per-program x warps for the
 fused kernel and reports the best per width (the table in ``dqcoll/kernels/_launch.py`` is
 untuned until then). ``--device cpu`` runs the same code on tiny sizes in Triton's interpreter
-(a smoke test of this script; its timings mean nothing).
+(a smoke test of this script; its timings mean nothing). ``--aot 90`` needs no GPU: it
+compiles every kernel for sm_90 and prints registers, spills, FMA and division counts.
 
 Usage: ``python benchmarks/kernels.py [--min-log2 20 --max-log2 28 --step 2] [--tune]``
 """
@@ -276,6 +277,109 @@ def tune(device: torch.device, numel: int, config: CodecConfig, world_size: int,
     return results
 
 
+# Argument types of each kernel for ahead-of-time compilation (--aot); constexprs come from the
+# launchers' choices at 4 bits, hierarchical scales, correlated rounding over 8 ranks.
+_AOT_SIGNATURES: dict[str, dict[str, str]] = {
+    "_stats_center_kernel": {"x_ptr": "*fp32", "x_row_stride": "i64", "valid_ptr": "*i32",
+                             "centred_ptr": "*fp32", "mean_ptr": "*fp32", "norm2_ptr": "*fp32",
+                             "n_rows": "i32"},
+    "_encode_kernel": {"x_ptr": "*fp32", "x_row_stride": "i64", "index_ptr": "*i64",
+                       "out_ptr": "*u8", "out_row_stride": "i64", "mag_ptr": "*fp32",
+                       "level_k": "fp32", "level_inv_log2": "fp32", "jitter_key": "u32",
+                       "perm_key": "u32", "rank": "i32", "world_size": "i32", "inv_n": "fp32",
+                       "n_rows": "i32"},
+    "_decode_kernel": {"rec_ptr": "*u8", "rec_row_stride": "i64", "table_ptr": "*fp32",
+                       "out_ptr": "*fp32", "n_rows": "i32"},
+    "_decode_accumulate_kernel": {"rec_ptr": "*u8", "rec_row_stride": "i64",
+                                  "table_ptr": "*fp32", "acc_ptr": "*fp32",
+                                  "acc_row_stride": "i64", "n_rows": "i32"},
+    "_decode_accumulate_encode_kernel": {
+        "rec_ptr": "*u8", "rec_row_stride": "i64", "table_ptr": "*fp32", "acc_ptr": "*fp32",
+        "acc_row_stride": "i64", "index_ptr": "*i64", "out_ptr": "*u8", "out_row_stride": "i64",
+        "mag_ptr": "*fp32", "level_k": "fp32", "level_inv_log2": "fp32", "jitter_key": "u32",
+        "perm_key": "u32", "rank": "i32", "world_size": "i32", "inv_n": "fp32", "n_rows": "i32"},
+    "_restore_kernel": {"work_ptr": "*fp32", "work_row_stride": "i64", "mean_ptr": "*fp32",
+                        "index_ptr": "*i64", "valid_ptr": "*i32", "out_ptr": "*fp32",
+                        "n_rows": "i32"},
+}
+
+
+def aot_compile(kernel_name: str, constexprs: dict[str, Any], arch: int,
+                num_warps: int) -> dict[str, Any]:
+    """Compile one kernel for ``sm_<arch>`` without a GPU (Triton's bundled ptxas) and count what
+    the exactness rules forbid or the cost model needs: fp32 FMAs, non-IEEE divisions, PTX
+    instructions per coordinate, registers and spills."""
+    import collections
+    import os
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dqcoll.kernels import _dynamiq_kernels
+
+    fn = getattr(_dynamiq_kernels, kernel_name)
+    source = ASTSource(fn=fn, signature=_AOT_SIGNATURES[kernel_name], constexprs=constexprs)
+    options = {"num_warps": num_warps, **_launch.compile_options()}
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    ops = collections.Counter(re.findall(r"^\s*([a-z]+(?:\.[a-z0-9]+)*)", ptx, re.M))
+    regs, local = None, None
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        if os.access(cuobjdump, os.X_OK):
+            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
+                                   capture_output=True, text=True).stdout
+            found = re.search(r"REG:(\d+).*LOCAL:(\d+)", usage)
+            if found:
+                regs, local = int(found.group(1)), int(found.group(2))
+    coords = constexprs.get("ROWS", 1) * SUPER / (32 * num_warps)  # per thread
+    return {
+        "kernel": kernel_name, "constexprs": constexprs, "arch": arch, "num_warps": num_warps,
+        "registers": regs, "local_bytes": local,
+        "fma_f32": sum(c for op, c in ops.items() if op.startswith("fma") and op.endswith("f32")),
+        "div_rn_f32": ops["div.rn.f32"],
+        "div_inexact": sum(c for op, c in ops.items() if op.startswith("div.")
+                           and ("approx" in op or "full" in op)),
+        "ptx_instructions_per_coordinate": sum(ops.values()) / coords,
+        "mul_lo_per_coordinate": (ops["mul.lo.s32"] + ops["mul.lo.u32"]) / coords,
+    }
+
+
+def aot_report(arch: int) -> list[dict[str, Any]]:
+    rows = []
+    encode_like = dict(NB=16, BS=16, HIERARCHICAL=True, NONUNIFORM=True, HALF=2)
+    for width in WIDTHS:
+        for correlated in (True, False):
+            for name in ("_encode_kernel", "_decode_accumulate_encode_kernel"):
+                cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), width, 1 << 20,
+                                            interpreted=False)
+                rows.append(aot_compile(name, dict(encode_like, WIDTH=width,
+                                                   ROWS=cfg.rows_per_program,
+                                                   CORRELATED=correlated),
+                                        arch, cfg.num_warps))
+        for name in ("_decode_kernel", "_decode_accumulate_kernel"):
+            cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), width, 1 << 20,
+                                        interpreted=False)
+            rows.append(aot_compile(name, dict(WIDTH=width, ROWS=cfg.rows_per_program, NB=16,
+                                               BS=16, HIERARCHICAL=True), arch, cfg.num_warps))
+    for name in ("_stats_center_kernel", "_restore_kernel"):
+        cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), 0, 1 << 20, interpreted=False)
+        rows.append(aot_compile(name, dict(ROWS=cfg.rows_per_program), arch, cfg.num_warps))
+    print(f"{'kernel':>34} {'bits':>4} {'corr':>5} {'regs':>5} {'local':>5} {'fma':>4} "
+          f"{'div.rn':>6} {'inexact':>7} {'ptx/coord':>9} {'mul/coord':>9}")
+    for r in rows:
+        c = r["constexprs"]
+        print(f"{r['kernel']:>34} {c.get('WIDTH', '-'):>4} {c.get('CORRELATED', '-')!s:>5} "
+              f"{r['registers']!s:>5} {r['local_bytes']!s:>5} {r['fma_f32']:>4} "
+              f"{r['div_rn_f32']:>6} {r['div_inexact']:>7} "
+              f"{r['ptx_instructions_per_coordinate']:>9.1f} {r['mul_lo_per_coordinate']:>9.1f}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (interpreter)")
@@ -296,7 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true", help="sweep launch configs first")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default benchmarks/results/kernels-<device>.json)")
+    parser.add_argument("--aot", type=int, metavar="ARCH", default=None,
+                        help="compile every kernel for sm_ARCH (e.g. 90) without a GPU and print "
+                        "registers, spills, FMAs, divisions, PTX instructions per coordinate")
     args = parser.parse_args(argv)
+    if args.aot is not None:
+        rows = aot_report(args.aot)
+        if args.out is not None:
+            args.out.write_text(json.dumps({"meta": {"commit": git_commit(), "arch": args.aot},
+                                            "records": rows}, indent=1) + "\n")
+        return 0
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -349,6 +349,44 @@ def test_kernel_module_uses_only_triton_builtins() -> None:
     assert not used, f"uses @triton.jit helpers {used}"
 
 
+def test_compiled_kernels_keep_the_exactness_rules() -> None:
+    """Compiled for sm_90 (no GPU needed: Triton's bundled ptxas), the fused hop and the
+    statistics kernel contain no fp32 FMA (uniform levels: no log2 guess either) and no approximate
+    division; every division is IEEE ``div.rn``."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dqcoll.kernels import _dynamiq_kernels, _launch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        from kernels import _AOT_SIGNATURES  # benchmarks/kernels.py
+    finally:
+        sys.path.pop(0)
+    cases = [
+        ("_decode_accumulate_encode_kernel",
+         dict(WIDTH=4, ROWS=4, NB=16, BS=16, HIERARCHICAL=True, NONUNIFORM=False,
+              CORRELATED=True, HALF=2)),
+        ("_stats_center_kernel", dict(ROWS=8)),
+    ]
+    for name, constexprs in cases:
+        source = ASTSource(fn=getattr(_dynamiq_kernels, name), signature=_AOT_SIGNATURES[name],
+                           constexprs=constexprs)
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": 4, **_launch.compile_options()})
+        except RuntimeError as exc:  # no ptxas usable on this machine
+            pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        ptx = compiled.asm["ptx"]
+        assert not re.findall(r"\bfma\.\S*f32", ptx), f"{name}: fp32 FMA in the PTX"
+        assert not re.findall(r"\bdiv\.(approx|full)", ptx), f"{name}: inexact division"
+        assert "div.rn.f32" in ptx, f"{name}: expected IEEE divisions"
+
+
 # -- GPU tier ---------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
