@@ -1,4 +1,4 @@
-"""Reduce-scatter and all-gather: equal to the matching parts of the all-reduce, and refused clearly.
+"""Reduce-scatter and all-gather: the matching parts of the all-reduce; bad input refused clearly.
 
 The all-reduce of a scheme is its reduce phase followed by an all-gather of the sinks' compressed
 bytes, so on the same layout a rank's reduce-scatter output must be bit for bit its shard of the
@@ -41,7 +41,7 @@ SEED, STEP = 11, 3
 
 def _shard_layout_allreduce(comm: dqcoll.Communicator, x: torch.Tensor, scheme: str,
                             algorithm: str, op: ReduceOp) -> torch.Tensor:
-    """The all-reduce schedule (reduce + gather of the sinks' bytes) on the reduce-scatter layout."""
+    """The all-reduce schedule (reduce, then gather of the sinks' bytes) on the RS layout."""
     schedule = algorithms.build_schedule(algorithm, comm.world_size)
     ctx = CallContext(transport=comm.transport, op=op, seed=SEED, step=STEP,
                       collective=Collective.REDUCE_SCATTER, what="shard-layout allreduce")
@@ -180,7 +180,7 @@ def _plain_bisection(norm2: torch.Tensor, numel: int, bits: float
     lookup = torch.zeros(9, dtype=torch.int64)
     for w in (2, 4, 8):
         lookup[w] = allocation.record_nbytes(w, allocation.Scales.HIERARCHICAL)
-    limit = int(math.floor(bits * numel / 8.0)) - allocation.STATS_BYTES_PER_SUPER * norm2.numel()
+    limit = math.floor(bits * numel / 8.0) - allocation.STATS_BYTES_PER_SUPER * norm2.numel()
 
     def fits(u: float) -> bool:
         return int(lookup[allocation._widths_for(log_f, zero, u)].sum()) <= limit
@@ -283,7 +283,7 @@ def _attempt(comm: dqcoll.Communicator, case: str) -> BaseException | None:
             dqcoll.reduce_scatter(torch.ones(4 * n), torch.empty(4), scheme=scheme)
         else:
             raise AssertionError(case)
-    except BaseException as exc:  # noqa: BLE001 - returned for inspection
+    except BaseException as exc:  # returned for inspection
         return exc
     return None
 
