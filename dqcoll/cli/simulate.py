@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     price_s = time.perf_counter() - t0
     result = None
     if not args.no_error:
-        bar = None if args.json else ProgressBar(f"simulate n={n}")
+        bar = ProgressBar(f"simulate n={n}")  # stderr: --json output stays clean
         progress = (lambda d, t: bar(d, t)) if bar else None
         if candidate.is_hierarchical:
             result = simulate_hierarchical(_hier_plan(candidate, topology), data, seed=args.seed,
