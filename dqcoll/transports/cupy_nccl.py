@@ -9,8 +9,9 @@ publishes it in a torch ``TCPStore``; every rank reads it and joins ``ncclCommIn
 is, in this order: the torchrun agent's store when torchrun says it hosts one
 (``TORCHELASTIC_USE_AGENT_STORE=True``), the default store of an initialised
 ``torch.distributed`` (so dqcoll can share ``MASTER_PORT`` with the job's own process group), or a
-store that rank 0 hosts at ``MASTER_ADDR:MASTER_PORT``. Keys live under ``dqcoll/nccl/<n>/`` with
-``n`` counting this process's communicators, so several communicators in one job do not collide.
+store that rank 0 hosts at ``MASTER_ADDR:MASTER_PORT``. Keys live under
+``dqcoll/nccl/attempt_<restart>/<n>/`` with ``n`` counting this process's communicators, so
+several communicators in one job, and the attempts of a restarted torchrun job, do not collide.
 Rank, world size and address come from the arguments or the torchrun variables (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the GPU is ``cuda:LOCAL_RANK`` (modulo the visible
 devices) unless ``device`` is given, and is made the current device.
@@ -218,7 +219,8 @@ def init_transport(
         addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(master_port or os.environ.get("MASTER_PORT", "29500"))
         store = _make_store(r, n, addr, port, timeout)
-    key = f"{_STORE_PREFIX}/{next(_generation)}/unique_id"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job: fresh keys
+    key = f"{_STORE_PREFIX}/attempt_{attempt}/{next(_generation)}/unique_id"
     unique_id = _exchange_unique_id(nccl, store, r, key, timeout)
     import cupy
 
