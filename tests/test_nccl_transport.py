@@ -201,9 +201,13 @@ if scenario == "matrix":
 if scenario == "stall":
     original = comm.transport.exchange
     def exchange(sends, recvs, *, what):
-        if rank == 1 and "reduce step 0" in what:
+        if rank == 1 and "allreduce#1 reduce step 0" in what:
             time.sleep(float(os.environ["DQCOLL_TIMEOUT_S"]) * 4)
         return original(sends, recvs, what=what)
+    # connect the ranks first (the argument check's all-to-all): NCCL connects a pair inside
+    # groupEnd at first contact, with no timeout of its own
+    dqcoll.allreduce(data(rank, 4096).cuda(), algorithm="ring", scheme="none")
+    comm.transport.synchronize()
     comm.transport.exchange = exchange
     start = time.monotonic()
     report = {"rank": rank}
@@ -234,8 +238,10 @@ def _nccl_env(rank: int, world_size: int, port: int, timeout_s: float) -> dict[s
     return env
 
 
-def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float
-              ) -> dict[int, dict[str, Any]]:
+def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float,
+              wait_for: int | None = None) -> dict[int, dict[str, Any]]:
+    """Start ``world_size`` NCCL ranks on GPU 0; collect the reports of all (or of the first
+    ``wait_for``) ranks and kill the rest."""
     port = _free_port()
     procs = [
         subprocess.Popen([sys.executable, "-c", _NCCL_WORKER, scenario, str(out_dir)],
@@ -245,7 +251,7 @@ def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float
     ]
     reports: dict[int, dict[str, Any]] = {}
     try:
-        for rank, p in enumerate(procs):
+        for rank, p in enumerate(procs[:wait_for]):
             out, err = p.communicate(timeout=540)
             lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
             reports[rank] = json.loads(lines[0][7:]) if lines else {"stderr": err[-4000:]}
@@ -317,11 +323,11 @@ def test_nccl_stalled_rank_is_reported_with_the_step(tmp_path: Path) -> None:
     slack, from the watchdog's abort, instead of waiting forever."""
     _skip_without_nccl()
     timeout_s = 5.0
-    reports = _run_nccl("stall", 2, tmp_path, timeout_s=timeout_s)
+    reports = _run_nccl("stall", 2, tmp_path, timeout_s=timeout_s, wait_for=1)
     rep = reports[0]
     assert rep["exit"] == 0, rep
     assert rep["error"] in ("CollectiveTimeoutError", "PeerError"), rep
-    assert "allreduce#0" in rep["message"] and "step" in rep["message"], rep
+    assert "allreduce#1" in rep["message"] and "step" in rep["message"], rep
     assert rep["elapsed_s"] < 3 * timeout_s + 10, rep
 
 
