@@ -28,7 +28,8 @@ adds the API's argument handshake (one tiny all-reduce). :class:`CostBreakdown` 
 Kernel rates (:data:`DEFAULT_KERNEL_RATES`) per (device kind, scheme): GPU figures are the bytes
 a memory-bound kernel must move over 1.7 TB/s (H100) / 2.4 TB/s (H200), i.e. ~60 % of HBM, the
 target of the Triton kernels; CPU figures were measured with the torch reference on this 2-core VM
-(docs/topology.md). :func:`load_kernel_rates` overrides them from benchmark JSON files.
+(docs/topology.md) and are per *host* (the ranks of a host share its cores).
+:func:`load_kernel_rates` overrides them from benchmark JSON files.
 
 Rejected: LogGP-style per-byte gap parameters per message. With grouped point-to-point (all of a
 step's messages posted at once) the bottleneck resource decides, and one latency per step plus a
@@ -98,11 +99,12 @@ _GPU_GBPS = {"h100": 1700.0, "h200": 2400.0}
 DEFAULT_KERNEL_RATES: dict[tuple[str, str], KernelRates] = {
     **{(dev, scheme): _gpu(*b, gbps) for dev, gbps in _GPU_GBPS.items()
        for scheme, b in _GPU_BYTES.items()},
-    # Measured on this 2-core VM, torch reference, 2 threads, 1M coordinates, 4-bit records
-    # (docs/topology.md has the command): correlated-rounding encode ~300 ns/coord (the Feistel
-    # permutation dominates), decode-accumulate ~10 ns, statistics + restore ~50 ns.
-    ("cpu", "dynamiq"): KernelRates(compress_ns=300.0, decompress_ns=10.0, stats_ns=50.0),
-    ("cpu", "none"): KernelRates(compress_ns=1.0, decompress_ns=1.5, stats_ns=0.0),
+    # This 2-core VM, torch reference, one thread per rank, thread CPU time, 256K coordinates,
+    # 4-bit records (`tools/topology_validate.py calibrate`): encode 216 ns, decode-accumulate
+    # 32 ns, statistics + restore 11 ns per coordinate single-threaded; the host's two cores
+    # serve all its ranks, so per host: half of that. none: copy 0.31 ns, add 0.50 ns.
+    ("cpu", "dynamiq"): KernelRates(compress_ns=108.0, decompress_ns=16.1, stats_ns=5.6),
+    ("cpu", "none"): KernelRates(compress_ns=0.155, decompress_ns=0.25, stats_ns=0.0),
 }
 # A scheme without its own figures is priced like dynamiq on that device (same kind of work).
 _FALLBACK_SCHEME = "dynamiq"
