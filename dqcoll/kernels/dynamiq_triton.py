@@ -66,6 +66,7 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 # -- which copy of the kernels ----------------------------------------------------------------
 
 _INTERPRETER_LOCK = threading.RLock()
+_COMPILE_LOCK = threading.Lock()  # held for a launch's host side only (microseconds once compiled)
 
 
 @contextlib.contextmanager
@@ -122,7 +123,9 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
         with _INTERPRETER_LOCK, numpy.errstate(all="ignore"):
             kernel[grid](*args, **constexprs)
     else:
-        kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, **compile_options())
+        # Rank threads of the local transport may hit a kernel's first (compiling) launch at once.
+        with _COMPILE_LOCK:
+            kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, **compile_options())
 
 
 # -- host-side parameters ---------------------------------------------------------------------
