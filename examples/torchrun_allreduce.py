@@ -11,6 +11,10 @@ time, algbw (uncompressed bytes, as nccl-tests), bits per coordinate actually se
 whether the ranks agree. The last row runs dynamiq with ``async_op=True`` (the host is free while
 it runs) and checks it equals the synchronous call bit for bit.
 
+``--fake-hosts`` (testing only) gives every rank its own ``NCCL_HOSTID`` and NCCL sockets over
+loopback, so that several NCCL ranks can share one GPU:
+``torchrun --nproc-per-node 4 examples/torchrun_allreduce.py --fake-hosts --check``.
+
 With ``--check`` the exit status is 1 when any rank disagrees, the async result differs, or a
 vNMSE is above its budget (``none``: 1e-10, quantized schemes: 0.05).
 """
@@ -18,6 +22,8 @@ vNMSE is above its budget (``none``: 1e-10, quantized schemes: 0.05).
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 import time
 import zlib
@@ -74,7 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile-nbytes", default=str(DEFAULT_TILE_NBYTES),
                         help="pipelining tile size (0: untiled)")
     parser.add_argument("--check", action="store_true", help="exit 1 on any failed check")
+    parser.add_argument("--fake-hosts", action="store_true",
+                        help="NCCL: each rank its own NCCL_HOSTID (several ranks on one GPU)")
     args = parser.parse_args(argv)
+    if args.fake_hosts:
+        # NCCL refuses two ranks of one host on one GPU; as separate "hosts" they connect with
+        # sockets over loopback
+        os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-rank{os.environ.get('RANK', '0')}"
+        for name, value in (("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1"),
+                            ("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")):
+            os.environ.setdefault(name, value)
 
     comm = dqcoll.init(backend=args.backend)
     rank, n = comm.rank, comm.world_size

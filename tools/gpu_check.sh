@@ -15,6 +15,16 @@
 #          run, speed-up vs the torch reference; writes benchmarks/results/kernels-<device>.json
 #   tune   benchmarks/kernels.py --tune at 2^26: rows-per-program x warps of the fused kernel;
 #          copy the winners into dqcoll/kernels/_launch.py with the device and commit
+#   nccl   the NCCL transport (docs/gpu_transport.md): tests marked `multi_rank_gpu` (2 and 3 NCCL
+#          ranks sharing the one GPU - a distinct NCCL_HOSTID each, sockets over loopback - run
+#          every scheme x algorithm x collective, tiled and untiled, CuPy arrays, async_op; all
+#          ranks bit-identical and equal to the `local` transport; a stalled rank times out naming
+#          the step), then the torchrun example with 4 NCCL ranks on the GPU (--fake-hosts)
+#   nccl_bench  benchmarks/nccl_local.py: 8 ranks on the GPU through the `local` transport,
+#          256 MiB fp32 per rank, dynamiq vs none, untiled and 4 MiB tiles, time and share of the
+#          time in kernels; writes $RESULTS_DIR/nccl_local.json
+#   (nccl and nccl_bench are not default sections: run them in a call of their own,
+#    `tools/gpu_check.sh nccl nccl_bench`, ~5-8 min together)
 #
 # To add a check (e.g. the NCCL multi-rank tier): write `section_<name>() { ...; }` below, return
 # non-zero on failure, and append <name> to ALL_SECTIONS (and to DEFAULT_SECTIONS if it should run
@@ -28,7 +38,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_SECTIONS=(env tests bench tune)
+ALL_SECTIONS=(env tests bench tune nccl nccl_bench)
 DEFAULT_SECTIONS=(env tests bench)
 RESULTS_DIR="${RESULTS_DIR:-benchmarks/results/gpu_check}"
 mkdir -p "$RESULTS_DIR"
@@ -82,6 +92,33 @@ section_tune() {
     device="$("$PY" -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')"
     "$PY" benchmarks/kernels.py --tune --min-log2 26 --max-log2 26 \
         --kernels decode_accumulate_encode --out "benchmarks/results/kernels-${device}-tune.json"
+}
+
+section_nccl() {
+    local status=0
+    # the repo on the path of every process (dqcoll need not be installed on the GPU machine)
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    "$PY" - <<'EOF' || return 1
+import sys
+from dqcoll.transports.cupy_nccl import nccl_unavailable_reason
+reason = nccl_unavailable_reason()
+if reason is not None:
+    print("NCCL cannot run here:", reason)
+    sys.exit(1)
+from cupy.cuda import nccl
+print("cupy NCCL available, NCCL version", nccl.get_version())
+EOF
+    "$PY" -m pytest -q -p no:cacheprovider -m "multi_rank_gpu or gpu" -rs \
+        tests/test_nccl_transport.py tests/test_pipelining.py || status=1
+    "$PY" -m torch.distributed.run --nproc-per-node 4 examples/torchrun_allreduce.py \
+        --fake-hosts --numel 16M --iters 3 --check || status=1
+    return $status
+}
+
+section_nccl_bench() {
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    "$PY" benchmarks/nccl_local.py --world-size 8 --size 256M --schemes none,dynamiq \
+        --tile-nbytes 0,4M --iters 3 --out "${RESULTS_DIR}/nccl_local.json"
 }
 
 run_sections() {
