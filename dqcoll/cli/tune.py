@@ -82,9 +82,9 @@ def plot_table(table: TunedTable, path: str) -> None:
             best[i] = min(best[i], times[label])
     errors = dict(table.errors)
     fig, ax = plt.subplots(figsize=(10, 6.5))
-    for config, times in sorted(configs.items()):
+    for config, curve in sorted(configs.items()):
         ok = errors.get(config, float("inf")) <= table.error_budget
-        ax.plot(sizes, times, linestyle="-" if ok else ":", linewidth=1.2 if ok else 0.7,
+        ax.plot(sizes, curve, linestyle="-" if ok else ":", linewidth=1.2 if ok else 0.7,
                 alpha=0.9 if ok else 0.35,
                 label=config + ("" if ok else " (over budget)"))
     chosen = [e.predicted_us for e in table.entries]
