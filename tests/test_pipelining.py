@@ -78,11 +78,11 @@ def test_tiles_give_the_untiled_result_bit_for_bit(scheme: str, algorithm: str,
 def test_any_number_of_tiles_in_flight_gives_the_same_bits(tiles_in_flight: int) -> None:
     """One tile at a time (inline exchanges) and three in flight give the untiled dynamiq
     all-reduce bit for bit, over 5 ranks (a non-power of two) and an odd length."""
-    n, numel = 5, 6_789
+    n, numel = 5, 3_001
     untiled = run_local(n, _collective, Collective.ALLREDUCE, "dynamiq", "butterfly", numel,
                         {"tile_nbytes": 0})
     tiled = run_local(n, _collective, Collective.ALLREDUCE, "dynamiq", "butterfly", numel,
-                      {"tile_nbytes": 2048, "tiles_in_flight": tiles_in_flight})
+                      {"tile_nbytes": 1024, "tiles_in_flight": tiles_in_flight})
     for a, b in zip(untiled, tiled, strict=True):
         assert b[-1].item() > 1
         assert torch.equal(a[:-1], b[:-1])
@@ -301,7 +301,7 @@ def data(r, numel=6000):
     return torch.randn(numel, generator=torch.Generator().manual_seed(300 + r))
 
 report = {}
-for scheme, algorithm in (("dynamiq", "butterfly"), ("mxfp8", "direct"), ("none", "ring")):
+for scheme, algorithm in (("dynamiq", "butterfly"), ("none", "ring")):
     key = f"{scheme}_{algorithm}"
     runs = {}
     for label, kwargs in (("untiled", {"tile_nbytes": 0}),
@@ -367,7 +367,7 @@ def test_gloo_processes_tiled_and_async_match_untiled() -> None:
     for rank, rep in reports.items():
         assert rep["exit"] == 0, rep
         checked = [k for k in rep if k.startswith(("same_", "ranks_agree_"))]
-        assert len(checked) >= 9, rep
+        assert len(checked) >= 6, rep
         for key in checked:
             assert rep[key] is True, (rank, key)
         for key, tiles in rep.items():

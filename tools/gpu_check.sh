@@ -98,6 +98,13 @@ section_nccl() {
     local status=0
     # the repo on the path of every process (dqcoll need not be installed on the GPU machine)
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    # CuPy links libnccl.so.2 dynamically: let it find the pip wheel's copy (nvidia-nccl-cu1x)
+    local nccl_lib
+    nccl_lib="$("$PY" -c 'import os, nvidia.nccl as m; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null)"
+    if [[ -n "$nccl_lib" && -d "$nccl_lib" ]]; then
+        export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        echo "NCCL library directory: $nccl_lib"
+    fi
     "$PY" - <<'EOF' || return 1
 import sys
 from dqcoll.transports.cupy_nccl import nccl_unavailable_reason
