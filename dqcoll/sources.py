@@ -55,6 +55,7 @@ import glob
 import math
 import os
 import pathlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +131,10 @@ class GradientSource(abc.ABC):
         self.world_size = world_size
         self.numel = numel
         self.seed = seed
+        # Ranks of dqcoll.testing.run_local are threads that ask for their tensors at once; a
+        # source may share state between ranks (stdlib-lm: one model whose .grad every rank's
+        # backward writes), so tensors are made one at a time.
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -144,7 +149,8 @@ class GradientSource(abc.ABC):
             raise InvalidArgumentError(
                 f"source {self.name!r}: rank {rank} outside [0, {self.world_size})"
             )
-        return self._make(rank)
+        with self._lock:
+            return self._make(rank)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.rank_tensor(r) for r in range(self.world_size)]
