@@ -174,6 +174,8 @@ if scenario == "matrix":
     for scheme in schemes.list_schemes():
         for algorithm in ("ring", "butterfly", "direct"):
             for kind in ("allreduce", "reduce_scatter", "all_gather"):
+                if kind != "allreduce" and not schemes.spec(scheme).supports_reduce_scatter:
+                    continue
                 for tile in (0, 2048):
                     x = data(rank, numel).cuda()
                     y = collective(kind, x, scheme=scheme, algorithm=algorithm, seed=3, step=1,
