@@ -82,6 +82,18 @@ def _widths_for(
     return torch.where(zero, 0, widths)
 
 
+def _width_of(log_f: float, zero: bool, u: float, max_width: int = 8) -> int:
+    """:func:`_widths_for` of one row, in Python floats (bit-identical decisions)."""
+    if zero:
+        return 0
+    if math.isnan(log_f):
+        return 8
+    v = C_SLOPE * log_f + u
+    if max_width == RAW_WIDTH and v >= 16.0:
+        return RAW_WIDTH
+    return 8 if v >= 8.0 else 4 if v >= 4.0 else 2
+
+
 def allocate_widths(
     norm2: torch.Tensor,
     numel: int,
@@ -157,6 +169,10 @@ class _Bracket:
     """
 
     _HINT_STEP = 2.0**-10  # first half-width around a hint (u is O(1..100)); x8 per retry
+    # At most this many active rows: evaluate them in Python floats (the same IEEE double
+    # multiply and add as the tensor ops, without their per-call overhead; a bisection ends with
+    # dozens of evaluations of a handful of rows).
+    _PYTHON_ROWS = 16
 
     def __init__(
         self,
@@ -179,6 +195,7 @@ class _Bracket:
         # cost of the rows whose width is settled
         self.base = int(lookup[widths_lo].sum()) - int(lookup[self.w_lo].sum())
         self.evaluations = 0
+        self._rows: list[tuple[float, bool, int, int]] | None = None  # the Python-float mode
 
     def feasible(self, u: float) -> bool:
         if u <= self.u_lo:
@@ -186,6 +203,8 @@ class _Bracket:
         if u >= self.u_hi:
             return False
         self.evaluations += 1
+        if self._rows is not None or self.log_f.numel() <= self._PYTHON_ROWS:
+            return self._feasible_few(u)
         widths = _widths_for(self.log_f, self.zero, u, self.max_width)
         ok = self.base + int(self.lookup[widths].sum()) <= self.limit
         settled = widths == (self.w_hi if ok else self.w_lo)
@@ -196,6 +215,27 @@ class _Bracket:
             self.u_lo, self.w_lo, self.w_hi = u, widths, self.w_hi[keep]
         else:
             self.u_hi, self.w_lo, self.w_hi = u, self.w_lo[keep], widths
+        return ok
+
+    def _feasible_few(self, u: float) -> bool:
+        """:meth:`feasible` on the few remaining active rows, one Python float at a time."""
+        if self._rows is None:
+            self._costs = self.lookup.tolist()
+            self._rows = list(zip(self.log_f.tolist(), self.zero.tolist(), self.w_lo.tolist(),
+                                  self.w_hi.tolist(), strict=True))
+        widths = [_width_of(lf, zero, u, self.max_width) for lf, zero, _, _ in self._rows]
+        ok = self.base + sum(self._costs[w] for w in widths) <= self.limit
+        rows = []
+        for (lf, zero, w_lo, w_hi), w in zip(self._rows, widths, strict=True):
+            if w == (w_hi if ok else w_lo):
+                self.base += self._costs[w]  # settled
+            else:
+                rows.append((lf, zero, w, w_hi) if ok else (lf, zero, w_lo, w))
+        self._rows = rows
+        if ok:
+            self.u_lo = u
+        else:
+            self.u_hi = u
         return ok
 
     def bracket_around(self, hint: float) -> None:
