@@ -283,7 +283,8 @@ def _run(
             return
         x = torch.zeros(n * flat.numel(), dtype=flat.dtype, device=flat.device)
         x.view(n, -1)[comm.rank] = flat
-    ctx = CallContext(comm.transport, request.op, seed, step, collective, what, schedule)
+    ctx = CallContext(comm.transport, request.op, seed, step, collective, what, schedule,
+                      comm.scheme_state)
     call = scheme_obj.begin(x, ctx)
     run_schedule(schedule, call, comm.transport, what=what, collective=collective,
                  tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)

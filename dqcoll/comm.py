@@ -43,6 +43,8 @@ class Communicator:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._calls = 0
         self.last_info: dict[str, Any] = {}
+        # what schemes remember across calls (calibration); every rank updates it identically
+        self.scheme_state: dict[Any, Any] = {}
 
     @property
     def rank(self) -> int:

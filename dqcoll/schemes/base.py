@@ -68,6 +68,8 @@ class CallContext:
     collective: Collective
     what: str  # prefix for error messages, e.g. "allreduce#3"
     schedule: Schedule | None = None  # the schedule the call runs on (error models use it)
+    # per-communicator memory a scheme may keep across calls (e.g. calibration); same on all ranks
+    state: dict[Any, Any] | None = None
 
     @property
     def rank(self) -> int:

@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from .codec import RAW_WIDTH, SUPER, WIDTHS, CodecConfig, Scales, Widths, record_nbytes
-from .error_model import ErrorModel, predicted_vnmse
+from .codec import RAW_WIDTH, SUPER, WIDTHS, Scales, Widths, record_nbytes
+from .error_model import predicted_vnmse
 
 __all__ = [
     "C_SLOPE",
@@ -258,9 +258,9 @@ def allocate_for_target(
     target: float,
     *,
     world_size: int,
-    growth: float,
-    model: ErrorModel,
-    config: CodecConfig,
+    rho: float,
+    error_per_energy: torch.Tensor,
+    scales: Scales = Scales.HIERARCHICAL,
     widths_mode: Widths = Widths.VARIABLE,
     max_width: int = RAW_WIDTH,
 ) -> Allocation:
@@ -276,13 +276,13 @@ def allocate_for_target(
     means = mean_sum.detach().to("cpu", torch.float64)
     counts = valid.detach().to("cpu", torch.float64)
     finite_f = torch.where(torch.isfinite(f), f, 0.0)
-    energy = float(finite_f.sum()) * (1.0 + (world_size - 1) * model.rho)
+    energy = float(finite_f.sum()) * (1.0 + (world_size - 1) * rho)
     energy += float((counts * means * means).nan_to_num(0.0, 0.0, 0.0).sum())
-    lookup = _cost_lookup(config.scales)
+    lookup = _cost_lookup(scales)
 
     def result(widths: torch.Tensor, u: float) -> Allocation:
         payload = int(lookup[widths].sum().item())
-        predicted = predicted_vnmse(widths, finite_f, energy, growth, model, config)
+        predicted = predicted_vnmse(widths, finite_f, energy, error_per_energy)
         return Allocation(widths, u, payload, stats, payload + stats, False, predicted,
                           predicted <= target)
 
@@ -301,7 +301,7 @@ def allocate_for_target(
         return _widths_for(log_f, zero, u, max_width)
 
     def error(u: float) -> float:
-        return predicted_vnmse(widths(u), finite_f, energy, growth, model, config)
+        return predicted_vnmse(widths(u), finite_f, energy, error_per_energy)
 
     if error(u_lo) <= target:
         return result(widths(u_lo), u_lo)

@@ -50,7 +50,7 @@ from .codec import (
     Widths,
     record_nbytes,
 )
-from .error_model import ErrorModel, path_growth
+from .error_model import ErrorModel, estimate_rho
 
 __all__ = ["Balance", "DynamiqCall", "DynamiqScheme"]
 
@@ -233,7 +233,7 @@ class DynamiqCall:
                 flat, row_start, valid, row_chunk = (
                     flat[exists.to(device)], row_start[exists], valid[exists], row_chunk[exists])
             rows = flat.shape[0]
-            self.shard = (shard, shard_rows)
+            self.shard: tuple[int, int] | None = (shard, shard_rows)
         else:
             rows = -(-numel // SUPER)
             flat = torch.zeros(rows, SUPER, dtype=torch.float32, device=device)
@@ -264,15 +264,26 @@ class DynamiqCall:
 
         # 3. Widths from the summed norms (identical on every rank): under a bit budget, or the
         #    cheapest whose predicted error meets target_vnmse.
+        self.rho_key: tuple[Any, ...] | None = None
         if scheme.target_vnmse is not None:
-            schedule = getattr(ctx, "schedule", None)
-            growth = (path_growth(schedule, scheme.error_model.rho) if schedule is not None
-                      else 1.0)  # outside a collective: one quantization
+            schedule = ctx.schedule
+            model = scheme.error_model
+            rho = model.rho
+            if rho is None:  # the estimate the previous call on this communicator measured
+                self.rho_key = ("dynamiq.rho", numel, ctx.collective.value,
+                                schedule.algorithm if schedule is not None else "")
+                rho = float((ctx.state or {}).get(self.rho_key, 0.0))
             self.allocation: Allocation = allocate_for_target(
-                stats[1], stats[0], valid, scheme.target_vnmse, world_size=n, growth=growth,
-                model=scheme.error_model, config=self.config, widths_mode=scheme.widths_mode,
-                max_width=scheme.max_width,
+                stats[1], stats[0], valid, scheme.target_vnmse, world_size=n, rho=rho,
+                error_per_energy=model.error_per_energy(schedule, self.config, rho),
+                scales=self.config.scales,
+                widths_mode=scheme.widths_mode, max_width=scheme.max_width,
             )
+            self.summed_energy = float(torch.nan_to_num(stats[1].double(), 0.0, 0.0, 0.0).sum())
+            self.state = ctx.state
+            self.info_rho = rho
+            # after a reduce-scatter only this rank's shard is decoded: nothing to measure
+            self.whole_result = ctx.collective is Collective.ALLREDUCE
         else:
             self.allocation = allocate_widths(
                 stats[1], numel, scheme.bits, widths_mode=scheme.widths_mode,
@@ -320,9 +331,21 @@ class DynamiqCall:
             "u": self.allocation.u,
             "over_budget": self.allocation.over_budget,
             "predicted_vnmse": self.allocation.predicted_vnmse,
+            "rho": getattr(self, "info_rho", None),
             "target_met": self.allocation.target_met,
             "widths": counts,
         }
+
+    def _measure_rho(self) -> None:
+        """Target mode: estimate the ranks' correlation from the decoded aggregate (identical on
+        every rank, so every rank stores the same estimate) for the next call."""
+        if self.rho_key is None or self.state is None or not self.whole_result:
+            return
+        decoded_energy = float(torch.nan_to_num(self.work.double(), 0.0, 0.0, 0.0).square().sum())
+        rho = estimate_rho(decoded_energy, self.summed_energy, self.world_size)
+        if rho is not None:
+            self.state[self.rho_key] = rho
+            self.info["rho_measured"] = rho
 
     # -- chunk geometry -----------------------------------------------------------------------
 
@@ -379,6 +402,7 @@ class DynamiqCall:
         return out
 
     def finish(self, out: torch.Tensor) -> None:
+        self._measure_rho()
         if self.ops.restore is not None and out.is_contiguous() and out.device == self.work.device:
             self.ops.restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted,
                              out.view(-1))
