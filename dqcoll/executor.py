@@ -73,6 +73,7 @@ __all__ = [
     "plan_tiles",
     "rank_plan",
     "run_schedule",
+    "tile_nbytes_for",
 ]
 
 # Per-chunk fp32 work bytes of one tile: 4 MiB is 4096 DynamiQ super-groups, ~0.66 MiB on the wire
@@ -164,6 +165,17 @@ def plan_tiles(call: SchemeCall, tile_nbytes: int | None) -> TilePlan | None:
             fine.append(lo + (t * blocks // tiles) * unit)
         fine.append(lo + length)  # a remainder that is not a whole unit stays in the last tile
     return TilePlan(tiles, tuple(fine), unit_nbytes)
+
+
+def tile_nbytes_for(numel: int, world_size: int, tiles: int) -> int:
+    """The ``tile_nbytes`` that cuts the chunks of a ``numel``-coordinate all-reduce over
+    ``world_size`` ranks into about ``tiles`` tiles (the ``T`` of the cost model and the tuner);
+    0 (untiled) for ``tiles <= 1``. Chunks of unequal size (DynamiQ's equal-byte chunks) may get
+    a tile more."""
+    if tiles <= 1 or numel <= 0:
+        return 0
+    chunk_nbytes = -(-numel // max(1, world_size)) * 4  # fp32 work
+    return max(1, -(-chunk_nbytes // tiles))
 
 
 def _tile_view(call: SchemeCall, plan: TilePlan) -> SchemeCall:

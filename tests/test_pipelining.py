@@ -427,3 +427,20 @@ def test_cuda_tiles_and_async_match_untiled(scheme: str) -> None:
     for results in ranks:
         assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
         assert torch.equal(results[0], ranks[0][0])
+
+
+def test_tuner_tile_count_maps_to_tile_nbytes() -> None:
+    """tile_nbytes_for(numel, n, T) makes the executor cut an evenly chunked buffer (``none``)
+    into exactly T tiles, and T <= 1 means untiled."""
+    from dqcoll.executor import tile_nbytes_for
+
+    assert tile_nbytes_for(1 << 20, 4, 1) == 0
+
+    def body(comm: Any, tiles: int) -> int:
+        numel = 3 * 64 * 1024
+        x = torch.ones(numel)
+        dqcoll.allreduce(x, scheme="none", tile_nbytes=tile_nbytes_for(numel, 3, tiles))
+        return int(comm.last_info["tiles"])
+
+    for tiles in (2, 5, 16):
+        assert run_local(3, body, tiles) == [tiles] * 3
