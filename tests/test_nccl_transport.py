@@ -357,3 +357,34 @@ def test_cupy_array_runs_on_cupy_stream() -> None:
         return same_stream, bool(torch.equal(torch.from_numpy(host), x.cpu()))
 
     assert run_local(3, body, device="cuda") == [(True, True)] * 3
+
+
+def test_unique_id_travels_over_a_tcp_store() -> None:
+    """Rank 0 publishes NCCL's 128 signed bytes in a TCPStore it hosts and every other rank
+    reads back exactly the same tuple (negative bytes included), under a key of its own per
+    communicator; a rank that never gets the id times out naming the key."""
+    import threading
+
+    from dqcoll.errors import CollectiveTimeoutError
+
+    fake_id = tuple((i * 37) % 256 - 128 for i in range(128))
+    nccl = types.SimpleNamespace(get_unique_id=lambda: fake_id)
+    port = _free_port()
+    ids: dict[int, tuple[int, ...]] = {}
+    stores: list[Any] = []  # rank 0's store serves the others: keep it alive, as the transport does
+
+    def rank_body(rank: int) -> None:
+        store = cupy_nccl._make_store(rank, 3, "127.0.0.1", port, 30.0)
+        stores.append(store)
+        ids[rank] = cupy_nccl._exchange_unique_id(nccl, store, rank, "dqcoll/nccl/t/0", 30.0)
+
+    threads = [threading.Thread(target=rank_body, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert ids == {0: fake_id, 1: fake_id, 2: fake_id}
+    with pytest.raises(CollectiveTimeoutError, match="dqcoll/nccl/t/missing"):
+        store = torch.distributed.TCPStore("127.0.0.1", _free_port(), 1, is_master=True,
+                                           wait_for_workers=False)
+        cupy_nccl._exchange_unique_id(nccl, store, 1, "dqcoll/nccl/t/missing", 0.5)
