@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradients the error is simulated on (default %(default)s)")
     p.add_argument("--sim-numel", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--errors-from", default=None, help="reuse the simulated errors of another "
+                   "table with the same ranks and hosts (e.g. the same cluster at another link "
+                   "speed): errors do not depend on link speeds")
     p.add_argument("--out-dir", default=TUNED_DIR)
     p.add_argument("--png", default=None, help="plot path (default: next to the table)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -126,9 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         "source": args.source,
         "topology": json.dumps(topology.to_dict()),
     }
+    known = None
+    if args.errors_from:
+        other = TunedTable.load(args.errors_from)
+        if other.world_size != topology.world_size:
+            print(f"dqcoll tune: {args.errors_from} is for {other.world_size} ranks, not "
+                  f"{topology.world_size}", file=sys.stderr)
+            return 2
+        known = dict(other.errors)
+        provenance["errors_from"] = args.errors_from
     table = tune(topology, sizes, error_budget=args.error_budget, candidates=candidates,
                  dtype=args.dtype, source=args.source, sim_numel=args.sim_numel, seed=args.seed,
-                 progress=bar, provenance=provenance)
+                 progress=bar, provenance=provenance, known_errors=known)
     path = table.save(args.out_dir)
     png = args.png or os.path.splitext(path)[0] + ".png"
     if table.entries:

@@ -268,12 +268,14 @@ def tune(
     params: CostParams | None = None,
     progress: Progress | None = None,
     provenance: dict[str, str] | None = None,
+    known_errors: dict[str, float] | None = None,
 ) -> TunedTable:
     """Tune ``topology`` for messages of ``sizes`` bytes; see the module docstring.
 
     Errors are simulated on ``source`` (a :mod:`dqcoll.sources` spec) at the topology's world
-    size with ``sim_numel`` coordinates per rank. Ctrl-C stops early and returns the sizes done
-    (``complete=False``).
+    size with ``sim_numel`` coordinates per rank; ``known_errors`` (configuration label ->
+    vNMSE, e.g. another table's ``errors`` for the same ranks and hosts at another link speed)
+    skips those simulations. Ctrl-C stops early and returns the sizes done (``complete=False``).
     """
     from ..sources import make_source
     from .placement import build_placed_schedule
@@ -287,6 +289,7 @@ def tune(
     total = len(configs) + len(sizes)
     done = 0
     errors: dict[str, float] = {}
+    known = dict(known_errors or {})
     entries: list[TunedEntry] = []
     complete = True
     data = make_source(source, world_size=n, numel=sim_numel, seed=seed)
@@ -294,6 +297,10 @@ def tune(
         for config in configs:  # error: once per configuration
             if progress:
                 progress(done, total, f"simulate {config.config_label}")
+            if config.config_label in known:
+                errors[config.config_label] = known[config.config_label]
+                done += 1
+                continue
             if config.is_hierarchical:
                 result = simulate_hierarchical(_hier_plan(config, topology), data, seed=seed)
             else:
