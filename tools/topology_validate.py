@@ -175,12 +175,14 @@ def run(args: argparse.Namespace) -> int:
                "--iters", str(args.iters), "--sizes", *map(str, args.sizes)]
     load_before = os.getloadavg()
     start = time.time()
-    if args.mode == "loopback":
+    if args.predict_only:  # re-price an earlier measurement
+        raw = args.predict_only
+    elif args.mode == "loopback":
         code = _launch_loopback(n, command)
     else:
         code = subprocess.call([sys.executable, "tools/netns_cluster.py", "exec", "-n", str(n),
                                 "--rate", args.rate, "--", *command])
-    if code:
+    if not args.predict_only and code:
         print(f"ranks failed with exit code {code}", file=sys.stderr)
         return code
     load_after = os.getloadavg()
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--iters", type=int, default=3)
     r.add_argument("--sizes", type=int, nargs="+", default=[1 << 18, 1 << 20, 1 << 22])
     r.add_argument("--out", default="benchmarks/results/topology-validation-loopback.json")
+    r.add_argument("--predict-only", default=None, metavar="RAW_JSON",
+                   help="skip the measurement: price the rows of an earlier run's -raw.json")
     args = p.parse_args(argv)
     if args.action == "worker":
         return worker(args)
