@@ -44,14 +44,18 @@ def test_permutation_is_uniform() -> None:
 def test_uniforms_in_range_and_stratified() -> None:
     """Correlated uniforms lie in [0, 1) and the n ranks' uniforms for a coordinate fall in
     distinct 1/n strata; independent ones are keyed by rank."""
-    idx = torch.arange(5000)
+    idx = torch.arange(4096).view(16, 256)
     n = 6
-    u = torch.stack([rng.rounding_uniforms(9, r, n, idx, True) for r in range(n)])
+    u = torch.stack([rng.rounding_uniforms(9, r, n, idx, True) for r in range(n)]).view(n, -1)
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     strata = (u * n).floor().long().sort(0).values
-    assert torch.equal(strata, torch.arange(n)[:, None].expand(n, 5000))
-    a = rng.rounding_uniforms(9, 0, n, idx, False)
-    b = rng.rounding_uniforms(9, 1, n, idx, False)
+    assert torch.equal(strata, torch.arange(n)[:, None].expand(n, 4096))
+    # one permutation per run of 16 coordinates: a rank's stratum is constant within a run
+    runs = (u * n).floor().long().view(n, -1, 16)
+    assert bool((runs == runs[..., :1]).all())
+    assert not bool((runs[:, :, 0] == runs[:, :1, 0]).all())  # ... but differs across runs
+    a = rng.rounding_uniforms(9, 0, n, idx.view(-1), False)
+    b = rng.rounding_uniforms(9, 1, n, idx.view(-1), False)
     assert not torch.equal(a, b)
     assert abs(float(a.mean()) - 0.5) < 0.02
 

@@ -90,19 +90,22 @@ def _feistel(v, ck, HALF: tl.constexpr):
 
 @triton.jit
 def _rounding_uniforms(
-    gidx, jitter_key, perm_key, rank, world_size, inv_n, CORRELATED: tl.constexpr,
+    gidx, gfirst, jitter_key, perm_key, rank, world_size, inv_n, CORRELATED: tl.constexpr,
     HALF: tl.constexpr,
 ):
     """fp32 uniforms of this rank at int64 global coordinate indices ``gidx``
-    (rng.rounding_uniforms): ``gamma``, or ``(pi_g(rank) + gamma) * fp32(1/n)``."""
+    (rng.rounding_uniforms): ``gamma``, or ``(pi(rank) + gamma) * fp32(1/n)`` with the
+    permutation keyed by ``gfirst``, the first index of each coordinate's run of 16 (a tensor that
+    broadcasts against ``gidx``, e.g. ``[ROWS, NB, 1]``: one Feistel evaluation per run)."""
     g_lo = gidx.to(tl.uint32)  # truncation: the low 32 bits
     g_hi = (gidx >> 32).to(tl.uint32)  # gidx >= 0, so the arithmetic shift is logical
     h = _coord_hash(jitter_key.to(tl.uint32), g_lo, g_hi)
     gamma = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # top 24 bits * 2**-24, exact
     if CORRELATED:
-        ck = _coord_hash(perm_key.to(tl.uint32), g_lo, g_hi)
+        f_lo = gfirst.to(tl.uint32)
+        ck = _coord_hash(perm_key.to(tl.uint32), f_lo, (gfirst >> 32).to(tl.uint32))
         n = world_size.to(tl.uint32)
-        v = _feistel(g_lo * 0 + rank.to(tl.uint32), ck, HALF)
+        v = _feistel(f_lo * 0 + rank.to(tl.uint32), ck, HALF)
         outside = v >= n
         # Cycle walking: re-apply the network where the value fell outside [0, n).
         while tl.reduce(outside.to(tl.int32), None, _MAX) > 0:
@@ -210,14 +213,14 @@ def _decode_tile(
 
 @triton.jit
 def _encode_tile(
-    x, gidx, row_mask, out_ptr, out_row, mag_ptr, level_k, level_inv_log2,
+    x, base, row_mask, out_ptr, out_row, mag_ptr, level_k, level_inv_log2,
     jitter_key, perm_key, rank, world_size, inv_n,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
     HALF: tl.constexpr,
 ):
-    """Encode the fp32 ``[ROWS, NB, BS]`` tile ``x`` into records at byte offsets ``out_row``
-    (codec._encode_rows)."""
+    """Encode the fp32 ``[ROWS, NB, BS]`` tile ``x`` of rows whose first coordinates have global
+    indices ``base`` into records at byte offsets ``out_row`` (codec._encode_rows)."""
     TOP: tl.constexpr = (1 << (WIDTH - 1)) - 1  # R
     PER_BYTE: tl.constexpr = 8 // WIDTH
     CODE_NBYTES: tl.constexpr = 32 * WIDTH
@@ -271,7 +274,14 @@ def _encode_tile(
         lo = tl.load(mag_ptr + r)
         hi = tl.load(mag_ptr + r + 1)
 
-    u = _rounding_uniforms(gidx, jitter_key, perm_key, rank, world_size, inv_n, CORRELATED, HALF)
+    coord = tl.arange(0, NB)[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
+    gidx = base[:, None, None] + coord
+    if BS == 16:  # a scale group is a permutation run: one permutation per [row, group]
+        gfirst = base[:, None, None] + (tl.arange(0, NB) * 16)[None, :, None]
+    else:
+        gfirst = gidx - (coord & 15)
+    u = _rounding_uniforms(gidx, gfirst, jitter_key, perm_key, rank, world_size, inv_n,
+                           CORRELATED, HALF)
     level = r + ((a - lo) > u * (hi - lo)).to(tl.int32)  # P(up) = (a - lo) / (hi - lo)
     codes = tl.where(y < 0.0, TOP - level, TOP + level)  # stored as l + R
 
@@ -334,7 +344,7 @@ def _encode_kernel(
     x = tl.load(x_ptr + rows[:, None, None] * x_row_stride + coord, mask=m3, other=0.0)
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
-        _to_fp32(x), base[:, None, None] + coord, row_mask, out_ptr, rows * out_row_stride,
+        _to_fp32(x), base, row_mask, out_ptr, rows * out_row_stride,
         mag_ptr, level_k, level_inv_log2, jitter_key, perm_key, rank, world_size, inv_n,
         WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, HALF,
     )
@@ -393,7 +403,7 @@ def _decode_accumulate_encode_kernel(
     tl.store(acc_at, acc, mask=m3)
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
-        acc, base[:, None, None] + coord, row_mask, out_ptr, rows * out_row_stride,
+        acc, base, row_mask, out_ptr, rows * out_row_stride,
         mag_ptr, level_k, level_inv_log2, jitter_key, perm_key, rank, world_size, inv_n,
         WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, HALF,
     )
