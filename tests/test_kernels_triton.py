@@ -221,6 +221,12 @@ def test_fused_hop_matches_reference(width: int, config_name: str, world_size: i
                                         KEY, config)
     assert torch.equal(actual, expected)
     assert_same_floats(acc, acc_ref)
+    # keep_sum=False (the executor's call): the same records, and acc is left as it was
+    untouched = local.clone()
+    fast = T.decode_accumulate_encode(incoming, width, untouched, index_bases(12), rank,
+                                      world_size, KEY, config, keep_sum=False)
+    assert torch.equal(fast, expected)
+    assert_same_floats(untouched, local)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

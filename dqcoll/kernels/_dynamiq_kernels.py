@@ -388,10 +388,10 @@ def _decode_accumulate_encode_kernel(
     jitter_key, perm_key, rank, world_size, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
-    HALF: tl.constexpr,
+    HALF: tl.constexpr, WRITE_ACC: tl.constexpr,
 ):
     """codec.decode_accumulate_encode_torch, fused: the partial sum is encoded from registers;
-    it is also written back to ``acc`` (the executor keeps it: the sink decodes over it)."""
+    it is written back to ``acc`` only with ``WRITE_ACC`` (the executor never reads it again)."""
     rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
     m3 = row_mask[:, None, None]
     acc_at = acc_ptr + rows[:, None, None] * acc_row_stride + coord
@@ -400,7 +400,8 @@ def _decode_accumulate_encode_kernel(
         rec_ptr, rows * rec_row_stride, row_mask, table_ptr, WIDTH, ROWS, NB, BS, HIERARCHICAL
     )
     acc = acc + value
-    tl.store(acc_at, acc, mask=m3)
+    if WRITE_ACC:
+        tl.store(acc_at, acc, mask=m3)
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
         acc, base, row_mask, out_ptr, rows * out_row_stride,

@@ -343,9 +343,12 @@ def decode_accumulate_encode(
     world_size: int,
     key: int,
     config: CodecConfig,
+    *,
+    keep_sum: bool = True,
 ) -> torch.Tensor:
     """Triton codec.decode_accumulate_encode_torch, one fused kernel: ``acc += decode(records)``
-    (written back in place), then the new ``acc`` encoded at the same width."""
+    (written back in place only with ``keep_sum``), then the new ``acc`` encoded at the same
+    width from registers."""
     _check_width(width)
     _check_records(records, width, config)
     _check_rows("acc", acc, (torch.float32,))
@@ -361,7 +364,7 @@ def decode_accumulate_encode(
         _launch(kernels._decode_accumulate_encode_kernel, cfg, rows, interpreted,
                 records, records.stride(0), table, acc, acc.stride(0), index,
                 out, out.stride(0), *args, rows,
-                ROWS=cfg.rows_per_program, **constexprs)
+                ROWS=cfg.rows_per_program, WRITE_ACC=keep_sum, **constexprs)
     return out
 
 

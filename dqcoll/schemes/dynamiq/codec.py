@@ -360,9 +360,15 @@ def decode_accumulate_encode_torch(
     world_size: int,
     key: int,
     config: CodecConfig,
+    *,
+    keep_sum: bool = True,
 ) -> torch.Tensor:
     """The per-hop operation: ``acc += decode(records)``, then encode ``acc`` (same width).
 
-    Scales are recomputed from the new partial sum, so nothing overflows or clips."""
+    Scales are recomputed from the new partial sum, so nothing overflows or clips. With
+    ``keep_sum=False`` the caller declares it will not read ``acc`` again (the executor never
+    does: a forwarded partial sum is dead until the all-gather overwrites it, and the sink
+    decodes its own bytes over it), so a fast path may skip writing it back (1 KiB per
+    super-group of the fused kernel's traffic); ``acc``'s contents are then unspecified."""
     decode_accumulate_torch(records, width, config, acc)
     return encode_torch(acc, width, index_base, rank, world_size, key, config)

@@ -397,6 +397,7 @@ class DynamiqCall:
             records = self.ops.decode_accumulate_encode(
                 self._records(payload, width, a, b, offset), width, self.work[a:b],
                 self.index_base[a:b], self.rank, self.world_size, self.key, self.config,
+                keep_sum=False,  # nothing reads this partial sum again (decode overwrites it)
             )
             self._records(out, width, a, b, offset).copy_(records)
         return out
