@@ -111,15 +111,15 @@ def _tool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 @pytest.mark.root
 @needs_root
 def test_link_rate_is_capped_and_cluster_removed():
-    """A 100 Mbit/s cluster carries one TCP stream at 50-105% of the cap, and no namespace of
-    the run is left afterwards."""
+    """A 100 Mbit/s cluster carries one TCP stream at 50-115% of the cap (a short stream may
+    exceed it by the tbf burst), and no namespace of the run is left afterwards."""
     prefix = f"dqct{os.getpid() % 10000}"
     done = _tool("measure", "-n", "2", "--rate", "100mbit", "--prefix", prefix,
                  "--measure-nbytes", "3000000")
     assert done.returncode == 0, done.stderr
     line = next(ln for ln in done.stdout.splitlines() if "goodput" in ln)
     gbps = float(line.split("=")[-1].split()[0])
-    assert 0.05 <= gbps <= 0.105, line
+    assert 0.05 <= gbps <= 0.115, line  # above the cap only by the 256 KiB tbf burst
     assert _leftovers(prefix) == []
 
 

@@ -175,8 +175,8 @@ import json, os, sys, time, torch
 import dqcoll
 from dqcoll.errors import DqcollError
 from dqcoll.testing import run_local
-scenario = sys.argv[1]
-comm = dqcoll.init(backend="gloo")
+scenario, fault_timeout_s = sys.argv[1], float(sys.argv[2])
+comm = dqcoll.init(backend="gloo")  # DQCOLL_TIMEOUT_S is long: a loaded machine is slow
 rank, n = comm.rank, comm.world_size
 report = {"rank": rank}
 
@@ -223,11 +223,13 @@ if scenario in ("checks", "stall"):  # "checks" ends with rank 1 exiting mid-col
         if rank == 1 and "reduce step 1" in what:
             if scenario == "checks":
                 os._exit(17)
-            time.sleep(float(os.environ["DQCOLL_TIMEOUT_S"]) * 1.5 + 1)
+            time.sleep(fault_timeout_s * 1.5 + 1)
         return original(sends, recvs, what=what)
     comm.transport.exchange = exchange
     x = data(rank)
     buf = x.clone()
+    torch.distributed.barrier()  # start the faulty collective together, with the short timeout
+    comm.transport.timeout_s = fault_timeout_s
     start = time.monotonic()
     attempt("collective", lambda: dqcoll.allreduce(buf, algorithm="butterfly"))
     report["elapsed_s"] = time.monotonic() - start
@@ -245,13 +247,15 @@ def _free_port() -> int:
 
 
 def _run_gloo(scenario: str, world_size: int, timeout_s: float) -> dict[int, dict]:
+    """Run the worker on ``world_size`` gloo processes; ``timeout_s`` bounds the faulty call."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   DQCOLL_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, scenario], env=env,
+                   DQCOLL_TIMEOUT_S="60", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, scenario, str(timeout_s)],
+                                      env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     reports: dict[int, dict] = {}
     try:
