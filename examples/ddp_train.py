@@ -52,6 +52,7 @@ class TrainConfig:
     log_every: int = 20
     eval_batches: int = 8
     corpus_nbytes: int = 1 << 20
+    scheme_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def train(config: TrainConfig, rank: int, world_size: int, *,
@@ -65,6 +66,7 @@ def train(config: TrainConfig, rank: int, world_size: int, *,
     model = TinyLM(model_config, seed=config.seed)  # the same initial weights on every rank
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
     state = DynamiqState(scheme=config.scheme, bits=config.bits, algorithm=config.algorithm,
+                         scheme_options=config.scheme_options,
                          warmup_steps=config.warmup_steps, seed=config.seed,
                          error_feedback=config.error_feedback,
                          monitor_every=config.monitor_every)
@@ -122,7 +124,7 @@ def _parse(argv: list[str]) -> tuple[TrainConfig, str | None]:
     parser.add_argument("--scheme", default=defaults.scheme,
                         choices=schemes.list_schemes(), help="dqcoll scheme for the gradients")
     for field in dataclasses.fields(TrainConfig):
-        if field.name == "scheme":
+        if field.name in ("scheme", "scheme_options"):
             continue
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
@@ -130,10 +132,16 @@ def _parse(argv: list[str]) -> tuple[TrainConfig, str | None]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             parser.add_argument(flag, type=type(default), default=default)
+    parser.add_argument("--scheme-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a scheme option, e.g. rounding=independent (repeatable)")
     parser.add_argument("--json", default=None, help="write rank 0's results to this file")
     args = vars(parser.parse_args(argv))
     out = args.pop("json")
-    return TrainConfig(**args), out
+    options = {}
+    for item in args.pop("scheme_option"):
+        key, _, value = item.partition("=")
+        options[key] = value
+    return TrainConfig(**args, scheme_options=options), out
 
 
 def main(argv: list[str] | None = None) -> None:
