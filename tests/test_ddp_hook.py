@@ -11,6 +11,7 @@ import datetime
 import importlib.util
 import os
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ def _example() -> Any:
     spec = importlib.util.spec_from_file_location("ddp_train", ROOT / "examples" / "ddp_train.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules["ddp_train"] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -92,7 +94,7 @@ def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
     models = (plain, hooked, warm)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     same: list[list[bool]] = [[], []]
-    for step in range(6):
+    for step in range(4):
         x, y = _batch(rank, step)
         grads = []
         for model, optimizer in zip(models, optimizers, strict=True):
@@ -131,7 +133,7 @@ def test_none_gives_the_gradients_of_plain_ddp(three_ranks: list[dict[str, Any]]
 
 def _dynamiq_replicas(rank: int, world_size: int) -> dict[str, Any]:
     model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-    state = DynamiqState(scheme="dynamiq", bits=4, warmup_steps=2, error_feedback=True,
+    state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=2, error_feedback=True,
                          monitor_every=5, algorithm="ring")
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -157,7 +159,7 @@ def _dynamiq_replicas(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_dynamiq_keeps_replicas_bit_identical(three_ranks: list[dict[str, Any]]) -> None:
-    """25 steps of Adam with dynamiq at 4 bits (error feedback and monitor on, 3 ranks, odd bucket
+    """25 steps of Adam with dynamiq at 5 bits (error feedback and monitor on, 3 ranks, odd bucket
     sizes): every rank's parameters are bit-identical; the monitor logged vNMSE every 5 compressed
     steps; u is carried per bucket; error feedback keeps non-zero residuals."""
     results = [r["dynamiq"] for r in three_ranks]
@@ -170,7 +172,7 @@ def test_dynamiq_keeps_replicas_bit_identical(three_ranks: list[dict[str, Any]])
         assert len(result["hints"][2]) >= 2, "one carried u per bucket after the first step"
         assert result["hints"][-1] != result["hints"][2]
         assert result["residual_norm"] > 0
-        assert result["bits"] <= 4.0 + 1e-9
+        assert result["bits"] <= 5.0 + 1e-9
         assert result["bytes_sent"] > 0
     assert results[0]["vnmse"] == results[1]["vnmse"] == results[2]["vnmse"]
 
@@ -180,8 +182,8 @@ def test_dynamiq_keeps_replicas_bit_identical(three_ranks: list[dict[str, Any]])
 
 def _short_training(rank: int, world_size: int) -> dict[str, Any]:
     example = _example()
-    base = example.TrainConfig(steps=150, warmup_steps=5, batch=8, width=32, layers=1, context=32,
-                               lr=3e-3, monitor_every=50, bucket_cap_mb=0.05,
+    base = example.TrainConfig(steps=120, warmup_steps=5, batch=8, width=32, layers=1, context=32,
+                               lr=3e-3, monitor_every=40, bucket_cap_mb=1.0,
                                corpus_nbytes=1 << 19)
     runs = {}
     for scheme in ("none", "dynamiq"):
@@ -191,7 +193,7 @@ def _short_training(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_training_loss_within_one_percent(tmp_path: pathlib.Path) -> None:
-    """The example's model (tiny byte-level LM, 150 AdamW steps, 2 ranks, same data and seed):
+    """The example's model (tiny byte-level LM, 120 AdamW steps, 2 ranks, same data and seed):
     with dynamiq at 5 bits the final training loss (mean of the last 20 steps) and the held-out
     loss are within 1 % of the uncompressed run's."""
     runs = _spawn(tmp_path, 2, _short_training)[0]
