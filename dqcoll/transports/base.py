@@ -19,7 +19,7 @@ what NCCL sends for messages of this size class and the bound the byte budget is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -57,6 +57,52 @@ class Counters(dict[str, int]):
         self["bytes_recv"] += wire
         self["allreduce_bytes_sent"] += wire
         self["allreduces"] += 1
+
+
+Exchange = Callable[[Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, torch.Tensor]], str],
+                    None]
+
+
+def reduce_in_rank_order(
+    post: Exchange, rank: int, world_size: int, flat: torch.Tensor, op: str, what: str
+) -> torch.Tensor:
+    """A small all-reduce whose result is the same bits on every transport.
+
+    Native all-reduces (gloo's ring, NCCL's) add in an order of their own, so the same inputs give
+    results that differ in the last bit from one transport to another, and DynamiQ's statistics
+    (hence its bit widths) would then depend on the transport. Here shard ``c`` of every rank's
+    tensor goes straight to rank ``c``, which combines the ``n`` copies in rank order
+    (``((x_0 + x_1) + x_2) + ...``, exactly what the ``local`` transport computes), and sends the
+    result straight back: ``2 (n-1)/n`` of the bytes per rank, as a ring all-reduce, in two steps.
+    ``post(sends, recvs, what)`` posts one grouped exchange and returns when it completed.
+    """
+    n = world_size
+    numel = flat.numel()
+    bounds = [c * numel // n for c in range(n + 1)]
+    mine = slice(bounds[rank], bounds[rank + 1])
+    peers = [p for p in range(n) if p != rank]
+    shard = bounds[rank + 1] - bounds[rank]
+    received = {p: torch.empty(shard, dtype=flat.dtype, device=flat.device) for p in peers}
+    sends = [(p, flat[bounds[p] : bounds[p + 1]]) for p in peers if bounds[p + 1] > bounds[p]]
+    recvs = [(p, received[p]) for p in peers if shard]
+    post(sends, recvs, f"{what} (small all-reduce, scatter)")
+    acc = flat[mine].clone()
+    if rank:
+        acc = received[0].clone()
+    for p in range(1, n):
+        other = flat[mine] if p == rank else received[p]
+        if op == "sum":
+            acc.add_(other)
+        elif op == "max":
+            torch.maximum(acc, other, out=acc)
+        else:
+            torch.minimum(acc, other, out=acc)
+    out = torch.empty_like(flat)
+    out[mine] = acc
+    sends = [(p, acc) for p in peers if shard]
+    recvs = [(p, out[bounds[p] : bounds[p + 1]]) for p in peers if bounds[p + 1] > bounds[p]]
+    post(sends, recvs, f"{what} (small all-reduce, gather)")
+    return out
 
 
 def ring_allreduce_nbytes(nbytes: int, world_size: int) -> int:

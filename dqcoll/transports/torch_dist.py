@@ -18,11 +18,10 @@ import torch.distributed as dist
 
 from .. import envs
 from ..errors import CollectiveTimeoutError, InvalidArgumentError, PeerError
-from .base import ALLREDUCE_OPS, Counters
+from .base import ALLREDUCE_OPS, Counters, reduce_in_rank_order
 
 __all__ = ["TorchTransport"]
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class TorchTransport:
@@ -70,6 +69,19 @@ class TorchTransport:
         *,
         what: str,
     ) -> None:
+        self._post(sends, recvs, what)
+        for _, tensor in sends:
+            self.counters.count_send(tensor.numel() * tensor.element_size())
+        for _, buffer in recvs:
+            self.counters.count_recv(buffer.numel() * buffer.element_size())
+
+    def _post(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        what: str,
+    ) -> None:
+        """Post one grouped exchange and wait for it (no counting)."""
         ops = []
         labels: list[tuple[str, int]] = []
         for peer, tensor in sends:
@@ -85,17 +97,17 @@ class TorchTransport:
         except RuntimeError as exc:
             raise PeerError(f"rank {self.rank}: posting messages failed at {what}: {exc}") from exc
         self._wait([(k, p, w) for (k, p), w in zip(labels, works, strict=True)], what)
-        for _, tensor in sends:
-            self.counters.count_send(tensor.numel() * tensor.element_size())
-        for _, buffer in recvs:
-            self.counters.count_recv(buffer.numel() * buffer.element_size())
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
+        """Small all-reduce in rank order over point-to-point messages, not gloo's or NCCL's own
+        all-reduce: the same bits as every other dqcoll transport (see
+        :func:`~dqcoll.transports.base.reduce_in_rank_order`)."""
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
-        assert work is not None
-        self._wait([("all-reducing with", -1, work)], what)
+        if self.world_size > 1 and tensor.numel():
+            flat = tensor.detach().contiguous().reshape(-1)
+            reduced = reduce_in_rank_order(self._post, self.rank, self.world_size, flat, op, what)
+            tensor.copy_(reduced.view(tensor.shape))
         self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
 
     def barrier(self, *, what: str = "barrier") -> None:
