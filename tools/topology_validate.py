@@ -46,22 +46,30 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _time(fn, repeat: int = 5) -> float:  # type: ignore[no-untyped-def]
-    """Median CPU time of the calling thread (torch runs one thread here): what the codec costs,
-    not how busy the machine was when it was measured."""
+def _time_on(fn, repeat: int = 5, clock=time.thread_time) -> float:  # type: ignore[no-untyped-def]
+    """Median time of ``fn`` on ``clock``: thread CPU time (what the codec costs on an idle
+    core) or wall time (what one process gets of a shared, busy machine right now)."""
     fn()
     samples = []
     for _ in range(repeat):
-        t0 = time.thread_time()
+        t0 = clock()
         fn()
-        samples.append(time.thread_time() - t0)
+        samples.append(clock() - t0)
     return statistics.median(samples)
 
 
-def calibrate(numel: int = 1 << 18) -> list[dict[str, object]]:
+def calibrate(numel: int = 1 << 18, clock: str = "thread") -> list[dict[str, object]]:
+    """Kernel rates. ``clock="thread"``: per *host* (single-thread CPU time / cores: the ranks
+    share the host's cores). ``clock="wall"``: per *rank* (single-process wall time under the
+    current load, each rank being one more process competing for the cores)."""
     from dqcoll.schemes.dynamiq import codec
 
     torch.set_num_threads(1)
+    timer = time.thread_time if clock == "thread" else time.perf_counter
+
+    def _time(fn, repeat: int = 5):  # type: ignore[no-untyped-def]
+        return _time_on(fn, repeat, timer)
+
     rows = numel // 256
     x = torch.randn(rows, 256)
     valid = torch.full((rows,), 256)
@@ -75,7 +83,7 @@ def calibrate(numel: int = 1 << 18) -> list[dict[str, object]]:
     flat = x.reshape(-1)
     copy = _time(lambda: flat.view(torch.uint8).clone()) / numel * 1e9
     add = _time(lambda: acc.view(-1).add_(flat)) / numel * 1e9
-    cores = _cores()
+    cores = _cores() if clock == "thread" else 1
     return [
         {"device": "cpu", "scheme": "dynamiq", "compress_ns": enc / cores,
          "decompress_ns": dec / cores, "stats_ns": stats / cores,
@@ -188,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     load_after = os.getloadavg()
     with open(raw) as f:
         rows = json.load(f)["rows"]
-    rates = calibrate()
+    rates = calibrate(clock=args.clock)
     params = CostParams(message_us=0.0, kernel_rates=tuple(
         (("cpu", str(r["scheme"])), KernelRates(float(r["compress_ns"]),  # type: ignore[arg-type]
                                                  float(r["decompress_ns"]),  # type: ignore[arg-type]
@@ -196,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
         for r in rates))
 
     def make_topology(gbps: float, latency: float) -> Topology:
+        shared = args.clock == "thread"  # see calibrate()
         if args.mode == "loopback":
             return Topology.single_host(n, kind=LinkKind.LOOPBACK, bandwidth_gbps=gbps,
-                                        latency_us=latency)
-        return Topology.flat(n, bandwidth_gbps=gbps, latency_us=latency, shared_device=True)
+                                        latency_us=latency, shared_device=shared)
+        return Topology.flat(n, bandwidth_gbps=gbps, latency_us=latency, shared_device=shared)
 
     gbps, latency = _fit_link(rows, make_topology, params)
     topology = make_topology(gbps, latency)
@@ -212,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     held = [abs(t["error"]) for t in table if t["held_out"]]
     summary = {
         "mode": args.mode, "rate": args.rate if args.mode == "netns" else None,
-        "world_size": n, "fitted_link_gbps": gbps, "fitted_latency_us": latency,
+        "world_size": n, "clock": args.clock, "fitted_link_gbps": gbps,
+        "fitted_latency_us": latency,
         "kernel_rates": rates, "rows": table,
         "mean_abs_error_held_out": statistics.mean(held),
         "median_abs_error_held_out": statistics.median(held),
@@ -242,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="action", required=True)
     c = sub.add_parser("calibrate")
     c.add_argument("--out", default=None)
+    c.add_argument("--clock", choices=("thread", "wall"), default="thread")
     w = sub.add_parser("worker")
     w.add_argument("--out", required=True)
     w.add_argument("--iters", type=int, default=3)
@@ -253,13 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--iters", type=int, default=3)
     r.add_argument("--sizes", type=int, nargs="+", default=[1 << 18, 1 << 20, 1 << 22])
     r.add_argument("--out", default="benchmarks/results/topology-validation-loopback.json")
+    r.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                   help="kernel calibration: thread CPU time on an idle machine (per host), or "
+                   "wall time under the current load (per rank); see calibrate()")
     r.add_argument("--predict-only", default=None, metavar="RAW_JSON",
                    help="skip the measurement: price the rows of an earlier run's -raw.json")
     args = p.parse_args(argv)
     if args.action == "worker":
         return worker(args)
     if args.action == "calibrate":
-        rates = calibrate()
+        rates = calibrate(clock=args.clock)
         text = json.dumps({"device": "cpu", "records": rates}, indent=1)
         if args.out:
             with open(args.out, "w") as f:
