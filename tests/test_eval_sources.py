@@ -137,3 +137,24 @@ def test_eval_rejects_bad_scheme_specs() -> None:
     with pytest.raises(DqcollError):
         eval_cli.parse_scheme_spec("mxfp8:bits=3")
     assert math.isclose(eval_cli.parse_scheme_spec("dynamiq:bits=4.5").options[0][1], 4.5)
+
+
+def test_bits_needed_reports_the_cheapest_member_that_meets_the_target() -> None:
+    """eval's error-target mode: every family reports either a member whose measured vNMSE meets
+    the target (with the bits it sent) or that none did; dynamiq's target mode and its budget
+    sweep meet it too; bf16 meets a loose target."""
+    from dqcoll.cli.eval import bits_needed
+    from dqcoll.sources import make_source
+
+    source = make_source("gaussian", world_size=3, numel=4096, seed=0)
+    rows = bits_needed(source, "butterfly", 1e-2,
+                       families={"mx": ("mxfp4", "mxfp6", "mxfp8"), "bf16": ("bf16",)},
+                       resolution=1.0)
+    by_family = {r.family: r for r in rows}
+    assert set(by_family) == {"dynamiq target_vnmse", "dynamiq bits", "mx", "bf16"}
+    for row in rows:
+        if row.family != "dynamiq target_vnmse" and row.choice:
+            assert row.vnmse <= 1e-2
+    assert by_family["bf16"].choice == "bf16" and 15.9 < by_family["bf16"].wire_bits < 16.5
+    assert by_family["mx"].choice in ("mxfp4", "mxfp6", "mxfp8")
+    assert by_family["dynamiq bits"].choice.startswith("bits=")

@@ -24,12 +24,15 @@ import torch
 
 from dqcoll.cli.eval import (
     EvalRow,
+    NeededRow,
     SchemeChoice,
+    bits_needed,
     evaluate,
     expand_bits,
     parse_scheme_spec,
     plot_rows,
 )
+from dqcoll.sources import make_source
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -42,6 +45,8 @@ ALL_SCHEMES = ["dynamiq", "bf16", "mxfp8", "mxfp8:element=e5m2", "mxfp8:scale=gl
 SWEEP_SCHEMES = ["dynamiq", "bf16", "mxfp8", "mxfp8:scale=global", "mxfp4", "int8_block",
                  "int4_block", "thc", "global_qsgd"]
 SKEW_SIGMAS = [0.0, 0.6, 1.22, 1.6, 2.0, 2.5]
+GAUSSIAN = "gaussian"
+TARGETS = [1e-2, 1e-3, 1e-4]
 
 
 def _choices(specs: list[str], bits: list[float]) -> list[SchemeChoice]:
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         saved = json.loads((DOCS / "accuracy.json").read_text())
         groups = {k: [EvalRow(**r) for r in v] for k, v in saved["rows"].items()}
-        _write(groups, saved["meta"])
+        needed = [NeededRow(**r) for r in saved.get("needed", [])]
+        _write(groups, saved["meta"], needed)
         return 0
     torch.set_num_threads(1)  # ranks are threads; one intra-op thread each avoids oversubscription
     numel = 16384 if args.quick else None
@@ -134,6 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         spec = MIXTURE.replace("sigma=1.22,", f"sigma={sigma:g},")
         groups["skew"] += evaluate([spec], _choices(["dynamiq", "mxfp8"], [5]),
                                    ["ring", "butterfly"], [8], numel=numel, progress=log)
+    needed: list[NeededRow] = []
+    for spec in (GAUSSIAN, MIXTURE, LM):
+        source = make_source(spec, world_size=8, numel=numel or (262144 if spec == GAUSSIAN
+                                                                  else None), seed=0)
+        for algorithm in ("ring", "butterfly"):
+            for target in TARGETS:
+                needed += bits_needed(source, algorithm, target)
+                print(f"  bits needed: {spec[:20]} {algorithm} {target:g}", file=sys.stderr,
+                      flush=True)
     meta = {
         "command": "tools/make_accuracy_docs.py" + (" --quick" if args.quick else ""),
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -143,19 +158,86 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
     }
     (DOCS / "accuracy.json").write_text(json.dumps(
-        {"meta": meta, "rows": {k: [r.__dict__ for r in v] for k, v in groups.items()}},
+        {"meta": meta, "rows": {k: [r.__dict__ for r in v] for k, v in groups.items()},
+         "needed": [r.__dict__ for r in needed]},
         indent=1))
-    _write(groups, meta)
+    _write(groups, meta, needed)
     print(f"wrote {DOCS / 'accuracy.md'} in {meta['elapsed_s']} s", file=sys.stderr)
     return 0
 
 
-def _write(groups: dict[str, list[EvalRow]], meta: dict) -> None:
+def _write(groups: dict[str, list[EvalRow]], meta: dict, needed: list[NeededRow]) -> None:
     plot_rows(groups["sweep"], str(DOCS / "accuracy_world_size.png"),
               title="vNMSE vs world size, log-normal-mixture gradients (issue-6 fit)")
     _plot_skew(groups["skew"], DOCS / "accuracy_skew.png")
     page = _page(groups["mixture"], groups["lm"], groups["sweep"], groups["skew"], meta)
-    (DOCS / "accuracy.md").write_text(page)
+    (DOCS / "accuracy.md").write_text(page + _needed_section(needed))
+
+
+def _needed_section(needed: list[NeededRow]) -> str:
+    """The "bits needed for vNMSE <= target" tables, and where dynamiq needs more bits."""
+    if not needed:
+        return ""
+    families = list(dict.fromkeys(r.family for r in needed))
+    lines = [
+        "",
+        "## Bits needed for vNMSE <= target (8 ranks)",
+        "",
+        "Per scheme, the fewest bits on the wire (measured, per coordinate, as above) whose "
+        "vNMSE meets the target: for a fixed-format family its cheapest member that does "
+        "(MX 4/6/8, int blocks 4/8, top-k densities 0.1/0.25/0.5); `dynamiq target_vnmse` is "
+        "what `target_vnmse=` spent (second of two calls on one communicator: the first measures "
+        "the ranks' correlation), `dynamiq bits` the smallest fixed budget that meets the target "
+        "(bisection to 0.1 bit, `max_width=16`). `-`: no member meets it. Same data via "
+        "`dqcoll eval --source <spec> --world-sizes 8 --target-vnmse 1e-2,1e-3,1e-4`.",
+        "",
+    ]
+    sources = list(dict.fromkeys(r.source for r in needed))
+    for source in sources:
+        lines += [f"### `{source}`", "",
+                  "| algorithm | target | " + " | ".join(families) + " |",
+                  "|---|---|" + "---|" * len(families)]
+        keys = list(dict.fromkeys((r.algorithm, r.target) for r in needed if r.source == source))
+        for algorithm, target in keys:
+            cells = []
+            for family in families:
+                row = next(r for r in needed if (r.source, r.algorithm, r.target, r.family)
+                           == (source, algorithm, target, family))
+                if row.wire_bits != row.wire_bits:
+                    cells.append("-")
+                else:
+                    choice = row.choice.split(":")[0] if row.family != "dynamiq bits" else ""
+                    cells.append(f"{row.wire_bits:.2f}" + (f" ({choice})" if choice and
+                                                            "target" not in row.family else ""))
+            lines.append(f"| {algorithm} | {target:.0e} | " + " | ".join(cells) + " |")
+        lines.append("")
+    losses = []
+    for r in needed:
+        if r.family != "dynamiq target_vnmse" or r.wire_bits != r.wire_bits:
+            continue
+        rivals = [o for o in needed if (o.source, o.algorithm, o.target) ==
+                  (r.source, r.algorithm, r.target) and not o.family.startswith("dynamiq")
+                  and o.wire_bits == o.wire_bits and o.wire_bits < r.wire_bits]
+        for o in rivals:
+            losses.append(f"{r.source.split(':')[0]} {r.algorithm} {r.target:.0e}: {o.choice} "
+                          f"{o.wire_bits:.2f} bits vs dynamiq {r.wire_bits:.2f}")
+    lines += ["### Where dynamiq needs more bits than another scheme", ""]
+    if losses:
+        lines += ["- " + loss for loss in losses] + [""]
+    else:
+        lines += ["Nowhere in these runs.", ""]
+    lines += [
+        "Why: DynamiQ's widths are 2, 4, 8 (and raw 16) bits per super-group. A target that a "
+        "uniform 6-bit code would meet sits between the 4-bit error (about 0.013 per "
+        "quantization, times the schedule's growth) and the 8-bit one (about 8e-5), so on dense "
+        "gradients, whose super-groups carry similar energy, DynamiQ must send a large share of "
+        "them at 8 bits, while MX's 6-bit elements (E2M3 with a per-32 scale) or int blocks meet "
+        "it at 6.25 or 8.25 bits flat. Where energy is skewed across super-groups the same "
+        "target is met by giving 8 bits only to the few that matter, and DynamiQ needs fewer "
+        "bits than any fixed format.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _plot_skew(rows: list[EvalRow], path: Path) -> None:

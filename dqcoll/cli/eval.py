@@ -22,6 +22,13 @@ Scheme specs are ``name[:key=value[;key=value]]``; ``--bits`` expands every sche
 ``bits`` option into one entry per budget (a spec that sets ``bits`` itself is kept as is).
 Sources are those of :mod:`dqcoll.sources`.
 
+``--target-vnmse 1e-2,1e-3`` answers the other question, *how many bits does each scheme need
+for vNMSE <= target* (:func:`bits_needed`): a fixed-format family (MX 4/6/8, int blocks 4/8, top-k
+densities, ...) reports its cheapest member that meets the target; ``dynamiq`` reports what
+``target_vnmse=`` spent (second of two calls on one communicator, so the ranks' correlation is
+measured) and the smallest fixed budget that meets the target (bisection to 0.1 bit,
+``max_width=16``).
+
 Rejected: a pure simulator here (the simulator lives in the topology package and scales to
 thousands of virtual ranks; this command runs the collective itself, so what it reports is what a
 user's job would get, byte counts included).
@@ -49,6 +56,7 @@ from ..testing import run_local
 __all__ = [
     "EvalRow",
     "SchemeChoice",
+    "bits_needed",
     "evaluate",
     "expand_bits",
     "format_table",
@@ -193,6 +201,115 @@ def evaluate(
     return rows
 
 
+# Families of fixed-format schemes, cheapest first: "bits needed" is the first member that meets
+# the target.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "mx": ("mxfp4", "mxfp6", "mxfp8"),
+    "mx (global scale)": ("mxfp4:scale=global", "mxfp6:scale=global", "mxfp8:scale=global"),
+    "int blocks": ("int4_block", "int8_block"),
+    "thc": ("thc",),
+    "global_qsgd": ("global_qsgd",),
+    "topk_block": ("topk_block:density=0.1", "topk_block:density=0.25", "topk_block:density=0.5"),
+    "bf16": ("bf16",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class NeededRow:
+    """The cheapest way a scheme (family) meets a vNMSE target on one source and schedule."""
+
+    source: str
+    world_size: int
+    algorithm: str
+    target: float
+    family: str
+    choice: str  # the member or setting that met the target ("" if none did)
+    wire_bits: float  # what it sent (nan if none met the target)
+    vnmse: float
+    note: str = ""
+
+
+def _measure(source: GradientSource, algorithm: str, choice: SchemeChoice,
+             calls: int = 1) -> tuple[float, float]:
+    """(vNMSE, wire bits) of the last of ``calls`` all-reduces on one communicator."""
+    n = source.world_size
+    inputs = source.tensors()
+    exact = source.exact_sum()
+
+    def body(comm):  # type: ignore[no-untyped-def]
+        for step in range(calls):
+            comm.counters.reset()
+            x = inputs[comm.rank].clone()
+            allreduce(x, scheme=choice.name, algorithm=algorithm, step=step,
+                      **dict(choice.options))
+        return x, comm.counters["bytes_sent"]
+
+    results = run_local(n, body)
+    norm2 = float(exact.square().sum())
+    err2 = float((results[0][0].double() - exact).square().sum())
+    sent = sum(nbytes for _, nbytes in results) / n
+    return err2 / norm2 if norm2 > 0 else 0.0, 8.0 * sent / (2 * (n - 1) / n * source.numel)
+
+
+def bits_needed(
+    source: GradientSource,
+    algorithm: str,
+    target: float,
+    *,
+    families: dict[str, tuple[str, ...]] | None = None,
+    resolution: float = 0.1,
+) -> list[NeededRow]:
+    """Per scheme family, the bits needed for vNMSE <= ``target`` (see the module docstring)."""
+    rows = []
+
+    def row(family: str, choice: str, bits: float, error: float, note: str = "") -> NeededRow:
+        return NeededRow(source.name, source.world_size, algorithm, target, family, choice, bits,
+                         error, note)
+
+    error, bits = _measure(source, algorithm, SchemeChoice("dynamiq", (("target_vnmse", target),)),
+                           calls=2)
+    rows.append(row("dynamiq target_vnmse", f"target_vnmse={target:g}", bits, error,
+                    "met" if error <= target else f"x{error / target:.2f} of target"))
+    lo, hi = 2.82, 16.9  # every super-group at 2 bits .. raw 16-bit (with statistics)
+    error_hi, bits_hi = _measure(source, algorithm,
+                                 SchemeChoice("dynamiq", (("bits", hi), ("max_width", 16))))
+    if error_hi > target:
+        rows.append(row("dynamiq bits", "", float("nan"), error_hi, "not met at 16.9 bits"))
+    else:
+        best = (hi, bits_hi, error_hi)
+        while hi - lo > resolution:
+            mid = round(0.5 * (lo + hi), 4)
+            error, bits = _measure(source, algorithm,
+                                   SchemeChoice("dynamiq", (("bits", mid), ("max_width", 16))))
+            if error <= target:
+                hi, best = mid, (mid, bits, error)
+            else:
+                lo = mid
+        rows.append(row("dynamiq bits", f"bits={best[0]:g}", best[1], best[2]))
+    for family, members in (families or FAMILIES).items():
+        for member in members:
+            choice = parse_scheme_spec(member)
+            error, bits = _measure(source, algorithm, choice)
+            if error <= target:
+                rows.append(row(family, choice.label, bits, error))
+                break
+        else:
+            rows.append(row(family, "", float("nan"), error,
+                            f"not met (best {members[-1]}: {error:.2e})"))
+    return rows
+
+
+def format_needed(rows: Sequence[NeededRow]) -> str:
+    header = (f"{'source':<24}{'n':>3} {'algorithm':<10}{'target':>8}  {'scheme':<22}"
+              f"{'choice':<26}{'bits':>7}{'vnmse':>11}  note")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        bits = f"{r.wire_bits:.2f}" if r.wire_bits == r.wire_bits else "-"
+        lines.append(f"{r.source[:23]:<24}{r.world_size:>3} {r.algorithm:<10}{r.target:>8.0e}  "
+                     f"{r.family:<22}{r.choice[:25]:<26}{bits:>7}{r.vnmse:>11.3e}  {r.note}")
+    return "\n".join(lines)
+
+
 _COLUMNS = ("source", "world_size", "algorithm", "scheme", "declared_bits", "wire_bits", "vnmse",
             "identical", "time_s")
 
@@ -287,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the rows as JSON")
     p.add_argument("--plot", default=None, help="write a PNG: vNMSE vs world size per scheme")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
+    p.add_argument("--target-vnmse", type=_floats, default=None,
+                   help="instead of a vNMSE table: the bits each scheme needs for vNMSE <= each "
+                        "target (comma-separated)")
     return p
 
 
@@ -302,6 +422,22 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row.vnmse:.3g}, {row.wire_bits:.3f} bits ({row.time_s:.1f} s)",
                       file=sys.stderr, flush=True)
 
+        if args.target_vnmse:
+            needed: list[NeededRow] = []
+            for spec in sources:
+                for n in args.world_sizes:
+                    source = make_source(spec, world_size=n, numel=args.numel, seed=args.seed)
+                    for algorithm in args.algorithms:
+                        for target in args.target_vnmse:
+                            needed += bits_needed(source, algorithm, target)
+                            if not args.quiet:
+                                print(format_needed(needed[-len(FAMILIES) - 2:]),
+                                      file=sys.stderr, flush=True)
+            print(format_needed(needed))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump([dataclasses.asdict(r) for r in needed], f, indent=1)
+            return 0
         rows = evaluate(sources, choices, args.algorithms, args.world_sizes, numel=args.numel,
                         seed=args.seed, repeats=args.repeats, progress=progress)
     except DqcollError as exc:
