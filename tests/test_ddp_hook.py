@@ -154,6 +154,7 @@ def _dynamiq_replicas(rank: int, world_size: int) -> dict[str, Any]:
         "hints": hints,
         "residual_norm": sum(float(r.norm()) for r in state.residuals.values()),
         "bits": state.last_info.get("bits"),
+        "buckets": dict(state.bucket_numel),
         "bytes_sent": state.comm.counters["bytes_sent"] if state.comm else 0,
     }
 
@@ -172,7 +173,8 @@ def test_dynamiq_keeps_replicas_bit_identical(three_ranks: list[dict[str, Any]])
         assert len(result["hints"][2]) >= 2, "one carried u per bucket after the first step"
         assert result["hints"][-1] != result["hints"][2]
         assert result["residual_norm"] > 0
-        assert result["bits"] <= 5.0 + 1e-9
+        # buckets under 64 super-groups also budget their tail's padding (< 256 coordinates)
+        assert result["bits"] <= 5.0 * (1 + 255 / min(result["buckets"].values())) + 1e-9
         assert result["bytes_sent"] > 0
     assert results[0]["vnmse"] == results[1]["vnmse"] == results[2]["vnmse"]
 

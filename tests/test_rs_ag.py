@@ -113,9 +113,10 @@ def _allreduce_vs_exact(comm: dqcoll.Communicator, numel: int, balance: str,
                                          (7, None)])
 def test_dynamiq_balance_shards_allreduce(numel: int, ratio: float | None) -> None:
     """The balance="shards" all-reduce (any length, shards padded on their own) leaves every rank
-    bit-identical, keeps the byte budget, and errs like the byte-balanced one when shards are whole
-    super-groups. Shards that are not (8192 / 3 = 2730.7) shift the super-groups off this data's
-    256-aligned magnitude blocks: measured 2.7x the error here, hence the looser bound."""
+    bit-identical, keeps the byte budget (a small buffer's tail padding included), and errs like
+    the byte-balanced one when shards are whole super-groups. Shards that are not (8192 / 3 =
+    2730.7) shift the super-groups off this data's 256-aligned magnitude blocks: measured 2.7x the
+    error here, hence the looser bound."""
     n = 3
     errors = {}
     for balance in ("bytes", "shards"):
@@ -124,8 +125,8 @@ def test_dynamiq_balance_shards_allreduce(numel: int, ratio: float | None) -> No
         for rank, (x, _, _) in enumerate(results):
             assert torch.equal(x, first), f"{balance}: rank {rank} differs from rank 0"
         errors[balance] = dqcoll.metrics.vnmse(first, exact)
-        if ratio is not None:
-            assert info["bits"] <= 5.0 + 1e-9, info
+        if ratio is not None:  # below 64 super-groups the tail's padding is budgeted too
+            assert info["bits"] <= 5.0 * (numel + 255) / numel + 1e-9, info
     if ratio is not None:
         assert errors["shards"] <= ratio * errors["bytes"], errors
     else:  # 7 elements: over budget, every super-group at 2 bits (bytes: 0.35, shards: 0.06)
