@@ -224,3 +224,42 @@ def test_state_validates_its_arguments() -> None:
     for name in schemes.list_schemes():
         state = DynamiqState(scheme=name)
         assert state.should_compress(10) == (name != "none")
+
+
+# -- error target: the monitor calibrates the error model -----------------------------------------
+
+
+def _targeted_training(rank: int, world_size: int) -> dict[str, Any]:
+    model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+    state = DynamiqState(scheme="dynamiq", target_vnmse=1e-3, warmup_steps=1, monitor_every=1,
+                         algorithm="butterfly")
+    model.register_comm_hook(state, dynamiq_hook)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(12):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    return {"identical": all(torch.equal(gathered[0], g) for g in gathered),
+            "vnmse": state.vnmse_history, "kappa": state.kappa_history,
+            "bits": state.bits_history}
+
+
+def test_error_target_is_calibrated_by_the_monitor(tmp_path: pathlib.Path) -> None:
+    """With target_vnmse=1e-3 the hook logs the bits of every compressed iteration, the monitor
+    moves kappa (every rank the same), the replicas stay bit-identical, and once calibrated the
+    measured vNMSE sits within 0.5..1.5 of the target (median of the last 6 iterations)."""
+    runs = _spawn(tmp_path, 3, _targeted_training)
+    for run in runs:
+        assert run["identical"]
+        assert run["kappa"] == runs[0]["kappa"]
+    first = runs[0]
+    assert [i for i, _ in first["bits"]] == list(range(1, 12))
+    assert all(2.8 < b < 17 for _, b in first["bits"])
+    assert len(first["kappa"]) == 11 and first["kappa"][-1][1] != 1.0
+    late = sorted(v for _, v in first["vnmse"][-6:])
+    median = 0.5 * (late[2] + late[3])
+    assert 0.5e-3 <= median <= 1.5e-3, first["vnmse"]

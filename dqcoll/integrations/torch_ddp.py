@@ -32,6 +32,13 @@ rank, and copies the returned tensor into the gradients):
   exact average (an uncompressed fp64 all-reduce of the same input) and records the vNMSE of the
   compressed one, summed over the buckets of the iteration (``state.vnmse_history``; logged at
   INFO on rank 0 of the group by the ``dqcoll.ddp`` logger).
+* **Error target** (``target_vnmse=``, dynamiq): instead of a fixed ``bits``, every call picks
+  the fewest bits whose *predicted* vNMSE meets the target (:mod:`dqcoll.schemes.dynamiq
+  .error_model`; the ranks' correlation is measured by each call for the next). The monitor then
+  closes the loop: each monitored iteration moves the model's calibration ``kappa`` towards
+  measured / predicted vNMSE (``calibration_rate``, geometric), so the following iterations aim
+  with the corrected model. Bits per coordinate of every iteration are recorded in
+  ``state.bits_history`` (and logged), ``kappa`` in ``state.kappa_history``.
 
 The compressed path runs synchronously inside the hook and returns a completed future: dqcoll's
 codec is host-driven, and on the 2-core CPU machines this project is tested on a worker thread
@@ -57,6 +64,7 @@ from .. import schemes
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import InvalidArgumentError
+from ..schemes.dynamiq.error_model import ErrorModel
 from ..tinylm import derived_seed
 from ..transports.torch_dist import TorchTransport
 
@@ -99,11 +107,24 @@ class DynamiqState:
         carry_allocation: bool = True,
         error_feedback: bool = False,
         monitor_every: int = 0,
+        target_vnmse: float | None = None,
+        calibration_rate: float = 0.5,
     ) -> None:
         options = dict(scheme_options or {})
         spec = schemes.spec(scheme)  # raises for an unknown name, listing the registered ones
-        probe = {**options, **({"bits": bits} if "bits" in spec.options else {})}
+        if target_vnmse is not None:
+            if "target_vnmse" not in spec.options:
+                raise InvalidArgumentError(
+                    f"target_vnmse needs a scheme with an error model, not {scheme!r}"
+                )
+            probe = {**options, "target_vnmse": target_vnmse}
+        else:
+            probe = {**options, **({"bits": bits} if "bits" in spec.options else {})}
         schemes.get(scheme, **probe)  # raises now for bad options, not at the first backward
+        if not 0.0 < calibration_rate <= 1.0:
+            raise InvalidArgumentError(
+                f"calibration_rate must be in (0, 1], got {calibration_rate}"
+            )
         for name, value in (("warmup_steps", warmup_steps), ("monitor_every", monitor_every)):
             if not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
@@ -134,7 +155,16 @@ class DynamiqState:
         # -- error monitor --
         self.monitor_every = monitor_every
         self.vnmse_history: list[tuple[int, float]] = []  # (iteration, vNMSE over its buckets)
-        self._monitor_sums = [0.0, 0.0]  # squared error, squared norm of the exact average
+        # squared error, squared norm of the exact average, predicted error (target mode)
+        self._monitor_sums = [0.0, 0.0, 0.0]
+
+        # -- error target: the model's calibration, closed by the monitor's measurements --
+        self.target_vnmse = target_vnmse
+        self.kappa = 1.0  # ErrorModel.kappa: measured / predicted vNMSE, smoothed in log space
+        self.calibration_rate = calibration_rate  # weight of each new measurement
+        self.kappa_history: list[tuple[int, float]] = []  # (iteration, kappa after it)
+        self.bits_history: list[tuple[int, float]] = []  # (iteration, bits per coordinate sent)
+        self._bits_sums = [0.0, 0]  # sum of bits * numel over the iteration's buckets, numel
 
         # -- what the hook saw and did --
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
@@ -227,27 +257,64 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
     hint = state.allocation_u.get(index)
     if state.carry_allocation and hint is not None and math.isfinite(hint):
         options["u_hint"] = hint
-    allreduce(buf, op="avg", scheme=state.scheme, bits=state.bits, algorithm=state.algorithm,
+    if state.target_vnmse is not None:
+        options["target_vnmse"] = state.target_vnmse
+        options["error_model"] = ErrorModel(kappa=state.kappa)
+    else:
+        options["bits"] = state.bits
+    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
               comm=comm, seed=state.step_seed(iteration), step=index, **options)
     state.last_info = dict(comm.last_info)
     u = comm.last_info.get("u")
     if u is not None:
         state.allocation_u[index] = float(u)
+    bits = comm.last_info.get("bits")
+    if bits is not None:
+        state._bits_sums[0] += float(bits) * buf.numel()
+        state._bits_sums[1] += buf.numel()
     if exact is not None:
+        norm2 = float(exact.square().sum())
         state._monitor_sums[0] += float((buf.double() - exact).square().sum())
-        state._monitor_sums[1] += float(exact.square().sum())
+        state._monitor_sums[1] += norm2
+        predicted = comm.last_info.get("predicted_vnmse")
+        if predicted is not None and math.isfinite(predicted):
+            state._monitor_sums[2] += float(predicted) * norm2
 
 
 def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
+    leader = dist.get_rank(state.process_group) == 0
+    if state._bits_sums[1]:
+        bits = state._bits_sums[0] / state._bits_sums[1]
+        state.bits_history.append((iteration, bits))
+        if leader and state.target_vnmse is not None:
+            log.info("dqcoll ddp: iteration %d: %.3f bits per coordinate for target vNMSE %.1e",
+                     iteration, bits, state.target_vnmse)
     if state.should_monitor(iteration):
-        error2, norm2 = state._monitor_sums
+        error2, norm2, predicted2 = state._monitor_sums
         vnmse = error2 / norm2 if norm2 > 0 else (0.0 if error2 == 0 else math.inf)
         state.vnmse_history.append((iteration, vnmse))
-        if dist.get_rank(state.process_group) == 0:
+        if state.target_vnmse is not None and predicted2 > 0 and 0 < vnmse < math.inf:
+            _calibrate(state, iteration, vnmse, predicted2 / norm2)
+        if leader:
             log.info("dqcoll ddp: iteration %d: %s vNMSE %.3e (exact average computed alongside)",
                      iteration, state.scheme, vnmse)
-    state._monitor_sums = [0.0, 0.0]
+    state._monitor_sums = [0.0, 0.0, 0.0]
+    state._bits_sums = [0.0, 0]
     state.iteration = iteration + 1
+
+
+def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: float) -> None:
+    """Close the loop: move kappa towards measured / predicted (a geometric step of
+    ``calibration_rate``), so the next steps' widths aim at the target with the model corrected
+    by what was measured. The exact average is all-reduced, so every rank computes the same
+    kappa and the ranks keep choosing the same widths."""
+    ratio = min(max(measured / predicted, 1.0 / 16), 16.0)  # one noisy step moves kappa <= 16x
+    kappa = state.kappa * ratio**state.calibration_rate
+    state.kappa = min(max(kappa, 1e-3), 1e3)
+    state.kappa_history.append((iteration, state.kappa))
+    if dist.get_rank(state.process_group) == 0:
+        log.info("dqcoll ddp: iteration %d: measured/predicted vNMSE %.2f -> kappa %.3g",
+                 iteration, measured / predicted, state.kappa)
 
 
 def dynamiq_hook(state: DynamiqState,
