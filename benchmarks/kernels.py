@@ -359,9 +359,10 @@ def aot_report(arch: int) -> list[dict[str, Any]]:
             for name in ("_encode_kernel", "_decode_accumulate_encode_kernel"):
                 cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), width, 1 << 20,
                                             interpreted=False)
+                extra = {"WRITE_ACC": False} if "accumulate" in name else {}  # executor's call
                 rows.append(aot_compile(name, dict(encode_like, WIDTH=width,
                                                    ROWS=cfg.rows_per_program,
-                                                   CORRELATED=correlated),
+                                                   CORRELATED=correlated, **extra),
                                         arch, cfg.num_warps))
         for name in ("_decode_kernel", "_decode_accumulate_kernel"):
             cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), width, 1 << 20,
