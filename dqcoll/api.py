@@ -80,6 +80,10 @@ class _Request:
     fingerprint: tuple[int, ...] = ()
 
 
+def _schemes_with(option: str) -> list[str]:
+    return [name for name in schemes.list_schemes() if option in schemes.spec(name).options]
+
+
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
@@ -133,8 +137,7 @@ def _prepare(
             if "target_vnmse" in scheme_options and "target_vnmse" not in entry_options:
                 raise InvalidArgumentError(
                     f"target_vnmse is not supported by scheme {scheme!r} (it sets its error "
-                    f"through bits); schemes that take it: "
-                    f"{[s for s in schemes.list_schemes() if 'target_vnmse' in schemes.spec(s).options]}"
+                    f"through bits); schemes that take it: {_schemes_with('target_vnmse')}"
                 )
             # `bits` is passed to the schemes that take it; the others have a fixed format.
             options = {k: v for k, v in scheme_options.items()
@@ -342,7 +345,8 @@ def _check_output(request: _Request, out: Any, collective: Collective, comm: Com
             problem += (f" ({tensor.numel()} does not split into {n} equal shards: unequal "
                         f"shards are not supported; pad the buffer to {padded} elements)")
     elif out_tensor.dtype != tensor.dtype:
-        problem = f"rank {comm.rank}: out dtype {out_tensor.dtype} differs from input {tensor.dtype}"
+        problem = (f"rank {comm.rank}: out dtype {out_tensor.dtype} differs from input "
+                   f"{tensor.dtype}")
     elif out_tensor.device != tensor.device:
         problem = f"rank {comm.rank}: out is on {out_tensor.device}, input on {tensor.device}"
     elif not out_tensor.is_contiguous():

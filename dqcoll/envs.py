@@ -24,8 +24,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "DQCOLL_VALIDATE": (
         "1",
-        "1: every collective first checks, with one tiny all-reduce, that all ranks passed matching "
-        "arguments (length, dtype, scheme, ...) and valid inputs. 0 skips it (saves one latency).",
+        "1: every collective first checks, with one tiny all-reduce, that all ranks passed "
+        "matching arguments (length, dtype, scheme, ...) and valid inputs. 0 skips it (saves one "
+        "latency).",
     ),
     "DQCOLL_LOG_LEVEL": ("WARNING", "Log level of the 'dqcoll' logger."),
     "DQCOLL_TUNING_DIR": (

@@ -46,18 +46,24 @@ def as_torch_view(buf: Any, *, name: str = "buf") -> torch.Tensor:
         return buf  # type: ignore[no-any-return]
     if kind == "numpy":
         if not buf.flags.writeable:
-            raise InvalidArgumentError(f"{name}: the NumPy array is read-only; it is updated in place")
+            raise InvalidArgumentError(
+                f"{name}: the NumPy array is read-only; it is updated in place"
+            )
         if buf.dtype.name == "bfloat16":  # ml_dtypes: torch cannot wrap it directly
             return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
         try:
             return torch.from_numpy(buf)
         except TypeError as exc:
-            raise InvalidArgumentError(f"{name}: unsupported NumPy dtype {buf.dtype}: {exc}") from None
+            raise InvalidArgumentError(
+                f"{name}: unsupported NumPy dtype {buf.dtype}: {exc}"
+            ) from None
     if kind in ("cupy", "dlpack"):
         try:
             return torch.from_dlpack(buf)
         except Exception as exc:
-            raise InvalidArgumentError(f"{name}: cannot wrap {type(buf).__name__} via DLPack: {exc}") from exc
+            raise InvalidArgumentError(
+                f"{name}: cannot wrap {type(buf).__name__} via DLPack: {exc}"
+            ) from exc
     raise InvalidArgumentError(
         f"{name}: expected a torch tensor, a NumPy array or a CuPy array, got {type(buf).__name__}"
     )

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-# The suite runs under pytest-xdist on 2 cores: one intra-op thread per worker avoids oversubscribing.
+# The suite runs under pytest-xdist on 2 cores: one intra-op thread per worker, no oversubscription.
 torch.set_num_threads(1)
 os.environ.setdefault("DQCOLL_TIMEOUT_S", "60")
 

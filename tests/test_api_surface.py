@@ -31,7 +31,7 @@ def test_allreduce_signature() -> None:
     """allreduce takes the buffer positionally and everything else by keyword, with the documented
     defaults."""
     params = inspect.signature(dqcoll.allreduce).parameters
-    assert list(params)[0] == "buf"
+    assert next(iter(params)) == "buf"
     assert params["op"].default == "sum"
     assert params["scheme"].default == "dynamiq"
     assert params["bits"].default == 5.0

@@ -100,7 +100,8 @@ def test_levels() -> None:
         assert bool((gaps[1:] > gaps[:-1]).all())
         table = C.code_table(width, C.Levels.NONUNIFORM)
         top = 2 ** (width - 1) - 1
-        assert float(table[top]) == 0.0 and torch.equal(table[: 2 * top + 1].flip(0), -table[: 2 * top + 1])
+        used = table[: 2 * top + 1]
+        assert float(table[top]) == 0.0 and torch.equal(used.flip(0), -used)
 
 
 @pytest.mark.parametrize("width", [2, 4, 8])
@@ -112,7 +113,8 @@ def test_encode_never_clips(width: int) -> None:
 
 
 def test_non_finite_rows_decode_to_nan_and_others_stay_finite() -> None:
-    """A NaN or Inf in a super-group makes that super-group NaN after decoding; others unaffected."""
+    """A NaN or Inf in a super-group makes that super-group NaN after decoding; the others stay
+    finite."""
     x = torch.randn(4, 256)
     x[1, 7] = float("nan")
     x[2, 100] = float("inf")

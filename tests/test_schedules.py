@@ -61,7 +61,10 @@ def test_json_round_trip() -> None:
     assert Schedule.from_json(sched.to_json()) == sched
 
 
-def _ring_triples(n: int) -> tuple[list[list[tuple[int, int, int]]], list[list[tuple[int, int, int]]]]:
+Triples = list[list[tuple[int, int, int]]]
+
+
+def _ring_triples(n: int) -> tuple[Triples, Triples]:
     reduce = [[(r, (r + 1) % n, (r - 1 - t) % n) for r in range(n)] for t in range(n - 1)]
     gather = [[(r, (r + 1) % n, (r - t) % n) for r in range(n)] for t in range(n - 1)]
     return reduce, gather

@@ -174,23 +174,23 @@ def render(meta: dict, records: list[dict], args: argparse.Namespace) -> str:  #
                  for a in args.algorithms}
         lines += ["", "Full DynamiQ vs baseline: " + ", ".join(
             f"{a} x{v:.1f} lower vNMSE" for a, v in total.items()) + "."]
-        lines += _findings(by_variant, labels, args.algorithms) + [""]
+        lines += [*_findings(by_variant, labels, args.algorithms), ""]
     lines += [
         "## Reading the tables",
         "",
         "* *Variable widths* dominate wherever super-group magnitudes are skewed: the budget moves "
         "from near-zero super-groups (2 bits, or none when zero on every rank) to the large ones.",
-        "* *Non-uniform levels* help most at 4 bits and on heavy-tailed coordinates (Student-t); at "
-        "8 bits the paper's eps = 0.10 makes the top levels 2.7x sparser than uniform ones, which "
-        "costs more than the finer levels near zero win when coordinates are Gaussian within a "
+        "* *Non-uniform levels* help most at 4 bits and on heavy-tailed coordinates (Student-t); "
+        "at 8 bits the paper's eps = 0.10 makes the top levels 2.7x sparser than uniform ones, "
+        "which costs more than the finer levels near zero win when coordinates are Gaussian within a "
         "group (single-shot N(0,1) at 8 bits: 7.9e-5 non-uniform vs 4.7e-5 uniform; Student-t(3): "
         "7.5e-5 vs 9.1e-5). Their gain in the full scheme is therefore smallest on the Gaussian "
         "sources.",
         "* *Hierarchical scales* buy 16-coordinate groups for the metadata of 32-coordinate flat "
         "bf16 scales; they matter more when magnitudes vary inside a super-group.",
-        "* *Correlated rounding* stratifies the n uniforms drawn for a coordinate across the ranks; "
-        "it helps more on the ring (n-1 re-quantizations along one path) than on the butterfly "
-        "(depth log2 n).",
+        "* *Correlated rounding* stratifies the n uniforms drawn for a coordinate across the "
+        "ranks; it helps more on the ring (n-1 re-quantizations along one path) than on the "
+        "butterfly (depth log2 n).",
         "* Fixed 4-bit widths spend 4.8 bits per coordinate, variable widths the full 5-bit budget "
         "(both counted with statistics and argument checks).",
         "",

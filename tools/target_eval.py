@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                     "extra_bits": bits - best_bits,
                 }
                 records.append(record)
-                print(f"{name:18s} {algorithm:9s} target {target:.0e}: first call x{cold / target:.2f} "
-                      f"{cold_bits:.2f} bits; second x{record['ratio']:.2f} {bits:.2f} bits; "
+                print(f"{name:18s} {algorithm:9s} target {target:.0e}: first call "
+                      f"x{cold / target:.2f} {cold_bits:.2f} bits; second "
+                      f"x{record['ratio']:.2f} {bits:.2f} bits; "
                       f"sweep {best_bits:.2f} bits -> {record['extra_bits']:+.2f}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(meta: dict, records: list[dict]) -> str:  # type: ignore[type-arg]
     ok_ratio = sum(0.5 <= r["ratio"] <= 1.5 for r in records)
-    ok_bits = sum(abs(r["extra_bits"]) <= 0.5 for r in records if r["sweep_bits"] == r["sweep_bits"])
+    ok_bits = sum(abs(r["extra_bits"]) <= 0.5 for r in records
+                  if r["sweep_bits"] == r["sweep_bits"])
     lines = [
         "# Error-targeted DynamiQ (`target_vnmse`)",
         "",

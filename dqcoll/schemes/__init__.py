@@ -15,15 +15,15 @@ from ..errors import InvalidArgumentError
 from .base import CallContext, Scheme, SchemeCall, SchemeSpec
 
 __all__ = [
+    "CallContext",
     "Scheme",
     "SchemeCall",
-    "SchemeSpec",
-    "CallContext",
     "SchemeEntry",
-    "register_scheme",
+    "SchemeSpec",
     "get",
-    "spec",
     "list_schemes",
+    "register_scheme",
+    "spec",
 ]
 
 

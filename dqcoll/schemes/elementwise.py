@@ -2,8 +2,8 @@
 
 Such a scheme (``none``, ``bf16``, MX formats, int blocks) only says how to encode and decode a
 run of whole blocks; this module cuts the buffer into ``n`` chunks of whole blocks (balanced to
-one block; for reduce-scatter and all-gather, one chunk per shard), pads with zeros, runs the per-hop decompress-accumulate-recompress
-and writes the result back.
+one block; for reduce-scatter and all-gather, one chunk per shard), pads with zeros, runs the
+per-hop decompress-accumulate-recompress and writes the result back.
 """
 
 from __future__ import annotations
@@ -36,14 +36,17 @@ class BlockCodec(abc.ABC):
 
     @abc.abstractmethod
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
-        """Payload bytes for ``numel`` coordinates (a multiple of ``block``) summing ``count`` ranks."""
+        """Payload bytes for ``numel`` coordinates (a multiple of ``block``) that sum ``count``
+        ranks' contributions."""
 
     @abc.abstractmethod
     def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
         """fp32 ``values`` (a multiple of ``block`` long) -> flat uint8 payload."""
 
     @abc.abstractmethod
-    def decode_values(self, payload: torch.Tensor, numel: int, count: int, ctx: Any) -> torch.Tensor:
+    def decode_values(
+        self, payload: torch.Tensor, numel: int, count: int, ctx: Any
+    ) -> torch.Tensor:
         """Flat uint8 payload -> fp32 values."""
 
     def __repr__(self) -> str:

@@ -50,5 +50,7 @@ class NoneScheme(BlockCodec):
     def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
         return values.to(ctx).view(torch.uint8).reshape(-1)
 
-    def decode_values(self, payload: torch.Tensor, numel: int, count: int, ctx: Any) -> torch.Tensor:
+    def decode_values(
+        self, payload: torch.Tensor, numel: int, count: int, ctx: Any
+    ) -> torch.Tensor:
         return payload.view(ctx).float()

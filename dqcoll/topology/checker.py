@@ -40,7 +40,9 @@ def check_schedule(schedule: Schedule) -> None:
         for t in step.transfers:
             _check_ranks(t.src, t.dst, t.chunk, n, index)
             if sent[t.src][t.chunk]:
-                raise ScheduleError(f"reduce step {index}: rank {t.src} sends chunk {t.chunk} twice")
+                raise ScheduleError(
+                    f"reduce step {index}: rank {t.src} sends chunk {t.chunk} twice"
+                )
             if pending_children.get((t.src, t.chunk), 0):
                 raise ScheduleError(
                     f"reduce step {index}: rank {t.src} sends chunk {t.chunk} before all its "
@@ -69,7 +71,9 @@ def check_schedule(schedule: Schedule) -> None:
         sink = schedule.sink(chunk)
         if held[sink][chunk] != everyone:
             missing = sorted(everyone - held[sink][chunk])
-            raise ScheduleError(f"chunk {chunk}: sink {sink} misses contributions of ranks {missing}")
+            raise ScheduleError(
+                f"chunk {chunk}: sink {sink} misses contributions of ranks {missing}"
+            )
         for rank in range(n):
             if rank != sink and not sent[rank][chunk]:
                 raise ScheduleError(f"chunk {chunk}: rank {rank} never sends its contribution")

@@ -34,7 +34,7 @@ class Role(enum.Enum):
     """What the *receiver* of a transfer does with it."""
 
     ACCUMULATE = "accumulate"  # a child that is not the last: decompress-accumulate
-    FORWARD = "forward"  # the last child of an internal node: fused decompress-accumulate-recompress
+    FORWARD = "forward"  # last child of an internal node: fused decompress-accumulate-recompress
     FINAL = "final"  # the last child at the sink: decompress-accumulate, recompress, self-decode
     GATHER = "gather"  # all-gather: keep the bytes (to forward them) and decode them
 
@@ -114,7 +114,8 @@ class Schedule:
 
         def steps(seq: list[list[list[int | str]]], phase: Phase) -> tuple[Step, ...]:
             return tuple(
-                Step(phase, tuple(Transfer(int(a), int(b), int(c), Role(str(r))) for a, b, c, r in s))
+                Step(phase, tuple(Transfer(int(a), int(b), int(c), Role(str(r)))
+                                  for a, b, c, r in s))
                 for s in seq
             )
 

@@ -11,12 +11,12 @@ from ..errors import InvalidArgumentError
 from .base import Counters, Transport, ring_allreduce_nbytes
 
 __all__ = [
-    "Transport",
     "Counters",
+    "Transport",
     "TransportSpec",
-    "register_transport",
     "get",
     "list_transports",
+    "register_transport",
     "ring_allreduce_nbytes",
 ]
 

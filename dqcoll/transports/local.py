@@ -191,7 +191,9 @@ def _check_peers(
     for kind, items in (("send to", sends), ("receive from", recvs)):
         peers = [peer for peer, _ in items]
         if len(set(peers)) != len(peers):
-            raise InvalidArgumentError(f"rank {rank}: one exchange may {kind} each peer once: {peers}")
+            raise InvalidArgumentError(
+                f"rank {rank}: one exchange may {kind} each peer once: {peers}"
+            )
         for peer in peers:
             if not 0 <= peer < world_size or peer == rank:
                 raise InvalidArgumentError(f"rank {rank}: cannot {kind} rank {peer}")

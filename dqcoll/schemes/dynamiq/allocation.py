@@ -113,7 +113,7 @@ def allocate_widths(
     # the executor needs the payload sizes on the host anyway.
     norm2 = norm2.detach().to("cpu")
     stats = STATS_BYTES_PER_SUPER * rows
-    budget = int(math.floor(bits * numel / 8.0))
+    budget = math.floor(bits * numel / 8.0)
     lookup = _cost_lookup(scales)
 
     def cost(widths: torch.Tensor) -> int:

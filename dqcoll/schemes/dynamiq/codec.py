@@ -138,7 +138,9 @@ def _magnitudes(width: int, levels: Levels) -> tuple[float, ...]:
     return tuple((base**r - 1.0) / (base**top - 1.0) for r in range(top + 1))
 
 
-def level_magnitudes(width: int, levels: Levels, device: torch.device | str = "cpu") -> torch.Tensor:
+def level_magnitudes(
+    width: int, levels: Levels, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """fp32 ``[m_0 = 0, ..., m_R = 1]``."""
     return torch.tensor(_magnitudes(width, levels), dtype=torch.float32, device=device)
 

@@ -27,8 +27,9 @@ Model, for super-group ``s`` at width ``b``:
 * The exact aggregate's energy is ``F (1 + (n - 1) rho)`` plus the (exactly known) summed means.
 
 ``predicted vNMSE = kappa * gamma * H * sum_s c_{b_s} eps_{b_s} F_s / (F (1 + (n-1) rho) +
-sum_s count_s mean_s^2)`` with ``c_2 = 1 + 0.2 log2 n`` and ``c_b = 1`` otherwise, with ``kappa`` a multiplicative calibration (1 by default; the DDP hook's
-error monitor updates it from measured vNMSE).
+sum_s count_s mean_s^2)`` with ``c_2 = 1 + 0.2 log2 n`` and ``c_b = 1`` otherwise, and ``kappa``
+a multiplicative calibration (1 by default; the DDP hook's error monitor updates it from measured
+vNMSE).
 
 ``rho`` cannot be known before the call (the statistics carry each rank's energy, not the
 cross-rank inner products), but every rank can measure it *after* a call, without

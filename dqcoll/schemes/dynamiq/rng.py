@@ -23,8 +23,9 @@ Definitions (all arithmetic mod 2**32):
   (computed once per call on the host); ``stream_key(key, s) = mix32(key ^ s)`` separates streams.
 * A coordinate's hash under a key: ``coord_hash(k, g) = mix32(mix32(k ^ g_lo) ^ g_hi)`` with the
   64-bit global coordinate index ``g`` split into 32-bit halves.
-* Private jitter of rank ``i``: ``gamma = (coord_hash(mix32(key_j ^ mix32(i ^ C2)), g) >> 8) * 2**-24``,
-  a uniform on [0, 1) with 24 random bits (exact in fp32).
+* Private jitter of rank ``i``:
+  ``gamma = (coord_hash(mix32(key_j ^ mix32(i ^ C2)), g) >> 8) * 2**-24``, a uniform on [0, 1)
+  with 24 random bits (exact in fp32).
 * Shared permutation ``pi_g`` of ``[0, n)``, one per run of 16 consecutive coordinates of a row
   (a scale group), keyed by the run's first global index ``g``: an 8-round balanced Feistel
   network over
@@ -32,7 +33,8 @@ Definitions (all arithmetic mod 2**32):
   ``F_j(R) = mix32(ck ^ (R | j << 24)) & (2**h - 1)`` and coordinate key
   ``ck = coord_hash(key_p, g)``, applied repeatedly until the value falls below ``n``
   (cycle-walking keeps it a permutation of ``[0, n)``).
-* Correlated uniform of rank ``i``: ``u = (pi_g(i) + gamma) * fp32(1 / n)``; independent: ``u = gamma``.
+* Correlated uniform of rank ``i``: ``u = (pi_g(i) + gamma) * fp32(1 / n)``; independent:
+  ``u = gamma``.
 
 One permutation per 16 coordinates rather than per coordinate: what correlated rounding needs is
 that, for each coordinate, the n ranks' uniforms fall in n distinct strata, and that holds as
@@ -51,12 +53,12 @@ import torch
 
 __all__ = [
     "MASK32",
+    "PERMUTATION_RUN",
     "STREAM_JITTER",
     "STREAM_PERM",
     "call_key",
     "coord_hash",
     "feistel_rounds",
-    "PERMUTATION_RUN",
     "mix32",
     "mix32_int",
     "mul32",

@@ -28,6 +28,7 @@ not change them.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from typing import Any
 
@@ -170,7 +171,7 @@ class DynamiqScheme:
         cheapest = rows * (record_nbytes(2, self.config.scales) + 8)
         if self.widths_mode is Widths.FIXED:
             return rows * (record_nbytes(4, self.config.scales) + 8)
-        return max(int(math.floor(self.bits * numel / 8.0)), cheapest)
+        return max(math.floor(self.bits * numel / 8.0), cheapest)
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
         """Compress one tensor on its own (statistics local, world size 1)."""
@@ -330,7 +331,7 @@ class DynamiqCall:
         self.runs: list[tuple[int, int, int]] = []
         change = torch.nonzero(sorted_widths[1:] != sorted_widths[:-1]).squeeze(1) + 1
         edges = [0, *change.tolist(), rows]
-        for a, b in zip(edges[:-1], edges[1:], strict=True):
+        for a, b in itertools.pairwise(edges):
             width = int(sorted_widths[a])
             if width and b > a:
                 self.runs.append((width, a, b))
@@ -375,7 +376,9 @@ class DynamiqCall:
         lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
         return self.row_offsets[hi] - self.row_offsets[lo]
 
-    def _records(self, payload: torch.Tensor, width: int, a: int, b: int, offset: int) -> torch.Tensor:
+    def _records(
+        self, payload: torch.Tensor, width: int, a: int, b: int, offset: int
+    ) -> torch.Tensor:
         size = record_nbytes(width, self.config.scales)
         return payload[offset : offset + (b - a) * size].view(b - a, size)
 
