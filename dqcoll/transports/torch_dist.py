@@ -33,7 +33,9 @@ class TorchTransport:
                 "the torch transport needs an initialised torch.distributed process group "
                 "(call torch.distributed.init_process_group first, or dqcoll.init(backend='gloo'))"
             )
-        self.group = group if group is not None else dist.group.WORLD
+        world = dist.group.WORLD
+        assert world is not None  # initialised above
+        self.group: dist.ProcessGroup = group if group is not None else world
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.timeout_s = envs.timeout_s() if timeout_s is None else timeout_s
