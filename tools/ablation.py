@@ -183,7 +183,8 @@ def render(meta: dict, records: list[dict], args: argparse.Namespace) -> str:  #
         "* *Non-uniform levels* help most at 4 bits and on heavy-tailed coordinates (Student-t); "
         "at 8 bits the paper's eps = 0.10 makes the top levels 2.7x sparser than uniform ones, "
         "which costs more than the finer levels near zero win when coordinates are Gaussian "
-        "within a group (single-shot N(0,1) at 8 bits: 7.9e-5 non-uniform vs 4.7e-5 uniform; Student-t(3): "
+        "within a group (single-shot N(0,1) at 8 bits: 7.9e-5 non-uniform vs 4.7e-5 uniform; "
+        "Student-t(3): "
         "7.5e-5 vs 9.1e-5). Their gain in the full scheme is therefore smallest on the Gaussian "
         "sources.",
         "* *Hierarchical scales* buy 16-coordinate groups for the metadata of 32-coordinate flat "
