@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..topology.tuning import Candidate, _hier_plan, predict_us
 
     n = args.world_size
+    started_at = commit()  # the code that runs is the code at start
     topology = (parse_topology(args.topology, world_size=n) if args.topology
                 else default_topology(n))
     if topology.world_size != n:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "simulate_s": None if result is None else result.seconds,
         "price_s": price_s,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "commit": commit(),
+        "commit": started_at,
     }
     if args.json:
         print(json.dumps(report, indent=1))
