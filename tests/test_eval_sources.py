@@ -158,3 +158,18 @@ def test_bits_needed_reports_the_cheapest_member_that_meets_the_target() -> None
     assert by_family["bf16"].choice == "bf16" and 15.9 < by_family["bf16"].wire_bits < 16.5
     assert by_family["mx"].choice in ("mxfp4", "mxfp6", "mxfp8")
     assert by_family["dynamiq bits"].choice.startswith("bits=")
+
+
+def test_tune_reports_bits_needed_for_its_error_budget(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """dqcoll tune --bits-needed prints, for the tuner's error budget, each scheme family's
+    cheapest setting that meets it (dqcoll eval's error-target mode at the topology's size)."""
+    from dqcoll.cli import tune
+
+    code = tune.main(["-t", "flat:2@10", "-b", "64K", "-e", "64K", "--bits", "5", "--tiles", "1",
+                      "--schemes", "dynamiq", "--no-hierarchical", "--sim-numel", "4096",
+                      "--source", "gaussian", "--error-budget", "0.02", "--bits-needed",
+                      "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "bits needed for vNMSE <= 0.02" in out
+    assert "dynamiq target_vnmse" in out and "mxfp" in out and "int8_block" in out

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=TUNED_DIR)
     p.add_argument("--png", default=None, help="plot path (default: next to the table)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.add_argument("--bits-needed", action="store_true",
+                   help="also report, per scheme family, the bits each needs for vNMSE <= the "
+                        "error budget on --source at this world size (dqcoll eval's "
+                        "--target-vnmse, run over the local transport; minutes at 32 ranks)")
     return p
 
 
@@ -154,5 +158,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}" + (f" and {png}" if table.entries else ""))
     if not table.complete:
         print("interrupted: the table holds the sizes computed so far", file=sys.stderr)
+    if args.bits_needed:
+        from ..sources import make_source
+        from .eval import bits_needed, format_needed
+
+        source = make_source(args.source, world_size=topology.world_size, numel=args.sim_numel,
+                             seed=args.seed)
+        algorithms = sorted({c.algorithm for c in candidates
+                             if c.algorithm in ("ring", "butterfly", "direct")})
+        needed = []
+        for algorithm in algorithms:
+            needed += bits_needed(source, algorithm, args.error_budget)
+        print(f"bits needed for vNMSE <= {args.error_budget:g} on {args.source}, "
+              f"{topology.world_size} ranks:")
+        print(format_needed(needed))
     return 0
 
