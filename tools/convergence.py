@@ -66,8 +66,11 @@ def _train_rank(comm, spec, args, train, valid):  # type: ignore[no-untyped-def]
         loss = model(inputs, targets)
         loss.backward()
         flat = tinylm.flat_grad(model)
-        dqcoll.allreduce(flat, op="avg", scheme=name, algorithm=args.algorithm, step=step,
-                         seed=args.seed, **options)
+        if step < args.uncompressed_steps:  # warm-up with exact averages, as the DDP hook does
+            dqcoll.allreduce(flat, op="avg", scheme="none", algorithm=args.algorithm)
+        else:
+            dqcoll.allreduce(flat, op="avg", scheme=name, algorithm=args.algorithm, step=step,
+                             seed=args.seed, **options)
         tinylm.set_flat_grad(model, flat)
         opt.step()
         sched.step()
@@ -135,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=20, help="learning-rate warm-up steps")
+    p.add_argument("--uncompressed-steps", type=int, default=0,
+                   help="first steps averaged exactly (scheme none) before compressing")
     p.add_argument("--val-batches", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(DOCS), help="directory for convergence.{md,png,json}")
