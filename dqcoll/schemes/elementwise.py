@@ -9,6 +9,7 @@ per-hop decompress-accumulate-recompress and writes the result back.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 import torch
@@ -17,12 +18,73 @@ from ..errors import InvalidArgumentError
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 
-__all__ = ["BlockCall", "BlockCodec", "split_blocks"]
+__all__ = ["BlockCall", "BlockCodec", "BlockLayout", "split_blocks"]
 
 
 def split_blocks(num_blocks: int, parts: int) -> list[int]:
     """Bounds cutting ``num_blocks`` into ``parts`` runs whose lengths differ by at most one."""
     return [c * num_blocks // parts for c in range(parts + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """Where a call's ``numel`` input elements sit in its padded fp32 buffer of whole blocks.
+
+    All-reduce: the tail is padded and the blocks are cut into ``n`` balanced chunks.
+    Reduce-scatter / all-gather (``sharded``): chunk ``c`` must be shard ``c`` (elements
+    ``[c m, (c+1) m)``), so each shard is padded to whole blocks on its own.
+    """
+
+    numel: int
+    block: int
+    world_size: int
+    sharded: bool
+
+    @classmethod
+    def of(cls, numel: int, block: int, ctx: CallContext) -> BlockLayout:
+        n = ctx.world_size
+        sharded = ctx.collective is not Collective.ALLREDUCE
+        if sharded and numel % n:
+            raise InvalidArgumentError(
+                f"{ctx.what}: {numel} elements do not split into {n} equal shards"
+            )
+        return cls(numel, block, n, sharded)
+
+    @property
+    def shard(self) -> int:
+        return self.numel // self.world_size
+
+    @property
+    def shard_padded(self) -> int:
+        return -(-self.shard // self.block) * self.block
+
+    @property
+    def padded_numel(self) -> int:
+        if self.sharded:
+            return self.world_size * self.shard_padded
+        return -(-self.numel // self.block) * self.block
+
+    def chunk_bounds(self) -> list[int]:
+        if self.sharded:
+            return [c * self.shard_padded for c in range(self.world_size + 1)]
+        return [b * self.block for b in split_blocks(self.padded_numel // self.block,
+                                                     self.world_size)]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding."""
+        work = torch.zeros(self.padded_numel, dtype=torch.float32, device=x.device)
+        if self.sharded:
+            n, shard = self.world_size, self.shard
+            work.view(n, self.shard_padded)[:, :shard] = x.reshape(n, shard)
+        else:
+            work[: self.numel] = x.reshape(-1)
+        return work
+
+    def unpad(self, work: torch.Tensor) -> torch.Tensor:
+        """The input's elements of a padded buffer, in the input's order (a view)."""
+        if self.sharded:
+            return work.view(self.world_size, self.shard_padded)[:, : self.shard]
+        return work[: self.numel]
 
 
 class BlockCodec(abc.ABC):
@@ -92,40 +154,20 @@ class BlockCodec(abc.ABC):
 
 
 class BlockCall:
-    """One collective call of a :class:`BlockCodec`.
-
-    All-reduce: the buffer is padded to whole blocks and cut into ``n`` balanced chunks.
-    Reduce-scatter / all-gather: chunk ``c`` must be shard ``c`` (elements ``[c m, (c+1) m)``), so
-    each shard is padded to whole blocks on its own.
-    """
+    """One collective call of a :class:`BlockCodec` (layout: :class:`BlockLayout`)."""
 
     def __init__(self, codec: BlockCodec, x: torch.Tensor, ctx: CallContext) -> None:
-        n = ctx.world_size
         self.codec = codec
         self.numel = x.numel()
         self.op = ctx.op
-        self.world_size = n
-        block = codec.block
-        self.sharded = ctx.collective is not Collective.ALLREDUCE
-        if self.sharded:
-            if self.numel % n:
-                raise InvalidArgumentError(
-                    f"{ctx.what}: {self.numel} elements do not split into {n} equal shards"
-                )
-            self.shard = self.numel // n
-            self.shard_padded = -(-self.shard // block) * block
-            work = torch.zeros(n * self.shard_padded, dtype=torch.float32, device=x.device)
-            work.view(n, self.shard_padded)[:, : self.shard] = x.reshape(n, self.shard)
-            self.chunk_bounds = [c * self.shard_padded for c in range(n + 1)]
-        else:
-            padded = -(-self.numel // block) * block
-            work = torch.zeros(padded, dtype=torch.float32, device=x.device)
-            work[: self.numel] = x.reshape(-1)
-            self.chunk_bounds = [b * block for b in split_blocks(padded // block, n)]
+        self.world_size = ctx.world_size
+        self.layout = BlockLayout.of(self.numel, codec.block, ctx)
+        work = self.layout.pad(x)
+        self.chunk_bounds = self.layout.chunk_bounds()
         if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
-            work.div_(n)
+            work.div_(ctx.world_size)
         self.work = work
-        self.tile_unit = block  # the executor may cut chunks into tiles of whole blocks
+        self.tile_unit = codec.block  # the executor may cut chunks into tiles of whole blocks
         self.state = codec.prepare(work, ctx)
         self.info: dict[str, Any] = {}
 
@@ -155,10 +197,7 @@ class BlockCall:
         return self.compress(chunk, out_count)
 
     def finish(self, out: torch.Tensor) -> None:
-        if self.sharded:
-            result = self.work.view(self.world_size, self.shard_padded)[:, : self.shard]
-        else:
-            result = self.work[: self.numel]
+        result = self.layout.unpad(self.work)
         if self.op is ReduceOp.AVG and self.codec.avg_mode == "post":
             result = result / self.world_size
         out.copy_(result.reshape(out.shape))

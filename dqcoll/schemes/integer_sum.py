@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .dynamiq import rng
-from .elementwise import split_blocks
+from .elementwise import BlockLayout
 
 __all__ = ["IntegerSumCall", "IntegerSumCodec", "rank_uniforms"]
 
@@ -122,22 +121,9 @@ class IntegerSumCall:
         self.world_size = n
         self.seed, self.step = ctx.seed, ctx.step
         block = codec.block
-        self.sharded = ctx.collective is not Collective.ALLREDUCE
-        if self.sharded:
-            if self.numel % n:
-                raise InvalidArgumentError(
-                    f"{ctx.what}: {self.numel} elements do not split into {n} equal shards"
-                )
-            self.shard = self.numel // n
-            self.shard_padded = -(-self.shard // block) * block
-            work = torch.zeros(n * self.shard_padded, dtype=torch.float32, device=x.device)
-            work.view(n, self.shard_padded)[:, : self.shard] = x.reshape(n, self.shard)
-            self.chunk_bounds = [c * self.shard_padded for c in range(n + 1)]
-        else:
-            padded = -(-self.numel // block) * block
-            work = torch.zeros(padded, dtype=torch.float32, device=x.device)
-            work[: self.numel] = x.reshape(-1)
-            self.chunk_bounds = [b * block for b in split_blocks(padded // block, n)]
+        self.layout = BlockLayout.of(self.numel, block, ctx)
+        work = self.layout.pad(x)
+        self.chunk_bounds = self.layout.chunk_bounds()
         self.work = work
         self.tile_unit = block  # the executor may cut chunks into tiles of whole blocks
         self.state = codec.prepare(work, ctx)
@@ -184,11 +170,7 @@ class IntegerSumCall:
         return self.compress(chunk, out_count)
 
     def finish(self, out: torch.Tensor) -> None:
-        work = self.codec.finish_values(self.work, self.state)
-        if self.sharded:
-            result = work.view(self.world_size, self.shard_padded)[:, : self.shard]
-        else:
-            result = work[: self.numel]
+        result = self.layout.unpad(self.codec.finish_values(self.work, self.state))
         if self.op is ReduceOp.AVG:
             result = result / self.world_size
         out.copy_(result.reshape(out.shape))

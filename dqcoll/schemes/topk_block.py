@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
-from ..types import Collective, ReduceOp
+from ..types import ReduceOp
 from .base import CallContext, SchemeSpec
-from .elementwise import split_blocks
+from .elementwise import BlockLayout, split_blocks
 
 __all__ = ["TOPK_BLOCK", "TopKBlockCall", "TopKBlockScheme"]
 
@@ -115,28 +115,16 @@ class TopKBlockCall:
         self.numel = x.numel()
         self.op = ctx.op
         self.world_size = n
-        self.sharded = ctx.collective is not Collective.ALLREDUCE
-        if self.sharded:
-            if self.numel % n:
-                raise InvalidArgumentError(
-                    f"{ctx.what}: {self.numel} elements do not split into {n} equal shards"
-                )
-            self.shard = self.numel // n
-            self.shard_padded = -(-self.shard // TOPK_BLOCK) * TOPK_BLOCK
-            padded = torch.zeros(n * self.shard_padded, dtype=torch.float32, device=x.device)
-            padded.view(n, self.shard_padded)[:, : self.shard] = x.reshape(n, self.shard)
-        else:
-            padded = torch.zeros(-(-self.numel // TOPK_BLOCK) * TOPK_BLOCK, dtype=torch.float32,
-                                 device=x.device)
-            padded[: self.numel] = x.reshape(-1)
+        self.layout = BlockLayout.of(self.numel, TOPK_BLOCK, ctx)
+        padded = self.layout.pad(x)
         self.padded = padded
         bitmap = scheme.local_bitmap(padded)
         ctx.transport.allreduce(bitmap, "max", what=f"{ctx.what} block bitmap")
         self.union = torch.nonzero(bitmap).squeeze(1)  # sorted block indices
         self.work = padded.view(-1, TOPK_BLOCK)[self.union].reshape(-1)  # fp32, union only
         rows = self.union.numel()
-        if self.sharded:
-            per_shard = self.shard_padded // TOPK_BLOCK
+        if self.layout.sharded:
+            per_shard = self.layout.shard_padded // TOPK_BLOCK
             edges = torch.arange(n + 1, dtype=torch.int64, device=self.union.device) * per_shard
             row_bounds = torch.searchsorted(self.union, edges).tolist()
         else:
@@ -170,10 +158,7 @@ class TopKBlockCall:
     def finish(self, out: torch.Tensor) -> None:
         full = torch.zeros_like(self.padded).view(-1, TOPK_BLOCK)
         full[self.union] = self.work.view(-1, TOPK_BLOCK)
-        if self.sharded:
-            result = full.view(self.world_size, self.shard_padded)[:, : self.shard]
-        else:
-            result = full.view(-1)[: self.numel]
+        result = self.layout.unpad(full.view(-1))
         if self.op is ReduceOp.AVG:
             result = result / self.world_size
         out.copy_(result.reshape(out.shape))

@@ -105,6 +105,26 @@ def reduce_in_rank_order(
     return out
 
 
+def check_peers(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    rank: int,
+    world_size: int,
+) -> None:
+    """An exchange sends to and receives from each peer at most once, and only real peers."""
+    from ..errors import InvalidArgumentError
+
+    for kind, items in (("send to", sends), ("receive from", recvs)):
+        peers = [peer for peer, _ in items]
+        if len(set(peers)) != len(peers):
+            raise InvalidArgumentError(
+                f"rank {rank}: one exchange may {kind} each peer once: {peers}"
+            )
+        for peer in peers:
+            if not 0 <= peer < world_size or peer == rank:
+                raise InvalidArgumentError(f"rank {rank}: cannot {kind} rank {peer}")
+
+
 def ring_allreduce_nbytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (n-1)/n * nbytes, rounded up."""
     if world_size <= 1:

@@ -73,7 +73,7 @@ from ..errors import (
     PeerError,
     UnsupportedError,
 )
-from .base import ALLREDUCE_OPS, Counters
+from .base import ALLREDUCE_OPS, Counters, check_peers
 
 __all__ = ["NcclTransport", "init_transport", "nccl_unavailable_reason", "supports_nccl"]
 
@@ -398,7 +398,7 @@ class NcclTransport:
         what: str,
     ) -> None:
         self._raise_if_failed()
-        _check_peers(sends, recvs, self.rank, self.world_size)
+        check_peers(sends, recvs, self.rank, self.world_size)
         sends = [(p, t) for p, t in sends if t.numel()]
         recvs = [(p, t) for p, t in recvs if t.numel()]
         for peer, tensor in sends:
@@ -494,20 +494,3 @@ class NcclTransport:
             self._closed = True
             if self._failure is None:
                 self.comm.destroy()
-
-
-def _check_peers(
-    sends: Sequence[tuple[int, torch.Tensor]],
-    recvs: Sequence[tuple[int, torch.Tensor]],
-    rank: int,
-    world_size: int,
-) -> None:
-    for kind, items in (("send to", sends), ("receive from", recvs)):
-        peers = [peer for peer, _ in items]
-        if len(set(peers)) != len(peers):
-            raise InvalidArgumentError(
-                f"rank {rank}: one exchange may {kind} each peer once: {peers}"
-            )
-        for peer in peers:
-            if not 0 <= peer < world_size or peer == rank:
-                raise InvalidArgumentError(f"rank {rank}: cannot {kind} rank {peer}")

@@ -25,7 +25,7 @@ import torch
 
 from .. import envs
 from ..errors import CollectiveTimeoutError, CommAbortedError, InvalidArgumentError
-from .base import ALLREDUCE_OPS, Counters
+from .base import ALLREDUCE_OPS, Counters, check_peers
 
 __all__ = ["LocalHub", "LocalTransport"]
 
@@ -95,7 +95,7 @@ class LocalTransport:
         what: str,
     ) -> None:
         hub = self.hub
-        _check_peers(sends, recvs, self.rank, self.world_size)
+        check_peers(sends, recvs, self.rank, self.world_size)
         with hub._cond:
             hub._check_aborted()
             for peer, tensor in sends:
@@ -180,20 +180,3 @@ def _read(copy: torch.Tensor) -> torch.Tensor:
         stream.wait_event(event)
         copy.record_stream(stream)  # its memory is not reused before this stream has read it
     return copy
-
-
-def _check_peers(
-    sends: Sequence[tuple[int, torch.Tensor]],
-    recvs: Sequence[tuple[int, torch.Tensor]],
-    rank: int,
-    world_size: int,
-) -> None:
-    for kind, items in (("send to", sends), ("receive from", recvs)):
-        peers = [peer for peer, _ in items]
-        if len(set(peers)) != len(peers):
-            raise InvalidArgumentError(
-                f"rank {rank}: one exchange may {kind} each peer once: {peers}"
-            )
-        for peer in peers:
-            if not 0 <= peer < world_size or peer == rank:
-                raise InvalidArgumentError(f"rank {rank}: cannot {kind} rank {peer}")
