@@ -32,11 +32,13 @@ Kinds (``list_sources()``; defaults in brackets):
     ``.safetensors`` files in sorted name order), a glob, or a template with ``{rank}``. A file
     may hold one tensor or several (a state dict / safetensors file: flattened and concatenated in
     sorted key order). Rank ``r`` reads the ``r``-th file; ``numel`` truncates.
-``stdlib-lm:steps=[50];batch=[16];width=[64];layers=[2];context=[64];lr=[0.003]``
-    real gradients of the tiny byte-level transformer of :mod:`dqcoll.tinylm`, trained here for
-    ``steps`` AdamW steps on the Python standard library's source; rank ``r``'s tensor is the
-    flattened gradient of its own batch of ``batch`` windows at the trained weights (different
-    data per rank, same weights: data parallelism). About 0.12 M coordinates at the defaults.
+``stdlib-lm:steps=[50];batch=[16];width=[64];layers=[2];context=[64];vocab=[256];lr=[0.003]``
+    real gradients of the small transformer of :mod:`dqcoll.tinylm`, trained here for ``steps``
+    AdamW steps on the Python standard library's source; rank ``r``'s tensor is the flattened
+    gradient of its own batch of ``batch`` windows at the trained weights (different data per
+    rank, same weights: data parallelism). ``vocab=256`` is byte-level (about 0.12 M coordinates
+    at the defaults); a larger ``vocab`` adds the corpus's most frequent words as tokens, whose
+    Zipfian frequencies give the tied embedding rows LLM-like, widely spread gradient norms.
 
 Determinism: random draws use ``torch.Generator`` streams seeded from a hash of (seed, stream,
 rank) (:func:`dqcoll.tinylm.derived_seed`), so a rank's tensor does not depend on the world size
@@ -354,12 +356,13 @@ class FileSource(GradientSource):
 
 
 @functools.lru_cache(maxsize=4)
-def _trained_lm(width: int, layers: int, context: int, batch: int, steps: int, lr: float,
-                seed: int) -> Any:
+def _trained_lm(width: int, layers: int, context: int, vocab: int, batch: int, steps: int,
+                lr: float, seed: int) -> Any:
     from . import tinylm
 
-    model = tinylm.TinyLM(tinylm.LMConfig(width=width, layers=layers, context=context), seed=seed)
-    train, _ = tinylm.split_corpus(tinylm.stdlib_corpus())
+    cfg = tinylm.LMConfig(width=width, layers=layers, context=context, vocab=vocab)
+    model = tinylm.TinyLM(cfg, seed=seed)
+    train, _ = tinylm.split_corpus(tinylm.stdlib_tokens(vocab))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g = _generator(seed, "stdlib-lm-train")
     with tinylm.torch_threads(1):
@@ -378,6 +381,11 @@ class StdlibLMSource(GradientSource):
         self.width = _int(spec, "width", 64)
         self.layers = _int(spec, "layers", 2)
         self.context = _int(spec, "context", 64)
+        self.vocab = _int(spec, "vocab", 256)
+        if self.vocab < 256:
+            raise InvalidArgumentError(
+                f"source 'stdlib-lm': vocab must be at least 256 (the byte tokens), "
+                f"got {self.vocab}")
         self.lr = _float(spec, "lr", 3e-3)
         self.seed = seed
         total = sum(p.numel() for p in self._model().parameters())
@@ -390,15 +398,15 @@ class StdlibLMSource(GradientSource):
         self._cache: dict[int, torch.Tensor] = {}
 
     def _model(self) -> Any:
-        return _trained_lm(self.width, self.layers, self.context, self.batch, self.steps,
-                           self.lr, self.seed)
+        return _trained_lm(self.width, self.layers, self.context, self.vocab, self.batch,
+                           self.steps, self.lr, self.seed)
 
     def _make(self, rank: int) -> torch.Tensor:
         if rank not in self._cache:
             from . import tinylm
 
             model = self._model()
-            train, _ = tinylm.split_corpus(tinylm.stdlib_corpus())
+            train, _ = tinylm.split_corpus(tinylm.stdlib_tokens(self.vocab))
             inputs, targets = tinylm.sample_batch(
                 train, self.batch, self.context, _generator(self.seed, "stdlib-lm-grad", rank))
             model.zero_grad(set_to_none=True)
@@ -463,7 +471,7 @@ for _entry in (
                 "super-group magnitudes from a log-normal mixture, shared by all ranks"),
     SourceEntry("files", FileSource, ("path",), "saved tensors, one file per rank"),
     SourceEntry("stdlib-lm", StdlibLMSource,
-                ("steps", "batch", "width", "layers", "context", "lr"),
+                ("steps", "batch", "width", "layers", "context", "vocab", "lr"),
                 "real gradients of a tiny transformer LM trained here on stdlib source"),
 ):
     register_source(_entry)

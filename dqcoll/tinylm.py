@@ -6,14 +6,21 @@ is present on every machine without a download: the ``.py`` files of the running
 standard library (``sysconfig.get_paths()["stdlib"]``), read in sorted path order, so the corpus
 is fixed by the Python version alone (recorded next to every result).
 
-The model is a GPT-style decoder: byte embeddings (vocabulary 256, no tokenizer to ship) plus
-learned positions, ``layers`` pre-LayerNorm blocks of causal multi-head attention and a 4x GELU
-MLP, a final LayerNorm and an output head tied to the embedding. At the defaults (width 64,
-2 layers, context 64) it has about 0.1 M parameters and trains at a few milliseconds a step on a
+The model is a GPT-style decoder: token embeddings plus learned positions, ``layers``
+pre-LayerNorm blocks of causal multi-head attention and a 4x GELU MLP, a final LayerNorm and an
+output head tied to the embedding. At the defaults (width 64, 2 layers, context 64, bytes) it has
+about 0.1 M parameters and trains at a few milliseconds a step on a
 2-core CPU, which keeps a multi-scheme convergence run within minutes.
 
-Rejected: a word or BPE tokenizer (a dependency or a vocabulary file to ship, for no gain in what
-the gradients look like) and a downloaded corpus (not present on every machine).
+Tokens: bytes by default (``vocab=256``). With ``vocab > 256``, :func:`stdlib_tokens` adds the
+``vocab - 256`` most frequent words of the training text itself (identifiers, numbers, runs of
+spaces; any other byte stays a byte token), so nothing is shipped or downloaded. It matters for the
+*shape* of the gradients: as in an LLM, the tied embedding/output matrix then holds most of the
+parameters, and with Zipf-distributed token frequencies a few of its rows carry most of the
+gradient energy (docs/accuracy.md measures how skewed each source is).
+
+Rejected: a BPE tokenizer (a dependency or a merges file to ship; the word vocabulary already gives
+the Zipfian token statistics) and a downloaded corpus (not present on every machine).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import functools
 import hashlib
 import math
 import pathlib
+import re
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -40,6 +49,7 @@ __all__ = [
     "set_flat_grad",
     "split_corpus",
     "stdlib_corpus",
+    "stdlib_tokens",
     "torch_threads",
 ]
 
@@ -96,6 +106,41 @@ def stdlib_corpus(max_nbytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
 
 
+_WORD = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*|[0-9]+| +|[^A-Za-z0-9_ ]")
+
+
+@functools.lru_cache(maxsize=4)
+def word_vocabulary(vocab: int, max_nbytes: int = 4 << 20) -> tuple[bytes, ...]:
+    """The multi-byte tokens of a ``vocab``-token vocabulary (ids 256 onwards, in order): the most
+    frequent words of the training part of :func:`stdlib_corpus` (ties: the smaller bytes first),
+    so the vocabulary is a function of the Python version and ``vocab`` alone."""
+    if vocab < VOCAB:
+        raise ValueError(f"vocab must be at least {VOCAB} (the byte tokens), got {vocab}")
+    train, _ = split_corpus(stdlib_corpus(max_nbytes))
+    counts = Counter(w for w in _WORD.findall(train.numpy().tobytes()) if len(w) > 1)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return tuple(w for w, _ in ranked[: vocab - VOCAB])
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_tokens(vocab: int = VOCAB, max_nbytes: int = 4 << 20) -> torch.Tensor:
+    """:func:`stdlib_corpus` as token ids (int32, 1-D) of a ``vocab``-token vocabulary: bytes
+    for ``vocab=256``, else words of :func:`word_vocabulary` and bytes for everything else.
+    :func:`split_corpus` of the result holds out (nearly) the same text as for bytes."""
+    data = stdlib_corpus(max_nbytes)
+    if vocab == VOCAB:
+        return data.to(torch.int32)
+    ids = {w: VOCAB + i for i, w in enumerate(word_vocabulary(vocab, max_nbytes))}
+    out: list[int] = []
+    for w in _WORD.findall(data.numpy().tobytes()):
+        t = ids.get(w)
+        if t is None:
+            out.extend(w)
+        else:
+            out.append(t)
+    return torch.tensor(out, dtype=torch.int32)
+
+
 def split_corpus(data: torch.Tensor, holdout: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, validation): the last ``holdout`` fraction of the bytes is held out."""
     cut = int(data.numel() * (1.0 - holdout))
@@ -117,7 +162,8 @@ class LMConfig:
     width: int = 64  # model dimension
     layers: int = 2
     heads: int = 4
-    context: int = 64  # bytes per training window
+    context: int = 64  # tokens per training window
+    vocab: int = VOCAB  # 256: bytes; more: words of the corpus too (stdlib_tokens)
 
 
 class _Block(nn.Module):
@@ -142,7 +188,7 @@ class _Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Byte-level GPT; ``forward(inputs, targets)`` returns the mean cross-entropy (nats/byte)."""
+    """Small GPT; ``forward(inputs, targets)`` returns the mean cross-entropy (nats/token)."""
 
     def __init__(self, cfg: LMConfig | None = None, *, seed: int = 0) -> None:
         super().__init__()
@@ -153,7 +199,7 @@ class TinyLM(nn.Module):
         # init, which uses the global RNG), so replicas built concurrently by ranks running as
         # threads start identical.
         g = torch.Generator().manual_seed(derived_seed(seed, "tinylm-init"))
-        self.embed = nn.Embedding(VOCAB, cfg.width)
+        self.embed = nn.Embedding(cfg.vocab, cfg.width)
         self.pos = nn.Parameter(torch.zeros(cfg.context, cfg.width))
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.width)
@@ -176,7 +222,7 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.ln(x) @ self.embed.weight.t()
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:

@@ -162,6 +162,31 @@ def test_allocation_follows_norms_and_skips_zeros() -> None:
     assert bool((rest[1:] >= rest[:-1]).all())
 
 
+def test_energy_exponent_flattens_the_allocation() -> None:
+    """energy_exponent < 1 moves bits from high- to low-energy super-groups under the same
+    budget; 1 is the default rule exactly; 0 gives every live super-group the same width."""
+    f = torch.exp(torch.randn(4000) * 4).float()
+    f[:5] = 0.0
+    numel = 4000 * 256
+    base = allocate_widths(f, numel, 5.0)
+    assert torch.equal(allocate_widths(f, numel, 5.0, energy_exponent=1.0).widths, base.widths)
+    half = allocate_widths(f, numel, 5.0, energy_exponent=0.5)
+    assert half.total_nbytes <= 5.0 * numel / 8 and not half.over_budget
+    assert int((half.widths == 2).sum()) < int((base.widths == 2).sum())
+    assert int((half.widths == 8).sum()) < int((base.widths == 8).sum())
+    assert half.widths[:5].tolist() == [0] * 5  # zero super-groups still cost nothing
+    order = torch.argsort(f[5:])
+    assert bool((half.widths[5:][order][1:] >= half.widths[5:][order][:-1]).all())
+    flat = allocate_widths(f, numel, 5.0, energy_exponent=0.0)
+    assert flat.widths[5:].unique().numel() == 1
+    for bad in (-0.1, 1.5, "x"):
+        with pytest.raises(InvalidArgumentError, match="energy_exponent"):
+            get("dynamiq", energy_exponent=bad)
+    with pytest.raises(InvalidArgumentError, match="energy_exponent"):
+        get("dynamiq", energy_exponent=0.5, target_vnmse=1e-3)
+    assert "energy_exponent=0.5" in repr(get("dynamiq", energy_exponent=0.5))
+
+
 def test_fixed_widths_and_minimum_bits() -> None:
     """widths='fixed' puts everything at 4 bits; a budget below 2-bit cost raises."""
     alloc = allocate_widths(torch.ones(10), 2560, 5.0, widths_mode=C.Widths.FIXED)

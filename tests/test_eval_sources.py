@@ -103,6 +103,40 @@ def test_stdlib_lm_source_real_gradients() -> None:
     assert torch.equal(again.rank_tensor(1), b)
 
 
+def test_word_vocabulary_tokens_round_trip() -> None:
+    """vocab > 256: the corpus's most frequent words become tokens; decoding the ids gives the
+    corpus back byte for byte, and the vocabulary is deterministic."""
+    from dqcoll import tinylm
+
+    words = tinylm.word_vocabulary(512)
+    assert len(words) == 256 and len(set(words)) == 256
+    assert all(len(w) > 1 for w in words)
+    assert words == tinylm.word_vocabulary(512)
+    ids = tinylm.stdlib_tokens(512)
+    table = [bytes([b]) for b in range(256)] + list(words)
+    assert ids.max() < 512 and ids.numel() < tinylm.stdlib_corpus().numel()
+    text = b"".join(table[i] for i in ids[:20000].tolist())
+    assert text == tinylm.stdlib_corpus()[: len(text)].numpy().tobytes()
+    assert torch.equal(tinylm.stdlib_tokens(256), tinylm.stdlib_corpus().to(torch.int32))
+    with pytest.raises(ValueError, match="at least 256"):
+        tinylm.word_vocabulary(100)
+
+
+def test_stdlib_lm_word_vocabulary_source() -> None:
+    """A word vocabulary widens the tied embedding to vocab x width parameters; the source stays
+    deterministic and rejects vocabularies smaller than the bytes."""
+    spec = "stdlib-lm:steps=2;batch=4;width=32;layers=1;context=32"
+    byte_src = make_source(spec, world_size=2, seed=0)
+    word_src = make_source(spec + ";vocab=2048", world_size=2, seed=0)
+    assert word_src.numel == byte_src.numel + (2048 - 256) * 32
+    g = word_src.rank_tensor(1)
+    assert torch.isfinite(g).all() and not torch.equal(g, word_src.rank_tensor(0))
+    again = make_source(spec + ";vocab=2048", world_size=2, seed=0)
+    assert torch.equal(again.rank_tensor(1), g)
+    with pytest.raises(DqcollError, match="vocab must be at least 256"):
+        make_source(spec + ";vocab=64", world_size=2)
+
+
 def test_eval_command_outputs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """`dqcoll eval` prints a table and writes CSV, JSON and a PNG; bit budgets expand schemes
     that take bits; every rank agrees; the exact scheme has zero error and wire bits near 32."""

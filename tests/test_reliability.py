@@ -331,6 +331,7 @@ _MISMATCHES = {
     "dtype": ({"dtype": torch.bfloat16}, "dtype"),
     "scheme": ({"scheme": "none"}, "scheme"),
     "bits": ({"bits": 6.0}, "scheme"),
+    "energy_exponent": ({"energy_exponent": 0.5}, "scheme"),
     "algorithm": ({"algorithm": "ring"}, "algorithm"),
     "op": ({"op": "avg"}, "op"),
     "seed": ({"seed": 99}, "seed"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -51,13 +52,25 @@ def _parse(spec: str) -> tuple[str, dict[str, object]]:
     return name, options
 
 
+def lr_factor(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up, then constant (``--decay none``) or a cosine down to ``--min-lr`` times
+    the peak at the last step (``--decay cosine``, the usual LM recipe: the end of the run then
+    sits in a basin instead of wherever the last large steps left it)."""
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    if args.decay == "none":
+        return 1.0
+    span = max(1, args.steps - args.warmup)
+    t = min(1.0, (step - args.warmup) / span)
+    return args.min_lr + (1.0 - args.min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
 def _train_rank(comm, spec, args, train, valid):  # type: ignore[no-untyped-def]
     name, options = _parse(spec)
     cfg = tinylm.LMConfig(width=args.width, layers=args.layers, context=args.context)
     model = tinylm.TinyLM(cfg, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     losses = []
     for step in range(args.steps):
         g = torch.Generator().manual_seed(tinylm.derived_seed(args.seed, "batch", step, comm.rank))
@@ -139,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20, help="learning-rate warm-up steps")
+    p.add_argument("--decay", choices=("cosine", "none"), default="cosine",
+                   help="learning rate after the warm-up")
+    p.add_argument("--min-lr", type=float, default=0.1,
+                   help="cosine decay: final learning rate as a fraction of --lr")
     p.add_argument("--uncompressed-steps", type=int, default=0,
                    help="first steps averaged exactly (scheme none) before compressing")
     p.add_argument("--val-batches", type=int, default=16)
