@@ -199,24 +199,67 @@ def _write(out: Path, runs: list[dict], args: argparse.Namespace, meta: dict) ->
     (out / "convergence.md").write_text(_page(runs, args, meta, out))
 
 
-def _seed_check(out: Path, main_ref: float, main_seed: int) -> list[str]:
-    """Lines comparing fp32 and dynamiq 5 bits in repeat runs with other seeds, if present:
-    ``tools/convergence.py --seed K --schemes none dynamiq:bits=5 --out OUT/convergence_seedK``."""
-    lines = []
-    for path in sorted(out.glob("convergence_seed*/convergence.json")):
+def _paired_seeds(out: Path, main_runs: list[dict] | None, main_seed: int,
+                  prefix: str = "convergence_seed", title: str = "") -> list[str]:
+    """A paired-seed study: this run's seed (unless ``main_runs`` is None) plus every
+    ``OUT/<prefix>K/`` run (``tools/convergence.py --seed K --schemes none dynamiq:bits=5 ...
+    --out OUT/<prefix>K``): per seed and dynamiq variant, the final losses relative to the fp32
+    run of the same seed (same initialisation, same batches), and the mean over seeds."""
+    by_seed = {} if main_runs is None else {main_seed: {r["scheme"]: r for r in main_runs}}
+    commands = []
+    for path in sorted(out.glob(f"{prefix}*/convergence.json")):
         saved = json.loads(path.read_text())
-        by = {r["scheme"]: r for r in saved["runs"]}
-        if "none" not in by or "dynamiq:bits=5" not in by:
+        by_seed[int(saved["args"]["seed"])] = {r["scheme"]: r for r in saved["runs"]}
+        commands.append(f"`{saved['meta']['command']}` ({saved['meta']['when']}, "
+                        f"{saved['meta']['elapsed_s']} s)")
+    variants = [v for v in dict.fromkeys(k for runs in by_seed.values() for k in runs)
+                if v.startswith("dynamiq")]
+    seeds = sorted(s for s, runs in by_seed.items() if "none" in runs)
+    if len(seeds) < 2 or not variants:
+        return []
+    lines = ["", f"## {title or 'Paired seeds: fp32 vs dynamiq at 5 bits'}", "",
+             "Each seed pairs the schemes on the same initialisation and the same batches; the "
+             "difference is relative to that seed's fp32 run. "
+             + ("" if main_runs is None else f"Seed {main_seed} is the table above. ")
+             + "Runs: " + "; ".join(commands) + ".", "",
+             "| seed | fp32 val loss | " + " | ".join(f"`{v}` val | vs fp32 | final train vs fp32"
+                                                     for v in variants) + " |",
+             "|---|---|" + "---|---|---|" * len(variants)]
+    diffs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    for seed in seeds:
+        runs = by_seed[seed]
+        ref = runs["none"]
+        cells = [str(seed), f"{ref['val_loss']:.4f}"]
+        for v in variants:
+            if v not in runs:
+                cells += ["", "", ""]
+                continue
+            dv = (runs[v]["val_loss"] - ref["val_loss"]) / ref["val_loss"] * 100
+            dt = ((runs[v]["final_train_loss"] - ref["final_train_loss"])
+                  / ref["final_train_loss"] * 100)
+            diffs[v].append((dv, dt))
+            cells += [f"{runs[v]['val_loss']:.4f}", f"{dv:+.2f} %", f"{dt:+.2f} %"]
+        lines.append("| " + " | ".join(cells) + " |")
+    cells = ["mean", ""]
+    for v in variants:
+        d = diffs[v]
+        cells += ["", f"**{sum(x for x, _ in d) / len(d):+.2f} %**",
+                  f"{sum(y for _, y in d) / len(d):+.2f} %"] if d else ["", "", ""]
+    lines.append("| " + " | ".join(cells) + " |")
+    fp32 = [by_seed[s]["none"]["val_loss"] for s in seeds]
+    spread = (max(fp32) - min(fp32)) / min(fp32) * 100
+    lines += ["", f"For scale: fp32's own validation loss spreads by {spread:.1f} % across these "
+              f"{len(seeds)} seeds.", ""]
+    for v in variants:
+        d = diffs[v]
+        if not d:
             continue
-        ref, dyn = by["none"]["val_loss"], by["dynamiq:bits=5"]["val_loss"]
-        lines.append(f"- repeat with seed {saved['args']['seed']} (`{saved['meta']['command']}`, "
-                     f"{saved['meta']['when']}): fp32 {ref:.4f}, dynamiq 5 bits {dyn:.4f}, "
-                     f"{(dyn - ref) / ref * 100:+.2f} %.")
-        lines.append(f"  fp32 at seed {saved['args']['seed']} vs fp32 at seed {main_seed}: "
-                     f"{(ref - main_ref) / main_ref * 100:+.2f} % (run-to-run spread of this "
-                     "short training, the resolution limit of any comparison above).")
-    if lines:
-        lines.insert(0, "\nRepeats with other seeds (same setup, fp32 vs dynamiq 5 bits only):\n")
+        mean_v = sum(x for x, _ in d) / len(d)
+        within = sum(abs(x) < 1.0 for x, _ in d)
+        lines.append(f"- `{v}`: mean {mean_v:+.2f} % in validation loss over {len(d)} seeds "
+                     f"(**{'within' if abs(mean_v) < 1.0 else 'NOT within'} 1 %**); single "
+                     f"seeds within 1 %: {within} of {len(d)} (range "
+                     f"{min(x for x, _ in d):+.2f} to {max(x for x, _ in d):+.2f} %).")
     return lines
 
 
@@ -235,23 +278,35 @@ def _page(runs: list[dict], args: argparse.Namespace, meta: dict, out_dir: Path)
         if r["scheme"].startswith("dynamiq:bits=5"):
             dv = (r["val_loss"] - ref["val_loss"]) / ref["val_loss"] * 100
             side = "below (better than)" if dv < 0 else "above"
-            verdict.append(f"dynamiq at 5 bits ends {abs(dv):.2f} % {side} the fp32 validation "
-                           f"loss: **{'within' if abs(dv) < 1.0 else 'NOT within'} 1 %**.")
-    verdict += _seed_check(out_dir, ref["val_loss"], args.seed)
+            verdict.append(f"`{r['scheme']}` ends {abs(dv):.2f} % {side} the fp32 validation "
+                           f"loss at seed {args.seed}: "
+                           f"**{'within' if abs(dv) < 1.0 else 'NOT within'} 1 %**.")
+    paired = _paired_seeds(out_dir, runs, args.seed)
+    paired += _paired_seeds(out_dir, None, args.seed, prefix="convergence_long_seed",
+                            title="Longer runs: fp32 vs dynamiq at 5 bits")
+    decay = getattr(args, "decay", "none")
+    schedule = (f"then cosine decay to {getattr(args, 'min_lr', 0.1):g} x lr at the last step"
+                if decay == "cosine" else "then constant")
+    cfg = tinylm.LMConfig(width=args.width, layers=args.layers, context=args.context)
+    nparams = sum(p.numel() for p in tinylm.TinyLM(cfg).parameters())
+    warm = getattr(args, "uncompressed_steps", 0)
+    warm_text = (f" The first {warm} steps average exactly (scheme `none`) for every row."
+                 if warm else "")
     return f"""# Convergence: a small transformer LM trained data-parallel through dqcoll
 
 Generated by `.venv/bin/python {meta["command"]}` on {meta["when"]} in {meta["elapsed_s"]} s.
 Machine: {meta["machine"]}. Commit measured: {meta["commit"]}.
 
 Setup: byte-level transformer (`dqcoll/tinylm.py`, width {args.width}, {args.layers} layers,
-context {args.context}, 0.12 M parameters) on the Python standard library's source (the last 5 %
-held out for validation); {args.ranks} data-parallel ranks (threads over the `local` transport),
-{args.batch} windows per rank per step, AdamW (lr {args.lr:g}, {args.warmup} warm-up steps,
-weight decay 0.01), {args.steps} steps, seed {args.seed}; gradients averaged by
+context {args.context}, {nparams / 1e6:.2f} M parameters) on the Python standard library's source
+(the last 5 % held out for validation); {args.ranks} data-parallel ranks (threads over the `local`
+transport), {args.batch} windows per rank per step, AdamW (lr {args.lr:g}, weight decay 0.01,
+{args.warmup} linear warm-up steps, {schedule}), {args.steps} steps, seed {args.seed};
+gradients averaged by
 `dqcoll.allreduce(op="avg", algorithm="{args.algorithm}")` with the scheme of the row. Same seed,
 same batches, same steps for every row; `none` (fp32 on the wire) is the reference. Validation
 loss: mean over {args.val_batches} fixed held-out batches of 32 windows after the last step. Final
-train loss: mean over ranks and the last {max(1, args.steps // 10)} steps.
+train loss: mean over ranks and the last {max(1, args.steps // 10)} steps.{warm_text}
 
 {chr(10).join(verdict)}
 
@@ -259,27 +314,10 @@ train loss: mean over ranks and the last {max(1, args.steps // 10)} steps.
 
 ![loss curves](convergence.png)
 
-{_resolution(runs, ref, out_dir)} The all-reduce errors behind the gaps: docs/accuracy.md.
+One seed per scheme in this table: see the paired seeds below for how far single runs scatter.
+The all-reduce errors behind the gaps: docs/accuracy.md.
+{chr(10).join(paired)}
 """
-
-
-def _resolution(runs: list[dict], ref: dict, out_dir: Path) -> str:
-    """Which schemes end further from fp32 than two fp32 runs with different seeds do."""
-    spreads = []
-    for path in sorted(out_dir.glob("convergence_seed*/convergence.json")):
-        other = {r["scheme"]: r for r in json.loads(path.read_text())["runs"]}
-        if "none" in other:
-            spreads.append(abs(other["none"]["val_loss"] - ref["val_loss"]) / ref["val_loss"])
-    if not spreads:
-        return "One seed per scheme, no repeat: the run-to-run spread is not measured."
-    spread = max(spreads)
-    beyond = [f"`{r['scheme']}` ({(r['val_loss'] - ref['val_loss']) / ref['val_loss']:+.1%})"
-              for r in runs if abs(r["val_loss"] - ref["val_loss"]) / ref["val_loss"] > spread]
-    return (f"One seed per scheme. Against the measured fp32 seed-to-seed spread "
-            f"({spread:.1%}), the schemes that end further from fp32 than that: "
-            f"{', '.join(beyond) if beyond else 'none'}; every other difference in the table "
-            "is within the run-to-run noise of this short run, so the 1 % criterion is below "
-            "what this experiment can resolve.")
 
 
 if __name__ == "__main__":
