@@ -161,12 +161,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-batches", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(DOCS), help="directory for convergence.{md,png,json}")
+    p.add_argument("--add-error-profile", action="store_true",
+                   help="measure where each dynamiq variant of OUT/convergence.json puts its "
+                        "error (per energy quarter of the super-groups) and re-render")
     p.add_argument("--render-only", action="store_true",
                    help="rebuild the page and plot from OUT/convergence.json (no training)")
     args = p.parse_args(argv)
-    if args.render_only:
-        saved = json.loads((Path(args.out) / "convergence.json").read_text())
-        _write(Path(args.out), saved["runs"], argparse.Namespace(**saved["args"]), saved["meta"])
+    if args.render_only or args.add_error_profile:
+        path = Path(args.out) / "convergence.json"
+        saved = json.loads(path.read_text())
+        saved_args = argparse.Namespace(**saved["args"])
+        if args.add_error_profile:
+            torch.set_num_threads(1)
+            specs = [r["scheme"] for r in saved["runs"] if r["scheme"].startswith("dynamiq")]
+            saved["meta"]["error_profile"] = {
+                "command": "tools/convergence.py --add-error-profile",
+                "when": datetime.datetime.now(datetime.timezone.utc).strftime(
+                    "%Y-%m-%d %H:%M UTC"),
+                "rows": error_profile(specs, saved_args),
+            }
+            path.write_text(json.dumps(saved, indent=1))
+        _write(Path(args.out), saved["runs"], saved_args, saved["meta"])
         return 0
     torch.set_num_threads(1)  # ranks are threads; one intra-op thread each
     train, valid = tinylm.split_corpus(tinylm.stdlib_corpus())
@@ -192,6 +207,82 @@ def main(argv: list[str] | None = None) -> int:
         {"meta": meta, "args": vars(args), "runs": runs}, indent=1))
     _write(out, runs, args, meta)
     return 0
+
+
+PROFILE_SOURCE = "stdlib-lm:steps=300;batch=8"
+PROFILE_REPEATS = 8
+
+
+def error_profile(specs: list[str], args: argparse.Namespace) -> list[dict[str, object]]:
+    """Where each scheme's all-reduce error lands, on gradients of this experiment's model
+    (``PROFILE_SOURCE``: trained 300 steps, 8 windows per rank) over ``args.ranks`` ranks and
+    ``args.algorithm``: the error of each quarter of the super-groups, ranked by the energy of
+    the exact sum, relative to that quarter's own energy (mean over ``PROFILE_REPEATS`` seeds).
+    vNMSE weighs the quarters by energy; AdamW, which scales every coordinate by its own
+    gradient history, sees each quarter's relative error."""
+    from dqcoll.sources import make_source
+
+    spec = (f"{PROFILE_SOURCE};width={args.width};layers={args.layers};"
+            f"context={args.context}")
+    source = make_source(spec, world_size=args.ranks)
+    inputs = source.tensors()
+    exact = source.exact_sum()
+    rows = exact.numel() // 256
+    energy = exact[: rows * 256].reshape(rows, 256).square().sum(1)
+    quarters = torch.argsort(energy).chunk(4)
+    out = []
+    for scheme in specs:
+        name, options = _parse(scheme)
+
+        def body(comm, name=name, options=options):  # type: ignore[no-untyped-def]
+            results = []
+            for k in range(PROFILE_REPEATS):
+                x = inputs[comm.rank].clone()
+                dqcoll.allreduce(x, scheme=name, algorithm=args.algorithm, seed=k, step=k,
+                                 **options)
+                results.append(x.double())
+            return torch.stack(results)
+
+        got = run_local(args.ranks, body)[0]
+        err = (got - exact)[:, : rows * 256].reshape(PROFILE_REPEATS, rows, 256)
+        err = err.square().sum(2).mean(0)
+        out.append({
+            "scheme": scheme,
+            "vnmse": float(err.sum() / energy.sum()),
+            "quarters": [float(err[q].sum() / energy[q].sum()) for q in quarters],
+            "energy_share": [float(energy[q].sum() / energy.sum()) for q in quarters],
+        })
+    return out
+
+
+def _profile_lines(meta: dict, args: argparse.Namespace) -> list[str]:
+    prof = meta.get("error_profile")
+    if not prof:
+        return []
+    rows = prof["rows"]
+    share = rows[0]["energy_share"]
+    lines = ["", "## Where the error goes", "",
+             f"Measured by `{prof['command']}` ({prof['when']}): gradients of this model after "
+             f"300 training steps (`{PROFILE_SOURCE}`), {args.ranks} ranks, {args.algorithm}, "
+             f"mean over {PROFILE_REPEATS} seeds. Super-groups are ranked by the energy of the "
+             "exact sum and cut into quarters; each cell is that quarter's error relative to its "
+             "own energy. The quarters hold "
+             + ", ".join(f"{x:.2%}" for x in share) + " of the energy.", "",
+             "| scheme | vNMSE | lowest-energy quarter | 2nd | 3rd | highest |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        q = r["quarters"]
+        lines.append(f"| `{r['scheme']}` | {r['vnmse']:.3g} | {q[0]:.3g} | {q[1]:.3g} | "
+                     f"{q[2]:.3g} | {q[3]:.3g} |")
+    lines += ["", "The default allocation (the paper's rule) spends bits where they lower vNMSE "
+              "most, so it gives the super-groups that carry little of the energy 2 bits "
+              "and lets their error reach the size of the values themselves. AdamW divides "
+              "every coordinate's update by its own running "
+              "gradient scale, so for it those coordinates (here: whole layers of the second "
+              "block, rare bytes' embedding rows) get noisy updates whatever their share of "
+              "the energy. `energy_exponent=0.5` ranks super-groups by the square root of "
+              "their energy: a little more vNMSE, far less error where the default starves."]
+    return lines
 
 
 def _write(out: Path, runs: list[dict], args: argparse.Namespace, meta: dict) -> None:
@@ -317,6 +408,7 @@ train loss: mean over ranks and the last {max(1, args.steps // 10)} steps.{warm_
 One seed per scheme in this table: see the paired seeds below for how far single runs scatter.
 The all-reduce errors behind the gaps: docs/accuracy.md.
 {chr(10).join(paired)}
+{chr(10).join(_profile_lines(meta, args))}
 """
 
 
