@@ -86,7 +86,7 @@ def _can_build() -> str | None:
     reason = netns.check_prerequisites()
     if reason:
         return reason
-    probe = "dqcprobe"
+    probe = f"dqcprobe{os.getpid()}"  # xdist workers probe at the same time: one name each
     done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if done.returncode:
         return f"cannot create network namespaces here: {done.stderr.strip()}"
