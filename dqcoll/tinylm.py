@@ -51,6 +51,7 @@ __all__ = [
     "stdlib_corpus",
     "stdlib_tokens",
     "torch_threads",
+    "word_vocabulary",
 ]
 
 VOCAB = 256  # bytes

@@ -111,7 +111,8 @@ def allocate_widths(
     lets the largest super-groups go raw (see :mod:`.codec`).
 
     ``energy_exponent`` (``a``) ranks super-groups by ``F ** a`` instead of ``F``: 1 is the
-    paper's allocation (equal marginal vNMSE gain per bit); below 1 the widths follow the
+    paper's allocation (equal marginal vNMSE gain per bit if one quantization's error were
+    proportional to ``4 ** -b``; docs/allocation.md); below 1 the widths follow the
     energies less steeply, so low-energy super-groups keep more bits (0: every super-group the
     same width). See :class:`~dqcoll.schemes.dynamiq.scheme.DynamiqScheme`."""
     rows = norm2.numel()
