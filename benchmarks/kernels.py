@@ -54,6 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dqcoll.cli.provenance import git_commit  # noqa: E402
 from dqcoll.kernels import _launch, dynamiq_triton  # noqa: E402
 from dqcoll.schemes.dynamiq import codec  # noqa: E402
 from dqcoll.schemes.dynamiq.codec import (  # noqa: E402
@@ -96,16 +97,6 @@ def device_slug(device: torch.device) -> str:
     name = torch.cuda.get_device_name(device)
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "dqcoll", "benchmarks"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return out + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
 
 
 def time_us(fn: Callable[[], Any], device: torch.device, *, warmup: int, min_time_s: float,
@@ -410,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.aot is not None:
         rows = aot_report(args.aot)
         if args.out is not None:
-            args.out.write_text(json.dumps({"meta": {"commit": git_commit(), "arch": args.aot},
-                                            "records": rows}, indent=1) + "\n")
+            meta = {"commit": git_commit("benchmarks"), "arch": args.aot}
+            args.out.write_text(json.dumps({"meta": meta, "records": rows}, indent=1) + "\n")
         return 0
 
     device = torch.device(args.device)
@@ -421,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = CodecConfig(rounding=RoundingMode(args.rounding))
     slug = device_slug(device)
-    commit = git_commit()
+    commit = git_commit("benchmarks")
     timing = dict(warmup=args.warmup, min_time_s=args.min_time_s, max_iters=args.max_iters)
     copy_nbytes = 1 << 30 if device.type == "cuda" else 1 << 24
     copy_gbps = copy_bandwidth_gbps(device, copy_nbytes)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import dqcoll  # noqa: E402
+from dqcoll.cli.provenance import git_commit  # noqa: E402
 from dqcoll.executor import DEFAULT_TILE_NBYTES  # noqa: E402
 from dqcoll.testing import run_local  # noqa: E402
 
@@ -51,13 +51,6 @@ def _size(text: str) -> int:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def gradient(rank: int, numel: int, device: torch.device) -> torch.Tensor:
@@ -172,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         exact += gradient(r, args.numel, device).double()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     meta = {"device": name, "torch": torch.__version__, "dqcoll": dqcoll.__version__,
-            "commit": _commit(), "world_size": args.world_size, "nbytes_per_rank": args.numel * 4,
+            "commit": git_commit("benchmarks"), "world_size": args.world_size,
+            "nbytes_per_rank": args.numel * 4,
             "transport": "local", "kernels": "auto (Triton on CUDA)"}
     rows = []
     print(f"# {meta}")

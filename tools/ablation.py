@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 import dqcoll
 from dqcoll.cli.demo import gradient_like
+from dqcoll.cli.provenance import git_commit
 from dqcoll.metrics import vnmse
 from dqcoll.testing import run_local
 
@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{source:7s} {algorithm:10s} {label:52s} vNMSE {record['vnmse']:.3e} "
                       f"bits {record['bits_per_coord']:.3f}", flush=True)
     elapsed = time.time() - started
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit("tools")
     meta = {"command": "python tools/ablation.py " + " ".join(argv or sys.argv[1:]),
             "world_size": args.world_size, "numel": args.numel, "bits": args.bits,
             "seeds": args.seeds, "machine": f"{platform.machine()} CPU, {platform.node()}",

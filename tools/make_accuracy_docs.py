@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from dqcoll.cli.eval import (
     parse_scheme_spec,
     plot_rows,
 )
+from dqcoll.cli.provenance import git_commit
 from dqcoll.sources import make_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,14 +58,7 @@ def _choices(specs: list[str], bits: list[float]) -> list[SchemeChoice]:
 
 
 def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "dqcoll", "tools"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return head + (" (+ uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit("tools")
 
 
 def _machine() -> str:

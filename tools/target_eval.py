@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 import dqcoll
+from dqcoll.cli.provenance import git_commit
 from dqcoll.metrics import vnmse
 from dqcoll.sources import make_source
 from dqcoll.testing import run_local
@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"x{cold / target:.2f} {cold_bits:.2f} bits; second "
                       f"x{record['ratio']:.2f} {bits:.2f} bits; "
                       f"sweep {best_bits:.2f} bits -> {record['extra_bits']:+.2f}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit("tools")
     meta = {"command": "python tools/target_eval.py " + " ".join(argv or sys.argv[1:]),
             "commit": commit, "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} CPU (2-core dev VM)", "world_size": args.world_size,

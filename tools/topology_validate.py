@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from dqcoll.cli.provenance import git_commit
+
 SCHEMES = (("none", None), ("dynamiq", 5.0))
 ALGORITHMS = ("ring", "butterfly", "direct")
 
@@ -147,11 +149,6 @@ def _launch_loopback(n: int, command: list[str]) -> int:
     return max(p.wait() for p in procs)
 
 
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         check=False)
-    return out.stdout.strip() or "unknown"
-
 
 def _predict(rows, topology, params):  # type: ignore[no-untyped-def]
     from dqcoll.topology.cost import price_allreduce
@@ -231,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         "max_abs_error_held_out": max(held),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
         "load_avg_before_after": [load_before[0], load_after[0]],
-        "commit": _commit(), "wall_s": time.time() - start,
+        "commit": git_commit("tools"), "wall_s": time.time() - start,
         "command": "tools/topology_validate.py " + " ".join(sys.argv[1:]),
     }
     with open(args.out, "w") as f:

@@ -67,6 +67,8 @@ from typing import Any
 
 import torch
 
+from .provenance import git_commit
+
 __all__ = ["Case", "build_cases", "busbw_factor", "main", "parse_size", "size_sweep"]
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -391,18 +393,6 @@ def _device_name(device: torch.device) -> str:
     return f"CPU: {model}, {os.cpu_count()} cores"
 
 
-def _git_commit() -> str:
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dqcoll/
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=package,
-                                capture_output=True, text=True, timeout=10, check=True).stdout
-        # "-dirty": the library itself differs from the commit (uncommitted edits in dqcoll/)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=package,
-                               capture_output=True, timeout=10).returncode
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return commit.strip() + ("-dirty" if dirty else "")
-
 
 def provenance(args: argparse.Namespace, world_size: int, device: torch.device) -> dict[str, Any]:
     import torch.distributed as dist
@@ -416,7 +406,7 @@ def provenance(args: argparse.Namespace, world_size: int, device: torch.device) 
         "backend": str(dist.get_backend()) if dist.is_initialized() else "",
         "dqcoll_version": dqcoll.__version__,
         "torch_version": torch.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "host": socket.gethostname(),
         "threads_per_rank": torch.get_num_threads(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 
 from ..topology.graph import Topology, parse_topology
 from .bench import parse_size
 from .progress import ProgressBar
+from .provenance import git_commit
 
 __all__ = ["main"]
 
@@ -37,14 +37,6 @@ def default_topology(world_size: int) -> Topology:
         return Topology.cluster(world_size // 8, 8, inter_gbps=100.0)
     return Topology.cluster(1, world_size, inter_gbps=100.0)
 
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, check=False)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..topology.tuning import Candidate, _hier_plan, predict_us
 
     n = args.world_size
-    started_at = commit()  # the code that runs is the code at start
+    started_at = git_commit()  # the code that runs is the code at start
     topology = (parse_topology(args.topology, world_size=n) if args.topology
                 else default_topology(n))
     if topology.world_size != n:

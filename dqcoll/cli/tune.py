@@ -25,7 +25,7 @@ from ..topology.graph import parse_topology
 from ..topology.tuning import TUNED_DIR, TunedTable, default_candidates, size_buckets
 from .bench import parse_size
 from .progress import ProgressBar
-from .simulate import commit
+from .provenance import git_commit
 
 __all__ = ["main", "plot_table"]
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     provenance = {
         "command": "dqcoll tune " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.node()} {platform.machine()}",
-        "commit": commit(),
+        "commit": git_commit(),
         "source": args.source,
         "topology": json.dumps(topology.to_dict()),
     }
