@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV_VARS", "kernels", "log_level", "timeout_s", "tuning_dir", "validate"]
+__all__ = [
+    "ENV_VARS",
+    "cpu_threads",
+    "kernels",
+    "log_level",
+    "timeout_s",
+    "tuning_dir",
+    "validate",
+]
 
 # name -> (default, description)
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -19,8 +27,15 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     ),
     "DQCOLL_KERNELS": (
         "auto",
-        "auto | torch | triton. auto uses Triton for CUDA tensors when it is importable and the "
-        "torch reference otherwise; an explicit choice that cannot be honoured raises.",
+        "auto | torch | triton | numba. auto uses Triton for CUDA tensors and the compiled numba "
+        "kernels for CPU tensors when they are importable, the torch reference otherwise (with a "
+        "log line saying why); an explicit choice that cannot be honoured raises.",
+    ),
+    "DQCOLL_CPU_THREADS": (
+        "",
+        "Threads each rank's compiled CPU kernels use. Empty: the machine's cores divided by the "
+        "ranks sharing this machine (LOCAL_WORLD_SIZE, or the ranks of an in-process group), at "
+        "least 1. Results do not depend on it.",
     ),
     "DQCOLL_VALIDATE": (
         "1",
@@ -47,11 +62,28 @@ def timeout_s() -> float:
     return value
 
 
+KERNEL_CHOICES = ("auto", "torch", "triton", "numba")
+
+
 def kernels() -> str:
     value = _get("DQCOLL_KERNELS").strip().lower()
-    if value not in ("auto", "torch", "triton"):
-        raise ValueError(f"DQCOLL_KERNELS must be auto, torch or triton, got {value!r}")
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"DQCOLL_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
     return value
+
+
+def cpu_threads() -> int | None:
+    """The DQCOLL_CPU_THREADS setting, or None for the default (see ENV_VARS)."""
+    value = _get("DQCOLL_CPU_THREADS").strip()
+    if not value:
+        return None
+    try:
+        threads = int(value)
+    except ValueError:
+        raise ValueError(f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}") from None
+    if threads < 1:
+        raise ValueError(f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}")
+    return threads
 
 
 def validate() -> bool:
