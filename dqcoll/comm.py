@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from . import envs
+from . import envs, kernels
 from .errors import InvalidArgumentError, UnsupportedError
+from .kernels import cpu_runtime
 from .transports.base import Counters, Transport
 
 __all__ = ["Communicator", "get_default_comm", "init", "set_default_comm"]
@@ -41,6 +42,14 @@ class Communicator:
         self.transport = transport
         self.seed = int(seed)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cpu":
+            # Ranks sharing this machine share its cores: the compiled CPU kernels divide them.
+            local_ranks = transport.world_size if transport.name == "local" else 1
+            if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun sets it
+                local_ranks = max(local_ranks, int(os.environ["LOCAL_WORLD_SIZE"]))
+            cpu_runtime.set_local_ranks(local_ranks)
+            # Compile (or load from the disk cache) the CPU kernels now, not at some step.
+            kernels.warm_up(self.device)
         self._calls = 0
         self.last_info: dict[str, Any] = {}
         # what schemes remember across calls (calibration); every rank updates it identically

@@ -68,7 +68,8 @@ KERNEL_CHOICES = ("auto", "torch", "triton", "numba")
 def kernels() -> str:
     value = _get("DQCOLL_KERNELS").strip().lower()
     if value not in KERNEL_CHOICES:
-        raise ValueError(f"DQCOLL_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
+        raise ValueError(
+            f"DQCOLL_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
     return value
 
 

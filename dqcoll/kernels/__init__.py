@@ -17,8 +17,9 @@ import torch
 
 from .. import envs
 from ..errors import UnsupportedError
+from .cpu_runtime import numba_available
 
-__all__ = ["DynamiqOps", "dynamiq_ops", "triton_available"]
+__all__ = ["DynamiqOps", "dynamiq_ops", "numba_available", "triton_available", "warm_up"]
 
 log = logging.getLogger("dqcoll")
 
@@ -34,7 +35,7 @@ class DynamiqOps:
     decode_accumulate: Callable[..., None]
     decode_accumulate_encode: Callable[..., torch.Tensor]
     # restore(work, mean, index_base, valid, out_flat): add back the means and undo the reorder in
-    # one pass; None: the scheme does it with torch ops (reference: dynamiq_triton.restore_torch).
+    # one pass; None: the scheme does it with torch ops (reference: codec.restore_torch).
     restore: Callable[..., None] | None = None
 
 
@@ -68,12 +69,40 @@ def _triton_ops() -> DynamiqOps:
     return dynamiq_triton.OPS  # type: ignore[no-any-return]
 
 
+def _numba_ops() -> DynamiqOps:
+    from . import dynamiq_numba
+
+    return dynamiq_numba.OPS
+
+
 _logged: set[str] = set()
+
+
+def _fallback(why: str, device: torch.device) -> DynamiqOps:
+    if why not in _logged:
+        _logged.add(why)
+        log.warning("dqcoll: using the torch reference for %s tensors: %s", device.type, why)
+    return _torch_ops()
 
 
 def dynamiq_ops(device: torch.device) -> DynamiqOps:
     choice = envs.kernels()
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    if choice == "torch":
+        return _torch_ops()
+    if choice == "numba" or (choice == "auto" and device.type == "cpu"):
+        reason = numba_available()
+        if choice == "numba":
+            if reason is not None:
+                raise UnsupportedError(f"DQCOLL_KERNELS=numba was requested but {reason}")
+            if device.type != "cpu":
+                raise UnsupportedError(
+                    f"DQCOLL_KERNELS=numba was requested but the numba kernels take CPU tensors, "
+                    f"got {device.type} tensors")
+            return _numba_ops()
+        if reason is not None:
+            return _fallback(reason, device)
+        return _numba_ops()
+    if choice == "auto" and device.type != "cuda":
         return _torch_ops()
     reason = triton_available()
     if choice == "triton":
@@ -81,15 +110,18 @@ def dynamiq_ops(device: torch.device) -> DynamiqOps:
             raise UnsupportedError(f"DQCOLL_KERNELS=triton was requested but {reason}")
         return _triton_ops()
     if reason is not None:
-        if reason not in _logged:
-            _logged.add(reason)
-            log.warning("dqcoll: using the torch reference for CUDA tensors: %s", reason)
-        return _torch_ops()
+        return _fallback(reason, device)
     try:
         return _triton_ops()
     except ImportError as exc:
-        why = f"Triton kernels are not available ({exc})"
-        if why not in _logged:
-            _logged.add(why)
-            log.warning("dqcoll: using the torch reference for CUDA tensors: %s", why)
-        return _torch_ops()
+        return _fallback(f"Triton kernels are not available ({exc})", device)
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile (or load from the disk cache) the kernels :func:`dynamiq_ops` picks for
+    ``device`` now, so that ranks started together do not compile at different steps."""
+    ops = dynamiq_ops(device)
+    if ops.name == "numba":
+        from . import dynamiq_numba
+
+        dynamiq_numba.warm_up()

@@ -48,7 +48,7 @@ __all__ = [
 log = logging.getLogger("dqcoll")
 
 JIT_OPTIONS: dict[str, Any] = dict(
-    nopython=True, nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False
+    nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False
 )
 # Fewer rows than this per thread run on the calling thread alone: a range of 64 super-groups is
 # 64 KiB of fp32 work, ~0.1 ms of encode, where handing it to a pool thread (~20 us) starts to

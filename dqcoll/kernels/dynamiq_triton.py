@@ -34,21 +34,21 @@ from typing import Any
 
 import torch
 
-from ..schemes.dynamiq import rng
 from ..schemes.dynamiq.codec import (
     SUPER,
     WIDTHS,
     CodecConfig,
     Levels,
-    RoundingMode,
     Scales,
     _magnitudes,
     code_table,
     record_nbytes,
+    restore_torch,
 )
 from . import DynamiqOps
 from . import _dynamiq_kernels as compiled_kernels
 from ._launch import Kernel, LaunchConfig, compile_options, launch_config
+from ._params import RoundingParams
 
 __all__ = [
     "OPS",
@@ -132,34 +132,6 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
 
 
 @dataclasses.dataclass(frozen=True)
-class RoundingParams:
-    """Per-call scalars of :func:`rng.rounding_uniforms`, computed once on the host."""
-
-    jitter_key: int  # rank_key(stream_key(key, STREAM_JITTER), rank)
-    perm_key: int  # stream_key(key, STREAM_PERM)
-    rank: int
-    world_size: int
-    inv_n: float  # fp32(1 / n), exactly representable as a Python float
-    correlated: bool  # correlated rounding with more than one rank
-    half_bits: int  # Feistel half width
-
-    @classmethod
-    def build(cls, key: int, rank: int, world_size: int, config: CodecConfig) -> RoundingParams:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        correlated = config.rounding is RoundingMode.CORRELATED and world_size > 1
-        return cls(
-            jitter_key=rng.rank_key(rng.stream_key(key, rng.STREAM_JITTER), rank),
-            perm_key=rng.stream_key(key, rng.STREAM_PERM),
-            rank=rank,
-            world_size=world_size,
-            inv_n=float(torch.tensor(1.0 / world_size, dtype=torch.float32)),
-            correlated=correlated,
-            half_bits=rng.feistel_half_bits(world_size) if correlated else 1,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class LevelParams:
     """Magnitude table and the constants of the level guess (see the kernels' docstring)."""
 
@@ -230,6 +202,17 @@ def _check_same(name: str, t: torch.Tensor, rows: int, device: torch.device) -> 
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
+def _out_records(out: torch.Tensor | None, rows: int, size: int,
+                 device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty((rows, size), dtype=torch.uint8, device=device)
+    if out.dtype != torch.uint8 or tuple(out.shape) != (rows, size) or out.device != device or (
+            rows > 1 and out.stride(1) != 1):
+        raise ValueError(f"out: expected uint8 [{rows}, {size}] on {device} with unit stride "
+                         f"inside a record, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
 def _index(index_base: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     if index_base.dim() != 1 or index_base.shape[0] != rows:
         raise ValueError(f"index_base: expected [{rows}], got {tuple(index_base.shape)}")
@@ -280,14 +263,16 @@ def encode(
     world_size: int,
     key: int,
     config: CodecConfig,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton codec.encode_torch: rows ``[k, 256]`` -> records uint8 ``[k, record_nbytes]``."""
+    """Triton codec.encode_torch: rows ``[k, 256]`` -> records uint8 ``[k, record_nbytes]``
+    (into ``out`` when given)."""
     _check_width(width)
     _check_rows("x", x, FLOAT_INPUTS)
     rows = x.shape[0]
     index = _index(index_base, rows, x.device)
-    out = torch.empty((rows, record_nbytes(width, config.scales)), dtype=torch.uint8,
-                      device=x.device)
+    out = _out_records(out, rows, record_nbytes(width, config.scales), x.device)
     if rows:
         kernels, interpreted = _kernels_for(x.device)
         cfg = launch_config(Kernel.ENCODE, width, rows, interpreted=interpreted)
@@ -298,12 +283,18 @@ def encode(
     return out
 
 
-def decode(records: torch.Tensor, width: int, config: CodecConfig) -> torch.Tensor:
-    """Triton codec.decode_torch: records -> fp32 ``[k, 256]``."""
+def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton codec.decode_torch: records -> fp32 ``[k, 256]`` (into ``out`` when given)."""
     _check_width(width)
     _check_records(records, width, config)
     rows = records.shape[0]
-    out = torch.empty((rows, SUPER), dtype=torch.float32, device=records.device)
+    if out is None:
+        out = torch.empty((rows, SUPER), dtype=torch.float32, device=records.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, SUPER) or (
+            not out.is_contiguous()) or out.device != records.device:
+        raise ValueError(f"out: expected contiguous fp32 [{rows}, {SUPER}] on {records.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if rows:
         kernels, interpreted = _kernels_for(records.device)
         cfg = launch_config(Kernel.DECODE, width, rows, interpreted=interpreted)
@@ -345,17 +336,18 @@ def decode_accumulate_encode(
     config: CodecConfig,
     *,
     keep_sum: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton codec.decode_accumulate_encode_torch, one fused kernel: ``acc += decode(records)``
     (written back in place only with ``keep_sum``), then the new ``acc`` encoded at the same
-    width from registers."""
+    width from registers (into ``out`` when given)."""
     _check_width(width)
     _check_records(records, width, config)
     _check_rows("acc", acc, (torch.float32,))
     rows = records.shape[0]
     _check_same("acc", acc, rows, records.device)
     index = _index(index_base, rows, records.device)
-    out = torch.empty_like(records, memory_format=torch.contiguous_format)
+    out = _out_records(out, rows, records.shape[1], records.device)
     if rows:
         kernels, interpreted = _kernels_for(records.device)
         cfg = launch_config(Kernel.DECODE_ACCUMULATE_ENCODE, width, rows, interpreted=interpreted)
@@ -366,19 +358,6 @@ def decode_accumulate_encode(
                 out, out.stride(0), *args, rows,
                 ROWS=cfg.rows_per_program, WRITE_ACC=keep_sum, **constexprs)
     return out
-
-
-def restore_torch(
-    work: torch.Tensor, mean: torch.Tensor, index_base: torch.Tensor, valid: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Reference of :func:`restore`: ``out[index_base[i] + j] = work[i, j] + mean[i]`` for
-    ``j < valid[i]`` (out is flat; the cast to its dtype rounds to nearest even)."""
-    value = work + mean[:, None]
-    coord = torch.arange(SUPER, device=work.device)
-    keep = coord[None, :] < valid.to(work.device)[:, None]
-    target = index_base.to(work.device)[:, None] + coord[None, :]
-    out[target[keep]] = value[keep].to(out.dtype)
 
 
 def restore(

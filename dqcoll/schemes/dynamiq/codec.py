@@ -71,6 +71,7 @@ __all__ = [
     "level_magnitudes",
     "pack_codes",
     "record_nbytes",
+    "restore_torch",
     "stats_center_torch",
     "tree_sum",
     "unpack_codes",
@@ -288,8 +289,11 @@ def encode_torch(
     key: int,
     config: CodecConfig,
     uniforms: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Encode fp32 ``x [k, 256]`` at ``width`` bits -> records uint8 ``[k, record_nbytes]``.
+    """Encode fp32 ``x [k, 256]`` at ``width`` bits -> records uint8 ``[k, record_nbytes]``
+    (written into ``out`` when given, e.g. a view of the payload; every fast path takes it).
 
     ``index_base[i]`` is the global index of row ``i``'s first coordinate (its super-group index
     times 256 in the caller's buffer), which keys the random numbers; ``rank``/``world_size`` and
@@ -300,10 +304,12 @@ def encode_torch(
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != SUPER:
         raise ValueError(f"expected fp32 [k, {SUPER}], got {x.dtype} {tuple(x.shape)}")
     if width == RAW_WIDTH:
-        return _encode_raw(x)
-    out = torch.empty(
-        (x.shape[0], record_nbytes(width, config.scales)), dtype=torch.uint8, device=x.device
-    )
+        records = _encode_raw(x)
+        return records if out is None else out.copy_(records)
+    if out is None:
+        out = torch.empty(
+            (x.shape[0], record_nbytes(width, config.scales)), dtype=torch.uint8, device=x.device
+        )
     for start in range(0, x.shape[0], _ROWS_PER_BLOCK):
         stop = min(start + _ROWS_PER_BLOCK, x.shape[0])
         out[start:stop] = _encode_rows(
@@ -335,15 +341,18 @@ def _decode_raw(records: torch.Tensor) -> torch.Tensor:
     return values.view(k, SUPER) * unit
 
 
-def decode_torch(records: torch.Tensor, width: int, config: CodecConfig) -> torch.Tensor:
-    """Records uint8 ``[k, record_nbytes]`` -> fp32 ``[k, 256]``."""
+def decode_torch(records: torch.Tensor, width: int, config: CodecConfig, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Records uint8 ``[k, record_nbytes]`` -> fp32 ``[k, 256]`` (into ``out`` when given)."""
     if width == RAW_WIDTH:
-        return _decode_raw(records)
+        values = _decode_raw(records)
+        return values if out is None else out.copy_(values)
     k = records.shape[0]
     code_bytes = SUPER * width // 8
     codes = unpack_codes(records[:, :code_bytes], width)
     values = code_table(width, config.levels, records.device)[codes]
-    return values * _scales_decode(records[:, code_bytes:], config.scales).view(k, SUPER)
+    scale = _scales_decode(records[:, code_bytes:], config.scales).view(k, SUPER)
+    return torch.mul(values, scale, out=out) if out is not None else values * scale
 
 
 def decode_accumulate_torch(
@@ -364,8 +373,10 @@ def decode_accumulate_encode_torch(
     config: CodecConfig,
     *,
     keep_sum: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The per-hop operation: ``acc += decode(records)``, then encode ``acc`` (same width).
+    """The per-hop operation: ``acc += decode(records)``, then encode ``acc`` (same width; the
+    records go into ``out`` when given).
 
     Scales are recomputed from the new partial sum, so nothing overflows or clips. With
     ``keep_sum=False`` the caller declares it will not read ``acc`` again (the executor never
@@ -373,4 +384,18 @@ def decode_accumulate_encode_torch(
     decodes its own bytes over it), so a fast path may skip writing it back (1 KiB per
     super-group of the fused kernel's traffic); ``acc``'s contents are then unspecified."""
     decode_accumulate_torch(records, width, config, acc)
-    return encode_torch(acc, width, index_base, rank, world_size, key, config)
+    return encode_torch(acc, width, index_base, rank, world_size, key, config, out=out)
+
+
+def restore_torch(
+    work: torch.Tensor, mean: torch.Tensor, index_base: torch.Tensor, valid: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The last step of a call, fused in the fast paths: ``out[index_base[i] + j] = work[i, j] +
+    mean[i]`` for ``j < valid[i]`` (adds back the summed means and undoes the reorder; ``out`` is
+    flat; the cast to its dtype rounds to nearest even)."""
+    value = work + mean[:, None]
+    coord = torch.arange(SUPER, device=work.device)
+    keep = coord[None, :] < valid.to(work.device)[:, None]
+    target = index_base.to(work.device)[:, None] + coord[None, :]
+    out[target[keep]] = value[keep].to(out.dtype)

@@ -413,15 +413,15 @@ class DynamiqCall:
         out = torch.empty(self.payload_nbytes(chunk, count), dtype=torch.uint8,
                           device=self.work.device)
         for width, a, b, offset in self._segments(chunk):
-            records = self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
-                                      self.world_size, self.key, self.config)
-            self._records(out, width, a, b, offset).copy_(records)
+            self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
+                            self.world_size, self.key, self.config,
+                            out=self._records(out, width, a, b, offset))
         return out
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         for width, a, b, offset in self._segments(chunk):
-            self.work[a:b] = self.ops.decode(self._records(payload, width, a, b, offset), width,
-                                             self.config)
+            self.ops.decode(self._records(payload, width, a, b, offset), width, self.config,
+                            out=self.work[a:b])
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         for width, a, b, offset in self._segments(chunk):
@@ -433,12 +433,12 @@ class DynamiqCall:
     ) -> torch.Tensor:
         out = torch.empty_like(payload)
         for width, a, b, offset in self._segments(chunk):
-            records = self.ops.decode_accumulate_encode(
+            self.ops.decode_accumulate_encode(
                 self._records(payload, width, a, b, offset), width, self.work[a:b],
                 self.index_base[a:b], self.rank, self.world_size, self.key, self.config,
                 keep_sum=False,  # nothing reads this partial sum again (decode overwrites it)
+                out=self._records(out, width, a, b, offset),
             )
-            self._records(out, width, a, b, offset).copy_(records)
         return out
 
     def finish(self, out: torch.Tensor) -> None:

@@ -1,0 +1,364 @@
+"""Launchers of the compiled CPU DynamiQ kernels: check, allocate, split rows over threads.
+``OPS`` is what :func:`dqcoll.kernels.dynamiq_ops` hands out for CPU tensors.
+
+Each launcher has the signature of its torch reference in :mod:`dqcoll.schemes.dynamiq.codec`
+(plus ``out=``, to write records or rows straight into the caller's buffer) and returns the same
+bytes and the same fp32 values. Width 16 (raw fp16 records, no random numbers, already a few
+vectorised torch passes) runs the reference itself. Tensors are handed to the kernels as NumPy
+views (zero copy); inputs that are not row-contiguous are copied once.
+
+Per-call tables (level magnitudes, the level-search table, the decode table) are built once per
+(width, levels) and cached; the kernels are compiled on first use and cached on disk by numba
+(:func:`warm_up` compiles or loads all of them, which the communicators do at creation so that
+ranks do not compile at different steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ..schemes.dynamiq import codec
+from ..schemes.dynamiq.codec import (
+    RAW_WIDTH,
+    SUPER,
+    WIDTHS,
+    CodecConfig,
+    Levels,
+    Scales,
+    _magnitudes,
+    record_nbytes,
+)
+from . import DynamiqOps
+from . import _dynamiq_numba_kernels as K
+from ._params import RoundingParams
+from .cpu_runtime import run_rows
+
+__all__ = [
+    "OPS",
+    "decode",
+    "decode_accumulate",
+    "decode_accumulate_encode",
+    "encode",
+    "restore",
+    "stats_center",
+    "warm_up",
+]
+
+_ENCODE = {2: K.encode_w2, 4: K.encode_w4, 8: K.encode_w8}
+_DECODE = {2: K.decode_w2, 4: K.decode_w4, 8: K.decode_w8}
+_HOP = {2: K.hop_w2, 4: K.hop_w4, 8: K.hop_w8}
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelTables:
+    """Level magnitudes and the tables of the kernels' level search and decode."""
+
+    mags: np.ndarray  # fp32 [R + 1]: m_0 = 0 .. m_R = 1
+    nxt: np.ndarray  # fp32 [R]: nxt[r] = m_{r+1} if r + 1 < R else +inf (interior levels only)
+    rtab: np.ndarray  # int32 [bins + 1]: interior magnitudes <= b / bins
+    bins: int
+    table: np.ndarray  # fp32 [2**width]: decoded value of each code
+
+
+@functools.lru_cache(maxsize=16)
+def level_tables(width: int, levels: Levels) -> LevelTables:
+    """The tables of ``width``/``levels``. ``bins`` is the smallest power of two whose bins are
+    narrower than the closest two interior magnitudes, so a bin holds at most one level boundary
+    and ``rtab[floor(a * bins)]`` is the level count up to one compare."""
+    mags = np.asarray(_magnitudes(width, levels), dtype=np.float32)
+    top = len(mags) - 1
+    interior = mags[1:top]
+    bins = 1024
+    if interior.size > 1:
+        gap = float(np.min(np.diff(interior.astype(np.float64))))
+        while 1.0 / bins >= gap:
+            bins *= 2
+    if interior.size and 1.0 / bins >= float(interior[0]):
+        bins = max(bins, 1 << int(np.ceil(-np.log2(float(interior[0])) + 1)))
+    edges = (np.arange(bins + 1, dtype=np.float64) / bins).astype(np.float32)  # exact
+    rtab = np.searchsorted(interior, edges, side="right").astype(np.int32)
+    nxt = np.full(max(top, 1), np.inf, dtype=np.float32)
+    nxt[: top - 1] = interior
+    # Check the one-compare claim on every bin edge and every interior magnitude (+-1 ulp).
+    probes = np.concatenate([edges, interior, np.nextafter(interior, np.float32(0)),
+                             np.nextafter(interior, np.float32(2))]).astype(np.float32)
+    probes = probes[(probes >= 0) & (probes <= 1)]
+    guess = rtab[(probes * np.float32(bins)).astype(np.int64)]
+    guess = guess + (nxt[guess] <= probes)
+    assert np.array_equal(guess, np.searchsorted(interior, probes, side="right")), width
+    table = codec.code_table(width, levels).numpy()
+    return LevelTables(mags, nxt, rtab, bins, table)
+
+
+# -- array views -----------------------------------------------------------------------------
+
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows_f32(name: str, t: torch.Tensor) -> np.ndarray:
+    """fp32 rows as a C-contiguous NumPy array (bf16/fp16 rows upcast exactly, as the Triton
+    launchers do in registers)."""
+    if t.dtype not in _FLOAT_INPUTS or t.dim() != 2 or t.shape[1] != SUPER:
+        raise ValueError(f"{name}: expected [k, {SUPER}] of fp32, bf16 or fp16, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; the numba kernels take CPU tensors")
+    return t.detach().to(torch.float32).contiguous().numpy()
+
+
+def _check_inplace(name: str, t: torch.Tensor, rows: int) -> None:
+    if t.dtype != torch.float32 or t.dim() != 2 or tuple(t.shape) != (rows, SUPER):
+        raise ValueError(f"{name}: expected fp32 [{rows}, {SUPER}], got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; the numba kernels take CPU tensors")
+
+
+@contextlib.contextmanager
+def _inplace_rows(t: torch.Tensor) -> Iterator[np.ndarray]:
+    """A writable C-contiguous NumPy view of ``t``'s rows: ``t`` itself, or a temporary copied
+    back afterwards where ``t`` is strided (the executor's own slices never are)."""
+    if t.is_contiguous():
+        yield t.detach().numpy()
+        return
+    temporary = t.detach().contiguous()
+    yield temporary.numpy()
+    t.detach().copy_(temporary)
+
+
+def _records(records: torch.Tensor, width: int, config: CodecConfig) -> np.ndarray:
+    size = record_nbytes(width, config.scales)
+    if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != size:
+        raise ValueError(f"records: expected uint8 [k, {size}] ({width}-bit "
+                         f"{config.scales.value} records), got {records.dtype} "
+                         f"{tuple(records.shape)}")
+    return records.detach().contiguous().numpy()
+
+
+def _index(index_base: torch.Tensor, rows: int) -> np.ndarray:
+    if index_base.dim() != 1 or index_base.shape[0] != rows:
+        raise ValueError(f"index_base: expected [{rows}], got {tuple(index_base.shape)}")
+    return index_base.detach().to(dtype=torch.int64).contiguous().numpy()
+
+
+def _out_records(out: torch.Tensor | None, rows: int, width: int,
+                 config: CodecConfig) -> torch.Tensor:
+    size = record_nbytes(width, config.scales)
+    if out is None:
+        return torch.empty((rows, size), dtype=torch.uint8)
+    if (out.dtype != torch.uint8 or tuple(out.shape) != (rows, size) or not out.is_contiguous()
+            or out.device.type != "cpu"):
+        raise ValueError(f"out: expected contiguous uint8 [{rows}, {size}] on the CPU, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def _check_width(width: int) -> None:
+    if width not in WIDTHS and width != RAW_WIDTH:
+        raise ValueError(f"width must be one of {(*WIDTHS, RAW_WIDTH)}, got {width}")
+
+
+def _rounding_args(width: int, config: CodecConfig, key: int, rank: int,
+                   world_size: int) -> tuple[object, ...]:
+    lv = level_tables(width, config.levels)
+    rp = RoundingParams.build(key, rank, world_size, config)
+    return (config.scales is Scales.HIERARCHICAL, lv.mags, lv.nxt, lv.rtab, lv.bins,
+            np.uint32(rp.jitter_key), np.uint32(rp.perm_key), rp.rank, rp.world_size,
+            np.float32(rp.inv_n), rp.correlated, rp.half_bits)
+
+
+# -- operations (signatures of the torch references) --------------------------------------------
+
+
+def stats_center(
+    x: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codec.stats_center_torch: ``(centred [S, 256] fp32, mean [S], norm2 [S])``."""
+    xs = _rows_f32("x", x)
+    rows = xs.shape[0]
+    valid_np = valid.detach().to(dtype=torch.int64).reshape(-1).contiguous().numpy()
+    if valid_np.shape[0] != rows:
+        raise ValueError(f"valid: expected [{rows}], got {tuple(valid.shape)}")
+    if rows and (valid_np.min() < 1 or valid_np.max() > SUPER):
+        raise ValueError(f"valid: counts must be in [1, {SUPER}]")
+    centred = torch.empty((rows, SUPER), dtype=torch.float32)
+    mean = torch.empty(rows, dtype=torch.float32)
+    norm2 = torch.empty(rows, dtype=torch.float32)
+    run_rows(K.stats_center, rows, xs, valid_np, centred.numpy(), mean.numpy(), norm2.numpy())
+    return centred, mean, norm2
+
+
+def encode(
+    x: torch.Tensor,
+    width: int,
+    index_base: torch.Tensor,
+    rank: int,
+    world_size: int,
+    key: int,
+    config: CodecConfig,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """codec.encode_torch: rows ``[k, 256]`` -> records uint8 ``[k, record_nbytes]``."""
+    _check_width(width)
+    xs = _rows_f32("x", x)
+    rows = xs.shape[0]
+    index = _index(index_base, rows)
+    records = _out_records(out, rows, width, config)
+    if width == RAW_WIDTH:
+        return codec.encode_torch(x.float(), width, index_base, rank, world_size, key, config,
+                                  out=records)
+    run_rows(_ENCODE[width], rows, xs, index, records.numpy(),
+             *_rounding_args(width, config, key, rank, world_size))
+    return records
+
+
+def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """codec.decode_torch: records -> fp32 ``[k, 256]`` (into ``out`` when given)."""
+    _check_width(width)
+    rec = _records(records, width, config)
+    rows = rec.shape[0]
+    result = torch.empty((rows, SUPER), dtype=torch.float32) if out is None else out
+    _check_inplace("out", result, rows)
+    if width == RAW_WIDTH:
+        return codec.decode_torch(records, width, config, out=result)
+    lv = level_tables(width, config.levels)
+    with _inplace_rows(result) as target:
+        run_rows(_DECODE[width], rows, rec, config.scales is Scales.HIERARCHICAL, lv.table,
+                 target, False)
+    return result
+
+
+def decode_accumulate(
+    records: torch.Tensor, width: int, config: CodecConfig, acc: torch.Tensor
+) -> None:
+    """codec.decode_accumulate_torch: ``acc += decode(records)`` in place."""
+    _check_width(width)
+    rec = _records(records, width, config)
+    _check_inplace("acc", acc, rec.shape[0])
+    if width == RAW_WIDTH:
+        codec.decode_accumulate_torch(records, width, config, acc)
+        return
+    lv = level_tables(width, config.levels)
+    with _inplace_rows(acc) as target:
+        run_rows(_DECODE[width], rec.shape[0], rec, config.scales is Scales.HIERARCHICAL,
+                 lv.table, target, True)
+
+
+def decode_accumulate_encode(
+    records: torch.Tensor,
+    width: int,
+    acc: torch.Tensor,
+    index_base: torch.Tensor,
+    rank: int,
+    world_size: int,
+    key: int,
+    config: CodecConfig,
+    *,
+    keep_sum: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """codec.decode_accumulate_encode_torch, fused per row: the partial sum stays in a 1 KiB
+    buffer between decode and encode and is written back to ``acc`` only with ``keep_sum``."""
+    _check_width(width)
+    rec = _records(records, width, config)
+    rows = rec.shape[0]
+    _check_inplace("acc", acc, rows)
+    index = _index(index_base, rows)
+    result = _out_records(out, rows, width, config)
+    if width == RAW_WIDTH:
+        return codec.decode_accumulate_encode_torch(
+            records, width, acc, index_base, rank, world_size, key, config, out=result)
+    lv = level_tables(width, config.levels)
+    with _inplace_rows(acc) as target:
+        run_rows(_HOP[width], rows, rec, lv.table, target, bool(keep_sum), index,
+                 result.numpy(), *_rounding_args(width, config, key, rank, world_size))
+    return result
+
+
+def restore(
+    work: torch.Tensor, mean: torch.Tensor, index_base: torch.Tensor, valid: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Add back the summed means and undo the reorder in one pass (reference:
+    ``codec.restore_torch``): ``out[index_base[i] + j] = work[i, j] + mean[i]`` for
+    ``j < valid[i]``; ``out`` is a flat contiguous fp32/bf16/fp16 CPU tensor."""
+    ws = _rows_f32("work", work)
+    rows = ws.shape[0]
+    if out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu" or out.dtype not in (
+            torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out: expected a flat contiguous float CPU tensor, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    mean_np = mean.detach().to(dtype=torch.float32).reshape(-1).contiguous().numpy()
+    index = _index(index_base, rows)
+    valid_np = valid.detach().to(dtype=torch.int64).reshape(-1).contiguous().numpy()
+    if mean_np.shape[0] != rows or valid_np.shape[0] != rows:
+        raise ValueError(f"mean and valid: expected [{rows}], got {tuple(mean.shape)} and "
+                         f"{tuple(valid.shape)}")
+    if rows:
+        ends = index + valid_np
+        if index.min() < 0 or ends.max() > out.numel() or valid_np.min() < 0 or (
+                valid_np.max() > SUPER):
+            raise ValueError(f"index_base/valid address coordinates outside out "
+                             f"({out.numel()} elements)")
+    if out.dtype == torch.float32:
+        run_rows(K.restore_f32, rows, ws, mean_np, index, valid_np, out.detach().numpy())
+    elif out.dtype == torch.bfloat16:
+        run_rows(K.restore_bf16, rows, ws, mean_np, index, valid_np,
+                 out.detach().view(torch.int16).numpy().view(np.uint16))
+    else:  # fp16: fp32 sums, then torch's own rounding to fp16 (no fp16 kernel to keep exact)
+        summed = torch.empty((rows, SUPER), dtype=torch.float32)
+        run_rows(K.restore_add, rows, ws, mean_np, summed.numpy())
+        coord = torch.arange(SUPER)
+        keep = coord[None, :] < torch.from_numpy(valid_np)[:, None]
+        target = torch.from_numpy(index)[:, None] + coord[None, :]
+        out[target[keep]] = summed[keep].to(out.dtype)
+
+
+_warm_lock = threading.Lock()
+_warmed = False
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) every kernel for the argument types the
+    launchers pass, on a few rows: ~0.5 s with a warm cache, tens of seconds cold."""
+    global _warmed
+    with _warm_lock:
+        if _warmed:
+            return
+        x = torch.randn(2, SUPER)
+        index = torch.arange(2, dtype=torch.int64) * SUPER
+        valid = torch.full((2,), SUPER, dtype=torch.int64)
+        centred, mean, _ = stats_center(x, valid)
+        for scales in Scales:
+            config = CodecConfig(scales=scales)
+            for width in WIDTHS:
+                for world_size in (1, 3):  # independent and correlated rounding
+                    records = encode(centred, width, index, 0, world_size, 1, config)
+                    acc = centred.clone()
+                    decode_accumulate(records, width, config, acc)
+                    decode_accumulate_encode(records, width, acc, index, 0, world_size, 1, config)
+                decode(records, width, config)
+        for dtype in (torch.float32, torch.bfloat16):
+            restore(centred, mean, index, valid, torch.empty(2 * SUPER, dtype=dtype))
+        _warmed = True
+
+
+OPS = DynamiqOps(
+    name="numba",
+    stats_center=stats_center,
+    encode=encode,
+    decode=decode,
+    decode_accumulate=decode_accumulate,
+    decode_accumulate_encode=decode_accumulate_encode,
+    restore=restore,
+)

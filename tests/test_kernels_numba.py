@@ -1,0 +1,156 @@
+"""The compiled CPU path beyond byte identity (which ``test_kernels.py`` checks for every op):
+dispatch and its errors, thread-count independence, width 16, the level-search tables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import heavy_tailed
+
+pytest.importorskip("numba")
+
+from dqcoll.errors import UnsupportedError
+from dqcoll.kernels import cpu_runtime, dynamiq_numba, dynamiq_ops
+from dqcoll.schemes.dynamiq import codec
+from dqcoll.schemes.dynamiq.codec import RAW_WIDTH, SUPER, WIDTHS, CodecConfig, Levels
+
+KEY = 0xC0FFEE
+
+
+def test_auto_dispatch_picks_numba_for_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DQCOLL_KERNELS=auto (the default) and =numba give the numba ops for CPU tensors; =torch the
+    reference; =numba for CUDA tensors is an explicit request that cannot be honoured."""
+    monkeypatch.delenv("DQCOLL_KERNELS", raising=False)
+    assert dynamiq_ops(torch.device("cpu")).name == "numba"
+    monkeypatch.setenv("DQCOLL_KERNELS", "numba")
+    assert dynamiq_ops(torch.device("cpu")).name == "numba"
+    with pytest.raises(UnsupportedError, match="numba kernels take CPU tensors"):
+        dynamiq_ops(torch.device("cuda"))
+    monkeypatch.setenv("DQCOLL_KERNELS", "torch")
+    assert dynamiq_ops(torch.device("cpu")).name == "torch"
+    monkeypatch.setenv("DQCOLL_KERNELS", "fast")
+    with pytest.raises(ValueError, match="DQCOLL_KERNELS must be one of auto, torch"):
+        dynamiq_ops(torch.device("cpu"))
+
+
+def test_without_numba_auto_falls_back_and_explicit_raises() -> None:
+    """Without numba, ``import dqcoll`` and a CPU all-reduce still work (torch reference, with a
+    log line saying why), and DQCOLL_KERNELS=numba raises an error naming the reason."""
+    script = """
+import logging, os, sys
+sys.modules["numba"] = None  # as if not installed
+import dqcoll, torch
+from dqcoll.errors import UnsupportedError
+from dqcoll.kernels import dynamiq_ops
+from dqcoll.testing import run_local
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("dqcoll").addHandler(handler)
+assert dynamiq_ops(torch.device("cpu")).name == "torch"
+assert any("numba is not importable" in r.getMessage() for r in records), records
+out = run_local(2, lambda comm: dqcoll.allreduce(torch.ones(1000), scheme="dynamiq"))
+assert torch.equal(out[0], out[1])
+os.environ["DQCOLL_KERNELS"] = "numba"
+try:
+    dynamiq_ops(torch.device("cpu"))
+except UnsupportedError as exc:
+    assert "DQCOLL_KERNELS=numba" in str(exc) and "numba is not importable" in str(exc), exc
+else:
+    raise AssertionError("no error")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "DQCOLL_KERNELS"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_bytes_do_not_depend_on_threads(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    """1, 2 and 3 threads (row ranges cut at different places) give the same records, partial sums
+    and statistics."""
+    rows = 3 * cpu_runtime.MIN_ROWS_PER_THREAD + 5
+    x = heavy_tailed(0, rows * SUPER, seed=width).view(rows, SUPER)
+    index = torch.arange(rows, dtype=torch.int64) * SUPER + 2**33
+    valid = torch.full((rows,), SUPER, dtype=torch.int64)
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("DQCOLL_CPU_THREADS", threads)
+        assert cpu_runtime.cpu_threads() == int(threads)
+        records = dynamiq_numba.encode(x, width, index, 2, 5, KEY, CodecConfig())
+        acc = x.clone()
+        hop = dynamiq_numba.decode_accumulate_encode(records, width, acc, index, 1, 5, KEY,
+                                                     CodecConfig())
+        results.append((records, hop, acc, *dynamiq_numba.stats_center(x, valid)))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_cpu_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DQCOLL_CPU_THREADS must be a positive integer; unset, the cores are divided among the
+    ranks that share the machine."""
+    monkeypatch.setenv("DQCOLL_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="positive integer, got '0'"):
+        cpu_runtime.cpu_threads()
+    monkeypatch.setenv("DQCOLL_CPU_THREADS", "")
+    monkeypatch.setattr(cpu_runtime, "_local_ranks", 1)
+    assert cpu_runtime.cpu_threads() == max(1, os.cpu_count() or 1)
+    monkeypatch.setattr(cpu_runtime, "_local_ranks", 10_000)
+    assert cpu_runtime.cpu_threads() == 1
+
+
+def test_width_16_matches_reference() -> None:
+    """Raw 16-bit super-groups (encode, decode, decode-accumulate, the fused hop) give the
+    reference's bytes and values through the numba launchers."""
+    x = heavy_tailed(1, 5 * SUPER, seed=3).view(5, SUPER)
+    index = torch.arange(5, dtype=torch.int64) * SUPER
+    config = CodecConfig()
+    expected = codec.encode_torch(x, RAW_WIDTH, index, 0, 3, KEY, config)
+    records = dynamiq_numba.encode(x, RAW_WIDTH, index, 0, 3, KEY, config)
+    assert torch.equal(records, expected)
+    assert torch.equal(dynamiq_numba.decode(records, RAW_WIDTH, config),
+                       codec.decode_torch(records, RAW_WIDTH, config))
+    acc, acc_ref = x.clone(), x.clone()
+    hop = dynamiq_numba.decode_accumulate_encode(records, RAW_WIDTH, acc, index, 1, 3, KEY,
+                                                 config)
+    ref = codec.decode_accumulate_encode_torch(records, RAW_WIDTH, acc_ref, index, 1, 3, KEY,
+                                               config)
+    assert torch.equal(hop, ref) and torch.equal(acc, acc_ref)
+
+
+@pytest.mark.parametrize("levels", list(Levels))
+@pytest.mark.parametrize("width", WIDTHS)
+def test_level_tables_agree_with_searchsorted(width: int, levels: Levels) -> None:
+    """The 8-bit level search (bin table plus one compare) equals ``searchsorted`` over the
+    interior magnitudes on a dense grid of [0, 1] and on every magnitude and its neighbours."""
+    tables = dynamiq_numba.level_tables(width, levels)
+    interior = tables.mags[1:-1]
+    grid = torch.linspace(0, 1, 200_001, dtype=torch.float32).numpy()
+    probe = torch.cat([torch.from_numpy(grid), torch.from_numpy(tables.mags),
+                       torch.nextafter(torch.from_numpy(tables.mags), torch.tensor(2.0))])
+    probe = probe[probe <= 1].numpy()
+    guess = tables.rtab[(probe * tables.bins).astype("int64")]
+    guess = guess + (tables.nxt[guess] <= probe)
+    assert (guess == interior.searchsorted(probe, side="right")).all()
+
+
+def test_out_arguments_write_in_place() -> None:
+    """``out=`` receives the records / rows (the scheme writes straight into its payload), and a
+    wrong ``out`` raises with the expected shape."""
+    x = heavy_tailed(2, 4 * SUPER, seed=1).view(4, SUPER)
+    index = torch.arange(4, dtype=torch.int64) * SUPER
+    config = CodecConfig()
+    payload = torch.zeros(4 * 146 + 10, dtype=torch.uint8)
+    view = payload[5 : 5 + 4 * 146].view(4, 146)
+    assert dynamiq_numba.encode(x, 4, index, 0, 2, KEY, config, out=view) is view
+    assert torch.equal(view, codec.encode_torch(x, 4, index, 0, 2, KEY, config))
+    assert not payload[:5].any() and not payload[-5:].any()
+    rows = torch.full((4, SUPER), float("nan"))
+    dynamiq_numba.decode(view, 4, config, out=rows)
+    assert torch.equal(rows, codec.decode_torch(view, 4, config))
+    with pytest.raises(ValueError, match=r"out: expected contiguous uint8 \[4, 146\]"):
+        dynamiq_numba.encode(x, 4, index, 0, 2, KEY, config, out=torch.empty(4, 82,
+                                                                               dtype=torch.uint8))
