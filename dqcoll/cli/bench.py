@@ -607,7 +607,8 @@ def spawn(argv: Sequence[str], world_size: int, *, timeout_s: float | None = Non
     try:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                       MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
             procs.append(subprocess.Popen(
                 child_argv, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))

@@ -512,3 +512,35 @@ def restore_add(lo, hi, work, mean, out):
         o = out[i]
         for j in range(SUPER):
             o[j] = row[j] + m
+
+
+@numba.njit(**JIT_OPTIONS)
+def stats_only(lo, hi, x, valid, mean, norm2):
+    """The statistics of :func:`stats_center` without writing the centred rows (they are
+    written later, already in sorted order, by :func:`center_gather`)."""
+    t = np.empty(SUPER, np.float32)
+    for i in range(lo, hi):
+        row = x[i]
+        for j in range(SUPER):
+            t[j] = row[j]
+        m = _tree_sum_256(t) / np.float32(valid[i])
+        v = valid[i]
+        for j in range(SUPER):
+            c = row[j] - m if j < v else _F0
+            t[j] = c * c
+        mean[i] = m
+        norm2[i] = _tree_sum_256(t)
+
+
+@numba.njit(**JIT_OPTIONS)
+def center_gather(lo, hi, x, mean, valid, order, out):
+    """``out[k] = centred[order[k]]`` with ``centred`` as :func:`stats_center` writes it: row
+    ``order[k]`` of ``x`` minus its mean, padding exactly 0 (centring and reorder in one pass)."""
+    for k in range(lo, hi):
+        i = order[k]
+        row = x[i]
+        m = mean[i]
+        v = valid[i]
+        o = out[k]
+        for j in range(SUPER):
+            o[j] = row[j] - m if j < v else _F0

@@ -42,11 +42,13 @@ from .cpu_runtime import run_rows
 
 __all__ = [
     "OPS",
+    "center_gather",
     "decode",
     "decode_accumulate",
     "decode_accumulate_encode",
     "encode",
     "restore",
+    "stats",
     "stats_center",
     "warm_up",
 ]
@@ -184,16 +186,56 @@ def stats_center(
     """codec.stats_center_torch: ``(centred [S, 256] fp32, mean [S], norm2 [S])``."""
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
-    valid_np = valid.detach().to(dtype=torch.int64).reshape(-1).contiguous().numpy()
-    if valid_np.shape[0] != rows:
-        raise ValueError(f"valid: expected [{rows}], got {tuple(valid.shape)}")
-    if rows and (valid_np.min() < 1 or valid_np.max() > SUPER):
-        raise ValueError(f"valid: counts must be in [1, {SUPER}]")
+    valid_np = _valid(valid, rows)
     centred = torch.empty((rows, SUPER), dtype=torch.float32)
     mean = torch.empty(rows, dtype=torch.float32)
     norm2 = torch.empty(rows, dtype=torch.float32)
     run_rows(K.stats_center, rows, xs, valid_np, centred.numpy(), mean.numpy(), norm2.numpy())
     return centred, mean, norm2
+
+
+def stats(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, norm2)`` of :func:`stats_center` without the centred rows (same bits)."""
+    xs = _rows_f32("x", x)
+    rows = xs.shape[0]
+    valid_np = _valid(valid, rows)
+    mean = torch.empty(rows, dtype=torch.float32)
+    norm2 = torch.empty(rows, dtype=torch.float32)
+    run_rows(K.stats_only, rows, xs, valid_np, mean.numpy(), norm2.numpy())
+    return mean, norm2
+
+
+def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
+                  order: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``stats_center(x, valid)[0][order]`` with the local ``mean`` :func:`stats` returned:
+    the centred rows, already in ``order``, in one pass (no centred copy in between), into
+    ``out`` when given."""
+    xs = _rows_f32("x", x)
+    rows = xs.shape[0]
+    valid_np = _valid(valid, rows)
+    mean_np = mean.detach().to(dtype=torch.float32).contiguous().numpy()
+    order_np = order.detach().to(dtype=torch.int64).contiguous().numpy()
+    if mean_np.shape != (rows,) or order_np.shape != (rows,):
+        raise ValueError(f"mean and order: expected [{rows}], got {tuple(mean.shape)} and "
+                         f"{tuple(order.shape)}")
+    if rows and (order_np.min() < 0 or order_np.max() >= rows):
+        raise ValueError(f"order: row indices must be in [0, {rows})")
+    if out is None:
+        out = torch.empty((rows, SUPER), dtype=torch.float32)
+    _check_inplace("out", out, rows)
+    if not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
+    run_rows(K.center_gather, rows, xs, mean_np, valid_np, order_np, out.detach().numpy())
+    return out
+
+
+def _valid(valid: torch.Tensor, rows: int) -> np.ndarray:
+    valid_np = valid.detach().to(dtype=torch.int64).reshape(-1).contiguous().numpy()
+    if valid_np.shape[0] != rows:
+        raise ValueError(f"valid: expected [{rows}], got {tuple(valid.shape)}")
+    if rows and (valid_np.min() < 1 or valid_np.max() > SUPER):
+        raise ValueError(f"valid: counts must be in [1, {SUPER}]")
+    return valid_np
 
 
 def encode(
@@ -339,6 +381,8 @@ def warm_up() -> None:
         index = torch.arange(2, dtype=torch.int64) * SUPER
         valid = torch.full((2,), SUPER, dtype=torch.int64)
         centred, mean, _ = stats_center(x, valid)
+        stats(x, valid)
+        center_gather(x, mean, valid, torch.arange(2))
         for scales in Scales:
             config = CodecConfig(scales=scales)
             for width in WIDTHS:
@@ -361,4 +405,6 @@ OPS = DynamiqOps(
     decode_accumulate=decode_accumulate,
     decode_accumulate_encode=decode_accumulate_encode,
     restore=restore,
+    stats=stats,
+    center_gather=center_gather,
 )
