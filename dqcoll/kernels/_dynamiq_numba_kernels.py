@@ -198,12 +198,13 @@ def _scales_decode(meta, hierarchical, d, f32, u32):
 def _encode_row(
     xrow, xrow_bits, base, out_row, width, hierarchical, mags, nxt, rtab, bins,
     jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
-    scratch,
+    scratch, pv_row,
 ):
     """codec._encode_rows for one row ``xrow`` (fp32 [256], ``xrow_bits`` its uint32 view) whose
     first coordinate has global index ``base``, into ``out_row`` (uint8 [record_nbytes]).
-    ``scratch`` is the tuple of arrays :func:`_encode_scratch` makes."""
-    (d, u, codes, f32, u32, qscale, gbits, ck, pv, av, neg, binv, rv, lov, hiv) = scratch
+    ``scratch`` is the tuple of arrays :func:`_encode_scratch` makes; ``pv_row`` the row's 16
+    permutation values (correlated rounding)."""
+    (d, u, codes, f32, u32, qscale, gbits, av, neg, binv, rv, lov, hiv) = scratch
     top = (1 << (width - 1)) - 1  # R
     code_nbytes = 32 * width
     _scales_encode(xrow_bits, hierarchical, d, out_row[code_nbytes:], f32, u32, qscale, gbits)
@@ -212,35 +213,9 @@ def _encode_row(
     for j in range(SUPER):
         h = _coord_hash(jitter_key, base + j)
         u[j] = np.float32(h >> np.uint32(8)) * _TWO_M24  # 24 bits, exact
-    if correlated:
-        # pi(rank) of the 16 runs in lockstep (one SIMD vector): a Feistel pass over every run,
-        # repeated while any run's value is still outside [0, n) (cycle walking, per run).
-        n = np.uint32(world_size)
-        mask = np.uint32((1 << half) - 1)
+    if correlated:  # pi(rank) of each run of 16, computed by _permutations
         for g in range(GROUPS):
-            ck[g] = _coord_hash(perm_key, base + g * GROUP)
-            pv[g] = np.uint32(rank)
-        walking = True
-        first = True
-        while walking:
-            walking = False
-            for g in range(GROUPS):
-                v = pv[g]
-                left = np.uint32(v >> np.uint32(half))
-                right = np.uint32(v & mask)
-                for r in range(FEISTEL_ROUNDS):
-                    f = np.uint32(_mix32(np.uint32(ck[g] ^ np.uint32(right | np.uint32(r << 24))))
-                                  & mask)
-                    new_right = np.uint32(left ^ f)
-                    left = right
-                    right = new_right
-                w = np.uint32(np.uint32(left << np.uint32(half)) | right)
-                pv[g] = w if (first or v >= n) else v
-            for g in range(GROUPS):
-                walking |= pv[g] >= n
-            first = False
-        for g in range(GROUPS):
-            pi = np.float32(pv[g])
+            pi = np.float32(pv_row[g])
             for j in range(GROUP):
                 u[g * GROUP + j] = (pi + u[g * GROUP + j]) * inv_n  # two roundings
 
@@ -323,15 +298,54 @@ def _decode_row(
                 out_row[j] = value
 
 
+# Rows whose permutations are computed together: 8 rows = 128 runs = 8 independent SIMD chains.
+# The Feistel rounds are a dependent chain; one row's 16 runs in one vector left the core waiting
+# on it (encode at 4 bits, n = 8: 116 M coordinates/s vs 141 with independent rounding).
+PERM_ROWS = 8
+
+
+@numba.njit(**_inline)
+def _permutations(index_base, b0, b1, perm_key, rank, world_size, half, ck, pv):
+    """``pv[r * 16 + g] = pi_g(rank)`` for the runs ``g`` of rows ``b0 + r < b1``: the Feistel
+    network over every run in lockstep, repeated while any value is still outside ``[0, n)``
+    (cycle walking: a run's value changes only while it is outside, so each run gets exactly
+    the reference's ``permute_rank``)."""
+    lanes = (b1 - b0) * GROUPS
+    n = np.uint32(world_size)
+    mask = np.uint32((1 << half) - 1)
+    for lane in range(lanes):
+        ck[lane] = _coord_hash(perm_key, index_base[b0 + lane // GROUPS] + (lane % GROUPS) * GROUP)
+        pv[lane] = np.uint32(rank)
+    walking = True
+    first = True
+    while walking:
+        walking = False
+        for lane in range(lanes):
+            v = pv[lane]
+            key = ck[lane]
+            left = np.uint32(v >> np.uint32(half))
+            right = np.uint32(v & mask)
+            for r in range(FEISTEL_ROUNDS):
+                f = np.uint32(_mix32(np.uint32(key ^ np.uint32(right | np.uint32(r << 24))))
+                              & mask)
+                new_right = np.uint32(left ^ f)
+                left = right
+                right = new_right
+            w = np.uint32(np.uint32(left << np.uint32(half)) | right)
+            pv[lane] = w if (first or v >= n) else v
+        for lane in range(lanes):
+            walking |= pv[lane] >= n
+        first = False
+
+
 @numba.njit(**_inline)
 def _encode_scratch():
     """Per-call scratch of :func:`_encode_row` (allocated once per row range, not per row):
-    ``(d, u, codes, f32, u32, qscale, gbits, ck, pv, av, neg, binv, rv, lov, hiv)``."""
+    ``(d, u, codes, f32, u32, qscale, gbits, av, neg, binv, rv, lov, hiv)``."""
     f32 = np.empty(1, np.float32)
     return (np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
             np.empty(SUPER, np.uint8), f32, f32.view(np.uint32),
             np.empty(GROUPS, np.float32), np.empty(GROUPS, np.uint32),
-            np.empty(GROUPS, np.uint32), np.empty(GROUPS, np.uint32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.bool_),
             np.empty(SUPER, np.int32), np.empty(SUPER, np.int32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.float32))
@@ -347,10 +361,17 @@ def _encode_rows(
 ):
     x_bits = x.view(np.uint32)
     scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
-                    rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
-                    scratch)
+    ck = np.empty(PERM_ROWS * GROUPS, np.uint32)
+    pv = np.empty(PERM_ROWS * GROUPS, np.uint32)
+    for b0 in range(lo, hi, PERM_ROWS):
+        b1 = min(b0 + PERM_ROWS, hi)
+        if correlated:
+            _permutations(index_base, b0, b1, perm_key, rank, world_size, half, ck, pv)
+        for i in range(b0, b1):
+            r0 = (i - b0) * GROUPS
+            _encode_row(x[i], x_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
+                        rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated,
+                        half, scratch, pv[r0 : r0 + GROUPS])
 
 
 @numba.njit(**_inline)
@@ -375,17 +396,24 @@ def _hop_rows(
     s_bits = s.view(np.uint32)
     scratch = _encode_scratch()
     d, f32, u32 = scratch[0], scratch[3], scratch[4]
-    for i in range(lo, hi):
-        row = acc[i]
-        for j in range(SUPER):
-            s[j] = row[j]
-        _decode_row(records[i], width, hierarchical, table, d, f32, u32, s, True)
-        if write_acc:
+    ck = np.empty(PERM_ROWS * GROUPS, np.uint32)
+    pv = np.empty(PERM_ROWS * GROUPS, np.uint32)
+    for b0 in range(lo, hi, PERM_ROWS):
+        b1 = min(b0 + PERM_ROWS, hi)
+        if correlated:
+            _permutations(index_base, b0, b1, perm_key, rank, world_size, half, ck, pv)
+        for i in range(b0, b1):
+            row = acc[i]
             for j in range(SUPER):
-                row[j] = s[j]
-        _encode_row(s, s_bits, index_base[i], out[i], width, hierarchical, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
-                    scratch)
+                s[j] = row[j]
+            _decode_row(records[i], width, hierarchical, table, d, f32, u32, s, True)
+            if write_acc:
+                for j in range(SUPER):
+                    row[j] = s[j]
+            r0 = (i - b0) * GROUPS
+            _encode_row(s, s_bits, index_base[i], out[i], width, hierarchical, mags, nxt, rtab,
+                        bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
+                        scratch, pv[r0 : r0 + GROUPS])
 
 
 # -- entry points: one per width -----------------------------------------------------------------
@@ -478,8 +506,13 @@ def restore_f32(lo, hi, work, mean, index_base, valid, out):
         row = work[i]
         m = mean[i]
         b = index_base[i]
-        for j in range(valid[i]):
-            out[b + j] = row[j] + m
+        if valid[i] == SUPER:  # a constant trip count vectorises: 2.2 vs 0.6 G coordinates/s
+            o = out[b : b + SUPER]
+            for j in range(SUPER):
+                o[j] = row[j] + m
+        else:
+            for j in range(valid[i]):
+                out[b + j] = row[j] + m
 
 
 @numba.njit(**JIT_OPTIONS)
@@ -542,5 +575,9 @@ def center_gather(lo, hi, x, mean, valid, order, out):
         m = mean[i]
         v = valid[i]
         o = out[k]
-        for j in range(SUPER):
-            o[j] = row[j] - m if j < v else _F0
+        if v == SUPER:
+            for j in range(SUPER):
+                o[j] = row[j] - m
+        else:
+            for j in range(SUPER):
+                o[j] = row[j] - m if j < v else _F0
