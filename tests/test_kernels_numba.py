@@ -154,3 +154,26 @@ def test_out_arguments_write_in_place() -> None:
     with pytest.raises(ValueError, match=r"out: expected contiguous uint8 \[4, 146\]"):
         dynamiq_numba.encode(x, 4, index, 0, 2, KEY, config, out=torch.empty(4, 82,
                                                                                dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_bisection_equals_reference(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The compiled bisection of ``allocate_widths`` finds the reference's ``u`` and widths bit
+    for bit (zero, NaN and Inf norms, raw 16-bit widths, energy exponents, budgets)."""
+    from dqcoll.schemes.dynamiq.allocation import allocate_widths
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 1000 + 3000 * seed
+    norm2 = (torch.rand(rows, generator=g)
+             * torch.exp(torch.randn(rows, generator=g) * (2 + 3 * seed))).float()
+    norm2[:: 5 + seed] = 0.0
+    norm2[7] = float("nan")
+    norm2[11] = float("inf")
+    for bits, max_width, exponent in ((3.0, 8, 1.0), (5.0, 8, 0.5), (9.5, 16, 1.0)):
+        kwargs = dict(max_width=max_width, energy_exponent=exponent)
+        monkeypatch.setenv("DQCOLL_KERNELS", "torch")
+        expected = allocate_widths(norm2, rows * SUPER - seed, bits, **kwargs)
+        monkeypatch.setenv("DQCOLL_KERNELS", "numba")
+        actual = allocate_widths(norm2, rows * SUPER - seed, bits, **kwargs)
+        assert actual.u == expected.u and torch.equal(actual.widths, expected.widths)
+        assert actual.payload_nbytes == expected.payload_nbytes

@@ -394,6 +394,9 @@ def warm_up() -> None:
                 decode(records, width, config)
         for dtype in (torch.float32, torch.bfloat16):
             restore(centred, mean, index, valid, torch.empty(2 * SUPER, dtype=dtype))
+        from .allocation_numba import bisect
+
+        bisect(np.zeros(2), np.zeros(2, np.bool_), np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8)
         _warmed = True
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -154,16 +155,21 @@ def allocate_widths(
     richest = _widths_for(log_f, zero, u_hi, max_width)
     if cost(richest) + stats <= budget:
         return Allocation(richest, u_hi, cost(richest), stats, budget, False)
-    search = _Bracket(log_f, zero, lookup, budget - stats, (u_lo, cheapest), (u_hi, richest),
-                      max_width)
-    if u_hint is not None and math.isfinite(u_hint):
-        search.bracket_around(float(u_hint))
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (u_lo + u_hi)
-        if search.feasible(mid):
-            u_lo = mid
-        else:
-            u_hi = mid
+    compiled = _compiled_bisection()
+    if compiled is not None:  # the same halvings in one compiled loop (kernels/allocation_numba)
+        u_lo = float(compiled(log_f.numpy(), zero.numpy(), lookup.numpy(), budget - stats, u_lo,
+                              u_hi, _BISECTION_STEPS, C_SLOPE, max_width))
+    else:
+        search = _Bracket(log_f, zero, lookup, budget - stats, (u_lo, cheapest),
+                          (u_hi, richest), max_width)
+        if u_hint is not None and math.isfinite(u_hint):
+            search.bracket_around(float(u_hint))
+        for _ in range(_BISECTION_STEPS):
+            mid = 0.5 * (u_lo + u_hi)
+            if search.feasible(mid):
+                u_lo = mid
+            else:
+                u_hi = mid
     widths = _widths_for(log_f, zero, u_lo, max_width)
     return Allocation(widths, u_lo, cost(widths), stats, budget, False)
 
@@ -323,6 +329,18 @@ def allocate_for_target(
         else:
             u_lo = mid
     return result(widths(u_hi), u_hi)
+
+
+def _compiled_bisection() -> Callable[..., float] | None:
+    """The compiled bisection where the CPU kernels are numba's (``DQCOLL_KERNELS`` auto or
+    numba, numba importable); None: the torch reference above (``DQCOLL_KERNELS=torch``)."""
+    from ...kernels import dynamiq_ops
+
+    if dynamiq_ops(torch.device("cpu")).name != "numba":
+        return None
+    from ...kernels.allocation_numba import bisect
+
+    return bisect  # type: ignore[no-any-return]
 
 
 def _cost_lookup(scales: Scales) -> torch.Tensor:
