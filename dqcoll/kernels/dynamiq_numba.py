@@ -66,7 +66,7 @@ class LevelTables:
     nxt: np.ndarray  # fp32 [R]: nxt[r] = m_{r+1} if r + 1 < R else +inf (interior levels only)
     rtab: np.ndarray  # int32 [bins + 1]: interior magnitudes <= b / bins
     bins: int
-    table: np.ndarray  # fp32 [2**width]: decoded value of each code
+    table: np.ndarray  # fp32 [256 * (8 // width)]: value of code k of byte b at b * (8//w) + k
 
 
 @functools.lru_cache(maxsize=16)
@@ -95,7 +95,10 @@ def level_tables(width: int, levels: Levels) -> LevelTables:
     guess = rtab[(probes * np.float32(bins)).astype(np.int64)]
     guess = guess + (nxt[guess] <= probes)
     assert np.array_equal(guess, np.searchsorted(interior, probes, side="right")), width
-    table = codec.code_table(width, levels).numpy()
+    codes = codec.code_table(width, levels).numpy()
+    per_byte = 8 // width
+    byte = np.arange(256)[:, None] >> (np.arange(per_byte)[None, :] * width)  # LSB-first
+    table = np.ascontiguousarray(codes[byte & ((1 << width) - 1)].reshape(-1))
     return LevelTables(mags, nxt, rtab, bins, table)
 
 
