@@ -1,9 +1,11 @@
 """Per-hop CPU codec rates of every scheme: M coordinates/s per operation, one thread, one rank.
 
 What one rank's host cores do per hop of a collective (DESIGN §7: on slow links the codec must
-outrun the link), measured on the scheme's own :class:`~dqcoll.schemes.SchemeCall` with one
-chunk of ``--numel`` coordinates (default ``2**24``), ``torch.set_num_threads(1)`` and one
-compiled-kernel thread (``DQCOLL_CPU_THREADS=1``):
+outrun the link), measured on rank 0's own :class:`~dqcoll.schemes.SchemeCall` of a two-rank
+all-reduce of ``2 * --numel`` coordinates, on its chunk 0 of ``--numel`` coordinates (default
+``2**24``; two ranks so that a payload summing 2 ranks is valid and the incoming payload is
+rank 1's real leaf payload), with ``torch.set_num_threads(1)`` and one compiled-kernel thread
+(``DQCOLL_CPU_THREADS=1``):
 
 =====================================  ===================================================
 op                                     call
@@ -39,6 +41,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -115,11 +118,24 @@ def kernels_env(choice: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def make_call(case: Case, x: torch.Tensor, seed: int = 0) -> SchemeCall:
-    """A one-rank all-reduce call of ``case`` on ``x`` (one chunk: the whole buffer)."""
-    transport = LocalHub(1).transport(0)
-    ctx = CallContext(transport, ReduceOp.SUM, seed, 0, Collective.ALLREDUCE, "bench")
-    return schemes.get(case.scheme, **dict(case.options)).begin(x.clone(), ctx)
+def make_calls(case: Case, inputs: list[torch.Tensor], seed: int = 0) -> list[SchemeCall]:
+    """The all-reduce calls of ``case`` of two ranks (``begin`` runs the schemes' statistics
+    all-reduces, so the ranks begin together, one thread each); chunk 0 is the first half."""
+    hub = LocalHub(len(inputs))
+    scheme = schemes.get(case.scheme, **dict(case.options))
+    calls: list[Any] = [None] * len(inputs)
+
+    def begin(rank: int) -> None:
+        ctx = CallContext(hub.transport(rank), ReduceOp.SUM, seed, 0, Collective.ALLREDUCE,
+                          "bench")
+        calls[rank] = scheme.begin(inputs[rank].clone(), ctx)
+
+    threads = [threading.Thread(target=begin, args=(r,)) for r in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return calls
 
 
 def _reset(call: SchemeCall, work: torch.Tensor) -> None:
@@ -150,17 +166,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def measure_case(case: Case, numel: int, repeats: int, kernels: list[str]) -> list[dict[str, Any]]:
-    x = gradient_like(numel)
-    x_peer = gradient_like(numel, seed=1)
+    inputs = [gradient_like(2 * numel, seed=rank) for rank in range(2)]
     records: list[dict[str, Any]] = []
     reference: dict[str, torch.Tensor] = {}
     for choice in kernels:
         with kernels_env(choice):
-            call = make_call(case, x)
+            call, peer = make_calls(case, inputs)
             work = call.work.clone()
-            # the incoming payload: a peer's leaf compress on its own values
-            peer = make_call(case, x_peer)
-            payload = peer.compress(0, 1).clone()
+            payload = peer.compress(0, 1).clone()  # what a leaf sends for chunk 0
             for op, fn in OPS.items():
                 _reset(call, work)
                 result = fn(call, payload).clone()  # warm-up (and JIT), checked below

@@ -55,7 +55,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..kernels.baselines import cpu_kernels
 from .base import CallContext, SchemeSpec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import pack_bits_torch, packed_nbytes, unpack_bits_torch
 from .elementwise import BlockCall, BlockCodec
 
 __all__ = [
@@ -205,14 +205,14 @@ def mx_encode_torch(values: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     scaled = blocks * pow2(-shared)[:, None]  # a power of two: exact unless it underflows
     codes = encode_elements(scaled, fmt)
     codes = torch.where(finite[:, None], codes, torch.zeros_like(codes))
-    return torch.cat([scale_bytes.to(torch.uint8), pack_bits(codes, fmt.bits)])
+    return torch.cat([scale_bytes.to(torch.uint8), pack_bits_torch(codes, fmt.bits)])
 
 
 def mx_decode_torch(payload: torch.Tensor, numel: int, fmt: ElementFormat) -> torch.Tensor:
     """Inverse of :func:`mx_encode_torch`: uint8 payload -> fp32 ``[numel]``."""
     nblocks = numel // MX_BLOCK
     scale_bytes = payload[:nblocks].to(torch.int64)
-    codes = unpack_bits(payload[nblocks:], fmt.bits, numel).view(nblocks, MX_BLOCK)
+    codes = unpack_bits_torch(payload[nblocks:], fmt.bits, numel).view(nblocks, MX_BLOCK)
     values = decode_table(fmt, payload.device)[codes]
     scale = pow2(scale_bytes - E8M0_BIAS)
     scale = torch.where(scale_bytes == E8M0_NAN, torch.full_like(scale, math.nan), scale)
@@ -228,14 +228,14 @@ def mx_encode_global_torch(
     safe = torch.where(usable, scale, torch.ones_like(scale))
     codes = encode_elements(values.view(-1, MX_BLOCK) / safe[:, None], fmt)
     codes = torch.where(usable[:, None], codes, torch.zeros_like(codes))
-    return pack_bits(codes, fmt.bits)
+    return pack_bits_torch(codes, fmt.bits)
 
 
 def mx_decode_global_torch(
     payload: torch.Tensor, numel: int, scale: torch.Tensor, fmt: ElementFormat
 ) -> torch.Tensor:
     """Inverse of :func:`mx_encode_global_torch` (an Inf scale decodes as NaN)."""
-    codes = unpack_bits(payload, fmt.bits, numel).view(-1, MX_BLOCK)
+    codes = unpack_bits_torch(payload, fmt.bits, numel).view(-1, MX_BLOCK)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, math.nan), scale)
     return (decode_table(fmt, payload.device)[codes] * scale[:, None]).reshape(-1)
 
