@@ -37,7 +37,7 @@ from dqcoll.testing import run_local
 if numba_available() is not None:
     pytest.skip(f"numba kernels: {numba_available()}", allow_module_level=True)
 
-from dqcoll.kernels import baselines_numba as K  # noqa: E402
+from dqcoll.kernels import baselines_numba as K
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Which implementation of the baseline codecs runs: the compiled CPU kernels or the torch reference.
+"""Which implementation of the baseline codecs runs: compiled CPU kernels or the torch reference.
 
 The baseline schemes (MX formats, int blocks, THC, global QSGD, bit packing) ask
 :func:`cpu_kernels` for each CPU tensor they code; it returns :mod:`.baselines_numba` when the

@@ -505,7 +505,9 @@ def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
-def _unpack(payload: torch.Tensor, width: int, count: int, sums: torch.Tensor | None) -> torch.Tensor:
+def _unpack(
+    payload: torch.Tensor, width: int, count: int, sums: torch.Tensor | None
+) -> torch.Tensor:
     _check_width(width)
     nbytes = -(-count * width // 8)
     if payload.numel() < nbytes:

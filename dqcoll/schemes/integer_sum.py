@@ -160,9 +160,9 @@ class IntegerSumCall:
         lo, hi = self._bounds(chunk)
         kernels = cpu_kernels(self.work.device)
         if kernels is not None:
-            call = rng.stream_key(rng.call_key(self.seed, self.step), self.codec.stream)
-            codes = self.codec.quantize_fast(kernels, self.work[lo:hi], rng.rank_key(call, self.rank),
-                                             lo, self.state)
+            stream = rng.stream_key(rng.call_key(self.seed, self.step), self.codec.stream)
+            key = rng.rank_key(stream, self.rank)  # the key of rank_uniforms
+            codes = self.codec.quantize_fast(kernels, self.work[lo:hi], key, lo, self.state)
             if codes is not None:
                 return codes
         index = torch.arange(lo, hi, dtype=torch.int64, device=self.work.device)
