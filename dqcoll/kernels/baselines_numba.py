@@ -80,6 +80,17 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
+def _out(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """The numpy view of an output written in place: it must be a contiguous CPU ``dtype``
+    tensor (a copy would drop the writes)."""
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(
+            f"expected a contiguous CPU {dtype} output, got {t.dtype} on {t.device} with "
+            f"strides {t.stride()}"
+        )
+    return t.numpy()
+
+
 # -- shared pieces -----------------------------------------------------------------------------
 
 
@@ -284,7 +295,7 @@ def mx_encode(values: torch.Tensor, fmt, gscale: torch.Tensor | None) -> torch.T
                       dtype=torch.uint8)
     scale_out, codes_out = _mx_layout(out, nblocks, ocp)
     g = np.empty(0, np.float32) if gscale is None else _np(gscale.to(torch.float32))
-    run_rows(_mx_encode_kernel, nblocks, _np(values.reshape(-1)), ocp, g, scale_out, codes_out,
+    run_rows(_mx_encode_kernel, nblocks, _np(values.reshape(-1).float()), ocp, g, scale_out, codes_out,
              fmt.bits, *_mx_format_args(fmt), _pow2_table())
     return out
 
@@ -299,7 +310,7 @@ def mx_decode(payload: torch.Tensor, out: torch.Tensor, fmt, gscale: torch.Tenso
     scale_in, codes_in = _mx_layout(payload, nblocks, ocp)
     g = np.empty(0, np.float32) if gscale is None else _np(gscale.to(torch.float32))
     run_rows(_mx_decode_kernel, nblocks, scale_in, codes_in, ocp, g, fmt.bits,
-             _mx_table(fmt.name), _pow2_table(), out.numpy(), accumulate)
+             _mx_table(fmt.name), _pow2_table(), _out(out), accumulate)
 
 
 def mx_decode_accumulate_encode(
@@ -318,7 +329,7 @@ def mx_decode_accumulate_encode(
     empty = np.empty(0, np.float32)
     g_in = empty if gscale_in is None else _np(gscale_in.to(torch.float32))
     g_out = empty if gscale_out is None else _np(gscale_out.to(torch.float32))
-    run_rows(_mx_dae_kernel, nblocks, scale_in, codes_in, g_in, work.numpy(), ocp, g_out,
+    run_rows(_mx_dae_kernel, nblocks, scale_in, codes_in, g_in, _out(work), ocp, g_out,
              scale_out, codes_out, fmt.bits, _mx_table(fmt.name), *_mx_format_args(fmt),
              _pow2_table())
     return out
@@ -416,7 +427,7 @@ def int_block_encode(values: torch.Tensor, block: int, width: int) -> torch.Tens
     data = out.numpy()
     scales, codes = data[: 4 * nblocks].view(np.float32), data[4 * nblocks :]
     qmax = (1 << (width - 1)) - 1
-    run_rows(_int_block_encode_kernel, nblocks, _np(values.reshape(-1)), block, qmax, width,
+    run_rows(_int_block_encode_kernel, nblocks, _np(values.reshape(-1).float()), block, qmax, width,
              scales, codes)
     return out
 
@@ -426,7 +437,7 @@ def int_block_decode(payload: torch.Tensor, out: torch.Tensor, block: int, width
     nblocks = _check_int_block(out.numel(), block, width)
     scales, codes = _int_block_split(_np(payload.reshape(-1)), nblocks)
     qmax = (1 << (width - 1)) - 1
-    run_rows(_int_block_decode_kernel, nblocks, block, qmax, width, scales, codes, out.numpy(),
+    run_rows(_int_block_decode_kernel, nblocks, block, qmax, width, scales, codes, _out(out),
              accumulate)
 
 
@@ -438,7 +449,7 @@ def int_block_decode_accumulate_encode(payload: torch.Tensor, work: torch.Tensor
     data = out.numpy()
     qmax = (1 << (width - 1)) - 1
     run_rows(_int_block_dae_kernel, nblocks, block, qmax, width, scales_in, codes_in,
-             work.numpy(), data[: 4 * nblocks].view(np.float32), data[4 * nblocks :])
+             _out(work), data[: 4 * nblocks].view(np.float32), data[4 * nblocks :])
     return out
 
 
@@ -615,7 +626,8 @@ def thc_quantize(values: torch.Tensor, key: int, index_base: int, limit: float,
     24-bit uniform of coordinate ``index_base + i`` under ``key``; finite, positive ``delta``."""
     n = values.numel()
     out = torch.empty(n, dtype=torch.int64)
-    run_rows(_rows_thc_quantize, _element_rows(n), n, _np(values.reshape(-1)), np.uint64(key),
+    run_rows(_rows_thc_quantize, _element_rows(n), n, _np(values.reshape(-1).float()),
+             np.uint64(key),
              index_base, np.float32(limit), np.float32(delta), out.numpy())
     return out
 
@@ -625,7 +637,8 @@ def qsgd_quantize(values: torch.Tensor, key: int, index_base: int, levels: int,
     """Global QSGD's codes ``clamp(floor(clamp(v / delta, -L, L) + u), -L, L) + L``."""
     n = values.numel()
     out = torch.empty(n, dtype=torch.int64)
-    run_rows(_rows_qsgd_quantize, _element_rows(n), n, _np(values.reshape(-1)), np.uint64(key),
+    run_rows(_rows_qsgd_quantize, _element_rows(n), n, _np(values.reshape(-1).float()),
+             np.uint64(key),
              index_base, levels, np.float32(delta), out.numpy())
     return out
 
@@ -634,11 +647,11 @@ def thc_dequantize(sums: torch.Tensor, delta: float, offset: float, out: torch.T
     """``out = fp32(sums) * fp32(delta) - fp32(offset)`` (two roundings, as the reference)."""
     n = sums.numel()
     run_rows(_rows_thc_dequantize, _element_rows(n), n, _np(sums), np.float32(delta),
-             np.float32(offset), out.numpy())
+             np.float32(offset), _out(out))
 
 
 def qsgd_dequantize(sums: torch.Tensor, centre: int, delta: float, out: torch.Tensor) -> None:
     """``out = fp32(sums - centre) * fp32(delta)``."""
     n = sums.numel()
     run_rows(_rows_qsgd_dequantize, _element_rows(n), n, _np(sums), centre, np.float32(delta),
-             out.numpy())
+             _out(out))
