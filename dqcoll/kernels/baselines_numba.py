@@ -295,8 +295,8 @@ def mx_encode(values: torch.Tensor, fmt, gscale: torch.Tensor | None) -> torch.T
                       dtype=torch.uint8)
     scale_out, codes_out = _mx_layout(out, nblocks, ocp)
     g = np.empty(0, np.float32) if gscale is None else _np(gscale.to(torch.float32))
-    run_rows(_mx_encode_kernel, nblocks, _np(values.reshape(-1).float()), ocp, g, scale_out, codes_out,
-             fmt.bits, *_mx_format_args(fmt), _pow2_table())
+    run_rows(_mx_encode_kernel, nblocks, _np(values.reshape(-1).float()), ocp, g, scale_out,
+             codes_out, fmt.bits, *_mx_format_args(fmt), _pow2_table())
     return out
 
 
