@@ -6,13 +6,20 @@ Code ``j`` of a run occupies bits ``[j w, (j + 1) w)`` of the little-endian bit 
 a shift-or fast path; multiples of 8 are little-endian bytes; anything else (FP6, THC's growing
 sum widths) goes through a bit-plane expansion, which costs ``w`` bytes of scratch per code and
 is only the reference: a kernel would shift within 64-bit words.
+
+:func:`pack_bits` / :func:`unpack_bits` run the compiled CPU kernels
+(:mod:`dqcoll.kernels.baselines_numba`: a 64-bit shift register per group of 8 codes) on CPU
+tensors when :func:`dqcoll.kernels.baselines.cpu_kernels` says so, and the references
+:func:`pack_bits_torch` / :func:`unpack_bits_torch` otherwise; both give the same bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "packed_nbytes", "unpack_bits"]
+from ..kernels.baselines import cpu_kernels
+
+__all__ = ["pack_bits", "pack_bits_torch", "packed_nbytes", "unpack_bits", "unpack_bits_torch"]
 
 
 def packed_nbytes(count: int, width: int) -> int:
@@ -22,6 +29,22 @@ def packed_nbytes(count: int, width: int) -> int:
 
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative int codes below ``2**width`` (any shape) -> flat uint8, LSB-first."""
+    kernels = cpu_kernels(codes.device)
+    if kernels is not None:
+        return kernels.pack_bits(codes, width)  # type: ignore[no-any-return]
+    return pack_bits_torch(codes, width)
+
+
+def unpack_bits(payload: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Flat uint8 -> int64 ``[count]`` codes (inverse of :func:`pack_bits`)."""
+    kernels = cpu_kernels(payload.device)
+    if kernels is not None:
+        return kernels.unpack_bits(payload, width, count)  # type: ignore[no-any-return]
+    return unpack_bits_torch(payload, width, count)
+
+
+def pack_bits_torch(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Reference of :func:`pack_bits`."""
     if not 1 <= width <= 32:
         raise ValueError(f"width must be in [1, 32], got {width}")
     flat = codes.reshape(-1).to(torch.int64)
@@ -49,8 +72,8 @@ def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     return (padded_bits.view(nbytes, 8) * weights).sum(dim=1).to(torch.uint8)
 
 
-def unpack_bits(payload: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """Flat uint8 -> int64 ``[count]`` codes (inverse of :func:`pack_bits`)."""
+def unpack_bits_torch(payload: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Reference of :func:`unpack_bits`."""
     if not 1 <= width <= 32:
         raise ValueError(f"width must be in [1, 32], got {width}")
     nbytes = packed_nbytes(count, width)

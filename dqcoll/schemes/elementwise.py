@@ -4,6 +4,11 @@ Such a scheme (``none``, ``bf16``, MX formats, int blocks) only says how to enco
 run of whole blocks; this module cuts the buffer into ``n`` chunks of whole blocks (balanced to
 one block; for reduce-scatter and all-gather, one chunk per shard), pads with zeros, runs the
 per-hop decompress-accumulate-recompress and writes the result back.
+
+A codec with a compiled CPU path also overrides :meth:`BlockCodec.decode_into` (decode into, or
+add to, the chunk in place) and :meth:`BlockCodec.decode_accumulate_encode` (the fused hop, one
+pass over the blocks); they return ``False`` / ``None`` when no fast path applies, and the call
+then composes ``decode_values``, ``add_`` and ``encode_values`` (the reference).
 """
 
 from __future__ import annotations
@@ -152,6 +157,22 @@ class BlockCodec(abc.ABC):
         """Per-call state when the codec is used on one tensor, outside a collective."""
         return None
 
+    # -- fast paths (optional) ------------------------------------------------------------------
+
+    def decode_into(
+        self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
+    ) -> bool:
+        """Decode ``payload`` into the contiguous fp32 ``out`` (or add it to ``out`` when
+        ``accumulate``) and return True; False where no fast path applies."""
+        return False
+
+    def decode_accumulate_encode(
+        self, payload: torch.Tensor, work: torch.Tensor, count: int, out_count: int, ctx: Any
+    ) -> torch.Tensor | None:
+        """``work += decode(payload)``, then the payload of ``work`` summing ``out_count`` ranks;
+        None where no fast path applies."""
+        return None
+
 
 class BlockCall:
     """One collective call of a :class:`BlockCodec` (layout: :class:`BlockLayout`)."""
@@ -174,25 +195,37 @@ class BlockCall:
     def _chunk(self, chunk: int) -> torch.Tensor:
         return self.work[self.chunk_bounds[chunk] : self.chunk_bounds[chunk + 1]]
 
+    def _state(self, chunk: int) -> Any:
+        """The codec state of one chunk (the call's state, unless a subclass slices it)."""
+        return self.state
+
     def payload_nbytes(self, chunk: int, count: int) -> int:
-        return self.codec.chunk_nbytes(self._chunk(chunk).numel(), count, self.state)
+        return self.codec.chunk_nbytes(self._chunk(chunk).numel(), count, self._state(chunk))
 
     def compress(self, chunk: int, count: int) -> torch.Tensor:
-        return self.codec.encode_values(self._chunk(chunk), count, self.state)
+        return self.codec.encode_values(self._chunk(chunk), count, self._state(chunk))
 
     def _decode(self, chunk: int, payload: torch.Tensor, count: int) -> torch.Tensor:
         values = self._chunk(chunk)
-        return self.codec.decode_values(payload, values.numel(), count, self.state)
+        return self.codec.decode_values(payload, values.numel(), count, self._state(chunk))
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        self._chunk(chunk).copy_(self._decode(chunk, payload, count))
+        values = self._chunk(chunk)
+        if not self.codec.decode_into(payload, values, count, self._state(chunk), False):
+            values.copy_(self._decode(chunk, payload, count))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        self._chunk(chunk).add_(self._decode(chunk, payload, count))
+        values = self._chunk(chunk)
+        if not self.codec.decode_into(payload, values, count, self._state(chunk), True):
+            values.add_(self._decode(chunk, payload, count))
 
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
     ) -> torch.Tensor:
+        fused = self.codec.decode_accumulate_encode(payload, self._chunk(chunk), count,
+                                                    out_count, self._state(chunk))
+        if fused is not None:
+            return fused
         self.decompress_accumulate(chunk, payload, count)
         return self.compress(chunk, out_count)
 

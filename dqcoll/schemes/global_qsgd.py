@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -80,6 +81,20 @@ class GlobalQSGDScheme(IntegerSumCodec):
         y = (values / state.delta).clamp(-levels, levels)
         q = torch.floor(y + uniforms).clamp(-levels, levels)
         return q.to(torch.int64) + levels
+
+    def quantize_fast(
+        self, kernels: ModuleType, values: torch.Tensor, key: int, index_base: int, state: Any
+    ) -> torch.Tensor | None:
+        if not math.isfinite(state.delta) or state.delta == 0.0:
+            return None
+        return kernels.qsgd_quantize(  # type: ignore[no-any-return]
+            values, key, index_base, state.levels, state.delta)
+
+    def dequantize_fast(
+        self, kernels: ModuleType, sums: torch.Tensor, count: int, state: Any, out: torch.Tensor
+    ) -> bool:
+        kernels.qsgd_dequantize(sums, count * state.levels, state.delta, out)
+        return True
 
     def dequantize(self, sums: torch.Tensor, count: int, state: Any) -> torch.Tensor:
         centred = (sums - count * state.levels).to(torch.float32)

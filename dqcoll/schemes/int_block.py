@@ -13,6 +13,10 @@ and decodes as NaN on every rank.
 
 Rejected: ZeRO++'s asymmetric (min/max) variant, which doubles the metadata for little gain on
 gradients, whose blocks are close to zero-mean.
+
+:func:`int_block_encode_torch` / :func:`int_block_decode_torch` are the spec; on CPU tensors the
+compiled kernels of :mod:`dqcoll.kernels.baselines_numba` run instead (same bytes, one loop per
+block; chosen by :func:`dqcoll.kernels.baselines.cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -22,15 +26,51 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
+from ..kernels.baselines import cpu_kernels
 from .base import SchemeSpec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import pack_bits_torch, packed_nbytes, unpack_bits_torch
 from .elementwise import BlockCodec
 
-__all__ = ["DEFAULT_BLOCK", "Int4BlockScheme", "Int8BlockScheme", "IntBlockScheme"]
+__all__ = [
+    "DEFAULT_BLOCK",
+    "Int4BlockScheme",
+    "Int8BlockScheme",
+    "IntBlockScheme",
+    "int_block_decode_torch",
+    "int_block_encode_torch",
+]
 
 # 128: the same metadata rate (0.25 bit per coordinate) as the MX formats, so the two families
 # compare at equal cost; ZeRO++ itself uses larger groups in practice.
 DEFAULT_BLOCK = 128
+
+
+def int_block_encode_torch(values: torch.Tensor, block: int, code_bits: int) -> torch.Tensor:
+    """fp32 ``[B * block]`` -> ``B`` fp32 scales (bytes), then codes ``q + qmax`` packed."""
+    qmax = (1 << (code_bits - 1)) - 1
+    blocks = values.view(-1, block)
+    amax = blocks.abs().amax(dim=1)
+    scale = amax / qmax  # fp32 division, one rounding; NaN/Inf stay non-finite
+    usable = (scale > 0) & torch.isfinite(scale)
+    safe = torch.where(usable, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, None]).clamp(-qmax, qmax)
+    q = torch.where(usable[:, None], q, torch.zeros_like(q)).to(torch.int64)
+    scale_bytes = scale.contiguous().view(torch.uint8)
+    return torch.cat([scale_bytes, pack_bits_torch(q + qmax, code_bits)])
+
+
+def int_block_decode_torch(
+    payload: torch.Tensor, numel: int, block: int, code_bits: int
+) -> torch.Tensor:
+    """Inverse of :func:`int_block_encode_torch` (a non-finite scale decodes as NaN)."""
+    qmax = (1 << (code_bits - 1)) - 1
+    nblocks = numel // block
+    scale = payload[: 4 * nblocks].clone().view(torch.float32)
+    codes = unpack_bits_torch(payload[4 * nblocks :], code_bits, numel) - qmax
+    values = codes.view(nblocks, block).to(torch.float32) * scale[:, None]
+    nonfinite = ~torch.isfinite(scale)
+    values = torch.where(nonfinite[:, None], torch.full_like(values, float("nan")), values)
+    return values.reshape(-1)
 
 
 class IntBlockScheme(BlockCodec):
@@ -55,26 +95,38 @@ class IntBlockScheme(BlockCodec):
         return 4 * (numel // self.block) + packed_nbytes(numel, self.code_bits)
 
     def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
-        blocks = values.view(-1, self.block)
-        amax = blocks.abs().amax(dim=1)
-        scale = amax / self.qmax  # fp32 division, one rounding; NaN/Inf stay non-finite
-        usable = (scale > 0) & torch.isfinite(scale)
-        safe = torch.where(usable, scale, torch.ones_like(scale))
-        q = torch.round(blocks / safe[:, None]).clamp(-self.qmax, self.qmax)
-        q = torch.where(usable[:, None], q, torch.zeros_like(q)).to(torch.int64)
-        scale_bytes = scale.contiguous().view(torch.uint8)
-        return torch.cat([scale_bytes, pack_bits(q + self.qmax, self.code_bits)])
+        kernels = cpu_kernels(values.device)
+        if kernels is not None:
+            return kernels.int_block_encode(  # type: ignore[no-any-return]
+                values, self.block, self.code_bits)
+        return int_block_encode_torch(values, self.block, self.code_bits)
 
     def decode_values(
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
     ) -> torch.Tensor:
-        nblocks = numel // self.block
-        scale = payload[: 4 * nblocks].clone().view(torch.float32)
-        codes = unpack_bits(payload[4 * nblocks :], self.code_bits, numel) - self.qmax
-        values = codes.view(nblocks, self.block).to(torch.float32) * scale[:, None]
-        nonfinite = ~torch.isfinite(scale)
-        values = torch.where(nonfinite[:, None], torch.full_like(values, float("nan")), values)
-        return values.reshape(-1)
+        if cpu_kernels(payload.device) is not None:
+            out = torch.empty(numel, dtype=torch.float32)
+            self.decode_into(payload, out, count, ctx, False)
+            return out
+        return int_block_decode_torch(payload, numel, self.block, self.code_bits)
+
+    def decode_into(
+        self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
+    ) -> bool:
+        kernels = cpu_kernels(out.device)
+        if kernels is None:
+            return False
+        kernels.int_block_decode(payload, out, self.block, self.code_bits, accumulate)
+        return True
+
+    def decode_accumulate_encode(
+        self, payload: torch.Tensor, work: torch.Tensor, count: int, out_count: int, ctx: Any
+    ) -> torch.Tensor | None:
+        kernels = cpu_kernels(work.device)
+        if kernels is None:
+            return None
+        return kernels.int_block_decode_accumulate_encode(  # type: ignore[no-any-return]
+            payload, work, self.block, self.code_bits)
 
 
 def _int_spec(name: str, bits: int, block: int) -> SchemeSpec:

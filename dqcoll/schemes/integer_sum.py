@@ -14,6 +14,13 @@ Random numbers: one 24-bit uniform per (rank, coordinate) from the counter-based
 coordinate's index in the (padded, possibly rotated) buffer, so any transport and any chunking
 give the same codes.
 
+On CPU tensors the quantizer (hash included), the unpack-and-add of a hop, the packing and the
+final dequantization run as compiled kernels (:mod:`dqcoll.kernels.baselines_numba`, chosen by
+:func:`dqcoll.kernels.baselines.cpu_kernels`) where the scheme provides them
+(:meth:`IntegerSumCodec.quantize_fast`, :meth:`IntegerSumCodec.dequantize_fast`); they give the
+same codes and values as :meth:`IntegerSumCodec.quantize` / :meth:`IntegerSumCodec.dequantize`
+on :func:`rank_uniforms`, which stay the spec.
+
 Rejected: re-quantizing partial sums per hop (that is what ``int8_block`` does; exactness is the
 point of these schemes) and one shared width for every payload (``ceil(log2(n code_max + 1))``
 bits already at the leaves, where ``log2(code_max + 1)`` suffice).
@@ -22,10 +29,12 @@ bits already at the leaves, where ``log2(code_max + 1)`` suffice).
 from __future__ import annotations
 
 import abc
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from ..kernels.baselines import cpu_kernels
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
@@ -72,6 +81,20 @@ class IntegerSumCodec(abc.ABC):
     def finish_values(self, work: torch.Tensor, state: Any) -> torch.Tensor:
         """Undo what :meth:`prepare` did to the layout (e.g. the inverse rotation)."""
         return work
+
+    def quantize_fast(
+        self, kernels: ModuleType, values: torch.Tensor, key: int, index_base: int, state: Any
+    ) -> torch.Tensor | None:
+        """:meth:`quantize` of ``values`` on the uniforms of coordinates ``index_base + i`` under
+        the rank's hash ``key``, with the compiled ``kernels``; None where none applies."""
+        return None
+
+    def dequantize_fast(
+        self, kernels: ModuleType, sums: torch.Tensor, count: int, state: Any, out: torch.Tensor
+    ) -> bool:
+        """:meth:`dequantize` into the fp32 ``out`` with the compiled ``kernels``; False where
+        none applies."""
+        return False
 
     def code_bits(self, count: int, state: Any) -> int:
         """Wire width of a payload summing ``count`` ranks: just wide enough for the sum."""
@@ -135,6 +158,13 @@ class IntegerSumCall:
 
     def _own_codes(self, chunk: int) -> torch.Tensor:
         lo, hi = self._bounds(chunk)
+        kernels = cpu_kernels(self.work.device)
+        if kernels is not None:
+            stream = rng.stream_key(rng.call_key(self.seed, self.step), self.codec.stream)
+            key = rng.rank_key(stream, self.rank)  # the key of rank_uniforms
+            codes = self.codec.quantize_fast(kernels, self.work[lo:hi], key, lo, self.state)
+            if codes is not None:
+                return codes
         index = torch.arange(lo, hi, dtype=torch.int64, device=self.work.device)
         uniforms = rank_uniforms(self.seed, self.step, self.codec.stream, self.rank, index)
         return self.codec.quantize(self.work[lo:hi], uniforms, self.state)
@@ -158,9 +188,18 @@ class IntegerSumCall:
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         lo, hi = self._bounds(chunk)
         sums = self._unpack(chunk, payload, count)
+        kernels = cpu_kernels(self.work.device)
+        if kernels is not None and self.codec.dequantize_fast(kernels, sums, count, self.state,
+                                                              self.work[lo:hi]):
+            return
         self.work[lo:hi] = self.codec.dequantize(sums, count, self.state)
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        kernels = cpu_kernels(self.work.device)
+        if kernels is not None:
+            width = self.codec.code_bits(count, self.state)
+            self.sums[chunk] = kernels.unpack_accumulate(self._sum(chunk), payload, width)
+            return
         self.sums[chunk] = self._sum(chunk) + self._unpack(chunk, payload, count)
 
     def decompress_accumulate_recompress(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -131,6 +132,22 @@ class THCScheme(IntegerSumCodec):
             return torch.zeros(values.shape, dtype=torch.int64, device=values.device)
         y = (values.clamp(-state.limit, state.limit) + state.limit) / state.delta
         return torch.floor(y + uniforms).clamp(0, LEVELS - 1).to(torch.int64)
+
+    def quantize_fast(
+        self, kernels: ModuleType, values: torch.Tensor, key: int, index_base: int, state: Any
+    ) -> torch.Tensor | None:
+        if not math.isfinite(state.delta) or state.delta == 0.0:
+            return None
+        return kernels.thc_quantize(  # type: ignore[no-any-return]
+            values, key, index_base, state.limit, state.delta)
+
+    def dequantize_fast(
+        self, kernels: ModuleType, sums: torch.Tensor, count: int, state: Any, out: torch.Tensor
+    ) -> bool:
+        if not math.isfinite(state.delta):
+            return False
+        kernels.thc_dequantize(sums, state.delta, count * state.limit, out)
+        return True
 
     def dequantize(self, sums: torch.Tensor, count: int, state: Any) -> torch.Tensor:
         if not math.isfinite(state.delta):
