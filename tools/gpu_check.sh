@@ -7,7 +7,7 @@
 #
 # Sections (each a function `section_<name>` below, run in the order given):
 #   env    the GPU, driver, Python, torch (+CUDA), Triton; fails early if torch sees no GPU
-#   tests  every test marked `gpu` (tests/test_kernels_triton.py: kernels byte for byte against
+#   tests  every test marked `gpu` (tests/test_kernels.py: kernels byte for byte against
 #          the CPU reference at large sizes, offsets above 2**31, the full all-reduce on CUDA
 #          tensors over the `local` transport equal to the CPU run)
 #   bench  benchmarks/kernels.py: each kernel at 2^20..2^28 coordinates (step 2^2) and widths
