@@ -8,6 +8,7 @@ import torch
 
 import dqcoll
 from dqcoll.executor import run_schedule
+from dqcoll.hierarchical import hierarchical_allreduce
 from dqcoll.schemes.base import CallContext
 from dqcoll.testing import run_local
 from dqcoll.topology.checker import check_schedule
@@ -17,7 +18,6 @@ from dqcoll.topology.hierarchical import (
     Level,
     LevelSpec,
     build_hierarchical_plan,
-    hierarchical_allreduce,
 )
 from dqcoll.topology.placement import build_placed_schedule, placement_order, relabel_schedule
 from dqcoll.transports.subgroup import SubgroupTransport

@@ -547,7 +547,7 @@ def simulate_hierarchical(
     progress: Progress | None = None,
     scratch_dir: str | None = None,
 ) -> SimulationResult:
-    """vNMSE of :func:`.hierarchical.hierarchical_allreduce` with an uncompressed intra level:
+    """vNMSE of :func:`dqcoll.hierarchical.hierarchical_allreduce` with an uncompressed intra level:
     every host's fp32 sum (in local-rank order) is all-reduced across hosts with the inter scheme,
     shard by shard."""
     if plan.intra.scheme != "none":
