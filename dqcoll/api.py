@@ -35,10 +35,11 @@ import torch
 
 from . import envs, handles, schemes
 from .comm import Communicator, get_default_comm
+from .context import call_context
 from .errors import DqcollError, InvalidArgumentError, MismatchError, PeerError
 from .executor import DEFAULT_TILE_NBYTES, DEFAULT_TILES_IN_FLIGHT, run_schedule
 from .interop import as_torch_view, stream_scope
-from .schemes.base import CallContext, Scheme
+from .schemes.base import Scheme
 from .topology import algorithms
 from .topology.schedule import Schedule
 from .types import Collective, ReduceOp
@@ -446,8 +447,8 @@ def _execute(collective: Collective, request: _Request, comm: Communicator, what
         x.view(n, -1)[comm.rank] = flat
     if shift:
         x = _scaled(x, shift)
-    ctx = CallContext(comm.transport, request.op, seed, step, collective, what, schedule,
-                      comm.scheme_state)
+    ctx = call_context(comm.transport, request.op, seed, step, collective, what, schedule,
+                       comm.scheme_state)
     call = scheme_obj.begin(x, ctx)
     run_schedule(schedule, call, comm.transport, what=what, collective=collective,
                  tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
