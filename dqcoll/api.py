@@ -72,6 +72,8 @@ _COLLECTIVE_IDS = {Collective.ALLREDUCE: 1, Collective.REDUCE_SCATTER: 2,
 # codec and back after: exact, and it keeps every scheme's sums, norms and scales in range
 # (DynamiQ's squared norms overflow fp32 from |x| ~ 1e18 and its super-group means from ~1e36;
 # THC's rotation from ~1e37). Inputs inside the range take the unscaled path, bit for bit.
+# Cost: one torch.aminmax pass per call, 4.9 ms for 64 MiB of fp32 on one core of the dev VM
+# (~14 GB/s), against >= 80 ms per hop for the codec at ~200 M coordinates/s.
 _RANGE_EXP = 48
 _NO_EXPONENT = -(1 << 20)  # an all-zero (or all non-finite) buffer: nothing to scale
 

@@ -234,7 +234,7 @@ def summarise(reports: dict[int, dict[str, Any]]) -> str:
         if text.startswith("ok") and "finite" in rep:
             text += " (finite)" if rep["finite"] else " (non-finite)"
         parts.append(f"r{rank}: {text}")
-    digests = {rep["digest"] for rep in reports.values()
+    digests = {repr(rep["digest"]) for rep in reports.values()
                if rep.get("error") == "ok" and "digest" in rep}
     if len(digests) > 1:
         parts.append("ranks DISAGREE")
