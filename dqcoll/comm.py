@@ -178,8 +178,10 @@ def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: flo
 
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        # multi_tenant, as torch's tcp:// rendezvous: the server lives in a per-process registry
+        # until exit, not only as long as the process group (peers may still talk to it).
         store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+                              wait_for_workers=False, multi_tenant=True)
     except Exception as exc:
         raise CollectiveTimeoutError(
             f"dqcoll.init: rank {rank} of {world_size} could not reach the store of rank 0 at "
