@@ -8,16 +8,25 @@ NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from . import envs, kernels
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import (
+    CollectiveTimeoutError,
+    CommAbortedError,
+    DqcollError,
+    InvalidArgumentError,
+    UnsupportedError,
+)
 from .kernels import cpu_runtime
 from .transports.base import Counters, Transport
 
@@ -30,7 +39,15 @@ _thread_default = threading.local()
 
 
 class Communicator:
-    """A group of ranks that run collectives together."""
+    """A group of ranks that run collectives together.
+
+    One collective at a time: a call while another is in flight on the same communicator (from a
+    second thread) raises instead of interleaving their messages. A collective that failed after
+    its argument check (timeout, dead peer, bad message) leaves the communicator *dead*: its
+    messages may still be in flight, and over gloo the connection to the failed peer is closed,
+    so every later call raises :class:`~dqcoll.errors.CommAbortedError` at once; create a new
+    communicator. After :meth:`close` every call raises.
+    """
 
     def __init__(
         self,
@@ -54,6 +71,10 @@ class Communicator:
         self.last_info: dict[str, Any] = {}
         # what schemes remember across calls (calibration); every rank updates it identically
         self.scheme_state: dict[Any, Any] = {}
+        self.closed = False
+        self.dead: str | None = None  # why the communicator can no longer be used
+        self._busy = threading.Lock()  # held while a collective runs (the in-flight guard)
+        self._busy_with = ""
 
     @property
     def rank(self) -> int:
@@ -79,7 +100,43 @@ class Communicator:
     def abort(self, reason: str = "aborted by the caller") -> None:
         self.transport.abort(reason)
 
+    @contextlib.contextmanager
+    def in_flight(self, what: str) -> Iterator[None]:
+        """Held while one collective runs; raises if the communicator cannot run one now."""
+        if self.closed:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what} on a closed communicator ({self!r}); create a new one")
+        if self.dead is not None:
+            raise CommAbortedError(
+                f"rank {self.rank}: {what}: this communicator is dead since an earlier "
+                f"collective failed ({self.dead}); create a new communicator (over gloo: a new "
+                f"process group, e.g. torch.distributed.destroy_process_group() then "
+                f"dqcoll.init())")
+        if not self._busy.acquire(blocking=False):
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {what} while {self._busy_with} is still running on the same "
+                f"communicator (thread {threading.current_thread().name!r}): a communicator runs "
+                f"one collective at a time; use one communicator per thread, or async_op=True "
+                f"from one thread")
+        self._busy_with = f"{what} (thread {threading.current_thread().name!r})"
+        try:
+            yield
+        finally:
+            self._busy_with = ""
+            self._busy.release()
+
+    def mark_dead(self, reason: str) -> None:
+        """Refuse every later collective (see the class docstring); the first reason sticks."""
+        if self.dead is None:
+            self.dead = reason
+            log.warning("rank %d: communicator is dead: %s", self.rank, reason)
+
     def close(self) -> None:
+        """Release the communicator: later calls raise, and its async worker thread ends."""
+        from . import handles
+
+        self.closed = True
+        handles.shutdown(self)
         self.transport.close()
         global _default
         if _default is self:
@@ -120,6 +177,49 @@ def _env_int(name: str, value: int | None) -> int:
     return int(os.environ[name])
 
 
+def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
+    """A TCPStore every rank has joined (rank 0 serves it), or an error naming who is missing.
+
+    torch's own rendezvous raises ``DistStoreError("... 1/2 clients joined")`` without saying
+    which ranks are missing; here each rank leaves a key, so a timeout can name them.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        # multi_tenant, as torch's tcp:// rendezvous: the server lives in a per-process registry
+        # until exit, not only as long as the process group (peers may still talk to it).
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True)
+    except Exception as exc:
+        raise CollectiveTimeoutError(
+            f"dqcoll.init: rank {rank} of {world_size} could not reach the store of rank 0 at "
+            f"{addr}:{port} within {timeout_s:g} s (missing rank: 0, or a wrong "
+            f"MASTER_ADDR/MASTER_PORT): {type(exc).__name__}: {exc}") from exc
+    keys = [f"dqcoll/joined/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    # Poll rather than store.wait(): when the time is up, rank 0 (the store) may exit at once,
+    # so the missing ranks are those seen at the last successful poll.
+    deadline = time.monotonic() + timeout_s
+    missing: list[int] | None = None
+    while True:
+        try:
+            if store.check(keys):
+                return store
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        except Exception:  # the store itself went away (rank 0 exited)
+            break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    named = f"missing ranks {missing}" if missing else "the store of rank 0 went away"
+    raise CollectiveTimeoutError(
+        f"dqcoll.init: rank {rank}: {named} (world size {world_size}): not joined within "
+        f"the timeout of {timeout_s:g} s at {addr}:{port} (start every rank, or raise "
+        f"timeout_s / DQCOLL_TIMEOUT_S)")
+    return store
+
+
 def init(
     backend: str = "gloo",
     *,
@@ -151,13 +251,16 @@ def init(
             n = _env_int("WORLD_SIZE", world_size)
             addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
             port = int(master_port or os.environ.get("MASTER_PORT", "29500"))
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://{addr}:{port}",
-                rank=r,
-                world_size=n,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
+            store = _rendezvous(addr, port, r, n, timeout)
+            try:
+                dist.init_process_group("gloo", store=store, rank=r, world_size=n,
+                                        timeout=datetime.timedelta(seconds=timeout))
+            except DqcollError:
+                raise
+            except Exception as exc:
+                raise CommAbortedError(
+                    f"dqcoll.init: rank {r} of {n}: creating the gloo process group at "
+                    f"{addr}:{port} failed: {type(exc).__name__}: {exc}") from exc
         transport: Transport = TorchTransport(group, timeout_s=timeout)
     elif backend == "torch":
         transport = TorchTransport(group, timeout_s=timeout)

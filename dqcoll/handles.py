@@ -20,6 +20,11 @@ otherwise unchanged. Errors of an asynchronous call surface at its ``wait()``, a
 argument checking (every rank joins the argument handshake in the worker, so a bad argument on one
 rank still reaches the others as a PeerError rather than a hang).
 
+Lifetime: the worker thread starts with a communicator's first asynchronous call and ends when
+the communicator is closed or garbage-collected (after the jobs already queued), so short-lived
+communicators do not leave threads behind. The thread holds no reference to the communicator
+between jobs.
+
 Rejected: running the collective in the caller's thread and only deferring the final copy. The
 executor's codec work is host-driven (one Python call per hop and tile), so only a thread frees
 the caller's host time on CPU, and on GPU the host must keep queueing kernels between transfers.
@@ -38,7 +43,7 @@ import torch
 
 from .interop import caller_stream
 
-__all__ = ["CollectiveHandle", "drain", "submit"]
+__all__ = ["CollectiveHandle", "drain", "shutdown", "submit"]
 
 
 class CollectiveHandle:
@@ -88,9 +93,8 @@ class _Worker:
     """One thread per communicator that runs its asynchronous collectives in issue order."""
 
     def __init__(self, name: str) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
-            queue.SimpleQueue()
-        )
+        self.jobs: queue.SimpleQueue[
+            tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
         self.last: concurrent.futures.Future[Any] | None = None
         self.streams: dict[int, Any] = {}  # CUDA device index -> the worker's side stream
         self.thread = threading.Thread(target=self._loop, name=f"dqcoll-async {name}",
@@ -99,13 +103,22 @@ class _Worker:
 
     def _loop(self) -> None:
         while True:
-            fn, future = self.jobs.get()
+            job = self.jobs.get()
+            if job is None:  # stop(): the communicator was closed or collected
+                return
+            fn, future = job
+            del job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed to the handle's wait()
                 future.set_exception(exc)
+            del fn, future  # keep no reference to the communicator between jobs
+
+    def stop(self) -> None:
+        """End the thread once the jobs queued so far have run."""
+        self.jobs.put(None)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -130,7 +143,16 @@ def _worker(comm: Any) -> _Worker:
         if worker is None:
             worker = _Worker(f"rank {comm.rank}")
             _WORKERS[comm] = worker
+            weakref.finalize(comm, worker.stop)  # garbage collection ends the thread too
         return worker
+
+
+def shutdown(comm: Any) -> None:
+    """End ``comm``'s worker thread (if it has one) after its queued jobs."""
+    with _LOCK:
+        worker = _WORKERS.pop(comm, None)
+    if worker is not None:
+        worker.stop()
 
 
 def drain(comm: Any) -> None:

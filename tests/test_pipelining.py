@@ -96,10 +96,10 @@ def test_tile_plan_refines_chunks_in_whole_units() -> None:
     tile count is ceil(largest chunk's fp32 bytes / tile_nbytes); no tile_nbytes means untiled."""
 
     def body(comm: Any) -> tuple[Any, ...]:
-        from dqcoll.schemes.base import CallContext
+        from dqcoll.context import call_context
         from dqcoll.types import ReduceOp
 
-        ctx = CallContext(comm.transport, ReduceOp.SUM, 0, 0, Collective.ALLREDUCE, "t")
+        ctx = call_context(comm.transport, ReduceOp.SUM, 0, 0, Collective.ALLREDUCE, "t")
         results = []
         for name in ("dynamiq", "mxfp8", "none"):
             call = schemes.get(name).begin(_data(comm.rank, 50_000), ctx)

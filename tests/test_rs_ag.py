@@ -20,9 +20,9 @@ from conftest import heavy_tailed, integer_input
 
 import dqcoll
 from dqcoll import schemes
+from dqcoll.context import call_context
 from dqcoll.errors import InvalidArgumentError, MismatchError, PeerError
 from dqcoll.executor import run_schedule
-from dqcoll.schemes.base import CallContext
 from dqcoll.schemes.dynamiq import allocation
 from dqcoll.schemes.none import NoneScheme
 from dqcoll.testing import run_local
@@ -43,8 +43,8 @@ def _shard_layout_allreduce(comm: dqcoll.Communicator, x: torch.Tensor, scheme: 
                             algorithm: str, op: ReduceOp) -> torch.Tensor:
     """The all-reduce schedule (reduce, then gather of the sinks' bytes) on the RS layout."""
     schedule = algorithms.build_schedule(algorithm, comm.world_size)
-    ctx = CallContext(transport=comm.transport, op=op, seed=SEED, step=STEP,
-                      collective=Collective.REDUCE_SCATTER, what="shard-layout allreduce")
+    ctx = call_context(transport=comm.transport, op=op, seed=SEED, step=STEP,
+                       collective=Collective.REDUCE_SCATTER, what="shard-layout allreduce")
     call = schemes.get(scheme).begin(x.clone(), ctx)
     run_schedule(schedule, call, comm.transport, what="shard-layout allreduce",
                  collective=Collective.ALLREDUCE)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import dqcoll
+from dqcoll.context import call_context
 from dqcoll.executor import run_schedule
-from dqcoll.schemes.base import CallContext
+from dqcoll.hierarchical import hierarchical_allreduce
 from dqcoll.testing import run_local
 from dqcoll.topology.checker import check_schedule
 from dqcoll.topology.graph import Topology
@@ -17,7 +18,6 @@ from dqcoll.topology.hierarchical import (
     Level,
     LevelSpec,
     build_hierarchical_plan,
-    hierarchical_allreduce,
 )
 from dqcoll.topology.placement import build_placed_schedule, placement_order, relabel_schedule
 from dqcoll.transports.subgroup import SubgroupTransport
@@ -101,7 +101,7 @@ def test_flat_hierarchical_schedule_runs_exactly():
 
     def body(comm):
         x = _integers(comm.rank, 1001)
-        ctx = CallContext(comm.transport, ReduceOp.SUM, 0, 0, Collective.ALLREDUCE, "t")
+        ctx = call_context(comm.transport, ReduceOp.SUM, 0, 0, Collective.ALLREDUCE, "t")
         call = scheme.begin(x, ctx)
         run_schedule(schedule, call, comm.transport, what="t")
         out = torch.empty_like(x)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import dqcoll
+from dqcoll.hierarchical import hierarchical_allreduce
 from dqcoll.sources import make_source
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.graph import Topology
-from dqcoll.topology.hierarchical import LevelSpec, build_hierarchical_plan, hierarchical_allreduce
+from dqcoll.topology.hierarchical import LevelSpec, build_hierarchical_plan
 from dqcoll.topology.simulator import simulate, simulate_hierarchical
 
 CASES = [

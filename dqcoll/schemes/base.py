@@ -1,8 +1,13 @@
 """The scheme protocol: how a compression scheme plugs into the executor.
 
 A :class:`Scheme` is a configured codec (``schemes.get("dynamiq", bits=5)``). For each collective
-call it makes a :class:`SchemeCall` with :meth:`Scheme.begin`, which may use the transport for
-small uncompressed all-reduces of statistics (DynamiQ's per-super-group norms, THC's global max).
+call it makes a :class:`SchemeCall` with :meth:`Scheme.begin`, which may ask for small
+uncompressed all-reduces of statistics (DynamiQ's per-super-group norms, THC's global max) through
+``ctx.reduce(tensor, op, what)``: the scheme says what it needs reduced, the layer that runs the
+call (:mod:`dqcoll.context`) does the exchange. Schemes never see a transport or a
+:class:`~dqcoll.topology.schedule.Schedule`: the error model takes the schedule's numbers
+(:class:`ScheduleShape`), and a single-tensor codec use needs no network at all (one rank: the
+reduction of one contribution is that contribution).
 The call owns an fp32 accumulation buffer ``work`` whose first dimension is cut into chunks by
 ``chunk_bounds``; the executor only moves payloads and tells the call what to do with them:
 
@@ -32,11 +37,18 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..topology.schedule import Schedule
-from ..transports.base import Transport
 from ..types import Collective, ReduceOp
 
-__all__ = ["FLOAT_DTYPES", "CallContext", "Scheme", "SchemeCall", "SchemeSpec"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "CallContext",
+    "Reducer",
+    "ScheduleShape",
+    "Scheme",
+    "SchemeCall",
+    "SchemeSpec",
+    "no_reduce",
+]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,27 +69,44 @@ class SchemeSpec:
     options: tuple[str, ...] = ()  # keyword options accepted by the factory
 
 
+class Reducer(Protocol):
+    """Reduces ``tensor`` in place across the call's ranks (``op``: "sum", "max" or "min"), with
+    the same bits on every rank; ``what`` labels the step in error messages."""
+
+    def __call__(self, tensor: torch.Tensor, op: str, what: str) -> None: ...
+
+
+def no_reduce(tensor: torch.Tensor, op: str, what: str) -> None:
+    """The reduction over one rank: the tensor as it is (single-tensor codec use)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleShape:
+    """The numbers of a schedule that error models use, without the schedule itself."""
+
+    algorithm: str
+    world_size: int
+    subtree: tuple[tuple[int, ...], ...]  # subtree[rank][chunk], see Schedule.subtree_sizes
+
+    def subtree_sizes(self) -> tuple[tuple[int, ...], ...]:
+        return self.subtree
+
+
 @dataclasses.dataclass
 class CallContext:
     """Everything a scheme may know about the collective call it serves."""
 
-    transport: Transport
+    rank: int
+    world_size: int
     op: ReduceOp
     seed: int
     step: int
     collective: Collective
     what: str  # prefix for error messages, e.g. "allreduce#3"
-    schedule: Schedule | None = None  # the schedule the call runs on (error models use it)
+    reduce: Reducer = no_reduce  # small uncompressed all-reduces of statistics
+    schedule: ScheduleShape | None = None  # the schedule the call runs on (error models use it)
     # per-communicator memory a scheme may keep across calls (e.g. calibration); same on all ranks
     state: dict[Any, Any] | None = None
-
-    @property
-    def rank(self) -> int:
-        return self.transport.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.transport.world_size
 
 
 @runtime_checkable

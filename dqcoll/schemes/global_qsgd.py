@@ -64,7 +64,7 @@ class GlobalQSGDScheme(IntegerSumCodec):
             )
         amax = work.abs().amax().reshape(1) if work.numel() else torch.zeros(1, device=work.device)
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
-        ctx.transport.allreduce(amax, "max", what=f"{ctx.what} global max")
+        ctx.reduce(amax, "max", f"{ctx.what} global max")
         g = float(amax[0])
         return _State(levels, g / levels if math.isfinite(g) else math.nan)
 

@@ -294,7 +294,7 @@ class MXScheme(BlockCodec):
         if self.scale is ScaleMode.OCP:
             return None
         gmax = self.single_shot_state(work).to(torch.bfloat16)  # exact: already bf16 values
-        ctx.transport.allreduce(gmax, "max", what=f"{ctx.what} block maxima")
+        ctx.reduce(gmax, "max", f"{ctx.what} block maxima")
         return gmax.float()
 
     def single_shot_state(self, padded: torch.Tensor) -> Any:

@@ -119,7 +119,7 @@ class THCScheme(IntegerSumCodec):
         work.copy_(rotated.reshape(-1))
         rms = (work.double().square().sum() / max(work.numel(), 1)).sqrt().float().reshape(1)
         rms = torch.where(torch.isfinite(rms), rms, torch.full_like(rms, math.inf))
-        ctx.transport.allreduce(rms, "max", what=f"{ctx.what} max rms")
+        ctx.reduce(rms, "max", f"{ctx.what} max rms")
         limit = self.clamp * float(rms[0])
         return _State(segment, perm, signs, limit, 2.0 * limit / (LEVELS - 1))
 

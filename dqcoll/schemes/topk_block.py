@@ -119,7 +119,7 @@ class TopKBlockCall:
         padded = self.layout.pad(x)
         self.padded = padded
         bitmap = scheme.local_bitmap(padded)
-        ctx.transport.allreduce(bitmap, "max", what=f"{ctx.what} block bitmap")
+        ctx.reduce(bitmap, "max", f"{ctx.what} block bitmap")
         self.union = torch.nonzero(bitmap).squeeze(1)  # sorted block indices
         self.work = padded.view(-1, TOPK_BLOCK)[self.union].reshape(-1)  # fp32, union only
         rows = self.union.numel()

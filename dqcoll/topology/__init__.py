@@ -12,7 +12,6 @@ from .hierarchical import (
     HierarchicalPlan,
     LevelSpec,
     build_hierarchical_plan,
-    hierarchical_allreduce,
 )
 from .placement import build_placed_schedule
 from .schedule import Phase, Role, Schedule, Step, Transfer
@@ -34,6 +33,5 @@ __all__ = [
     "build_placed_schedule",
     "build_schedule",
     "check_schedule",
-    "hierarchical_allreduce",
     "parse_topology",
 ]

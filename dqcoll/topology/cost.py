@@ -327,8 +327,8 @@ def price_allreduce(algorithm: str, topology: Topology, nbytes: int, *, scheme: 
 def price_hierarchical(plan: HierarchicalPlan, topology: Topology, nbytes: int, *,
                        dtype: str = "float32", tiles: int = 1,
                        params: CostParams | None = None) -> CostBreakdown:
-    """Time of :func:`.hierarchical.hierarchical_allreduce`: the flat schedule of the plan, each
-    step priced with its level's scheme, plus both levels' prologues and epilogues."""
+    """Time of :func:`dqcoll.hierarchical.hierarchical_allreduce`: the flat schedule of the
+    plan, each step priced with its level's scheme, plus both levels' prologues and epilogues."""
     params = params or CostParams()
     numel = max(1, nbytes // DTYPE_NBYTES[dtype])
     by_level = {

@@ -18,9 +18,10 @@ readings that agree:
   as is when both levels use one scheme. :meth:`HierarchicalPlan.step_levels` tells which level
   each of its steps belongs to, for the cost model. The :class:`~.schedule.Schedule` IR is
   unchanged.
-* :func:`hierarchical_allreduce` - the per-level execution: three ordinary collectives of
-  :mod:`dqcoll.api` over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the
-  caller's transport, so each level runs with its own scheme call.
+* :func:`dqcoll.hierarchical.hierarchical_allreduce` - the per-level execution, beside the
+  executor (this package only plans: it never calls back up into the public API): three ordinary
+  collectives over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the caller's
+  transport, so each level runs with its own scheme call.
 
 Ranks of a host need not be numbered contiguously: the plan lists each host's ranks.
 
@@ -36,8 +37,6 @@ import enum
 import functools
 from typing import Any
 
-import torch
-
 from ..errors import InvalidArgumentError
 from .algorithms import build_schedule
 from .graph import Topology
@@ -48,7 +47,6 @@ __all__ = [
     "Level",
     "LevelSpec",
     "build_hierarchical_plan",
-    "hierarchical_allreduce",
 ]
 
 
@@ -171,63 +169,3 @@ def build_hierarchical_plan(
     host_ranks = tuple(topology.host_ranks(h) for h in range(topology.num_hosts))
     return HierarchicalPlan(host_ranks, intra or LevelSpec("none", algorithm="ring"),
                             inter or LevelSpec("dynamiq", 5.0, "butterfly"))
-
-
-def _phase_seed(seed: int, phase: int) -> int:
-    # Separate random streams for the three phases; 62 bits like the API's fingerprint.
-    return (seed ^ (0x9E3779B97F4A7C15 * phase)) & ((1 << 62) - 1)
-
-
-def hierarchical_allreduce(
-    buf: Any,
-    plan: HierarchicalPlan,
-    *,
-    op: str = "sum",
-    comm: Any = None,
-    seed: int | None = None,
-    step: int | None = None,
-) -> Any:
-    """All-reduce ``buf`` in place along ``plan``, each level with its own scheme; returns ``buf``.
-
-    ``comm`` is the caller's :class:`~dqcoll.comm.Communicator` (default: the current one); every
-    rank of it must call this with the same plan. ``op="avg"`` averages at each level, which
-    gives the global average since every host holds the same number of ranks.
-    """
-    from .. import api
-    from ..comm import Communicator, get_default_comm
-    from ..interop import as_torch_view
-    from ..transports.subgroup import SubgroupTransport
-
-    comm = comm or get_default_comm()
-    if comm.world_size != plan.world_size:
-        raise InvalidArgumentError(
-            f"plan is for {plan.world_size} ranks, communicator has {comm.world_size}")
-    call_step = comm.next_step()
-    step = call_step if step is None else int(step)
-    seed = comm.seed if seed is None else int(seed)
-    tensor = as_torch_view(buf)
-    flat = tensor.view(-1)
-    g = plan.gpus_per_node
-    numel = flat.numel()
-    if numel == 0 or comm.world_size == 1:
-        return buf
-    shard_numel = -(-numel // g)
-    padded = torch.zeros(g * shard_numel, dtype=flat.dtype, device=flat.device)
-    padded[:numel] = flat
-    intra = Communicator(SubgroupTransport(comm.transport, plan.intra_group(comm.rank)),
-                         device=comm.device)
-    inter = Communicator(SubgroupTransport(comm.transport, plan.inter_group(comm.rank)),
-                         device=comm.device)
-    shard = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
-    lo, hi = plan.intra, plan.inter
-    api.reduce_scatter(padded, shard, op=op, scheme=lo.scheme, bits=lo.bits,
-                       algorithm=lo.algorithm, comm=intra, seed=_phase_seed(seed, 0), step=step,
-                       **dict(lo.options))
-    api.allreduce(shard, op=op, scheme=hi.scheme, bits=hi.bits, algorithm=hi.algorithm,
-                  comm=inter, seed=_phase_seed(seed, 1), step=step, **dict(hi.options))
-    api.all_gather(shard, padded, scheme=lo.scheme, bits=lo.bits, algorithm=lo.algorithm,
-                   comm=intra, seed=_phase_seed(seed, 2), step=step, **dict(lo.options))
-    flat.copy_(padded[:numel])
-    comm.last_info = {"algorithm": plan.name, "intra": dict(intra.last_info),
-                      "inter": dict(inter.last_info)}
-    return buf

@@ -60,7 +60,6 @@ from ..schemes.dynamiq.codec import (
     record_nbytes,
     stats_center_torch,
 )
-from ..transports.base import Counters
 from ..types import Collective, ReduceOp
 from .hierarchical import HierarchicalPlan
 from .schedule import Role, Schedule
@@ -97,33 +96,17 @@ class SimulationResult:
 
 
 class _StatsReplay:
-    """A transport for one virtual rank's ``Scheme.begin``: its small all-reduces return values
-    computed beforehand from every worker (in rank order, as the local transport sums them)."""
+    """The small all-reduces of one virtual rank's ``Scheme.begin`` (``ctx.reduce``): each
+    returns values computed beforehand from every worker (in rank order, as the local transport
+    sums them)."""
 
-    name = "replay"
-
-    def __init__(self, world_size: int, results: list[torch.Tensor]) -> None:
-        self.rank = 0
-        self.world_size = world_size
-        self.counters = Counters()
+    def __init__(self, results: list[torch.Tensor]) -> None:
         self._results = list(results)
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
+    def __call__(self, tensor: torch.Tensor, op: str, what: str) -> None:
         if not self._results:
             raise UnsupportedError(f"the simulator has no statistics for {what}")
         tensor.copy_(self._results.pop(0))
-
-    def exchange(self, sends: Any, recvs: Any, *, what: str) -> None:  # pragma: no cover
-        raise UnsupportedError("the simulator's layout call does not exchange messages")
-
-    def barrier(self, *, what: str = "barrier") -> None:  # pragma: no cover
-        pass
-
-    def abort(self, reason: str) -> None:  # pragma: no cover
-        pass
-
-    def close(self) -> None:  # pragma: no cover
-        pass
 
 
 # -- per-scheme adapters: layout, storage rows and batched codec calls ----------------------------
@@ -203,8 +186,8 @@ class _DynamiqAdapter(_Adapter):
     def layout(self, x0: torch.Tensor, stats: list[torch.Tensor]) -> None:
         from ..schemes.dynamiq.scheme import DynamiqCall
 
-        ctx = CallContext(_StatsReplay(self.n, stats), self.op, self.seed, self.step,  # type: ignore[arg-type]
-                          Collective.ALLREDUCE, "simulate")
+        ctx = CallContext(0, self.n, self.op, self.seed, self.step, Collective.ALLREDUCE,
+                          "simulate", _StatsReplay(stats))
         call = DynamiqCall(self.scheme, x0.reshape(-1).float(), ctx)
         self.call = call
         self.chunk_bounds = list(call.chunk_bounds)
@@ -547,7 +530,7 @@ def simulate_hierarchical(
     progress: Progress | None = None,
     scratch_dir: str | None = None,
 ) -> SimulationResult:
-    """vNMSE of :func:`.hierarchical.hierarchical_allreduce` with an uncompressed intra level:
+    """vNMSE of :func:`dqcoll.hierarchical.hierarchical_allreduce` with an uncompressed intra level:
     every host's fp32 sum (in local-rank order) is all-reduced across hosts with the inter scheme,
     shard by shard."""
     if plan.intra.scheme != "none":

@@ -13,7 +13,7 @@ is within the budget. The result is a :class:`TunedTable`, stored as JSON named 
 and dtype (the detected topology's first, then any table of that world size), takes the entry of
 the nearest smaller size bucket (the smallest bucket below it), and returns the best *flat*
 algorithm recorded for the caller's scheme - the executor runs flat schedules; hierarchical plans
-run through :func:`.hierarchical.hierarchical_allreduce`. Without a table it falls back to
+run through :func:`dqcoll.hierarchical.hierarchical_allreduce`. Without a table it falls back to
 :data:`FALLBACK_RULE` and logs why once:
 
 * ``world_size <= 2``: ``direct`` (every algorithm is the same single exchange; direct has one

@@ -43,6 +43,13 @@ waiting handle) raises :class:`~dqcoll.errors.CollectiveTimeoutError` /
 (``ncclCommInitRank``) and the first exchange with a new peer (NCCL connects lazily inside
 ``groupEnd``) block the host with no timeout of their own.
 
+**Message sizes.** NCCL sends and receives carry no length: a receive posted for more bytes
+than the peer sends waits until the timeout, and fewer is undefined. Sizes are right by
+construction: both sides derive them from the same plan, and the argument check of
+:mod:`dqcoll.api` makes every rank agree, before any payload moves, on everything that sets them
+(collective, lengths, scheme and options, algorithm, tiling). No per-message header is sent:
+reading one would synchronise the host with the device at every step.
+
 The module imports without CuPy; :func:`nccl_unavailable_reason` says why NCCL cannot run here and
 :func:`init_transport` raises :class:`~dqcoll.errors.UnsupportedError` with that reason.
 

@@ -9,7 +9,9 @@ CUDA tensors: a deposit records an event on the sender's current stream and the 
 waits on it (and owns the copy's memory until it is done with it), so ranks may run on streams of
 their own (side streams of the pipelined executor, of ``async_op`` workers, CuPy's streams).
 
-Any wait is bounded by the timeout and names the peer and the step. :meth:`LocalHub.abort` (used
+Any wait is bounded by the timeout and names the peer and the step. A message whose size is not
+the one the receiver expects is refused (PeerError) and aborts the group, so the other ranks stop
+waiting at once. :meth:`LocalHub.abort` (used
 by :func:`dqcoll.testing.run_local` when a rank raises) wakes every waiting rank with
 :class:`~dqcoll.errors.CommAbortedError`, as ``ncclCommAbort`` would.
 """
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import envs
-from ..errors import CollectiveTimeoutError, CommAbortedError, InvalidArgumentError
+from ..errors import CollectiveTimeoutError, CommAbortedError, InvalidArgumentError, PeerError
 from .base import ALLREDUCE_OPS, Counters, check_peers
 
 __all__ = ["LocalHub", "LocalTransport"]
@@ -110,10 +112,13 @@ class LocalTransport:
                 nbytes = buffer.numel() * buffer.element_size()
                 got = message.numel() * message.element_size()
                 if got != nbytes:
-                    raise InvalidArgumentError(
-                        f"rank {self.rank}: expected {nbytes} bytes from rank {peer} at {what}, "
-                        f"got {got}"
-                    )
+                    # Refuse it, and wake every rank: the group cannot finish this call.
+                    reason = (f"rank {self.rank}: rank {peer} sent {got} bytes at {what}, "
+                              f"{nbytes} expected; the message is refused")
+                    if hub._aborted is None:
+                        hub._aborted = reason
+                    hub._cond.notify_all()
+                    raise PeerError(reason)
                 buffer.copy_(message.view(buffer.dtype).view(buffer.shape))
                 self.counters.count_recv(nbytes)
 

@@ -6,22 +6,35 @@ goes through ``Work.wait(timeout)``; a timeout or a broken connection becomes a
 :class:`~dqcoll.errors.CollectiveTimeoutError` / :class:`~dqcoll.errors.PeerError` that names the
 peer and the step. The group's own timeout (``init_process_group(timeout=...)``) still bounds
 gloo's internals.
+
+**Message headers (gloo).** gloo accepts a message *shorter* than the receive buffer without a
+word (the tail keeps whatever it held) and aborts the process on a *longer* one. So every message
+goes with a 16-byte header sent just before it to the same peer (gloo keeps the order of messages
+between two ranks): its length in bytes and a CRC of the step label. The receiver checks both once
+the exchange completed and raises on a short message or one from another step, naming the peer.
+Longer messages cannot be caught here (the abort happens inside gloo): the argument check of
+:mod:`dqcoll.api` makes every rank agree on everything that sets message sizes before any payload
+moves. Header bytes count in ``bytes_sent`` but not in ``payload_bytes_sent``. Over nccl no header
+is sent (reading it would synchronise the host with the device at every step): there, sizes are
+right by construction, from the argument check.
 """
 
 from __future__ import annotations
 
 import datetime
+import zlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import CollectiveTimeoutError, InvalidArgumentError, PeerError
+from ..errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError, PeerError
 from .base import ALLREDUCE_OPS, Counters, reduce_in_rank_order
 
 __all__ = ["TorchTransport"]
 
+HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
 
 
 class TorchTransport:
@@ -42,6 +55,7 @@ class TorchTransport:
         self.counters = Counters()
         self.backend = str(dist.get_backend(self.group))
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        self.headers = self.backend != "nccl"  # see the module docstring
 
     def _wait(self, works: list[tuple[str, int, dist.Work]], what: str) -> None:
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -86,10 +100,22 @@ class TorchTransport:
         """Post one grouped exchange and wait for it (no counting)."""
         ops = []
         labels: list[tuple[str, int]] = []
+        checks: list[tuple[int, torch.Tensor, int]] = []  # (peer, received header, expected B)
+        tag = zlib.crc32(what.encode())
         for peer, tensor in sends:
+            if self.headers:
+                nbytes = tensor.numel() * tensor.element_size()
+                header = torch.tensor([nbytes, tag], dtype=torch.int64)
+                ops.append(dist.P2POp(dist.isend, header, self._global[peer], self.group))
+                labels.append(("sending to", peer))
             ops.append(dist.P2POp(dist.isend, tensor.contiguous(), self._global[peer], self.group))
             labels.append(("sending to", peer))
         for peer, buffer in recvs:
+            if self.headers:
+                header = torch.full((HEADER_NUMEL,), -1, dtype=torch.int64)
+                ops.append(dist.P2POp(dist.irecv, header, self._global[peer], self.group))
+                labels.append(("receiving from", peer))
+                checks.append((peer, header, buffer.numel() * buffer.element_size()))
             ops.append(dist.P2POp(dist.irecv, buffer, self._global[peer], self.group))
             labels.append(("receiving from", peer))
         if not ops:
@@ -99,6 +125,22 @@ class TorchTransport:
         except RuntimeError as exc:
             raise PeerError(f"rank {self.rank}: posting messages failed at {what}: {exc}") from exc
         self._wait([(k, p, w) for (k, p), w in zip(labels, works, strict=True)], what)
+        for peer, header, expected in checks:
+            got, their_tag = header.tolist()
+            if their_tag != tag:
+                raise MismatchError(
+                    f"rank {self.rank}: the message from rank {peer} at {what} belongs to another "
+                    f"step (label CRC {their_tag:#x}, expected {tag:#x}): the ranks are out of "
+                    f"step (different collectives, or DQCOLL_VALIDATE=0 with mismatched calls)")
+            if got != expected:
+                raise PeerError(
+                    f"rank {self.rank}: rank {peer} sent {got} bytes at {what}, {expected} "
+                    f"expected; the message is refused (gloo would have kept the buffer's stale "
+                    f"tail as data)")
+        if self.headers:
+            nheader = HEADER_NUMEL * 8
+            self.counters["bytes_sent"] += nheader * len(sends)
+            self.counters["bytes_recv"] += nheader * len(recvs)
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
         """Small all-reduce in rank order over point-to-point messages, not gloo's or NCCL's own

@@ -57,7 +57,7 @@ import math
 
 import torch
 
-from ...topology.schedule import Schedule
+from ..base import ScheduleShape
 from .codec import CodecConfig, Levels, RoundingMode, Scales
 
 __all__ = ["CORRELATED_FACTOR", "EPSILON", "ErrorModel", "path_growth", "predicted_vnmse"]
@@ -98,7 +98,7 @@ class ErrorModel:
         return table
 
     def error_per_energy(
-        self, schedule: Schedule | None, config: CodecConfig, rho: float
+        self, schedule: ScheduleShape | None, config: CodecConfig, rho: float
     ) -> torch.Tensor:
         """Predicted final error per unit of summed energy ``F_s``, by width (a lookup table
         indexed 0..16): ``kappa * gamma * G(eps_b)``."""
@@ -117,7 +117,7 @@ def two_bit_compounding(world_size: int) -> float:
     return 1.0 + 0.2 * math.log2(max(world_size, 1))
 
 
-def path_growth(schedule: Schedule, rho: float = 0.0) -> float:
+def path_growth(schedule: ScheduleShape, rho: float = 0.0) -> float:
     """``H``: expected sum over a chunk's quantizations of ``||partial sum||^2``, in units of the
     summed energy ``F``, averaged over chunks."""
     n = schedule.world_size

@@ -199,10 +199,7 @@ class DynamiqScheme:
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
         """Compress one tensor on its own (statistics local, world size 1)."""
-        from ...transports.local import LocalHub
-
-        transport = LocalHub(1).transport(0)
-        ctx = CallContext(transport, ReduceOp.SUM, self.seed, 0, Collective.ALLREDUCE, "encode")
+        ctx = CallContext(0, 1, ReduceOp.SUM, self.seed, 0, Collective.ALLREDUCE, "encode")
         call = DynamiqCall(self, x.detach().reshape(-1), ctx)
         return {"shape": tuple(x.shape), "call": call, "data": call.compress(0, 1)}
 
@@ -320,7 +317,7 @@ class DynamiqCall:
 
         # 2. One small uncompressed all-reduce of both statistics.
         stats = torch.stack([mean, norm2])
-        ctx.transport.allreduce(stats, "sum", what=f"{ctx.what} statistics")
+        ctx.reduce(stats, "sum", f"{ctx.what} statistics")
 
         # 3. Widths from the summed norms (identical on every rank): under a bit budget, or the
         #    cheapest whose predicted error meets target_vnmse.

@@ -1,0 +1,44 @@
+"""The :class:`~dqcoll.schemes.base.CallContext` of one collective call, from a transport.
+
+Schemes ask for the small all-reduces their statistics need through ``ctx.reduce`` and read the
+schedule's numbers from ``ctx.schedule``; this module, at the execution layer, binds both to the
+transport and the :class:`~dqcoll.topology.schedule.Schedule` that run the call, so the codecs
+import neither transports nor schedules (data flows one way, DESIGN section 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .schemes.base import CallContext, ScheduleShape
+from .topology.schedule import Schedule
+from .transports.base import Transport
+from .types import Collective, ReduceOp
+
+__all__ = ["call_context", "schedule_shape"]
+
+
+def schedule_shape(schedule: Schedule) -> ScheduleShape:
+    """The numbers of ``schedule`` an error model needs."""
+    return ScheduleShape(schedule.algorithm, schedule.world_size, schedule.subtree_sizes())
+
+
+def call_context(
+    transport: Transport,
+    op: ReduceOp,
+    seed: int,
+    step: int,
+    collective: Collective,
+    what: str,
+    schedule: Schedule | None = None,
+    state: dict[Any, Any] | None = None,
+) -> CallContext:
+    """A call's context whose ``reduce`` is ``transport``'s small all-reduce."""
+
+    def reduce(tensor: torch.Tensor, op: str, what: str) -> None:
+        transport.allreduce(tensor, op, what=what)
+
+    return CallContext(transport.rank, transport.world_size, op, seed, step, collective, what,
+                       reduce, schedule_shape(schedule) if schedule is not None else None, state)
