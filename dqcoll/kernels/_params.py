@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -25,6 +26,7 @@ class RoundingParams:
     half_bits: int  # Feistel half width
 
     @classmethod
+    @functools.lru_cache(maxsize=64)  # per launch otherwise: ~20 us of torch.tensor and hashing
     def build(cls, key: int, rank: int, world_size: int, config: CodecConfig) -> RoundingParams:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
