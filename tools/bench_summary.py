@@ -7,9 +7,8 @@ dynamiq 5 bits with the fp32 and bf16 peers) and ``benchmarks/results/dynamiq-cp
 
 * per world size, one row per link: the three times, dynamiq's speed-up over each peer, and each
   row against its link floor (wire bytes / link rate);
-* the crossover link rate below which dynamiq beats each peer: every time is fitted as
-  ``T(rate) = c + wire_B * 8 / rate`` from the two slowest links (c: what the link does not
-  explain, mostly CPU), and ``T_dynamiq = T_peer`` solved for the rate;
+* the crossover link rate below which dynamiq beats each peer, interpolated between the two
+  measured link rates where the speed-up crosses 1;
 * the codec rates per op, width and rounding, numba against the torch reference.
 
 Usage: ``python tools/bench_summary.py [--results benchmarks/results]``
@@ -18,6 +17,7 @@ Usage: ``python tools/bench_summary.py [--results benchmarks/results]``
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from pathlib import Path
@@ -36,9 +36,19 @@ def _rows(results: Path, link: str, n: int) -> dict[str, dict[str, Any]] | None:
     return {("dynamiq" if r["scheme"] == "dynamiq" else r["impl"].split()[-1]): r for r in rows}
 
 
-def _fit(times: list[tuple[float, float]], wire: float) -> float:
-    """``c`` of ``T = c + wire * 8 / rate`` (rate in Gb/s, T in s), least squares over points."""
-    return sum(t - wire * 8 / (g * 1e9) for g, t in times) / len(times)
+def _crossover(points: list[tuple[float, float]]) -> str:
+    """The link rate where dynamiq's speed-up over a peer crosses 1, interpolated linearly in
+    log(rate) and log(speed-up) between the two measured rates around it."""
+    points = sorted(points)
+    for (r1, s1), (r2, s2) in itertools.pairwise(points):
+        if (s1 - 1) * (s2 - 1) <= 0 and s1 != s2:
+            frac = math.log(s1) / (math.log(s1) - math.log(s2))
+            rate = math.exp(math.log(r1) + frac * (math.log(r2) - math.log(r1)))
+            return (f"about {rate:.1f} Gb/s per link (speed-up {s1:.2f}x at {r1:g} Gb/s, "
+                    f"{s2:.2f}x at {r2:g} Gb/s; interpolated in log-log)")
+    if points and all(s > 1 for _, s in points):
+        return f"dynamiq is faster at every measured rate up to {points[-1][0]:g} Gb/s"
+    return "dynamiq is slower at every measured rate"
 
 
 def link_tables(results: Path) -> str:
@@ -48,8 +58,7 @@ def link_tables(results: Path) -> str:
         out.append("| link | dynamiq 5 b (ms) | torch fp32 (ms) | torch bf16 (ms) | vs fp32 | "
                    "vs bf16 | dynamiq % of link floor | fp32 % of link floor | vNMSE |")
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        fits: dict[str, list[tuple[float, float]]] = {"dynamiq": [], "fp32": [], "bf16": []}
-        wires: dict[str, float] = {}
+        speedups: dict[str, list[tuple[float, float]]] = {"fp32": [], "bf16": []}
         for link, gbps in LINKS:
             rows = _rows(results, link, n)
             if rows is None or not {"dynamiq", "fp32", "bf16"} <= rows.keys():
@@ -57,10 +66,8 @@ def link_tables(results: Path) -> str:
             t = {k: rows[k]["time_us"] / 1e3 for k in ("dynamiq", "fp32", "bf16")}
             floors = {"dynamiq": "--", "fp32": "--"}
             if gbps:
-                for k in t:
-                    wires[k] = rows[k]["wire_nbytes"]
-                    if link != "10gbit":
-                        fits[k].append((gbps, t[k] / 1e3))
+                for peer in speedups:
+                    speedups[peer].append((gbps, t[peer] / t["dynamiq"]))
                 for k in floors:
                     floor_ms = rows[k]["wire_nbytes"] * 8 / (gbps * 1e9) * 1e3
                     floors[k] = f"{floor_ms / t[k] * 100:.0f} %"
@@ -68,18 +75,8 @@ def link_tables(results: Path) -> str:
                        f"{t['bf16']:.0f} | {t['fp32'] / t['dynamiq']:.2f}x | "
                        f"{t['bf16'] / t['dynamiq']:.2f}x | {floors['dynamiq']} | "
                        f"{floors['fp32']} | {rows['dynamiq']['vnmse']:.3g} |")
-        if all(len(v) >= 2 for v in fits.values()):
-            c = {k: _fit(v, wires[k]) for k, v in fits.items()}
-            for peer in ("fp32", "bf16"):
-                saved = (wires[peer] - wires["dynamiq"]) * 8
-                extra = c["dynamiq"] - c[peer]
-                if extra <= 0:
-                    text = "dynamiq is ahead at every rate (its fixed cost is lower)"
-                else:
-                    text = f"{saved / extra / 1e9:.2f} Gb/s"
-                out.append(f"\nCrossover vs {peer} ({n} ranks): {text} (fit T = c + wire/rate on "
-                           f"1 Gb/s and 200 Mb/s: c = {c['dynamiq'] * 1e3:.0f} ms dynamiq, "
-                           f"{c[peer] * 1e3:.0f} ms {peer})")
+        for peer in ("fp32", "bf16"):
+            out.append(f"\nCrossover vs {peer} ({n} ranks): {_crossover(speedups[peer])}")
     return "\n".join(out)
 
 
