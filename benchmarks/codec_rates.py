@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dqcoll import schemes  # noqa: E402
-from dqcoll.cli.provenance import git_commit  # noqa: E402
+from dqcoll.cli.provenance import device_name, git_commit  # noqa: E402
 from dqcoll.schemes.base import CallContext, SchemeCall  # noqa: E402
 from dqcoll.transports.local import LocalHub  # noqa: E402
 from dqcoll.types import Collective, ReduceOp  # noqa: E402
@@ -197,16 +197,6 @@ def measure_case(case: Case, numel: int, repeats: int, kernels: list[str]) -> li
     return records
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _numba_version() -> str | None:
     try:
         import numba
@@ -237,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.label:<28} {op:<34} " + " ".join(f"{v:11.1f}" for v in rates),
                   flush=True)
     meta = {
-        "device": _cpu_model(), "torch": torch.__version__, "numba": _numba_version(),
+        "device": device_name("cpu"), "torch": torch.__version__, "numba": _numba_version(),
         "python": platform.python_version(), "commit": git_commit("benchmarks"),
         "numel": args.numel, "repeats": args.repeats, "threads": 1,
     }

@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dqcoll.cli.provenance import git_commit  # noqa: E402
+from dqcoll.cli.provenance import device_name, git_commit  # noqa: E402
 from dqcoll.kernels import dynamiq_numba as fast  # noqa: E402
 from dqcoll.schemes.dynamiq import codec  # noqa: E402
 from dqcoll.schemes.dynamiq.codec import SUPER, CodecConfig, RoundingMode  # noqa: E402
@@ -60,16 +60,6 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _timed_ops(
@@ -164,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import numba
 
     meta = {
-        "device": f"CPU: {_cpu_model()}, {os.cpu_count()} cores", "threads": 1,
+        "device": device_name("cpu"), "threads": 1,
         "torch": torch.__version__, "numba": numba.__version__,
         "python": platform.python_version(), "commit": git_commit("benchmarks"),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

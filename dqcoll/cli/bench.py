@@ -54,7 +54,6 @@ import enum
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import socket
@@ -67,7 +66,7 @@ from typing import Any
 
 import torch
 
-from .provenance import git_commit
+from .provenance import device_name, git_commit
 
 __all__ = ["Case", "build_cases", "busbw_factor", "main", "parse_size", "size_sweep"]
 
@@ -379,18 +378,7 @@ def _combine(seconds: float, mode: int, ctx: _Context) -> float:
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"CPU: {model}, {os.cpu_count()} cores"
+    return device_name(device)
 
 
 

@@ -1,15 +1,19 @@
-"""Provenance of measured numbers: which commit of dqcoll produced them.
+"""Provenance of measured numbers: which commit of dqcoll produced them, on which device.
 
 Every tool that writes results (``dqcoll bench``/``simulate``, ``tools/*.py``, ``benchmarks/*``)
-records the commit next to its numbers; this is the one place that asks git.
+records the commit and the device next to its numbers; this is the one place that asks git and
+reads the CPU model.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 
-__all__ = ["git_commit"]
+import torch
+
+__all__ = ["device_name", "git_commit"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dqcoll/
 
@@ -27,3 +31,20 @@ def git_commit(*paths: str) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit.strip() + ("-dirty" if dirty else "")
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    """``"CPU: <model>, <n> cores"`` or the CUDA device's name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU: {model}, {os.cpu_count()} cores"
