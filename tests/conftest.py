@@ -19,6 +19,32 @@ def has_cuda() -> bool:
         return False
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):  # type: ignore[no-untyped-def]
+    """Compile the numba CPU kernels once, in the controlling process, before the xdist workers
+    start: they (and the ranks that tests spawn) then load them from numba's disk cache (~1 s)
+    instead of compiling them at once in every process (~30 s of CPU each on a fresh clone,
+    enough to push multi-process tests past their timeouts)."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    try:
+        import numba  # noqa: F401
+    except ImportError:  # the suite then runs the torch references
+        return
+    import dqcoll
+    from dqcoll.kernels import dynamiq_numba
+    from dqcoll.testing import run_local
+
+    dynamiq_numba.warm_up()
+    names = [name for name in dqcoll.schemes.list_schemes() if name != "dynamiq"]
+
+    def every_scheme(comm):  # type: ignore[no-untyped-def]
+        for name in names:
+            dqcoll.allreduce(torch.randn(2 * 4096 + 3), scheme=name, comm=comm)
+
+    run_local(2, every_scheme)
+
+
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
     if has_cuda():
         return

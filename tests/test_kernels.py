@@ -322,6 +322,7 @@ def test_empty_inputs_and_bad_shapes(impl: Any) -> None:
     (torch.float32, "ring", {}),
     (torch.bfloat16, "butterfly", {}),
     (torch.float32, "ring", {"target_vnmse": 1e-7}),  # tight: raw 16-bit super-groups too
+    (torch.float32, "butterfly", {"op": "avg"}),  # the division by n fused into the centring
 ])
 def test_forced_fast_path_allreduce_equals_reference(
     monkeypatch: pytest.MonkeyPatch, fast: str, dtype: torch.dtype, algorithm: str,

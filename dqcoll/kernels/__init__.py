@@ -37,9 +37,10 @@ class DynamiqOps:
     # restore(work, mean, index_base, valid, out_flat): add back the means and undo the reorder in
     # one pass; None: the scheme does it with torch ops (reference: codec.restore_torch).
     restore: Callable[..., None] | None = None
-    # stats(x, valid) -> (mean, norm2) and center_gather(x, mean, valid, order) -> the centred
-    # rows in ``order``: stats_center split in two so that the centred rows are written once,
-    # already reordered. None: the scheme uses stats_center and a torch gather.
+    # stats(x, valid, divisor=) -> (mean, norm2) and center_gather(x, mean, valid, order,
+    # divisor=, out=) -> the centred rows of x / divisor in ``order``: stats_center split in two
+    # so that the centred rows are written once, already reordered (and divided, for avg).
+    # None: the scheme divides, uses stats_center and a torch gather.
     stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     center_gather: Callable[..., torch.Tensor] | None = None
 

@@ -547,34 +547,48 @@ def restore_add(lo, hi, work, mean, out):
 
 
 @numba.njit(**JIT_OPTIONS)
-def stats_only(lo, hi, x, valid, mean, norm2):
-    """The statistics of :func:`stats_center` without writing the centred rows (they are
-    written later, already in sorted order, by :func:`center_gather`)."""
+def stats_only(lo, hi, x, valid, divisor, mean, norm2):
+    """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
+    reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
+    centred rows (they are written later, already in sorted order, by :func:`center_gather`)."""
     t = np.empty(SUPER, np.float32)
+    r = np.empty(SUPER, np.float32)
+    divide = divisor != _F1
     for i in range(lo, hi):
         row = x[i]
+        if divide:
+            for j in range(SUPER):
+                r[j] = row[j] / divisor
+        else:
+            for j in range(SUPER):
+                r[j] = row[j]
         for j in range(SUPER):
-            t[j] = row[j]
+            t[j] = r[j]
         m = _tree_sum_256(t) / np.float32(valid[i])
         v = valid[i]
         for j in range(SUPER):
-            c = row[j] - m if j < v else _F0
+            c = r[j] - m if j < v else _F0
             t[j] = c * c
         mean[i] = m
         norm2[i] = _tree_sum_256(t)
 
 
 @numba.njit(**JIT_OPTIONS)
-def center_gather(lo, hi, x, mean, valid, order, out):
-    """``out[k] = centred[order[k]]`` with ``centred`` as :func:`stats_center` writes it: row
-    ``order[k]`` of ``x`` minus its mean, padding exactly 0 (centring and reorder in one pass)."""
+def center_gather(lo, hi, x, mean, valid, order, divisor, out):
+    """``out[k] = centred[order[k]]`` with ``centred`` as :func:`stats_center` writes it for
+    ``x / divisor``: row ``order[k]`` of ``x`` (divided, see :func:`stats_only`) minus its mean,
+    padding exactly 0 (division, centring and reorder in one pass)."""
+    divide = divisor != _F1
     for k in range(lo, hi):
         i = order[k]
         row = x[i]
         m = mean[i]
         v = valid[i]
         o = out[k]
-        if v == SUPER:
+        if divide:
+            for j in range(SUPER):
+                o[j] = row[j] / divisor - m if j < v else _F0
+        elif v == SUPER:
             for j in range(SUPER):
                 o[j] = row[j] - m
         else:

@@ -197,22 +197,31 @@ def stats_center(
     return centred, mean, norm2
 
 
-def stats(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, norm2)`` of :func:`stats_center` without the centred rows (same bits)."""
+def stats(x: torch.Tensor, valid: torch.Tensor, *,
+          divisor: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, norm2)`` of ``stats_center(x / divisor, valid)`` without the centred rows (same
+    bits; the division is the reference's fp32 ``x / n`` for ``op="avg"``, fused)."""
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     valid_np = _valid(valid, rows)
     mean = torch.empty(rows, dtype=torch.float32)
     norm2 = torch.empty(rows, dtype=torch.float32)
-    run_rows(K.stats_only, rows, xs, valid_np, mean.numpy(), norm2.numpy())
+    run_rows(K.stats_only, rows, xs, valid_np, _divisor(divisor), mean.numpy(), norm2.numpy())
     return mean, norm2
 
 
+def _divisor(divisor: int) -> np.float32:
+    if int(divisor) != divisor or not 1 <= divisor < 2**24:
+        raise ValueError(f"divisor must be an integer in [1, 2**24), got {divisor!r}")
+    return np.float32(divisor)  # exact, as torch's fp32 ``x / n``
+
+
 def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
-                  order: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``stats_center(x, valid)[0][order]`` with the local ``mean`` :func:`stats` returned:
-    the centred rows, already in ``order``, in one pass (no centred copy in between), into
-    ``out`` when given."""
+                  order: torch.Tensor, *, divisor: int = 1,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``stats_center(x / divisor, valid)[0][order]`` with the local ``mean`` :func:`stats`
+    returned: the centred rows, already in ``order``, in one pass (no divided or centred copy in
+    between), into ``out`` when given."""
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     valid_np = _valid(valid, rows)
@@ -228,7 +237,8 @@ def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
     _check_inplace("out", out, rows)
     if not out.is_contiguous():
         raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
-    run_rows(K.center_gather, rows, xs, mean_np, valid_np, order_np, out.detach().numpy())
+    run_rows(K.center_gather, rows, xs, mean_np, valid_np, order_np, _divisor(divisor),
+             out.detach().numpy())
     return out
 
 
@@ -386,6 +396,8 @@ def warm_up() -> None:
         centred, mean, _ = stats_center(x, valid)
         stats(x, valid)
         center_gather(x, mean, valid, torch.arange(2))
+        stats(x, valid, divisor=3)
+        center_gather(x, mean, valid, torch.arange(2), divisor=3)
         for scales in Scales:
             config = CodecConfig(scales=scales)
             for width in WIDTHS:

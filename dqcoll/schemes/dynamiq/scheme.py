@@ -289,15 +289,17 @@ class DynamiqCall:
         flat = flat.view(rows, SUPER)
 
         # 1. Scale for avg, statistics and centring (rows in the original order).
-        if ctx.op is ReduceOp.AVG:
-            flat = flat / n  # a new buffer: flat may be the caller's tensor
         # The fast paths that split stats_center write the centred rows only once, already in
-        # the sorted order (step 4); the others centre here and gather later.
+        # the sorted order (step 4), dividing by n for avg on the way; the others divide and
+        # centre here and gather later.
         split = self.ops.stats is not None and self.ops.center_gather is not None
+        divisor = n if ctx.op is ReduceOp.AVG else 1
+        if divisor != 1 and not split:
+            flat = flat / n  # a new buffer: flat may be the caller's tensor
         centred: torch.Tensor | None = None
         if split:
             assert self.ops.stats is not None
-            mean, norm2 = self.ops.stats(flat, valid)
+            mean, norm2 = self.ops.stats(flat, valid, divisor=divisor)
         else:
             centred, mean, norm2 = self.ops.stats_center(flat, valid)
         # A row whose squares all underflow fp32 (|x| below ~1e-23) has norm2 == 0 although it is
@@ -310,7 +312,7 @@ class DynamiqCall:
             else:
                 pad = (torch.arange(SUPER, device=device)[None, :]
                        >= valid[empty].to(device)[:, None])
-                centred_empty = (flat[empty] - mean[empty, None]).masked_fill(pad, 0.0)
+                centred_empty = (flat[empty] / divisor - mean[empty, None]).masked_fill(pad, 0.0)
             lost = empty[(centred_empty != 0).any(dim=1)]
             norm2 = norm2.clone()
             norm2[lost] = torch.finfo(torch.float32).tiny
@@ -362,7 +364,7 @@ class DynamiqCall:
         sorted_widths = widths[order]
         if centred is None:
             assert self.ops.center_gather is not None
-            self.work = self.ops.center_gather(flat, mean, valid, self.order,
+            self.work = self.ops.center_gather(flat, mean, valid, self.order, divisor=divisor,
                                                out=_work_buffer(ctx, rows, device))
         else:
             self.work = centred[self.order]
