@@ -1,5 +1,6 @@
 """The compiled CPU path beyond byte identity (which ``test_kernels.py`` checks for every op):
-dispatch and its errors, thread-count independence, width 16, the level-search tables."""
+dispatch and its errors, thread-count independence, the level-search tables, ``out=``, the
+compiled allocation."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("numba")
 from dqcoll.errors import UnsupportedError
 from dqcoll.kernels import cpu_runtime, dynamiq_numba, dynamiq_ops
 from dqcoll.schemes.dynamiq import codec
-from dqcoll.schemes.dynamiq.codec import RAW_WIDTH, SUPER, WIDTHS, CodecConfig, Levels
+from dqcoll.schemes.dynamiq.codec import SUPER, WIDTHS, CodecConfig, Levels
 
 KEY = 0xC0FFEE
 
@@ -100,25 +101,6 @@ def test_cpu_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_runtime.cpu_threads() == max(1, os.cpu_count() or 1)
     monkeypatch.setattr(cpu_runtime, "_local_ranks", 10_000)
     assert cpu_runtime.cpu_threads() == 1
-
-
-def test_width_16_matches_reference() -> None:
-    """Raw 16-bit super-groups (encode, decode, decode-accumulate, the fused hop) give the
-    reference's bytes and values through the numba launchers."""
-    x = heavy_tailed(1, 5 * SUPER, seed=3).view(5, SUPER)
-    index = torch.arange(5, dtype=torch.int64) * SUPER
-    config = CodecConfig()
-    expected = codec.encode_torch(x, RAW_WIDTH, index, 0, 3, KEY, config)
-    records = dynamiq_numba.encode(x, RAW_WIDTH, index, 0, 3, KEY, config)
-    assert torch.equal(records, expected)
-    assert torch.equal(dynamiq_numba.decode(records, RAW_WIDTH, config),
-                       codec.decode_torch(records, RAW_WIDTH, config))
-    acc, acc_ref = x.clone(), x.clone()
-    hop = dynamiq_numba.decode_accumulate_encode(records, RAW_WIDTH, acc, index, 1, 3, KEY,
-                                                 config)
-    ref = codec.decode_accumulate_encode_torch(records, RAW_WIDTH, acc_ref, index, 1, 3, KEY,
-                                               config)
-    assert torch.equal(hop, ref) and torch.equal(acc, acc_ref)
 
 
 @pytest.mark.parametrize("levels", list(Levels))

@@ -1,6 +1,9 @@
 """Launchers of the DynamiQ Triton kernels: check shapes, allocate, launch. ``OPS`` is what
 :func:`dqcoll.kernels.dynamiq_ops` hands out for CUDA tensors.
 
+Width 16 (raw fp16 records: no random numbers, a few vectorised passes) runs the torch reference
+on the tensors' own device, so every width the scheme can choose works on every path.
+
 Each launcher has the signature of its torch reference in :mod:`dqcoll.schemes.dynamiq.codec`
 and returns the same bytes (codes, scales) and the same fp32 values (statistics, decoded and
 accumulated rows; NaN payloads aside, which no record carries: a non-finite scale is stored as the
@@ -34,7 +37,9 @@ from typing import Any
 
 import torch
 
+from ..schemes.dynamiq import codec
 from ..schemes.dynamiq.codec import (
+    RAW_WIDTH,
     SUPER,
     WIDTHS,
     CodecConfig,
@@ -171,8 +176,8 @@ def _tile(config: CodecConfig) -> tuple[int, int, bool]:
 
 
 def _check_width(width: int) -> None:
-    if width not in WIDTHS:
-        raise ValueError(f"width must be one of {WIDTHS}, got {width}")
+    if width not in WIDTHS and width != RAW_WIDTH:
+        raise ValueError(f"width must be one of {(*WIDTHS, RAW_WIDTH)}, got {width}")
 
 
 def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -273,6 +278,9 @@ def encode(
     rows = x.shape[0]
     index = _index(index_base, rows, x.device)
     out = _out_records(out, rows, record_nbytes(width, config.scales), x.device)
+    if width == RAW_WIDTH:  # raw fp16 records: the reference's few vectorised ops, on any device
+        return codec.encode_torch(x.float(), width, index, rank, world_size, key, config,
+                                  out=out)
     if rows:
         kernels, interpreted = _kernels_for(x.device)
         cfg = launch_config(Kernel.ENCODE, width, rows, interpreted=interpreted)
@@ -295,6 +303,8 @@ def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
             not out.is_contiguous()) or out.device != records.device:
         raise ValueError(f"out: expected contiguous fp32 [{rows}, {SUPER}] on {records.device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if width == RAW_WIDTH:
+        return codec.decode_torch(records, width, config, out=out)
     if rows:
         kernels, interpreted = _kernels_for(records.device)
         cfg = launch_config(Kernel.DECODE, width, rows, interpreted=interpreted)
@@ -315,6 +325,9 @@ def decode_accumulate(
     _check_rows("acc", acc, (torch.float32,))
     rows = records.shape[0]
     _check_same("acc", acc, rows, records.device)
+    if width == RAW_WIDTH:
+        codec.decode_accumulate_torch(records, width, config, acc)
+        return
     if rows:
         kernels, interpreted = _kernels_for(records.device)
         cfg = launch_config(Kernel.DECODE_ACCUMULATE, width, rows, interpreted=interpreted)
@@ -348,6 +361,9 @@ def decode_accumulate_encode(
     _check_same("acc", acc, rows, records.device)
     index = _index(index_base, rows, records.device)
     out = _out_records(out, rows, records.shape[1], records.device)
+    if width == RAW_WIDTH:
+        return codec.decode_accumulate_encode_torch(records, width, acc, index, rank, world_size,
+                                                    key, config, out=out)
     if rows:
         kernels, interpreted = _kernels_for(records.device)
         cfg = launch_config(Kernel.DECODE_ACCUMULATE_ENCODE, width, rows, interpreted=interpreted)
