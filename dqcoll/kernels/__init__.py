@@ -43,6 +43,10 @@ class DynamiqOps:
     # None: the scheme divides, uses stats_center and a torch gather.
     stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     center_gather: Callable[..., torch.Tensor] | None = None
+    # decode_restore(records, width, config, mean, index_base, valid, out): restore(decode(...))
+    # in one pass, into a flat fp32 out (an all-reduce's last decode of each row). None: the
+    # scheme decodes into its work rows and restores them.
+    decode_restore: Callable[..., None] | None = None
 
 
 @functools.lru_cache(maxsize=1)

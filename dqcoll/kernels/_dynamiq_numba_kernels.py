@@ -486,6 +486,44 @@ def hop_w8(lo, hi, records, table, acc, write_acc, index_base, out, hierarchical
               nxt, rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half)
 
 
+@numba.njit(**_inline)
+def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, index_base, valid,
+                         out):
+    """The last decode of an all-reduce fused with the restore: ``out[index_base[i] + j] =
+    decode(records[i])[j] + mean[i]`` for ``j < valid[i]`` (two roundings, as decoding into the
+    work row and restoring it), without the work row in between."""
+    d = np.empty(GROUPS, np.float32)
+    row = np.empty(SUPER, np.float32)
+    f32 = np.empty(1, np.float32)
+    u32 = f32.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], width, hierarchical, table, d, f32, u32, row, False)
+        m = mean[i]
+        b = index_base[i]
+        if valid[i] == SUPER:
+            o = out[b : b + SUPER]
+            for j in range(SUPER):
+                o[j] = row[j] + m
+        else:
+            for j in range(valid[i]):
+                out[b + j] = row[j] + m
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w2(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 2, records, hierarchical, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w4(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 4, records, hierarchical, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w8(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 8, records, hierarchical, table, mean, index_base, valid, out)
+
+
 # -- statistics and restore ------------------------------------------------------------------------
 
 

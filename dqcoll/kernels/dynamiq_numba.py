@@ -46,6 +46,7 @@ __all__ = [
     "decode",
     "decode_accumulate",
     "decode_accumulate_encode",
+    "decode_restore",
     "encode",
     "restore",
     "stats",
@@ -56,6 +57,7 @@ __all__ = [
 _ENCODE = {2: K.encode_w2, 4: K.encode_w4, 8: K.encode_w8}
 _DECODE = {2: K.decode_w2, 4: K.decode_w4, 8: K.decode_w8}
 _HOP = {2: K.hop_w2, 4: K.hop_w4, 8: K.hop_w8}
+_DECODE_RESTORE = {2: K.decode_restore_w2, 4: K.decode_restore_w4, 8: K.decode_restore_w8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +381,35 @@ def restore(
         out[target[keep]] = summed[keep].to(out.dtype)
 
 
+def decode_restore(
+    records: torch.Tensor, width: int, config: CodecConfig, mean: torch.Tensor,
+    index_base: torch.Tensor, valid: torch.Tensor, out: torch.Tensor,
+) -> None:
+    """``restore(decode(records), mean, index_base, valid, out)`` in one pass, the same bits:
+    each record decoded and its valid coordinates, plus the row's mean, written straight to
+    their place in the flat fp32 ``out`` (the all-reduce's last decode, without the work rows
+    in between). Widths 2, 4 and 8."""
+    if width not in _DECODE_RESTORE:
+        raise ValueError(f"width must be one of {tuple(_DECODE_RESTORE)}, got {width}")
+    rec = _records(records, width, config)
+    rows = rec.shape[0]
+    if out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu" or (
+            out.dtype != torch.float32):
+        raise ValueError(f"out: expected a flat contiguous fp32 CPU tensor, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    mean_np = mean.detach().to(dtype=torch.float32).reshape(-1).contiguous().numpy()
+    index = _index(index_base, rows)
+    valid_np = _valid(valid, rows)
+    if mean_np.shape[0] != rows:
+        raise ValueError(f"mean: expected [{rows}], got {tuple(mean.shape)}")
+    if rows and (index.min() < 0 or (index + valid_np).max() > out.numel()):
+        raise ValueError(f"index_base/valid address coordinates outside out "
+                         f"({out.numel()} elements)")
+    lv = level_tables(width, config.levels)
+    run_rows(_DECODE_RESTORE[width], rows, rec, config.scales is Scales.HIERARCHICAL, lv.table,
+             mean_np, index, valid_np, out.detach().numpy())
+
+
 _warm_lock = threading.Lock()
 _warmed = False
 
@@ -407,6 +438,8 @@ def warm_up() -> None:
                     decode_accumulate(records, width, config, acc)
                     decode_accumulate_encode(records, width, acc, index, 0, world_size, 1, config)
                 decode(records, width, config)
+                decode_restore(records, width, config, mean, index, valid,
+                               torch.empty(2 * SUPER))
         for dtype in (torch.float32, torch.bfloat16):
             restore(centred, mean, index, valid, torch.empty(2 * SUPER, dtype=dtype))
         from .allocation_numba import bisect
@@ -425,4 +458,5 @@ OPS = DynamiqOps(
     restore=restore,
     stats=stats,
     center_gather=center_gather,
+    decode_restore=decode_restore,
 )

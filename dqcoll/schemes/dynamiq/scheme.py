@@ -398,6 +398,13 @@ class DynamiqCall:
                 self.runs.append((width, a, b))
         counts = {w: int((widths == w).sum()) for w in (0, *ALL_WIDTHS)}
         bits_used = 8.0 * self.allocation.total_nbytes / max(numel, 1)
+        # The all-reduce's last decode of every row (the all-gather's and the sink's own) can
+        # write straight into the output with the restore (ops.decode_restore): decompress
+        # then only records (rows, records) here and finish decodes them into ``out``. Not in
+        # target mode, which measures the decoded work rows.
+        self.deferred: list[tuple[int, int, int, torch.Tensor]] | None = (
+            [] if (ctx.collective is Collective.ALLREDUCE and self.ops.decode_restore is not None
+                   and scheme.target_vnmse is None) else None)
         self.info: dict[str, Any] = {
             "bits": bits_used,
             "u": self.allocation.u,
@@ -408,6 +415,23 @@ class DynamiqCall:
             "target_met": self.allocation.target_met,
             "widths": counts,
         }
+
+    def _decode_restore(self, out: torch.Tensor) -> None:
+        """Decode every deferred record straight into ``out`` (plus its mean, at its original
+        place); rows decompress did not defer (width 0 or 16) are restored from ``work``."""
+        assert self.deferred is not None and self.ops.decode_restore is not None
+        rows = self.work.shape[0]
+        covered = torch.zeros(rows, dtype=torch.bool)
+        for width, a, b, records in self.deferred:
+            self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
+                                    self.index_base[a:b], self.valid_sorted[a:b], out)
+            covered[a:b] = True
+        self.deferred.clear()
+        rest = torch.nonzero(~covered).squeeze(1)
+        if rest.numel():
+            assert self.ops.restore is not None
+            self.ops.restore(self.work[rest], self.mean_sorted[rest], self.index_base[rest],
+                             self.valid_sorted[rest], out)
 
     def _measure_rho(self) -> None:
         """Target mode: estimate the ranks' correlation from the decoded aggregate (identical on
@@ -456,8 +480,11 @@ class DynamiqCall:
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         for width, a, b, offset in self._segments(chunk):
-            self.ops.decode(self._records(payload, width, a, b, offset), width, self.config,
-                            out=self.work[a:b])
+            records = self._records(payload, width, a, b, offset)
+            if self.deferred is not None and width != RAW_WIDTH:
+                self.deferred.append((width, a, b, records))  # decoded by finish
+            else:
+                self.ops.decode(records, width, self.config, out=self.work[a:b])
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         for width, a, b, offset in self._segments(chunk):
@@ -478,6 +505,14 @@ class DynamiqCall:
         return out
 
     def finish(self, out: torch.Tensor) -> None:
+        if self.deferred:
+            if (self.ops.decode_restore is not None and out.dtype == torch.float32
+                    and out.is_contiguous() and out.device == self.work.device):
+                self._decode_restore(out.view(-1))
+                return
+            for width, a, b, records in self.deferred:  # another output: decode, then restore
+                self.ops.decode(records, width, self.config, out=self.work[a:b])
+            self.deferred.clear()
         self._measure_rho()
         if self.ops.restore is not None and out.is_contiguous() and out.device == self.work.device:
             self.ops.restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted,
