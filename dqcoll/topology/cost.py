@@ -99,12 +99,13 @@ _GPU_GBPS = {"h100": 1700.0, "h200": 2400.0}
 DEFAULT_KERNEL_RATES: dict[tuple[str, str], KernelRates] = {
     **{(dev, scheme): _gpu(*b, gbps) for dev, gbps in _GPU_GBPS.items()
        for scheme, b in _GPU_BYTES.items()},
-    # This 2-core VM, torch reference, one thread per rank, thread CPU time, 256K coordinates,
-    # 4-bit records (`tools/topology_validate.py calibrate`): encode 216 ns, decode-accumulate
-    # 32 ns, statistics + restore 11 ns per coordinate single-threaded; the host's two cores
-    # serve all its ranks, so per host: half of that. none: copy 0.31 ns, add 0.50 ns.
-    ("cpu", "dynamiq"): KernelRates(compress_ns=108.0, decompress_ns=16.1, stats_ns=5.6),
-    ("cpu", "none"): KernelRates(compress_ns=0.155, decompress_ns=0.25, stats_ns=0.0),
+    # This 2-core AMD EPYC VM, compiled (numba) kernels, one thread per rank, thread CPU time,
+    # 256K coordinates, 4-bit records (`tools/topology_validate.py calibrate`, 2026-11-24):
+    # encode 2.4 ns, decode-accumulate 0.52 ns, statistics + restore 3.1 ns per coordinate
+    # single-threaded; the host's two cores serve all its ranks, so per host: half of that.
+    # none: copy 0.080 ns, add 0.082 ns. (The torch reference: encode 216 ns, decode 32 ns.)
+    ("cpu", "dynamiq"): KernelRates(compress_ns=1.2, decompress_ns=0.26, stats_ns=1.54),
+    ("cpu", "none"): KernelRates(compress_ns=0.040, decompress_ns=0.041, stats_ns=0.0),
 }
 # A scheme without its own figures is priced like dynamiq on that device (same kind of work).
 _FALLBACK_SCHEME = "dynamiq"
