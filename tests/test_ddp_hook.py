@@ -50,6 +50,12 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str,
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown, as the reliability workers do: gloo's C++
+    # teardown at exit occasionally aborts a finished process ("terminate called without an
+    # active exception"), which mp.spawn would report as a failure of this rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(tmp_path: pathlib.Path, world_size: int, body: Callable[[int, int], Any]) -> list[Any]:
