@@ -42,7 +42,7 @@ from ..schemes.dynamiq import rng
 # constexprs). The shift amounts are written out in _mix32, as in rng.mix32.
 _M1 = tl.constexpr(rng._M1)
 _M2 = tl.constexpr(rng._M2)
-_FEISTEL_ROUNDS = tl.constexpr(rng.FEISTEL_ROUNDS)
+_SEL_SHIFT = tl.constexpr(rng.PERMUTATION_SHIFT)
 
 # Only builtins of ``triton.language`` are used, never its ``@triton.jit`` helpers (``tl.sum``,
 # ``tl.max``, ``tl.zeros``, ...): those live in ``triton.language.standard`` and are
@@ -69,49 +69,45 @@ def _mix32(x):
 
 
 @triton.jit
-def _coord_hash(key, g_lo, g_hi):
-    """``coord_hash(key, g) = mix32(mix32(key ^ g_lo) ^ g_hi)``."""
-    return _mix32(_mix32(g_lo ^ key) ^ g_hi)
+def _row_keys(key, base):
+    """The inner hash of ``rng.coord_hash(key, g) = mix32(mix32(key ^ g_hi) ^ g_lo)`` depends on
+    ``g_hi`` only: per row (``base`` [ROWS] int64), the key at its first coordinate and at its
+    last (they differ only where the row crosses a multiple of 2**32)."""
+    k = key.to(tl.uint32)
+    first = _mix32(k ^ (base >> 32).to(tl.uint32))  # base >= 0: the shift is logical
+    last = _mix32(k ^ ((base + 255) >> 32).to(tl.uint32))
+    return first, last
 
 
 @triton.jit
-def _feistel(v, ck, HALF: tl.constexpr):
-    """One pass of the balanced Feistel network over ``2 * HALF`` bits (rng.feistel_rounds)."""
-    mask: tl.constexpr = (1 << HALF) - 1
-    left = v >> HALF
-    right = v & mask
-    for j in tl.static_range(_FEISTEL_ROUNDS):
-        f = _mix32(ck ^ (right | (j << 24))) & mask  # round j keyed in bits 24..31
-        new_right = left ^ f
-        left = right
-        right = new_right
-    return (left << HALF) | right
+def _hash_in_row(first, last, base_lo, g_lo):
+    """``coord_hash`` of coordinates whose low halves are ``g_lo``, in rows with the keys of
+    :func:`_row_keys` and low halves ``base_lo`` (broadcast): one ``mix32`` per coordinate; the
+    coordinates past a wrap of the low half take the row's second key."""
+    return _mix32(tl.where(g_lo < base_lo, last, first) ^ g_lo)
 
 
 @triton.jit
 def _rounding_uniforms(
-    gidx, gfirst, jitter_key, perm_key, rank, world_size, inv_n, CORRELATED: tl.constexpr,
-    HALF: tl.constexpr,
+    base, coord, first_coord, jitter_key, perm_key, ptab_ptr, inv_n, CORRELATED: tl.constexpr,
 ):
-    """fp32 uniforms of this rank at int64 global coordinate indices ``gidx``
-    (rng.rounding_uniforms): ``gamma``, or ``(pi(rank) + gamma) * fp32(1/n)`` with the
-    permutation keyed by ``gfirst``, the first index of each coordinate's run of 16 (a tensor that
-    broadcasts against ``gidx``, e.g. ``[ROWS, NB, 1]``: one Feistel evaluation per run)."""
-    g_lo = gidx.to(tl.uint32)  # truncation: the low 32 bits
-    g_hi = (gidx >> 32).to(tl.uint32)  # gidx >= 0, so the arithmetic shift is logical
-    h = _coord_hash(jitter_key.to(tl.uint32), g_lo, g_hi)
+    """fp32 uniforms of this rank (rng.rounding_uniforms) at the coordinates ``base + coord`` of
+    rows starting at global indices ``base`` ([ROWS] int64; ``coord`` broadcasts against
+    ``[ROWS, NB, BS]``): ``gamma``, or ``(pi(rank) + gamma) * fp32(1/n)`` with ``pi(rank)`` this
+    rank's entry of the table permutation each run of 16 selects by the hash of its first index
+    ``base + first_coord`` (``first_coord`` e.g. ``[1, NB, 1]``: one hash and one table load
+    per run)."""
+    base_lo = base.to(tl.uint32)[:, None, None]  # truncation: the low 32 bits
+    j_first, j_last = _row_keys(jitter_key, base)
+    g_lo = base_lo + coord.to(tl.uint32)  # wraps mod 2**32
+    h = _hash_in_row(j_first[:, None, None], j_last[:, None, None], base_lo, g_lo)
     gamma = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # top 24 bits * 2**-24, exact
     if CORRELATED:
-        f_lo = gfirst.to(tl.uint32)
-        ck = _coord_hash(perm_key.to(tl.uint32), f_lo, (gfirst >> 32).to(tl.uint32))
-        n = world_size.to(tl.uint32)
-        v = _feistel(f_lo * 0 + rank.to(tl.uint32), ck, HALF)
-        outside = v >= n
-        # Cycle walking: re-apply the network where the value fell outside [0, n).
-        while tl.reduce(outside.to(tl.int32), None, _MAX) > 0:
-            v = tl.where(outside, _feistel(v, ck, HALF), v)
-            outside = v >= n
-        u = (v.to(tl.float32) + gamma) * inv_n  # two roundings, as in torch
+        p_first, p_last = _row_keys(perm_key, base)
+        f_lo = base_lo + first_coord.to(tl.uint32)
+        sel = _hash_in_row(p_first[:, None, None], p_last[:, None, None], base_lo, f_lo)
+        pi = tl.load(ptab_ptr + (sel >> _SEL_SHIFT).to(tl.int32))
+        u = (pi.to(tl.float32) + gamma) * inv_n  # two roundings, as in torch
     else:
         u = gamma
     return u
@@ -213,11 +209,11 @@ def _decode_tile(
 
 @triton.jit
 def _encode_tile(
-    x, base, row_mask, out_ptr, out_row, mag_ptr, level_k, level_inv_log2,
-    jitter_key, perm_key, rank, world_size, inv_n,
+    x, base, row_mask, out_ptr, out_row, mag_ptr, nxt_ptr, rtab_ptr,
+    jitter_key, perm_key, ptab_ptr, inv_n,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
-    HALF: tl.constexpr,
+    BINS: tl.constexpr,
 ):
     """Encode the fp32 ``[ROWS, NB, BS]`` tile ``x`` of rows whose first coordinates have global
     indices ``base`` into records at byte offsets ``out_row`` (codec._encode_rows)."""
@@ -250,10 +246,13 @@ def _encode_tile(
         tl.store(scale_row[:, None] + 2 * nb[None, :], (scale_bits & 0xFF).to(tl.uint8), mask=m2)
         tl.store(scale_row[:, None] + 2 * nb[None, :] + 1, (scale_bits >> 8).to(tl.uint8), mask=m2)
 
-    # y = clamp(x / D, -1, 1) where D is positive and finite, else 0.
-    d = scale[:, :, None]
-    ok = (d > 0.0) & (d < float("inf"))
-    y = tl.where(ok, tl.math.div_rn(x, tl.where(ok, d, 1.0)), 0.0)
+    # codec._normalise: y = clamp((x * s) * inv, -1, 1) with inv = 1 / (D * s) per block (one
+    # division per block, none per coordinate), s = 2**64 below 2**-64, y = 0 where D is 0 or not
+    # finite.
+    ok = (scale > 0.0) & (scale < float("inf"))
+    pre = tl.where(scale < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)  # 2**-64, 2**64
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(ok, scale * pre, 1.0))
+    y = tl.where(ok[:, :, None], (x * pre[:, :, None]) * inv[:, :, None], 0.0)
     y = tl.minimum(tl.maximum(y, -1.0), 1.0)
     a = tl.abs(y)
 
@@ -263,25 +262,26 @@ def _encode_tile(
         lo = tl.full(a.shape, 0.0, tl.float32)
         hi = tl.full(a.shape, 1.0, tl.float32)
     else:
-        if NONUNIFORM:  # m_r = (base^r - 1) / K  =>  r = log2(1 + a K) / log2(base)
-            guess = tl.log2(1.0 + a * level_k) * level_inv_log2
-        else:  # m_r = r / R
-            guess = a * TOP
-        r = tl.minimum(tl.maximum(tl.floor(guess).to(tl.int32), 0), TOP - 1)
-        below = tl.load(mag_ptr + r)
-        above = tl.load(mag_ptr + r + 1)
-        r = tl.where(below > a, r - 1, tl.where((above <= a) & (r < TOP - 1), r + 1, r))
+        if NONUNIFORM:
+            # The level count up to one compare from a table over BINS equal bins of [0, 1]
+            # (a * BINS is an exact power-of-two scaling; no bin holds two level boundaries).
+            r = tl.load(rtab_ptr + (a * BINS).to(tl.int32))
+            r = r + (tl.load(nxt_ptr + r) <= a).to(tl.int32)
+        else:  # m_r = r / R: a guess corrected by one step
+            r = tl.minimum(tl.maximum(tl.floor(a * TOP).to(tl.int32), 0), TOP - 1)
+            below = tl.load(mag_ptr + r)
+            above = tl.load(mag_ptr + r + 1)
+            r = tl.where(below > a, r - 1, tl.where((above <= a) & (r < TOP - 1), r + 1, r))
         lo = tl.load(mag_ptr + r)
         hi = tl.load(mag_ptr + r + 1)
 
     coord = tl.arange(0, NB)[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
-    gidx = base[:, None, None] + coord
     if BS == 16:  # a scale group is a permutation run: one permutation per [row, group]
-        gfirst = base[:, None, None] + (tl.arange(0, NB) * 16)[None, :, None]
+        first_coord = (tl.arange(0, NB) * 16)[None, :, None]
     else:
-        gfirst = gidx - (coord & 15)
-    u = _rounding_uniforms(gidx, gfirst, jitter_key, perm_key, rank, world_size, inv_n,
-                           CORRELATED, HALF)
+        first_coord = coord - (coord & 15)
+    u = _rounding_uniforms(base, coord, first_coord, jitter_key, perm_key, ptab_ptr, inv_n,
+                           CORRELATED)
     level = r + ((a - lo) > u * (hi - lo)).to(tl.int32)  # P(up) = (a - lo) / (hi - lo)
     codes = tl.where(y < 0.0, TOP - level, TOP + level)  # stored as l + R
 
@@ -330,13 +330,13 @@ def _stats_center_kernel(
     tl.store(norm2_ptr + rows, norm2, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["jitter_key", "perm_key", "rank", "world_size"])
+@triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
 def _encode_kernel(
-    x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, mag_ptr, level_k, level_inv_log2,
-    jitter_key, perm_key, rank, world_size, inv_n, n_rows,
+    x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, mag_ptr, nxt_ptr, rtab_ptr,
+    jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
-    HALF: tl.constexpr,
+    BINS: tl.constexpr,
 ):
     """codec.encode_torch: a leaf compresses its local rows."""
     rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
@@ -345,8 +345,8 @@ def _encode_kernel(
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
         _to_fp32(x), base, row_mask, out_ptr, rows * out_row_stride,
-        mag_ptr, level_k, level_inv_log2, jitter_key, perm_key, rank, world_size, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, HALF,
+        mag_ptr, nxt_ptr, rtab_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, BINS,
     )
 
 
@@ -381,14 +381,14 @@ def _decode_accumulate_kernel(
     tl.store(acc_at, acc + value, mask=m3)
 
 
-@triton.jit(do_not_specialize=["jitter_key", "perm_key", "rank", "world_size"])
+@triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
 def _decode_accumulate_encode_kernel(
     rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, index_ptr,
-    out_ptr, out_row_stride, mag_ptr, level_k, level_inv_log2,
-    jitter_key, perm_key, rank, world_size, inv_n, n_rows,
+    out_ptr, out_row_stride, mag_ptr, nxt_ptr, rtab_ptr,
+    jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
-    HALF: tl.constexpr, WRITE_ACC: tl.constexpr,
+    BINS: tl.constexpr, WRITE_ACC: tl.constexpr,
 ):
     """codec.decode_accumulate_encode_torch, fused: the partial sum is encoded from registers;
     it is written back to ``acc`` only with ``WRITE_ACC`` (the executor never reads it again)."""
@@ -405,8 +405,8 @@ def _decode_accumulate_encode_kernel(
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
         acc, base, row_mask, out_ptr, rows * out_row_stride,
-        mag_ptr, level_k, level_inv_log2, jitter_key, perm_key, rank, world_size, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, HALF,
+        mag_ptr, nxt_ptr, rtab_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, BINS,
     )
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..schemes.dynamiq import rng
 from .cpu_runtime import JIT_OPTIONS
 
 SUPER = 256
@@ -51,6 +52,9 @@ _FM1 = np.float32(-1.0)
 _F255 = np.float32(255.0)
 _INF = np.float32(np.inf)
 _TWO_M24 = np.float32(2.0**-24)
+_TINY = np.float32(2.0**-64)
+_PRESCALE = np.float32(2.0**64)
+_SEL_SHIFT = np.uint32(rng.PERMUTATION_SHIFT)
 
 _inline = dict(JIT_OPTIONS, inline="always")
 
@@ -69,11 +73,15 @@ def _mix32(x):
 
 
 @numba.njit(**_inline)
-def _coord_hash(key, g):
-    """``mix32(mix32(key ^ g_lo) ^ g_hi)`` for a non-negative int64 coordinate index ``g``."""
-    lo = np.uint32(g & 0xFFFFFFFF)
-    hi = np.uint32(g >> 32)
-    return _mix32(np.uint32(_mix32(np.uint32(lo ^ key)) ^ hi))
+def _row_key(key, base):
+    """The inner hash of ``rng.coord_hash(key, g)``, ``mix32(key ^ g_hi)``: the same for every
+    coordinate of a row starting at ``base`` (a multiple of 256)."""
+    return _mix32(np.uint32(key ^ np.uint32(base >> 32)))
+
+
+@numba.njit(**_inline)
+def _lo32(g):
+    return np.uint32(g & 0xFFFFFFFF)
 
 
 @numba.njit(**_inline)
@@ -90,14 +98,17 @@ def _feistel(v, ck, half):
     return np.uint32(np.uint32(left << np.uint32(half)) | right)
 
 
-@numba.njit(**_inline)
-def _permute(rank, world_size, half, ck):
-    """``pi_g(rank)``: the Feistel network applied until the value falls below ``world_size``."""
+@numba.njit(**JIT_OPTIONS)
+def perm_table(table_key, rank, world_size, half, out):
+    """``rng.permutation_table``: ``out[t] = sigma_t(rank)``, the Feistel network keyed by
+    ``mix32(table_key ^ t)`` applied until the value falls below ``world_size``."""
     n = np.uint32(world_size)
-    v = _feistel(np.uint32(rank), ck, half)
-    while v >= n:
-        v = _feistel(v, ck, half)
-    return v
+    for t in range(out.shape[0]):
+        ck = _mix32(np.uint32(table_key ^ np.uint32(t)))
+        v = _feistel(np.uint32(rank), ck, half)
+        while v >= n:
+            v = _feistel(v, ck, half)
+        out[t] = np.int32(v)
 
 
 @numba.njit(**_inline)
@@ -124,11 +135,14 @@ def _tree_sum_256(t):
 
 @numba.njit(**_inline)
 def _scales_encode(
-    xrow_bits, hierarchical, d, meta, f32, u32, qscale, gbits
+    xrow_bits, hierarchical, d, meta, f32, u32, qscale, gbits, ginv, gpre
 ):
-    """Scales of one row from its fp32 bit patterns: the decoded scale of each coordinate into
-    ``d`` [256] and the scale bytes into ``meta`` (18 or 16 bytes). ``f32``/``u32`` are one
-    scratch word seen as fp32 and as uint32 (a bit cast); ``qscale``/``gbits`` scratch [16]."""
+    """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18 or 16
+    bytes), the decoded scale of each group of 16 into ``qscale`` [16], and codec._normalise's
+    factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is unusable, and the
+    prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a prescale is not 1
+    (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32 and as uint32
+    (a bit cast); ``gbits`` scratch [16]."""
     if hierarchical:
         top = np.uint32(0)
         for g in range(GROUPS):
@@ -157,9 +171,6 @@ def _scales_encode(
             qscale[g] = qscale[g] * unit  # exact: 8-bit times 8-bit significands
         meta[GROUPS] = np.uint8(unit_bits & np.uint32(0xFF))
         meta[GROUPS + 1] = np.uint8(unit_bits >> np.uint32(8))
-        for g in range(GROUPS):
-            for j in range(GROUP):
-                d[g * GROUP + j] = qscale[g]
     else:
         for blk in range(FLAT_BLOCKS):
             m = np.uint32(0)
@@ -173,8 +184,25 @@ def _scales_encode(
             s = f32[0]
             qscale[2 * blk] = s  # per group of 16 too (both groups of the block)
             qscale[2 * blk + 1] = s
-            for j in range(FLAT_BLOCK):
-                d[blk * FLAT_BLOCK + j] = s
+    # codec._normalise: inv = fp32(1 / (D * s)), 0 where D is unusable; s = 2**64 below 2**-64
+    # (exact prescale). Short branch-free loops (each vectorises).
+    tiny = False
+    for g in range(GROUPS):
+        dg = qscale[g]
+        pre = _PRESCALE if dg < _TINY else _F1
+        gpre[g] = pre
+        ok = (dg > _F0) & (dg < _INF)
+        ginv[g] = dg * pre if ok else _F0
+    for g in range(GROUPS):
+        tiny |= gpre[g] != _F1
+    for g in range(GROUPS):
+        den = ginv[g]
+        ginv[g] = _F1 / den if den > _F0 else _F0
+    for g in range(GROUPS):
+        inv = ginv[g]
+        for j in range(GROUP):
+            d[g * GROUP + j] = inv
+    return tiny
 
 
 @numba.njit(**_inline)
@@ -199,35 +227,57 @@ def _scales_decode(meta, hierarchical, d, f32, u32):
 @numba.njit(**_inline)
 def _encode_row(
     xrow, xrow_bits, base, out_row, width, hierarchical, mags, nxt, rtab, bins,
-    jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
-    scratch, pv_row,
+    jitter_key, perm_key, ptab, inv_n, correlated, scratch,
 ):
     """codec._encode_rows for one row ``xrow`` (fp32 [256], ``xrow_bits`` its uint32 view) whose
     first coordinate has global index ``base``, into ``out_row`` (uint8 [record_nbytes]).
-    ``scratch`` is the tuple of arrays :func:`_encode_scratch` makes; ``pv_row`` the row's 16
-    permutation values (correlated rounding)."""
-    (d, u, codes, f32, u32, qscale, gbits, av, neg, binv, rv, lov, hiv) = scratch
+    ``scratch`` is the tuple of arrays :func:`_encode_scratch` makes; ``ptab`` this rank's
+    column of the call's permutation table (rng.permutation_table)."""
+    (d, p, u, codes, f32, u32, qscale, gbits, ginv, gpre, piv, selv,
+     av, neg, binv, rv, lov, hiv) = scratch
     top = (1 << (width - 1)) - 1  # R
     code_nbytes = 32 * width
-    _scales_encode(xrow_bits, hierarchical, d, out_row[code_nbytes:], f32, u32, qscale, gbits)
+    tiny = _scales_encode(xrow_bits, hierarchical, d, out_row[code_nbytes:], f32, u32, qscale,
+                          gbits, ginv, gpre)
+    xs = xrow
+    if tiny:  # codec._normalise's x * s, exact, into scratch (only rows with denormal scales)
+        for g in range(GROUPS):
+            for j in range(GROUP):
+                p[g * GROUP + j] = xrow[g * GROUP + j] * gpre[g]
+        xs = p
+    # rng.coord_hash: the inner hash depends on g_hi only, so it is the row's (two of them where
+    # the row crosses a multiple of 2**32: then coordinates past the wrap of g_lo take the
+    # second); one mix32 per coordinate.
+    lo32 = _lo32(base)
+    jrow = _row_key(jitter_key, base)
+    jend = _row_key(jitter_key, base + SUPER - 1)
+    if correlated:  # pi(rank) of each run of 16: the table permutation its first index selects
+        prow = _row_key(perm_key, base)
+        pend = _row_key(perm_key, base + SUPER - 1)
+        for g in range(GROUPS):
+            f_lo = np.uint32(lo32 + np.uint32(g * GROUP))
+            k = pend if f_lo < lo32 else prow
+            selv[g] = np.int32(_mix32(np.uint32(k ^ f_lo)) >> _SEL_SHIFT)
+        for g in range(GROUPS):
+            piv[g] = np.float32(ptab[selv[g]])
 
     if width <= 4:
-        # Uniforms: gamma per coordinate, plus pi(rank) per run of 16 (correlated).
         for j in range(SUPER):
-            h = _coord_hash(jitter_key, base + j)
-            u[j] = np.float32(h >> np.uint32(8)) * _TWO_M24  # 24 bits, exact
-        if correlated:  # pi(rank) of each run of 16, computed by _permutations
+            g_lo = np.uint32(lo32 + np.uint32(j))  # wraps mod 2**32
+            k = jend if g_lo < lo32 else jrow
+            h = _mix32(np.uint32(k ^ g_lo))
+            u[j] = np.float32(h >> np.uint32(8)) * _TWO_M24  # gamma: 24 bits, exact
+        if correlated:
             for g in range(GROUPS):
-                pi = np.float32(pv_row[g])
+                pi = piv[g]
                 for j in range(GROUP):
                     u[g * GROUP + j] = (pi + u[g * GROUP + j]) * inv_n  # two roundings
         # R <= 7: the level and its neighbours by a chain of compares and selects against the
         # interior magnitudes (no gather, so the loop vectorises: ~6x the table lookup).
         for j in range(SUPER):
-            dj = d[j]
-            ok = (dj > _F0) & (dj < _INF)  # no branch: the loop vectorises, divisions included
-            q = xrow[j] / (dj if ok else _F1)
-            y = min(max(q if ok else _F0, _FM1), _F1)
+            inv = d[j]
+            q = xs[j] * inv  # inv > 0 exactly where the scale is usable
+            y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
             a = abs(y)
             r = 0
             lo = _F0  # m_0
@@ -245,22 +295,19 @@ def _encode_row(
     else:
         # R = 127: the level from the bin table, in a scalar loop of its own (gathers), between
         # two loops that vectorise.
-        # Per group of 16, with its scale and pi(rank) as scalars and the uniform computed where
-        # it is used: 8-bit encode 251 -> 296 M coordinates/s.
+        # Per group of 16, with its factors and pi(rank) as scalars.
         bins_f = np.float32(bins)
         for g in range(GROUPS):
-            dg = qscale[g]
-            ok = (dg > _F0) & (dg < _INF)
-            den = dg if ok else _F1
-            pi = np.float32(pv_row[g]) if correlated else _F0
-            first = base + g * GROUP
+            inv = ginv[g]
+            pi = piv[g] if correlated else _F0
             for k in range(GROUP):
                 j = g * GROUP + k
-                h = _coord_hash(jitter_key, first + k)
+                g_lo = np.uint32(lo32 + np.uint32(j))  # wraps mod 2**32
+                h = _mix32(np.uint32((jend if g_lo < lo32 else jrow) ^ g_lo))
                 gamma = np.float32(h >> np.uint32(8)) * _TWO_M24  # 24 bits, exact
                 u[j] = (pi + gamma) * inv_n if correlated else gamma  # two roundings
-                q = xrow[j] / den
-                y = min(max(q if ok else _F0, _FM1), _F1)
+                q = xs[j] * inv
+                y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
                 a = abs(y)
                 av[j] = a
                 neg[j] = y < _F0
@@ -313,54 +360,17 @@ def _decode_row(
                     out_row[c] = value
 
 
-# Rows whose permutations are computed together: 8 rows = 128 runs = 8 independent SIMD chains.
-# The Feistel rounds are a dependent chain; one row's 16 runs in one vector left the core waiting
-# on it (encode at 4 bits, n = 8: 116 M coordinates/s vs 141 with independent rounding).
-PERM_ROWS = 8
-
-
-@numba.njit(**_inline)
-def _permutations(index_base, b0, b1, perm_key, rank, world_size, half, ck, pv):
-    """``pv[r * 16 + g] = pi_g(rank)`` for the runs ``g`` of rows ``b0 + r < b1``: the Feistel
-    network over every run in lockstep, repeated while any value is still outside ``[0, n)``
-    (cycle walking: a run's value changes only while it is outside, so each run gets exactly
-    the reference's ``permute_rank``)."""
-    lanes = (b1 - b0) * GROUPS
-    n = np.uint32(world_size)
-    mask = np.uint32((1 << half) - 1)
-    for lane in range(lanes):
-        ck[lane] = _coord_hash(perm_key, index_base[b0 + lane // GROUPS] + (lane % GROUPS) * GROUP)
-        pv[lane] = np.uint32(rank)
-    walking = True
-    first = True
-    while walking:
-        walking = False
-        for lane in range(lanes):
-            v = pv[lane]
-            key = ck[lane]
-            left = np.uint32(v >> np.uint32(half))
-            right = np.uint32(v & mask)
-            for r in range(FEISTEL_ROUNDS):
-                f = np.uint32(_mix32(np.uint32(key ^ np.uint32(right | np.uint32(r << 24))))
-                              & mask)
-                new_right = np.uint32(left ^ f)
-                left = right
-                right = new_right
-            w = np.uint32(np.uint32(left << np.uint32(half)) | right)
-            pv[lane] = w if (first or v >= n) else v
-        for lane in range(lanes):
-            walking |= pv[lane] >= n
-        first = False
-
-
 @numba.njit(**_inline)
 def _encode_scratch():
     """Per-call scratch of :func:`_encode_row` (allocated once per row range, not per row):
-    ``(d, u, codes, f32, u32, qscale, gbits, av, neg, binv, rv, lov, hiv)``."""
+    ``(d, p, u, codes, f32, u32, qscale, gbits, ginv, gpre, piv, selv, av, neg, binv, rv,
+    lov, hiv)``."""
     f32 = np.empty(1, np.float32)
     return (np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
-            np.empty(SUPER, np.uint8), f32, f32.view(np.uint32),
+            np.empty(SUPER, np.float32), np.empty(SUPER, np.uint8), f32, f32.view(np.uint32),
             np.empty(GROUPS, np.float32), np.empty(GROUPS, np.uint32),
+            np.empty(GROUPS, np.float32), np.empty(GROUPS, np.float32),
+            np.empty(GROUPS, np.float32), np.empty(GROUPS, np.int32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.bool_),
             np.empty(SUPER, np.int32), np.empty(SUPER, np.int32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.float32))
@@ -372,21 +382,13 @@ def _encode_scratch():
 @numba.njit(**_inline)
 def _encode_rows(
     lo, hi, width, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-    jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
+    jitter_key, perm_key, ptab, inv_n, correlated,
 ):
     x_bits = x.view(np.uint32)
     scratch = _encode_scratch()
-    ck = np.empty(PERM_ROWS * GROUPS, np.uint32)
-    pv = np.empty(PERM_ROWS * GROUPS, np.uint32)
-    for b0 in range(lo, hi, PERM_ROWS):
-        b1 = min(b0 + PERM_ROWS, hi)
-        if correlated:
-            _permutations(index_base, b0, b1, perm_key, rank, world_size, half, ck, pv)
-        for i in range(b0, b1):
-            r0 = (i - b0) * GROUPS
-            _encode_row(x[i], x_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
-                        rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated,
-                        half, scratch, pv[r0 : r0 + GROUPS])
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
+                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch)
 
 
 @numba.njit(**_inline)
@@ -403,32 +405,24 @@ def _decode_rows(
 @numba.njit(**_inline)
 def _hop_rows(
     lo, hi, width, records, table, acc, write_acc, index_base, out, hierarchical, mags, nxt,
-    rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
+    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated,
 ):
     """The fused decode-accumulate-encode: the partial sum of a row lives in ``s`` and is
     written back to ``acc`` only with ``write_acc``."""
     s = np.empty(SUPER, np.float32)
     s_bits = s.view(np.uint32)
     scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[3], scratch[4]
-    ck = np.empty(PERM_ROWS * GROUPS, np.uint32)
-    pv = np.empty(PERM_ROWS * GROUPS, np.uint32)
-    for b0 in range(lo, hi, PERM_ROWS):
-        b1 = min(b0 + PERM_ROWS, hi)
-        if correlated:
-            _permutations(index_base, b0, b1, perm_key, rank, world_size, half, ck, pv)
-        for i in range(b0, b1):
-            row = acc[i]
+    dd, f32, u32 = scratch[0], scratch[4], scratch[5]  # d (free until the encode), a word
+    for i in range(lo, hi):
+        row = acc[i]
+        _decode_row(records[i], width, hierarchical, table, dd, f32, u32, s, False)
+        for j in range(SUPER):
+            s[j] = row[j] + s[j]  # acc + decoded: one rounding (addition commutes exactly)
+        if write_acc:
             for j in range(SUPER):
-                s[j] = row[j]
-            _decode_row(records[i], width, hierarchical, table, d, f32, u32, s, True)
-            if write_acc:
-                for j in range(SUPER):
-                    row[j] = s[j]
-            r0 = (i - b0) * GROUPS
-            _encode_row(s, s_bits, index_base[i], out[i], width, hierarchical, mags, nxt, rtab,
-                        bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half,
-                        scratch, pv[r0 : r0 + GROUPS])
+                row[j] = s[j]
+        _encode_row(s, s_bits, index_base[i], out[i], width, hierarchical, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch)
 
 
 # -- entry points: one per width -----------------------------------------------------------------
@@ -436,23 +430,23 @@ def _hop_rows(
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2(lo, hi, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-              jitter_key, perm_key, rank, world_size, inv_n, correlated, half):
+              jitter_key, perm_key, ptab, inv_n, correlated):
     _encode_rows(lo, hi, 2, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, rank, world_size, inv_n, correlated, half)
+                 jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4(lo, hi, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-              jitter_key, perm_key, rank, world_size, inv_n, correlated, half):
+              jitter_key, perm_key, ptab, inv_n, correlated):
     _encode_rows(lo, hi, 4, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, rank, world_size, inv_n, correlated, half)
+                 jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8(lo, hi, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-              jitter_key, perm_key, rank, world_size, inv_n, correlated, half):
+              jitter_key, perm_key, ptab, inv_n, correlated):
     _encode_rows(lo, hi, 8, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, rank, world_size, inv_n, correlated, half)
+                 jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
@@ -472,23 +466,23 @@ def decode_w8(lo, hi, records, hierarchical, table, out, accumulate):
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2(lo, hi, records, table, acc, write_acc, index_base, out, hierarchical, mags, nxt,
-           rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half):
+           rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
     _hop_rows(lo, hi, 2, records, table, acc, write_acc, index_base, out, hierarchical, mags,
-              nxt, rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half)
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4(lo, hi, records, table, acc, write_acc, index_base, out, hierarchical, mags, nxt,
-           rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half):
+           rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
     _hop_rows(lo, hi, 4, records, table, acc, write_acc, index_base, out, hierarchical, mags,
-              nxt, rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half)
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8(lo, hi, records, table, acc, write_acc, index_base, out, hierarchical, mags, nxt,
-           rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half):
+           rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
     _hop_rows(lo, hi, 8, records, table, acc, write_acc, index_base, out, hierarchical, mags,
-              nxt, rtab, bins, jitter_key, perm_key, rank, world_size, inv_n, correlated, half)
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**_inline)

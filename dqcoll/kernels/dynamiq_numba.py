@@ -16,8 +16,6 @@ ranks do not compile at different steps).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import threading
 from collections.abc import Iterator
 
@@ -30,14 +28,12 @@ from ..schemes.dynamiq.codec import (
     SUPER,
     WIDTHS,
     CodecConfig,
-    Levels,
     Scales,
-    _magnitudes,
     record_nbytes,
 )
 from . import DynamiqOps
 from . import _dynamiq_numba_kernels as K
-from ._params import RoundingParams
+from ._params import RoundingParams, level_tables
 from .cpu_runtime import run_rows
 
 __all__ = [
@@ -58,50 +54,6 @@ _ENCODE = {2: K.encode_w2, 4: K.encode_w4, 8: K.encode_w8}
 _DECODE = {2: K.decode_w2, 4: K.decode_w4, 8: K.decode_w8}
 _HOP = {2: K.hop_w2, 4: K.hop_w4, 8: K.hop_w8}
 _DECODE_RESTORE = {2: K.decode_restore_w2, 4: K.decode_restore_w4, 8: K.decode_restore_w8}
-
-
-@dataclasses.dataclass(frozen=True)
-class LevelTables:
-    """Level magnitudes and the tables of the kernels' level search and decode."""
-
-    mags: np.ndarray  # fp32 [R + 1]: m_0 = 0 .. m_R = 1
-    nxt: np.ndarray  # fp32 [R]: nxt[r] = m_{r+1} if r + 1 < R else +inf (interior levels only)
-    rtab: np.ndarray  # int32 [bins + 1]: interior magnitudes <= b / bins
-    bins: int
-    table: np.ndarray  # fp32 [256 * (8 // width)]: value of code k of byte b at b * (8//w) + k
-
-
-@functools.lru_cache(maxsize=16)
-def level_tables(width: int, levels: Levels) -> LevelTables:
-    """The tables of ``width``/``levels``. ``bins`` is the smallest power of two whose bins are
-    narrower than the closest two interior magnitudes, so a bin holds at most one level boundary
-    and ``rtab[floor(a * bins)]`` is the level count up to one compare."""
-    mags = np.asarray(_magnitudes(width, levels), dtype=np.float32)
-    top = len(mags) - 1
-    interior = mags[1:top]
-    bins = 1024
-    if interior.size > 1:
-        gap = float(np.min(np.diff(interior.astype(np.float64))))
-        while 1.0 / bins >= gap:
-            bins *= 2
-    if interior.size and 1.0 / bins >= float(interior[0]):
-        bins = max(bins, 1 << int(np.ceil(-np.log2(float(interior[0])) + 1)))
-    edges = (np.arange(bins + 1, dtype=np.float64) / bins).astype(np.float32)  # exact
-    rtab = np.searchsorted(interior, edges, side="right").astype(np.int32)
-    nxt = np.full(max(top, 1), np.inf, dtype=np.float32)
-    nxt[: top - 1] = interior
-    # Check the one-compare claim on every bin edge and every interior magnitude (+-1 ulp).
-    probes = np.concatenate([edges, interior, np.nextafter(interior, np.float32(0)),
-                             np.nextafter(interior, np.float32(2))]).astype(np.float32)
-    probes = probes[(probes >= 0) & (probes <= 1)]
-    guess = rtab[(probes * np.float32(bins)).astype(np.int64)]
-    guess = guess + (nxt[guess] <= probes)
-    assert np.array_equal(guess, np.searchsorted(interior, probes, side="right")), width
-    codes = codec.code_table(width, levels).numpy()
-    per_byte = 8 // width
-    byte = np.arange(256)[:, None] >> (np.arange(per_byte)[None, :] * width)  # LSB-first
-    table = np.ascontiguousarray(codes[byte & ((1 << width) - 1)].reshape(-1))
-    return LevelTables(mags, nxt, rtab, bins, table)
 
 
 # -- array views -----------------------------------------------------------------------------
@@ -178,8 +130,8 @@ def _rounding_args(width: int, config: CodecConfig, key: int, rank: int,
     lv = level_tables(width, config.levels)
     rp = RoundingParams.build(key, rank, world_size, config)
     return (config.scales is Scales.HIERARCHICAL, lv.mags, lv.nxt, lv.rtab, lv.bins,
-            np.uint32(rp.jitter_key), np.uint32(rp.perm_key), rp.rank, rp.world_size,
-            np.float32(rp.inv_n), rp.correlated, rp.half_bits)
+            np.uint32(rp.jitter_key), np.uint32(rp.perm_key), rp.perm_table,
+            np.float32(rp.inv_n), rp.correlated)
 
 
 # -- operations (signatures of the torch references) --------------------------------------------

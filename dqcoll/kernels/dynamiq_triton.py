@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
-import math
 import os
 import sys
 import threading
@@ -53,7 +52,7 @@ from ..schemes.dynamiq.codec import (
 from . import DynamiqOps
 from . import _dynamiq_kernels as compiled_kernels
 from ._launch import Kernel, LaunchConfig, compile_options, launch_config
-from ._params import RoundingParams
+from ._params import RoundingParams, level_tables
 
 __all__ = [
     "OPS",
@@ -138,31 +137,31 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
 
 @dataclasses.dataclass(frozen=True)
 class LevelParams:
-    """Magnitude table and the constants of the level guess (see the kernels' docstring)."""
+    """Level tables of one width on one device (see :func:`._params.level_tables`)."""
 
     magnitudes: torch.Tensor  # fp32 [R + 1]
     codes: torch.Tensor  # fp32 [2**width], decoded value of each code
-    k: float  # base**R - 1 (non-uniform levels)
-    inv_log2_base: float  # 1 / log2(base)
+    nxt: torch.Tensor  # fp32 [R]: the next interior magnitude above level r (+inf past the last)
+    rtab: torch.Tensor  # int32 [bins + 1]: interior magnitudes <= b / bins
+    bins: int
 
 
 @functools.lru_cache(maxsize=64)
 def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
-    mags = _magnitudes(width, levels)
-    top = len(mags) - 1
-    if levels is Levels.NONUNIFORM:
-        from ..schemes.dynamiq.codec import EPSILON
-
-        base = 1.0 + 2.0 * EPSILON[width] ** 2
-        k, inv_log2 = base**top - 1.0, 1.0 / math.log2(base)
-    else:
-        k, inv_log2 = 0.0, 0.0
+    tables = level_tables(width, levels)
     return LevelParams(
-        magnitudes=torch.tensor(mags, dtype=torch.float32, device=device),
+        magnitudes=torch.tensor(_magnitudes(width, levels), dtype=torch.float32, device=device),
         codes=code_table(width, levels, device),
-        k=k,
-        inv_log2_base=inv_log2,
+        nxt=torch.from_numpy(tables.nxt).to(device),
+        rtab=torch.from_numpy(tables.rtab).to(device),
+        bins=tables.bins,
     )
+
+
+def _int32_bits(value: int) -> int:
+    """A uint32 key as the int32 with the same bits: every key then has the same argument type
+    (Triton types Python ints by value, i32 / u32 / i64), so no launch compiles a new variant."""
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _tile(config: CodecConfig) -> tuple[int, int, bool]:
@@ -252,11 +251,11 @@ def _encode_args(width: int, config: CodecConfig, device: torch.device, key: int
     levels = _level_params(width, config.levels, device)
     rp = RoundingParams.build(key, rank, world_size, config)
     nb, bs, hierarchical = _tile(config)
-    args = (levels.magnitudes, levels.k, levels.inv_log2_base, rp.jitter_key, rp.perm_key,
-            rp.rank, rp.world_size, rp.inv_n)
+    args = (levels.magnitudes, levels.nxt, levels.rtab, _int32_bits(rp.jitter_key),
+            _int32_bits(rp.perm_key), rp.perm_table_on(device), rp.inv_n)
     constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical,
                       NONUNIFORM=config.levels is Levels.NONUNIFORM, CORRELATED=rp.correlated,
-                      HALF=rp.half_bits)
+                      BINS=levels.bins)
     return args, constexprs
 
 

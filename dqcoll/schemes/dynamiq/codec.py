@@ -27,7 +27,10 @@ Levels: magnitude of level ``r`` is ``m_r = ((1 + 2 eps^2)^r - 1) / ((1 + 2 eps^
 ``eps`` = 0.23 / 0.18 / 0.10 for b = 2 / 4 / 8 (``levels="nonuniform"``), or ``r / R``
 (``levels="uniform"``); computed in float64, stored as fp32.
 
-Rounding: ``y = clamp(x / D_g, -1, 1)``, ``a = |y|``; ``r`` is the number of interior levels
+Rounding: ``y = clamp((x * s_g) * inv_g, -1, 1)`` with ``inv_g = fp32(1 / (D_g * s_g))`` and
+``s_g = 2**64`` where ``D_g < 2**-64``, else 1 (an exact prescale that keeps the reciprocal of a
+denormal scale finite): one division per group, none per coordinate; ``y = 0`` where ``D_g`` is
+0 or not finite. ``a = |y|``; ``r`` is the number of interior levels
 ``m_1..m_{R-1}`` that are ``<= a``; ``lo, hi = m_r, m_{r+1}``; round up iff
 ``(a - lo) > u * (hi - lo)`` with ``u`` from :mod:`.rng`. This is unbiased in the value domain
 (``P(up) = (a - lo) / (hi - lo)``) and uses no division, so a kernel reproduces it exactly.
@@ -217,13 +220,13 @@ def unpack_codes(packed: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoded per-coordinate scale ``D`` [k, 256] and the scale bytes [k, 18 or 16]."""
+    """Decoded scale ``D`` per block (``[k, 16]`` groups or ``[k, 8]`` flat blocks) and the scale
+    bytes [k, 18 or 16]."""
     k = x.shape[0]
     if scales is Scales.FLAT:
         absmax = x.abs().view(k, SUPER // FLAT_BLOCK, FLAT_BLOCK).amax(-1)
         scale = bf16_ceil(absmax)
-        decoded = scale.float().repeat_interleave(FLAT_BLOCK, dim=1)
-        return decoded, scale.view(torch.uint8).view(k, 2 * SUPER // FLAT_BLOCK)
+        return scale.float(), scale.view(torch.uint8).view(k, 2 * SUPER // FLAT_BLOCK)
     group = x.abs().view(k, GROUPS, GROUP).amax(-1)  # [k, 16]; NaN propagates
     top = group.amax(-1)  # [k]
     unit = bf16_ceil(top / 255.0)
@@ -234,7 +237,7 @@ def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch
         ratio.clamp(1.0, 255.0),
         torch.ones_like(ratio),
     ).to(torch.uint8)
-    decoded = (q.float() * unit32[:, None]).repeat_interleave(GROUP, dim=1)
+    decoded = q.float() * unit32[:, None]
     meta = torch.cat([q, unit.view(torch.uint8).view(k, 2)], dim=1)
     return decoded, meta
 
@@ -248,6 +251,25 @@ def _scales_decode(meta: torch.Tensor, scales: Scales) -> torch.Tensor:
     return (q * unit).repeat_interleave(GROUP, dim=1)
 
 
+TINY_SCALE = 2.0**-64  # below it a scale's reciprocal could overflow: prescale by 2**64
+PRESCALE = 2.0**64
+
+
+def _normalise(x: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """``y = clamp((x * s) * inv, -1, 1)`` per block of ``256 / B`` coordinates with decoded scale
+    ``D`` (``block_scale`` [k, B]): ``s = 2**64`` where ``D < 2**-64`` (exact: a power of two, and
+    ``|x| <= D``), else 1, and ``inv = fp32(1 / (D * s))`` -- one division per block, none per
+    coordinate, and finite even for denormal scales. ``y = 0`` where ``D`` is 0 or not finite."""
+    ok = (block_scale > 0) & torch.isfinite(block_scale)
+    pre = torch.where(block_scale < TINY_SCALE, PRESCALE, 1.0)
+    inverse = torch.where(ok, 1.0 / torch.where(ok, block_scale * pre, 1.0), 0.0)
+    block = SUPER // block_scale.shape[1]
+    ok = ok.repeat_interleave(block, dim=1)
+    pre = pre.repeat_interleave(block, dim=1)
+    inverse = inverse.repeat_interleave(block, dim=1)
+    return torch.where(ok, (x * pre) * inverse, 0.0).clamp(-1.0, 1.0)
+
+
 def _encode_rows(
     x: torch.Tensor,
     width: int,
@@ -259,9 +281,8 @@ def _encode_rows(
     uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k = x.shape[0]
-    decoded_scale, meta = _scales_encode(x, config.scales)
-    ok = (decoded_scale > 0) & torch.isfinite(decoded_scale)
-    y = torch.where(ok, x / torch.where(ok, decoded_scale, 1.0), 0.0).clamp(-1.0, 1.0)
+    block_scale, meta = _scales_encode(x, config.scales)
+    y = _normalise(x, block_scale)
     a = y.abs()
     mags = level_magnitudes(width, config.levels, x.device)
     top = mags.numel() - 1
@@ -320,16 +341,15 @@ def encode_torch(
 
 
 def _encode_raw(x: torch.Tensor) -> torch.Tensor:
-    """Width 16: ``unit = bf16_ceil(max |x|)`` per super-group, values ``fp16(x / unit)`` rounded to
-    nearest even (|x / unit| <= 1, so no overflow; relative precision 2**-11 except below
+    """Width 16: ``unit = bf16_ceil(max |x|)`` per super-group, values ``fp16(y)`` rounded to
+    nearest even with ``y`` normalised by ``unit`` as the other widths are by ``D_g`` (no
+    overflow; relative precision 2**-11 except below
     6e-5 * unit where fp16 is subnormal). Record: 512 bytes of fp16 (little-endian) + 2 of unit.
     Deterministic (no random numbers): the error, ~1e-7 relative per hop, is far below the other
     widths', and partial sums stay accurate when re-rounded at every hop."""
     k = x.shape[0]
     unit = bf16_ceil(x.abs().amax(1))  # NaN for a non-finite row
-    unit32 = unit.float()[:, None]
-    ok = (unit32 > 0) & torch.isfinite(unit32)
-    values = torch.where(ok, x / torch.where(ok, unit32, 1.0), 0.0).clamp(-1.0, 1.0)
+    values = _normalise(x, unit.float()[:, None])
     codes = values.to(torch.float16).view(torch.uint8).view(k, 2 * SUPER)
     return torch.cat([codes, unit.view(torch.uint8).view(k, 2)], dim=1)
 

@@ -21,47 +21,61 @@ Definitions (all arithmetic mod 2**32):
   matched ``lowbias32`` (rms bias 1.1e-3 for both over 200k inputs, the test's noise floor).
 * The call key is ``mix32(mix32(mix32(seed_lo ^ C0) ^ seed_hi) ^ mix32(step_lo ^ C1) ^ step_hi)``
   (computed once per call on the host); ``stream_key(key, s) = mix32(key ^ s)`` separates streams.
-* A coordinate's hash under a key: ``coord_hash(k, g) = mix32(mix32(k ^ g_lo) ^ g_hi)`` with the
-  64-bit global coordinate index ``g`` split into 32-bit halves.
+* A coordinate's hash under a key: ``coord_hash(k, g) = mix32(mix32(k ^ g_hi) ^ g_lo)`` with the
+  64-bit global coordinate index ``g`` split into 32-bit halves. The inner hash depends only on
+  ``g_hi``, which is constant over a super-group (rows start at multiples of 256) and zero below
+  2**32 coordinates: a kernel computes it once per row, so a coordinate costs **one** ``mix32``.
 * Private jitter of rank ``i``:
   ``gamma = (coord_hash(mix32(key_j ^ mix32(i ^ C2)), g) >> 8) * 2**-24``, a uniform on [0, 1)
   with 24 random bits (exact in fp32).
-* Shared permutation ``pi_g`` of ``[0, n)``, one per run of 16 consecutive coordinates of a row
-  (a scale group), keyed by the run's first global index ``g``: an 8-round balanced Feistel
-  network over
+* Shared permutations, computed **once per call**: a table of :data:`PERMUTATION_TABLE` (4096)
+  random permutations of ``[0, n)``; permutation ``t`` is an 8-round balanced Feistel network over
   ``2h`` bits (``h = max(1, ceil(bitlen(n - 1) / 2))``) with round function
-  ``F_j(R) = mix32(ck ^ (R | j << 24)) & (2**h - 1)`` and coordinate key
-  ``ck = coord_hash(key_p, g)``, applied repeatedly until the value falls below ``n``
-  (cycle-walking keeps it a permutation of ``[0, n)``).
+  ``F_j(R) = mix32(ck_t ^ (R | j << 24)) & (2**h - 1)`` and key ``ck_t = mix32(key_t ^ t)``
+  (``key_t = stream_key(key, STREAM_TABLE)``), applied repeatedly until the value falls below
+  ``n`` (cycle-walking keeps it a permutation of ``[0, n)``). Rank ``i`` needs only its own
+  column, ``T_i[t] = sigma_t(i)`` (:func:`permutation_table`).
+* Each run of 16 consecutive coordinates of a row (a scale group) whose first global index is
+  ``g`` uses permutation ``t(g) = coord_hash(key_p, g) >> 20`` (the top 12 bits;
+  ``key_p = stream_key(key, STREAM_PERM)``), so ``pi_g(i) = T_i[t(g)]``.
 * Correlated uniform of rank ``i``: ``u = (pi_g(i) + gamma) * fp32(1 / n)``; independent:
   ``u = gamma``.
 
 One permutation per 16 coordinates rather than per coordinate: what correlated rounding needs is
 that, for each coordinate, the n ranks' uniforms fall in n distinct strata, and that holds as
 long as each coordinate's ranks share one permutation; sharing it across the 16 coordinates of a
-group changes no coordinate's joint distribution of uniforms, so the expected error is the same,
-while the Feistel work (8 rounds plus cycle walking, most of the arithmetic of a correlated
-encode) drops 16x. Per-coordinate permutations made the fused Triton hop compute-bound (~400
-instructions per coordinate compiled for sm_90 vs ~180 with independent rounding).
+group changes no coordinate's joint distribution of uniforms, so the expected error is the same.
+Drawing it from a per-call table of 4096 random permutations (rather than keying a Feistel network
+by every run, as format 1 did) changes nothing for one coordinate either -- each coordinate's
+permutation is still uniformly random over the table's independent random permutations, and
+never a cyclic shift along a ring -- while the per-coordinate work drops to one hash: the Feistel
+rounds and their data-dependent cycle walking (8 hashes per pass, 1-13 passes per tile on a GPU,
+each ended by a barrier) move out of the kernels into 4096 evaluations per call.
 
 Shifts and masks are written out in each function; nothing else draws random numbers.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
     "MASK32",
     "PERMUTATION_RUN",
+    "PERMUTATION_TABLE",
     "STREAM_JITTER",
     "STREAM_PERM",
+    "STREAM_TABLE",
     "call_key",
     "coord_hash",
     "feistel_rounds",
     "mix32",
     "mix32_int",
     "mul32",
+    "permutation_index",
+    "permutation_table",
     "permute_rank",
     "rank_key",
     "rounding_uniforms",
@@ -78,11 +92,14 @@ _C1 = 0x85A308D3
 _C2 = 0x13198A2E
 STREAM_JITTER = 0x03707344
 STREAM_PERM = 0xA4093822
+STREAM_TABLE = 0x299F31D0
 # 8 rounds: with 4, pi_g(0) over 200k coordinates was far from uniform for small n (chi-square
 # z-score 167 at n in {3..100}; 6 rounds: 10.8; 8 rounds: 1.2, i.e. noise), which would bias each
 # rank's own rounding. Measured on this CPU: 8 rounds cost 0.9 s vs 0.6 s for 2M coordinates.
 FEISTEL_ROUNDS = 8
 PERMUTATION_RUN = 16  # coordinates sharing one permutation (a hierarchical scale group)
+PERMUTATION_TABLE = 4096  # random permutations per call; a run picks one by its hash's top bits
+PERMUTATION_SHIFT = 20  # 32 - log2(PERMUTATION_TABLE)
 
 
 def mix32_int(x: int) -> int:
@@ -145,11 +162,11 @@ def rank_key(key: int, rank: int) -> int:
 
 
 def coord_hash(key: int, index: torch.Tensor) -> torch.Tensor:
-    """``mix32(mix32(key ^ g_lo) ^ g_hi)`` for int64 global coordinate indices ``index``
-    (returns int32 bit patterns)."""
+    """``mix32(mix32(key ^ g_hi) ^ g_lo)`` for int64 global coordinate indices ``index``
+    (returns int32 bit patterns). The inner hash is per 2**32 coordinates, i.e. per row."""
     lo = to_uint32_bits(index & MASK32)
     hi = to_uint32_bits(index >> 32)
-    return mix32(mix32(lo ^ _signed(key)) ^ hi)
+    return mix32(mix32(hi ^ _signed(key)) ^ lo)
 
 
 def uniform24(h: torch.Tensor) -> torch.Tensor:
@@ -188,13 +205,30 @@ def permute_rank(rank: int, world_size: int, ck: torch.Tensor) -> torch.Tensor:
     return v.view(ck.shape)
 
 
+@functools.lru_cache(maxsize=16)
+def permutation_table(key: int, rank: int, world_size: int) -> torch.Tensor:
+    """``T_rank[t] = sigma_t(rank)`` for the call ``key``: int32 ``[PERMUTATION_TABLE]`` on the CPU
+    (cached: every launch of a call needs it). Values are in ``[0, world_size)``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    t = torch.arange(PERMUTATION_TABLE, dtype=torch.int32)
+    ck = mix32(t ^ _signed(stream_key(key, STREAM_TABLE)))
+    return permute_rank(rank, world_size, ck)
+
+
+def permutation_index(key: int, first: torch.Tensor) -> torch.Tensor:
+    """Which table permutation the runs starting at global indices ``first`` use (int64)."""
+    return _shr(coord_hash(stream_key(key, STREAM_PERM), first), PERMUTATION_SHIFT).long()
+
+
 def rounding_uniforms(
     key: int, rank: int, world_size: int, index: torch.Tensor, correlated: bool
 ) -> torch.Tensor:
     """fp32 uniforms on [0, 1) for rank ``rank`` at global coordinate indices ``index`` (int64).
 
     ``index``'s last dimension is a whole number of runs of :data:`PERMUTATION_RUN` consecutive
-    coordinates (a row's scale groups); each run shares the permutation keyed by its first index.
+    coordinates (a row's scale groups); each run uses the table permutation its first index
+    selects.
     """
     gamma = uniform24(coord_hash(rank_key(stream_key(key, STREAM_JITTER), rank), index))
     if not correlated or world_size == 1:
@@ -203,8 +237,8 @@ def rounding_uniforms(
         raise ValueError(
             f"index's last dimension ({index.shape[-1]}) must be whole runs of {PERMUTATION_RUN}"
         )
-    ck = coord_hash(stream_key(key, STREAM_PERM), index[..., ::PERMUTATION_RUN])
-    pi = permute_rank(rank, world_size, ck).to(torch.float32)
+    table = permutation_table(key, rank, world_size).to(index.device)
+    pi = table[permutation_index(key, index[..., ::PERMUTATION_RUN])].to(torch.float32)
     pi = pi.repeat_interleave(PERMUTATION_RUN, dim=-1)
     inv_n = torch.tensor(1.0 / world_size, dtype=torch.float32)  # fp32(1/n), rounded once
     return (pi + gamma) * inv_n
