@@ -321,6 +321,7 @@ def count_kernel(kernel: str, width: int, rounding: RoundingMode | None, *, arch
         "local_bytes": int(local.group(1)) if local else None,
         "sass_per_coord": sass_pc,
         "int_pipe_per_coord": int_pc,
+        "int_pipe_assumed_per_coord": counts.alu_assumed * per_coord,
         "pipe_per_coord": {k: v * per_coord for k, v in sorted(counts.by_pipe.items())},
         "bytes_per_coord": bytes_pc,
         "extra_pass_bytes_per_coord": extra_bytes / SUPER,
@@ -369,19 +370,23 @@ def aot_records(arch: int, *, world_size: int = 8, numel: int = NUMEL,
 
 
 _HEADER = (f"{'kernel':>24} {'bits':>4} {'rounding':>11} {'regs':>4} {'spill':>5} "
-           f"{'sass/c':>7} {'int/c':>6} {'B/c':>6} {'passes':>6} {'GB/s':>7} {'%copy':>6} "
-           f"{'bound':>5}")
+           f"{'sass/c':>7} {'int/c':>6} {'(asm)':>5} {'B/c':>6} {'passes':>6} {'GB/s':>7} "
+           f"{'%copy':>6} {'bound':>5}")
 
 
 def _row(r: dict[str, Any]) -> str:
     passes = "-" if r["loop_passes"] is None else f"{r['loop_passes']['mean']:.2f}"
     return (f"{r['kernel']:>24} {r['bits'] or '-'!s:>4} {r['rounding'] or '-':>11} "
             f"{r['registers']!s:>4} {r['spills']:>5} {r['sass_per_coord']:>7.1f} "
-            f"{r['int_pipe_per_coord']:>6.1f} {r['bytes_per_coord']:>6.2f} {passes:>6} "
+            f"{r['int_pipe_per_coord']:>6.1f} {r['int_pipe_assumed_per_coord']:>5.1f} "
+            f"{r['bytes_per_coord']:>6.2f} {passes:>6} "
             f"{r['instr_bound_gbps']:>7.0f} {r['pct_of_copy']:>6.1f} {r['bound']:>5}")
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
+    """The stdout table: ``int/c`` is int_pipe_per_coord, ``(asm)`` the part of it from opcodes
+    whose pipe is assumed (sass.ALU_ASSUMED), ``B/c`` bytes_per_coord, ``passes`` the mean
+    cycle-walking passes per program, ``GB/s``/``%copy`` the instruction bound."""
     print(_HEADER)
     for r in records:
         print(_row(r))

@@ -32,31 +32,35 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-__all__ = ["PIPES", "Block", "Counts", "Instruction", "LoopPasses", "count_executed",
-           "parse_nvdisasm", "pipe_of"]
+__all__ = ["ALU_ASSUMED", "PIPES", "Block", "Counts", "Instruction", "LoopPasses",
+           "count_executed", "parse_nvdisasm", "pipe_of"]
 
 # Execution pipe of each SASS opcode on sm_90 (Hopper), by base opcode (the text before the first
-# ".": ``IMAD.MOV.U32`` -> ``IMAD``). Source: Nsight Compute Kernel Profiling Guide, section
-# "Pipelines" (docs.nvidia.com/nsight-compute/ProfilingGuide/#pipelines): "alu: ... most bit
-# manipulation and logic instructions. It also executes integer instructions, excluding IMAD and
-# IMUL"; "fma: ... most FP32 arithmetic (FADD, FMUL, FMAD). It also performs integer
-# multiplication operations (IMUL, IMAD)"; "xu: transcendental and data type conversion unit
-# (sin, cos, reciprocal square root, int-to-float, float-to-int)"; "uniform: ... scalar
-# instructions" (the ``U*`` opcodes); "lsu"/"adu"/"cbu" for memory, barriers and branches. NVIDIA's
-# forum (forums.developer.nvidia.com/t/separate-cuda-core-pipeline-for-fp16-and-fp32/302018/7)
-# confirms for GH100 that IMAD runs on the fmaheavy pipe. The guide names classes, not every
-# opcode: the entries marked "assumed" below are our reading (comparisons, min/max and selects of
-# fp32 values are logic on bit patterns, so they are counted on the ALU, as ISETP is).
+# ".": ``IMAD.MOV.U32`` -> ``IMAD``). Sources: the Nsight Compute Kernel Profiling Guide, section
+# "Pipelines" (docs.nvidia.com/nsight-compute/ProfilingGuide/, paraphrased): *alu* executes most
+# bit-manipulation and logic instructions and the integer instructions except IMAD/IMUL; *fma*
+# executes FP32 add/multiply/FMA and the integer multiplies (IMAD, IMUL); *xu* transcendentals and
+# int<->float conversions; *uniform* the scalar ``U*`` instructions; lsu/adu/cbu memory, barriers
+# and branches. NVIDIA's forum (forums.developer.nvidia.com/t/separate-cuda-core-pipeline-for-fp16-
+# and-fp32/302018/7) states for GH100 that the fmaheavy pipe handles IMAD, IDP and FP32, so every
+# IMAD form (.MOV, .IADD, .SHL, .WIDE, .X) is counted on the FMA pipe. The guide names classes,
+# not opcodes: the ones in ``ALU_ASSUMED`` are our reading (comparisons, min/max and selects of
+# fp32 values are logic on bit patterns, counted on the ALU as ISETP is); ``Counts`` reports their
+# share apart, so a reader can take them out. ``I2FP`` (sm_90's int-to-float) on XU is our reading
+# too. The H100 ALU is 16 lanes per scheduler (half the issue rate), the reason for the int bound.
+ALU_ASSUMED = frozenset({
+    "VIADD",  # sm_90's integer add form: an integer instruction other than IMAD/IMUL
+    "MOV", "CS2R",  # register moves (ptxas also moves through IMAD.MOV on the FMA pipe)
+    "FSETP", "FSEL", "FMNMX", "FCHK", "HSETP2", "HMNMX2",  # fp compare/select/min/max
+})
 PIPES: dict[str, frozenset[str]] = {
     # ALU, the integer/logic pipe (16 lanes per SM sub-partition per clock on H100: half rate).
     "alu": frozenset({
         "LOP3", "LOP", "SHF", "SHL", "SHR", "IADD3", "IADD", "ISETP", "ICMP", "SEL", "PRMT",
         "LEA", "FLO", "POPC", "BREV", "BMSK", "BFE", "BFI", "SGXT", "IABS", "IMNMX", "VIMNMX",
-        "IDE", "PLOP3", "PSETP", "P2R", "R2P", "MOV", "CS2R", "VIMNMX3", "IMNMX3",
-        "VIADD",  # assumed: sm_90's integer add form, an integer instruction other than IMAD
-        "FSETP", "FSEL", "FMNMX", "FCHK", "HSETP2", "HMNMX2",  # assumed (see above)
+        "IDE", "PLOP3", "PSETP", "P2R", "R2P", "VIMNMX3", "IMNMX3",
         "F2FP",  # the ALU's fast fp32 -> fp16/bf16 conversion (guide, Ampere and later)
-    }),
+    }) | ALU_ASSUMED,
     # FMA pipe: fp32 arithmetic and the integer multiply-add family (IMAD.MOV/.IADD/.SHL/.WIDE).
     "fma": frozenset({"FFMA", "FADD", "FMUL", "FMUL32I", "FFMA32I", "FADD32I", "IMAD", "IMUL",
                       "IMAD32I", "IDP", "IDP4A", "HFMA2", "HADD2", "HMUL2"}),
@@ -120,6 +124,7 @@ class Counts:
 
     total: float
     by_pipe: dict[str, float]
+    alu_assumed: float  # the part of by_pipe["alu"] from ALU_ASSUMED opcodes
     static: int  # instructions in the listing (all functions)
     blocks: int
     loops: list[dict[str, float]]  # per loop: header address, body instructions, passes used
@@ -263,13 +268,17 @@ def count_executed(
         b.successors = [(taken, p), (fall, 1.0 - p)]
     freq = _visits(blocks)
     by_pipe: dict[str, float] = {}
+    alu_assumed = 0.0
     for f, b in zip(freq, blocks, strict=True):
         for i in ins[b.start:b.end]:
             pipe = pipe_of(i.opcode)
             by_pipe[pipe] = by_pipe.get(pipe, 0.0) + f
+            if i.opcode.split(".", 1)[0] in ALU_ASSUMED:
+                alu_assumed += f
             if pipe == "other":
                 warnings.append(f"opcode {i.opcode} not in the pipe table")
-    return Counts(total=sum(by_pipe.values()), by_pipe=by_pipe, static=len(ins),
+    return Counts(total=sum(by_pipe.values()), by_pipe=by_pipe, alu_assumed=alu_assumed,
+                  static=len(ins),
                   blocks=len(blocks), loops=loops, warnings=sorted(set(warnings)))
 
 
