@@ -28,10 +28,13 @@ width-independent kernels; ``speedup_vs_torch`` is null above ``--torch-max-log2
 reference would take minutes). ``--tune`` first sweeps rows-per-program x warps for the
 fused kernel and reports the best per width (the table in ``dqcoll/kernels/_launch.py`` is
 untuned until then). ``--device cpu`` runs the same code on tiny sizes in Triton's interpreter
-(a smoke test of this script; its timings mean nothing). ``--aot 90`` needs no GPU: it
-compiles every kernel for sm_90 and prints registers, spills, FMA and division counts.
+(a smoke test of this script; its timings mean nothing). ``--aot 90 [--json FILE]`` needs no
+GPU: it compiles every kernel exactly as launched for sm_90 and counts the SASS instructions
+executed per coordinate, registers, spills and the implied share of H100 copy bandwidth
+(definitions in ``benchmarks/kernels_aot.py``).
 
 Usage: ``python benchmarks/kernels.py [--min-log2 20 --max-log2 28 --step 2] [--tune]``
+       ``python benchmarks/kernels.py --aot 90 --json benchmarks/results/kernels-aot-sm90.json``
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ import json
 import math
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -270,8 +272,9 @@ def tune(device: torch.device, numel: int, config: CodecConfig, world_size: int,
     return results
 
 
-# Argument types of each kernel for ahead-of-time compilation (--aot); constexprs come from the
-# launchers' choices at 4 bits, hierarchical scales, correlated rounding over 8 ranks.
+# Argument types of each kernel at 4 bits, hierarchical scales, correlated rounding over 8 ranks,
+# for tests/test_kernels.py's exactness check. ``--aot`` does not use this table: it derives the
+# signature and specialisation of every launch from Triton's own binder (benchmarks/kernels_aot.py).
 _AOT_SIGNATURES: dict[str, dict[str, str]] = {
     "_stats_center_kernel": {"x_ptr": "*fp32", "x_row_stride": "i64", "valid_ptr": "*i32",
                              "centred_ptr": "*fp32", "mean_ptr": "*fp32", "norm2_ptr": "*fp32",
@@ -297,83 +300,6 @@ _AOT_SIGNATURES: dict[str, dict[str, str]] = {
 }
 
 
-def aot_compile(kernel_name: str, constexprs: dict[str, Any], arch: int,
-                num_warps: int) -> dict[str, Any]:
-    """Compile one kernel for ``sm_<arch>`` without a GPU (Triton's bundled ptxas) and count what
-    the exactness rules forbid or the cost model needs: fp32 FMAs, non-IEEE divisions, PTX
-    instructions per coordinate, registers and spills."""
-    import collections
-    import os
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from dqcoll.kernels import _dynamiq_kernels
-
-    fn = getattr(_dynamiq_kernels, kernel_name)
-    source = ASTSource(fn=fn, signature=_AOT_SIGNATURES[kernel_name], constexprs=constexprs)
-    options = {"num_warps": num_warps, **_launch.compile_options()}
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    ptx = compiled.asm["ptx"]
-    ops = collections.Counter(re.findall(r"^\s*([a-z]+(?:\.[a-z0-9]+)*)", ptx, re.M))
-    regs, local = None, None
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        if os.access(cuobjdump, os.X_OK):
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
-                                   capture_output=True, text=True).stdout
-            found = re.search(r"REG:(\d+).*LOCAL:(\d+)", usage)
-            if found:
-                regs, local = int(found.group(1)), int(found.group(2))
-    coords = constexprs.get("ROWS", 1) * SUPER / (32 * num_warps)  # per thread
-    return {
-        "kernel": kernel_name, "constexprs": constexprs, "arch": arch, "num_warps": num_warps,
-        "registers": regs, "local_bytes": local,
-        "fma_f32": sum(c for op, c in ops.items() if op.startswith("fma") and op.endswith("f32")),
-        "div_rn_f32": ops["div.rn.f32"],
-        "div_inexact": sum(c for op, c in ops.items() if op.startswith("div.")
-                           and ("approx" in op or "full" in op)),
-        "ptx_instructions_per_coordinate": sum(ops.values()) / coords,
-        "mul_lo_per_coordinate": (ops["mul.lo.s32"] + ops["mul.lo.u32"]) / coords,
-    }
-
-
-def aot_report(arch: int) -> list[dict[str, Any]]:
-    rows = []
-    encode_like = dict(NB=16, BS=16, HIERARCHICAL=True, NONUNIFORM=True, HALF=2)
-    for width in WIDTHS:
-        for correlated in (True, False):
-            for name in ("_encode_kernel", "_decode_accumulate_encode_kernel"):
-                cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), width, 1 << 20,
-                                            interpreted=False)
-                extra = {"WRITE_ACC": False} if "accumulate" in name else {}  # executor's call
-                rows.append(aot_compile(name, dict(encode_like, WIDTH=width,
-                                                   ROWS=cfg.rows_per_program,
-                                                   CORRELATED=correlated, **extra),
-                                        arch, cfg.num_warps))
-        for name in ("_decode_kernel", "_decode_accumulate_kernel"):
-            cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), width, 1 << 20,
-                                        interpreted=False)
-            rows.append(aot_compile(name, dict(WIDTH=width, ROWS=cfg.rows_per_program, NB=16,
-                                               BS=16, HIERARCHICAL=True), arch, cfg.num_warps))
-    for name in ("_stats_center_kernel", "_restore_kernel"):
-        cfg = _launch.launch_config(_launch.Kernel(name[1:-7]), 0, 1 << 20, interpreted=False)
-        rows.append(aot_compile(name, dict(ROWS=cfg.rows_per_program), arch, cfg.num_warps))
-    print(f"{'kernel':>34} {'bits':>4} {'corr':>5} {'regs':>5} {'local':>5} {'fma':>4} "
-          f"{'div.rn':>6} {'inexact':>7} {'ptx/coord':>9} {'mul/coord':>9}")
-    for r in rows:
-        c = r["constexprs"]
-        print(f"{r['kernel']:>34} {c.get('WIDTH', '-'):>4} {c.get('CORRELATED', '-')!s:>5} "
-              f"{r['registers']!s:>5} {r['local_bytes']!s:>5} {r['fma_f32']:>4} "
-              f"{r['div_rn_f32']:>6} {r['div_inexact']:>7} "
-              f"{r['ptx_instructions_per_coordinate']:>9.1f} {r['mul_lo_per_coordinate']:>9.1f}")
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (interpreter)")
@@ -392,18 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-time-s", type=float, default=0.1)
     parser.add_argument("--max-iters", type=int, default=50)
     parser.add_argument("--tune", action="store_true", help="sweep launch configs first")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (default benchmarks/results/kernels-<device>.json)")
+    parser.add_argument("--json", "--out", dest="out", type=Path, default=None,
+                        help="JSON path (default benchmarks/results/kernels-<device>.json; "
+                        "with --aot: written only when given)")
     parser.add_argument("--aot", type=int, metavar="ARCH", default=None,
-                        help="compile every kernel for sm_ARCH (e.g. 90) without a GPU and print "
-                        "registers, spills, FMAs, divisions, PTX instructions per coordinate")
+                        help="compile every kernel as launched for sm_ARCH (e.g. 90) without a "
+                        "GPU and count executed SASS instructions per coordinate "
+                        "(benchmarks/kernels_aot.py)")
     args = parser.parse_args(argv)
     if args.aot is not None:
-        rows = aot_report(args.aot)
-        if args.out is not None:
-            meta = {"commit": git_commit("benchmarks"), "arch": args.aot}
-            args.out.write_text(json.dumps({"meta": meta, "records": rows}, indent=1) + "\n")
-        return 0
+        return aot_main(args)
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -475,6 +399,31 @@ def main(argv: list[str] | None = None) -> int:
         worst = min(hop, key=lambda r: r["speedup_vs_torch"])
         print(f"# per-hop (fused) speed-up vs torch: min {worst['speedup_vs_torch']:.1f}x "
               f"({worst['bits']}-bit, {worst['numel']} coordinates; target 10x)")
+    return 0
+
+
+def aot_main(args: argparse.Namespace) -> int:
+    """``--aot ARCH``: instruction counts of every kernel x width x rounding, as a table and
+    (with ``--json FILE``) as ``{"meta": ..., "records": [...]}``."""
+    import kernels_aot  # benchmarks/kernels_aot.py, next to this script
+
+    print(kernels_aot._HEADER, flush=True)
+    kernels = tuple(k for k in kernels_aot.KERNELS if k in args.kernels)
+    records = kernels_aot.aot_records(args.aot, world_size=args.world_size,
+                                      kernels=kernels, widths=tuple(args.widths),
+                                      log=lambda line: print(line, flush=True))
+    for line in kernels_aot.verdict(records):
+        print(f"# {line}")
+    warnings = sorted({w for r in records for w in r["warnings"]})
+    for w in warnings:
+        print(f"# warning: {w}")
+    if args.out is not None:
+        meta = kernels_aot.meta(args.aot, args.world_size, kernels_aot.NUMEL,
+                                git_commit("benchmarks"))
+        meta["command"] = " ".join(["benchmarks/kernels.py", *sys.argv[1:]])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        print(f"# wrote {args.out}")
     return 0
 
 
