@@ -35,12 +35,11 @@ to a 16-byte-aligned allocation (CUDA's caching allocator aligns to 512 bytes).
 * ``pct_of_copy`` = ``instr_bound_gbps / 3000`` (3.0 TB/s copy bandwidth), capped at 100: above
   100 the kernel is memory-bound, below it the instruction stream limits it.
 
-**Loop passes.** The cycle-walking ``while`` of the correlated-rounding permutation runs until no
-coordinate of the *program* is outside ``[0, n)`` (a CTA-wide reduction), so its passes per
-program are the maximum over the program's permutation runs. :func:`measure_loop_passes` replays
-the same permutation (``rng.coord_hash`` keys, ``rng.feistel_rounds``) over random keys, random
-row starts and every rank for the launch's tile shape at ``world_size`` (8 by default), and
-reports the mean passes per program and the fraction of programs with at least one.
+**Loop passes.** Format 2 of the codec has no data-dependent loop in any kernel (format 1's
+cycle-walking ``while`` of the correlated-rounding permutation moved into a per-call table,
+:func:`dqcoll.schemes.dynamiq.rng.permutation_table`). A kernel whose SASS still has a loop is
+counted with the loop body once per program and reported in ``loops`` and ``warnings``; pass
+``loop_passes`` (``{"mean": ..., "p_any": ...}``) to weight it by measured passes instead.
 
 **Bytes per super-group** (``R`` = record bytes; small tables that stay in cache are not
 counted): stats_center ``256*4 + 4 | 256*4 + 8``; encode ``256*4 + 8 | R``; decode ``R | 256*4``;
@@ -67,7 +66,6 @@ from typing import Any
 import torch
 
 from dqcoll.kernels import _dynamiq_kernels, dynamiq_triton
-from dqcoll.schemes.dynamiq import rng
 from dqcoll.schemes.dynamiq.codec import (
     SUPER,
     WIDTHS,
@@ -82,7 +80,7 @@ except ImportError:  # pragma: no cover
     from benchmarks import sass  # type: ignore[no-redef]
 
 __all__ = ["CapturedLaunch", "aot_records", "capture_launch", "count_kernel",
-           "measure_loop_passes", "print_table"]
+           "print_table"]
 
 H100_ISSUE_PER_S = 132 * 4 * 32 * 1.755e9  # 29.7e12 thread-instructions/s (SXM5, boost clock)
 H100_ALU_PER_S = H100_ISSUE_PER_S / 2  # 14.8e12: the ALU pipe is 16 lanes wide per scheduler
@@ -214,39 +212,6 @@ def _tool(name: str) -> Path:
     return path
 
 
-def measure_loop_passes(rows_per_program: int, world_size: int, *, keys: int = 128,
-                        programs_per_key: int = 8, seed: int = 0) -> dict[str, float]:
-    """Mean passes per program of the cycle-walking loop (and the fraction of programs with at
-    least one), replaying ``rng``'s permutation (``coord_hash`` keys, ``feistel_rounds``) for
-    ``keys`` random call keys x ``programs_per_key`` programs of random rows x every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    half = rng.feistel_half_bits(world_size)
-    runs_per_row = SUPER // rng.PERMUTATION_RUN
-    call_keys = torch.randint(0, 1 << 32, (keys,), generator=gen, dtype=torch.int64).tolist()
-    row_start = torch.randint(0, 1 << 20, (keys, programs_per_key, rows_per_program),
-                              generator=gen, dtype=torch.int64) * SUPER
-    gfirst = row_start[..., None] + torch.arange(runs_per_row) * rng.PERMUTATION_RUN
-    # The permutation key of every run: one call key per row of ``gfirst`` (coord_hash takes a
-    # scalar key), the run's first coordinate index as in the kernel.
-    ck = torch.stack([rng.coord_hash(rng.stream_key(k, rng.STREAM_PERM), gfirst[i])
-                      for i, k in enumerate(call_keys)])
-    ck = ck.reshape(keys * programs_per_key, rows_per_program * runs_per_row)
-    passes = torch.zeros(world_size, ck.shape[0])
-    for rank in range(world_size):
-        v = rng.feistel_rounds(torch.full_like(ck, rank), ck, half)
-        walk = torch.zeros_like(ck)
-        outside = v >= world_size
-        while bool(outside.any()):
-            v = torch.where(outside, rng.feistel_rounds(v, ck, half), v)
-            walk += outside.to(walk.dtype)
-            outside = v >= world_size
-        passes[rank] = walk.amax(dim=1).to(torch.float32)  # the loop runs for the slowest run
-    flat = passes.reshape(-1).double()
-    return {"mean": float(flat.mean()), "p_any": float((flat > 0).double().mean()),
-            "stderr": float(flat.std() / flat.numel() ** 0.5), "world_size": world_size,
-            "runs_per_program": rows_per_program * runs_per_row, "samples": flat.numel()}
-
-
 def _bytes_per_row(kernel: str, record: int) -> tuple[int, int]:
     """(kernel bytes, scheme's extra-pass bytes) per super-group (module docstring)."""
     f32_row = SUPER * 4
@@ -272,11 +237,6 @@ def count_kernel(kernel: str, width: int, rounding: RoundingMode | None, *, arch
     compiled = triton.compile(source, target=target, options=options)
     rows = launch.kwargs["ROWS"]
     num_warps = launch.kwargs["num_warps"]
-    correlated = bool(launch.kwargs.get("CORRELATED", False))
-    if correlated and loop_passes is None:
-        loop_passes = measure_loop_passes(rows, world_size)
-    if not correlated:
-        loop_passes = None
     name = launch.kernel.__name__
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -352,18 +312,13 @@ def aot_records(arch: int, *, world_size: int = 8, numel: int = NUMEL,
                 log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every kernel x width x rounding (rounding for the encoding kernels only)."""
     records = []
-    passes: dict[int, dict[str, float]] = {}
     for kernel in kernels:
         for width in ([0] if kernel in ("stats_center", "restore") else widths):
             modes: list[RoundingMode | None] = (list(RoundingMode) if kernel in ENCODE_LIKE
                                                 else [None])
             for mode in modes:
-                rows = capture_launch(kernel, width, mode, numel=numel,
-                                      world_size=world_size).kwargs["ROWS"]
-                if mode is RoundingMode.CORRELATED and rows not in passes:
-                    passes[rows] = measure_loop_passes(rows, world_size)
                 rec = count_kernel(kernel, width, mode, arch=arch, world_size=world_size,
-                                   numel=numel, loop_passes=passes.get(rows))
+                                   numel=numel)
                 records.append(rec)
                 log(_row(rec))
     return records

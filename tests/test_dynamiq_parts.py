@@ -41,6 +41,28 @@ def test_permutation_is_uniform() -> None:
         assert abs(chi2 - (n - 1)) < 5 * (2 * (n - 1)) ** 0.5, (n, chi2)
 
 
+@pytest.mark.parametrize("n", [2, 5, 8, 17])
+def test_permutation_table_holds_permutations_and_runs_spread_over_it(n: int) -> None:
+    """Column t of the n ranks' tables is a permutation of [0, n) for every t; the compiled table
+    (numba) equals the reference; runs pick table entries uniformly (chi-square), also past
+    2**32."""
+    from dqcoll.kernels._params import permutation_table
+
+    tables = torch.stack([rng.permutation_table(11, r, n) for r in range(n)])
+    assert torch.equal(tables.sort(0).values,
+                       torch.arange(n, dtype=torch.int32)[:, None].expand(n, rng.PERMUTATION_TABLE))
+    for r in (0, n - 1):
+        assert torch.equal(torch.from_numpy(permutation_table(11, r, n)), tables[r])
+    for start in (0, 2**32 - 2**19):
+        sel = rng.permutation_index(11, torch.arange(start, start + 2**20, 16))
+        counts = torch.bincount(sel, minlength=rng.PERMUTATION_TABLE).double()
+        assert counts.numel() == rng.PERMUTATION_TABLE
+        expected = sel.numel() / rng.PERMUTATION_TABLE
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        dof = rng.PERMUTATION_TABLE - 1
+        assert abs(chi2 - dof) < 5 * (2 * dof) ** 0.5, chi2
+
+
 def test_uniforms_in_range_and_stratified() -> None:
     """Correlated uniforms lie in [0, 1) and the n ranks' uniforms for a coordinate fall in
     distinct 1/n strata; independent ones are keyed by rank."""

@@ -436,7 +436,7 @@ def test_compiled_kernels_keep_the_exactness_rules() -> None:
     cases = [
         ("_decode_accumulate_encode_kernel",
          dict(WIDTH=4, ROWS=4, NB=16, BS=16, HIERARCHICAL=True, NONUNIFORM=False,
-              CORRELATED=True, HALF=2, WRITE_ACC=False)),
+              CORRELATED=True, BINS=1024, WRITE_ACC=False)),
         ("_stats_center_kernel", dict(ROWS=8)),
     ]
     for name, constexprs in cases:

@@ -559,7 +559,7 @@ def _mix32(x):  # type: ignore[no-untyped-def]
 def _uniform(key, index):  # type: ignore[no-untyped-def]
     """``uniform24(coord_hash(key, index))``: fp32 on [0, 1) with 24 random bits."""
     g = np.uint64(index)
-    h = _mix32(_mix32(key ^ (g & _MASK32)) ^ (g >> np.uint64(32)))
+    h = _mix32(_mix32(key ^ (g >> np.uint64(32))) ^ (g & _MASK32))
     return np.float32(h >> np.uint64(8)) * _TWO_M24
 
 
