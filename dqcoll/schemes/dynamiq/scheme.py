@@ -432,14 +432,19 @@ class DynamiqCall:
         place); rows decompress did not defer (width 0 or 16) are restored from ``work``."""
         assert self.deferred is not None and self.ops.decode_restore is not None
         rows = self.work.shape[0]
-        covered = torch.zeros(rows, dtype=torch.bool)
         for width, a, b, records in self.deferred:
             self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
                                     self.index_base[a:b], self.valid_sorted[a:b], out)
-            covered[a:b] = True
+        gaps, end = [], 0  # the rows outside every deferred span
+        for a, b in sorted((a, b) for _, a, b, _ in self.deferred):
+            if a > end:
+                gaps.append(torch.arange(end, a))
+            end = max(end, b)
+        if end < rows:
+            gaps.append(torch.arange(end, rows))
         self.deferred.clear()
-        rest = torch.nonzero(~covered).squeeze(1)
-        if rest.numel():
+        if gaps:
+            rest = torch.cat(gaps)
             assert self.ops.restore is not None
             self.ops.restore(self.work[rest], self.mean_sorted[rest], self.index_base[rest],
                              self.valid_sorted[rest], out)
