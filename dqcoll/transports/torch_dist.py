@@ -145,10 +145,10 @@ class TorchTransport:
         """Post every (is a send, peer, tensor) in order; the works in the same order.
 
         gloo has no coalescing, so ``batch_isend_irecv`` posts one ``isend`` / ``irecv`` after
-        the other, each through ``torch.distributed``'s argument checks and group look-ups
-        (~25 us of Python per message on the 2-core dev VM, ~100 messages per 64 MiB
-        all-reduce): gloo's messages go straight to the group's ``send`` / ``recv``, in the same
-        order. Other backends (nccl: one group launch) keep ``batch_isend_irecv``."""
+        the other, each through ``torch.distributed``'s argument checks and group look-ups:
+        gloo's messages go straight to the group's ``send`` / ``recv``, in the same order
+        (77 -> 65 us of the calling thread's CPU per exchange of 4 messages, 2 ranks on the
+        2-core dev VM). Other backends (nccl: one group launch) keep ``batch_isend_irecv``."""
         if self.backend == "gloo":
             group = self.group
             return [group.send([tensor], peer, 0) if is_send else group.recv([tensor], peer, 0)
