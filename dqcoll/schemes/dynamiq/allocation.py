@@ -20,7 +20,9 @@ at the two ends (the *active* ones) need evaluating, and their number shrinks wi
 step's ``u``) brackets the answer first; the halvings from the initial bracket are then replayed
 with decisions outside the known bracket taken for free. The sequence of midpoints and decisions
 is the one of a plain bisection either way, so ``u`` and the widths are bit for bit the same with
-or without a hint.
+or without a hint. Where the CPU kernels are numba's, :mod:`dqcoll.kernels.allocation_numba` runs
+the same halvings on costs counted in the sorted norms (~0.5 ms per call at 2^16 super-groups,
+where these torch ops took ~5 ms), bit for bit the same.
 
 Non-finite ``F`` (an Inf/NaN input, or a norm that overflowed fp32) gets 8 bits; NaN values then
 flow through the records to every rank's output.
