@@ -209,10 +209,10 @@ def _decode_tile(
 
 @triton.jit
 def _encode_tile(
-    x, base, row_mask, out_ptr, out_row, mag_ptr, nxt_ptr, rtab_ptr,
+    x, base, row_mask, out_ptr, out_row, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr,
     BINS: tl.constexpr,
 ):
     """Encode the fp32 ``[ROWS, NB, BS]`` tile ``x`` of rows whose first coordinates have global
@@ -262,18 +262,18 @@ def _encode_tile(
         lo = tl.full(a.shape, 0.0, tl.float32)
         hi = tl.full(a.shape, 1.0, tl.float32)
     else:
-        if NONUNIFORM:
-            # The level count up to one compare from a table over BINS equal bins of [0, 1]
-            # (a * BINS is an exact power-of-two scaling; no bin holds two level boundaries).
-            r = tl.load(rtab_ptr + (a * BINS).to(tl.int32))
-            r = r + (tl.load(nxt_ptr + r) <= a).to(tl.int32)
-        else:  # m_r = r / R: a guess corrected by one step
-            r = tl.minimum(tl.maximum(tl.floor(a * TOP).to(tl.int32), 0), TOP - 1)
-            below = tl.load(mag_ptr + r)
-            above = tl.load(mag_ptr + r + 1)
-            r = tl.where(below > a, r - 1, tl.where((above <= a) & (r < TOP - 1), r + 1, r))
-        lo = tl.load(mag_ptr + r)
-        hi = tl.load(mag_ptr + r + 1)
+        # One 16-byte row per bin of BINS equal bins of [0, 1] (a * BINS is an exact power-of-two
+        # scaling; no bin holds two level boundaries): m_r, m_{r+1}, m_{r+2}, r of the bin's
+        # start (see _params.LevelTables.rows), then one compare moves up to m_{r+1} <= a.
+        row = lvl_ptr + (a * BINS).to(tl.int32) * 4  # one address, four immediate offsets
+        lv0 = tl.load(row).to(tl.float32, bitcast=True)
+        lv1 = tl.load(row + 1).to(tl.float32, bitcast=True)
+        lv2 = tl.load(row + 2).to(tl.float32, bitcast=True)
+        r = tl.load(row + 3)
+        up = lv1 <= a
+        r = r + up.to(tl.int32)
+        lo = tl.where(up, lv1, lv0)
+        hi = tl.where(up, lv2, lv1)
 
     coord = tl.arange(0, NB)[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
     if BS == 16:  # a scale group is a permutation run: one permutation per [row, group]
@@ -332,10 +332,10 @@ def _stats_center_kernel(
 
 @triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
 def _encode_kernel(
-    x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, mag_ptr, nxt_ptr, rtab_ptr,
+    x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr,
     BINS: tl.constexpr,
 ):
     """codec.encode_torch: a leaf compresses its local rows."""
@@ -345,8 +345,8 @@ def _encode_kernel(
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
         _to_fp32(x), base, row_mask, out_ptr, rows * out_row_stride,
-        mag_ptr, nxt_ptr, rtab_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, BINS,
+        lvl_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, CORRELATED, BINS,
     )
 
 
@@ -384,10 +384,10 @@ def _decode_accumulate_kernel(
 @triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
 def _decode_accumulate_encode_kernel(
     rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, index_ptr,
-    out_ptr, out_row_stride, mag_ptr, nxt_ptr, rtab_ptr,
+    out_ptr, out_row_stride, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr,
     BINS: tl.constexpr, WRITE_ACC: tl.constexpr,
 ):
     """codec.decode_accumulate_encode_torch, fused: the partial sum is encoded from registers;
@@ -405,8 +405,8 @@ def _decode_accumulate_encode_kernel(
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
         acc, base, row_mask, out_ptr, rows * out_row_stride,
-        mag_ptr, nxt_ptr, rtab_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, BINS,
+        lvl_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, CORRELATED, BINS,
     )
 
 

@@ -44,7 +44,6 @@ from ..schemes.dynamiq.codec import (
     CodecConfig,
     Levels,
     Scales,
-    _magnitudes,
     code_table,
     record_nbytes,
     restore_torch,
@@ -139,10 +138,8 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
 class LevelParams:
     """Level tables of one width on one device (see :func:`._params.level_tables`)."""
 
-    magnitudes: torch.Tensor  # fp32 [R + 1]
     codes: torch.Tensor  # fp32 [2**width], decoded value of each code
-    nxt: torch.Tensor  # fp32 [R]: the next interior magnitude above level r (+inf past the last)
-    rtab: torch.Tensor  # int32 [bins + 1]: interior magnitudes <= b / bins
+    rows: torch.Tensor  # int32 [bins + 1, 4]: the level search's rows (_params.LevelTables.rows)
     bins: int
 
 
@@ -150,10 +147,8 @@ class LevelParams:
 def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
     tables = level_tables(width, levels)
     return LevelParams(
-        magnitudes=torch.tensor(_magnitudes(width, levels), dtype=torch.float32, device=device),
         codes=code_table(width, levels, device),
-        nxt=torch.from_numpy(tables.nxt).to(device),
-        rtab=torch.from_numpy(tables.rtab).to(device),
+        rows=torch.from_numpy(tables.rows).to(device),
         bins=tables.bins,
     )
 
@@ -251,10 +246,9 @@ def _encode_args(width: int, config: CodecConfig, device: torch.device, key: int
     levels = _level_params(width, config.levels, device)
     rp = RoundingParams.build(key, rank, world_size, config)
     nb, bs, hierarchical = _tile(config)
-    args = (levels.magnitudes, levels.nxt, levels.rtab, _int32_bits(rp.jitter_key),
+    args = (levels.rows, _int32_bits(rp.jitter_key),
             _int32_bits(rp.perm_key), rp.perm_table_on(device), rp.inv_n)
-    constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical,
-                      NONUNIFORM=config.levels is Levels.NONUNIFORM, CORRELATED=rp.correlated,
+    constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical, CORRELATED=rp.correlated,
                       BINS=levels.bins)
     return args, constexprs
 
