@@ -44,7 +44,6 @@ from ..schemes.dynamiq.codec import (
     CodecConfig,
     Levels,
     Scales,
-    code_table,
     record_nbytes,
     restore_torch,
 )
@@ -138,7 +137,7 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
 class LevelParams:
     """Level tables of one width on one device (see :func:`._params.level_tables`)."""
 
-    codes: torch.Tensor  # fp32 [2**width], decoded value of each code
+    codes: torch.Tensor  # fp32 [256 * (8 // width)]: value of code k of byte b at b*(8//w) + k
     rows: torch.Tensor  # int32 [bins + 1, 4]: the level search's rows (_params.LevelTables.rows)
     bins: int
 
@@ -147,7 +146,7 @@ class LevelParams:
 def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
     tables = level_tables(width, levels)
     return LevelParams(
-        codes=code_table(width, levels, device),
+        codes=torch.from_numpy(tables.table).to(device),
         rows=torch.from_numpy(tables.rows).to(device),
         bins=tables.bins,
     )
@@ -246,10 +245,10 @@ def _encode_args(width: int, config: CodecConfig, device: torch.device, key: int
     levels = _level_params(width, config.levels, device)
     rp = RoundingParams.build(key, rank, world_size, config)
     nb, bs, hierarchical = _tile(config)
-    args = (levels.rows, _int32_bits(rp.jitter_key),
-            _int32_bits(rp.perm_key), rp.perm_table_on(device), rp.inv_n)
-    constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical, CORRELATED=rp.correlated,
-                      BINS=levels.bins)
+    args = (levels.rows, _int32_bits(rp.jitter_key), _int32_bits(rp.perm_key),
+            rp.perm_table_on(device), rp.inv_n)
+    constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical,
+                      CORRELATED=rp.correlated, BINS=levels.bins)
     return args, constexprs
 
 
