@@ -332,7 +332,7 @@ def _encode_tile(
 # -- kernels -------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _stats_center_kernel(
     x_ptr, x_row_stride, valid_ptr, centred_ptr, mean_ptr, norm2_ptr, n_rows,
     ROWS: tl.constexpr,
@@ -374,7 +374,7 @@ def _encode_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _decode_kernel(
     rec_ptr, rec_row_stride, table_ptr, out_ptr, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
@@ -387,7 +387,7 @@ def _decode_kernel(
     tl.store(out_ptr + rows * 256 + coord, value, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _decode_accumulate_kernel(
     rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
@@ -429,7 +429,7 @@ def _decode_accumulate_encode_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _restore_kernel(
     work_ptr, work_row_stride, mean_ptr, index_ptr, valid_ptr, out_ptr, n_rows,
     ROWS: tl.constexpr,
