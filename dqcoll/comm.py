@@ -65,7 +65,9 @@ class Communicator:
             if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun sets it
                 local_ranks = max(local_ranks, int(os.environ["LOCAL_WORLD_SIZE"]))
             cpu_runtime.set_local_ranks(local_ranks)
-            # Compile (or load from the disk cache) the CPU kernels now, not at some step.
+        if self.device.type in ("cpu", "cuda"):
+            # Compile (or load from the disk cache) the kernels this device's calls launch (numba
+            # on CPU, every Triton variant on CUDA) now, not at some step.
             kernels.warm_up(self.device)
         self._calls = 0
         self.last_info: dict[str, Any] = {}

@@ -419,7 +419,7 @@ def test_kernel_module_uses_only_triton_builtins() -> None:
 
 def test_compiled_kernels_keep_the_exactness_rules() -> None:
     """Compiled for sm_90 (no GPU needed: Triton's bundled ptxas), the fused hop and the
-    statistics kernel contain no fp32 FMA (uniform levels: no log2 guess either) and no approximate
+    statistics kernel contain no fp32 FMA (no log2 guess either) and no approximate
     division; every division is IEEE ``div.rn``."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     import re
@@ -437,7 +437,7 @@ def test_compiled_kernels_keep_the_exactness_rules() -> None:
         sys.path.pop(0)
     cases = [
         ("_decode_accumulate_encode_kernel",
-         dict(WIDTH=4, ROWS=4, NB=16, BS=16, HIERARCHICAL=True, NONUNIFORM=False,
+         dict(WIDTH=4, ROWS=4, NB=16, BS=16, HIERARCHICAL=True,
               CORRELATED=True, BINS=1024, WRITE_ACC=False)),
         ("_stats_center_kernel", dict(ROWS=8)),
     ]

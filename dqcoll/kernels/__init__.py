@@ -135,3 +135,7 @@ def warm_up(device: torch.device) -> None:
         from . import dynamiq_numba
 
         dynamiq_numba.warm_up()
+    elif ops.name == "triton" and device.type == "cuda":
+        from . import dynamiq_triton
+
+        dynamiq_triton.warm_up(device)

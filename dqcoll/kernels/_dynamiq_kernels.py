@@ -4,10 +4,14 @@ Every kernel here is a pure ``@triton.jit`` function with no policy: block sizes
 checks and allocation live in :mod:`.dynamiq_triton` (launchers) and :mod:`._launch` (heuristics).
 The torch reference is the spec; each step below names the reference line it reproduces.
 
-One program handles ``ROWS`` super-groups of 256 coordinates, held as a ``[ROWS, NB, BS]`` tile:
-``NB x BS`` is ``16 x 16`` (hierarchical scales: one uint8 code per group of 16) or ``8 x 32``
-(flat scales: one bf16 per 32 coordinates), so the scale reduction is one ``max`` over the last
-axis and the per-coordinate scale is a broadcast, never a gather.
+One program handles ``ROWS`` super-groups of 256 coordinates cut into ``NB`` scale blocks of
+``BS`` coordinates (``16 x 16``, hierarchical scales: one uint8 code per group of 16; or ``8 x 32``,
+flat scales: one bf16 per 32 coordinates), held as a ``[BS // 4, ROWS * NB, 4]`` tile with the
+blocks along the middle axis (:func:`_tile_coords`). The compiler's layout keeps 4 consecutive
+values per thread along the last axis and spreads the threads along the blocks, so with 8 rows
+over 4 warps (:mod:`._launch`) each thread holds one whole block of 16: the block's max is a
+reduction inside the thread, its scale divisions and scale byte are computed once (not once per
+thread sharing the block), and the row's max is a shuffle among the 16 threads of the row.
 
 Byte-exactness rules (the reference is fp32 IEEE, round to nearest, one rounding per operation):
 
@@ -20,15 +24,18 @@ Byte-exactness rules (the reference is fp32 IEEE, round to nearest, one rounding
   ``+inf``, so NaN propagates exactly as ``torch.amax`` does (``tl.max`` leaves NaN undefined);
 * the random numbers are the uint32 hash of :mod:`dqcoll.schemes.dynamiq.rng`, in uint32
   arithmetic (wrapping multiplies, logical shifts);
-* the level search is a guess from ``log2`` (or ``a * R`` for uniform levels) corrected by one step
-  against the stored fp32 magnitudes, so it equals the reference's ``searchsorted`` whatever the
-  accuracy of ``log2`` (its error is far below one level);
-* all offsets are int64 (row index times row stride), so buffers above 2**31 elements work.
+* the level search reads one 16-byte row of a table over equal bins of ``[0, 1]`` (the
+  magnitudes around the bin and the level count of its start) and corrects by one compare against
+  the stored fp32 magnitude, so it equals the reference's ``searchsorted`` exactly;
+* row offsets are int64 (row index times row stride), so buffers above 2**31 elements work.
 
 Rejected: one ``tl.sum`` over 256 coordinates for the statistics (its order is unspecified, so its
 bits could not match the reference), ``tl.where``-free NaN handling through ``tl.maximum`` (NaN
-behaviour undefined), and a binary search over the magnitude table for the level (7 dependent
-gathers at 8 bits versus at most 4 independent ones here).
+behaviour undefined), a binary search over the magnitude table for the level (7 dependent
+gathers at 8 bits), a ``[ROWS, NB, BS]`` tile (the compiler then splits each block over 4
+threads, which all repeat the block's three divisions: 117 instead of 70 SASS per coordinate in
+the 4-bit fused hop), and a 16-byte vector load of the level row (its 4-wide layout differs from
+the tile's, and the conversion goes through shared memory: 153 SASS per coordinate).
 """
 
 from __future__ import annotations
@@ -92,20 +99,20 @@ def _rounding_uniforms(
     base, coord, first_coord, jitter_key, perm_key, ptab_ptr, inv_n, CORRELATED: tl.constexpr,
 ):
     """fp32 uniforms of this rank (rng.rounding_uniforms) at the coordinates ``base + coord`` of
-    rows starting at global indices ``base`` ([ROWS] int64; ``coord`` broadcasts against
-    ``[ROWS, NB, BS]``): ``gamma``, or ``(pi(rank) + gamma) * fp32(1/n)`` with ``pi(rank)`` this
-    rank's entry of the table permutation each run of 16 selects by the hash of its first index
-    ``base + first_coord`` (``first_coord`` e.g. ``[1, NB, 1]``: one hash and one table load
-    per run)."""
-    base_lo = base.to(tl.uint32)[:, None, None]  # truncation: the low 32 bits
+    rows starting at global indices ``base`` (int64 ``[1, G, 1]``, the row of each block;
+    ``coord`` the tile's ``[Q, G, 4]`` coordinates in their rows): ``gamma``, or
+    ``(pi(rank) + gamma) * fp32(1/n)`` with ``pi(rank)`` this rank's entry of the table
+    permutation each run of 16 selects by the hash of its first index ``base + first_coord``
+    (``first_coord`` e.g. ``[1, G, 1]``: one hash and one table load per run)."""
+    base_lo = base.to(tl.uint32)  # truncation: the low 32 bits
     j_first, j_last = _row_keys(jitter_key, base)
     g_lo = base_lo + coord.to(tl.uint32)  # wraps mod 2**32
-    h = _hash_in_row(j_first[:, None, None], j_last[:, None, None], base_lo, g_lo)
+    h = _hash_in_row(j_first, j_last, base_lo, g_lo)
     gamma = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # top 24 bits * 2**-24, exact
     if CORRELATED:
         p_first, p_last = _row_keys(perm_key, base)
         f_lo = base_lo + first_coord.to(tl.uint32)
-        sel = _hash_in_row(p_first[:, None, None], p_last[:, None, None], base_lo, f_lo)
+        sel = _hash_in_row(p_first, p_last, base_lo, f_lo)
         pi = tl.load(ptab_ptr + (sel >> _SEL_SHIFT).to(tl.int32))
         u = (pi.to(tl.float32) + gamma) * inv_n  # two roundings, as in torch
     else:
@@ -175,76 +182,99 @@ def _tree_sum_256(v, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _tile_coords(pid, n_rows, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
+    """Index of the ``[Q, G, 4]`` tile (``G = ROWS * NB`` blocks, ``Q = BS // 4``): element
+    ``(j, g, i)`` is coordinate ``(g % NB) * BS + 4 * j + i`` of row ``g // NB`` of the program.
+    Returns the rows (int64 ``[1, G, 1]``), their mask, the block in its row (``[1, G, 1]``) and
+    the coordinate in its row (``[Q, G, 4]``).
+
+    The blocks run along the middle axis so that the compiler's layout (4 contiguous values per
+    thread along the last axis, threads along the next one) puts a whole block in one thread when
+    ``G`` covers the threads: the block's max, its scale divisions and its scale byte are then
+    computed once, not once per thread holding a part of it."""
+    Q: tl.constexpr = BS // 4
+    g = tl.arange(0, ROWS * NB)[None, :, None]
+    rows = pid.to(tl.int64) * ROWS + (g // NB).to(tl.int64)
+    blk = g % NB
+    coord = blk * BS + tl.arange(0, Q)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]
+    return rows, rows < n_rows, blk, coord
+
+
+@triton.jit
 def _decode_tile(
-    rec_ptr, rec_row, row_mask, table_ptr,
-    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr,
+    rec_ptr, rec_row, row_mask, blk, coord, table_ptr,
+    WIDTH: tl.constexpr, NB: tl.constexpr, HIERARCHICAL: tl.constexpr,
 ):
-    """fp32 ``[ROWS, NB, BS]`` values of the records starting at byte offsets ``rec_row``
-    (codec.decode_torch): ``table[code] * D`` with ``D = q * unit`` or the flat bf16 scale."""
+    """fp32 ``[Q, G, 4]`` values (see :func:`_tile_coords`) of the records starting at byte
+    offsets ``rec_row`` (codec.decode_torch): ``table[code] * D`` with ``D = q * unit`` or the
+    flat bf16 scale (``table_ptr``: the byte table, value of code k of byte b at
+    ``b * (8 // WIDTH) + k``)."""
     PER_BYTE: tl.constexpr = 8 // WIDTH
     CODE_NBYTES: tl.constexpr = 32 * WIDTH
-    nb = tl.arange(0, NB)
-    coord = nb[None, :, None] * BS + tl.arange(0, BS)[None, None, :]  # [1, NB, BS]
-    m3 = row_mask[:, None, None]
-    base3 = rec_ptr + rec_row[:, None, None]
-    # Code j sits in byte j*b//8 at bit j*b%8 (LSB-first).
-    byte = tl.load(base3 + coord // PER_BYTE, mask=m3, other=0).to(tl.int32)
-    code = (byte >> ((coord % PER_BYTE) * WIDTH)) & ((1 << WIDTH) - 1)
-    value = tl.load(table_ptr + code)
-    m2 = row_mask[:, None]
-    scale_row = rec_ptr + rec_row + CODE_NBYTES  # [ROWS] pointers to the scale bytes
+    # Code j sits in byte j*b//8 at bit j*b%8 (LSB-first); the table holds the values of the
+    # PER_BYTE codes of each byte value side by side (_params.LevelTables.table): no shift or mask
+    # per code, and the coordinates of one byte share an address (immediate offsets).
+    rec = rec_ptr + rec_row
+    byte = tl.load(rec + coord // PER_BYTE, mask=row_mask, other=0).to(tl.int32)
+    value = tl.load(table_ptr + (byte * PER_BYTE + coord % PER_BYTE))
+    scale_row = rec + CODE_NBYTES  # [1, G, 1] pointers to the scale bytes
     if HIERARCHICAL:
-        q = tl.load(scale_row[:, None] + nb[None, :], mask=m2, other=0).to(tl.float32)
+        q = tl.load(scale_row + blk, mask=row_mask, other=0).to(tl.float32)
         unit_lo = tl.load(scale_row + NB, mask=row_mask, other=0).to(tl.uint32)
         unit_hi = tl.load(scale_row + NB + 1, mask=row_mask, other=0).to(tl.uint32)
         unit = _bf16_bits_to_fp32(unit_lo | (unit_hi << 8))  # bf16, little-endian
-        scale = q * unit[:, None]  # exact: 8-bit times 8-bit significands
+        scale = q * unit  # exact: 8-bit times 8-bit significands
     else:
-        lo = tl.load(scale_row[:, None] + 2 * nb[None, :], mask=m2, other=0).to(tl.uint32)
-        hi = tl.load(scale_row[:, None] + 2 * nb[None, :] + 1, mask=m2, other=0).to(tl.uint32)
+        lo = tl.load(scale_row + 2 * blk, mask=row_mask, other=0).to(tl.uint32)
+        hi = tl.load(scale_row + 2 * blk + 1, mask=row_mask, other=0).to(tl.uint32)
         scale = _bf16_bits_to_fp32(lo | (hi << 8))
-    return value * scale[:, :, None]
+    return value * scale
 
 
 @triton.jit
 def _encode_tile(
-    x, base, row_mask, out_ptr, out_row, mag_ptr, nxt_ptr, rtab_ptr,
+    x, base, row_mask, blk, coord, out_ptr, out_row, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
-    BINS: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr, BINS: tl.constexpr,
 ):
-    """Encode the fp32 ``[ROWS, NB, BS]`` tile ``x`` of rows whose first coordinates have global
-    indices ``base`` into records at byte offsets ``out_row`` (codec._encode_rows)."""
+    """Encode the fp32 ``[Q, G, 4]`` tile ``x`` (see :func:`_tile_coords`) of rows whose first
+    coordinates have global indices ``base`` (``[1, G, 1]``) into records at byte offsets
+    ``out_row`` (codec._encode_rows)."""
     TOP: tl.constexpr = (1 << (WIDTH - 1)) - 1  # R
     PER_BYTE: tl.constexpr = 8 // WIDTH
     CODE_NBYTES: tl.constexpr = 32 * WIDTH
-    nb = tl.arange(0, NB)
-    m2 = row_mask[:, None]
-    scale_row = out_ptr + out_row + CODE_NBYTES
+    Q: tl.constexpr = BS // 4
+    G: tl.constexpr = ROWS * NB
+    out = out_ptr + out_row  # [1, G, 1]
+    scale_row = out + CODE_NBYTES
 
     # Scales. |x| as a bit pattern (sign cleared); integer max = NaN-propagating float max.
     abs_bits = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    block_bits = tl.reduce(abs_bits, 2, _MAX)  # [ROWS, NB]
+    block_bits = tl.reduce(tl.reduce(abs_bits, 2, _MAX, keep_dims=True), 0, _MAX,
+                           keep_dims=True)  # [1, G, 1]
     if HIERARCHICAL:
-        top_bits = tl.reduce(block_bits, 1, _MAX)  # [ROWS]
+        # The row's max over its NB blocks, back on every block of the row.
+        by_row = tl.reshape(block_bits, [ROWS, NB])
+        top_bits = tl.reduce(by_row, 1, _MAX, keep_dims=True)  # [ROWS, 1]
+        top_bits = tl.reshape(tl.broadcast_to(top_bits, [ROWS, NB]), [1, G, 1])
         top = top_bits.to(tl.float32, bitcast=True)
         unit_bits = _bf16_ceil_bits(tl.math.div_rn(top, 255.0).to(tl.uint32, bitcast=True))
         unit = _bf16_bits_to_fp32(unit_bits)
         group = block_bits.to(tl.float32, bitcast=True)
-        ratio = tl.math.ceil(tl.math.div_rn(group, unit[:, None]))
+        ratio = tl.math.ceil(tl.math.div_rn(group, unit))
         usable = (unit > 0.0) & (unit < float("inf"))  # False for 0, inf and NaN
-        q = tl.where(usable[:, None], tl.minimum(tl.maximum(ratio, 1.0), 255.0), 1.0)
-        scale = q * unit[:, None]  # [ROWS, NB], exact
-        tl.store(scale_row[:, None] + nb[None, :], q.to(tl.uint8), mask=m2)
-        tl.store(scale_row + NB, (unit_bits & 0xFF).to(tl.uint8), mask=row_mask)
-        tl.store(scale_row + NB + 1, (unit_bits >> 8).to(tl.uint8), mask=row_mask)
+        q = tl.where(usable, tl.minimum(tl.maximum(ratio, 1.0), 255.0), 1.0)
+        scale = q * unit  # [1, G, 1], exact
+        tl.store(scale_row + blk, q.to(tl.uint8), mask=row_mask)
+        first = row_mask & (blk == 0)  # the unit once per row
+        tl.store(scale_row + NB, (unit_bits & 0xFF).to(tl.uint8), mask=first)
+        tl.store(scale_row + NB + 1, (unit_bits >> 8).to(tl.uint8), mask=first)
     else:
         scale_bits = _bf16_ceil_bits(block_bits)
         scale = _bf16_bits_to_fp32(scale_bits)
-        tl.store(scale_row[:, None] + 2 * nb[None, :], (scale_bits & 0xFF).to(tl.uint8), mask=m2)
-        tl.store(scale_row[:, None] + 2 * nb[None, :] + 1, (scale_bits >> 8).to(tl.uint8), mask=m2)
+        tl.store(scale_row + 2 * blk, (scale_bits & 0xFF).to(tl.uint8), mask=row_mask)
+        tl.store(scale_row + 2 * blk + 1, (scale_bits >> 8).to(tl.uint8), mask=row_mask)
 
     # codec._normalise: y = clamp((x * s) * inv, -1, 1) with inv = 1 / (D * s) per block (one
     # division per block, none per coordinate), s = 2**64 below 2**-64, y = 0 where D is 0 or not
@@ -252,7 +282,7 @@ def _encode_tile(
     ok = (scale > 0.0) & (scale < float("inf"))
     pre = tl.where(scale < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)  # 2**-64, 2**64
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(ok, scale * pre, 1.0))
-    y = tl.where(ok[:, :, None], (x * pre[:, :, None]) * inv[:, :, None], 0.0)
+    y = tl.where(ok, (x * pre) * inv, 0.0)
     y = tl.minimum(tl.maximum(y, -1.0), 1.0)
     a = tl.abs(y)
 
@@ -262,52 +292,47 @@ def _encode_tile(
         lo = tl.full(a.shape, 0.0, tl.float32)
         hi = tl.full(a.shape, 1.0, tl.float32)
     else:
-        if NONUNIFORM:
-            # The level count up to one compare from a table over BINS equal bins of [0, 1]
-            # (a * BINS is an exact power-of-two scaling; no bin holds two level boundaries).
-            r = tl.load(rtab_ptr + (a * BINS).to(tl.int32))
-            r = r + (tl.load(nxt_ptr + r) <= a).to(tl.int32)
-        else:  # m_r = r / R: a guess corrected by one step
-            r = tl.minimum(tl.maximum(tl.floor(a * TOP).to(tl.int32), 0), TOP - 1)
-            below = tl.load(mag_ptr + r)
-            above = tl.load(mag_ptr + r + 1)
-            r = tl.where(below > a, r - 1, tl.where((above <= a) & (r < TOP - 1), r + 1, r))
-        lo = tl.load(mag_ptr + r)
-        hi = tl.load(mag_ptr + r + 1)
+        # One 16-byte row per bin of BINS equal bins of [0, 1] (a * BINS is an exact power-of-two
+        # scaling; no bin holds two level boundaries): m_r, m_{r+1}, m_{r+2}, r of the bin's
+        # start (see _params.LevelTables.rows), then one compare moves up to m_{r+1} <= a.
+        row = lvl_ptr + (a * BINS).to(tl.uint32) * 4  # one address, four immediate offsets
+        lv0 = tl.load(row).to(tl.float32, bitcast=True)
+        lv1 = tl.load(row + 1).to(tl.float32, bitcast=True)
+        lv2 = tl.load(row + 2).to(tl.float32, bitcast=True)
+        r = tl.load(row + 3)
+        up = lv1 <= a
+        r = r + up.to(tl.int32)
+        lo = tl.where(up, lv1, lv0)
+        hi = tl.where(up, lv2, lv1)
 
-    coord = tl.arange(0, NB)[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
-    if BS == 16:  # a scale group is a permutation run: one permutation per [row, group]
-        first_coord = (tl.arange(0, NB) * 16)[None, :, None]
-    else:
-        first_coord = coord - (coord & 15)
+    if BS == 16:  # a scale block is a permutation run: one permutation per block
+        first_coord = blk * 16
+    else:  # runs of 16 in blocks of 32: [Q, G, 1]
+        first_coord = blk * BS + (tl.arange(0, Q)[:, None, None] // 4) * 16
     u = _rounding_uniforms(base, coord, first_coord, jitter_key, perm_key, ptab_ptr, inv_n,
                            CORRELATED)
     level = r + ((a - lo) > u * (hi - lo)).to(tl.int32)  # P(up) = (a - lo) / (hi - lo)
     codes = tl.where(y < 0.0, TOP - level, TOP + level)  # stored as l + R
 
     # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8 (fields are disjoint: sum == or).
+    # A thread's 4 consecutive codes make 4 // PER_BYTE whole bytes.
+    NBYTES4: tl.constexpr = 4 // PER_BYTE  # bytes per 4 codes: 1, 2 or 4
     if PER_BYTE == 1:
-        packed = tl.reshape(codes, [ROWS, CODE_NBYTES])
+        packed = codes
+        byte_index = coord
     else:
-        grouped = tl.reshape(codes, [ROWS, CODE_NBYTES, PER_BYTE])
+        grouped = tl.reshape(codes, [Q, G, NBYTES4, PER_BYTE])
         shifts = tl.arange(0, PER_BYTE) * WIDTH
-        packed = tl.reduce(grouped << shifts[None, None, :], 2, _ADD)
-    byte_index = tl.arange(0, CODE_NBYTES)
-    tl.store(out_ptr + out_row[:, None] + byte_index[None, :], packed.to(tl.uint8), mask=m2)
-
-
-@triton.jit
-def _tile_coords(pid, n_rows, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
-    """Row indices (int64), their mask and the ``[1, NB, BS]`` coordinate index in a row."""
-    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    coord = tl.arange(0, NB)[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
-    return rows, rows < n_rows, coord
+        packed = tl.reduce(grouped << shifts[None, None, None, :], 3, _ADD)  # [Q, G, NBYTES4]
+        byte_index = ((blk * BS + tl.arange(0, Q)[:, None, None] * 4) // PER_BYTE
+                      + tl.arange(0, NBYTES4)[None, None, :])
+    tl.store(out + byte_index, packed.to(tl.uint8), mask=row_mask)
 
 
 # -- kernels -------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _stats_center_kernel(
     x_ptr, x_row_stride, valid_ptr, centred_ptr, mean_ptr, norm2_ptr, n_rows,
     ROWS: tl.constexpr,
@@ -332,85 +357,79 @@ def _stats_center_kernel(
 
 @triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
 def _encode_kernel(
-    x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, mag_ptr, nxt_ptr, rtab_ptr,
+    x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr,
     BINS: tl.constexpr,
 ):
     """codec.encode_torch: a leaf compresses its local rows."""
-    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
-    m3 = row_mask[:, None, None]
-    x = tl.load(x_ptr + rows[:, None, None] * x_row_stride + coord, mask=m3, other=0.0)
+    rows, row_mask, blk, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    x = tl.load(x_ptr + rows * x_row_stride + coord, mask=row_mask, other=0.0)
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
-        _to_fp32(x), base, row_mask, out_ptr, rows * out_row_stride,
-        mag_ptr, nxt_ptr, rtab_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, BINS,
+        _to_fp32(x), base, row_mask, blk, coord, out_ptr, rows * out_row_stride,
+        lvl_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, CORRELATED, BINS,
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _decode_kernel(
     rec_ptr, rec_row_stride, table_ptr, out_ptr, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     HIERARCHICAL: tl.constexpr,
 ):
     """codec.decode_torch: records to fp32 rows (all-gather receive)."""
-    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
-    value = _decode_tile(
-        rec_ptr, rows * rec_row_stride, row_mask, table_ptr, WIDTH, ROWS, NB, BS, HIERARCHICAL
-    )
-    tl.store(out_ptr + rows[:, None, None] * 256 + coord, value, mask=row_mask[:, None, None])
+    rows, row_mask, blk, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    value = _decode_tile(rec_ptr, rows * rec_row_stride, row_mask, blk, coord, table_ptr,
+                         WIDTH, NB, HIERARCHICAL)
+    tl.store(out_ptr + rows * 256 + coord, value, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _decode_accumulate_kernel(
     rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     HIERARCHICAL: tl.constexpr,
 ):
     """codec.decode_accumulate_torch: ``acc += decode(records)`` in fp32 (non-last child)."""
-    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
-    m3 = row_mask[:, None, None]
-    acc_at = acc_ptr + rows[:, None, None] * acc_row_stride + coord
-    acc = tl.load(acc_at, mask=m3, other=0.0)
-    value = _decode_tile(
-        rec_ptr, rows * rec_row_stride, row_mask, table_ptr, WIDTH, ROWS, NB, BS, HIERARCHICAL
-    )
-    tl.store(acc_at, acc + value, mask=m3)
+    rows, row_mask, blk, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    acc_at = acc_ptr + rows * acc_row_stride + coord
+    acc = tl.load(acc_at, mask=row_mask, other=0.0)
+    value = _decode_tile(rec_ptr, rows * rec_row_stride, row_mask, blk, coord, table_ptr,
+                         WIDTH, NB, HIERARCHICAL)
+    tl.store(acc_at, acc + value, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
 def _decode_accumulate_encode_kernel(
     rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, index_ptr,
-    out_ptr, out_row_stride, mag_ptr, nxt_ptr, rtab_ptr,
+    out_ptr, out_row_stride, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, NONUNIFORM: tl.constexpr, CORRELATED: tl.constexpr,
+    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr,
     BINS: tl.constexpr, WRITE_ACC: tl.constexpr,
 ):
     """codec.decode_accumulate_encode_torch, fused: the partial sum is encoded from registers;
     it is written back to ``acc`` only with ``WRITE_ACC`` (the executor never reads it again)."""
-    rows, row_mask, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
-    m3 = row_mask[:, None, None]
-    acc_at = acc_ptr + rows[:, None, None] * acc_row_stride + coord
-    acc = tl.load(acc_at, mask=m3, other=0.0)
-    value = _decode_tile(
-        rec_ptr, rows * rec_row_stride, row_mask, table_ptr, WIDTH, ROWS, NB, BS, HIERARCHICAL
-    )
+    rows, row_mask, blk, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
+    acc_at = acc_ptr + rows * acc_row_stride + coord
+    acc = tl.load(acc_at, mask=row_mask, other=0.0)
+    value = _decode_tile(rec_ptr, rows * rec_row_stride, row_mask, blk, coord, table_ptr,
+                         WIDTH, NB, HIERARCHICAL)
     acc = acc + value
     if WRITE_ACC:
-        tl.store(acc_at, acc, mask=m3)
+        tl.store(acc_at, acc, mask=row_mask)
     base = tl.load(index_ptr + rows, mask=row_mask, other=0)
     _encode_tile(
-        acc, base, row_mask, out_ptr, rows * out_row_stride,
-        mag_ptr, nxt_ptr, rtab_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, NONUNIFORM, CORRELATED, BINS,
+        acc, base, row_mask, blk, coord, out_ptr, rows * out_row_stride,
+        lvl_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
+        WIDTH, ROWS, NB, BS, HIERARCHICAL, CORRELATED, BINS,
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _restore_kernel(
     work_ptr, work_row_stride, mean_ptr, index_ptr, valid_ptr, out_ptr, n_rows,
     ROWS: tl.constexpr,

@@ -4,8 +4,8 @@ Kept apart from the kernels (which hold no policy) and from the launchers (which
 allocate and launch), so that tuning touches one file.
 
 GPU values are *untuned*: chosen from the tile shape (a program holds ``rows * 256`` fp32
-coordinates; 4 rows with 4 warps is 8 coordinates per thread, enough loads in flight to cover HBM
-latency without spilling the ~40 live values per coordinate of the fused kernel). They are owed a
+coordinates; 8 rows with 4 warps is one scale block of 16 coordinates per thread, so per-block work
+is not replicated, with 56-72 registers and no spill in the fused kernel). They are owed a
 measurement on an H100/H200: ``tools/gpu_check.sh`` runs ``benchmarks/kernels.py --tune``, which
 sweeps these choices and records the best per kernel and width; replace the table below with those
 numbers (and the device and commit they came from).
@@ -43,11 +43,10 @@ class LaunchConfig:
 
 
 # (kernel, width or 0) -> config on CUDA devices. Untuned, see the module docstring.
-_GPU_DEFAULT = LaunchConfig(rows_per_program=4, num_warps=4)
+# The codec kernels give each thread whole scale blocks (see _dynamiq_kernels._tile_coords):
+# 8 rows = 128 blocks of 16 over 4 warps, one block (16 coordinates) per thread.
+_GPU_DEFAULT = LaunchConfig(rows_per_program=8, num_warps=4)
 _GPU_TABLE: dict[tuple[Kernel, int], LaunchConfig] = {
-    # 8-bit codes keep ~2x more per-coordinate state in flight (level search, wider packing).
-    (Kernel.ENCODE, 8): LaunchConfig(rows_per_program=2, num_warps=4),
-    (Kernel.DECODE_ACCUMULATE_ENCODE, 8): LaunchConfig(rows_per_program=2, num_warps=4),
     # Row-wise tree sums and the restore scatter: plain streaming, wider tiles.
     (Kernel.STATS_CENTER, 0): LaunchConfig(rows_per_program=8, num_warps=8),
     (Kernel.RESTORE, 0): LaunchConfig(rows_per_program=8, num_warps=8),

@@ -81,6 +81,11 @@ class LevelTables:
     rtab: np.ndarray  # int32 [bins + 1]: interior magnitudes <= b / bins
     bins: int
     table: np.ndarray  # fp32 [256 * (8 // width)]: value of code k of byte b at b * (8//w) + k
+    # int32 [bins + 1, 4], the Triton level search (one 16-byte load per coordinate): bin k holds
+    # the fp32 bit patterns of m_r, m_{r+1}, m_{r+2} and r, with r = rtab[k] lowered to R - 2 in
+    # the bins past the last interior magnitude (there ``m_{r+1} <= a`` always holds), so that the
+    # level count is ``r + (m_{r+1} <= a)`` and lo, hi follow by two selects (zeros below 4 bits).
+    rows: np.ndarray
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,4 +118,12 @@ def level_tables(width: int, levels: Levels) -> LevelTables:
     per_byte = 8 // width
     byte = np.arange(256)[:, None] >> (np.arange(per_byte)[None, :] * width)  # LSB-first
     table = np.ascontiguousarray(codes[byte & ((1 << width) - 1)].reshape(-1))
-    return LevelTables(mags, nxt, rtab, bins, table)
+    rows = np.zeros((bins + 1, 4), dtype=np.int32)
+    if top >= 2:
+        base = np.minimum(rtab, top - 2)
+        bits = mags.view(np.int32)
+        rows = np.ascontiguousarray(np.stack([bits[base], bits[base + 1], bits[base + 2], base], 1))
+        row = rows[(probes * np.float32(bins)).astype(np.int64)]
+        up = row[:, 1].view(np.float32) <= probes
+        assert np.array_equal(row[:, 3] + up, np.searchsorted(interior, probes, side="right"))
+    return LevelTables(mags, nxt, rtab, bins, table, rows)

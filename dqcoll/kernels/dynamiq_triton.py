@@ -44,8 +44,6 @@ from ..schemes.dynamiq.codec import (
     CodecConfig,
     Levels,
     Scales,
-    _magnitudes,
-    code_table,
     record_nbytes,
     restore_torch,
 )
@@ -63,6 +61,7 @@ __all__ = [
     "restore",
     "restore_torch",
     "stats_center",
+    "warm_up",
 ]
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
@@ -139,10 +138,8 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
 class LevelParams:
     """Level tables of one width on one device (see :func:`._params.level_tables`)."""
 
-    magnitudes: torch.Tensor  # fp32 [R + 1]
-    codes: torch.Tensor  # fp32 [2**width], decoded value of each code
-    nxt: torch.Tensor  # fp32 [R]: the next interior magnitude above level r (+inf past the last)
-    rtab: torch.Tensor  # int32 [bins + 1]: interior magnitudes <= b / bins
+    codes: torch.Tensor  # fp32 [256 * (8 // width)]: value of code k of byte b at b*(8//w) + k
+    rows: torch.Tensor  # int32 [bins + 1, 4]: the level search's rows (_params.LevelTables.rows)
     bins: int
 
 
@@ -150,10 +147,8 @@ class LevelParams:
 def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
     tables = level_tables(width, levels)
     return LevelParams(
-        magnitudes=torch.tensor(_magnitudes(width, levels), dtype=torch.float32, device=device),
-        codes=code_table(width, levels, device),
-        nxt=torch.from_numpy(tables.nxt).to(device),
-        rtab=torch.from_numpy(tables.rtab).to(device),
+        codes=torch.from_numpy(tables.table).to(device),
+        rows=torch.from_numpy(tables.rows).to(device),
         bins=tables.bins,
     )
 
@@ -251,11 +246,10 @@ def _encode_args(width: int, config: CodecConfig, device: torch.device, key: int
     levels = _level_params(width, config.levels, device)
     rp = RoundingParams.build(key, rank, world_size, config)
     nb, bs, hierarchical = _tile(config)
-    args = (levels.magnitudes, levels.nxt, levels.rtab, _int32_bits(rp.jitter_key),
-            _int32_bits(rp.perm_key), rp.perm_table_on(device), rp.inv_n)
+    args = (levels.rows, _int32_bits(rp.jitter_key), _int32_bits(rp.perm_key),
+            rp.perm_table_on(device), rp.inv_n)
     constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical,
-                      NONUNIFORM=config.levels is Levels.NONUNIFORM, CORRELATED=rp.correlated,
-                      BINS=levels.bins)
+                      CORRELATED=rp.correlated, BINS=levels.bins)
     return args, constexprs
 
 
@@ -401,6 +395,67 @@ def restore(
         _launch(kernels._restore_kernel, cfg, rows, interpreted,
                 work, work.stride(0), mean_dev, index, valid_dev, out, rows,
                 ROWS=cfg.rows_per_program)
+
+
+# -- warm-up ----------------------------------------------------------------------------------
+
+_warm_lock = threading.Lock()
+_warmed: set[str] = set()
+
+
+def _records_at(offset: int, rows: int, size: int, device: torch.device) -> torch.Tensor:
+    """``rows`` records viewed at byte ``offset`` of a fresh buffer: offset 0 is 16-byte aligned
+    (CUDA's allocator aligns to 512), offset 1 is not, the two specialisations Triton compiles
+    for a record pointer (chunk payloads hold runs of records at any byte offset)."""
+    buf = torch.zeros(offset + rows * size, dtype=torch.uint8, device=device)
+    return buf[offset:].view(rows, size)
+
+
+def warm_up(device: torch.device) -> None:
+    """Launch every kernel variant a call can hit on ``device`` once, on a few rows, so that
+    Triton compiles them (or loads them from its disk cache) now rather than at some step of
+    training, where ranks would stall each other for seconds.
+
+    A variant is a kernel's constexprs (width, rows per program, scales tile, correlated
+    rounding, bins, ``WRITE_ACC``), its pointer dtypes (float inputs of ``stats_center`` and
+    ``encode``, the output of ``restore``) and Triton's specialisation of the arguments
+    (16-byte alignment of pointers, divisibility by 16 of integers): records at an aligned and an
+    unaligned byte offset, as a chunk payload holds them. Row counts and keys do not specialise
+    (``do_not_specialize``, :func:`_int32_bits`). Once per device per process."""
+    with _warm_lock:
+        if str(device) in _warmed:
+            return
+        rows = 2
+        x = torch.randn(rows, SUPER, device=device)
+        valid = torch.full((rows,), SUPER, dtype=torch.int32, device=device)
+        index = torch.arange(rows, dtype=torch.int64, device=device) * SUPER
+        for dtype in FLOAT_INPUTS:
+            stats_center(x.to(dtype), valid)
+            restore(x, valid.float(), index, valid, torch.empty(rows * SUPER, dtype=dtype,
+                                                                 device=device))
+        for scales in Scales:
+            for levels in Levels:
+                config = CodecConfig(levels=levels, scales=scales)
+                for width in WIDTHS:
+                    size = record_nbytes(width, scales)
+                    for world_size in (1, 2):  # independent and correlated rounding
+                        for dtype in FLOAT_INPUTS:
+                            encode(x.to(dtype), width, index, 0, world_size, 1, config,
+                                   out=_records_at(0, rows, size, device))
+                        for src in (0, 1):
+                            records = _records_at(src, rows, size, device)
+                            encode(x, width, index, 0, world_size, 1, config, out=records)
+                            for dst in (0, 1):
+                                for keep_sum in (False, True):
+                                    decode_accumulate_encode(
+                                        records, width, x.clone(), index, 0, world_size, 1,
+                                        config, keep_sum=keep_sum,
+                                        out=_records_at(dst, rows, size, device))
+                    for src in (0, 1):
+                        records = _records_at(src, rows, size, device)
+                        decode(records, width, config)
+                        decode_accumulate(records, width, config, x.clone())
+        _warmed.add(str(device))
 
 
 OPS = DynamiqOps(
