@@ -47,17 +47,28 @@ from ...kernels import dynamiq_ops
 from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from . import rng
-from .allocation import Allocation, allocate_for_target, allocate_widths, min_bits
+from .allocation import (
+    MEASURED_ERRORS,
+    STATS_BYTES,
+    Allocation,
+    allocate_for_target,
+    allocate_widths,
+    min_bits,
+)
 from .codec import (
     ALL_WIDTHS,
+    FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
     CodecConfig,
     Levels,
+    ProtoLevels,
+    ProtoScales,
     RoundingMode,
     Scales,
     Widths,
     record_nbytes,
+    stats_center_rounded_torch,
 )
 from .error_model import ErrorModel, estimate_rho
 
@@ -97,7 +108,8 @@ class DynamiqScheme:
         supports_reduce_scatter=True,
         needs_global_stats=True,
         options=("bits", "target_vnmse", "error_model", "max_width", "levels", "widths",
-                 "scales", "rounding", "seed", "balance", "u_hint", "energy_exponent"),
+                 "scales", "rounding", "seed", "balance", "u_hint", "energy_exponent",
+                 "width_set", "thresholds", "stats"),
     )
 
     def __init__(
@@ -115,10 +127,29 @@ class DynamiqScheme:
         balance: str | Balance = "bytes",
         u_hint: float | None = None,
         energy_exponent: float = 1.0,
+        width_set: str = "paper",
+        thresholds: str = "paper",
+        stats: str = "fp32",
     ) -> None:
+        # Prototype options (issue 14, docs/dense_gap.md): width_set "paper" = {2, 4, 8},
+        # "fine" = {2, ..., 8}; thresholds "paper" (4**-w errors) or "measured" (the codec's own
+        # single-shot errors); stats "fp32" (mean and norm, 8 B per super-group) or "bf16"
+        # (4 B: the local mean is rounded to bf16 before centring, the sum is taken in bf16).
+        if width_set not in ("paper", "fine") or thresholds not in ("paper", "measured") or \
+                stats not in STATS_BYTES:
+            raise InvalidArgumentError(
+                f"dynamiq: bad width_set/thresholds/stats {width_set!r} {thresholds!r} {stats!r}")
+        self.width_set = width_set
+        self.thresholds = thresholds
+        self.stats = stats
+        proto_scales = str(getattr(scales, "value", scales)).lower() in {
+            e.value for e in ProtoScales}
         self.config = CodecConfig(
-            levels=_parse(Levels, levels, "levels"),
-            scales=_parse(Scales, scales, "scales"),
+            levels=(_parse(ProtoLevels, levels, "levels")
+                    if str(getattr(levels, "value", levels)).lower() == "tuned"
+                    else _parse(Levels, levels, "levels")),
+            scales=(_parse(ProtoScales, scales, "scales") if proto_scales
+                    else _parse(Scales, scales, "scales")),
             rounding=_parse(RoundingMode, rounding, "rounding"),
         )
         self.widths_mode: Widths = _parse(Widths, widths, "widths")
@@ -172,6 +203,20 @@ class DynamiqScheme:
         if max_width not in (8, RAW_WIDTH):
             raise InvalidArgumentError(f"dynamiq: max_width must be 8 or 16, got {max_width!r}")
         self.max_width = int(max_width)
+        # The prototypes exist in the torch reference only: such a scheme runs on it.
+        self.reference_only = (isinstance(self.config.scales, ProtoScales)
+                               or self.config.levels is ProtoLevels.TUNED
+                               or width_set != "paper" or stats != "fp32")
+
+    def allocation_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"stats_bytes": STATS_BYTES[self.stats]}
+        if self.width_set == "fine":
+            options["width_set"] = FINE_WIDTHS
+        if self.thresholds == "measured":
+            options["errors"] = MEASURED_ERRORS[(self.config.levels, self.config.scales)]
+        elif self.width_set == "fine":
+            options["errors"] = None  # 4**-w over the fine widths
+        return options
 
     def __repr__(self) -> str:
         c = self.config
@@ -241,6 +286,10 @@ class DynamiqCall:
         self.key = rng.call_key(ctx.seed, ctx.step)
         self.numel = numel = x.numel()
         self.ops = dynamiq_ops(device)
+        if scheme.reference_only and self.ops.name != "torch":
+            from ...kernels import _torch_ops
+
+            self.ops = _torch_ops()
 
         # Layout: the byte-balanced all-reduce pads the tail only; reduce-scatter / all-gather (and
         # the all-reduce with balance="shards") pad each shard of ceil(numel / n) coordinates on
@@ -292,7 +341,8 @@ class DynamiqCall:
         # The fast paths that split stats_center write the centred rows only once, already in
         # the sorted order (step 4), dividing by n for avg on the way; the others divide and
         # centre here and gather later.
-        split = self.ops.stats is not None and self.ops.center_gather is not None
+        split = (self.ops.stats is not None and self.ops.center_gather is not None
+                 and scheme.stats == "fp32")
         divisor = n if ctx.op is ReduceOp.AVG else 1
         if divisor != 1 and not split:
             flat = flat / n  # a new buffer: flat may be the caller's tensor
@@ -300,6 +350,9 @@ class DynamiqCall:
         if split:
             assert self.ops.stats is not None
             mean, norm2 = self.ops.stats(flat, valid, divisor=divisor)
+        elif scheme.stats in ("bf16", "norm16"):
+            centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
+                                                              centre=scheme.stats == "bf16")
         else:
             centred, mean, norm2 = self.ops.stats_center(flat, valid)
         # A row whose squares all underflow fp32 (|x| below ~1e-23) has norm2 == 0 although it is
@@ -319,7 +372,16 @@ class DynamiqCall:
 
         # 2. One small uncompressed all-reduce of both statistics.
         stats = torch.stack([mean, norm2])
-        ctx.reduce(stats, "sum", f"{ctx.what} statistics")
+        if scheme.stats == "bf16":  # 16-bit statistics on the wire, summed in bf16
+            wire = stats.to(torch.bfloat16)
+            ctx.reduce(wire, "sum", f"{ctx.what} statistics")
+            stats = wire.float()
+        elif scheme.stats == "norm16":  # no centring: only the bf16 norm is sent (2 B)
+            wire = norm2.to(torch.bfloat16)[None]
+            ctx.reduce(wire, "sum", f"{ctx.what} statistics")
+            stats = torch.stack([torch.zeros_like(mean), wire[0].float()])
+        else:
+            ctx.reduce(stats, "sum", f"{ctx.what} statistics")
 
         # 3. Widths from the summed norms (identical on every rank): under a bit budget, or the
         #    cheapest whose predicted error meets target_vnmse.
@@ -354,7 +416,7 @@ class DynamiqCall:
             self.allocation = allocate_widths(
                 stats[1], budget_numel, scheme.bits, widths_mode=scheme.widths_mode,
                 scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
-                energy_exponent=scheme.energy_exponent,
+                energy_exponent=scheme.energy_exponent, **scheme.allocation_options(),
             )
         widths = self.allocation.widths  # int64 [rows], host
 
