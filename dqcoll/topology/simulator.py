@@ -53,11 +53,13 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from ..schemes.base import CallContext
 from ..schemes.dynamiq import rng
 from ..schemes.dynamiq.codec import (
+    ALL_WIDTHS,
     SUPER,
     RoundingMode,
     decode_torch,
     encode_torch,
     record_nbytes,
+    stats_center_rounded_torch,
     stats_center_torch,
 )
 from ..types import Collective, ReduceOp
@@ -163,7 +165,7 @@ class _DynamiqAdapter(_Adapter):
         self.step = step
         self.rows = -(-numel // SUPER)
         self.row_len = SUPER
-        self.record_len = record_nbytes(8, self.config.scales)
+        self.record_len = max(record_nbytes(w, self.config.scales) for w in ALL_WIDTHS)
         row_start = torch.arange(self.rows, dtype=torch.int64) * SUPER
         self.valid = (numel - row_start).clamp(max=SUPER)
         self._uniforms: torch.Tensor | None = None
@@ -176,8 +178,15 @@ class _DynamiqAdapter(_Adapter):
         return flat
 
     def store(self, rank: int, x: torch.Tensor) -> torch.Tensor:
-        centred, mean, norm2 = stats_center_torch(self._rows_of(x), self.valid)
-        self._last_stats = torch.stack([mean, norm2])
+        if getattr(self.scheme, "stats", "fp32") in ("bf16", "norm16"):
+            centred, mean, norm2 = stats_center_rounded_torch(
+                self._rows_of(x), self.valid, centre=self.scheme.stats == "bf16")
+            self._last_stats = torch.stack([mean, norm2]).to(torch.bfloat16)  # summed in bf16
+            if self.scheme.stats == "norm16":
+                self._last_stats = self._last_stats[1:].clone()  # the norm only
+        else:
+            centred, mean, norm2 = stats_center_torch(self._rows_of(x), self.valid)
+            self._last_stats = torch.stack([mean, norm2])
         return centred
 
     def stats(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
@@ -210,7 +219,7 @@ class _DynamiqAdapter(_Adapter):
 
     def _by_width(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         widths = self.widths[rows]
-        return [(w, torch.nonzero(widths == w).squeeze(1)) for w in (2, 4, 8)
+        return [(w, torch.nonzero(widths == w).squeeze(1)) for w in ALL_WIDTHS
                 if bool((widths == w).any())]
 
     def encode(self, values: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor
