@@ -132,6 +132,8 @@ class ProtoScales(enum.Enum):
     # 4-bit group codes: unit = bf16_ceil(max_g s_g / 16), q_g = clamp(ceil(s_g / unit), 1, 16),
     # stored q_g - 1, two per byte (group g at bit 4 * (g % 2) of byte g // 2); 8 + 2 bytes.
     HIERARCHICAL4 = "hierarchical4"
+    # the same 4-bit codes per group of 32 (8 codes, 4 + 2 bytes)
+    HIERARCHICAL4X32 = "hierarchical4x32"
 
 
 class Widths(enum.Enum):
@@ -168,6 +170,8 @@ def _scale_nbytes(scales: Scales) -> int:
         return GROUPS + 2
     if scales is ProtoScales.HIERARCHICAL4:
         return GROUPS // 2 + 2
+    if scales is ProtoScales.HIERARCHICAL4X32:
+        return GROUPS // 4 + 2
     return 2 * SUPER // FLAT_BLOCK
 
 
@@ -310,9 +314,10 @@ def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch
         absmax = x.abs().view(k, SUPER // FLAT_BLOCK, FLAT_BLOCK).amax(-1)
         scale = bf16_ceil(absmax)
         return scale.float(), scale.view(torch.uint8).view(k, 2 * SUPER // FLAT_BLOCK)
-    group = x.abs().view(k, GROUPS, GROUP).amax(-1)  # [k, 16]; NaN propagates
+    size = 2 * GROUP if scales is ProtoScales.HIERARCHICAL4X32 else GROUP
+    group = x.abs().view(k, SUPER // size, size).amax(-1)  # [k, 16 or 8]; NaN propagates
     top = group.amax(-1)  # [k]
-    levels = GROUP_CODE_LEVELS if scales is ProtoScales.HIERARCHICAL4 else 255
+    levels = 255 if scales is Scales.HIERARCHICAL else GROUP_CODE_LEVELS
     unit = bf16_ceil(top / float(levels))
     unit32 = unit.float()
     ratio = torch.ceil(group / unit32[:, None])
@@ -322,7 +327,7 @@ def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch
         torch.ones_like(ratio),
     ).to(torch.uint8)
     decoded = q.float() * unit32[:, None]
-    if scales is ProtoScales.HIERARCHICAL4:
+    if scales is not Scales.HIERARCHICAL:
         nib = q.to(torch.int64) - 1
         q = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)  # [k, 8]
     meta = torch.cat([q, unit.view(torch.uint8).view(k, 2)], dim=1)
@@ -333,11 +338,12 @@ def _scales_decode(meta: torch.Tensor, scales: Scales) -> torch.Tensor:
     if scales is Scales.FLAT:
         scale = meta.contiguous().view(torch.bfloat16).float()  # [k, 8]
         return scale.repeat_interleave(FLAT_BLOCK, dim=1)
-    if scales is ProtoScales.HIERARCHICAL4:
-        b = meta[:, : GROUPS // 2].to(torch.int64)
-        q = (torch.stack([b & 0xF, b >> 4], dim=-1).reshape(-1, GROUPS) + 1).float()
-        unit = meta[:, GROUPS // 2 :].contiguous().view(torch.bfloat16).float()
-        return (q * unit).repeat_interleave(GROUP, dim=1)
+    if isinstance(scales, ProtoScales):
+        codes = meta.shape[1] - 2
+        b = meta[:, :codes].to(torch.int64)
+        q = (torch.stack([b & 0xF, b >> 4], dim=-1).reshape(-1, 2 * codes) + 1).float()
+        unit = meta[:, codes:].contiguous().view(torch.bfloat16).float()
+        return (q * unit).repeat_interleave(SUPER // (2 * codes), dim=1)
     q = meta[:, :GROUPS].float()
     unit = meta[:, GROUPS:].contiguous().view(torch.bfloat16).float()  # [k, 1]
     return (q * unit).repeat_interleave(GROUP, dim=1)
