@@ -74,6 +74,9 @@ MEASURED_ERRORS: dict[tuple[Levels, Scales], dict[int, float]] = {
     (ProtoLevels.TUNED, ProtoScales.HIERARCHICAL4): {
         2: 0.7693, 3: 0.0795, 4: 0.01517, 5: 0.003345, 6: 7.794e-4, 7: 1.891e-4, 8: 4.719e-5,
         16: 4.141e-8},
+    (ProtoLevels.TUNED, ProtoScales.HIERARCHICAL4X32): {
+        2: 0.9603, 3: 0.09573, 4: 0.01772, 5: 0.00391, 6: 9.168e-4, 7: 2.224e-4, 8: 5.649e-5,
+        16: 4.141e-8},
     (Levels.NONUNIFORM, ProtoScales.HIERARCHICAL4): {
         2: 0.7693, 3: 0.0795, 4: 0.01532, 5: 0.003345, 6: 7.794e-4, 7: 1.891e-4, 8: 8.705e-5,
         16: 4.141e-8},
@@ -378,6 +381,99 @@ def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width
             u_hi = mid
     widths = widths_at(u_lo)
     return Allocation(widths, u_lo, cost(widths), stats, budget, False)
+
+
+def count_classes(subtree: tuple[tuple[int, ...], ...]) -> dict[int, tuple[float, float]]:
+    """Per partial-sum size ``c`` (the executor's ``count``): ``(alpha_c, tau_c)``, the error
+    weight (quantizations of a ``c``-rank partial sum per chunk, times ``c``: its energy relative
+    to one rank's) and the share of the all-reduce's transfers that carry it. In a tree reduce
+    every non-sink rank sends its partial sum of a chunk once (count = its subtree size); the sink
+    encodes the full sum once (count n), which the all-gather forwards n - 1 times."""
+    n = len(subtree)
+    chunks = len(subtree[0]) if n else 0
+    sends: dict[int, float] = {}
+    for c in range(chunks):
+        for r in range(n):
+            size = subtree[r][c]
+            if size < n:
+                sends[size] = sends.get(size, 0.0) + 1.0 / chunks
+    total = 2.0 * (n - 1)
+    classes = {size: (m * size, m / total) for size, m in sends.items()}
+    classes[n] = (float(n), (n - 1) / total)
+    return classes
+
+
+def allocate_widths_by_count(
+    norm2: torch.Tensor,
+    numel: int,
+    bits: float,
+    classes: dict[int, tuple[float, float]],
+    *,
+    scales: Scales,
+    width_set: tuple[int, ...],
+    errors: dict[int, float] | None,
+    stats_bytes: int,
+    max_width: int = 8,
+) -> tuple[dict[int, torch.Tensor], Allocation]:
+    """Widths per super-group *and* partial-sum size (prototype ``hop_widths``): the hull rule
+    with ``log2 F`` shifted by ``log2(alpha_c / tau_c)`` for class ``c``, one ``u`` for all
+    classes, under the budget of the transfers' average record bytes (``sum_c tau_c B``)."""
+    rows = norm2.numel()
+    norm2 = norm2.detach().to("cpu")
+    stats = stats_bytes * rows
+    budget = math.floor(bits * numel / 8.0)
+    lookup = _cost_lookup(scales).double()
+    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
+    if max_width == RAW_WIDTH:
+        widths_all = (*widths_all, RAW_WIDTH)
+    if errors is None:
+        errors = {w: 4.0**-w for w in widths_all}
+    hull, offsets = hull_offsets(widths_all, errors, scales)
+    top = max(w for w in hull if w != RAW_WIDTH)
+    f = norm2.double()
+    zero = f == 0
+    log_f = torch.log2(torch.where(zero, 1.0, f))
+    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
+    nan = torch.isnan(log_f)
+    # Ties (bf16 statistics leave few distinct norms on dense data) are broken by row index so
+    # that the bisection can split them and the budget is used up; 2**-30 per row is far below
+    # the spacing of distinct norms (>= log2(1 + 2**-8)).
+    log_f = log_f + torch.arange(rows, dtype=torch.float64) * 2.0**-30 / max(rows, 1)
+    shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}
+
+    def widths_at(u: float) -> dict[int, torch.Tensor]:
+        out = {}
+        for c, shift in shifts.items():
+            w = torch.full_like(log_f, hull[0], dtype=torch.int64)
+            for width, off in zip(hull[1:], offsets[1:]):
+                w = torch.where(log_f + shift + u >= off, width, w)
+            w = torch.where(nan, top, w)
+            out[c] = torch.where(zero, 0, w)
+        return out
+
+    def cost(ws: dict[int, torch.Tensor]) -> float:
+        return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
+
+    finite = torch.isfinite(log_f) & ~zero
+    if not bool(finite.any()) or len(hull) == 1:
+        ws = widths_at(0.0)
+        return ws, Allocation(ws[max(ws)], float("nan"), math.ceil(cost(ws)), stats, budget, False)
+    u_lo = offsets[1] - float(log_f[finite].max()) - max(shifts.values()) - 1.0
+    u_hi = offsets[-1] - float(log_f[finite].min()) - min(shifts.values()) + 1.0
+    if cost(widths_at(u_lo)) + stats > budget:
+        ws = widths_at(u_lo)
+        return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, True)
+    if cost(widths_at(u_hi)) + stats <= budget:
+        u_lo = u_hi
+    else:
+        for _ in range(_BISECTION_STEPS):
+            mid = 0.5 * (u_lo + u_hi)
+            if cost(widths_at(mid)) + stats <= budget:
+                u_lo = mid
+            else:
+                u_hi = mid
+    ws = widths_at(u_lo)
+    return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, False)
 
 
 def allocate_for_target(

@@ -49,6 +49,8 @@ from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from . import rng
 from .allocation import (
     MEASURED_ERRORS,
+    allocate_widths_by_count,
+    count_classes,
     STATS_BYTES,
     Allocation,
     allocate_for_target,
@@ -109,7 +111,7 @@ class DynamiqScheme:
         needs_global_stats=True,
         options=("bits", "target_vnmse", "error_model", "max_width", "levels", "widths",
                  "scales", "rounding", "seed", "balance", "u_hint", "energy_exponent",
-                 "width_set", "thresholds", "stats"),
+                 "width_set", "thresholds", "stats", "hop_widths"),
     )
 
     def __init__(
@@ -130,6 +132,7 @@ class DynamiqScheme:
         width_set: str = "paper",
         thresholds: str = "paper",
         stats: str = "fp32",
+        hop_widths: bool = False,
     ) -> None:
         # Prototype options (issue 14, docs/dense_gap.md): width_set "paper" = {2, 4, 8},
         # "fine" = {2, ..., 8}; thresholds "paper" (4**-w errors) or "measured" (the codec's own
@@ -140,6 +143,9 @@ class DynamiqScheme:
             raise InvalidArgumentError(
                 f"dynamiq: bad width_set/thresholds/stats {width_set!r} {thresholds!r} {stats!r}")
         self.width_set = width_set
+        # hop_widths (prototype): each super-group's width also depends on how many ranks the
+        # partial sum being encoded holds (the executor's ``count``): see allocate_widths_by_count
+        self.hop_widths = str(hop_widths).lower() in ("1", "true", "yes")
         self.thresholds = thresholds
         self.stats = stats
         proto_scales = str(getattr(scales, "value", scales)).lower() in {
@@ -206,7 +212,7 @@ class DynamiqScheme:
         # The prototypes exist in the torch reference only: such a scheme runs on it.
         self.reference_only = (isinstance(self.config.scales, ProtoScales)
                                or self.config.levels is ProtoLevels.TUNED
-                               or width_set != "paper" or stats != "fp32")
+                               or width_set != "paper" or stats != "fp32" or self.hop_widths)
 
     def allocation_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"stats_bytes": STATS_BYTES[self.stats]}
@@ -270,6 +276,17 @@ def _work_buffer(ctx: CallContext, rows: int, device: torch.device) -> torch.Ten
         buffer = torch.empty((rows, SUPER), dtype=torch.float32, device=device)
         ctx.state[key] = buffer
     return buffer[:rows]
+
+
+def _runs(sorted_widths: torch.Tensor, rows: int) -> list[tuple[int, int, int]]:
+    """Maximal runs (width, first row, end row) of equal non-zero width."""
+    runs = []
+    change = torch.nonzero(sorted_widths[1:] != sorted_widths[:-1]).squeeze(1) + 1
+    for a, b in itertools.pairwise([0, *change.tolist(), rows]):
+        width = int(sorted_widths[a])
+        if width and b > a:
+            runs.append((width, a, b))
+    return runs
 
 
 class DynamiqCall:
@@ -418,10 +435,31 @@ class DynamiqCall:
                 scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
                 energy_exponent=scheme.energy_exponent, **scheme.allocation_options(),
             )
+        self.hop: dict[int, torch.Tensor] | None = None
+        self.hop_tau: dict[int, float] = {}
+        if (scheme.hop_widths and scheme.target_vnmse is None and not self.sharded
+                and ctx.schedule is not None and scheme.widths_mode is Widths.VARIABLE):
+            classes = count_classes(ctx.schedule.subtree_sizes())
+            options = scheme.allocation_options()
+            self.hop, self.allocation = allocate_widths_by_count(
+                stats[1], budget_numel, scheme.bits, classes, scales=self.config.scales,
+                width_set=options.get("width_set") or (2, 4, 8), errors=options.get("errors"),
+                stats_bytes=options["stats_bytes"], max_width=scheme.max_width)
+            self.hop_tau = {c: t for c, (_, t) in classes.items()}
         widths = self.allocation.widths  # int64 [rows], host
 
         # 4. Reorder by width (within each shard when sharded) and cut into chunks.
-        order = torch.argsort(row_chunk * 32 + widths, stable=True)  # widths <= 16 < 32
+        if self.hop is not None:
+            # Every class's widths are monotone in F: sorted by their sum, rows are sorted for
+            # every class. Striped over the n chunks (sorted row i -> chunk i mod n, sorted again
+            # within each chunk) so that every chunk holds the same mix of widths at every count
+            # and each rank's traffic meets the budget whichever (chunk, count) pairs it sends.
+            by_key = torch.argsort(sum(self.hop.values()), stable=True)
+            stripe = torch.arange(rows, dtype=torch.int64) % n
+            order = by_key[torch.argsort(stripe, stable=True)]
+            hop_bounds = [0, *torch.cumsum(torch.bincount(stripe, minlength=n), 0).tolist()]
+        else:
+            order = torch.argsort(row_chunk * 32 + widths, stable=True)  # widths <= 16 < 32
         self.order = order.to(device)
         sorted_widths = widths[order]
         if centred is None:
@@ -440,13 +478,25 @@ class DynamiqCall:
         offsets = torch.zeros(rows + 1, dtype=torch.int64)
         torch.cumsum(sizes[sorted_widths], 0, out=offsets[1:])
         self.row_offsets = offsets.tolist()  # byte offset of each sorted row's record
-        if self.sharded:  # chunk c = the rows of shard c
+        self._geom: dict[int, tuple[list[int], list[tuple[int, int, int]]]] = {}
+        if self.hop is not None:
+            avg = torch.zeros(rows + 1, dtype=torch.float64)
+            for c, w in self.hop.items():
+                off = torch.zeros(rows + 1, dtype=torch.int64)
+                torch.cumsum(sizes[w[order]], 0, out=off[1:])
+                avg += self.hop_tau[c] * off.double()
+                self._geom[c] = (off.tolist(), _runs(w[order], rows))
+            offsets = avg  # chunks of equal average bytes
+            self.row_offsets = avg.tolist()
+        if self.hop is not None:
+            bounds = hop_bounds
+        elif self.sharded:  # chunk c = the rows of shard c
             bounds = [0, *torch.cumsum(shard_row_counts, 0).tolist()]
         else:  # n chunks of (nearly) equal bytes
             total = self.row_offsets[-1]
             bounds = [0]
             for c in range(1, n):
-                target = (c * total + n // 2) // n
+                target = (c * total + n // 2) // n if self.hop is None else c * total / n
                 bounds.append(max(bounds[-1], int(torch.searchsorted(offsets, target))))
             bounds.append(rows)
         self.chunk_bounds = bounds
@@ -508,20 +558,27 @@ class DynamiqCall:
 
     # -- chunk geometry -----------------------------------------------------------------------
 
-    def _segments(self, chunk: int) -> list[tuple[int, int, int, int]]:
+    def _geometry(self, count: int | None) -> tuple[Any, list[tuple[int, int, int]]]:
+        if self._geom and count is not None:
+            return self._geom[count]
+        return self.row_offsets, self.runs
+
+    def _segments(self, chunk: int, count: int | None = None) -> list[tuple[int, int, int, int]]:
         """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk."""
+        row_offsets, runs = self._geometry(count)
         lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        base = self.row_offsets[lo]
+        base = row_offsets[lo]
         segments = []
-        for width, start, stop in self.runs:
+        for width, start, stop in runs:
             a, b = max(lo, start), min(hi, stop)
             if a < b:
-                segments.append((width, a, b, self.row_offsets[a] - base))
+                segments.append((width, a, b, row_offsets[a] - base))
         return segments
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
+        row_offsets, _ = self._geometry(count)
         lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        return self.row_offsets[hi] - self.row_offsets[lo]
+        return int(row_offsets[hi] - row_offsets[lo])
 
     def _records(
         self, payload: torch.Tensor, width: int, a: int, b: int, offset: int
@@ -534,14 +591,14 @@ class DynamiqCall:
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         out = torch.empty(self.payload_nbytes(chunk, count), dtype=torch.uint8,
                           device=self.work.device)
-        for width, a, b, offset in self._segments(chunk):
+        for width, a, b, offset in self._segments(chunk, count):
             self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
                             self.world_size, self.key, self.config,
                             out=self._records(out, width, a, b, offset))
         return out
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        for width, a, b, offset in self._segments(chunk):
+        for width, a, b, offset in self._segments(chunk, count):
             records = self._records(payload, width, a, b, offset)
             if self.deferred is not None and width != RAW_WIDTH:
                 self.deferred.append((width, a, b, records))  # decoded by finish
@@ -549,13 +606,16 @@ class DynamiqCall:
                 self.ops.decode(records, width, self.config, out=self.work[a:b])
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        for width, a, b, offset in self._segments(chunk):
+        for width, a, b, offset in self._segments(chunk, count):
             self.ops.decode_accumulate(self._records(payload, width, a, b, offset), width,
                                        self.config, self.work[a:b])
 
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
     ) -> torch.Tensor:
+        if self._geom:  # widths change with the count: decode-accumulate, then encode
+            self.decompress_accumulate(chunk, payload, count)
+            return self.compress(chunk, out_count)
         out = torch.empty_like(payload)
         for width, a, b, offset in self._segments(chunk):
             self.ops.decode_accumulate_encode(
