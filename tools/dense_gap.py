@@ -56,6 +56,16 @@ for key in FULL:  # leave-one-out
 VARIANTS["all, stats: bf16 norm only (no mean)"] = {**FULL, "stats": "norm16"}
 VARIANTS["all, paper levels at 2/4/8 + fine"] = {**FULL, "levels": "nonuniform"}
 VARIANTS["all, uint8 group codes, fine, tuned"] = {**FULL, "scales": "hierarchical"}
+VARIANTS["all + hop widths"] = {**FULL, "hop_widths": True}
+VARIANTS["all + hop widths, norm-only stats"] = {**FULL, "hop_widths": True, "stats": "norm16"}
+HOP = {**FULL, "hop_widths": True}
+for key in FULL:  # leave-one-out with hop widths
+    VARIANTS[f"all + hop - {LABEL[key]}"] = {**HOP, key: BACK[key]}
+VARIANTS["all + hop, norm-only, uint8 group codes"] = {**HOP, "stats": "norm16",
+                                                      "scales": "hierarchical"}
+VARIANTS["all + hop, norm-only, 4-bit codes per 32"] = {
+    **HOP, "stats": "norm16", "scales": "hierarchical4x32"}
+VARIANTS["all + hop, 4-bit codes per 32"] = {**HOP, "scales": "hierarchical4x32"}
 VARIANTS["all, independent rounding"] = {**FULL, "rounding": "independent"}
 VARIANTS["all, (e) permutation per coord"] = {**FULL, "_permutation_run": 1}
 
@@ -75,16 +85,20 @@ def run(options: dict, seed: int = 0) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SEED0
     p = argparse.ArgumentParser()
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--seed", type=int, default=0, help="rounding seed (dqcoll's seed=)")
+    p.add_argument("--data-seed", type=int, default=1234, help="rank r's data: seed + r")
     args = p.parse_args(argv)
+    SEED0 = args.data_seed
     torch.set_num_threads(1)
     print(f"{'variant':28s} " + " ".join(f"{a[:4]} {b:<4g}  " for a, b in CELLS))
     print(f"{'paper (independent impl.)':28s} " + " ".join(f"{v:.3e}  " for v in PAPER))
     print(f"{'must reach':28s} " + " ".join(f"{v:.3e}  " for v in TARGET))
     for name in args.variants:
         t = time.time()
-        v = run(VARIANTS[name])
+        v = run(VARIANTS[name], args.seed)
         ok = all(a <= b for a, b in zip(v, TARGET))
         print(f"{name:28s} " + " ".join(f"{x:.3e}  " for x in v)
               + f"{'MEETS' if ok else ''} ({time.time() - t:.0f} s)", flush=True)
