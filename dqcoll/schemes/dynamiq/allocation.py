@@ -29,6 +29,7 @@ flow through the records to every rank's output.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 
@@ -58,7 +59,8 @@ __all__ = [
 
 C_SLOPE = 4.0 / math.log2(512.0 / 17.0)
 STATS_BYTES_PER_SUPER = 8  # fp32 mean and fp32 squared norm, all-reduced uncompressed
-STATS_BYTES = {"fp32": 8, "bf16": 4, "norm16": 2}  # per super-group, by the scheme's ``stats`` option
+# statistics bytes per super-group, by the scheme's ``stats`` option
+STATS_BYTES = {"fp32": 8, "bf16": 4, "norm16": 2}
 _BISECTION_STEPS = 64
 
 # Single-quantization vNMSE of i.i.d. N(0, 1) per width (groups of 16; 8192 super-groups,
@@ -107,7 +109,7 @@ def hull_offsets(
                 break
         hull.append(p)
     offsets = [-math.inf]
-    for (b1, e1, _), (b2, e2, _) in zip(hull, hull[1:]):
+    for (b1, e1, _), (b2, e2, _) in itertools.pairwise(hull):
         offsets.append(math.log2((b2 - b1) / (e1 - e2)))
     return [w for _, _, w in hull], offsets
 
@@ -355,7 +357,7 @@ def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width
 
     def widths_at(u: float) -> torch.Tensor:
         w = torch.full_like(log_f, hull[0], dtype=torch.int64)
-        for width, off in zip(hull[1:], offsets[1:]):
+        for width, off in zip(hull[1:], offsets[1:], strict=False):
             w = torch.where(log_f + u >= off, width, w)
         w = torch.where(nan, top, w)
         return torch.where(zero, 0, w)
@@ -445,7 +447,7 @@ def allocate_widths_by_count(
         out = {}
         for c, shift in shifts.items():
             w = torch.full_like(log_f, hull[0], dtype=torch.int64)
-            for width, off in zip(hull[1:], offsets[1:]):
+            for width, off in zip(hull[1:], offsets[1:], strict=False):
                 w = torch.where(log_f + shift + u >= off, width, w)
             w = torch.where(nan, top, w)
             out[c] = torch.where(zero, 0, w)

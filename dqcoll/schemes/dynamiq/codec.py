@@ -37,6 +37,13 @@ denormal scale finite): one division per group, none per coordinate; ``y = 0`` w
 Decoding is ``table[code] * D_g`` in fp32; accumulation is ``acc + decoded`` in fp32, one rounding
 each (kernels must not contract them into an FMA).
 
+Prototypes (issue 14, docs/dense_gap.md; reference only, the default format is unchanged):
+widths 3, 5, 6, 7 (``FINE_WIDTHS``; codes as one LSB-first bitstream, code ``j`` at bit ``j*w``
+of the ``32w`` code bytes, which for 2, 4, 8 is the layout above); ``ProtoLevels.TUNED`` (the
+epsilons of ``EPSILON_TUNED``); ``ProtoScales.HIERARCHICAL4`` (4-bit group codes, 8 + 2 bytes:
+a record is ``32b + 10`` bytes) and ``HIERARCHICAL4X32`` (4-bit codes per 32 coordinates,
+``32b + 6`` bytes).
+
 Sums over 256 coordinates (statistics) use a fixed halving tree (``v[:h] + v[h:]``, 8 levels)
 rather than ``torch.sum``, whose order is unspecified, so any implementation can match the bits.
 """

@@ -49,12 +49,12 @@ from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from . import rng
 from .allocation import (
     MEASURED_ERRORS,
-    allocate_widths_by_count,
-    count_classes,
     STATS_BYTES,
     Allocation,
     allocate_for_target,
     allocate_widths,
+    allocate_widths_by_count,
+    count_classes,
     min_bits,
 )
 from .codec import (

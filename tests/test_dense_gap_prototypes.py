@@ -1,0 +1,86 @@
+"""Issue 14 prototypes: finer widths, 4-bit group codes, hull thresholds, hop widths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dqcoll
+from dqcoll.metrics import vnmse
+from dqcoll.schemes.dynamiq import codec
+from dqcoll.schemes.dynamiq.allocation import count_classes, hull_offsets
+from dqcoll.testing import run_local
+from dqcoll.topology.algorithms import build_schedule
+from dqcoll.topology.simulator import simulate
+
+
+@pytest.mark.parametrize("width", codec.FINE_WIDTHS)
+def test_bitstream_packing_lsb_first(width: int) -> None:
+    codes = torch.randint(0, 2**width, (3, codec.SUPER), generator=torch.Generator().manual_seed(1))
+    packed = codec.pack_codes(codes, width)
+    assert packed.shape == (3, 32 * width)
+    assert torch.equal(codec.unpack_codes(packed, width), codes)
+    bits = [(int(packed[0, i // 8]) >> (i % 8)) & 1 for i in range(codec.SUPER * width)]
+    for j in (0, 1, 37, 255):  # code j at bit j * width
+        assert sum(bits[j * width + t] << t for t in range(width)) == int(codes[0, j])
+
+
+@pytest.mark.parametrize("scales", list(codec.ProtoScales))
+def test_proto_scales_round_trip_never_clip(scales: codec.ProtoScales) -> None:
+    x = torch.randn(16, codec.SUPER, generator=torch.Generator().manual_seed(2))
+    x[3] *= 1e-6
+    x[4, :16] = 0.0
+    config = codec.CodecConfig(levels=codec.ProtoLevels.TUNED, scales=scales)
+    for width in codec.FINE_WIDTHS:
+        records = codec.encode_torch(x, width, torch.arange(16) * codec.SUPER, 0, 1, 3, config)
+        assert records.shape[1] == codec.record_nbytes(width, scales)
+        decoded = codec.decode_torch(records, width, config)
+        # unbiased rounding between levels of a scale >= |x|: error below one scale per value
+        assert float(((decoded - x) ** 2).sum() / (x**2).sum()) < 1.0
+
+
+def test_hull_offsets_reproduce_the_paper_rule() -> None:
+    hull, offsets = hull_offsets((2, 4, 8), {w: 4.0**-w for w in (2, 4, 8)},
+                                 codec.Scales.HIERARCHICAL)
+    assert hull == [2, 4, 8]
+    assert offsets[2] - offsets[1] == pytest.approx(math.log2(512 / 17))
+
+
+def test_count_classes_ring() -> None:
+    classes = count_classes(build_schedule("ring", 8).subtree_sizes())
+    assert sorted(classes) == list(range(1, 9))
+    assert sum(t for _, t in classes.values()) == pytest.approx(1.0)
+    assert classes[8] == (8.0, 0.5)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
+def test_hop_widths_simulator_equals_local(algorithm: str) -> None:
+    n, numel = 4, 1 << 14
+    options = {"stats": "bf16", "width_set": "fine", "thresholds": "measured",
+               "levels": "tuned", "scales": "hierarchical4", "max_width": 16,
+               "hop_widths": True}
+
+    class Data:
+        world_size = n
+
+        def __init__(self) -> None:
+            self.numel = numel
+
+        def rank_tensor(self, rank: int) -> torch.Tensor:
+            return torch.randn(numel, generator=torch.Generator().manual_seed(10 + rank))
+
+    data = Data()
+
+    def body(comm):  # type: ignore[no-untyped-def]
+        x = data.rank_tensor(comm.rank)
+        dqcoll.allreduce(x, algorithm=algorithm, bits=5.0, seed=4, **options)
+        return x
+
+    results = run_local(n, body)
+    exact = sum(data.rank_tensor(r).double() for r in range(n))
+    assert all(torch.equal(results[0], r) for r in results)
+    sim = simulate(build_schedule(algorithm, n), data, scheme="dynamiq", bits=5.0, seed=4,
+                   **options)
+    assert sim.vnmse == pytest.approx(vnmse(results[0], exact), rel=1e-12)
