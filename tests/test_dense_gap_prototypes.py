@@ -84,3 +84,56 @@ def test_hop_widths_simulator_equals_local(algorithm: str) -> None:
     sim = simulate(build_schedule(algorithm, n), data, scheme="dynamiq", bits=5.0, seed=4,
                    **options)
     assert sim.vnmse == pytest.approx(vnmse(results[0], exact), rel=1e-12)
+
+
+# Every option the kernels cannot honour, alone: each must run on the torch reference.
+_REFERENCE_ONLY = [
+    {"levels": "tuned"},
+    {"scales": "hierarchical4"},
+    {"scales": "hierarchical4x32"},
+    {"width_set": "fine"},
+    {"stats": "bf16"},
+    {"stats": "norm16"},
+    {"hop_widths": True},
+]
+
+
+def _call_ops(monkeypatch: pytest.MonkeyPatch, **options: object) -> str:
+    from dqcoll.kernels import numba_available
+    from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
+
+    if numba_available() is not None:
+        pytest.skip("numba is not importable")
+    monkeypatch.setenv("DQCOLL_KERNELS", "numba")
+    scheme = DynamiqScheme(bits=5.0, **options)  # type: ignore[arg-type]
+    x = torch.randn(4 * codec.SUPER, generator=torch.Generator().manual_seed(5))
+    payload = scheme.encode(x)
+    assert torch.isfinite(scheme.decode(payload)).all()
+    return str(payload["call"].ops.name)
+
+
+@pytest.mark.parametrize("options", _REFERENCE_ONLY, ids=lambda o: ",".join(map(str, o.items())))
+def test_prototypes_route_to_the_reference(monkeypatch: pytest.MonkeyPatch,
+                                           options: dict[str, object]) -> None:
+    assert _call_ops(monkeypatch, **options) == "torch"
+
+
+@pytest.mark.parametrize("options", [{}, {"thresholds": "measured"}, {"max_width": 16}],
+                         ids=["default", "thresholds=measured", "max_width=16"])
+def test_kernel_honoured_options_keep_the_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                  options: dict[str, object]) -> None:
+    # measured thresholds change only the allocation and raw 16 is part of the default format
+    assert _call_ops(monkeypatch, **options) == "numba"
+
+
+def test_prototype_option_checks() -> None:
+    from dqcoll.errors import InvalidArgumentError
+    from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
+
+    with pytest.raises(InvalidArgumentError):
+        DynamiqScheme(target_vnmse=1e-3, width_set="fine")
+    with pytest.raises(InvalidArgumentError):
+        DynamiqScheme(thresholds="measured", levels="uniform")
+    with pytest.raises(InvalidArgumentError):
+        DynamiqScheme(stats="fp16")
+    assert "hop_widths=True" in repr(DynamiqScheme(hop_widths=True))

@@ -29,6 +29,7 @@ flow through the records to every rank's output.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import math
 from collections.abc import Callable
@@ -66,7 +67,8 @@ _BISECTION_STEPS = 64
 # Single-quantization vNMSE of i.i.d. N(0, 1) per width (groups of 16; 8192 super-groups,
 # measured with the reference codec; docs/dense_gap.md). ``thresholds="measured"`` puts the
 # width thresholds where these give equal marginal gain per byte.
-MEASURED_ERRORS: dict[tuple[Levels, Scales], dict[int, float]] = {
+# Keyed by (levels, scales), either of which may be a prototype enum (ProtoLevels, ProtoScales).
+MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
     (Levels.NONUNIFORM, Scales.HIERARCHICAL): {
         2: 0.7032, 3: 0.07086, 4: 0.01324, 5: 0.00286, 6: 6.856e-4, 7: 1.723e-4, 8: 7.895e-5,
         16: 4.141e-8},

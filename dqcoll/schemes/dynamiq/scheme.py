@@ -209,10 +209,23 @@ class DynamiqScheme:
         if max_width not in (8, RAW_WIDTH):
             raise InvalidArgumentError(f"dynamiq: max_width must be 8 or 16, got {max_width!r}")
         self.max_width = int(max_width)
-        # The prototypes exist in the torch reference only: such a scheme runs on it.
+        # The prototypes exist in the torch reference only: such a scheme runs on it (the numba
+        # and Triton kernels know widths 2/4/8/16, Levels and Scales, the fp32 statistics and the
+        # fused same-width hop; docs/dense_gap.md lists what they would need for the rest).
         self.reference_only = (isinstance(self.config.scales, ProtoScales)
                                or self.config.levels is ProtoLevels.TUNED
                                or width_set != "paper" or stats != "fp32" or self.hop_widths)
+        prototype = self.reference_only or thresholds != "paper"
+        if prototype and target_vnmse is not None:
+            raise InvalidArgumentError(
+                "dynamiq: the prototype options (width_set, thresholds, stats, hop_widths, "
+                "levels=tuned, scales=hierarchical4/hierarchical4x32) apply to a bit budget; the "
+                "error model of target_vnmse knows only the default format")
+        if thresholds == "measured" and (self.config.levels, self.config.scales) not in \
+                MEASURED_ERRORS:
+            raise InvalidArgumentError(
+                f"dynamiq: thresholds='measured' has no measured errors for "
+                f"levels={self.config.levels.value}, scales={self.config.scales.value}")
 
     def allocation_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"stats_bytes": STATS_BYTES[self.stats]}
@@ -232,8 +245,13 @@ class DynamiqScheme:
             f"DynamiqScheme({budget}, max_width={self.max_width}, levels={c.levels.value}, "
             f"widths={self.widths_mode.value}, scales={c.scales.value}, "
             f"rounding={c.rounding.value}, balance={self.balance.value}"
-            + (f", energy_exponent={self.energy_exponent:g})" if self.energy_exponent != 1.0
-               else ")")
+            + (f", energy_exponent={self.energy_exponent:g}" if self.energy_exponent != 1.0
+               else "")
+            + (f", width_set={self.width_set}" if self.width_set != "paper" else "")
+            + (f", thresholds={self.thresholds}" if self.thresholds != "paper" else "")
+            + (f", stats={self.stats}" if self.stats != "fp32" else "")
+            + (", hop_widths=True" if self.hop_widths else "")
+            + ")"
         )
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> DynamiqCall:
@@ -454,7 +472,7 @@ class DynamiqCall:
             # every class. Striped over the n chunks (sorted row i -> chunk i mod n, sorted again
             # within each chunk) so that every chunk holds the same mix of widths at every count
             # and each rank's traffic meets the budget whichever (chunk, count) pairs it sends.
-            by_key = torch.argsort(sum(self.hop.values()), stable=True)
+            by_key = torch.argsort(torch.stack(list(self.hop.values())).sum(0), stable=True)
             stripe = torch.arange(rows, dtype=torch.int64) % n
             order = by_key[torch.argsort(stripe, stable=True)]
             hop_bounds = [0, *torch.cumsum(torch.bincount(stripe, minlength=n), 0).tolist()]
@@ -481,13 +499,13 @@ class DynamiqCall:
         self._geom: dict[int, tuple[list[int], list[tuple[int, int, int]]]] = {}
         if self.hop is not None:
             avg = torch.zeros(rows + 1, dtype=torch.float64)
-            for c, w in self.hop.items():
-                off = torch.zeros(rows + 1, dtype=torch.int64)
-                torch.cumsum(sizes[w[order]], 0, out=off[1:])
-                avg += self.hop_tau[c] * off.double()
-                self._geom[c] = (off.tolist(), _runs(w[order], rows))
-            offsets = avg  # chunks of equal average bytes
-            self.row_offsets = avg.tolist()
+            for c, class_widths in self.hop.items():
+                class_sorted = class_widths[order]
+                class_offsets = torch.zeros(rows + 1, dtype=torch.int64)
+                torch.cumsum(sizes[class_sorted], 0, out=class_offsets[1:])
+                avg += self.hop_tau[c] * class_offsets.double()
+                self._geom[c] = (class_offsets.tolist(), _runs(class_sorted, rows))
+            self.row_offsets = avg.tolist()  # traffic-weighted average bytes (chunk geometry)
         if self.hop is not None:
             bounds = hop_bounds
         elif self.sharded:  # chunk c = the rows of shard c
@@ -496,7 +514,7 @@ class DynamiqCall:
             total = self.row_offsets[-1]
             bounds = [0]
             for c in range(1, n):
-                target = (c * total + n // 2) // n if self.hop is None else c * total / n
+                target = (c * total + n // 2) // n
                 bounds.append(max(bounds[-1], int(torch.searchsorted(offsets, target))))
             bounds.append(rows)
         self.chunk_bounds = bounds
