@@ -166,7 +166,9 @@ class _DynamiqAdapter(_Adapter):
         self.step = step
         self.rows = -(-numel // SUPER)
         self.row_len = SUPER
-        self.record_len = max(record_nbytes(w, self.config.scales) for w in ALL_WIDTHS)
+        # the longest record a row can get (raw 16-bit rows only when the scheme allows them)
+        self.record_len = max(record_nbytes(w, self.config.scales) for w in ALL_WIDTHS
+                              if w <= getattr(scheme, "max_width", 8))
         row_start = torch.arange(self.rows, dtype=torch.int64) * SUPER
         self.valid = (numel - row_start).clamp(max=SUPER)
         self._uniforms: torch.Tensor | None = None
