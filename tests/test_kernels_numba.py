@@ -159,3 +159,78 @@ def test_compiled_bisection_equals_reference(monkeypatch: pytest.MonkeyPatch, se
         actual = allocate_widths(norm2, rows * SUPER - seed, bits, **kwargs)
         assert actual.u == expected.u and torch.equal(actual.widths, expected.widths)
         assert actual.payload_nbytes == expected.payload_nbytes
+
+
+def _edge_norms() -> list[torch.Tensor]:
+    """Norms that stress the counting search: ties, a single row, all zero / NaN, Inf only,
+    subnormals, spreads from none to hundreds of decades."""
+    g = torch.Generator().manual_seed(7)
+    cases = [
+        torch.tensor([3.0]),
+        torch.zeros(5),
+        torch.full((4,), float("nan")),
+        torch.tensor([0.0, float("nan"), 0.0]),
+        torch.tensor([float("inf"), 1.0, 0.0, 2.0]),
+        torch.full((300,), 2.5),  # every row ties
+        torch.tensor([1e-45, 1e-40, 1e-30, 1.0, 3e38, float("inf")] * 20),
+    ]
+    ties = torch.exp(torch.randint(-5, 5, (2000,), generator=g).float())  # few distinct values
+    ties[::7] = 0.0
+    cases.append(ties)
+    for spread in (0.0, 0.5, 4.0, 30.0):
+        cases.append(torch.exp(torch.randn(3000, generator=g) * spread).float())
+    return cases
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_compiled_allocation_edge_cases(monkeypatch: pytest.MonkeyPatch, case: int) -> None:
+    """The compiled allocation (sorted values, counted costs, branch-free widths) returns the
+    torch reference's ``u``, widths, payload and over-budget flag bit for bit on ties, single
+    rows, all-zero / all-NaN / Inf-only norms, subnormals and budgets from below the cheapest
+    allocation to above the richest."""
+    from dqcoll.schemes.dynamiq.allocation import allocate_widths
+
+    norm2 = _edge_norms()[case]
+    rows = norm2.numel()
+    for bits, max_width, exponent in ((2.9, 8, 1.0), (3.1, 8, 1.0), (5.0, 8, 0.0),
+                                      (5.0, 16, 0.73), (9.0, 16, 1.0), (40.0, 8, 1.0)):
+        kwargs = dict(max_width=max_width, energy_exponent=exponent)
+        monkeypatch.setenv("DQCOLL_KERNELS", "torch")
+        expected = allocate_widths(norm2, rows * SUPER, bits, **kwargs)
+        monkeypatch.setenv("DQCOLL_KERNELS", "numba")
+        actual = allocate_widths(norm2, rows * SUPER, bits, **kwargs)
+        assert (actual.u == expected.u or (actual.u != actual.u and expected.u != expected.u)), (
+            bits, max_width, exponent, actual.u, expected.u)
+        assert torch.equal(actual.widths, expected.widths), (bits, max_width, exponent)
+        assert actual.payload_nbytes == expected.payload_nbytes
+        assert actual.over_budget == expected.over_budget
+
+
+def test_compiled_bisect_alone_equals_the_bracketed_search() -> None:
+    """``allocation_numba.bisect`` (the bisection of a given bracket, which the kernels'
+    warm-up compiles) finds the same ``u`` as the full compiled allocation."""
+    import math
+
+    import numpy as np
+
+    from dqcoll.kernels import allocation_numba
+    from dqcoll.schemes.dynamiq import allocation
+
+    g = torch.Generator().manual_seed(3)
+    norm2 = torch.exp(torch.randn(5000, generator=g) * 6).float()
+    norm2[::9] = 0.0
+    got = allocation.allocate_widths(norm2, 5000 * SUPER, 5.0)
+    f = norm2.double()
+    zero = f == 0
+    log_f = torch.log2(torch.where(zero, 1.0, f))
+    finite = log_f[~zero]
+    costs = allocation._cost_lookup(codec.Scales.HIERARCHICAL).numpy()
+    limit = math.floor(5.0 * 5000 * SUPER / 8) - 8 * 5000
+    u_lo = 4.0 - allocation.C_SLOPE * float(finite.max()) - 1.0
+    u_hi = 8.0 - allocation.C_SLOPE * float(finite.min())
+    u = allocation_numba.bisect(log_f.numpy(), zero.numpy(), costs, limit, u_lo, u_hi, 64,
+                                allocation.C_SLOPE, 8)
+    assert u == got.u
+    assert isinstance(allocation_numba.bisect(np.zeros(2), np.zeros(2, np.bool_),
+                                              np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8),
+                      float)

@@ -407,22 +407,16 @@ def _hop_rows(
     lo, hi, width, records, table, acc, write_acc, index_base, out, hierarchical, mags, nxt,
     rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated,
 ):
-    """The fused decode-accumulate-encode: the partial sum of a row lives in ``s`` and is
-    written back to ``acc`` only with ``write_acc``."""
-    s = np.empty(SUPER, np.float32)
-    s_bits = s.view(np.uint32)
+    """The fused decode-accumulate-encode, a row at a time: the partial sum is accumulated in
+    ``acc``'s row itself (whose later contents are unspecified without ``write_acc``: the
+    executor never reads them) and encoded from there while it is in cache."""
     scratch = _encode_scratch()
     dd, f32, u32 = scratch[0], scratch[4], scratch[5]  # d (free until the encode), a word
+    acc_bits = acc.view(np.uint32)
     for i in range(lo, hi):
-        row = acc[i]
-        _decode_row(records[i], width, hierarchical, table, dd, f32, u32, s, False)
-        for j in range(SUPER):
-            s[j] = row[j] + s[j]  # acc + decoded: one rounding (addition commutes exactly)
-        if write_acc:
-            for j in range(SUPER):
-                row[j] = s[j]
-        _encode_row(s, s_bits, index_base[i], out[i], width, hierarchical, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch)
+        _decode_row(records[i], width, hierarchical, table, dd, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
+                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch)
 
 
 # -- entry points: one per width -----------------------------------------------------------------

@@ -98,35 +98,35 @@ class TorchTransport:
         what: str,
     ) -> None:
         """Post one grouped exchange and wait for it (no counting)."""
-        ops = []
-        labels: list[tuple[str, int]] = []
-        checks: list[tuple[int, torch.Tensor, int]] = []  # (peer, received header, expected B)
-        tag = zlib.crc32(what.encode())
-        for peer, tensor in sends:
-            if self.headers:
-                nbytes = tensor.numel() * tensor.element_size()
-                header = torch.tensor([nbytes, tag], dtype=torch.int64)
-                ops.append(dist.P2POp(dist.isend, header, self._global[peer], self.group))
-                labels.append(("sending to", peer))
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), self._global[peer], self.group))
-            labels.append(("sending to", peer))
-        for peer, buffer in recvs:
-            if self.headers:
-                header = torch.full((HEADER_NUMEL,), -1, dtype=torch.int64)
-                ops.append(dist.P2POp(dist.irecv, header, self._global[peer], self.group))
-                labels.append(("receiving from", peer))
-                checks.append((peer, header, buffer.numel() * buffer.element_size()))
-            ops.append(dist.P2POp(dist.irecv, buffer, self._global[peer], self.group))
-            labels.append(("receiving from", peer))
-        if not ops:
+        if not sends and not recvs:
             return
+        # (is a send, peer, tensor): sends first, each header just before its payload
+        posts: list[tuple[bool, int, torch.Tensor]] = []
+        tag = zlib.crc32(what.encode())
+        send_headers = recv_headers = None
+        if self.headers:  # one tensor for the headers of each direction, a row per message
+            send_headers = torch.tensor(
+                [[tensor.numel() * tensor.element_size(), tag] for _, tensor in sends],
+                dtype=torch.int64).reshape(len(sends), HEADER_NUMEL)
+            recv_headers = torch.full((len(recvs), HEADER_NUMEL), -1, dtype=torch.int64)
+        for i, (peer, tensor) in enumerate(sends):
+            if send_headers is not None:
+                posts.append((True, peer, send_headers[i]))
+            posts.append((True, peer, tensor.contiguous()))
+        for i, (peer, buffer) in enumerate(recvs):
+            if recv_headers is not None:
+                posts.append((False, peer, recv_headers[i]))
+            posts.append((False, peer, buffer))
         try:
-            works = dist.batch_isend_irecv(ops)
+            works = self._start(posts)
         except RuntimeError as exc:
             raise PeerError(f"rank {self.rank}: posting messages failed at {what}: {exc}") from exc
-        self._wait([(k, p, w) for (k, p), w in zip(labels, works, strict=True)], what)
-        for peer, header, expected in checks:
-            got, their_tag = header.tolist()
+        self._wait([("sending to" if is_send else "receiving from", peer, work)
+                    for (is_send, peer, _), work in zip(posts, works, strict=True)], what)
+        if recv_headers is None:
+            return
+        for (peer, buffer), (got, their_tag) in zip(recvs, recv_headers.tolist(), strict=True):
+            expected = buffer.numel() * buffer.element_size()
             if their_tag != tag:
                 raise MismatchError(
                     f"rank {self.rank}: the message from rank {peer} at {what} belongs to another "
@@ -137,10 +137,25 @@ class TorchTransport:
                     f"rank {self.rank}: rank {peer} sent {got} bytes at {what}, {expected} "
                     f"expected; the message is refused (gloo would have kept the buffer's stale "
                     f"tail as data)")
-        if self.headers:
-            nheader = HEADER_NUMEL * 8
-            self.counters["bytes_sent"] += nheader * len(sends)
-            self.counters["bytes_recv"] += nheader * len(recvs)
+        nheader = HEADER_NUMEL * 8
+        self.counters["bytes_sent"] += nheader * len(sends)
+        self.counters["bytes_recv"] += nheader * len(recvs)
+
+    def _start(self, posts: list[tuple[bool, int, torch.Tensor]]) -> list[dist.Work]:
+        """Post every (is a send, peer, tensor) in order; the works in the same order.
+
+        gloo has no coalescing, so ``batch_isend_irecv`` posts one ``isend`` / ``irecv`` after
+        the other, each through ``torch.distributed``'s argument checks and group look-ups:
+        gloo's messages go straight to the group's ``send`` / ``recv``, in the same order
+        (77 -> 65 us of the calling thread's CPU per exchange of 4 messages, 2 ranks on the
+        2-core dev VM). Other backends (nccl: one group launch) keep ``batch_isend_irecv``."""
+        if self.backend == "gloo":
+            group = self.group
+            return [group.send([tensor], peer, 0) if is_send else group.recv([tensor], peer, 0)
+                    for is_send, peer, tensor in posts]
+        ops = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._global[peer],
+                          self.group) for is_send, peer, tensor in posts]
+        return list(dist.batch_isend_irecv(ops))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
         """Small all-reduce in rank order over point-to-point messages, not gloo's or NCCL's own
