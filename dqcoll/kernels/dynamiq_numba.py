@@ -50,9 +50,11 @@ __all__ = [
     "warm_up",
 ]
 
-_ENCODE = {2: K.encode_w2, 4: K.encode_w4, 8: K.encode_w8}
+_ENCODE = {(2, True): K.encode_w2h, (4, True): K.encode_w4h, (8, True): K.encode_w8h,
+           (2, False): K.encode_w2f, (4, False): K.encode_w4f, (8, False): K.encode_w8f}
 _DECODE = {2: K.decode_w2, 4: K.decode_w4, 8: K.decode_w8}
-_HOP = {2: K.hop_w2, 4: K.hop_w4, 8: K.hop_w8}
+_HOP = {(2, True): K.hop_w2h, (4, True): K.hop_w4h, (8, True): K.hop_w8h,
+        (2, False): K.hop_w2f, (4, False): K.hop_w4f, (8, False): K.hop_w8f}
 _DECODE_RESTORE = {2: K.decode_restore_w2, 4: K.decode_restore_w4, 8: K.decode_restore_w8}
 
 
@@ -129,7 +131,7 @@ def _rounding_args(width: int, config: CodecConfig, key: int, rank: int,
                    world_size: int) -> tuple[object, ...]:
     lv = level_tables(width, config.levels)
     rp = RoundingParams.build(key, rank, world_size, config)
-    return (config.scales is Scales.HIERARCHICAL, lv.mags, lv.nxt, lv.rtab, lv.bins,
+    return (lv.mags, lv.nxt, lv.rtab, lv.bins,
             np.uint32(rp.jitter_key), np.uint32(rp.perm_key), rp.perm_table,
             np.float32(rp.inv_n), rp.correlated)
 
@@ -225,7 +227,7 @@ def encode(
     if width == RAW_WIDTH:
         return codec.encode_torch(x.float(), width, index_base, rank, world_size, key, config,
                                   out=records)
-    run_rows(_ENCODE[width], rows, xs, index, records.numpy(),
+    run_rows(_ENCODE[width, config.scales is Scales.HIERARCHICAL], rows, xs, index, records.numpy(),
              *_rounding_args(width, config, key, rank, world_size))
     return records
 
@@ -292,7 +294,7 @@ def decode_accumulate_encode(
             records, width, acc, index_base, rank, world_size, key, config, out=result)
     lv = level_tables(width, config.levels)
     with _inplace_rows(acc) as target:
-        run_rows(_HOP[width], rows, rec, lv.table, target, bool(keep_sum), index,
+        run_rows(_HOP[width, config.scales is Scales.HIERARCHICAL], rows, rec, lv.table, target, bool(keep_sum), index,
                  result.numpy(), *_rounding_args(width, config, key, rank, world_size))
     return result
 
