@@ -294,8 +294,9 @@ def decode_accumulate_encode(
             records, width, acc, index_base, rank, world_size, key, config, out=result)
     lv = level_tables(width, config.levels)
     with _inplace_rows(acc) as target:
-        run_rows(_HOP[width, config.scales is Scales.HIERARCHICAL], rows, rec, lv.table, target, bool(keep_sum), index,
-                 result.numpy(), *_rounding_args(width, config, key, rank, world_size))
+        run_rows(_HOP[width, config.scales is Scales.HIERARCHICAL], rows, rec, lv.table, target,
+                 bool(keep_sum), index, result.numpy(),
+                 *_rounding_args(width, config, key, rank, world_size))
     return result
 
 
