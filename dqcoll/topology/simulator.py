@@ -53,11 +53,13 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from ..schemes.base import CallContext
 from ..schemes.dynamiq import rng
 from ..schemes.dynamiq.codec import (
+    ALL_WIDTHS,
     SUPER,
     RoundingMode,
     decode_torch,
     encode_torch,
     record_nbytes,
+    stats_center_rounded_torch,
     stats_center_torch,
 )
 from ..types import Collective, ReduceOp
@@ -137,11 +139,12 @@ class _Adapter:
     def prepare_batch(self, lo: int, hi: int) -> None:
         pass
 
-    def encode(self, values: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor
-               ) -> torch.Tensor:
+    def encode(self, values: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, records: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def decode(self, records: torch.Tensor, rows: torch.Tensor,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def estimate(self, final: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +166,9 @@ class _DynamiqAdapter(_Adapter):
         self.step = step
         self.rows = -(-numel // SUPER)
         self.row_len = SUPER
-        self.record_len = record_nbytes(8, self.config.scales)
+        # the longest record a row can get (raw 16-bit rows only when the scheme allows them)
+        self.record_len = max(record_nbytes(w, self.config.scales) for w in ALL_WIDTHS
+                              if w <= getattr(scheme, "max_width", 8))
         row_start = torch.arange(self.rows, dtype=torch.int64) * SUPER
         self.valid = (numel - row_start).clamp(max=SUPER)
         self._uniforms: torch.Tensor | None = None
@@ -176,8 +181,15 @@ class _DynamiqAdapter(_Adapter):
         return flat
 
     def store(self, rank: int, x: torch.Tensor) -> torch.Tensor:
-        centred, mean, norm2 = stats_center_torch(self._rows_of(x), self.valid)
-        self._last_stats = torch.stack([mean, norm2])
+        if getattr(self.scheme, "stats", "fp32") in ("bf16", "norm16"):
+            centred, mean, norm2 = stats_center_rounded_torch(
+                self._rows_of(x), self.valid, centre=self.scheme.stats == "bf16")
+            self._last_stats = torch.stack([mean, norm2]).to(torch.bfloat16)  # summed in bf16
+            if self.scheme.stats == "norm16":
+                self._last_stats = self._last_stats[1:].clone()  # the norm only
+        else:
+            centred, mean, norm2 = stats_center_torch(self._rows_of(x), self.valid)
+            self._last_stats = torch.stack([mean, norm2])
         return centred
 
     def stats(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
@@ -187,12 +199,17 @@ class _DynamiqAdapter(_Adapter):
         from ..schemes.dynamiq.scheme import DynamiqCall
 
         ctx = CallContext(0, self.n, self.op, self.seed, self.step, Collective.ALLREDUCE,
-                          "simulate", _StatsReplay(stats))
+                          "simulate", _StatsReplay(stats),
+                          schedule=getattr(self, "schedule_shape", None))
         call = DynamiqCall(self.scheme, x0.reshape(-1).float(), ctx)
         self.call = call
         self.chunk_bounds = list(call.chunk_bounds)
         self.row_map = call.order.cpu().numpy()
         self.widths = call.allocation.widths[call.order.cpu()]  # layout order
+        self.hop = None
+        if call.hop is not None:  # prototype hop_widths: widths per partial-sum size
+            order = call.order.cpu()
+            self.hop = {c: w[order] for c, w in call.hop.items()}
         self.index_base = call.index_base.cpu()
         self.mean_sorted = call.mean_sorted.cpu()
         self.key = call.key
@@ -208,25 +225,32 @@ class _DynamiqAdapter(_Adapter):
             rng.rounding_uniforms(self.key, r, self.n, index, self.correlated)
             for r in range(self.n)])
 
-    def _by_width(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    def _by_width(self, rows: torch.Tensor, counts: torch.Tensor | None = None
+                  ) -> list[tuple[int, torch.Tensor]]:
         widths = self.widths[rows]
-        return [(w, torch.nonzero(widths == w).squeeze(1)) for w in (2, 4, 8)
+        if self.hop is not None and counts is not None:
+            widths = widths.clone()
+            for c, w in self.hop.items():
+                sel = counts == c
+                widths[sel] = w[rows[sel]]
+        return [(w, torch.nonzero(widths == w).squeeze(1)) for w in ALL_WIDTHS
                 if bool((widths == w).any())]
 
-    def encode(self, values: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor
-               ) -> torch.Tensor:
+    def encode(self, values: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
         assert self._uniforms is not None
         out = torch.zeros(values.shape[0], self.record_len, dtype=torch.uint8)
-        for width, pick in self._by_width(rows):
+        for width, pick in self._by_width(rows, counts):
             u = self._uniforms[ranks[pick], rows[pick] - self._lo]
             records = encode_torch(values[pick].contiguous(), width, self.index_base[rows[pick]],
                                    0, self.n, self.key, self.config, uniforms=u)
             out[pick, : records.shape[1]] = records
         return out
 
-    def decode(self, records: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def decode(self, records: torch.Tensor, rows: torch.Tensor,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.zeros(records.shape[0], SUPER, dtype=torch.float32)
-        for width, pick in self._by_width(rows):
+        for width, pick in self._by_width(rows, counts):
             size = record_nbytes(width, self.config.scales)
             out[pick] = decode_torch(records[pick, :size].contiguous(), width, self.config)
         return out
@@ -271,11 +295,12 @@ class _NoneAdapter(_Adapter):
     def layout(self, x0: torch.Tensor, stats: list[torch.Tensor]) -> None:
         pass
 
-    def encode(self, values: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor
-               ) -> torch.Tensor:
+    def encode(self, values: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
         return values.contiguous().view(torch.uint8)
 
-    def decode(self, records: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def decode(self, records: torch.Tensor, rows: torch.Tensor,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
         return records.contiguous().view(torch.float32)
 
     def estimate(self, final: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,6 +414,10 @@ def _run_flat(
                     acc.add_(s)  # rank order, like the local transport
             if progress:
                 progress(r + 1, total_units)
+        from ..schemes.base import ScheduleShape
+
+        subtree = schedule.subtree_sizes()
+        adapter.schedule_shape = ScheduleShape(schedule.algorithm, n, subtree)  # type: ignore
         adapter.layout(data.rank_tensor(0), stats_sum or [])
         bounds = np.asarray(adapter.chunk_bounds, dtype=np.int64)
         # Per batch row: the rows of all n workers, their uniforms, payloads: ~3 copies + records.
@@ -403,7 +432,8 @@ def _run_flat(
             for c0, c1 in batches:
                 lo, hi = int(bounds[c0]), int(bounds[c1])
                 if hi > lo:
-                    e, m = _run_batch(steps, store, adapter, exact, c0, c1, lo, hi, bounds, n)
+                    e, m = _run_batch(steps, store, adapter, exact, c0, c1, lo, hi, bounds, n,
+                                      torch.tensor(subtree, dtype=torch.int64))
                     error, norm = error + e, norm + m
                 done = c1
                 if progress:
@@ -416,7 +446,7 @@ def _run_flat(
 
 def _run_batch(steps: list[_StepArrays], store: np.ndarray, adapter: _Adapter,
                exact: torch.Tensor, c0: int, c1: int, lo: int, hi: int, bounds: np.ndarray,
-               n: int) -> tuple[float, float]:
+               n: int, subtree: torch.Tensor | None = None) -> tuple[float, float]:
     rows = hi - lo
     work = torch.from_numpy(np.ascontiguousarray(store[:, adapter.row_map[lo:hi]]))
     payload = torch.zeros(n, rows, adapter.record_len, dtype=torch.uint8)
@@ -435,27 +465,35 @@ def _run_batch(steps: list[_StepArrays], store: np.ndarray, adapter: _Adapter,
         t_dst = torch.from_numpy(dst[owner])
         t_row = torch.from_numpy(local)
         layout_rows = t_row + lo
+        t_chunk = torch.from_numpy(chunk[owner])
+        src_count = dst_count = None
+        if subtree is not None:  # partial-sum sizes (the executor's counts)
+            src_count = subtree[t_src, t_chunk]
+            dst_count = subtree[t_dst, t_chunk]
         is_leaf = torch.from_numpy(leaf[owner])
         if bool(is_leaf.any()):  # leaves compress their own rows
             pick = torch.nonzero(is_leaf).squeeze(1)
             s, r = t_src[pick], t_row[pick]
-            payload[s, r] = adapter.encode(work[s, r], s, layout_rows[pick])
+            payload[s, r] = adapter.encode(work[s, r], s, layout_rows[pick],
+                                           None if src_count is None else src_count[pick])
         t_arrival = torch.from_numpy(arrival[owner])
         for k in range(int(t_arrival.max()) + 1):  # children in order of source rank
             pick = torch.nonzero(t_arrival == k).squeeze(1)
             s, d, r = t_src[pick], t_dst[pick], t_row[pick]
-            work[d, r] += adapter.decode(payload[s, r], layout_rows[pick])
+            work[d, r] += adapter.decode(payload[s, r], layout_rows[pick],
+                                         None if src_count is None else src_count[pick])
         t_role = torch.from_numpy(role[owner])
         for code in (_ROLE_CODE[Role.FORWARD], _ROLE_CODE[Role.FINAL]):
             pick = torch.nonzero(t_role == code).squeeze(1)
             if pick.numel() == 0:
                 continue
             d, r = t_dst[pick], t_row[pick]
-            records = adapter.encode(work[d, r], d, layout_rows[pick])
+            cnt = None if dst_count is None else dst_count[pick]
+            records = adapter.encode(work[d, r], d, layout_rows[pick], cnt)
             if code == _ROLE_CODE[Role.FORWARD]:
                 payload[d, r] = records
             else:  # the sink decodes its own bytes, as every rank will after the all-gather
-                final[r] = adapter.decode(records, layout_rows[pick])
+                final[r] = adapter.decode(records, layout_rows[pick], cnt)
     if n == 1:  # nothing moves: the only rank's rows are the result
         final = work[0]
     estimate, mask = adapter.estimate(final, lo, hi)

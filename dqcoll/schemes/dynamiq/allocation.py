@@ -31,12 +31,24 @@ flow through the records to every rank's output.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import itertools
 import math
 from collections.abc import Callable
 
 import torch
 
-from .codec import RAW_WIDTH, SUPER, WIDTHS, Scales, Widths, record_nbytes
+from .codec import (
+    RAW_WIDTH,
+    SUPER,
+    WIDTHS,
+    Levels,
+    ProtoLevels,
+    ProtoScales,
+    Scales,
+    Widths,
+    record_nbytes,
+)
 from .error_model import predicted_vnmse
 
 __all__ = [
@@ -50,7 +62,60 @@ __all__ = [
 
 C_SLOPE = 4.0 / math.log2(512.0 / 17.0)
 STATS_BYTES_PER_SUPER = 8  # fp32 mean and fp32 squared norm, all-reduced uncompressed
+# statistics bytes per super-group, by the scheme's ``stats`` option
+STATS_BYTES = {"fp32": 8, "bf16": 4, "norm16": 2}
 _BISECTION_STEPS = 64
+
+# Single-quantization vNMSE of i.i.d. N(0, 1) per width (groups of 16; 8192 super-groups,
+# measured with the reference codec; docs/dense_gap.md). ``thresholds="measured"`` puts the
+# width thresholds where these give equal marginal gain per byte.
+# Keyed by (levels, scales), either of which may be a prototype enum (ProtoLevels, ProtoScales).
+MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
+    (Levels.NONUNIFORM, Scales.HIERARCHICAL): {
+        2: 0.7032, 3: 0.07086, 4: 0.01324, 5: 0.00286, 6: 6.856e-4, 7: 1.723e-4, 8: 7.895e-5,
+        16: 4.141e-8},
+    (ProtoLevels.TUNED, Scales.HIERARCHICAL): {
+        2: 0.7032, 3: 0.07086, 4: 0.01299, 5: 0.00286, 6: 6.856e-4, 7: 1.723e-4, 8: 4.442e-5,
+        16: 4.141e-8},
+    (ProtoLevels.TUNED, ProtoScales.HIERARCHICAL4): {
+        2: 0.7693, 3: 0.0795, 4: 0.01517, 5: 0.003345, 6: 7.794e-4, 7: 1.891e-4, 8: 4.719e-5,
+        16: 4.141e-8},
+    (ProtoLevels.TUNED, ProtoScales.HIERARCHICAL4X32): {
+        2: 0.9603, 3: 0.09573, 4: 0.01772, 5: 0.00391, 6: 9.168e-4, 7: 2.224e-4, 8: 5.649e-5,
+        16: 4.141e-8},
+    (Levels.NONUNIFORM, ProtoScales.HIERARCHICAL4): {
+        2: 0.7693, 3: 0.0795, 4: 0.01532, 5: 0.003345, 6: 7.794e-4, 7: 1.891e-4, 8: 8.705e-5,
+        16: 4.141e-8},
+}
+
+
+def hull_offsets(
+    widths: tuple[int, ...], errors: dict[int, float], scales: Scales
+) -> tuple[list[int], list[float]]:
+    """Widths on the lower convex hull of (record bytes, error) and their thresholds.
+
+    A super-group of summed norm ``F`` costs ``F * e_w`` error at ``B_w`` bytes; minimising the
+    total error under a byte budget (Lagrange multiplier ``2**-u``) gives width ``w_i`` of the
+    hull from ``log2 F + u >= o_i`` on, ``o_i = log2((B_i - B_{i-1}) / (e_{i-1} - e_i))``
+    (increasing along the hull). The paper's rule is this with ``e_w = 4**-w`` and W = {2, 4, 8}:
+    ``o_8 - o_4 = log2(512 / 17)``."""
+    pts = sorted((record_nbytes(w, scales), errors[w], w) for w in widths)
+    hull: list[tuple[int, float, int]] = []
+    for p in pts:
+        if hull and p[1] >= hull[-1][1]:
+            continue  # costs more, no better
+        while len(hull) >= 2:
+            (b1, e1, _), (b2, e2, _) = hull[-2], hull[-1]
+            # drop the middle point when it lies on or above the chord from hull[-2] to p
+            if (e2 - e1) * (p[0] - b1) >= (p[1] - e1) * (b2 - b1):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    offsets = [-math.inf]
+    for (b1, e1, _), (b2, e2, _) in itertools.pairwise(hull):
+        offsets.append(math.log2((b2 - b1) / (e1 - e2)))
+    return [w for _, _, w in hull], offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +172,9 @@ def allocate_widths(
     u_hint: float | None = None,
     max_width: int = 8,
     energy_exponent: float = 1.0,
+    width_set: tuple[int, ...] | None = None,
+    errors: dict[int, float] | None = None,
+    stats_bytes: int = STATS_BYTES_PER_SUPER,
 ) -> Allocation:
     """Widths for super-groups with summed squared norms ``norm2`` (fp32 [S]) under a budget of
     ``bits`` per coordinate over ``numel`` coordinates (records plus statistics). ``u_hint``, a
@@ -122,12 +190,16 @@ def allocate_widths(
     # On the host, in float64: every rank (and every device type) computes the same widths, and
     # the executor needs the payload sizes on the host anyway.
     norm2 = norm2.detach().to("cpu")
-    stats = STATS_BYTES_PER_SUPER * rows
+    stats = stats_bytes * rows
     budget = math.floor(bits * numel / 8.0)
     lookup = _cost_lookup(scales)
 
     def cost(widths: torch.Tensor) -> int:
         return int(lookup[widths].sum().item())
+
+    if widths_mode is Widths.VARIABLE and (width_set is not None or errors is not None):
+        return _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent,
+                              width_set or WIDTHS, errors, stats, budget, cost)
 
     if widths_mode is Widths.FIXED:
         widths = torch.full((rows,), 4, dtype=torch.int64)
@@ -276,6 +348,148 @@ class _Bracket:
                 step *= 8.0
 
 
+def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width_set, errors,
+                   stats, budget, cost):  # type: ignore[no-untyped-def]
+    """The generic allocation: any width set, thresholds from an error table (default the
+    paper's 4**-w assumption); bisection on ``u`` for the largest total that fits."""
+    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
+    if max_width == RAW_WIDTH:
+        widths_all = (*widths_all, RAW_WIDTH)
+    if errors is None:
+        errors = {w: 4.0**-w for w in widths_all}
+    hull, offsets = hull_offsets(widths_all, errors, scales)
+    top = max(w for w in hull if w != RAW_WIDTH)
+    f = norm2.double()
+    zero = f == 0
+    log_f = torch.log2(torch.where(zero, 1.0, f))
+    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
+    if energy_exponent != 1.0:
+        log_f = log_f * energy_exponent
+    nan = torch.isnan(log_f)
+
+    def widths_at(u: float) -> torch.Tensor:
+        w = torch.full_like(log_f, hull[0], dtype=torch.int64)
+        for width, off in zip(hull[1:], offsets[1:], strict=False):
+            w = torch.where(log_f + u >= off, width, w)
+        w = torch.where(nan, top, w)
+        return torch.where(zero, 0, w)
+
+    finite = torch.isfinite(log_f) & ~zero
+    if not bool(finite.any()) or len(hull) == 1:
+        widths = widths_at(0.0)
+        payload = cost(widths)
+        return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
+    u_lo = offsets[1] - float(log_f[finite].max()) - 1.0
+    u_hi = offsets[-1] - float(log_f[finite].min()) + 1.0
+    cheapest = widths_at(u_lo)
+    if cost(cheapest) + stats > budget:
+        return Allocation(cheapest, u_lo, cost(cheapest), stats, budget, True)
+    richest = widths_at(u_hi)
+    if cost(richest) + stats <= budget:
+        return Allocation(richest, u_hi, cost(richest), stats, budget, False)
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (u_lo + u_hi)
+        if cost(widths_at(mid)) + stats <= budget:
+            u_lo = mid
+        else:
+            u_hi = mid
+    widths = widths_at(u_lo)
+    return Allocation(widths, u_lo, cost(widths), stats, budget, False)
+
+
+def count_classes(subtree: tuple[tuple[int, ...], ...]) -> dict[int, tuple[float, float]]:
+    """Per partial-sum size ``c`` (the executor's ``count``): ``(alpha_c, tau_c)``, the error
+    weight (quantizations of a ``c``-rank partial sum per chunk, times ``c``: its energy relative
+    to one rank's) and the share of the all-reduce's transfers that carry it. In a tree reduce
+    every non-sink rank sends its partial sum of a chunk once (count = its subtree size); the sink
+    encodes the full sum once (count n), which the all-gather forwards n - 1 times."""
+    n = len(subtree)
+    chunks = len(subtree[0]) if n else 0
+    sends: dict[int, float] = {}
+    for c in range(chunks):
+        for r in range(n):
+            size = subtree[r][c]
+            if size < n:
+                sends[size] = sends.get(size, 0.0) + 1.0 / chunks
+    total = 2.0 * (n - 1)
+    classes = {size: (m * size, m / total) for size, m in sends.items()}
+    classes[n] = (float(n), (n - 1) / total)
+    return classes
+
+
+def allocate_widths_by_count(
+    norm2: torch.Tensor,
+    numel: int,
+    bits: float,
+    classes: dict[int, tuple[float, float]],
+    *,
+    scales: Scales,
+    width_set: tuple[int, ...],
+    errors: dict[int, float] | None,
+    stats_bytes: int,
+    max_width: int = 8,
+) -> tuple[dict[int, torch.Tensor], Allocation]:
+    """Widths per super-group *and* partial-sum size (prototype ``hop_widths``): the hull rule
+    with ``log2 F`` shifted by ``log2(alpha_c / tau_c)`` for class ``c``, one ``u`` for all
+    classes, under the budget of the transfers' average record bytes (``sum_c tau_c B``)."""
+    rows = norm2.numel()
+    norm2 = norm2.detach().to("cpu")
+    stats = stats_bytes * rows
+    budget = math.floor(bits * numel / 8.0)
+    lookup = _cost_lookup(scales).double()
+    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
+    if max_width == RAW_WIDTH:
+        widths_all = (*widths_all, RAW_WIDTH)
+    if errors is None:
+        errors = {w: 4.0**-w for w in widths_all}
+    hull, offsets = hull_offsets(widths_all, errors, scales)
+    top = max(w for w in hull if w != RAW_WIDTH)
+    f = norm2.double()
+    zero = f == 0
+    log_f = torch.log2(torch.where(zero, 1.0, f))
+    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
+    nan = torch.isnan(log_f)
+    # Ties (bf16 statistics leave few distinct norms on dense data) are broken by row index so
+    # that the bisection can split them and the budget is used up; 2**-30 per row is far below
+    # the spacing of distinct norms (>= log2(1 + 2**-8)).
+    log_f = log_f + torch.arange(rows, dtype=torch.float64) * 2.0**-30 / max(rows, 1)
+    shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}
+
+    def widths_at(u: float) -> dict[int, torch.Tensor]:
+        out = {}
+        for c, shift in shifts.items():
+            w = torch.full_like(log_f, hull[0], dtype=torch.int64)
+            for width, off in zip(hull[1:], offsets[1:], strict=False):
+                w = torch.where(log_f + shift + u >= off, width, w)
+            w = torch.where(nan, top, w)
+            out[c] = torch.where(zero, 0, w)
+        return out
+
+    def cost(ws: dict[int, torch.Tensor]) -> float:
+        return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
+
+    finite = torch.isfinite(log_f) & ~zero
+    if not bool(finite.any()) or len(hull) == 1:
+        ws = widths_at(0.0)
+        return ws, Allocation(ws[max(ws)], float("nan"), math.ceil(cost(ws)), stats, budget, False)
+    u_lo = offsets[1] - float(log_f[finite].max()) - max(shifts.values()) - 1.0
+    u_hi = offsets[-1] - float(log_f[finite].min()) - min(shifts.values()) + 1.0
+    if cost(widths_at(u_lo)) + stats > budget:
+        ws = widths_at(u_lo)
+        return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, True)
+    if cost(widths_at(u_hi)) + stats <= budget:
+        u_lo = u_hi
+    else:
+        for _ in range(_BISECTION_STEPS):
+            mid = 0.5 * (u_lo + u_hi)
+            if cost(widths_at(mid)) + stats <= budget:
+                u_lo = mid
+            else:
+                u_hi = mid
+    ws = widths_at(u_lo)
+    return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, False)
+
+
 def allocate_for_target(
     norm2: torch.Tensor,
     mean_sum: torch.Tensor,
@@ -355,6 +569,8 @@ def _compiled_allocation() -> Callable[..., tuple[int, float, int]] | None:
 
 def _cost_lookup(scales: Scales) -> torch.Tensor:
     lookup = torch.zeros(RAW_WIDTH + 1, dtype=torch.int64)
-    for w in (*WIDTHS, RAW_WIDTH):
+    from .codec import ALL_WIDTHS
+
+    for w in ALL_WIDTHS:
         lookup[w] = record_nbytes(w, scales)
     return lookup

@@ -37,6 +37,13 @@ denormal scale finite): one division per group, none per coordinate; ``y = 0`` w
 Decoding is ``table[code] * D_g`` in fp32; accumulation is ``acc + decoded`` in fp32, one rounding
 each (kernels must not contract them into an FMA).
 
+Prototypes (issue 14, docs/dense_gap.md; reference only, the default format is unchanged):
+widths 3, 5, 6, 7 (``FINE_WIDTHS``; codes as one LSB-first bitstream, code ``j`` at bit ``j*w``
+of the ``32w`` code bytes, which for 2, 4, 8 is the layout above); ``ProtoLevels.TUNED`` (the
+epsilons of ``EPSILON_TUNED``); ``ProtoScales.HIERARCHICAL4`` (4-bit group codes, 8 + 2 bytes:
+a record is ``32b + 10`` bytes) and ``HIERARCHICAL4X32`` (4-bit codes per 32 coordinates,
+``32b + 6`` bytes).
+
 Sums over 256 coordinates (statistics) use a fixed halving tree (``v[:h] + v[h:]``, 8 levels)
 rather than ``torch.sum``, whose order is unspecified, so any implementation can match the bits.
 """
@@ -54,6 +61,8 @@ from . import rng
 __all__ = [
     "ALL_WIDTHS",
     "EPSILON",
+    "EPSILON_TUNED",
+    "FINE_WIDTHS",
     "FLAT_BLOCK",
     "GROUP",
     "GROUPS",
@@ -62,6 +71,8 @@ __all__ = [
     "WIDTHS",
     "CodecConfig",
     "Levels",
+    "ProtoLevels",
+    "ProtoScales",
     "RoundingMode",
     "Scales",
     "Widths",
@@ -84,10 +95,19 @@ SUPER = 256  # coordinates per super-group (one bit-width, one unit)
 GROUP = 16  # coordinates per group (one uint8 scale code)
 GROUPS = SUPER // GROUP
 FLAT_BLOCK = 32  # coordinates per bf16 scale in the flat-scales ablation
-WIDTHS = (2, 4, 8)
+WIDTHS = (2, 4, 8)  # the paper's widths (and the default allocation's)
+# Every code width the format can hold: 256 * w bits is always whole bytes, codes are one LSB-first
+# bitstream (code j at bit j * w of the code bytes), so 3, 5, 6 and 7 bits cost nothing extra.
+FINE_WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 RAW_WIDTH = 16  # optional: fp16 values relative to one bf16 unit, for outliers and tight targets
-ALL_WIDTHS = (*WIDTHS, RAW_WIDTH)
-EPSILON = {2: 0.23, 4: 0.18, 8: 0.10}
+ALL_WIDTHS = (*FINE_WIDTHS, RAW_WIDTH)
+# The paper's epsilons (levels="nonuniform") for 2 / 4 / 8 bits; 3, 5, 6, 7 bits use the tuned ones.
+EPSILON = {2: 0.23, 3: 0.35, 4: 0.18, 5: 0.15, 6: 0.10, 7: 0.07, 8: 0.10}
+# levels="tuned": per width, the epsilon with the least single-quantization vNMSE of N(0, 1)
+# (groups of 16, uint8 scales; docs/dense_gap.md): 4 bits 0.0130 (paper's 0.18: 0.0133),
+# 8 bits 4.4e-5 (paper's 0.10: 7.9e-5, worse than uniform levels' 4.7e-5).
+EPSILON_TUNED = {2: 0.23, 3: 0.35, 4: 0.23, 5: 0.15, 6: 0.10, 7: 0.07, 8: 0.04}
+GROUP_CODE_LEVELS = 16  # scales="hierarchical4": 4-bit group codes
 # Rows of super-groups the reference processes at once. Its int64 hash temporaries (8 B per
 # coordinate) then stay in cache: on the 2-core dev VM, single-threaded, correlated encode ran at
 # 1.8 M coordinates/s with 4096 rows and 3.6-4.2 M/s with 128-256 rows. Results do not depend on it.
@@ -99,9 +119,28 @@ class Levels(enum.Enum):
     UNIFORM = "uniform"
 
 
+class ProtoLevels(enum.Enum):
+    """Prototype level tables (issue 14), outside :class:`Levels` for the same reason as
+    :class:`ProtoScales`."""
+
+    TUNED = "tuned"  # non-uniform with EPSILON_TUNED
+
+
 class Scales(enum.Enum):
     HIERARCHICAL = "hierarchical"
     FLAT = "flat"
+
+
+class ProtoScales(enum.Enum):
+    """Prototype scale encodings (issue 14), kept out of :class:`Scales` so that the compiled
+    kernels, which iterate over :class:`Scales`, never see them (the scheme runs them on the
+    torch reference)."""
+
+    # 4-bit group codes: unit = bf16_ceil(max_g s_g / 16), q_g = clamp(ceil(s_g / unit), 1, 16),
+    # stored q_g - 1, two per byte (group g at bit 4 * (g % 2) of byte g // 2); 8 + 2 bytes.
+    HIERARCHICAL4 = "hierarchical4"
+    # the same 4-bit codes per group of 32 (8 codes, 4 + 2 bytes)
+    HIERARCHICAL4X32 = "hierarchical4x32"
 
 
 class Widths(enum.Enum):
@@ -127,10 +166,20 @@ def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
         return 0
     if width == RAW_WIDTH:
         return 2 * SUPER + 2  # 256 fp16 values + one bf16 unit, whatever the scales mode
-    if width not in WIDTHS:
+    if width not in FINE_WIDTHS:
         raise ValueError(f"width must be 0 or one of {ALL_WIDTHS}, got {width}")
     codes = SUPER * width // 8
-    return codes + (GROUPS + 2 if scales is Scales.HIERARCHICAL else 2 * SUPER // FLAT_BLOCK)
+    return codes + _scale_nbytes(scales)
+
+
+def _scale_nbytes(scales: Scales) -> int:
+    if scales is Scales.HIERARCHICAL:
+        return GROUPS + 2
+    if scales is ProtoScales.HIERARCHICAL4:
+        return GROUPS // 2 + 2
+    if scales is ProtoScales.HIERARCHICAL4X32:
+        return GROUPS // 4 + 2
+    return 2 * SUPER // FLAT_BLOCK
 
 
 @functools.cache
@@ -138,7 +187,8 @@ def _magnitudes(width: int, levels: Levels) -> tuple[float, ...]:
     top = 2 ** (width - 1) - 1
     if levels is Levels.UNIFORM:
         return tuple(r / top for r in range(top + 1))
-    base = 1.0 + 2.0 * EPSILON[width] ** 2
+    eps = (EPSILON_TUNED if levels is ProtoLevels.TUNED else EPSILON)[width]
+    base = 1.0 + 2.0 * eps**2
     return tuple((base**r - 1.0) / (base**top - 1.0) for r in range(top + 1))
 
 
@@ -200,8 +250,29 @@ def stats_center_torch(
     return centred, mean, norm2
 
 
+def stats_center_rounded_torch(
+    x: torch.Tensor, valid: torch.Tensor, centre: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`stats_center_torch` with the mean rounded to bf16 (nearest even) *before* centring:
+    the rounded mean is what this rank sends (16-bit statistics) and what is added back, so the
+    centred values plus the mean are the input up to fp32 rounding. Norm is of the centred rows."""
+    counts = valid.to(device=x.device, dtype=torch.float32)
+    mean = (tree_sum(x) / counts).to(torch.bfloat16).float()
+    if not centre:  # statistics without the mean (prototype "norm16")
+        mean = torch.zeros_like(mean)
+    centred = x - mean[:, None]
+    partial = valid < SUPER
+    if bool(partial.any()):
+        pad = torch.arange(SUPER, device=x.device)[None, :] >= valid.to(x.device)[:, None]
+        centred = centred.masked_fill(pad, 0.0)
+    norm2 = tree_sum(centred * centred)
+    return centred, mean, norm2
+
+
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     """int64 ``[k, 256]`` codes below ``2**width`` -> uint8 ``[k, 32 * width]``, LSB-first."""
+    if 8 % width:
+        return _pack_bitstream(codes, width)
     per_byte = 8 // width
     c = codes.view(codes.shape[0], SUPER // per_byte, per_byte)
     packed = torch.zeros(c.shape[:2], dtype=torch.int64, device=codes.device)
@@ -212,11 +283,34 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, width: int) -> torch.Tensor:
     """uint8 ``[k, 32 * width]`` -> int64 ``[k, 256]`` codes (inverse of :func:`pack_codes`)."""
+    if 8 % width:
+        return _unpack_bitstream(packed, width)
     per_byte = 8 // width
     mask = (1 << width) - 1
     b = packed.to(torch.int64)
     parts = [(b >> (j * width)) & mask for j in range(per_byte)]
     return torch.stack(parts, dim=-1).reshape(packed.shape[0], SUPER)
+
+
+def _pack_bitstream(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Widths 3, 5, 6, 7: every 8 codes make ``width`` bytes (code j at bit j * width)."""
+    k = codes.shape[0]
+    c = codes.view(k, SUPER // 8, 8)
+    word = torch.zeros(c.shape[:2], dtype=torch.int64, device=codes.device)
+    for j in range(8):
+        word |= c[..., j] << (j * width)  # 8 * width <= 56 bits
+    parts = [(word >> (8 * i)) & 0xFF for i in range(width)]
+    return torch.stack(parts, dim=-1).reshape(k, SUPER * width // 8).to(torch.uint8)
+
+
+def _unpack_bitstream(packed: torch.Tensor, width: int) -> torch.Tensor:
+    k = packed.shape[0]
+    b = packed.to(torch.int64).view(k, SUPER // 8, width)
+    word = torch.zeros(b.shape[:2], dtype=torch.int64, device=packed.device)
+    for i in range(width):
+        word |= b[..., i] << (8 * i)
+    mask = (1 << width) - 1
+    return torch.stack([(word >> (j * width)) & mask for j in range(8)], dim=-1).reshape(k, SUPER)
 
 
 def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,17 +321,22 @@ def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch
         absmax = x.abs().view(k, SUPER // FLAT_BLOCK, FLAT_BLOCK).amax(-1)
         scale = bf16_ceil(absmax)
         return scale.float(), scale.view(torch.uint8).view(k, 2 * SUPER // FLAT_BLOCK)
-    group = x.abs().view(k, GROUPS, GROUP).amax(-1)  # [k, 16]; NaN propagates
+    size = 2 * GROUP if scales is ProtoScales.HIERARCHICAL4X32 else GROUP
+    group = x.abs().view(k, SUPER // size, size).amax(-1)  # [k, 16 or 8]; NaN propagates
     top = group.amax(-1)  # [k]
-    unit = bf16_ceil(top / 255.0)
+    levels = 255 if scales is Scales.HIERARCHICAL else GROUP_CODE_LEVELS
+    unit = bf16_ceil(top / float(levels))
     unit32 = unit.float()
     ratio = torch.ceil(group / unit32[:, None])
     q = torch.where(
         (unit32[:, None] > 0) & torch.isfinite(unit32[:, None]),
-        ratio.clamp(1.0, 255.0),
+        ratio.clamp(1.0, float(levels)),
         torch.ones_like(ratio),
     ).to(torch.uint8)
     decoded = q.float() * unit32[:, None]
+    if scales is not Scales.HIERARCHICAL:
+        nib = q.to(torch.int64) - 1
+        q = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)  # [k, 8]
     meta = torch.cat([q, unit.view(torch.uint8).view(k, 2)], dim=1)
     return decoded, meta
 
@@ -246,6 +345,12 @@ def _scales_decode(meta: torch.Tensor, scales: Scales) -> torch.Tensor:
     if scales is Scales.FLAT:
         scale = meta.contiguous().view(torch.bfloat16).float()  # [k, 8]
         return scale.repeat_interleave(FLAT_BLOCK, dim=1)
+    if isinstance(scales, ProtoScales):
+        codes = meta.shape[1] - 2
+        b = meta[:, :codes].to(torch.int64)
+        q = (torch.stack([b & 0xF, b >> 4], dim=-1).reshape(-1, 2 * codes) + 1).float()
+        unit = meta[:, codes:].contiguous().view(torch.bfloat16).float()
+        return (q * unit).repeat_interleave(SUPER // (2 * codes), dim=1)
     q = meta[:, :GROUPS].float()
     unit = meta[:, GROUPS:].contiguous().view(torch.bfloat16).float()  # [k, 1]
     return (q * unit).repeat_interleave(GROUP, dim=1)

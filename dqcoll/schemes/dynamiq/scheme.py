@@ -48,17 +48,30 @@ from ...kernels import dynamiq_ops
 from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from . import rng
-from .allocation import Allocation, allocate_for_target, allocate_widths, min_bits
+from .allocation import (
+    MEASURED_ERRORS,
+    STATS_BYTES,
+    Allocation,
+    allocate_for_target,
+    allocate_widths,
+    allocate_widths_by_count,
+    count_classes,
+    min_bits,
+)
 from .codec import (
     ALL_WIDTHS,
+    FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
     CodecConfig,
     Levels,
+    ProtoLevels,
+    ProtoScales,
     RoundingMode,
     Scales,
     Widths,
     record_nbytes,
+    stats_center_rounded_torch,
 )
 from .error_model import ErrorModel, estimate_rho
 
@@ -98,7 +111,8 @@ class DynamiqScheme:
         supports_reduce_scatter=True,
         needs_global_stats=True,
         options=("bits", "target_vnmse", "error_model", "max_width", "levels", "widths",
-                 "scales", "rounding", "seed", "balance", "u_hint", "energy_exponent"),
+                 "scales", "rounding", "seed", "balance", "u_hint", "energy_exponent",
+                 "width_set", "thresholds", "stats", "hop_widths"),
     )
 
     def __init__(
@@ -116,10 +130,33 @@ class DynamiqScheme:
         balance: str | Balance = "bytes",
         u_hint: float | None = None,
         energy_exponent: float = 1.0,
+        width_set: str = "paper",
+        thresholds: str = "paper",
+        stats: str = "fp32",
+        hop_widths: bool = False,
     ) -> None:
+        # Prototype options (issue 14, docs/dense_gap.md): width_set "paper" = {2, 4, 8},
+        # "fine" = {2, ..., 8}; thresholds "paper" (4**-w errors) or "measured" (the codec's own
+        # single-shot errors); stats "fp32" (mean and norm, 8 B per super-group) or "bf16"
+        # (4 B: the local mean is rounded to bf16 before centring, the sum is taken in bf16).
+        if width_set not in ("paper", "fine") or thresholds not in ("paper", "measured") or \
+                stats not in STATS_BYTES:
+            raise InvalidArgumentError(
+                f"dynamiq: bad width_set/thresholds/stats {width_set!r} {thresholds!r} {stats!r}")
+        self.width_set = width_set
+        # hop_widths (prototype): each super-group's width also depends on how many ranks the
+        # partial sum being encoded holds (the executor's ``count``): see allocate_widths_by_count
+        self.hop_widths = str(hop_widths).lower() in ("1", "true", "yes")
+        self.thresholds = thresholds
+        self.stats = stats
+        proto_scales = str(getattr(scales, "value", scales)).lower() in {
+            e.value for e in ProtoScales}
         self.config = CodecConfig(
-            levels=_parse(Levels, levels, "levels"),
-            scales=_parse(Scales, scales, "scales"),
+            levels=(_parse(ProtoLevels, levels, "levels")
+                    if str(getattr(levels, "value", levels)).lower() == "tuned"
+                    else _parse(Levels, levels, "levels")),
+            scales=(_parse(ProtoScales, scales, "scales") if proto_scales
+                    else _parse(Scales, scales, "scales")),
             rounding=_parse(RoundingMode, rounding, "rounding"),
         )
         self.widths_mode: Widths = _parse(Widths, widths, "widths")
@@ -173,6 +210,33 @@ class DynamiqScheme:
         if max_width not in (8, RAW_WIDTH):
             raise InvalidArgumentError(f"dynamiq: max_width must be 8 or 16, got {max_width!r}")
         self.max_width = int(max_width)
+        # The prototypes exist in the torch reference only: such a scheme runs on it (the numba
+        # and Triton kernels know widths 2/4/8/16, Levels and Scales, the fp32 statistics and the
+        # fused same-width hop; docs/dense_gap.md lists what they would need for the rest).
+        self.reference_only = (isinstance(self.config.scales, ProtoScales)
+                               or self.config.levels is ProtoLevels.TUNED
+                               or width_set != "paper" or stats != "fp32" or self.hop_widths)
+        prototype = self.reference_only or thresholds != "paper"
+        if prototype and target_vnmse is not None:
+            raise InvalidArgumentError(
+                "dynamiq: the prototype options (width_set, thresholds, stats, hop_widths, "
+                "levels=tuned, scales=hierarchical4/hierarchical4x32) apply to a bit budget; the "
+                "error model of target_vnmse knows only the default format")
+        if thresholds == "measured" and (self.config.levels, self.config.scales) not in \
+                MEASURED_ERRORS:
+            raise InvalidArgumentError(
+                f"dynamiq: thresholds='measured' has no measured errors for "
+                f"levels={self.config.levels.value}, scales={self.config.scales.value}")
+
+    def allocation_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"stats_bytes": STATS_BYTES[self.stats]}
+        if self.width_set == "fine":
+            options["width_set"] = FINE_WIDTHS
+        if self.thresholds == "measured":
+            options["errors"] = MEASURED_ERRORS[(self.config.levels, self.config.scales)]
+        elif self.width_set == "fine":
+            options["errors"] = None  # 4**-w over the fine widths
+        return options
 
     def __repr__(self) -> str:
         c = self.config
@@ -182,8 +246,13 @@ class DynamiqScheme:
             f"DynamiqScheme({budget}, max_width={self.max_width}, levels={c.levels.value}, "
             f"widths={self.widths_mode.value}, scales={c.scales.value}, "
             f"rounding={c.rounding.value}, balance={self.balance.value}"
-            + (f", energy_exponent={self.energy_exponent:g})" if self.energy_exponent != 1.0
-               else ")")
+            + (f", energy_exponent={self.energy_exponent:g}" if self.energy_exponent != 1.0
+               else "")
+            + (f", width_set={self.width_set}" if self.width_set != "paper" else "")
+            + (f", thresholds={self.thresholds}" if self.thresholds != "paper" else "")
+            + (f", stats={self.stats}" if self.stats != "fp32" else "")
+            + (", hop_widths=True" if self.hop_widths else "")
+            + ")"
         )
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> DynamiqCall:
@@ -228,6 +297,17 @@ def _work_buffer(ctx: CallContext, rows: int, device: torch.device) -> torch.Ten
     return buffer[:rows]
 
 
+def _runs(sorted_widths: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
+    """Maximal runs (width, first row, end row) of equal non-zero width."""
+    runs = []
+    change = np.flatnonzero(sorted_widths[1:] != sorted_widths[:-1]) + 1
+    for a, b in itertools.pairwise([0, *change.tolist(), rows]):
+        width = int(sorted_widths[a])
+        if width and b > a:
+            runs.append((width, a, b))
+    return runs
+
+
 class DynamiqCall:
     """One collective call: statistics, allocation, reorder, and the per-hop operations."""
 
@@ -242,6 +322,10 @@ class DynamiqCall:
         self.key = rng.call_key(ctx.seed, ctx.step)
         self.numel = numel = x.numel()
         self.ops = dynamiq_ops(device)
+        if scheme.reference_only and self.ops.name != "torch":
+            from ...kernels import _torch_ops
+
+            self.ops = _torch_ops()
 
         # Layout: the byte-balanced all-reduce pads the tail only; reduce-scatter / all-gather (and
         # the all-reduce with balance="shards") pad each shard of ceil(numel / n) coordinates on
@@ -293,7 +377,8 @@ class DynamiqCall:
         # The fast paths that split stats_center write the centred rows only once, already in
         # the sorted order (step 4), dividing by n for avg on the way; the others divide and
         # centre here and gather later.
-        split = self.ops.stats is not None and self.ops.center_gather is not None
+        split = (self.ops.stats is not None and self.ops.center_gather is not None
+                 and scheme.stats == "fp32")
         divisor = n if ctx.op is ReduceOp.AVG else 1
         if divisor != 1 and not split:
             flat = flat / n  # a new buffer: flat may be the caller's tensor
@@ -301,6 +386,9 @@ class DynamiqCall:
         if split:
             assert self.ops.stats is not None
             mean, norm2 = self.ops.stats(flat, valid, divisor=divisor)
+        elif scheme.stats in ("bf16", "norm16"):
+            centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
+                                                              centre=scheme.stats == "bf16")
         else:
             centred, mean, norm2 = self.ops.stats_center(flat, valid)
         # A row whose squares all underflow fp32 (|x| below ~1e-23) has norm2 == 0 although it is
@@ -320,7 +408,16 @@ class DynamiqCall:
 
         # 2. One small uncompressed all-reduce of both statistics.
         stats = torch.stack([mean, norm2])
-        ctx.reduce(stats, "sum", f"{ctx.what} statistics")
+        if scheme.stats == "bf16":  # 16-bit statistics on the wire, summed in bf16
+            wire = stats.to(torch.bfloat16)
+            ctx.reduce(wire, "sum", f"{ctx.what} statistics")
+            stats = wire.float()
+        elif scheme.stats == "norm16":  # no centring: only the bf16 norm is sent (2 B)
+            wire = norm2.to(torch.bfloat16)[None]
+            ctx.reduce(wire, "sum", f"{ctx.what} statistics")
+            stats = torch.stack([torch.zeros_like(mean), wire[0].float()])
+        else:
+            ctx.reduce(stats, "sum", f"{ctx.what} statistics")
 
         # 3. Widths from the summed norms (identical on every rank): under a bit budget, or the
         #    cheapest whose predicted error meets target_vnmse.
@@ -355,8 +452,19 @@ class DynamiqCall:
             self.allocation = allocate_widths(
                 stats[1], budget_numel, scheme.bits, widths_mode=scheme.widths_mode,
                 scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
-                energy_exponent=scheme.energy_exponent,
+                energy_exponent=scheme.energy_exponent, **scheme.allocation_options(),
             )
+        self.hop: dict[int, torch.Tensor] | None = None
+        self.hop_tau: dict[int, float] = {}
+        if (scheme.hop_widths and scheme.target_vnmse is None and not self.sharded
+                and ctx.schedule is not None and scheme.widths_mode is Widths.VARIABLE):
+            classes = count_classes(ctx.schedule.subtree_sizes())
+            options = scheme.allocation_options()
+            self.hop, self.allocation = allocate_widths_by_count(
+                stats[1], budget_numel, scheme.bits, classes, scales=self.config.scales,
+                width_set=options.get("width_set") or (2, 4, 8), errors=options.get("errors"),
+                stats_bytes=options["stats_bytes"], max_width=scheme.max_width)
+            self.hop_tau = {c: t for c, (_, t) in classes.items()}
         widths = self.allocation.widths  # int64 [rows], host
 
         # 4. Reorder by width (within each shard when sharded) and cut into chunks. The row
@@ -364,9 +472,20 @@ class DynamiqCall:
         #    sort (0.2 ms at 2^16 rows, torch's stable argsort 1.4 ms), and the per-row indexing
         #    and scans around it cost ~3 ms per call in torch ops on the 2-core dev VM.
         widths_np = widths.numpy()
-        key = row_chunk.numpy() * 32 + widths_np  # widths <= 16 < 32
-        order_np = np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
-                              kind="stable")
+        if self.hop is not None:
+            # Every class's widths are monotone in F: sorted by their sum, rows are sorted for
+            # every class. Striped over the n chunks (sorted row i -> chunk i mod n, sorted again
+            # within each chunk) so that every chunk holds the same mix of widths at every count
+            # and each rank's traffic meets the budget whichever (chunk, count) pairs it sends.
+            hop_key = torch.stack(list(self.hop.values())).sum(0).numpy()
+            by_key = np.argsort(hop_key, kind="stable")
+            stripe = np.arange(rows, dtype=np.int64) % n
+            order_np = by_key[np.argsort(stripe, kind="stable")]
+            hop_bounds = [0, *np.cumsum(np.bincount(stripe, minlength=n)).tolist()]
+        else:
+            key = row_chunk.numpy() * 32 + widths_np  # widths <= 16 < 32
+            order_np = np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
+                                  kind="stable")
         order = torch.from_numpy(order_np)
         self.order = order.to(device)
         sorted_widths = widths_np[order_np]
@@ -387,8 +506,21 @@ class DynamiqCall:
             sizes[w] = record_nbytes(w, self.config.scales)
         offsets = np.zeros(rows + 1, dtype=np.int64)
         np.cumsum(sizes[sorted_widths], out=offsets[1:])
-        self.row_offsets = offsets  # byte offset of each sorted row's record
-        if self.sharded:  # chunk c = the rows of shard c
+        self.row_offsets: np.ndarray = offsets  # byte offset of each sorted row's record
+        # hop_widths: per count class, the byte offsets and runs of that class's widths
+        self._geom: dict[int, tuple[np.ndarray, list[tuple[int, int, int]]]] = {}
+        if self.hop is not None:
+            avg = np.zeros(rows + 1, dtype=np.float64)
+            for c, class_widths in self.hop.items():
+                class_sorted = class_widths.numpy()[order_np]
+                class_offsets = np.zeros(rows + 1, dtype=np.int64)
+                np.cumsum(sizes[class_sorted], out=class_offsets[1:])
+                avg += self.hop_tau[c] * class_offsets.astype(np.float64)
+                self._geom[c] = (class_offsets, _runs(class_sorted, rows))
+            self.row_offsets = avg  # traffic-weighted average bytes (chunk geometry)
+        if self.hop is not None:
+            bounds = hop_bounds
+        elif self.sharded:  # chunk c = the rows of shard c
             bounds = [0, *torch.cumsum(shard_row_counts, 0).tolist()]
         else:  # n chunks of (nearly) equal bytes
             total = int(offsets[-1])
@@ -462,20 +594,27 @@ class DynamiqCall:
 
     # -- chunk geometry -----------------------------------------------------------------------
 
-    def _segments(self, chunk: int) -> list[tuple[int, int, int, int]]:
+    def _geometry(self, count: int | None) -> tuple[Any, list[tuple[int, int, int]]]:
+        if self._geom and count is not None:
+            return self._geom[count]
+        return self.row_offsets, self.runs
+
+    def _segments(self, chunk: int, count: int | None = None) -> list[tuple[int, int, int, int]]:
         """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk."""
+        row_offsets, runs = self._geometry(count)
         lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        base = int(self.row_offsets[lo])
+        base = int(row_offsets[lo])
         segments = []
-        for width, start, stop in self.runs:
+        for width, start, stop in runs:
             a, b = max(lo, start), min(hi, stop)
             if a < b:
-                segments.append((width, a, b, int(self.row_offsets[a]) - base))
+                segments.append((width, a, b, int(row_offsets[a]) - base))
         return segments
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
+        row_offsets, _ = self._geometry(count)
         lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        return int(self.row_offsets[hi] - self.row_offsets[lo])
+        return int(row_offsets[hi] - row_offsets[lo])
 
     def _records(
         self, payload: torch.Tensor, width: int, a: int, b: int, offset: int
@@ -488,14 +627,14 @@ class DynamiqCall:
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         out = torch.empty(self.payload_nbytes(chunk, count), dtype=torch.uint8,
                           device=self.work.device)
-        for width, a, b, offset in self._segments(chunk):
+        for width, a, b, offset in self._segments(chunk, count):
             self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
                             self.world_size, self.key, self.config,
                             out=self._records(out, width, a, b, offset))
         return out
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        for width, a, b, offset in self._segments(chunk):
+        for width, a, b, offset in self._segments(chunk, count):
             records = self._records(payload, width, a, b, offset)
             if self.deferred is not None and width != RAW_WIDTH:
                 self.deferred.append((width, a, b, records))  # decoded by finish
@@ -503,13 +642,16 @@ class DynamiqCall:
                 self.ops.decode(records, width, self.config, out=self.work[a:b])
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        for width, a, b, offset in self._segments(chunk):
+        for width, a, b, offset in self._segments(chunk, count):
             self.ops.decode_accumulate(self._records(payload, width, a, b, offset), width,
                                        self.config, self.work[a:b])
 
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
     ) -> torch.Tensor:
+        if self._geom:  # widths change with the count: decode-accumulate, then encode
+            self.decompress_accumulate(chunk, payload, count)
+            return self.compress(chunk, out_count)
         out = torch.empty_like(payload)
         for width, a, b, offset in self._segments(chunk):
             self.ops.decode_accumulate_encode(
