@@ -185,22 +185,51 @@ def _tree_sum_256(t):
 
 @numba.njit(**_inline)
 def _scales_encode(
-    xrow_bits, hierarchical, d, meta, f32, u32, qscale, gbits, ginv, gpre
+    xrow_bits, hierarchical, d, meta, f32, u32, qscale, gbits, ginv, gpre, hbits, qbits, tree
 ):
     """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18 or 16
     bytes), the decoded scale of each group of 16 into ``qscale`` [16], and codec._normalise's
     factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is unusable, and the
     prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a prescale is not 1
     (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32 and as uint32
-    (a bit cast); ``gbits`` scratch [16]."""
+    (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With ``tree`` (a
+    literal) the group maxima come from a halving tree inside each group, whose every step
+    vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
+    just written) the plain per-group loop measured faster."""
     if hierarchical:
         top = np.uint32(0)
+        if tree:
+            for j in range(SUPER // 2):  # halving tree inside each group: contiguous halves
+                g = j >> 3
+                k = j & 7
+                a0 = np.uint32(xrow_bits[g * GROUP + k] & _ABS)
+                a1 = np.uint32(xrow_bits[g * GROUP + 8 + k] & _ABS)
+                hbits[j] = a0 if a0 > a1 else a1
+            for j in range(SUPER // 4):
+                g = j >> 2
+                k = j & 3
+                a0 = hbits[g * 8 + k]
+                a1 = hbits[g * 8 + 4 + k]
+                qbits[j] = a0 if a0 > a1 else a1
+            for j in range(SUPER // 8):
+                g = j >> 1
+                k = j & 1
+                a0 = qbits[g * 4 + k]
+                a1 = qbits[g * 4 + 2 + k]
+                hbits[j] = a0 if a0 > a1 else a1
+            for g in range(GROUPS):
+                a0 = hbits[2 * g]
+                a1 = hbits[2 * g + 1]
+                gbits[g] = a0 if a0 > a1 else a1
+        else:
+            for g in range(GROUPS):
+                m = np.uint32(0)
+                for j in range(GROUP):
+                    b = np.uint32(xrow_bits[g * GROUP + j] & _ABS)
+                    m = b if b > m else m
+                gbits[g] = m
         for g in range(GROUPS):
-            m = np.uint32(0)
-            for j in range(GROUP):
-                b = np.uint32(xrow_bits[g * GROUP + j] & _ABS)
-                m = b if b > m else m
-            gbits[g] = m
+            m = gbits[g]
             top = m if m > top else top
         u32[0] = top
         f32[0] = f32[0] / _F255  # fp32 division, as the reference's ``top / 255.0``
@@ -277,18 +306,18 @@ def _scales_decode(meta, hierarchical, d, f32, u32):
 @numba.njit(**_inline)
 def _encode_row(
     xrow, xrow_bits, base, out_row, width, hierarchical, mags, nxt, rtab, bins,
-    jitter_key, perm_key, ptab, inv_n, correlated, scratch,
+    jitter_key, perm_key, ptab, inv_n, correlated, scratch, tree,
 ):
     """codec._encode_rows for one row ``xrow`` (fp32 [256], ``xrow_bits`` its uint32 view) whose
     first coordinate has global index ``base``, into ``out_row`` (uint8 [record_nbytes]).
     ``scratch`` is the tuple of arrays :func:`_encode_scratch` makes; ``ptab`` this rank's
     column of the call's permutation table (rng.permutation_table)."""
     (d, p, u, codes, f32, u32, qscale, gbits, ginv, gpre, piv, selv,
-     av, neg, binv, rv, lov, hiv) = scratch
+     av, neg, binv, rv, lov, hiv, hbits, qbits) = scratch
     top = (1 << (width - 1)) - 1  # R
     code_nbytes = 32 * width
     tiny = _scales_encode(xrow_bits, hierarchical, d, out_row[code_nbytes:], f32, u32, qscale,
-                          gbits, ginv, gpre)
+                          gbits, ginv, gpre, hbits, qbits, tree)
     xs = xrow
     if tiny:  # codec._normalise's x * s, exact, into scratch (only rows with denormal scales)
         for g in range(GROUPS):
@@ -414,7 +443,7 @@ def _decode_row(
 def _encode_scratch():
     """Per-call scratch of :func:`_encode_row` (allocated once per row range, not per row):
     ``(d, p, u, codes, f32, u32, qscale, gbits, ginv, gpre, piv, selv, av, neg, binv, rv,
-    lov, hiv)``."""
+    lov, hiv, hbits, qbits)``."""
     f32 = np.empty(1, np.float32)
     return (np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.uint8), f32, f32.view(np.uint32),
@@ -423,7 +452,8 @@ def _encode_scratch():
             np.empty(GROUPS, np.float32), np.empty(GROUPS, np.int32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.bool_),
             np.empty(SUPER, np.int32), np.empty(SUPER, np.int32),
-            np.empty(SUPER, np.float32), np.empty(SUPER, np.float32))
+            np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
+            np.empty(SUPER // 2, np.uint32), np.empty(SUPER // 4, np.uint32))
 
 
 # -- generic bodies over row ranges (inlined into the per-width entry points) -------------------
@@ -438,7 +468,7 @@ def _encode_rows(
     scratch = _encode_scratch()
     for i in range(lo, hi):
         _encode_row(x[i], x_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
-                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch)
+                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**_inline)
@@ -466,7 +496,7 @@ def _hop_rows(
     for i in range(lo, hi):
         _decode_row(records[i], width, hierarchical, table, dd, f32, u32, acc[i], True)
         _encode_row(acc[i], acc_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
-                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch)
+                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 # -- entry points: one per width -----------------------------------------------------------------
