@@ -170,6 +170,17 @@ def _bf16_ceil_bits(bits):
 
 
 @numba.njit(**_inline)
+def _tree_sum_128(t):
+    """The last 7 levels of codec.tree_sum on 128 fp32 values in ``t`` (overwritten)."""
+    h = 64
+    while h >= 1:
+        for j in range(h):
+            t[j] = t[j] + t[j + h]
+        h //= 2
+    return t[0]
+
+
+@numba.njit(**_inline)
 def _tree_sum_256(t):
     """codec.tree_sum of the 256 fp32 values in ``t`` (overwritten): ``t[:h] + t[h:]``."""
     h = 128
@@ -721,26 +732,33 @@ def stats_only(lo, hi, x, valid, divisor, mean, norm2):
     """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
     reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
     centred rows (they are written later, already in sorted order, by :func:`center_gather`)."""
-    t = np.empty(SUPER, np.float32)
+    t = np.empty(SUPER // 2, np.float32)
     r = np.empty(SUPER, np.float32)
     divide = divisor != _F1
+    half = SUPER // 2
     for i in range(lo, hi):
-        row = x[i]
+        src = x[i]
         if divide:
             for j in range(SUPER):
-                r[j] = row[j] / divisor
-        else:
-            for j in range(SUPER):
-                r[j] = row[j]
-        for j in range(SUPER):
-            t[j] = r[j]
-        m = _tree_sum_256(t) / np.float32(valid[i])
+                r[j] = src[j] / divisor
+            src = r
+        # codec.tree_sum, its first level read straight from the row (no copies)
+        for j in range(half):
+            t[j] = src[j] + src[j + half]
+        m = _tree_sum_128(t) / np.float32(valid[i])
         v = valid[i]
-        for j in range(SUPER):
-            c = r[j] - m if j < v else _F0
-            t[j] = c * c
+        if v == SUPER:
+            for j in range(half):
+                a = src[j] - m
+                b = src[j + half] - m
+                t[j] = a * a + b * b  # products rounded, then the first level's add
+        else:
+            for j in range(half):
+                a = src[j] - m if j < v else _F0
+                b = src[j + half] - m if j + half < v else _F0
+                t[j] = a * a + b * b
         mean[i] = m
-        norm2[i] = _tree_sum_256(t)
+        norm2[i] = _tree_sum_128(t)
 
 
 @numba.njit(**JIT_OPTIONS)
