@@ -10,7 +10,8 @@ Every collective follows the same path:
    naming the ranks and values. ``DQCOLL_VALIDATE=0`` skips the handshake (local errors still
    raise, but a peer may then wait until its timeout).
 2. The scheme plans the call (statistics, allocation) and the executor runs the schedule, cut
-   into tiles of ``tile_nbytes`` (default :data:`~dqcoll.executor.DEFAULT_TILE_NBYTES`) with
+   into tiles of ``tile_nbytes`` (default :func:`~dqcoll.executor.default_tile_nbytes`: 4 MiB
+   on CPUs, 64 MiB on CUDA devices) with
    ``tiles_in_flight`` overlapping (see :mod:`dqcoll.executor`; the result does not depend on
    either, but all ranks must agree on them, so they are part of the handshake).
 3. The result is written into the caller's buffer last, so an error leaves the input untouched.
@@ -37,7 +38,7 @@ from . import envs, handles, schemes
 from .comm import Communicator, get_default_comm
 from .context import call_context
 from .errors import DqcollError, InvalidArgumentError, MismatchError, PeerError
-from .executor import DEFAULT_TILE_NBYTES, DEFAULT_TILES_IN_FLIGHT, run_schedule
+from .executor import DEFAULT_TILES_IN_FLIGHT, default_tile_nbytes, run_schedule
 from .interop import as_torch_view, stream_scope
 from .schemes.base import Scheme
 from .topology import algorithms
@@ -385,7 +386,7 @@ def _run_checked(
     tile_nbytes: int | None,
     tiles_in_flight: int,
 ) -> None:
-    tile_nbytes = DEFAULT_TILE_NBYTES if tile_nbytes is None else tile_nbytes
+    tile_nbytes = default_tile_nbytes(comm.device) if tile_nbytes is None else tile_nbytes
     call_step = comm.next_step()
     step = call_step if step is None else step
     seed = comm.seed if seed is None else seed

@@ -66,10 +66,12 @@ from .transports.base import Transport
 from .types import Collective
 
 __all__ = [
+    "DEFAULT_CUDA_TILE_NBYTES",
     "DEFAULT_TILES_IN_FLIGHT",
     "DEFAULT_TILE_NBYTES",
     "RankPlan",
     "TilePlan",
+    "default_tile_nbytes",
     "plan_tiles",
     "rank_plan",
     "run_schedule",
@@ -85,6 +87,22 @@ __all__ = [
 # tuner sets it per message size.
 DEFAULT_TILE_NBYTES = 4 << 20
 DEFAULT_TILES_IN_FLIGHT = 2
+# On CUDA devices the codec of a tile is a few microseconds of GPU work (the fused hop is
+# memory-bound: 4 MiB of fp32 is 1 M coordinates, ~5 B each at ~3 TB/s, ~2 us) against the host
+# side of a tile-step -- the executor's Python, the launchers' checks, a grouped exchange --
+# measured at ~0.5 ms of CPU per tile-step on the 2-core dev VM (an all-reduce of 16 M
+# coordinates over 4 ranks: ~24 ms of Python over 42 tile-steps, thread CPU time), perhaps
+# ~0.15 ms on a GPU host's faster cores. At 4 MiB a GPU rank would be host-bound ~50x over; at
+# 64 MiB a tile-step carries ~30 us of kernels and, at 10-100 Gb/s, 1-10 ms of transfer, which is
+# what the host time must hide behind. So CUDA tensors default to 64 MiB tiles (a chunk of up
+# to 64 MiB goes in one tile; bigger chunks still pipeline). To be re-measured on a GPU
+# (docs/gpu_transport.md); the tuner sets the tile per message size.
+DEFAULT_CUDA_TILE_NBYTES = 64 << 20
+
+
+def default_tile_nbytes(device: torch.device) -> int:
+    """The API's tile size for buffers on ``device`` (see the constants above)."""
+    return DEFAULT_CUDA_TILE_NBYTES if device.type == "cuda" else DEFAULT_TILE_NBYTES
 
 
 @dataclasses.dataclass(frozen=True)

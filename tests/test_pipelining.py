@@ -20,7 +20,7 @@ import torch
 import dqcoll
 from dqcoll import schemes
 from dqcoll.errors import MismatchError, PeerError
-from dqcoll.executor import DEFAULT_TILE_NBYTES, plan_tiles
+from dqcoll.executor import DEFAULT_TILE_NBYTES, default_tile_nbytes, plan_tiles
 from dqcoll.schemes.base import SchemeSpec
 from dqcoll.schemes.elementwise import BlockCodec
 from dqcoll.testing import run_local
@@ -444,3 +444,10 @@ def test_tuner_tile_count_maps_to_tile_nbytes() -> None:
 
     for tiles in (2, 5, 16):
         assert run_local(3, body, tiles) == [tiles] * 3
+
+
+def test_default_tile_per_device() -> None:
+    """CPU buffers default to 4 MiB tiles; CUDA buffers to 64 MiB (the host side of a tile-step
+    would otherwise dwarf its microseconds of GPU codec work; see dqcoll.executor)."""
+    assert default_tile_nbytes(torch.device("cpu")) == DEFAULT_TILE_NBYTES == 4 << 20
+    assert default_tile_nbytes(torch.device("cuda", 0)) == 64 << 20
