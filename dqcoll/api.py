@@ -10,7 +10,7 @@ Every collective follows the same path:
    naming the ranks and values. ``DQCOLL_VALIDATE=0`` skips the handshake (local errors still
    raise, but a peer may then wait until its timeout).
 2. The scheme plans the call (statistics, allocation) and the executor runs the schedule, cut
-   into tiles of ``tile_nbytes`` (default :func:`~dqcoll.executor.default_tile_nbytes`: 4 MiB
+   into tiles of ``tile_nbytes`` (default :func:`~dqcoll.executor.default_tile_nbytes`: 16 MiB
    on CPUs, 64 MiB on CUDA devices) with
    ``tiles_in_flight`` overlapping (see :mod:`dqcoll.executor`; the result does not depend on
    either, but all ranks must agree on them, so they are part of the handshake).
@@ -579,9 +579,9 @@ def allreduce(
     :mod:`dqcoll.schemes.dynamiq.error_model`); ``comm.last_info`` reports the bits used and
     the prediction.
     ``async_op=True`` returns a :class:`~dqcoll.handles.CollectiveHandle` (``wait()`` returns
-    ``buf``; ``is_completed()``) instead of ``buf``. ``tile_nbytes`` (None: the default, 4 MiB;
-    0: untiled) and ``tiles_in_flight`` set the pipelining (:mod:`dqcoll.executor`); the result
-    does not depend on them.
+    ``buf``; ``is_completed()``) instead of ``buf``. ``tile_nbytes`` (None: the default,
+    :func:`~dqcoll.executor.default_tile_nbytes`; 0: untiled) and ``tiles_in_flight`` set the
+    pipelining (:mod:`dqcoll.executor`); the result does not depend on them.
     """
     return _launch(Collective.ALLREDUCE, buf, None, buf, async_op=async_op, comm=comm, op=op,
                    scheme=scheme, bits=bits, algorithm=algorithm, seed=seed, step=step,

@@ -78,14 +78,16 @@ __all__ = [
     "tile_nbytes_for",
 ]
 
-# Per-chunk fp32 work bytes of one tile: 4 MiB is 4096 DynamiQ super-groups, ~0.66 MiB on the wire
-# at 5 bits. Big enough that the fixed cost per tile and step (a few kernel launches and one grouped
-# exchange, ~50-100 us of host time in Python) stays a few percent of the tile's codec time on CPU
-# (torch reference, ~100 MB/s per core here) and that a message to a peer is well past the size at
-# which NCCL reaches link bandwidth (~0.5 MiB); small enough that a 64 MiB chunk (512 MiB buffer
-# over 8 ranks) runs as 16 tiles. Measured on GPUs it is still owed (docs/gpu_transport.md); the
-# tuner sets it per message size.
-DEFAULT_TILE_NBYTES = 4 << 20
+# Per-chunk fp32 work bytes of one tile on CPUs: 16 MiB is 16384 DynamiQ super-groups, ~2.6 MiB
+# on the wire at 5 bits. The fixed cost of a tile-step (the executor's Python, the launchers'
+# checks, one grouped exchange) measured ~0.5 ms of CPU on the 2-core dev VM, against ~10 ms of
+# compiled codec for a 16 MiB tile (~400 M coordinates/s per core): a few per cent, where 4 MiB
+# tiles (the default while the codec was the torch reference) cost ~20 %. Measured with the
+# numba codec, 4 ranks, 64 MiB per rank: loopback ring 247 -> 201 ms and butterfly 228 -> 196 ms
+# from 4 to 16 MiB (8 MiB: 221 / 205), 1 Gb/s unchanged (286 ms), 200 Mb/s 892 -> 932 ms (less
+# overlap of codec and transfer with fewer tiles). A 64 MiB chunk still runs as 4 tiles. The
+# tuner sets the tile per message size.
+DEFAULT_TILE_NBYTES = 16 << 20
 DEFAULT_TILES_IN_FLIGHT = 2
 # On CUDA devices the codec of a tile is a few microseconds of GPU work (the fused hop is
 # memory-bound: 4 MiB of fp32 is 1 M coordinates, ~5 B each at ~3 TB/s, ~2 us) against the host
