@@ -10,7 +10,7 @@ Every collective follows the same path:
    naming the ranks and values. ``DQCOLL_VALIDATE=0`` skips the handshake (local errors still
    raise, but a peer may then wait until its timeout).
 2. The scheme plans the call (statistics, allocation) and the executor runs the schedule, cut
-   into tiles of ``tile_nbytes`` (default :func:`~dqcoll.executor.default_tile_nbytes`: 16 MiB
+   into tiles of ``tile_nbytes`` (default :func:`~dqcoll.executor.default_tile_nbytes`: 4 MiB
    on CPUs, 64 MiB on CUDA devices) with
    ``tiles_in_flight`` overlapping (see :mod:`dqcoll.executor`; the result does not depend on
    either, but all ranks must agree on them, so they are part of the handshake).

@@ -78,16 +78,16 @@ __all__ = [
     "tile_nbytes_for",
 ]
 
-# Per-chunk fp32 work bytes of one tile on CPUs: 16 MiB is 16384 DynamiQ super-groups, ~2.6 MiB
-# on the wire at 5 bits. The fixed cost of a tile-step (the executor's Python, the launchers'
-# checks, one grouped exchange) measured ~0.5 ms of CPU on the 2-core dev VM, against ~10 ms of
-# compiled codec for a 16 MiB tile (~400 M coordinates/s per core): a few per cent, where 4 MiB
-# tiles (the default while the codec was the torch reference) cost ~20 %. Measured with the
-# numba codec, 4 ranks, 64 MiB per rank: loopback ring 247 -> 201 ms and butterfly 228 -> 196 ms
-# from 4 to 16 MiB (8 MiB: 221 / 205), 1 Gb/s unchanged (286 ms), 200 Mb/s 892 -> 932 ms (less
-# overlap of codec and transfer with fewer tiles). A 64 MiB chunk still runs as 4 tiles. The
-# tuner sets the tile per message size.
-DEFAULT_TILE_NBYTES = 16 << 20
+# Per-chunk fp32 work bytes of one tile on CPUs: 4 MiB is 4096 DynamiQ super-groups, ~0.66 MiB on
+# the wire at 5 bits. The fixed cost of a tile-step (the executor's Python, the launchers'
+# checks, one grouped exchange) measured ~0.5 ms of CPU on the 2-core dev VM, ~20 % of a 4 MiB
+# tile's compiled codec, so where the link costs nothing (loopback) bigger tiles are faster: 4
+# ranks x 64 MiB, loopback, ring 247 -> 201 ms and butterfly 228 -> 196 ms from 4 to 16 MiB. But
+# on slow links the overlap of one tile's codec with another's transfer is worth more: from 4 to
+# 16 MiB, 2 ranks at 200 Mb/s went 516 -> 767 ms and at 1 Gb/s 154 -> 192 ms (8 MiB: 680 / 178),
+# 4 ranks at 200 Mb/s 892 -> 965 ms. dqcoll is for slow links, so the default stays 4 MiB; the
+# tuner sets the tile per message size and link, and `dqcoll demo` (loopback) passes 16 MiB.
+DEFAULT_TILE_NBYTES = 4 << 20
 DEFAULT_TILES_IN_FLIGHT = 2
 # On CUDA devices the codec of a tile is a few microseconds of GPU work (the fused hop is
 # memory-bound: 4 MiB of fp32 is 1 M coordinates, ~5 B each at ~3 TB/s, ~2 us) against the host

@@ -449,5 +449,5 @@ def test_tuner_tile_count_maps_to_tile_nbytes() -> None:
 def test_default_tile_per_device() -> None:
     """CPU buffers default to 4 MiB tiles; CUDA buffers to 64 MiB (the host side of a tile-step
     would otherwise dwarf its microseconds of GPU codec work; see dqcoll.executor)."""
-    assert default_tile_nbytes(torch.device("cpu")) == DEFAULT_TILE_NBYTES == 16 << 20
+    assert default_tile_nbytes(torch.device("cpu")) == DEFAULT_TILE_NBYTES == 4 << 20
     assert default_tile_nbytes(torch.device("cuda", 0)) == 64 << 20
