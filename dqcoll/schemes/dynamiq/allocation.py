@@ -34,7 +34,7 @@ import dataclasses
 import enum
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -348,23 +348,38 @@ class _Bracket:
                 step *= 8.0
 
 
-def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width_set, errors,
-                   stats, budget, cost):  # type: ignore[no-untyped-def]
-    """The generic allocation: any width set, thresholds from an error table (default the
-    paper's 4**-w assumption); bisection on ``u`` for the largest total that fits."""
-    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
-    if max_width == RAW_WIDTH:
-        widths_all = (*widths_all, RAW_WIDTH)
-    if errors is None:
-        errors = {w: 4.0**-w for w in widths_all}
-    hull, offsets = hull_offsets(widths_all, errors, scales)
-    top = max(w for w in hull if w != RAW_WIDTH)
+def _log_energies(norm2: torch.Tensor, energy_exponent: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a * log2 F, F == 0)`` per row in float64; ``log2 F`` of a zero row is 0 (it is masked)
+    and of an overflowed (+inf) norm 128, ranking it as the largest finite one."""
     f = norm2.double()
     zero = f == 0
     log_f = torch.log2(torch.where(zero, 1.0, f))
     log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
     if energy_exponent != 1.0:
         log_f = log_f * energy_exponent
+    return log_f, zero
+
+
+def _hull_widths(width_set: Sequence[int], max_width: int, errors: dict[int, float] | None,
+                 scales: Scales) -> tuple[list[int], list[float], int]:
+    """The widths a generic allocation chooses among, their hull offsets and the widest coded
+    width (errors default to the paper's ``4**-w`` assumption)."""
+    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
+    if max_width == RAW_WIDTH:
+        widths_all = (*widths_all, RAW_WIDTH)
+    if errors is None:
+        errors = {w: 4.0**-w for w in widths_all}
+    hull, offsets = hull_offsets(widths_all, errors, scales)
+    return hull, offsets, max(w for w in hull if w != RAW_WIDTH)
+
+
+def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width_set, errors,
+                   stats, budget, cost):  # type: ignore[no-untyped-def]
+    """The generic allocation: any width set, thresholds from an error table (default the
+    paper's 4**-w assumption); bisection on ``u`` for the largest total that fits."""
+    hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
+    log_f, zero = _log_energies(norm2, energy_exponent)
     nan = torch.isnan(log_f)
 
     def widths_at(u: float) -> torch.Tensor:
@@ -437,17 +452,8 @@ def allocate_widths_by_count(
     stats = stats_bytes * rows
     budget = math.floor(bits * numel / 8.0)
     lookup = _cost_lookup(scales).double()
-    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
-    if max_width == RAW_WIDTH:
-        widths_all = (*widths_all, RAW_WIDTH)
-    if errors is None:
-        errors = {w: 4.0**-w for w in widths_all}
-    hull, offsets = hull_offsets(widths_all, errors, scales)
-    top = max(w for w in hull if w != RAW_WIDTH)
-    f = norm2.double()
-    zero = f == 0
-    log_f = torch.log2(torch.where(zero, 1.0, f))
-    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
+    hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
+    log_f, zero = _log_energies(norm2)
     nan = torch.isnan(log_f)
     # Ties (bf16 statistics leave few distinct norms on dense data) are broken by row index so
     # that the bisection can split them and the budget is used up; 2**-30 per row is far below

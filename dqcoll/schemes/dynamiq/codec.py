@@ -240,7 +240,13 @@ def stats_center_torch(
     zero after centring. Returns ``(centred [S, 256], mean [S], norm2 [S])``.
     """
     counts = valid.to(device=x.device, dtype=torch.float32)
-    mean = tree_sum(x) / counts
+    return _centre(x, valid, tree_sum(x) / counts)
+
+
+def _centre(
+    x: torch.Tensor, valid: torch.Tensor, mean: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x - mean, mean, squared norm)`` per row, the padding past ``valid`` kept exactly 0."""
     centred = x - mean[:, None]
     partial = valid < SUPER
     if bool(partial.any()):
@@ -260,13 +266,7 @@ def stats_center_rounded_torch(
     mean = (tree_sum(x) / counts).to(torch.bfloat16).float()
     if not centre:  # statistics without the mean (prototype "norm16")
         mean = torch.zeros_like(mean)
-    centred = x - mean[:, None]
-    partial = valid < SUPER
-    if bool(partial.any()):
-        pad = torch.arange(SUPER, device=x.device)[None, :] >= valid.to(x.device)[:, None]
-        centred = centred.masked_fill(pad, 0.0)
-    norm2 = tree_sum(centred * centred)
-    return centred, mean, norm2
+    return _centre(x, valid, mean)
 
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
