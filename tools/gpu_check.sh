@@ -12,7 +12,9 @@
 #          tensors over the `local` transport equal to the CPU run)
 #   bench  benchmarks/kernels.py: each kernel at 2^20..2^28 coordinates (step 2^2) and widths
 #          2/4/8, CUDA events after warm-up, GB/s and % of the copy bandwidth measured in the same
-#          run, speed-up vs the torch reference; writes benchmarks/results/kernels-<device>.json
+#          run, speed-up vs the torch reference; writes benchmarks/results/kernels-<device>.json;
+#          then benchmarks/kernels.py --aot <arch> (executed SASS per coordinate, the predicted
+#          % of copy bandwidth) into $RESULTS_DIR/kernels-aot-sm<arch>.json beside it
 #   tune   benchmarks/kernels.py --tune at 2^26: rows-per-program x warps of the fused kernel;
 #          copy the winners into dqcoll/kernels/_launch.py with the device and commit
 #   nccl   the NCCL transport (docs/gpu_transport.md): tests marked `multi_rank_gpu` (2 and 3 NCCL
@@ -84,7 +86,12 @@ section_tests() {
 }
 
 section_bench() {
-    "$PY" benchmarks/kernels.py --min-log2 20 --max-log2 28 --step 2
+    "$PY" benchmarks/kernels.py --min-log2 20 --max-log2 28 --step 2 || return 1
+    # The compile-only prediction of the same commit beside the measurement (issue 15): executed
+    # SASS per coordinate and the implied % of copy bandwidth, for the fused hop's measured GB/s.
+    local arch
+    arch="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(10 * m + n)')"
+    "$PY" benchmarks/kernels.py --aot "$arch" --json "$RESULTS_DIR/kernels-aot-sm${arch}.json"
 }
 
 section_tune() {
