@@ -495,12 +495,12 @@ def _decode_rows(
 
 @numba.njit(**_inline)
 def _hop_rows(
-    lo, hi, width, records, table, acc, write_acc, index_base, out, hierarchical, mags, nxt,
+    lo, hi, width, records, table, acc, index_base, out, hierarchical, mags, nxt,
     rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated,
 ):
     """The fused decode-accumulate-encode, a row at a time: the partial sum is accumulated in
-    ``acc``'s row itself (whose later contents are unspecified without ``write_acc``: the
-    executor never reads them) and encoded from there while it is in cache."""
+    ``acc``'s row itself and encoded from there while it is in cache (with ``keep_sum=False``
+    the reference leaves ``acc`` unspecified; the executor never reads it again)."""
     scratch = _encode_scratch()
     dd, f32, u32 = scratch[0], scratch[4], scratch[5]  # d (free until the encode), a word
     acc_bits = acc.view(np.uint32)
@@ -575,44 +575,44 @@ def decode_w8(lo, hi, records, hierarchical, table, out, accumulate):
 
 
 @numba.njit(**JIT_OPTIONS)
-def hop_w2h(lo, hi, records, table, acc, write_acc, index_base, out, mags, nxt,
+def hop_w2h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, write_acc, index_base, out, True, mags,
+    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, True, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def hop_w2f(lo, hi, records, table, acc, write_acc, index_base, out, mags, nxt,
+def hop_w2f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, write_acc, index_base, out, False, mags,
+    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, False, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def hop_w4h(lo, hi, records, table, acc, write_acc, index_base, out, mags, nxt,
+def hop_w4h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, write_acc, index_base, out, True, mags,
+    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, True, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def hop_w4f(lo, hi, records, table, acc, write_acc, index_base, out, mags, nxt,
+def hop_w4f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, write_acc, index_base, out, False, mags,
+    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, False, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def hop_w8h(lo, hi, records, table, acc, write_acc, index_base, out, mags, nxt,
+def hop_w8h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, write_acc, index_base, out, True, mags,
+    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, True, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def hop_w8f(lo, hi, records, table, acc, write_acc, index_base, out, mags, nxt,
+def hop_w8f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, write_acc, index_base, out, False, mags,
+    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, False, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 

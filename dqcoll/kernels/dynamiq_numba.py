@@ -295,8 +295,7 @@ def decode_accumulate_encode(
     lv = level_tables(width, config.levels)
     with _inplace_rows(acc) as target:
         run_rows(_HOP[width, config.scales is Scales.HIERARCHICAL], rows, rec, lv.table, target,
-                 bool(keep_sum), index, result.numpy(),
-                 *_rounding_args(width, config, key, rank, world_size))
+                 index, result.numpy(), *_rounding_args(width, config, key, rank, world_size))
     return result
 
 

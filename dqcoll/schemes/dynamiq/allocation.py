@@ -61,9 +61,9 @@ __all__ = [
 ]
 
 C_SLOPE = 4.0 / math.log2(512.0 / 17.0)
-STATS_BYTES_PER_SUPER = 8  # fp32 mean and fp32 squared norm, all-reduced uncompressed
 # statistics bytes per super-group, by the scheme's ``stats`` option
 STATS_BYTES = {"fp32": 8, "bf16": 4, "norm16": 2}
+STATS_BYTES_PER_SUPER = STATS_BYTES["fp32"]  # the default: fp32 mean and squared norm
 _BISECTION_STEPS = 64
 
 # Single-quantization vNMSE of i.i.d. N(0, 1) per width (groups of 16; 8192 super-groups,
