@@ -272,33 +272,6 @@ def tune(device: torch.device, numel: int, config: CodecConfig, world_size: int,
     return results
 
 
-# Argument types of each kernel at 4 bits, hierarchical scales, correlated rounding over 8 ranks,
-# for tests/test_kernels.py's exactness check. ``--aot`` does not use this table: it derives the
-# signature and specialisation of every launch from Triton's own binder (benchmarks/kernels_aot.py).
-_AOT_SIGNATURES: dict[str, dict[str, str]] = {
-    "_stats_center_kernel": {"x_ptr": "*fp32", "x_row_stride": "i64", "valid_ptr": "*i32",
-                             "centred_ptr": "*fp32", "mean_ptr": "*fp32", "norm2_ptr": "*fp32",
-                             "n_rows": "i32"},
-    "_encode_kernel": {"x_ptr": "*fp32", "x_row_stride": "i64", "index_ptr": "*i64",
-                       "out_ptr": "*u8", "out_row_stride": "i64", "lvl_ptr": "*i32",
-                       "jitter_key": "i32",
-                       "perm_key": "i32", "ptab_ptr": "*i32", "inv_n": "fp32", "n_rows": "i32"},
-    "_decode_kernel": {"rec_ptr": "*u8", "rec_row_stride": "i64", "table_ptr": "*fp32",
-                       "out_ptr": "*fp32", "n_rows": "i32"},
-    "_decode_accumulate_kernel": {"rec_ptr": "*u8", "rec_row_stride": "i64",
-                                  "table_ptr": "*fp32", "acc_ptr": "*fp32",
-                                  "acc_row_stride": "i64", "n_rows": "i32"},
-    "_decode_accumulate_encode_kernel": {
-        "rec_ptr": "*u8", "rec_row_stride": "i64", "table_ptr": "*fp32", "acc_ptr": "*fp32",
-        "acc_row_stride": "i64", "index_ptr": "*i64", "out_ptr": "*u8", "out_row_stride": "i64",
-        "lvl_ptr": "*i32", "jitter_key": "i32",
-        "perm_key": "i32", "ptab_ptr": "*i32", "inv_n": "fp32", "n_rows": "i32"},
-    "_restore_kernel": {"work_ptr": "*fp32", "work_row_stride": "i64", "mean_ptr": "*fp32",
-                        "index_ptr": "*i64", "valid_ptr": "*i32", "out_ptr": "*fp32",
-                        "n_rows": "i32"},
-}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (interpreter)")

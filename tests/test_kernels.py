@@ -418,37 +418,27 @@ def test_kernel_module_uses_only_triton_builtins() -> None:
 
 
 def test_compiled_kernels_keep_the_exactness_rules() -> None:
-    """Compiled for sm_90 (no GPU needed: Triton's bundled ptxas), the fused hop and the
-    statistics kernel contain no fp32 FMA (no log2 guess either) and no approximate
+    """Compiled for sm_90 as their launchers launch them (no GPU needed: Triton's bundled
+    ptxas), the fused hop and the statistics kernel contain no fp32 FMA and no approximate
     division; every division is IEEE ``div.rn``."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     import re
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from dqcoll.kernels import _dynamiq_kernels, _launch
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     try:
-        from kernels import _AOT_SIGNATURES  # benchmarks/kernels.py
+        import kernels_aot  # compiles a kernel exactly as its launcher launches it
     finally:
         sys.path.pop(0)
-    cases = [
-        ("_decode_accumulate_encode_kernel",
-         dict(WIDTH=4, ROWS=4, NB=16, BS=16, HIERARCHICAL=True,
-              CORRELATED=True, BINS=1024, WRITE_ACC=False)),
-        ("_stats_center_kernel", dict(ROWS=8)),
-    ]
-    for name, constexprs in cases:
-        source = ASTSource(fn=getattr(_dynamiq_kernels, name), signature=_AOT_SIGNATURES[name],
-                           constexprs=constexprs)
+    for kernel, width in (("decode_accumulate_encode", 4), ("stats_center", 0)):
         try:
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": 4, **_launch.compile_options()})
+            launch = kernels_aot.capture_launch(kernel, width, RoundingMode.CORRELATED)
+            source, options, target = kernels_aot._specialise(launch, 90)
+            compiled = triton.compile(source, target=target, options=options)
         except RuntimeError as exc:  # no ptxas usable on this machine
             pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        name = launch.kernel.__name__
         ptx = compiled.asm["ptx"]
         assert not re.findall(r"\bfma\.\S*f32", ptx), f"{name}: fp32 FMA in the PTX"
         assert not re.findall(r"\bdiv\.(approx|full)", ptx), f"{name}: inexact division"
