@@ -32,7 +32,7 @@ def test_proto_scales_round_trip_never_clip(scales: codec.ProtoScales) -> None:
     x = torch.randn(16, codec.SUPER, generator=torch.Generator().manual_seed(2))
     x[3] *= 1e-6
     x[4, :16] = 0.0
-    config = codec.CodecConfig(levels=codec.ProtoLevels.TUNED, scales=scales)
+    config = codec.CodecConfig(levels=codec.Levels.TUNED, scales=scales)
     for width in codec.FINE_WIDTHS:
         records = codec.encode_torch(x, width, torch.arange(16) * codec.SUPER, 0, 1, 3, config)
         assert records.shape[1] == codec.record_nbytes(width, scales)

@@ -386,7 +386,7 @@ def warm_up() -> None:
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
-        for scales in Scales:
+        for scales in (Scales.HIERARCHICAL, Scales.FLAT):  # what the kernels implement
             config = CodecConfig(scales=scales)
             for width in WIDTHS:
                 for world_size in (1, 3):  # independent and correlated rounding

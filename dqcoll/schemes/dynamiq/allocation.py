@@ -43,7 +43,6 @@ from .codec import (
     SUPER,
     WIDTHS,
     Levels,
-    ProtoLevels,
     ProtoScales,
     Scales,
     Widths,
@@ -74,13 +73,13 @@ MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
     (Levels.NONUNIFORM, Scales.HIERARCHICAL): {
         2: 0.7032, 3: 0.07086, 4: 0.01324, 5: 0.00286, 6: 6.856e-4, 7: 1.723e-4, 8: 7.895e-5,
         16: 4.141e-8},
-    (ProtoLevels.TUNED, Scales.HIERARCHICAL): {
+    (Levels.TUNED, Scales.HIERARCHICAL): {
         2: 0.7032, 3: 0.07086, 4: 0.01299, 5: 0.00286, 6: 6.856e-4, 7: 1.723e-4, 8: 4.442e-5,
         16: 4.141e-8},
-    (ProtoLevels.TUNED, ProtoScales.HIERARCHICAL4): {
+    (Levels.TUNED, ProtoScales.HIERARCHICAL4): {
         2: 0.7693, 3: 0.0795, 4: 0.01517, 5: 0.003345, 6: 7.794e-4, 7: 1.891e-4, 8: 4.719e-5,
         16: 4.141e-8},
-    (ProtoLevels.TUNED, ProtoScales.HIERARCHICAL4X32): {
+    (Levels.TUNED, Scales.HIERARCHICAL4X32): {
         2: 0.9603, 3: 0.09573, 4: 0.01772, 5: 0.00391, 6: 9.168e-4, 7: 2.224e-4, 8: 5.649e-5,
         16: 4.141e-8},
     (Levels.NONUNIFORM, ProtoScales.HIERARCHICAL4): {

@@ -71,7 +71,6 @@ __all__ = [
     "WIDTHS",
     "CodecConfig",
     "Levels",
-    "ProtoLevels",
     "ProtoScales",
     "RoundingMode",
     "Scales",
@@ -115,20 +114,18 @@ _ROWS_PER_BLOCK = 256
 
 
 class Levels(enum.Enum):
-    NONUNIFORM = "nonuniform"
+    NONUNIFORM = "nonuniform"  # the paper's epsilons (EPSILON)
     UNIFORM = "uniform"
-
-
-class ProtoLevels(enum.Enum):
-    """Prototype level tables (issue 14), outside :class:`Levels` for the same reason as
-    :class:`ProtoScales`."""
-
     TUNED = "tuned"  # non-uniform with EPSILON_TUNED
 
 
 class Scales(enum.Enum):
-    HIERARCHICAL = "hierarchical"
-    FLAT = "flat"
+    HIERARCHICAL = "hierarchical"  # uint8 code per group of 16 + bf16 unit (18 B)
+    FLAT = "flat"  # bf16 scale per 32 coordinates (16 B)
+    # 4-bit codes per group of 32: unit = bf16_ceil(max_g s_g / 16), q_g = clamp(ceil(s_g /
+    # unit), 1, 16), stored q_g - 1, two per byte (group g at bit 4 * (g % 2) of byte g // 2),
+    # then the bf16 unit (4 + 2 = 6 B)
+    HIERARCHICAL4X32 = "hierarchical4x32"
 
 
 class ProtoScales(enum.Enum):
@@ -136,11 +133,8 @@ class ProtoScales(enum.Enum):
     kernels, which iterate over :class:`Scales`, never see them (the scheme runs them on the
     torch reference)."""
 
-    # 4-bit group codes: unit = bf16_ceil(max_g s_g / 16), q_g = clamp(ceil(s_g / unit), 1, 16),
-    # stored q_g - 1, two per byte (group g at bit 4 * (g % 2) of byte g // 2); 8 + 2 bytes.
+    # Scales.HIERARCHICAL4X32's 4-bit codes per group of 16 (8 + 2 bytes)
     HIERARCHICAL4 = "hierarchical4"
-    # the same 4-bit codes per group of 32 (8 codes, 4 + 2 bytes)
-    HIERARCHICAL4X32 = "hierarchical4x32"
 
 
 class Widths(enum.Enum):
@@ -177,7 +171,7 @@ def _scale_nbytes(scales: Scales) -> int:
         return GROUPS + 2
     if scales is ProtoScales.HIERARCHICAL4:
         return GROUPS // 2 + 2
-    if scales is ProtoScales.HIERARCHICAL4X32:
+    if scales is Scales.HIERARCHICAL4X32:
         return GROUPS // 4 + 2
     return 2 * SUPER // FLAT_BLOCK
 
@@ -187,7 +181,7 @@ def _magnitudes(width: int, levels: Levels) -> tuple[float, ...]:
     top = 2 ** (width - 1) - 1
     if levels is Levels.UNIFORM:
         return tuple(r / top for r in range(top + 1))
-    eps = (EPSILON_TUNED if levels is ProtoLevels.TUNED else EPSILON)[width]
+    eps = (EPSILON_TUNED if levels is Levels.TUNED else EPSILON)[width]
     base = 1.0 + 2.0 * eps**2
     return tuple((base**r - 1.0) / (base**top - 1.0) for r in range(top + 1))
 
@@ -321,7 +315,7 @@ def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch
         absmax = x.abs().view(k, SUPER // FLAT_BLOCK, FLAT_BLOCK).amax(-1)
         scale = bf16_ceil(absmax)
         return scale.float(), scale.view(torch.uint8).view(k, 2 * SUPER // FLAT_BLOCK)
-    size = 2 * GROUP if scales is ProtoScales.HIERARCHICAL4X32 else GROUP
+    size = 2 * GROUP if scales is Scales.HIERARCHICAL4X32 else GROUP
     group = x.abs().view(k, SUPER // size, size).amax(-1)  # [k, 16 or 8]; NaN propagates
     top = group.amax(-1)  # [k]
     levels = 255 if scales is Scales.HIERARCHICAL else GROUP_CODE_LEVELS
@@ -345,7 +339,7 @@ def _scales_decode(meta: torch.Tensor, scales: Scales) -> torch.Tensor:
     if scales is Scales.FLAT:
         scale = meta.contiguous().view(torch.bfloat16).float()  # [k, 8]
         return scale.repeat_interleave(FLAT_BLOCK, dim=1)
-    if isinstance(scales, ProtoScales):
+    if scales is not Scales.HIERARCHICAL:  # 4-bit codes
         codes = meta.shape[1] - 2
         b = meta[:, :codes].to(torch.int64)
         q = (torch.stack([b & 0xF, b >> 4], dim=-1).reshape(-1, 2 * codes) + 1).float()

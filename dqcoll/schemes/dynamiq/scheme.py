@@ -65,7 +65,6 @@ from .codec import (
     SUPER,
     CodecConfig,
     Levels,
-    ProtoLevels,
     ProtoScales,
     RoundingMode,
     Scales,
@@ -152,9 +151,7 @@ class DynamiqScheme:
         proto_scales = str(getattr(scales, "value", scales)).lower() in {
             e.value for e in ProtoScales}
         self.config = CodecConfig(
-            levels=(_parse(ProtoLevels, levels, "levels")
-                    if str(getattr(levels, "value", levels)).lower() == "tuned"
-                    else _parse(Levels, levels, "levels")),
+            levels=_parse(Levels, levels, "levels"),
             scales=(_parse(ProtoScales, scales, "scales") if proto_scales
                     else _parse(Scales, scales, "scales")),
             rounding=_parse(RoundingMode, rounding, "rounding"),
@@ -214,7 +211,8 @@ class DynamiqScheme:
         # and Triton kernels know widths 2/4/8/16, Levels and Scales, the fp32 statistics and the
         # fused same-width hop; docs/dense_gap.md lists what they would need for the rest).
         self.reference_only = (isinstance(self.config.scales, ProtoScales)
-                               or self.config.levels is ProtoLevels.TUNED
+                               or self.config.scales is Scales.HIERARCHICAL4X32
+                               or self.config.levels is Levels.TUNED
                                or width_set != "paper" or stats != "fp32" or self.hop_widths)
         prototype = self.reference_only or thresholds != "paper"
         if prototype and target_vnmse is not None:
