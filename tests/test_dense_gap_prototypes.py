@@ -86,18 +86,6 @@ def test_hop_widths_simulator_equals_local(algorithm: str) -> None:
     assert sim.vnmse == pytest.approx(vnmse(results[0], exact), rel=1e-12)
 
 
-# Every option the kernels cannot honour, alone: each must run on the torch reference.
-_REFERENCE_ONLY = [
-    {"levels": "tuned"},
-    {"scales": "hierarchical4"},
-    {"scales": "hierarchical4x32"},
-    {"width_set": "fine"},
-    {"stats": "bf16"},
-    {"stats": "norm16"},
-    {"hop_widths": True},
-]
-
-
 def _call_ops(monkeypatch: pytest.MonkeyPatch, **options: object) -> str:
     from dqcoll.kernels import numba_available
     from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
@@ -105,25 +93,41 @@ def _call_ops(monkeypatch: pytest.MonkeyPatch, **options: object) -> str:
     if numba_available() is not None:
         pytest.skip("numba is not importable")
     monkeypatch.setenv("DQCOLL_KERNELS", "numba")
-    scheme = DynamiqScheme(bits=5.0, **options)  # type: ignore[arg-type]
+    options = {"bits": 5.0, **options}
+    scheme = DynamiqScheme(**options)  # type: ignore[arg-type]
     x = torch.randn(4 * codec.SUPER, generator=torch.Generator().manual_seed(5))
     payload = scheme.encode(x)
     assert torch.isfinite(scheme.decode(payload)).all()
     return str(payload["call"].ops.name)
 
 
-@pytest.mark.parametrize("options", _REFERENCE_ONLY, ids=lambda o: ",".join(map(str, o.items())))
-def test_prototypes_route_to_the_reference(monkeypatch: pytest.MonkeyPatch,
-                                           options: dict[str, object]) -> None:
-    assert _call_ops(monkeypatch, **options) == "torch"
+def _numba_implements(scales: str, width: int) -> bool:
+    from dqcoll.kernels import dynamiq_numba
+
+    return dynamiq_numba.OPS.implements(codec.Scales(scales), [width])
 
 
-@pytest.mark.parametrize("options", [{}, {"thresholds": "measured"}, {"max_width": 16}],
-                         ids=["default", "thresholds=measured", "max_width=16"])
-def test_kernel_honoured_options_keep_the_kernels(monkeypatch: pytest.MonkeyPatch,
-                                                  options: dict[str, object]) -> None:
-    # measured thresholds change only the allocation and raw 16 is part of the default format
-    assert _call_ops(monkeypatch, **options) == "numba"
+@pytest.mark.parametrize("options, expect", [
+    ({"scales": "hierarchical4"}, "torch"),  # a prototype encoding: never in the kernels
+    ({"scales": "hierarchical4x32"}, "formats"),  # 4-bit widths at 5 bits
+    ({"width_set": "fine", "bits": 7.0}, "formats"),  # 4 super-groups at 7 bits: 6-bit ones
+    ({}, "numba"),
+    ({"thresholds": "measured"}, "numba"),  # changes the allocation only
+    ({"max_width": 16}, "numba"),  # raw 16 is in every format
+    ({"levels": "tuned"}, "numba"),  # level tables are data
+    ({"stats": "bf16"}, "numba"),  # statistics by torch ops, the codec on the kernels
+    ({"stats": "norm16"}, "numba"),
+    ({"hop_widths": True}, "numba"),  # decode-accumulate, then encode at the next width
+], ids=lambda o: ",".join(map(str, o.items())) if isinstance(o, dict) else o)
+def test_calls_route_by_what_the_kernels_implement(
+        monkeypatch: pytest.MonkeyPatch, options: dict[str, object], expect: str) -> None:
+    """A call runs on the kernels exactly when they implement its scales and every width it
+    uses (``DynamiqOps.formats``); otherwise on the torch reference, which gives the same bytes."""
+    if expect == "formats":
+        scales = str(options.get("scales", "hierarchical"))
+        width = 4 if "scales" in options else 6
+        expect = "numba" if _numba_implements(scales, width) else "torch"
+    assert _call_ops(monkeypatch, **options) == expect
 
 
 def test_prototype_option_checks() -> None:

@@ -31,6 +31,7 @@ from dqcoll.schemes.dynamiq import codec
 from dqcoll.schemes.dynamiq.codec import (
     RAW_WIDTH,
     SUPER,
+    FINE_WIDTHS,
     WIDTHS,
     CodecConfig,
     Levels,
@@ -46,7 +47,15 @@ CONFIGS = {
     "uniform": CodecConfig(levels=Levels.UNIFORM),
     "flat": CodecConfig(scales=Scales.FLAT),
     "independent": CodecConfig(rounding=RoundingMode.INDEPENDENT),
+    "h4x32": CodecConfig(levels=Levels.TUNED, scales=Scales.HIERARCHICAL4X32),
 }
+
+
+def need(impl: Any, width: int, config: CodecConfig) -> None:
+    """Skip a (width, scales) the fast path does not implement: ``impl.FORMATS`` lists what it
+    does, and the scheme runs the rest on the torch reference (tests/test_dense_gap_prototypes)."""
+    if width not in impl.FORMATS.get(config.scales, ()):
+        pytest.skip(f"{impl.__name__} does not implement {width}-bit {config.scales.value}")
 
 
 
@@ -99,10 +108,6 @@ def index_bases(k: int) -> torch.Tensor:
     return (2**32 - 300) + torch.arange(k, dtype=torch.int64) * (3 * SUPER) + 7
 
 
-# the scale encodings the fast paths implement
-KERNEL_SCALES = [Scales.HIERARCHICAL, Scales.FLAT]
-
-
 def boundary_rows(width: int, levels: Levels) -> torch.Tensor:
     """Rows whose values sit exactly on level magnitudes (and one ulp either side) of their
     decoded scale: the level search must agree with ``searchsorted`` at every boundary."""
@@ -131,7 +136,7 @@ def random_records(k: int, width: int, scales: Scales, seed: int) -> torch.Tenso
     records = torch.randint(0, 256, (k, record_nbytes(width, scales)), generator=g,
                             dtype=torch.uint8)
     special = torch.tensor([0x7FC0, 0x7F80, 0x0001, 0x0000, 0xFF80], dtype=torch.int32)
-    if scales is Scales.HIERARCHICAL:
+    if scales is not Scales.FLAT:  # the bf16 unit is the last two bytes
         unit = records[:, -2:].clone()
         for i, bits in enumerate(special.tolist()):
             if i < k:
@@ -158,15 +163,16 @@ def assert_same_floats(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     "config_name, world_size",
     [("default", 1), ("default", 3), ("default", 8), ("uniform", 3), ("flat", 3),
-     ("independent", 8)],
+     ("independent", 8), ("h4x32", 1), ("h4x32", 8)],
 )
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_encode_bytes_match_reference(
     impl: Any, width: int, config_name: str, world_size: int
 ) -> None:
     """Leaf compression: codes and scales are the reference's bytes for every rank's rounding
     (NaN/Inf/zero/denormal rows, unaligned indices above 2**32 included)."""
     config = CONFIGS[config_name]
+    need(impl, width, config)
     x = rows_with_edge_cases(12, seed=width)
     index = index_bases(12)
     for rank in sorted({0, world_size - 1}):
@@ -176,13 +182,14 @@ def test_encode_bytes_match_reference(
 
 
 @pytest.mark.parametrize("levels", list(Levels))
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_level_search_exact_at_boundaries(impl: Any, width: int, levels: Levels) -> None:
     """Values exactly on (and one ulp around) every level magnitude get the reference's codes:
     the log2 guess and its one-step correction equal ``searchsorted``."""
     x = boundary_rows(width, levels)
     index = torch.arange(x.shape[0], dtype=torch.int64) * SUPER
     config = CodecConfig(levels=levels, rounding=RoundingMode.INDEPENDENT)
+    need(impl, width, config)
     expected = codec.encode_torch(x, width, index, 0, 1, KEY, config)
     assert torch.equal(impl.encode(x, width, index, 0, 1, KEY, config), expected)
 
@@ -197,14 +204,15 @@ def test_encode_low_precision_rows_equal_upcast(impl: Any, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("levels", list(Levels))
-@pytest.mark.parametrize("scales", KERNEL_SCALES)
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("scales", list(Scales))
+@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_decode_matches_reference_on_any_bytes(
     impl: Any, width: int, scales: Scales, levels: Levels
 ) -> None:
     """Decompression of arbitrary bytes (codes never written, q = 0, NaN/Inf/denormal units) and
     of real records gives the reference's fp32 values."""
     config = CodecConfig(levels=levels, scales=scales)
+    need(impl, width, config)
     real = codec.encode_torch(rows_with_edge_cases(8, seed=5), width,
                               torch.arange(8, dtype=torch.int64) * SUPER, 0, 1, KEY, config)
     for records in (random_records(8, width, scales, seed=width), real):
@@ -212,12 +220,13 @@ def test_decode_matches_reference_on_any_bytes(
                                                                               config))
 
 
-@pytest.mark.parametrize("scales", KERNEL_SCALES)
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("scales", list(Scales))
+@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_decode_accumulate_matches_reference(impl: Any, width: int, scales: Scales) -> None:
     """``acc += decode(records)`` in place, with the reference's single fp32 rounding; rows are a
     strided view (as the executor's slices of its work buffer can be)."""
     config = CodecConfig(scales=scales)
+    need(impl, width, config)
     records = random_records(12, width, scales, seed=11 + width)
     base = rows_with_edge_cases(12, seed=6)
     expected = base.clone()
@@ -233,15 +242,16 @@ def test_decode_accumulate_matches_reference(impl: Any, width: int, scales: Scal
 @pytest.mark.parametrize(
     "config_name, world_size",
     [("default", 1), ("default", 3), ("default", 8), ("uniform", 8), ("flat", 3),
-     ("independent", 3)],
+     ("independent", 3), ("h4x32", 3), ("h4x32", 8)],
 )
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_fused_hop_matches_reference(
     impl: Any, width: int, config_name: str, world_size: int
 ) -> None:
     """The fused decompress-accumulate-recompress returns the reference's bytes and leaves the
     reference's partial sum in ``acc``."""
     config = CONFIGS[config_name]
+    need(impl, width, config)
     incoming = codec.encode_torch(rows_with_edge_cases(12, seed=20), width, index_bases(12), 0,
                                   world_size, KEY ^ 1, config)
     local = rows_with_edge_cases(12, seed=21)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -47,6 +48,17 @@ class DynamiqOps:
     # in one pass, into a flat fp32 out (an all-reduce's last decode of each row). None: the
     # scheme decodes into its work rows and restores them.
     decode_restore: Callable[..., None] | None = None
+    # The widths each scale encoding is implemented for (raw width 16 always is); None: every
+    # format (the reference). The scheme runs a call whose widths are not all here on the
+    # reference ops.
+    formats: Mapping[Any, tuple[int, ...]] | None = None
+
+    def implements(self, scales: Any, widths: Iterable[int]) -> bool:
+        """Whether these kernels encode and decode every one of ``widths`` with ``scales``."""
+        if self.formats is None:
+            return True
+        have = self.formats.get(scales, ())
+        return all(w in have or w in (0, 16) for w in widths)
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,6 +37,7 @@ from ._params import RoundingParams, level_tables
 from .cpu_runtime import run_rows
 
 __all__ = [
+    "FORMATS",
     "OPS",
     "center_gather",
     "decode",
@@ -57,6 +58,10 @@ _HOP = {(2, True): K.hop_w2h, (4, True): K.hop_w4h, (8, True): K.hop_w8h,
         (2, False): K.hop_w2f, (4, False): K.hop_w4f, (8, False): K.hop_w8f}
 _DECODE_RESTORE = {2: K.decode_restore_w2, 4: K.decode_restore_w4, 8: K.decode_restore_w8}
 
+
+# The widths per scale encoding these kernels implement (plus raw width 16 in every mode): the
+# scheme runs any other (scales, width) on the torch reference.
+FORMATS: dict[Scales, tuple[int, ...]] = {Scales.HIERARCHICAL: WIDTHS, Scales.FLAT: WIDTHS}
 
 # -- array views -----------------------------------------------------------------------------
 
@@ -386,9 +391,9 @@ def warm_up() -> None:
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
-        for scales in (Scales.HIERARCHICAL, Scales.FLAT):  # what the kernels implement
+        for scales, widths in FORMATS.items():
             config = CodecConfig(scales=scales)
-            for width in WIDTHS:
+            for width in widths:
                 for world_size in (1, 3):  # independent and correlated rounding
                     records = encode(centred, width, index, 0, world_size, 1, config)
                     acc = centred.clone()
@@ -416,4 +421,5 @@ OPS = DynamiqOps(
     stats=stats,
     center_gather=center_gather,
     decode_restore=decode_restore,
+    formats=FORMATS,
 )

@@ -53,6 +53,7 @@ from ._launch import Kernel, LaunchConfig, compile_options, launch_config
 from ._params import RoundingParams, level_tables
 
 __all__ = [
+    "FORMATS",
     "OPS",
     "decode",
     "decode_accumulate",
@@ -152,6 +153,10 @@ def _level_params(width: int, levels: Levels, device: torch.device) -> LevelPara
         bins=tables.bins,
     )
 
+
+# The widths per scale encoding these kernels implement (plus raw width 16 in every mode): the
+# scheme runs any other (scales, width) on the torch reference.
+FORMATS: dict[Scales, tuple[int, ...]] = {Scales.HIERARCHICAL: WIDTHS, Scales.FLAT: WIDTHS}
 
 def _int32_bits(value: int) -> int:
     """A uint32 key as the int32 with the same bits: every key then has the same argument type
@@ -433,10 +438,10 @@ def warm_up(device: torch.device) -> None:
             stats_center(x.to(dtype), valid)
             restore(x, valid.float(), index, valid, torch.empty(rows * SUPER, dtype=dtype,
                                                                  device=device))
-        for scales in (Scales.HIERARCHICAL, Scales.FLAT):  # what the kernels implement
+        for scales, widths in FORMATS.items():
             for levels in Levels:
                 config = CodecConfig(levels=levels, scales=scales)
-                for width in WIDTHS:
+                for width in widths:
                     size = record_nbytes(width, scales)
                     for world_size in (1, 2):  # independent and correlated rounding
                         for dtype in FLOAT_INPUTS:
@@ -466,4 +471,5 @@ OPS = DynamiqOps(
     decode_accumulate=decode_accumulate,
     decode_accumulate_encode=decode_accumulate_encode,
     restore=restore,
+    formats=FORMATS,
 )

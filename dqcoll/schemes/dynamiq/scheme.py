@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ...errors import InvalidArgumentError
-from ...kernels import dynamiq_ops
+from ...kernels import _torch_ops, dynamiq_ops
 from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from . import rng
@@ -207,14 +207,14 @@ class DynamiqScheme:
         if max_width not in (8, RAW_WIDTH):
             raise InvalidArgumentError(f"dynamiq: max_width must be 8 or 16, got {max_width!r}")
         self.max_width = int(max_width)
-        # The prototypes exist in the torch reference only: such a scheme runs on it (the numba
-        # and Triton kernels know widths 2/4/8/16, Levels and Scales, the fp32 statistics and the
-        # fused same-width hop; docs/dense_gap.md lists what they would need for the rest).
-        self.reference_only = (isinstance(self.config.scales, ProtoScales)
-                               or self.config.scales is Scales.HIERARCHICAL4X32
-                               or self.config.levels is Levels.TUNED
-                               or width_set != "paper" or stats != "fp32" or self.hop_widths)
-        prototype = self.reference_only or thresholds != "paper"
+        # The prototype scale encodings exist in the torch reference only; a call whose widths
+        # or scales the device's kernels do not implement (``DynamiqOps.formats``) runs on the
+        # reference too (DynamiqCall).
+        self.reference_only = isinstance(self.config.scales, ProtoScales)
+        prototype = (self.reference_only or thresholds != "paper"
+                     or self.config.scales is Scales.HIERARCHICAL4X32
+                     or self.config.levels is Levels.TUNED
+                     or width_set != "paper" or stats != "fp32" or self.hop_widths)
         if prototype and target_vnmse is not None:
             raise InvalidArgumentError(
                 "dynamiq: the prototype options (width_set, thresholds, stats, hop_widths, "
@@ -321,9 +321,8 @@ class DynamiqCall:
         self.numel = numel = x.numel()
         self.ops = dynamiq_ops(device)
         if scheme.reference_only and self.ops.name != "torch":
-            from ...kernels import _torch_ops
-
             self.ops = _torch_ops()
+        prep = self.ops  # statistics and the reorder; the codec's ops are settled in step 3
 
         # Layout: the byte-balanced all-reduce pads the tail only; reduce-scatter / all-gather (and
         # the all-reduce with balance="shards") pad each shard of ceil(numel / n) coordinates on
@@ -375,20 +374,20 @@ class DynamiqCall:
         # The fast paths that split stats_center write the centred rows only once, already in
         # the sorted order (step 4), dividing by n for avg on the way; the others divide and
         # centre here and gather later.
-        split = (self.ops.stats is not None and self.ops.center_gather is not None
+        split = (prep.stats is not None and prep.center_gather is not None
                  and scheme.stats == "fp32")
         divisor = n if ctx.op is ReduceOp.AVG else 1
         if divisor != 1 and not split:
             flat = flat / n  # a new buffer: flat may be the caller's tensor
         centred: torch.Tensor | None = None
         if split:
-            assert self.ops.stats is not None
-            mean, norm2 = self.ops.stats(flat, valid, divisor=divisor)
+            assert prep.stats is not None
+            mean, norm2 = prep.stats(flat, valid, divisor=divisor)
         elif scheme.stats in ("bf16", "norm16"):
             centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
                                                               centre=scheme.stats == "bf16")
         else:
-            centred, mean, norm2 = self.ops.stats_center(flat, valid)
+            centred, mean, norm2 = prep.stats_center(flat, valid)
         # A row whose squares all underflow fp32 (|x| below ~1e-23) has norm2 == 0 although it is
         # not zero: give it the smallest normal norm so that it still gets a record (width 0 would
         # drop it, and each rank would keep its own centred values).
@@ -464,6 +463,13 @@ class DynamiqCall:
                 stats_bytes=options["stats_bytes"], max_width=scheme.max_width)
             self.hop_tau = {c: t for c, (_, t) in classes.items()}
         widths = self.allocation.widths  # int64 [rows], host
+        # Kernels that do not implement a width this call uses (or the scales) leave the whole
+        # call's codec to the reference ops (the same bytes, slower).
+        used = set(np.flatnonzero(np.bincount(widths.numpy(), minlength=1)).tolist())
+        for class_widths in (self.hop or {}).values():
+            used |= set(np.flatnonzero(np.bincount(class_widths.numpy(), minlength=1)).tolist())
+        if not self.ops.implements(self.config.scales, used):
+            self.ops = _torch_ops()
 
         # 4. Reorder by width (within each shard when sharded) and cut into chunks. The row
         #    tables are built in NumPy on the host: a stable argsort of 16-bit keys is a radix
@@ -488,8 +494,8 @@ class DynamiqCall:
         self.order = order.to(device)
         sorted_widths = widths_np[order_np]
         if centred is None:
-            assert self.ops.center_gather is not None
-            self.work = self.ops.center_gather(flat, mean, valid, self.order, divisor=divisor,
+            assert prep.center_gather is not None
+            self.work = prep.center_gather(flat, mean, valid, self.order, divisor=divisor,
                                                out=_work_buffer(ctx, rows, device))
         else:
             self.work = centred[self.order]
