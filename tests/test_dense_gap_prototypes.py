@@ -107,25 +107,28 @@ def _numba_implements(scales: str, width: int) -> bool:
     return dynamiq_numba.OPS.implements(codec.Scales(scales), [width])
 
 
+_PAPER = {"scales": "hierarchical", "width_set": "paper"}  # what every fast path implements
+
+
 @pytest.mark.parametrize("options, expect", [
     ({"scales": "hierarchical4"}, "torch"),  # a prototype encoding: never in the kernels
-    ({"scales": "hierarchical4x32"}, "formats"),  # 4-bit widths at 5 bits
-    ({"width_set": "fine", "bits": 7.0}, "formats"),  # 4 super-groups at 7 bits: 6-bit ones
-    ({}, "numba"),
-    ({"thresholds": "measured"}, "numba"),  # changes the allocation only
-    ({"max_width": 16}, "numba"),  # raw 16 is in every format
-    ({"levels": "tuned"}, "numba"),  # level tables are data
-    ({"stats": "bf16"}, "numba"),  # statistics by torch ops, the codec on the kernels
-    ({"stats": "norm16"}, "numba"),
-    ({"hop_widths": True}, "numba"),  # decode-accumulate, then encode at the next width
+    ({}, "formats"),  # the default format: whatever numba's FORMATS says
+    ({"width_set": "fine", "bits": 7.0, "scales": "hierarchical"}, "formats"),  # 6-bit rows
+    (_PAPER, "numba"),
+    ({**_PAPER, "thresholds": "paper"}, "numba"),  # changes the allocation only
+    ({**_PAPER, "max_width": 8}, "numba"),
+    ({**_PAPER, "levels": "nonuniform"}, "numba"),  # level tables are data
+    ({**_PAPER, "stats": "bf16"}, "numba"),  # statistics by torch ops, the codec on the kernels
+    ({**_PAPER, "stats": "fp32"}, "numba"),
+    ({**_PAPER, "hop_widths": False}, "numba"),
 ], ids=lambda o: ",".join(map(str, o.items())) if isinstance(o, dict) else o)
 def test_calls_route_by_what_the_kernels_implement(
         monkeypatch: pytest.MonkeyPatch, options: dict[str, object], expect: str) -> None:
     """A call runs on the kernels exactly when they implement its scales and every width it
     uses (``DynamiqOps.formats``); otherwise on the torch reference, which gives the same bytes."""
     if expect == "formats":
-        scales = str(options.get("scales", "hierarchical"))
-        width = 4 if "scales" in options else 6
+        scales = str(options.get("scales", "hierarchical4x32"))
+        width = 4 if "bits" not in options else 6
         expect = "numba" if _numba_implements(scales, width) else "torch"
     assert _call_ops(monkeypatch, **options) == expect
 
@@ -134,8 +137,8 @@ def test_prototype_option_checks() -> None:
     from dqcoll.errors import InvalidArgumentError
     from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
 
-    with pytest.raises(InvalidArgumentError):
-        DynamiqScheme(target_vnmse=1e-3, width_set="fine")
+    with pytest.raises(InvalidArgumentError, match="error model"):
+        DynamiqScheme(target_vnmse=1e-3, scales="hierarchical4")
     with pytest.raises(InvalidArgumentError):
         DynamiqScheme(thresholds="measured", levels="uniform")
     with pytest.raises(InvalidArgumentError):

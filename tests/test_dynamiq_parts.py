@@ -213,7 +213,9 @@ def test_fixed_widths_and_minimum_bits() -> None:
     """widths='fixed' puts everything at 4 bits; a budget below 2-bit cost raises."""
     alloc = allocate_widths(torch.ones(10), 2560, 5.0, widths_mode=C.Widths.FIXED)
     assert alloc.widths.tolist() == [4] * 10
-    assert min_bits() == pytest.approx((82 + STATS_BYTES_PER_SUPER) * 8 / 256)
+    # the default format: 2-bit records of 64 + 6 B, 2 B of statistics; the paper's: 64 + 18, 8
+    assert min_bits() == pytest.approx((70 + STATS_BYTES_PER_SUPER) * 8 / 256) == 2.25
+    assert min_bits(C.Scales.HIERARCHICAL, 8) == pytest.approx((82 + 8) * 8 / 256)
     with pytest.raises(InvalidArgumentError, match="minimum"):
         get("dynamiq", bits=2.0)
 
@@ -224,3 +226,37 @@ def test_unknown_option_values_are_rejected() -> None:
         get("dynamiq", levels="log")
     with pytest.raises(InvalidArgumentError, match="does not take"):
         get("dynamiq", colour="blue")
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_hull_cost_counts_equal_the_row_by_row_rule(ties: bool) -> None:
+    """The bisection's sorted-key cost (allocation._HullCost) equals the payload of the widths the
+    hull rule gives row by row, at any u (exactly on thresholds too), for shifted classes, with
+    ties (bf16 norms), zero, NaN and overflowed rows."""
+    from dqcoll.schemes.dynamiq import allocation as A
+
+    g = torch.Generator().manual_seed(4)
+    rows = 3000
+    f = torch.exp(torch.randn(rows, generator=g) * 3).float()
+    if ties:
+        f = f.to(torch.bfloat16).float()
+    f[::97] = 0
+    f[5] = float("nan")
+    f[7] = float("inf")
+    scales = C.Scales.HIERARCHICAL4X32
+    errors = A.MEASURED_ERRORS[(C.Levels.TUNED, scales)]
+    hull, offsets, top = A._hull_widths(C.FINE_WIDTHS, 16, errors, scales)
+    log_f, zero = A._log_energies(f)
+    shifts = {1: 0.0, 3: 1.7, 8: -0.3}
+    lookup = A._cost_lookup(scales)
+    fast = A._HullCost(log_f, zero, shifts, hull, offsets, top, lookup)
+    nan = torch.isnan(log_f)
+    probes = torch.linspace(-60, 60, 241).tolist()
+    probes += [offsets[2] - float(log_f[10]), offsets[3] - float(log_f[11]) - 1.7]
+    for u in probes:
+        for c, shift in shifts.items():
+            w = torch.full_like(log_f, hull[0], dtype=torch.int64)
+            for width, off in zip(hull[1:], offsets[1:], strict=False):
+                w = torch.where(log_f + shift + u >= off, width, w)
+            w = torch.where(zero, 0, torch.where(nan, top, w))
+            assert int(lookup[w].sum()) == fast.class_bytes(c, u), (u, c)

@@ -15,17 +15,20 @@ from dqcoll.testing import run_local
 from dqcoll.topology import build_schedule
 
 
-@pytest.mark.parametrize("width", [2, 4, 8, 16])
-def test_epsilon_table_matches_the_codec(width: int) -> None:
+@pytest.mark.parametrize("levels, scales, width", [
+    *[(C.Levels.NONUNIFORM, C.Scales.HIERARCHICAL, w) for w in (2, 4, 8, 16)],
+    *[(C.Levels.TUNED, C.Scales.HIERARCHICAL4X32, w) for w in C.ALL_WIDTHS],
+])
+def test_epsilon_table_matches_the_codec(levels: C.Levels, scales: C.Scales, width: int) -> None:
     """EPSILON is the single-shot error of the reference codec on Gaussian data: re-measured
     here, it agrees within 10 % (so a codec change cannot silently stale the model)."""
     rows = 1024
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(11))
     centred, _, _ = C.stats_center_torch(x, torch.full((rows,), 256))
-    cfg = C.CodecConfig(rounding=C.RoundingMode.INDEPENDENT)
+    cfg = C.CodecConfig(levels=levels, scales=scales, rounding=C.RoundingMode.INDEPENDENT)
     records = C.encode_torch(centred, width, torch.arange(rows) * 256, 0, 1, 5, cfg)
     measured = vnmse(C.decode_torch(records, width, cfg), centred)
-    expected = EPSILON[(C.Levels.NONUNIFORM, C.Scales.HIERARCHICAL)][width]
+    expected = EPSILON[(levels, scales)][width]
     assert measured == pytest.approx(expected, rel=0.1)
 
 

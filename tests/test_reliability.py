@@ -473,16 +473,18 @@ def test_nonfinite_input_reaches_every_rank(value, scheme, algorithm):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_finite_inputs_at_any_magnitude_stay_finite_and_accurate(scale, dtype, scheme):
     """Finite inputs at magnitudes 1e-30..1e30 give finite outputs, identical on every rank, with
-    the same relative error as at magnitude 1, within the byte budget."""
+    the same relative error as at magnitude 1, within the byte budget (from 64 super-groups on
+    the budget is exact; smaller buffers budget their tail's padding, scheme.py)."""
     n = 4
+    numel = 64 * 256 + 80
 
     def fn(comm):
-        x = _input(comm.rank, 2000, scale=scale, dtype=dtype)
+        x = _input(comm.rank, numel, scale=scale, dtype=dtype)
         dqcoll.allreduce(x, scheme=scheme, algorithm="ring", bits=5.0)
         return x, dict(comm.last_info)
 
     results = run_local(n, fn)
-    exact = sum(_input(r, 2000, scale=scale, dtype=dtype).double() for r in range(n))
+    exact = sum(_input(r, numel, scale=scale, dtype=dtype).double() for r in range(n))
     out, info = results[0]
     assert torch.isfinite(out).all()
     assert all(_bits(o) == _bits(out) for o, _ in results)

@@ -102,21 +102,22 @@ def _allreduce_vs_exact(comm: dqcoll.Communicator, numel: int, balance: str,
     exact = torch.zeros(numel, dtype=torch.float64)
     for r in range(comm.world_size):
         exact += heavy_tailed(r, numel, seed=9).double()
-    options: dict[str, Any] = {"balance": balance}
+    # the two layouts with the same allocation (the shard layout has no hop widths)
+    options: dict[str, Any] = {"balance": balance, "hop_widths": False}
     if hint is not None:
         options["u_hint"] = hint
     dqcoll.allreduce(x, scheme="dynamiq", algorithm="ring", seed=SEED, step=STEP, **options)
     return x, exact, dict(comm.last_info)
 
 
-@pytest.mark.parametrize("numel,ratio", [(3 * 4096, 1.1), (3 * 4096 + 1, 1.5), (8192, 4.0),
+@pytest.mark.parametrize("numel,ratio", [(3 * 4096, 1.1), (3 * 4096 + 1, 2.0), (8192, 4.0),
                                          (7, None)])
 def test_dynamiq_balance_shards_allreduce(numel: int, ratio: float | None) -> None:
     """The balance="shards" all-reduce (any length, shards padded on their own) leaves every rank
     bit-identical, keeps the byte budget (a small buffer's tail padding included), and errs like
     the byte-balanced one when shards are whole super-groups. Shards that are not (8192 / 3 =
-    2730.7) shift the super-groups off this data's 256-aligned magnitude blocks: measured 2.7x the
-    error here, hence the looser bound."""
+    2730.7; 12289 / 3 = 4096.3) shift the super-groups off this data's 256-aligned magnitude
+    blocks: measured 2.7x and 1.65x the error here, hence the looser bounds."""
     n = 3
     errors = {}
     for balance in ("bytes", "shards"):
@@ -181,7 +182,7 @@ def _plain_bisection(norm2: torch.Tensor, numel: int, bits: float
     lookup = torch.zeros(9, dtype=torch.int64)
     for w in (2, 4, 8):
         lookup[w] = allocation.record_nbytes(w, allocation.Scales.HIERARCHICAL)
-    limit = math.floor(bits * numel / 8.0) - allocation.STATS_BYTES_PER_SUPER * norm2.numel()
+    limit = math.floor(bits * numel / 8.0) - allocation.STATS_BYTES["fp32"] * norm2.numel()
 
     def fits(u: float) -> bool:
         return int(lookup[allocation._widths_for(log_f, zero, u)].sum()) <= limit

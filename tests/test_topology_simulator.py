@@ -50,7 +50,9 @@ def test_simulator_matches_executor(algorithm, scheme, n, spec, numel):
         assert result.vnmse < 1e-12 and expected < 1e-12
     else:
         assert result.vnmse == pytest.approx(expected, rel=1e-9)
-        assert result.bits_used is not None and result.bits_used <= 5.0
+        # below 64 super-groups the tail's padding is budgeted too (scheme.py)
+        slack = (result.numel + 255) / result.numel if result.numel < 64 * 256 else 1.0
+        assert result.bits_used is not None and result.bits_used <= 5.0 * slack + 1e-12
 
 
 def test_simulator_avg_and_independent_rounding():

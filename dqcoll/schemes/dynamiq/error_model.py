@@ -72,6 +72,14 @@ EPSILON: dict[tuple[Levels, Scales], dict[int, float]] = {
     (Levels.UNIFORM, Scales.HIERARCHICAL): {2: 7.031e-01, 4: 1.470e-02, 8: 4.740e-05,
                                             16: 4.14e-08},
     (Levels.UNIFORM, Scales.FLAT): {2: 9.002e-01, 4: 1.898e-02, 8: 5.929e-05, 16: 4.14e-08},
+    # the default format, every width (8192 super-groups; the allocation's thresholds use the same
+    # table, allocation.MEASURED_ERRORS)
+    (Levels.TUNED, Scales.HIERARCHICAL4X32): {
+        2: 0.9603, 3: 0.09573, 4: 0.01772, 5: 0.00391, 6: 9.168e-4, 7: 2.224e-4, 8: 5.649e-5,
+        16: 4.141e-8},
+    (Levels.TUNED, Scales.HIERARCHICAL): {
+        2: 0.7032, 3: 0.07086, 4: 0.01299, 5: 0.00286, 6: 6.856e-4, 7: 1.723e-4, 8: 4.442e-5,
+        16: 4.141e-8},
 }
 # Error with correlated rounding / error with independent rounding, per algorithm, n = 8: the ring
 # measured 0.77 on i.i.d. Gaussian ranks (tests/test_dynamiq.py's setting; the calibration data of

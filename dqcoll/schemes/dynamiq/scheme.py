@@ -72,7 +72,7 @@ from .codec import (
     record_nbytes,
     stats_center_rounded_torch,
 )
-from .error_model import ErrorModel, estimate_rho
+from .error_model import EPSILON, ErrorModel, estimate_rho
 
 __all__ = ["Balance", "DynamiqCall", "DynamiqScheme"]
 
@@ -121,32 +121,38 @@ class DynamiqScheme:
         target_vnmse: float | None = None,
         error_model: ErrorModel | None = None,
         max_width: int | None = None,
-        levels: str | Levels = "nonuniform",
+        levels: str | Levels = "tuned",
         widths: str | Widths = "variable",
-        scales: str | Scales = "hierarchical",
+        scales: str | Scales = "hierarchical4x32",
         rounding: str | RoundingMode = "correlated",
         seed: int = 0,
         balance: str | Balance = "bytes",
         u_hint: float | None = None,
         energy_exponent: float = 1.0,
-        width_set: str = "paper",
-        thresholds: str = "paper",
-        stats: str = "fp32",
-        hop_widths: bool = False,
+        width_set: str = "fine",
+        thresholds: str = "auto",
+        stats: str = "norm16",
+        hop_widths: bool | str = True,
     ) -> None:
-        # Prototype options (issue 14, docs/dense_gap.md): width_set "paper" = {2, 4, 8},
-        # "fine" = {2, ..., 8}; thresholds "paper" (4**-w errors) or "measured" (the codec's own
-        # single-shot errors); stats "fp32" (mean and norm, 8 B per super-group) or "bf16"
-        # (4 B: the local mean is rounded to bf16 before centring, the sum is taken in bf16).
-        if width_set not in ("paper", "fine") or thresholds not in ("paper", "measured") or \
+        # The format (docs/dense_gap.md; the paper's configuration is levels="nonuniform",
+        # scales="hierarchical", width_set="paper", thresholds="paper", stats="fp32",
+        # hop_widths=False, max_width=8): width_set "fine" = widths {2, ..., 8} ("paper":
+        # {2, 4, 8}); thresholds "measured" (from the codec's own single-shot errors, the lower
+        # convex hull of (bytes, error); "auto": where those errors are measured, else "paper")
+        # convex hull of (bytes, error)) or "paper" (4**-w errors); stats "norm16" (only the bf16
+        # squared norm, 2 B per super-group, no centring), "bf16" (bf16 mean and norm, 4 B: the
+        # local mean is rounded to bf16 before centring) or "fp32" (8 B, the paper's).
+        if width_set not in ("paper", "fine") or \
+                thresholds not in ("paper", "measured", "auto") or \
                 stats not in STATS_BYTES:
             raise InvalidArgumentError(
                 f"dynamiq: bad width_set/thresholds/stats {width_set!r} {thresholds!r} {stats!r}")
         self.width_set = width_set
-        # hop_widths (prototype): each super-group's width also depends on how many ranks the
-        # partial sum being encoded holds (the executor's ``count``): see allocate_widths_by_count
+        # hop_widths: each super-group's width also depends on how many ranks the partial sum
+        # being encoded holds (the executor's ``count``): see allocate_widths_by_count. All-reduce
+        # under a bit budget only (reduce-scatter, all-gather and target_vnmse ignore it).
         self.hop_widths = str(hop_widths).lower() in ("1", "true", "yes")
-        self.thresholds = thresholds
+        self.thresholds = thresholds  # "auto" is settled below, once the format is known
         self.stats = stats
         proto_scales = str(getattr(scales, "value", scales)).lower() in {
             e.value for e in ProtoScales}
@@ -161,7 +167,7 @@ class DynamiqScheme:
             bits = float(bits)
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"dynamiq: bits must be a number, got {bits!r}") from None
-        floor = min_bits(self.config.scales)
+        floor = min_bits(self.config.scales, STATS_BYTES[stats])
         if not math.isfinite(bits) or (self.widths_mode is Widths.VARIABLE and bits < floor):
             raise InvalidArgumentError(
                 f"dynamiq: bits={bits:g} is below the minimum of {floor:g} bits per coordinate "
@@ -200,10 +206,11 @@ class DynamiqScheme:
                 "the error itself (leave energy_exponent at 1)")
         self.energy_exponent = energy_exponent
         self.error_model = error_model or ErrorModel()
-        # Raw 16-bit super-groups: on by default when aiming at an error (tight targets need
-        # them), opt-in under a bit budget (they cost 514 B where 8 bits cost 274 B).
+        # Raw 16-bit super-groups (514 B): on by default, so that a budget larger than every
+        # super-group at 8 bits buys a lower error (with many all-zero super-groups), and tight
+        # targets can be met. max_width=8 (the paper's) leaves such a budget unused.
         if max_width is None:
-            max_width = RAW_WIDTH if target_vnmse is not None else 8
+            max_width = RAW_WIDTH
         if max_width not in (8, RAW_WIDTH):
             raise InvalidArgumentError(f"dynamiq: max_width must be 8 or 16, got {max_width!r}")
         self.max_width = int(max_width)
@@ -211,15 +218,17 @@ class DynamiqScheme:
         # or scales the device's kernels do not implement (``DynamiqOps.formats``) runs on the
         # reference too (DynamiqCall).
         self.reference_only = isinstance(self.config.scales, ProtoScales)
-        prototype = (self.reference_only or thresholds != "paper"
-                     or self.config.scales is Scales.HIERARCHICAL4X32
-                     or self.config.levels is Levels.TUNED
-                     or width_set != "paper" or stats != "fp32" or self.hop_widths)
-        if prototype and target_vnmse is not None:
+        if target_vnmse is not None and not set(
+                FINE_WIDTHS if width_set == "fine" else (2, 4, 8)) <= set(
+                EPSILON.get((self.config.levels, self.config.scales), {})):
             raise InvalidArgumentError(
-                "dynamiq: the prototype options (width_set, thresholds, stats, hop_widths, "
-                "levels=tuned, scales=hierarchical4/hierarchical4x32) apply to a bit budget; the "
-                "error model of target_vnmse knows only the default format")
+                f"dynamiq: target_vnmse has no error model for levels={self.config.levels.value}, "
+                f"scales={self.config.scales.value}, width_set={width_set} "
+                f"(docs/target_vnmse.md)")
+        if thresholds == "auto":
+            thresholds = self.thresholds = (
+                "measured" if (self.config.levels, self.config.scales) in MEASURED_ERRORS
+                else "paper")
         if thresholds == "measured" and (self.config.levels, self.config.scales) not in \
                 MEASURED_ERRORS:
             raise InvalidArgumentError(
@@ -246,10 +255,8 @@ class DynamiqScheme:
             f"rounding={c.rounding.value}, balance={self.balance.value}"
             + (f", energy_exponent={self.energy_exponent:g}" if self.energy_exponent != 1.0
                else "")
-            + (f", width_set={self.width_set}" if self.width_set != "paper" else "")
-            + (f", thresholds={self.thresholds}" if self.thresholds != "paper" else "")
-            + (f", stats={self.stats}" if self.stats != "fp32" else "")
-            + (", hop_widths=True" if self.hop_widths else "")
+            + f", width_set={self.width_set}, thresholds={self.thresholds}, stats={self.stats}"
+            + f", hop_widths={self.hop_widths}"
             + ")"
         )
 
@@ -260,9 +267,10 @@ class DynamiqScheme:
 
     def wire_nbytes(self, numel: int) -> int:
         rows = -(-numel // SUPER)
-        cheapest = rows * (record_nbytes(2, self.config.scales) + 8)
+        stats = STATS_BYTES[self.stats]
+        cheapest = rows * (record_nbytes(2, self.config.scales) + stats)
         if self.widths_mode is Widths.FIXED:
-            return rows * (record_nbytes(4, self.config.scales) + 8)
+            return rows * (record_nbytes(4, self.config.scales) + stats)
         return max(math.floor(self.bits * numel / 8.0), cheapest)
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
@@ -432,6 +440,7 @@ class DynamiqCall:
                 error_per_energy=model.error_per_energy(schedule, self.config, rho),
                 scales=self.config.scales,
                 widths_mode=scheme.widths_mode, max_width=scheme.max_width,
+                **scheme.allocation_options(),
             )
             self.summed_energy = float(torch.nan_to_num(stats[1].double(), 0.0, 0.0, 0.0).sum())
             self.state = ctx.state
@@ -460,7 +469,8 @@ class DynamiqCall:
             self.hop, self.allocation = allocate_widths_by_count(
                 stats[1], budget_numel, scheme.bits, classes, scales=self.config.scales,
                 width_set=options.get("width_set") or (2, 4, 8), errors=options.get("errors"),
-                stats_bytes=options["stats_bytes"], max_width=scheme.max_width)
+                stats_bytes=options["stats_bytes"], max_width=scheme.max_width,
+                energy_exponent=scheme.energy_exponent)
             self.hop_tau = {c: t for c, (_, t) in classes.items()}
         widths = self.allocation.widths  # int64 [rows], host
         # Kernels that do not implement a width this call uses (or the scales) leave the whole
@@ -545,6 +555,19 @@ class DynamiqCall:
         histogram = np.bincount(widths_np, minlength=RAW_WIDTH + 1)
         counts = {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)}
         bits_used = 8.0 * self.allocation.total_nbytes / max(numel, 1)
+        wire_payload = None
+        if self.hop is not None:
+            # What the all-reduce sends in all, over every rank: each non-sink rank sends its
+            # partial sum of a chunk once (count = its subtree), the sink's encoding (count n) is
+            # forwarded n - 1 times. Per rank it is 2 (n - 1) / n of the records, as without hop
+            # widths, and the statistics come on top.
+            assert ctx.schedule is not None
+            subtree = ctx.schedule.subtree_sizes()
+            wire_payload = sum(
+                self.payload_nbytes(c, subtree[r][c]) for c in range(n) for r in range(n)
+                if subtree[r][c] < n) + sum((n - 1) * self.payload_nbytes(c, n) for c in range(n))
+            bits_used = 8.0 * (wire_payload / (2 * (n - 1)) + self.allocation.stats_nbytes) \
+                / max(numel, 1)
         # The all-reduce's last decode of every row (the all-gather's and the sink's own) can
         # write straight into the output with the restore (ops.decode_restore): decompress
         # then only records (rows, records) here and finish decodes them into ``out``. Not in
@@ -554,6 +577,9 @@ class DynamiqCall:
                    and scheme.target_vnmse is None) else None)
         self.info: dict[str, Any] = {
             "bits": bits_used,
+            # the all-reduce's payload bytes over all ranks (hop widths; else 2 (n - 1) times
+            # the records of "widths")
+            "wire_payload_nbytes": wire_payload,
             "u": self.allocation.u,
             "over_budget": self.allocation.total_nbytes > math.floor(scheme.bits * numel / 8)
             if scheme.target_vnmse is None else False,
