@@ -408,8 +408,8 @@ class _HullCost:
     def class_bytes(self, c: int, u: float) -> int:
         """Payload bytes of class ``c`` at ``u`` (width ``hull[k]`` from ``starts[k]`` on)."""
         g = self.keys[c]
-        starts = [0] + [self._first(g, u, off) for off in self.offsets]
-        ends = starts[1:] + [g.shape[0]]
+        starts = [0, *(self._first(g, u, off) for off in self.offsets)]
+        ends = [*starts[1:], g.shape[0]]
         total = sum(b * (hi - lo) for b, lo, hi in zip(self.bytes, starts, ends, strict=True))
         return total + self.fixed
 
