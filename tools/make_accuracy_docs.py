@@ -50,7 +50,24 @@ SWEEP_SCHEMES = ["dynamiq", "bf16", "mxfp8", "mxfp8:scale=global", "mxfp4", "int
                  "int4_block", "thc", "global_qsgd"]
 SKEW_SIGMAS = [0.0, 0.6, 1.22, 1.6, 2.0, 2.5]
 GAUSSIAN = "gaussian"
+GAUSSIAN_NUMEL = 1 << 18  # issue 14's dense data: 2^18 i.i.d. N(0, 1) coordinates per rank
 TARGETS = [1e-2, 1e-3, 1e-4]
+# The paper's configuration (the defaults before format 3): widths {2, 4, 8}, its epsilons, uint8
+# group codes per 16, fp32 mean and norm statistics, 4**-w thresholds, one width per super-group
+# for every hop, at most 8 bits.
+PAPER_CONFIG = ("levels=nonuniform;scales=hierarchical;width_set=paper;thresholds=paper;"
+                "stats=fp32;hop_widths=false;max_width=8")
+PAPER_ROWS = {  # label -> dynamiq options
+    "paper's configuration": PAPER_CONFIG,
+    "paper's, 16-bit statistics (bf16 mean and norm)": PAPER_CONFIG.replace("stats=fp32",
+                                                                           "stats=bf16"),
+    "dqcoll with the paper's widths {2, 4, 8}": "width_set=paper",
+    "dqcoll with fp32 statistics (mean and norm, centred)": "stats=fp32",
+    "dqcoll (default)": "",
+}
+PAPER_BITS = [5, 8.5]
+# Each fixed-rate baseline and its bits on the wire: dynamiq is run at the same bits.
+BASELINE_BITS = {"int4_block": 4.25, "mxfp6": 6.25, "mxfp8": 8.25, "int8_block": 8.25}
 
 
 def _choices(specs: list[str], bits: list[float]) -> list[SchemeChoice]:
@@ -124,8 +141,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row.source[:30]} n={row.world_size} {row.algorithm} {row.scheme}: "
               f"{row.vnmse:.3g}", file=sys.stderr, flush=True)
 
-    main_choices = _choices(ALL_SCHEMES, [3, 4, 5, 6, 8])
+    main_choices = (_choices(ALL_SCHEMES, [3, 4, 5, 6, 8])
+                    + _choices(["dynamiq"], sorted(set(BASELINE_BITS.values()))))
     groups: dict[str, list[EvalRow]] = {}
+    groups["gaussian"] = evaluate(
+        [GAUSSIAN], _choices(["dynamiq"], [5, *sorted(set(BASELINE_BITS.values()))])
+        + _choices(list(BASELINE_BITS), []), ["ring", "butterfly"], [8],
+        numel=numel or GAUSSIAN_NUMEL, progress=log)
+    paper_choices = [parse_scheme_spec(f"dynamiq:bits={b:g}" + (f";{o}" if o else ""))
+                     for o in PAPER_ROWS.values() for b in PAPER_BITS]
+    groups["paper"] = evaluate([GAUSSIAN], paper_choices, ["ring", "butterfly"], [8],
+                               numel=numel or GAUSSIAN_NUMEL, progress=log)
+    groups["paper"] += evaluate([MIXTURE, LM_WORDS, LM], paper_choices, ["ring", "butterfly"],
+                                [8], numel=numel, progress=log)
     groups["mixture"] = evaluate([MIXTURE], main_choices, ["ring", "butterfly"], [8],
                                  numel=numel, progress=log)
     groups["lm_words"] = evaluate([LM_WORDS], main_choices, ["ring", "butterfly"], [8],
@@ -202,7 +230,60 @@ def _write(groups: dict[str, list[EvalRow]], meta: dict, needed: list[NeededRow]
     _plot_skew(groups["skew"], DOCS / "accuracy_skew.png")
     page = _page(groups["mixture"], groups["lm_words"], groups["lm"], groups["sweep"],
                  groups["skew"], meta)
-    (DOCS / "accuracy.md").write_text(page + _needed_section(needed))
+    (DOCS / "accuracy.md").write_text(page + _baselines_section(groups) + _paper_section(groups)
+                                      + _needed_section(needed))
+
+
+def _baselines_section(groups: dict[str, list[EvalRow]]) -> str:
+    """dynamiq at each fixed-rate baseline's wire bits, every source, ring and butterfly."""
+    lines = ["", "## Must-show: dynamiq at each baseline's bits on the wire (8 ranks)", "",
+             "dynamiq with `bits` set to what the baseline puts on the wire (4.25 for "
+             "`int4_block`, 6.25 for `mxfp6`, 8.25 for `mxfp8` and `int8_block`); ratio = dynamiq "
+             "vNMSE / baseline vNMSE (below 1: dynamiq more accurate).", "",
+             "| source | algorithm | baseline | baseline vNMSE | dynamiq vNMSE (bits on the wire) "
+             "| ratio | verdict |", "|---|---|---|---|---|---|---|"]
+    sources = [("gaussian (dense)", groups["gaussian"]), ("log-normal mixture", groups["mixture"]),
+               ("word-vocabulary LM", groups["lm_words"]), ("byte-level LM", groups["lm"])]
+    worst = 0.0
+    for label, rows in sources:
+        for algorithm in ("ring", "butterfly"):
+            for baseline, bits in BASELINE_BITS.items():
+                b = _pick(rows, baseline, algorithm)
+                d = _pick(rows, f"dynamiq:bits={bits:g}", algorithm)
+                ratio = d.vnmse / b.vnmse
+                worst = max(worst, ratio)
+                lines.append(f"| {label} | {algorithm} | `{baseline}` | {b.vnmse:.3g} | "
+                             f"{d.vnmse:.3g} ({d.wire_bits:.2f}) | {ratio:.3f} | "
+                             f"{'dynamiq' if ratio <= 1 else '**baseline**'} |")
+    lines += ["", f"Largest ratio: {worst:.3f} "
+              + ("(dynamiq is at least as accurate in every cell)." if worst <= 1 else
+                 "(see the cells marked **baseline**)."), ""]
+    return "\n".join(lines)
+
+
+def _paper_section(groups: dict[str, list[EvalRow]]) -> str:
+    """What each departure from the paper's configuration buys (docs/dense_gap.md)."""
+    rows = groups["paper"]
+    sources = [GAUSSIAN, MIXTURE, LM_WORDS, LM]
+    labels = {GAUSSIAN: "gaussian", MIXTURE: "mixture", LM_WORDS: "word LM", LM: "byte LM"}
+    cols = [(s, a, b) for s in sources for a in ("ring", "butterfly") for b in PAPER_BITS]
+    lines = ["", "## dqcoll vs the paper's configuration (8 ranks)", "",
+             f"The paper's configuration is `{PAPER_CONFIG}` (widths 2, 4, 8, the paper's "
+             "epsilons, uint8 group codes per 16 coordinates, fp32 mean and norm per super-group, "
+             "the 4^-w thresholds, one width for every hop, nothing above 8 bits); dqcoll's "
+             "default is format 3 (docs/dense_gap.md). vNMSE per source, algorithm and budget "
+             "(gaussian: 2^18 i.i.d. N(0, 1) per rank).", "",
+             "| configuration | " + " | ".join(f"{labels[s]} {a} {b:g} b" for s, a, b in cols)
+             + " |", "|---" * (len(cols) + 1) + "|"]
+    for label, options in PAPER_ROWS.items():
+        cells = []
+        for source, algorithm, bits in cols:
+            scheme = f"dynamiq:bits={bits:g}" + (f";{options}" if options else "")
+            row = next(r for r in rows if r.source == source and r.algorithm == algorithm
+                       and r.scheme == scheme)
+            cells.append(f"{row.vnmse:.3g}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _needed_section(needed: list[NeededRow]) -> str:

@@ -1,31 +1,41 @@
 """The DynamiQ codec, pure torch: this module *is* the format.
 
-Layout: coordinates in super-groups of 256, each cut into 16 groups of 16. One super-group at width
-``b`` in {2, 4, 8} is one *record* (``b = 0`` means "all zero on every rank": no record at all):
+Layout: coordinates in super-groups of 256, each cut into groups (16 groups of 16, or 8 of 32).
+One super-group at width ``b`` in {2, ..., 8} is one *record* (``b = 0`` means "all zero on every
+rank": no record at all; ``b = 16`` is raw, below). Format 3, the default
+(``scales="hierarchical4x32"``):
 
 ====================  ===============  ==================================================
 bytes                 field            meaning
 ====================  ===============  ==================================================
 ``0 .. 32b``          codes            256 codes of ``b`` bits, ``l + R`` for level ``l`` in
-                                       ``[-R, R]``, ``R = 2**(b-1) - 1``; packed LSB-first:
-                                       code ``j`` sits in byte ``j*b // 8`` at bit ``j*b % 8``
-``32b .. 32b+16``     group codes      hierarchical scales: uint8 ``q`` per group of 16
-``32b+16 .. 32b+18``  unit             hierarchical scales: bf16 (little-endian) super unit
+                                       ``[-R, R]``, ``R = 2**(b-1) - 1``; one LSB-first
+                                       bitstream: code ``j`` at bit ``j*b`` (byte ``j*b // 8``,
+                                       bit ``j*b % 8``, straddling into the next byte for
+                                       b = 3, 5, 6, 7)
+``32b .. 32b+4``      group codes      4-bit ``q - 1`` per group of 32, two per byte (group
+                                       ``g`` at bit ``4 (g % 2)`` of byte ``g // 2``)
+``32b+4 .. 32b+6``    unit             bf16 (little-endian) super unit
 ====================  ===============  ==================================================
 
-so a record is ``32b + 18`` bytes: 82 / 146 / 274 B for b = 2 / 4 / 8. With *flat* scales (the
-ablation) the 18 bytes of scales are replaced by 8 bf16 scales, one per 32 coordinates
-(``32b + 16`` bytes).
+so a record is ``32b + 6`` bytes: 70 / 102 / 134 / 166 / 198 / 230 / 262 B for b = 2..8. The
+paper's scales (``scales="hierarchical"``, format 2's default) put a uint8 ``q`` per group of 16
+there (16 + 2 bytes: ``32b + 18``); *flat* scales (the ablation) 8 bf16 scales, one per 32
+coordinates (``32b + 16``); the prototype ``ProtoScales.HIERARCHICAL4`` 4-bit codes per 16
+(8 + 2 bytes, reference only).
 
 Scales (hierarchical): group scale ``s_g = max |x|`` over the group; ``unit = bf16_ceil(max_g s_g
-/ 255)`` (fp32 division, then rounded *up* to bf16); ``q_g = clamp(ceil(s_g / unit), 1, 255)``;
-decoded scale ``D_g = q_g * unit`` in fp32, exact (8-bit times 8-bit significands), and never
-smaller than ``s_g`` up to fp32 rounding. An all-zero super-group has ``unit = 0``; a non-finite one
-stores ``unit = NaN``, so NaN/Inf anywhere in a partial sum reaches every rank's output.
+/ L)`` (fp32 division, then rounded *up* to bf16) with ``L = 16`` for 4-bit codes and 255 for
+uint8 ones; ``q_g = clamp(ceil(s_g / unit), 1, L)``; decoded scale ``D_g = q_g * unit`` in fp32,
+exact, and never smaller than ``s_g`` up to fp32 rounding. An all-zero super-group has
+``unit = 0``; a non-finite one stores ``unit = NaN``, so NaN/Inf anywhere in a partial sum reaches
+every rank's output.
 
 Levels: magnitude of level ``r`` is ``m_r = ((1 + 2 eps^2)^r - 1) / ((1 + 2 eps^2)^R - 1)`` with
-``eps`` = 0.23 / 0.18 / 0.10 for b = 2 / 4 / 8 (``levels="nonuniform"``), or ``r / R``
-(``levels="uniform"``); computed in float64, stored as fp32.
+``eps`` from :data:`EPSILON_TUNED` (``levels="tuned"``, the default: 0.23 / 0.35 / 0.23 / 0.15 /
+0.10 / 0.07 / 0.04 for b = 2..8, each width's least single-shot error on N(0, 1)), from
+:data:`EPSILON` (``levels="nonuniform"``, the paper's 0.23 / 0.18 / 0.10 at b = 2 / 4 / 8), or
+``r / R`` (``levels="uniform"``); computed in float64, stored as fp32.
 
 Rounding: ``y = clamp((x * s_g) * inv_g, -1, 1)`` with ``inv_g = fp32(1 / (D_g * s_g))`` and
 ``s_g = 2**64`` where ``D_g < 2**-64``, else 1 (an exact prescale that keeps the reciprocal of a
@@ -36,13 +46,6 @@ denormal scale finite): one division per group, none per coordinate; ``y = 0`` w
 (``P(up) = (a - lo) / (hi - lo)``) and uses no division, so a kernel reproduces it exactly.
 Decoding is ``table[code] * D_g`` in fp32; accumulation is ``acc + decoded`` in fp32, one rounding
 each (kernels must not contract them into an FMA).
-
-Prototypes (issue 14, docs/dense_gap.md; reference only, the default format is unchanged):
-widths 3, 5, 6, 7 (``FINE_WIDTHS``; codes as one LSB-first bitstream, code ``j`` at bit ``j*w``
-of the ``32w`` code bytes, which for 2, 4, 8 is the layout above); ``ProtoLevels.TUNED`` (the
-epsilons of ``EPSILON_TUNED``); ``ProtoScales.HIERARCHICAL4`` (4-bit group codes, 8 + 2 bytes:
-a record is ``32b + 10`` bytes) and ``HIERARCHICAL4X32`` (4-bit codes per 32 coordinates,
-``32b + 6`` bytes).
 
 Sums over 256 coordinates (statistics) use a fixed halving tree (``v[:h] + v[h:]``, 8 levels)
 rather than ``torch.sum``, whose order is unspecified, so any implementation can match the bits.
@@ -64,6 +67,7 @@ __all__ = [
     "EPSILON_TUNED",
     "FINE_WIDTHS",
     "FLAT_BLOCK",
+    "FORMAT3",
     "GROUP",
     "GROUPS",
     "RAW_WIDTH",
@@ -149,9 +153,15 @@ class RoundingMode(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class CodecConfig:
+    """The codec's choices. ``CodecConfig()`` is the paper's codec (format 2's default); the
+    scheme's default, format 3, is :data:`FORMAT3`."""
+
     levels: Levels = Levels.NONUNIFORM
     scales: Scales = Scales.HIERARCHICAL
     rounding: RoundingMode = RoundingMode.CORRELATED
+
+
+FORMAT3 = CodecConfig(levels=Levels.TUNED, scales=Scales.HIERARCHICAL4X32)
 
 
 def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
