@@ -5,13 +5,15 @@ checks and allocation live in :mod:`.dynamiq_triton` (launchers) and :mod:`._lau
 The torch reference is the spec; each step below names the reference line it reproduces.
 
 One program handles ``ROWS`` super-groups of 256 coordinates cut into ``NB`` scale blocks of
-``BS`` coordinates (``16 x 16``, hierarchical scales: one uint8 code per group of 16; or ``8 x 32``,
-flat scales: one bf16 per 32 coordinates), held as a ``[BS // 4, ROWS * NB, 4]`` tile with the
-blocks along the middle axis (:func:`_tile_coords`). The compiler's layout keeps 4 consecutive
-values per thread along the last axis and spreads the threads along the blocks, so with 8 rows
-over 4 warps (:mod:`._launch`) each thread holds one whole block of 16: the block's max is a
-reduction inside the thread, its scale divisions and scale byte are computed once (not once per
-thread sharing the block), and the row's max is a shuffle among the 16 threads of the row.
+``BS`` coordinates (``16 x 16``, hierarchical scales: one uint8 code per group of 16, and
+``hierarchical4x32``, whose 4-bit code per 32 coordinates is taken over a pair of blocks; or
+``8 x 32``, flat scales: one bf16 per 32 coordinates), held as a ``[BS // 4, ROWS * NB, 4]``
+tile with the blocks along the middle axis (:func:`_tile_coords`). The compiler's layout keeps 4
+consecutive values per thread along the last axis and spreads the threads along the blocks, so
+with 8 rows over 4 warps (:mod:`._launch`) each thread holds one whole block of 16: the block's
+max is a reduction inside the thread, its scale divisions and scale byte are computed once (not
+once per thread sharing the block), and the row's max is a shuffle among the 16 threads of the
+row.
 
 Byte-exactness rules (the reference is fp32 IEEE, round to nearest, one rounding per operation):
 
