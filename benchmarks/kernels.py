@@ -403,7 +403,7 @@ def aot_main(args: argparse.Namespace) -> int:
                                            log=lambda line: print(line, flush=True),
                                            scales=Scales(scales), levels=Levels(args.levels))
     command = " ".join(["benchmarks/kernels.py", *sys.argv[1:]])
-    commit = git_commit("benchmarks")
+    commit = git_commit("benchmarks/*.py")  # not the results: --append's file is one of them
     if args.out is not None and args.append and args.out.exists():
         old = json.loads(args.out.read_text())
         key = _aot_key
