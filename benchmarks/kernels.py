@@ -31,10 +31,13 @@ untuned until then). ``--device cpu`` runs the same code on tiny sizes in Triton
 (a smoke test of this script; its timings mean nothing). ``--aot 90 [--json FILE]`` needs no
 GPU: it compiles every kernel exactly as launched for sm_90 and counts the SASS instructions
 executed per coordinate, registers, spills and the implied share of H100 copy bandwidth
-(definitions in ``benchmarks/kernels_aot.py``).
+(definitions in ``benchmarks/kernels_aot.py``); ``--scales``/``--levels`` pick the format
+(default: hierarchical, nonuniform), ``--append`` merges the records into an existing file.
 
 Usage: ``python benchmarks/kernels.py [--min-log2 20 --max-log2 28 --step 2] [--tune]``
        ``python benchmarks/kernels.py --aot 90 --json benchmarks/results/kernels-aot-sm90.json``
+       ``python benchmarks/kernels.py --aot 90 --json ... --append --scales hierarchical4x32
+       --levels tuned --widths 2 3 4 5 6 7 8``
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ from dqcoll.schemes.dynamiq.codec import (  # noqa: E402
     SUPER,
     WIDTHS,
     CodecConfig,
+    Levels,
     RoundingMode,
+    Scales,
     record_nbytes,
 )
 
@@ -293,6 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", "--out", dest="out", type=Path, default=None,
                         help="JSON path (default benchmarks/results/kernels-<device>.json; "
                         "with --aot: written only when given)")
+    parser.add_argument("--scales", nargs="+", choices=[m.value for m in Scales],
+                        default=[Scales.HIERARCHICAL.value],
+                        help="with --aot: scale encodings to count (widths the kernels do not "
+                        "implement for one are left out)")
+    parser.add_argument("--levels", choices=[m.value for m in Levels],
+                        default=Levels.NONUNIFORM.value, help="with --aot: level set")
+    parser.add_argument("--append", action="store_true",
+                        help="with --aot --json: merge into the existing file (records of the "
+                        "same kernel, bits, rounding, scales and levels are replaced; the "
+                        "command and commit go to meta.appended)")
     parser.add_argument("--aot", type=int, metavar="ARCH", default=None,
                         help="compile every kernel as launched for sm_ARCH (e.g. 90) without a "
                         "GPU and count executed SASS instructions per coordinate "
@@ -381,22 +396,43 @@ def aot_main(args: argparse.Namespace) -> int:
 
     print(kernels_aot._HEADER, flush=True)
     kernels = tuple(k for k in kernels_aot.KERNELS if k in args.kernels)
-    records = kernels_aot.aot_records(args.aot, world_size=args.world_size,
-                                      kernels=kernels, widths=tuple(args.widths),
-                                      log=lambda line: print(line, flush=True))
+    records = []
+    for scales in args.scales:
+        records += kernels_aot.aot_records(args.aot, world_size=args.world_size,
+                                           kernels=kernels, widths=tuple(args.widths),
+                                           log=lambda line: print(line, flush=True),
+                                           scales=Scales(scales), levels=Levels(args.levels))
+    command = " ".join(["benchmarks/kernels.py", *sys.argv[1:]])
+    commit = git_commit("benchmarks/*.py")  # not the results: --append's file is one of them
+    if args.out is not None and args.append and args.out.exists():
+        old = json.loads(args.out.read_text())
+        key = _aot_key
+        new_keys = {key(r) for r in records}
+        records = [r for r in old["records"] if key(r) not in new_keys] + records
+        meta = old["meta"]
+        meta.setdefault("appended", []).append({"command": command, "commit": commit})
+    else:
+        meta = kernels_aot.meta(args.aot, args.world_size, kernels_aot.NUMEL, commit)
+        meta["command"] = command
     for line in kernels_aot.verdict(records):
         print(f"# {line}")
     warnings = sorted({w for r in records for w in r["warnings"]})
     for w in warnings:
         print(f"# warning: {w}")
     if args.out is not None:
-        meta = kernels_aot.meta(args.aot, args.world_size, kernels_aot.NUMEL,
-                                git_commit("benchmarks"))
-        meta["command"] = " ".join(["benchmarks/kernels.py", *sys.argv[1:]])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
         print(f"# wrote {args.out}")
     return 0
+
+
+def _aot_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies an --aot record (records written before the scales/levels fields were
+    the default encoding's)."""
+    widthless = r["kernel"] in WIDTHLESS
+    return (r["kernel"], r["bits"], r["rounding"],
+            None if widthless else r.get("scales", Scales.HIERARCHICAL.value),
+            None if widthless else r.get("levels", Levels.NONUNIFORM.value))
 
 
 def _triton_version() -> str:

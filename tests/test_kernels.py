@@ -32,7 +32,6 @@ from dqcoll.schemes.dynamiq.codec import (
     FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
-    WIDTHS,
     CodecConfig,
     Levels,
     RoundingMode,
@@ -108,19 +107,22 @@ def index_bases(k: int) -> torch.Tensor:
     return (2**32 - 300) + torch.arange(k, dtype=torch.int64) * (3 * SUPER) + 7
 
 
-def boundary_rows(width: int, levels: Levels) -> torch.Tensor:
+def boundary_rows(width: int, levels: Levels, scales: Scales = Scales.HIERARCHICAL
+                  ) -> torch.Tensor:
     """Rows whose values sit exactly on level magnitudes (and one ulp either side) of their
     decoded scale: the level search must agree with ``searchsorted`` at every boundary."""
     mags = codec.level_magnitudes(width, levels)
-    unit = 2.0**-8  # top = 255 * unit exactly, so unit and every q * unit are exact
+    unit = 2.0**-8  # top = levels * unit exactly, so unit and every q * unit are exact
+    # hierarchical: uint8 codes per group of 16; hierarchical4x32: 4-bit codes per 32
+    top, step, size = (255, 13, codec.GROUP) if scales is Scales.HIERARCHICAL else (16, 1, 32)
     rows = []
     for shift in range(3):
-        x = torch.zeros(codec.GROUPS, codec.GROUP)
-        for group in range(codec.GROUPS):
-            q = 255 - 13 * group - shift
+        x = torch.zeros(SUPER // size, size)
+        for group in range(SUPER // size):
+            q = top - step * group - shift
             scale = torch.tensor(q * unit, dtype=torch.float32)
-            x[group, 0] = scale if group else 255 * unit
-            r = (torch.arange(1, codec.GROUP) * (7 + group) + shift) % mags.numel()
+            x[group, 0] = scale if group else top * unit
+            r = (torch.arange(1, size) * (7 + group) + shift) % mags.numel()
             on = mags[r] * scale
             nudged = torch.nextafter(on, torch.where(torch.arange(r.numel()) % 3 == 0,
                                                      on * 2 + 1, -on - 1))
@@ -181,15 +183,18 @@ def test_encode_bytes_match_reference(
         assert torch.equal(actual, expected), (rank, (actual != expected).nonzero()[:5].tolist())
 
 
+@pytest.mark.parametrize("scales", [Scales.HIERARCHICAL, Scales.HIERARCHICAL4X32])
 @pytest.mark.parametrize("levels", list(Levels))
 @pytest.mark.parametrize("width", FINE_WIDTHS)
-def test_level_search_exact_at_boundaries(impl: Any, width: int, levels: Levels) -> None:
+def test_level_search_exact_at_boundaries(
+    impl: Any, width: int, levels: Levels, scales: Scales
+) -> None:
     """Values exactly on (and one ulp around) every level magnitude get the reference's codes:
-    the log2 guess and its one-step correction equal ``searchsorted``."""
-    x = boundary_rows(width, levels)
-    index = torch.arange(x.shape[0], dtype=torch.int64) * SUPER
-    config = CodecConfig(levels=levels, rounding=RoundingMode.INDEPENDENT)
+    the bin table and its one-step correction equal ``searchsorted``."""
+    config = CodecConfig(levels=levels, scales=scales, rounding=RoundingMode.INDEPENDENT)
     need(impl, width, config)
+    x = boundary_rows(width, levels, scales)
+    index = torch.arange(x.shape[0], dtype=torch.int64) * SUPER
     expected = codec.encode_torch(x, width, index, 0, 1, KEY, config)
     assert torch.equal(impl.encode(x, width, index, 0, 1, KEY, config), expected)
 
@@ -467,10 +472,11 @@ gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("config_name", list(CONFIGS))
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_gpu_kernels_match_cpu_reference(tri: Any, width: int, config_name: str) -> None:
     """On CUDA, at 2**20 coordinates: every kernel's bytes and values equal the CPU reference's."""
     config = CONFIGS[config_name]
+    need(tri, width, config)
     k, n = 4096, 8
     x = rows_with_edge_cases(k, seed=30 + width)
     index = index_bases(k)
@@ -498,13 +504,17 @@ def test_gpu_kernels_match_cpu_reference(tri: Any, width: int, config_name: str)
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("scales", [Scales.HIERARCHICAL, Scales.HIERARCHICAL4X32])
 @pytest.mark.parametrize("levels", list(Levels))
-@pytest.mark.parametrize("width", WIDTHS)
-def test_gpu_level_search_exact_at_boundaries(tri: Any, width: int, levels: Levels) -> None:
-    """On CUDA (approximate ``log2``), values on every level boundary get the reference's codes."""
-    x = boundary_rows(width, levels)
+@pytest.mark.parametrize("width", FINE_WIDTHS)
+def test_gpu_level_search_exact_at_boundaries(
+    tri: Any, width: int, levels: Levels, scales: Scales
+) -> None:
+    """On CUDA, values on every level boundary get the reference's codes."""
+    config = CodecConfig(levels=levels, scales=scales, rounding=RoundingMode.INDEPENDENT)
+    need(tri, width, config)
+    x = boundary_rows(width, levels, scales)
     index = torch.arange(x.shape[0], dtype=torch.int64) * SUPER
-    config = CodecConfig(levels=levels, rounding=RoundingMode.INDEPENDENT)
     expected = codec.encode_torch(x, width, index, 0, 1, KEY, config)
     actual = tri.encode(x.cuda(), width, index.cuda(), 0, 1, KEY, config)
     assert torch.equal(actual.cpu(), expected)

@@ -15,7 +15,6 @@ pytest.importorskip("triton")
 
 from dqcoll import kernels
 from dqcoll.kernels import _dynamiq_kernels, dynamiq_triton
-from dqcoll.schemes.dynamiq.codec import WIDTHS
 
 
 def _variant(kernel: Any, args: tuple[Any, ...], constexprs: dict[str, Any]) -> tuple[Any, ...]:
@@ -63,25 +62,27 @@ def test_warm_up_launches_every_variant(monkeypatch: pytest.MonkeyPatch) -> None
     def dtype(v: tuple[Any, ...], arg: str) -> str:
         return str(next(s[1] for s in v[2] if s[0] == arg))
 
+    # Every (width, scale encoding) the kernels declare (dynamiq_triton.FORMATS).
+    formats = {(w, s.value) for s, widths in dynamiq_triton.FORMATS.items() for w in widths}
     fused = variants("_decode_accumulate_encode_kernel")
-    got = {(c["WIDTH"], c["HIERARCHICAL"], c["CORRELATED"], c["WRITE_ACC"],
+    got = {(c["WIDTH"], c["SCALES"], c["CORRELATED"], c["WRITE_ACC"],
             aligned(v, "rec_ptr"), aligned(v, "out_ptr"))
            for v in fused for c in [consts(v)]}
-    want = set(itertools.product(WIDTHS, (False, True), (False, True), (False, True),
-                                 (False, True), (False, True)))
+    want = {(w, s, *rest) for (w, s), rest in itertools.product(
+        formats, itertools.product((False, True), repeat=4))}
     assert got == want
     encode = variants("_encode_kernel")
-    got = {(c["WIDTH"], c["HIERARCHICAL"], c["CORRELATED"], dtype(v, "x_ptr"),
+    got = {(c["WIDTH"], c["SCALES"], c["CORRELATED"], dtype(v, "x_ptr"),
             aligned(v, "out_ptr")) for v in encode for c in [consts(v)]}
-    assert {(w, h, c, "torch.float32", a) for w, h, c, a in itertools.product(
-        WIDTHS, (False, True), (False, True), (False, True))} <= got
-    assert {(w, h, c, d) for w, h, c, d, _ in got} == set(itertools.product(
-        WIDTHS, (False, True), (False, True),
-        ("torch.float32", "torch.bfloat16", "torch.float16")))
+    assert {(w, s, c, "torch.float32", a) for (w, s), c, a in itertools.product(
+        formats, (False, True), (False, True))} <= got
+    assert {(w, s, c, d) for w, s, c, d, _ in got} == {(w, s, c, d) for (w, s), c, d in
+                                                       itertools.product(
+        formats, (False, True), ("torch.float32", "torch.bfloat16", "torch.float16"))}
     for name in ("_decode_kernel", "_decode_accumulate_kernel"):
-        got = {(consts(v)["WIDTH"], consts(v)["HIERARCHICAL"], aligned(v, "rec_ptr"))
+        got = {(consts(v)["WIDTH"], consts(v)["SCALES"], aligned(v, "rec_ptr"))
                for v in variants(name)}
-        assert got == set(itertools.product(WIDTHS, (False, True), (False, True))), name
+        assert got == {(w, s, a) for (w, s), a in itertools.product(formats, (False, True))}, name
     for name, arg in (("_stats_center_kernel", "x_ptr"), ("_restore_kernel", "out_ptr")):
         dtypes = {dtype(v, arg) for v in variants(name)}
         assert dtypes == {"torch.float32", "torch.bfloat16", "torch.float16"}, name

@@ -5,13 +5,15 @@ checks and allocation live in :mod:`.dynamiq_triton` (launchers) and :mod:`._lau
 The torch reference is the spec; each step below names the reference line it reproduces.
 
 One program handles ``ROWS`` super-groups of 256 coordinates cut into ``NB`` scale blocks of
-``BS`` coordinates (``16 x 16``, hierarchical scales: one uint8 code per group of 16; or ``8 x 32``,
-flat scales: one bf16 per 32 coordinates), held as a ``[BS // 4, ROWS * NB, 4]`` tile with the
-blocks along the middle axis (:func:`_tile_coords`). The compiler's layout keeps 4 consecutive
-values per thread along the last axis and spreads the threads along the blocks, so with 8 rows
-over 4 warps (:mod:`._launch`) each thread holds one whole block of 16: the block's max is a
-reduction inside the thread, its scale divisions and scale byte are computed once (not once per
-thread sharing the block), and the row's max is a shuffle among the 16 threads of the row.
+``BS`` coordinates (``16 x 16``, hierarchical scales: one uint8 code per group of 16, and
+``hierarchical4x32``, whose 4-bit code per 32 coordinates is taken over a pair of blocks; or
+``8 x 32``, flat scales: one bf16 per 32 coordinates), held as a ``[BS // 4, ROWS * NB, 4]``
+tile with the blocks along the middle axis (:func:`_tile_coords`). The compiler's layout keeps 4
+consecutive values per thread along the last axis and spreads the threads along the blocks, so
+with 8 rows over 4 warps (:mod:`._launch`) each thread holds one whole block of 16: the block's
+max is a reduction inside the thread, its scale divisions and scale byte are computed once (not
+once per thread sharing the block), and the row's max is a shuffle among the 16 threads of the
+row.
 
 Byte-exactness rules (the reference is fp32 IEEE, round to nearest, one rounding per operation):
 
@@ -203,27 +205,48 @@ def _tile_coords(pid, n_rows, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.const
 @triton.jit
 def _decode_tile(
     rec_ptr, rec_row, row_mask, blk, coord, table_ptr,
-    WIDTH: tl.constexpr, NB: tl.constexpr, HIERARCHICAL: tl.constexpr,
+    WIDTH: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr, SCALES: tl.constexpr,
 ):
     """fp32 ``[Q, G, 4]`` values (see :func:`_tile_coords`) of the records starting at byte
     offsets ``rec_row`` (codec.decode_torch): ``table[code] * D`` with ``D = q * unit`` or the
-    flat bf16 scale (``table_ptr``: the byte table, value of code k of byte b at
-    ``b * (8 // WIDTH) + k``)."""
-    PER_BYTE: tl.constexpr = 8 // WIDTH
+    flat bf16 scale (``table_ptr``: at 2, 4, 8 bits the byte table, value of code k of byte b at
+    ``b * (8 // WIDTH) + k``; at 3, 5, 6, 7 bits the ``2**WIDTH`` code values)."""
     CODE_NBYTES: tl.constexpr = 32 * WIDTH
-    # Code j sits in byte j*b//8 at bit j*b%8 (LSB-first); the table holds the values of the
-    # PER_BYTE codes of each byte value side by side (_params.LevelTables.table): no shift or mask
-    # per code, and the coordinates of one byte share an address (immediate offsets).
     rec = rec_ptr + rec_row
-    byte = tl.load(rec + coord // PER_BYTE, mask=row_mask, other=0).to(tl.int32)
-    value = tl.load(table_ptr + (byte * PER_BYTE + coord % PER_BYTE))
+    if 8 % WIDTH == 0:
+        PER_BYTE: tl.constexpr = 8 // WIDTH
+        # Code j sits in byte j*b//8 at bit j*b%8 (LSB-first); the table holds the values of the
+        # PER_BYTE codes of each byte value side by side (_params.LevelTables.table): no shift or
+        # mask per code, and the coordinates of one byte share an address (immediate offsets).
+        byte = tl.load(rec + coord // PER_BYTE, mask=row_mask, other=0).to(tl.int32)
+        value = tl.load(table_ptr + (byte * PER_BYTE + coord % PER_BYTE))
+    else:
+        # Bitstream (codec._unpack_bitstream): code j at bit j*w may straddle two bytes. A block
+        # starts on a byte (BS*w is a multiple of 8), so each coordinate's two bytes and shift are
+        # constants from the block's first byte: the 2w + 1 bytes of a block of 16 are loaded
+        # once each (shared immediate offsets) and a code costs a shift, an or and a mask.
+        Q: tl.constexpr = BS // 4
+        bit = (tl.arange(0, Q)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]) * WIDTH
+        at = rec + blk * (BS * WIDTH // 8) + (bit >> 3)  # [Q, G, 4]
+        lo = tl.load(at, mask=row_mask, other=0).to(tl.uint32)
+        hi = tl.load(at + 1, mask=row_mask, other=0).to(tl.uint32)  # at most a scale byte
+        code = ((lo | (hi << 8)) >> (bit & 7).to(tl.uint32)) & ((1 << WIDTH) - 1)
+        value = tl.load(table_ptr + code.to(tl.int32))
     scale_row = rec + CODE_NBYTES  # [1, G, 1] pointers to the scale bytes
-    if HIERARCHICAL:
+    if SCALES == "hierarchical":
         q = tl.load(scale_row + blk, mask=row_mask, other=0).to(tl.float32)
         unit_lo = tl.load(scale_row + NB, mask=row_mask, other=0).to(tl.uint32)
         unit_hi = tl.load(scale_row + NB + 1, mask=row_mask, other=0).to(tl.uint32)
         unit = _bf16_bits_to_fp32(unit_lo | (unit_hi << 8))  # bf16, little-endian
         scale = q * unit  # exact: 8-bit times 8-bit significands
+    elif SCALES == "hierarchical4x32":
+        # One nibble q - 1 per 32 coordinates (two blocks of 16), two per byte, low nibble first.
+        packed = tl.load(scale_row + blk // 4, mask=row_mask, other=0).to(tl.uint32)
+        q = ((packed >> (((blk // 2) % 2) * 4).to(tl.uint32)) & 0xF) + 1
+        unit_lo = tl.load(scale_row + NB // 4, mask=row_mask, other=0).to(tl.uint32)
+        unit_hi = tl.load(scale_row + NB // 4 + 1, mask=row_mask, other=0).to(tl.uint32)
+        unit = _bf16_bits_to_fp32(unit_lo | (unit_hi << 8))
+        scale = q.to(tl.float32) * unit  # exact: 5-bit times 8-bit significands
     else:
         lo = tl.load(scale_row + 2 * blk, mask=row_mask, other=0).to(tl.uint32)
         hi = tl.load(scale_row + 2 * blk + 1, mask=row_mask, other=0).to(tl.uint32)
@@ -236,13 +259,12 @@ def _encode_tile(
     x, base, row_mask, blk, coord, out_ptr, out_row, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr, BINS: tl.constexpr,
+    SCALES: tl.constexpr, CORRELATED: tl.constexpr, BINS: tl.constexpr,
 ):
     """Encode the fp32 ``[Q, G, 4]`` tile ``x`` (see :func:`_tile_coords`) of rows whose first
     coordinates have global indices ``base`` (``[1, G, 1]``) into records at byte offsets
     ``out_row`` (codec._encode_rows)."""
     TOP: tl.constexpr = (1 << (WIDTH - 1)) - 1  # R
-    PER_BYTE: tl.constexpr = 8 // WIDTH
     CODE_NBYTES: tl.constexpr = 32 * WIDTH
     Q: tl.constexpr = BS // 4
     G: tl.constexpr = ROWS * NB
@@ -253,7 +275,7 @@ def _encode_tile(
     abs_bits = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
     block_bits = tl.reduce(tl.reduce(abs_bits, 2, _MAX, keep_dims=True), 0, _MAX,
                            keep_dims=True)  # [1, G, 1]
-    if HIERARCHICAL:
+    if SCALES == "hierarchical":
         # The row's max over its NB blocks, back on every block of the row.
         by_row = tl.reshape(block_bits, [ROWS, NB])
         top_bits = tl.reduce(by_row, 1, _MAX, keep_dims=True)  # [ROWS, 1]
@@ -270,6 +292,31 @@ def _encode_tile(
         first = row_mask & (blk == 0)  # the unit once per row
         tl.store(scale_row + NB, (unit_bits & 0xFF).to(tl.uint8), mask=first)
         tl.store(scale_row + NB + 1, (unit_bits >> 8).to(tl.uint8), mask=first)
+    elif SCALES == "hierarchical4x32":
+        # A scale per pair of blocks (32 coordinates), computed on the [ROWS, NB // 2] pairs and
+        # broadcast back, so that the division runs once per pair and the byte of two nibbles
+        # needs no exchange between the threads of its blocks.
+        pair_bits = tl.reduce(tl.reshape(block_bits, [ROWS, NB // 2, 2]), 2, _MAX)
+        top_bits = tl.reduce(pair_bits, 1, _MAX, keep_dims=True)  # [ROWS, 1]
+        # top * 2**-4 is top / 16 rounded once: the same real number, so the same fp32
+        # (denormals included), without a division.
+        unit_bits = _bf16_ceil_bits((top_bits.to(tl.float32, bitcast=True) * 0.0625)
+                                    .to(tl.uint32, bitcast=True))
+        unit = _bf16_bits_to_fp32(unit_bits)  # [ROWS, 1]
+        ratio = tl.math.ceil(tl.math.div_rn(pair_bits.to(tl.float32, bitcast=True), unit))
+        usable = (unit > 0.0) & (unit < float("inf"))  # False for 0, inf and NaN
+        q = tl.where(usable, tl.minimum(tl.maximum(ratio, 1.0), 16.0), 1.0)  # [ROWS, NB // 2]
+        nibbles = tl.reshape(q.to(tl.uint32) - 1, [ROWS, NB // 4, 2])
+        packed = tl.reduce(nibbles << (tl.arange(0, 2) * 4).to(tl.uint32)[None, None, :], 2,
+                           _ADD)  # [ROWS, NB // 4]: pair 2p in the low nibble
+        scale = tl.reshape(tl.broadcast_to((q * unit)[:, :, None], [ROWS, NB // 2, 2]),
+                           [1, G, 1])  # exact
+        packed = tl.reshape(tl.broadcast_to(packed[:, :, None], [ROWS, NB // 4, 4]), [1, G, 1])
+        unit_bits = tl.reshape(tl.broadcast_to(unit_bits, [ROWS, NB]), [1, G, 1])
+        tl.store(scale_row + blk // 4, packed.to(tl.uint8), mask=row_mask & (blk % 4 == 0))
+        first = row_mask & (blk == 0)  # the unit once per row
+        tl.store(scale_row + NB // 4, (unit_bits & 0xFF).to(tl.uint8), mask=first)
+        tl.store(scale_row + NB // 4 + 1, (unit_bits >> 8).to(tl.uint8), mask=first)
     else:
         scale_bits = _bf16_ceil_bits(block_bits)
         scale = _bf16_bits_to_fp32(scale_bits)
@@ -315,18 +362,40 @@ def _encode_tile(
     codes = tl.where(y < 0.0, TOP - level, TOP + level)  # stored as l + R
 
     # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8 (fields are disjoint: sum == or).
-    # A thread's 4 consecutive codes make 4 // PER_BYTE whole bytes.
-    NBYTES4: tl.constexpr = 4 // PER_BYTE  # bytes per 4 codes: 1, 2 or 4
-    if PER_BYTE == 1:
-        packed = codes
-        byte_index = coord
+    if 8 % WIDTH == 0:
+        # A thread's 4 consecutive codes make 4 // PER_BYTE whole bytes.
+        PER_BYTE: tl.constexpr = 8 // WIDTH
+        NBYTES4: tl.constexpr = 4 // PER_BYTE  # bytes per 4 codes: 1, 2 or 4
+        if PER_BYTE == 1:
+            packed = codes
+            byte_index = coord
+        else:
+            grouped = tl.reshape(codes, [Q, G, NBYTES4, PER_BYTE])
+            shifts = tl.arange(0, PER_BYTE) * WIDTH
+            packed = tl.reduce(grouped << shifts[None, None, None, :], 3, _ADD)  # [Q, G, NBYTES4]
+            byte_index = ((blk * BS + tl.arange(0, Q)[:, None, None] * 4) // PER_BYTE
+                          + tl.arange(0, NBYTES4)[None, None, :])
+        tl.store(out + byte_index, packed.to(tl.uint8), mask=row_mask)
     else:
-        grouped = tl.reshape(codes, [Q, G, NBYTES4, PER_BYTE])
-        shifts = tl.arange(0, PER_BYTE) * WIDTH
-        packed = tl.reduce(grouped << shifts[None, None, None, :], 3, _ADD)  # [Q, G, NBYTES4]
-        byte_index = ((blk * BS + tl.arange(0, Q)[:, None, None] * 4) // PER_BYTE
-                      + tl.arange(0, NBYTES4)[None, None, :])
-    tl.store(out + byte_index, packed.to(tl.uint8), mask=row_mask)
+        # Bitstream (codec._pack_bitstream): each run of 8 codes makes WIDTH bytes. A thread's 4
+        # consecutive codes make a 4w-bit field (< 2**28); byte k of a run is bits 8k.. of
+        # ``first | second << 4w``, taken from the two 32-bit fields by constant shifts (the
+        # bits shifted past 32 are never part of the byte).
+        HALF: tl.constexpr = 4 * WIDTH
+        shifts = tl.arange(0, 4).to(tl.uint32) * WIDTH
+        quad = tl.reduce(codes.to(tl.uint32) << shifts[None, None, :], 2, _ADD)  # [Q, G]
+        first, second = tl.split(tl.permute(tl.reshape(quad, [Q // 2, 2, G]), (0, 2, 1)))
+        first = first[:, :, None]  # [Q // 2, G, 1]: codes 0-3 of each run
+        second = second[:, :, None]  # codes 4-7
+        run = out + blk * (BS * WIDTH // 8) + tl.arange(0, Q // 2)[:, None, None] * WIDTH
+        for k in tl.static_range(WIDTH):
+            if 8 * k <= HALF:
+                byte = second << (HALF - 8 * k)
+            else:
+                byte = second >> (8 * k - HALF)
+            if 8 * k < HALF:
+                byte = byte | (first >> (8 * k))
+            tl.store(run + k, byte.to(tl.uint8), mask=row_mask)
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -360,7 +429,7 @@ def _encode_kernel(
     x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr,
+    SCALES: tl.constexpr, CORRELATED: tl.constexpr,
     BINS: tl.constexpr,
 ):
     """codec.encode_torch: a leaf compresses its local rows."""
@@ -370,7 +439,7 @@ def _encode_kernel(
     _encode_tile(
         _to_fp32(x), base, row_mask, blk, coord, out_ptr, rows * out_row_stride,
         lvl_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, CORRELATED, BINS,
+        WIDTH, ROWS, NB, BS, SCALES, CORRELATED, BINS,
     )
 
 
@@ -378,12 +447,12 @@ def _encode_kernel(
 def _decode_kernel(
     rec_ptr, rec_row_stride, table_ptr, out_ptr, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr,
+    SCALES: tl.constexpr,
 ):
     """codec.decode_torch: records to fp32 rows (all-gather receive)."""
     rows, row_mask, blk, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
     value = _decode_tile(rec_ptr, rows * rec_row_stride, row_mask, blk, coord, table_ptr,
-                         WIDTH, NB, HIERARCHICAL)
+                         WIDTH, NB, BS, SCALES)
     tl.store(out_ptr + rows * 256 + coord, value, mask=row_mask)
 
 
@@ -391,14 +460,14 @@ def _decode_kernel(
 def _decode_accumulate_kernel(
     rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr,
+    SCALES: tl.constexpr,
 ):
     """codec.decode_accumulate_torch: ``acc += decode(records)`` in fp32 (non-last child)."""
     rows, row_mask, blk, coord = _tile_coords(tl.program_id(0), n_rows, ROWS, NB, BS)
     acc_at = acc_ptr + rows * acc_row_stride + coord
     acc = tl.load(acc_at, mask=row_mask, other=0.0)
     value = _decode_tile(rec_ptr, rows * rec_row_stride, row_mask, blk, coord, table_ptr,
-                         WIDTH, NB, HIERARCHICAL)
+                         WIDTH, NB, BS, SCALES)
     tl.store(acc_at, acc + value, mask=row_mask)
 
 
@@ -408,7 +477,7 @@ def _decode_accumulate_encode_kernel(
     out_ptr, out_row_stride, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    HIERARCHICAL: tl.constexpr, CORRELATED: tl.constexpr,
+    SCALES: tl.constexpr, CORRELATED: tl.constexpr,
     BINS: tl.constexpr, WRITE_ACC: tl.constexpr,
 ):
     """codec.decode_accumulate_encode_torch, fused: the partial sum is encoded from registers;
@@ -417,7 +486,7 @@ def _decode_accumulate_encode_kernel(
     acc_at = acc_ptr + rows * acc_row_stride + coord
     acc = tl.load(acc_at, mask=row_mask, other=0.0)
     value = _decode_tile(rec_ptr, rows * rec_row_stride, row_mask, blk, coord, table_ptr,
-                         WIDTH, NB, HIERARCHICAL)
+                         WIDTH, NB, BS, SCALES)
     acc = acc + value
     if WRITE_ACC:
         tl.store(acc_at, acc, mask=row_mask)
@@ -425,7 +494,7 @@ def _decode_accumulate_encode_kernel(
     _encode_tile(
         acc, base, row_mask, blk, coord, out_ptr, rows * out_row_stride,
         lvl_ptr, jitter_key, perm_key, ptab_ptr, inv_n,
-        WIDTH, ROWS, NB, BS, HIERARCHICAL, CORRELATED, BINS,
+        WIDTH, ROWS, NB, BS, SCALES, CORRELATED, BINS,
     )
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ..schemes.dynamiq import codec
 from ..schemes.dynamiq.codec import (
+    FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
     WIDTHS,
@@ -139,7 +140,9 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
 class LevelParams:
     """Level tables of one width on one device (see :func:`._params.level_tables`)."""
 
-    codes: torch.Tensor  # fp32 [256 * (8 // width)]: value of code k of byte b at b*(8//w) + k
+    # fp32 [256 * (8 // width)]: value of code k of byte b at b*(8//w) + k (2, 4, 8 bits); fp32
+    # [2**width]: the value of each code (bitstream widths 3, 5, 6, 7, decoded code by code)
+    codes: torch.Tensor
     rows: torch.Tensor  # int32 [bins + 1, 4]: the level search's rows (_params.LevelTables.rows)
     bins: int
 
@@ -147,8 +150,10 @@ class LevelParams:
 @functools.lru_cache(maxsize=64)
 def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
     tables = level_tables(width, levels)
+    codes = (torch.from_numpy(tables.table) if 8 % width == 0
+             else codec.code_table(width, levels))
     return LevelParams(
-        codes=torch.from_numpy(tables.table).to(device),
+        codes=codes.to(device),
         rows=torch.from_numpy(tables.rows).to(device),
         bins=tables.bins,
     )
@@ -156,7 +161,12 @@ def _level_params(width: int, levels: Levels, device: torch.device) -> LevelPara
 
 # The widths per scale encoding these kernels implement (plus raw width 16 in every mode): the
 # scheme runs any other (scales, width) on the torch reference.
-FORMATS: dict[Scales, tuple[int, ...]] = {Scales.HIERARCHICAL: WIDTHS, Scales.FLAT: WIDTHS}
+FORMATS: dict[Scales, tuple[int, ...]] = {
+    Scales.HIERARCHICAL: WIDTHS,
+    Scales.FLAT: WIDTHS,
+    Scales.HIERARCHICAL4X32: FINE_WIDTHS,
+}
+
 
 def _int32_bits(value: int) -> int:
     """A uint32 key as the int32 with the same bits: every key then has the same argument type
@@ -164,19 +174,23 @@ def _int32_bits(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _tile(config: CodecConfig) -> tuple[int, int, bool]:
-    """(blocks per row, coordinates per block, hierarchical?) of the kernels' row tile."""
-    if config.scales is Scales.HIERARCHICAL:
-        return 16, 16, True
-    return 8, 32, False
+def _tile(config: CodecConfig) -> tuple[int, int, str]:
+    """(blocks per row, coordinates per block, scale encoding) of the kernels' row tile. The
+    4-bit codes per 32 coordinates keep blocks of 16 (each thread one, as with uint8 codes): the
+    kernels take each scale over a pair of blocks."""
+    if config.scales is Scales.FLAT:
+        return 8, 32, config.scales.value
+    return 16, 16, config.scales.value
 
 
 # -- checks -----------------------------------------------------------------------------------
 
 
-def _check_width(width: int) -> None:
-    if width not in WIDTHS and width != RAW_WIDTH:
-        raise ValueError(f"width must be one of {(*WIDTHS, RAW_WIDTH)}, got {width}")
+def _check_width(width: int, config: CodecConfig) -> None:
+    widths = FORMATS.get(config.scales, ())
+    if width not in widths and width != RAW_WIDTH:
+        raise ValueError(f"width must be one of {(*widths, RAW_WIDTH)} with "
+                         f"{config.scales.value} scales, got {width}")
 
 
 def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -250,10 +264,10 @@ def _encode_args(width: int, config: CodecConfig, device: torch.device, key: int
                  world_size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     levels = _level_params(width, config.levels, device)
     rp = RoundingParams.build(key, rank, world_size, config)
-    nb, bs, hierarchical = _tile(config)
+    nb, bs, scales = _tile(config)
     args = (levels.rows, _int32_bits(rp.jitter_key), _int32_bits(rp.perm_key),
             rp.perm_table_on(device), rp.inv_n)
-    constexprs = dict(WIDTH=width, NB=nb, BS=bs, HIERARCHICAL=hierarchical,
+    constexprs = dict(WIDTH=width, NB=nb, BS=bs, SCALES=scales,
                       CORRELATED=rp.correlated, BINS=levels.bins)
     return args, constexprs
 
@@ -271,7 +285,7 @@ def encode(
 ) -> torch.Tensor:
     """Triton codec.encode_torch: rows ``[k, 256]`` -> records uint8 ``[k, record_nbytes]``
     (into ``out`` when given)."""
-    _check_width(width)
+    _check_width(width, config)
     _check_rows("x", x, FLOAT_INPUTS)
     rows = x.shape[0]
     index = _index(index_base, rows, x.device)
@@ -292,7 +306,7 @@ def encode(
 def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton codec.decode_torch: records -> fp32 ``[k, 256]`` (into ``out`` when given)."""
-    _check_width(width)
+    _check_width(width, config)
     _check_records(records, width, config)
     rows = records.shape[0]
     if out is None:
@@ -306,11 +320,11 @@ def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
     if rows:
         kernels, interpreted = _kernels_for(records.device)
         cfg = launch_config(Kernel.DECODE, width, rows, interpreted=interpreted)
-        nb, bs, hierarchical = _tile(config)
+        nb, bs, scales = _tile(config)
         table = _level_params(width, config.levels, records.device).codes
         _launch(kernels._decode_kernel, cfg, rows, interpreted,
                 records, records.stride(0), table, out, rows,
-                WIDTH=width, ROWS=cfg.rows_per_program, NB=nb, BS=bs, HIERARCHICAL=hierarchical)
+                WIDTH=width, ROWS=cfg.rows_per_program, NB=nb, BS=bs, SCALES=scales)
     return out
 
 
@@ -318,7 +332,7 @@ def decode_accumulate(
     records: torch.Tensor, width: int, config: CodecConfig, acc: torch.Tensor
 ) -> None:
     """Triton codec.decode_accumulate_torch: ``acc += decode(records)`` in place."""
-    _check_width(width)
+    _check_width(width, config)
     _check_records(records, width, config)
     _check_rows("acc", acc, (torch.float32,))
     rows = records.shape[0]
@@ -329,11 +343,11 @@ def decode_accumulate(
     if rows:
         kernels, interpreted = _kernels_for(records.device)
         cfg = launch_config(Kernel.DECODE_ACCUMULATE, width, rows, interpreted=interpreted)
-        nb, bs, hierarchical = _tile(config)
+        nb, bs, scales = _tile(config)
         table = _level_params(width, config.levels, records.device).codes
         _launch(kernels._decode_accumulate_kernel, cfg, rows, interpreted,
                 records, records.stride(0), table, acc, acc.stride(0), rows,
-                WIDTH=width, ROWS=cfg.rows_per_program, NB=nb, BS=bs, HIERARCHICAL=hierarchical)
+                WIDTH=width, ROWS=cfg.rows_per_program, NB=nb, BS=bs, SCALES=scales)
 
 
 def decode_accumulate_encode(
@@ -352,7 +366,7 @@ def decode_accumulate_encode(
     """Triton codec.decode_accumulate_encode_torch, one fused kernel: ``acc += decode(records)``
     (written back in place only with ``keep_sum``), then the new ``acc`` encoded at the same
     width from registers (into ``out`` when given)."""
-    _check_width(width)
+    _check_width(width, config)
     _check_records(records, width, config)
     _check_rows("acc", acc, (torch.float32,))
     rows = records.shape[0]
