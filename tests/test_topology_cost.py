@@ -66,7 +66,7 @@ def test_shared_nic_counted_once():
 
 def test_hierarchical_prices_levels_separately():
     """A 2x2 plan with fp32 inside hosts and 4-bit dynamiq across: intra steps move fp32 over
-    NVLink, inter steps move (4 - 0.25)/8 B per coordinate over the NIC."""
+    NVLink, inter steps move (4 - 0.0625)/8 B per coordinate over the NIC."""
     t = Topology.cluster(2, 2, inter_gbps=8.0, inter_latency_us=0.0, intra_gbps=80.0,
                          intra_latency_us=0.0)
     plan = build_hierarchical_plan(t, intra=LevelSpec("none", algorithm="direct"),
@@ -76,10 +76,10 @@ def test_hierarchical_prices_levels_separately():
     levels = [lv.value for lv in plan.step_levels()]
     assert levels == ["intra", "inter", "inter", "intra"]
     # intra reduce: each rank sends its partner 2 chunks (the partner's shard) of 2000 coords in
-    # fp32 = 16000 B over a 10000 B/us port; inter: 1 chunk of 2000 coords at 3.75/8 B = 937.5 B
-    # per GPU, two GPUs share the 1000 B/us NIC.
+    # fp32 = 16000 B over a 10000 B/us port; inter: 1 chunk of 2000 coords at 3.9375/8 B =
+    # 984.375 B per GPU, two GPUs share the 1000 B/us NIC.
     assert cost.steps[0].wire_us == pytest.approx(1.6)
-    assert cost.steps[1].wire_us == pytest.approx(2 * 937.5 / 1000)
+    assert cost.steps[1].wire_us == pytest.approx(2 * 984.375 / 1000)
 
 
 def test_kernel_time_and_shared_device():
@@ -125,10 +125,11 @@ def test_message_overhead_and_latency():
 
 
 def test_dynamiq_wire_bytes_and_prologue():
-    """dynamiq at b bits puts (b - 0.25)/8 bytes per coordinate on the wire (statistics are
-    separate) and adds a statistics all-reduce; tiny messages are faster uncompressed."""
+    """dynamiq at b bits puts (b - 0.0625)/8 bytes per coordinate on the wire (the 2 B of
+    statistics per 256 are separate) and adds a statistics all-reduce; tiny messages are faster
+    uncompressed."""
     c = scheme_cost("dynamiq", 5.0, "float32", "h100")
-    assert c.wire_bytes_per_coord == pytest.approx(4.75 / 8) and c.has_stats
+    assert c.wire_bytes_per_coord == pytest.approx(4.9375 / 8) and c.has_stats
     assert scheme_cost("none", None, "bfloat16", "h100").wire_bytes_per_coord == 2.0
     t = Topology.cluster(2, 4, inter_gbps=100)
     tiny_none = price_allreduce("ring", t, 4096, scheme="none")

@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-STATS_BYTES_PER_SUPER = 8  # DynamiQ: fp32 mean + fp32 squared norm per 256 coordinates
+STATS_BYTES_PER_SUPER = 2  # DynamiQ (format 3): the bf16 squared norm per 256 coordinates
 SUPER = 256
 
 
@@ -295,7 +295,7 @@ def _stats_us(topology: Topology, numel: int, params: CostParams, *, stats: bool
     if stats:
         ranks_per_device = max(topology.devices.count(d) for d in set(topology.devices))
         pass_us = stats_ns * numel * ranks_per_device / 1e3
-        stats_numel = max(1, math.ceil(numel / SUPER) * STATS_BYTES_PER_SUPER // 4)
+        stats_numel = max(1, -(-math.ceil(numel / SUPER) * STATS_BYTES_PER_SUPER // 4))
         prologue += pass_us / 2 + _pipeline(
             _steps(butterfly, topology, stats_numel, [none] * len(butterfly.steps), tiny), 1)
         epilogue += pass_us / 2
