@@ -2,7 +2,7 @@
 """Checks tools/dense_gap.py's simulator against the executor (docs/dense_gap.md).
 
 8 ranks over the local transport (threads), 2^16 i.i.d. N(0, 1) coordinates per rank (the script's
-data at a quarter of its size), main, A, B and C on the issue's four cells: the local transport's
+data at a quarter of its size), the default, the paper's configuration, B and per-16 codes on the issue's four cells: the local transport's
 vNMSE and the simulator's, whether every rank's output is bit-identical, and the busiest rank's
 ``bytes_sent`` (payload + statistics + argument check) in bits per coordinate, divided by the
 all-reduce's 2 (n - 1) / n so that it compares with the budget.
@@ -27,8 +27,8 @@ from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.simulator import simulate
 
-VARIANTS = ["main", "A = (a)-(f)", "B = A + (g) hop widths",
-            "C = B, norm only, 4-bit codes per 32"]
+VARIANTS = ["default (format 3)", "paper's configuration", "B = A + (g) hop widths",
+            "default, 4-bit codes per 16"]
 
 
 def main() -> int:

@@ -679,9 +679,8 @@ class DynamiqCall:
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
     ) -> torch.Tensor:
-        if self._geom:  # widths change with the count: decode-accumulate, then encode
-            self.decompress_accumulate(chunk, payload, count)
-            return self.compress(chunk, out_count)
+        if self._geom:
+            return self._hop_widths_step(chunk, payload, count, out_count)
         out = torch.empty_like(payload)
         for width, a, b, offset in self._segments(chunk):
             self.ops.decode_accumulate_encode(
@@ -690,6 +689,41 @@ class DynamiqCall:
                 keep_sum=False,  # nothing reads this partial sum again (decode overwrites it)
                 out=self._records(out, width, a, b, offset),
             )
+        return out
+
+    def _hop_widths_step(self, chunk: int, payload: torch.Tensor, count: int,
+                         out_count: int) -> torch.Tensor:
+        """The hop when widths depend on the count: rows whose width stays the same take the
+        fused decode-accumulate-encode; where it changes, decode-accumulate at the incoming
+        width, then encode at the outgoing one (both tables order the rows alike)."""
+        out = torch.empty(self.payload_nbytes(chunk, out_count), dtype=torch.uint8,
+                          device=self.work.device)
+        incoming = self._segments(chunk, count)
+        outgoing = self._segments(chunk, out_count)
+        i = j = 0
+        while i < len(incoming) and j < len(outgoing):
+            w_in, a_in, b_in, off_in = incoming[i]
+            w_out, a_out, b_out, off_out = outgoing[j]
+            a, b = max(a_in, a_out), min(b_in, b_out)
+            if a < b:
+                size_in = record_nbytes(w_in, self.config.scales)
+                size_out = record_nbytes(w_out, self.config.scales)
+                records = payload[off_in + (a - a_in) * size_in:
+                                  off_in + (b - a_in) * size_in].view(b - a, size_in)
+                target = out[off_out + (a - a_out) * size_out:
+                             off_out + (b - a_out) * size_out].view(b - a, size_out)
+                if w_in == w_out:
+                    self.ops.decode_accumulate_encode(
+                        records, w_in, self.work[a:b], self.index_base[a:b], self.rank,
+                        self.world_size, self.key, self.config, keep_sum=False, out=target)
+                else:
+                    self.ops.decode_accumulate(records, w_in, self.config, self.work[a:b])
+                    self.ops.encode(self.work[a:b], w_out, self.index_base[a:b], self.rank,
+                                    self.world_size, self.key, self.config, out=target)
+            if b_in <= b_out:
+                i += 1
+            else:
+                j += 1
         return out
 
     def finish(self, out: torch.Tensor) -> None:
