@@ -2,10 +2,11 @@
 """Checks tools/dense_gap.py's simulator against the executor (docs/dense_gap.md).
 
 8 ranks over the local transport (threads), 2^16 i.i.d. N(0, 1) coordinates per rank (the script's
-data at a quarter of its size), the default, the paper's configuration, B and per-16 codes on the issue's four cells: the local transport's
-vNMSE and the simulator's, whether every rank's output is bit-identical, and the busiest rank's
-``bytes_sent`` (payload + statistics + argument check) in bits per coordinate, divided by the
-all-reduce's 2 (n - 1) / n so that it compares with the budget.
+data at a quarter of its size), the default, the paper's configuration, B and per-16 codes on
+the issue's four cells: the local transport's vNMSE and the simulator's, whether every rank's
+output is bit-identical, and the busiest rank's ``bytes_sent`` (payload + statistics + argument
+check) in bits per coordinate, divided by the all-reduce's 2 (n - 1) / n so that it compares
+with the budget.
 
 Run: ``PYTHONPATH=. DQCOLL_KERNELS=torch python tools/dense_gap_local.py`` (about 15 s).
 """
