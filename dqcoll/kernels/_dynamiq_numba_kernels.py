@@ -44,6 +44,15 @@ GROUPS = 16
 FLAT_BLOCK = 32
 FLAT_BLOCKS = 8
 FEISTEL_ROUNDS = 8
+# Scale encodings, as the launchers pass them (a literal in the encode and hop entry points).
+SCALES_FLAT = 0
+SCALES_H = 1  # uint8 code per group of 16 + bf16 unit
+SCALES_H4X32 = 2  # 4-bit code per group of 32 + bf16 unit
+H4_BLOCK = 32
+H4_BLOCKS = 8
+# Widths up to this one find the level by a chain of compares and selects, wider ones by the bin
+# table (see _encode_row).
+CHAIN_WIDTH = 4
 
 _M1 = np.uint32(0x21F0AAAD)
 _M2 = np.uint32(0x735A2D97)
@@ -53,6 +62,7 @@ _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _FM1 = np.float32(-1.0)
 _F255 = np.float32(255.0)
+_F16 = np.float32(16.0)
 _INF = np.float32(np.inf)
 _TWO_M24 = np.float32(2.0**-24)
 _TINY = np.float32(2.0**-64)
@@ -196,10 +206,12 @@ def _tree_sum_256(t):
 
 @numba.njit(**_inline)
 def _scales_encode(
-    xrow_bits, hierarchical, d, meta, f32, u32, qscale, gbits, ginv, gpre, hbits, qbits, tree
+    xrow_bits, scales, d, meta, f32, u32, qscale, gbits, ginv, gpre, hbits, qbits, tree
 ):
-    """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18 or 16
-    bytes), the decoded scale of each group of 16 into ``qscale`` [16], and codec._normalise's
+    """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18, 6 or 16
+    bytes for ``scales`` SCALES_H, SCALES_H4X32 or SCALES_FLAT, a literal), the decoded scale of
+    each group of 16 into ``qscale`` [16] (a block of 32 gives both its groups its scale), and
+    codec._normalise's
     factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is unusable, and the
     prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a prescale is not 1
     (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32 and as uint32
@@ -207,7 +219,7 @@ def _scales_encode(
     literal) the group maxima come from a halving tree inside each group, whose every step
     vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
     just written) the plain per-group loop measured faster."""
-    if hierarchical:
+    if scales != SCALES_FLAT:
         top = np.uint32(0)
         if tree:
             for j in range(SUPER // 2):  # halving tree inside each group: contiguous halves
@@ -242,6 +254,7 @@ def _scales_encode(
         for g in range(GROUPS):
             m = gbits[g]
             top = m if m > top else top
+    if scales == SCALES_H:
         u32[0] = top
         f32[0] = f32[0] / _F255  # fp32 division, as the reference's ``top / 255.0``
         unit_bits = _bf16_ceil_bits(u32[0])
@@ -261,6 +274,34 @@ def _scales_encode(
             qscale[g] = qscale[g] * unit  # exact: 8-bit times 8-bit significands
         meta[GROUPS] = np.uint8(unit_bits & np.uint32(0xFF))
         meta[GROUPS + 1] = np.uint8(unit_bits >> np.uint32(8))
+    elif scales == SCALES_H4X32:
+        # The maximum of a block of 32 is the larger of its two groups' (a max is exact), so
+        # the group maxima above serve both hierarchical encodings.
+        for b in range(H4_BLOCKS):
+            a0 = gbits[2 * b]
+            a1 = gbits[2 * b + 1]
+            gbits[b] = a0 if a0 > a1 else a1
+        u32[0] = top
+        f32[0] = f32[0] / _F16  # fp32 division, as the reference's ``top / 16.0``
+        unit_bits = _bf16_ceil_bits(u32[0])
+        u32[0] = np.uint32(unit_bits << np.uint32(16))
+        unit = f32[0]
+        usable = unit > _F0 and unit < _INF
+        gmax = gbits.view(np.float32)
+        den = unit if usable else _F1
+        for b in range(H4_BLOCKS):
+            ratio = np.float32(np.ceil(gmax[b] / den))
+            qscale[b] = min(max(ratio, _F1), _F16) if usable else _F1  # q in [1, 16]
+        for i in range(H4_BLOCKS // 2):  # q - 1 as nibbles, block 2i in the low one
+            n0 = np.uint32(np.int32(qscale[2 * i]) - 1)
+            n1 = np.uint32(np.int32(qscale[2 * i + 1]) - 1)
+            meta[i] = np.uint8(n0 | (n1 << np.uint32(4)))
+        for b in range(H4_BLOCKS - 1, -1, -1):  # downwards: block b's q is read before written
+            s = qscale[b] * unit  # exact: 5-bit times 8-bit significands
+            qscale[2 * b] = s
+            qscale[2 * b + 1] = s
+        meta[H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
+        meta[H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
     else:
         for blk in range(FLAT_BLOCKS):
             m = np.uint32(0)
@@ -296,13 +337,22 @@ def _scales_encode(
 
 
 @numba.njit(**_inline)
-def _scales_decode(meta, hierarchical, d, f32, u32):
+def _scales_decode(meta, scales, d, f32, u32):
     """Decoded scale of each group of 16 coordinates of one record into ``d`` [16]."""
-    if hierarchical:
+    if scales == SCALES_H:
         u32[0] = np.uint32((np.uint32(meta[GROUPS]) | (np.uint32(meta[GROUPS + 1]) << 8)) << 16)
         unit = f32[0]
         for g in range(GROUPS):
             d[g] = np.float32(meta[g]) * unit
+    elif scales == SCALES_H4X32:
+        k = H4_BLOCKS // 2
+        u32[0] = np.uint32((np.uint32(meta[k]) | (np.uint32(meta[k + 1]) << 8)) << 16)
+        unit = f32[0]
+        for b in range(H4_BLOCKS):
+            q = np.uint32(meta[b >> 1]) >> np.uint32(4 * (b & 1))
+            s = np.float32(np.int32(q & np.uint32(0xF)) + 1) * unit
+            d[2 * b] = s  # both groups of 16 of the block of 32
+            d[2 * b + 1] = s
     else:
         for blk in range(FLAT_BLOCKS):
             u32[0] = np.uint32(
@@ -316,7 +366,7 @@ def _scales_decode(meta, hierarchical, d, f32, u32):
 
 @numba.njit(**_inline)
 def _encode_row(
-    xrow, xrow_bits, base, out_row, width, hierarchical, mags, nxt, rtab, bins,
+    xrow, xrow_bits, base, out_row, width, scales, mags, nxt, rtab, bins,
     jitter_key, perm_key, ptab, inv_n, correlated, scratch, tree,
 ):
     """codec._encode_rows for one row ``xrow`` (fp32 [256], ``xrow_bits`` its uint32 view) whose
@@ -327,7 +377,7 @@ def _encode_row(
      av, neg, binv, rv, lov, hiv, hbits, qbits) = scratch
     top = (1 << (width - 1)) - 1  # R
     code_nbytes = 32 * width
-    tiny = _scales_encode(xrow_bits, hierarchical, d, out_row[code_nbytes:], f32, u32, qscale,
+    tiny = _scales_encode(xrow_bits, scales, d, out_row[code_nbytes:], f32, u32, qscale,
                           gbits, ginv, gpre, hbits, qbits, tree)
     xs = xrow
     if tiny:  # codec._normalise's x * s, exact, into scratch (only rows with denormal scales)
@@ -351,7 +401,7 @@ def _encode_row(
         for g in range(GROUPS):
             piv[g] = np.float32(ptab[selv[g]])
 
-    if width <= 4:
+    if width <= CHAIN_WIDTH:
         for j in range(SUPER):
             g_lo = np.uint32(lo32 + np.uint32(j))  # wraps mod 2**32
             k = jend if g_lo < lo32 else jrow
@@ -362,7 +412,7 @@ def _encode_row(
                 pi = piv[g]
                 for j in range(GROUP):
                     u[g * GROUP + j] = (pi + u[g * GROUP + j]) * inv_n  # two roundings
-        # R <= 7: the level and its neighbours by a chain of compares and selects against the
+        # R <= 2**(CHAIN_WIDTH - 1) - 1: the level and its neighbours by a chain of compares and selects against the
         # interior magnitudes (no gather, so the loop vectorises: ~6x the table lookup).
         for j in range(SUPER):
             inv = d[j]
@@ -383,7 +433,7 @@ def _encode_row(
             level = r + (1 if (a - lo) > u[j] * (hi - lo) else 0)
             codes[j] = np.uint8(top - level if y < _F0 else top + level)
     else:
-        # R = 127: the level from the bin table, in a scalar loop of its own (gathers), between
+        # R >= 2**CHAIN_WIDTH - 1: the level from the bin table, in a scalar loop of its own (gathers), between
         # two loops that vectorise.
         # Per group of 16, with its factors and pi(rank) as scalars.
         bins_f = np.float32(bins)
@@ -417,37 +467,66 @@ def _encode_row(
             codes[j] = np.uint8(top - level if neg[j] else top + level)
 
     # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8.
-    per_byte = 8 // width
-    for i in range(code_nbytes):
-        v = np.uint8(0)
-        for k in range(per_byte):
-            v |= np.uint8(codes[i * per_byte + k] << (k * width))
-        out_row[i] = v
+    if 8 % width == 0:
+        per_byte = 8 // width
+        for i in range(code_nbytes):
+            v = np.uint8(0)
+            for k in range(per_byte):
+                v |= np.uint8(codes[i * per_byte + k] << (k * width))
+            out_row[i] = v
+    else:
+        # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (LLVM merges the
+        # byte stores of one word's shifts into wider stores).
+        for i in range(SUPER // 8):
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(codes[i * 8 + k]) << np.uint64(k * width)
+            for b in range(width):
+                out_row[i * width + b] = np.uint8(word >> np.uint64(8 * b) & np.uint64(0xFF))
 
 
 @numba.njit(**_inline)
 def _decode_row(
-    rec, width, hierarchical, table, d, f32, u32, out_row, accumulate
+    rec, width, scales, table, d, f32, u32, out_row, accumulate
 ):
     """codec.decode_torch for one record: ``table[code] * D``; with ``accumulate`` added to
     ``out_row`` (one rounding each), else stored."""
     code_nbytes = 32 * width
-    _scales_decode(rec[code_nbytes:], hierarchical, d, f32, u32)
-    # Per group of 16: its scale in a register, one lookup per byte (``table`` holds the values
-    # of a byte's codes side by side): 1.2 -> 1.9 (4 bits) / 2.4 (2 bits) G coordinates/s.
-    per_byte = 8 // width
-    group_nbytes = GROUP // per_byte
-    for g in range(GROUPS):
-        scale = d[g]
-        for i in range(group_nbytes):
-            base = np.int64(rec[g * group_nbytes + i]) * per_byte
-            for k in range(per_byte):
-                c = g * GROUP + i * per_byte + k
-                value = table[base + k] * scale
-                if accumulate:
-                    out_row[c] = out_row[c] + value
-                else:
-                    out_row[c] = value
+    _scales_decode(rec[code_nbytes:], scales, d, f32, u32)
+    if 8 % width == 0:
+        # Per group of 16: its scale in a register, one lookup per byte (``table`` holds the
+        # values of a byte's codes side by side): 1.2 -> 1.9 (4 bits) / 2.4 (2 bits) G
+        # coordinates/s.
+        per_byte = 8 // width
+        group_nbytes = GROUP // per_byte
+        for g in range(GROUPS):
+            scale = d[g]
+            for i in range(group_nbytes):
+                base = np.int64(rec[g * group_nbytes + i]) * per_byte
+                for k in range(per_byte):
+                    c = g * GROUP + i * per_byte + k
+                    value = table[base + k] * scale
+                    if accumulate:
+                        out_row[c] = out_row[c] + value
+                    else:
+                        out_row[c] = value
+    else:
+        # Bitstream widths: ``table`` is indexed by code; 8 codes per w-byte word, 2 per group.
+        mask = np.uint64((1 << width) - 1)
+        for g in range(GROUPS):
+            scale = d[g]
+            for h in range(2):
+                i = 2 * g + h
+                word = np.uint64(0)
+                for b in range(width):
+                    word |= np.uint64(rec[i * width + b]) << np.uint64(8 * b)
+                for k in range(8):
+                    c = i * 8 + k
+                    value = table[np.int64(word >> np.uint64(k * width) & mask)] * scale
+                    if accumulate:
+                        out_row[c] = out_row[c] + value
+                    else:
+                        out_row[c] = value
 
 
 @numba.njit(**_inline)
@@ -472,30 +551,30 @@ def _encode_scratch():
 
 @numba.njit(**_inline)
 def _encode_rows(
-    lo, hi, width, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
+    lo, hi, width, x, index_base, out, scales, mags, nxt, rtab, bins,
     jitter_key, perm_key, ptab, inv_n, correlated,
 ):
     x_bits = x.view(np.uint32)
     scratch = _encode_scratch()
     for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], width, scales, mags, nxt,
                     rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**_inline)
 def _decode_rows(
-    lo, hi, width, records, hierarchical, table, out, accumulate
+    lo, hi, width, records, scales, table, out, accumulate
 ):
     d = np.empty(GROUPS, np.float32)
     f32 = np.empty(1, np.float32)
     u32 = f32.view(np.uint32)
     for i in range(lo, hi):
-        _decode_row(records[i], width, hierarchical, table, d, f32, u32, out[i], accumulate)
+        _decode_row(records[i], width, scales, table, d, f32, u32, out[i], accumulate)
 
 
 @numba.njit(**_inline)
 def _hop_rows(
-    lo, hi, width, records, table, acc, index_base, out, hierarchical, mags, nxt,
+    lo, hi, width, records, table, acc, index_base, out, scales, mags, nxt,
     rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated,
 ):
     """The fused decode-accumulate-encode, a row at a time: the partial sum is accumulated in
@@ -505,119 +584,242 @@ def _hop_rows(
     dd, f32, u32 = scratch[0], scratch[4], scratch[5]  # d (free until the encode), a word
     acc_bits = acc.view(np.uint32)
     for i in range(lo, hi):
-        _decode_row(records[i], width, hierarchical, table, dd, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
+        _decode_row(records[i], width, scales, table, dd, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], width, scales, mags, nxt,
                     rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 # -- entry points: one per width -----------------------------------------------------------------
 
 
-# Scale mode as a literal too (``h``: hierarchical, ``f``: flat): the dead branch of a runtime
-# flag cost the encode ~8 % (2-bit encode 2.61 -> 2.38 ns per coordinate without it).
+# Scale mode as a literal too (``h``: hierarchical, ``f``: flat, ``q``: HIERARCHICAL4X32): the
+# dead branch of a runtime flag cost the encode ~8 % (2-bit encode 2.61 -> 2.38 ns per coordinate
+# without it). The decodes take it at run time: it is read once per record, outside the loops.
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 2, x, index_base, out, True, mags, nxt, rtab, bins,
+    _encode_rows(lo, hi, 2, x, index_base, out, SCALES_H, mags, nxt, rtab, bins,
                  jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 2, x, index_base, out, False, mags, nxt, rtab, bins,
+    _encode_rows(lo, hi, 2, x, index_base, out, SCALES_FLAT, mags, nxt, rtab, bins,
                  jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 4, x, index_base, out, True, mags, nxt, rtab, bins,
+    _encode_rows(lo, hi, 4, x, index_base, out, SCALES_H, mags, nxt, rtab, bins,
                  jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 4, x, index_base, out, False, mags, nxt, rtab, bins,
+    _encode_rows(lo, hi, 4, x, index_base, out, SCALES_FLAT, mags, nxt, rtab, bins,
                  jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 8, x, index_base, out, True, mags, nxt, rtab, bins,
+    _encode_rows(lo, hi, 8, x, index_base, out, SCALES_H, mags, nxt, rtab, bins,
                  jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 8, x, index_base, out, False, mags, nxt, rtab, bins,
+    _encode_rows(lo, hi, 8, x, index_base, out, SCALES_FLAT, mags, nxt, rtab, bins,
+                 jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+# HIERARCHICAL4X32 at every width of codec.FINE_WIDTHS (the other scale modes at 2, 4, 8 only:
+# each entry point is seconds of cold compile, and no allocation mixes them with fine widths).
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w2q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    _encode_rows(lo, hi, 2, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
                  jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_w2(lo, hi, records, hierarchical, table, out, accumulate):
-    _decode_rows(lo, hi, 2, records, hierarchical, table, out, accumulate)
+def encode_w3q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    _encode_rows(lo, hi, 3, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
+                 jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_w4(lo, hi, records, hierarchical, table, out, accumulate):
-    _decode_rows(lo, hi, 4, records, hierarchical, table, out, accumulate)
+def encode_w4q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    _encode_rows(lo, hi, 4, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
+                 jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_w8(lo, hi, records, hierarchical, table, out, accumulate):
-    _decode_rows(lo, hi, 8, records, hierarchical, table, out, accumulate)
+def encode_w5q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    _encode_rows(lo, hi, 5, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
+                 jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w6q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    _encode_rows(lo, hi, 6, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
+                 jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w7q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    _encode_rows(lo, hi, 7, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
+                 jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w8q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    _encode_rows(lo, hi, 8, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
+                 jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w2(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 2, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w3(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 3, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w4(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 4, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w5(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 5, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w6(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 6, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w7(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 7, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w8(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 8, records, scales, table, out, accumulate)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, True, mags,
+    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, SCALES_H, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, False, mags,
+    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, SCALES_FLAT, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, True, mags,
+    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, SCALES_H, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, False, mags,
+    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, SCALES_FLAT, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, True, mags,
+    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, SCALES_H, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, False, mags,
+    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, SCALES_FLAT, mags,
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w2q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, SCALES_H4X32, mags,
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w3q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    _hop_rows(lo, hi, 3, records, table, acc, index_base, out, SCALES_H4X32, mags,
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w4q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, SCALES_H4X32, mags,
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w5q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    _hop_rows(lo, hi, 5, records, table, acc, index_base, out, SCALES_H4X32, mags,
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w6q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    _hop_rows(lo, hi, 6, records, table, acc, index_base, out, SCALES_H4X32, mags,
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w7q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    _hop_rows(lo, hi, 7, records, table, acc, index_base, out, SCALES_H4X32, mags,
+              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w8q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, SCALES_H4X32, mags,
               nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
 
 
 @numba.njit(**_inline)
-def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, index_base, valid,
+def _decode_restore_rows(lo, hi, width, records, scales, table, mean, index_base, valid,
                          out):
     """The last decode of an all-reduce fused with the restore: ``out[index_base[i] + j] =
     decode(records[i])[j] + mean[i]`` for ``j < valid[i]`` (two roundings, as decoding into the
@@ -628,7 +830,7 @@ def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, inde
     u32 = f32.view(np.uint32)
     for i in range(lo, hi):
         _prefetch_row_write(out, index_base, valid, i, hi)
-        _decode_row(records[i], width, hierarchical, table, d, f32, u32, row, False)
+        _decode_row(records[i], width, scales, table, d, f32, u32, row, False)
         m = mean[i]
         b = index_base[i]
         if valid[i] == SUPER:
@@ -641,18 +843,38 @@ def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, inde
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_restore_w2(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
-    _decode_restore_rows(lo, hi, 2, records, hierarchical, table, mean, index_base, valid, out)
+def decode_restore_w2(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 2, records, scales, table, mean, index_base, valid, out)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_restore_w4(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
-    _decode_restore_rows(lo, hi, 4, records, hierarchical, table, mean, index_base, valid, out)
+def decode_restore_w3(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 3, records, scales, table, mean, index_base, valid, out)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_restore_w8(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
-    _decode_restore_rows(lo, hi, 8, records, hierarchical, table, mean, index_base, valid, out)
+def decode_restore_w4(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 4, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w5(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 5, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w6(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 6, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w7(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 7, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w8(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 8, records, scales, table, mean, index_base, valid, out)
 
 
 # -- statistics and restore ------------------------------------------------------------------------
@@ -728,10 +950,13 @@ def restore_add(lo, hi, work, mean, out):
 
 
 @numba.njit(**JIT_OPTIONS)
-def stats_only(lo, hi, x, valid, divisor, mean, norm2):
+def stats_only(lo, hi, x, valid, divisor, centre, mean, norm2):
     """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
     reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
-    centred rows (they are written later, already in sorted order, by :func:`center_gather`)."""
+    centred rows (they are written later, already in sorted order, by :func:`center_gather`).
+    Without ``centre`` the mean is +0 (codec.stats_center_rounded_torch's ``centre=False``):
+    ``v - 0`` is ``v`` for every fp32 ``v``, -0 and NaN included, so the norm is the uncentred
+    rows' and center_gather with that mean writes ``x / divisor`` itself."""
     t = np.empty(SUPER // 2, np.float32)
     r = np.empty(SUPER, np.float32)
     divide = divisor != _F1
@@ -745,7 +970,7 @@ def stats_only(lo, hi, x, valid, divisor, mean, norm2):
         # codec.tree_sum, its first level read straight from the row (no copies)
         for j in range(half):
             t[j] = src[j] + src[j + half]
-        m = _tree_sum_128(t) / np.float32(valid[i])
+        m = _tree_sum_128(t) / np.float32(valid[i]) if centre else _F0
         v = valid[i]
         if v == SUPER:
             for j in range(half):
