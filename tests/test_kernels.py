@@ -29,9 +29,9 @@ import dqcoll
 from dqcoll.kernels import dynamiq_ops
 from dqcoll.schemes.dynamiq import codec
 from dqcoll.schemes.dynamiq.codec import (
+    FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
-    FINE_WIDTHS,
     WIDTHS,
     CodecConfig,
     Levels,

@@ -3,10 +3,12 @@
 
 Every kernel is a top-level ``@njit`` function over rows ``[lo, hi)`` of whole NumPy arrays (views
 of the caller's torch tensors), with no policy: checks, allocation, thread split and the per-call
-tables live in :mod:`.dynamiq_numba`. Each width has its own entry point (``encode_w4``, ...),
-which inlines one generic body with the width as a literal, so that the inner loops over the 256
-coordinates of a row have constant trip counts and no width branch, and LLVM vectorises them
-(a width branch in the loop measured 291 -> 76 M coordinates/s at 2 bits).
+tables live in :mod:`.dynamiq_numba`. Each width has its own entry point (``encode_w4h``, ...),
+which inlines one generic row body with the width (and, for the encodes and hops, the scale
+encoding) as a literal, so that the inner loops over the 256 coordinates of a row have constant
+trip counts and no width branch, and LLVM vectorises them (a width branch in the loop measured
+291 -> 76 M coordinates/s at 2 bits). Widths 3, 5, 6, 7 (HIERARCHICAL4X32 only) pack their codes
+as codec._pack_bitstream does: 8 codes in one ``8w``-bit word, ``w`` bytes.
 
 Byte-exactness rules, besides :data:`.cpu_runtime.JIT_OPTIONS` (no fastmath, so no FMA):
 
@@ -18,9 +20,9 @@ Byte-exactness rules, besides :data:`.cpu_runtime.JIT_OPTIONS` (no fastmath, so 
   same memory as ``x`` viewed as uint32): the order of non-negative patterns is the order of the
   values and every NaN pattern sorts above ``+inf``, so NaN propagates as ``torch.amax`` does;
 * sums over 256 coordinates use the reference's fixed halving tree;
-* the level is the reference's ``searchsorted`` done another way: at 2 and 4 bits a chain of
+* the level is the reference's ``searchsorted`` done another way: at 2 to 5 bits a chain of
   compares and selects against the interior magnitudes (vectorises; a table lookup needs gathers,
-  which kept the loop scalar: 180 vs 1090 M coordinates/s for that loop alone); at 8 bits a
+  which kept the loop scalar: 180 vs 1090 M coordinates/s for that loop alone); at 6 to 8 bits a
   table over ``[0, 1]`` in ``bins`` equal bins (``a * bins`` is an exact power-of-two scaling)
   plus one compare, exact because no bin holds more than one level boundary (checked where the
   tables are built). No index is derived from a value that can be NaN (``a`` is 0 where the
@@ -51,8 +53,10 @@ SCALES_H4X32 = 2  # 4-bit code per group of 32 + bf16 unit
 H4_BLOCK = 32
 H4_BLOCKS = 8
 # Widths up to this one find the level by a chain of compares and selects, wider ones by the bin
-# table (see _encode_row).
-CHAIN_WIDTH = 4
+# table (see _encode_row). 5 bits (14 interior magnitudes), HIERARCHICAL4X32, one thread: encode
+# 3.21 -> 2.63, hop 3.69 -> 2.80 ns per coordinate with the chain; 6 bits (30) is slower with it
+# (hop 3.57 -> 3.94).
+CHAIN_WIDTH = 5
 
 _M1 = np.uint32(0x21F0AAAD)
 _M2 = np.uint32(0x735A2D97)
@@ -122,7 +126,7 @@ def _prefetch_row_write(out, index_base, valid, i, hi):
 # -- scalar helpers (inlined) -----------------------------------------------------------------
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _mix32(x):
     """rng.mix32 in uint32: ``x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 15``."""
     x = np.uint32(x ^ (x >> np.uint32(16)))
@@ -132,14 +136,14 @@ def _mix32(x):
     return np.uint32(x ^ (x >> np.uint32(15)))
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _row_key(key, base):
     """The inner hash of ``rng.coord_hash(key, g)``, ``mix32(key ^ g_hi)``: the same for every
     coordinate of a row starting at ``base`` (a multiple of 256)."""
     return _mix32(np.uint32(key ^ np.uint32(base >> 32)))
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _lo32(g):
     return np.uint32(g & 0xFFFFFFFF)
 
@@ -171,7 +175,7 @@ def perm_table(table_key, rank, world_size, half, out):
         out[t] = np.int32(v)
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _bf16_ceil_bits(bits):
     """bf16 pattern of the non-negative fp32 with pattern ``bits``, rounded up; NaN -> 0x7FC0."""
     if bits > _INF_BITS:
@@ -412,8 +416,9 @@ def _encode_row(
                 pi = piv[g]
                 for j in range(GROUP):
                     u[g * GROUP + j] = (pi + u[g * GROUP + j]) * inv_n  # two roundings
-        # R <= 2**(CHAIN_WIDTH - 1) - 1: the level and its neighbours by a chain of compares and selects against the
-        # interior magnitudes (no gather, so the loop vectorises: ~6x the table lookup).
+        # Up to CHAIN_WIDTH bits: the level and its neighbours by a chain of compares and selects
+        # against the interior magnitudes (no gather, so the loop vectorises: ~6x the table
+        # lookup).
         for j in range(SUPER):
             inv = d[j]
             q = xs[j] * inv  # inv > 0 exactly where the scale is usable
@@ -433,7 +438,7 @@ def _encode_row(
             level = r + (1 if (a - lo) > u[j] * (hi - lo) else 0)
             codes[j] = np.uint8(top - level if y < _F0 else top + level)
     else:
-        # R >= 2**CHAIN_WIDTH - 1: the level from the bin table, in a scalar loop of its own (gathers), between
+        # Wider: the level from the bin table, in a scalar loop of its own (gathers), between
         # two loops that vectorise.
         # Per group of 16, with its factors and pi(rank) as scalars.
         bins_f = np.float32(bins)
@@ -546,19 +551,7 @@ def _encode_scratch():
             np.empty(SUPER // 2, np.uint32), np.empty(SUPER // 4, np.uint32))
 
 
-# -- generic bodies over row ranges (inlined into the per-width entry points) -------------------
-
-
-@numba.njit(**_inline)
-def _encode_rows(
-    lo, hi, width, x, index_base, out, scales, mags, nxt, rtab, bins,
-    jitter_key, perm_key, ptab, inv_n, correlated,
-):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], width, scales, mags, nxt,
-                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+# -- the decodes' row loop (inlined into the per-width entry points) ----------------------------
 
 
 @numba.njit(**_inline)
@@ -572,23 +565,6 @@ def _decode_rows(
         _decode_row(records[i], width, scales, table, d, f32, u32, out[i], accumulate)
 
 
-@numba.njit(**_inline)
-def _hop_rows(
-    lo, hi, width, records, table, acc, index_base, out, scales, mags, nxt,
-    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated,
-):
-    """The fused decode-accumulate-encode, a row at a time: the partial sum is accumulated in
-    ``acc``'s row itself and encoded from there while it is in cache (with ``keep_sum=False``
-    the reference leaves ``acc`` unspecified; the executor never reads it again)."""
-    scratch = _encode_scratch()
-    dd, f32, u32 = scratch[0], scratch[4], scratch[5]  # d (free until the encode), a word
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], width, scales, table, dd, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], width, scales, mags, nxt,
-                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
-
-
 # -- entry points: one per width -----------------------------------------------------------------
 
 
@@ -597,99 +573,147 @@ def _hop_rows(
 # without it). The decodes take it at run time: it is read once per record, outside the loops.
 
 
+# The encodes and hops write their row loop out instead of inlining a generic one: numba's
+# inliner re-runs its passes on an inlined body at every level it is inlined through, so one
+# level less took a kernel's cold compile from ~7.4 to ~5.2 s (26 of them).
+#
+# The hop accumulates the partial sum in ``acc``'s row itself and encodes it from there while it
+# is in cache (with ``keep_sum=False`` the reference leaves ``acc`` unspecified; the executor
+# never reads it again). ``d`` of the scratch is free until the encode.
+
+
 @numba.njit(**JIT_OPTIONS)
 def encode_w2h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 2, x, index_base, out, SCALES_H, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 2, SCALES_H, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 2, x, index_base, out, SCALES_FLAT, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 2, SCALES_FLAT, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 4, x, index_base, out, SCALES_H, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 4, SCALES_H, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 4, x, index_base, out, SCALES_FLAT, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 4, SCALES_FLAT, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 8, x, index_base, out, SCALES_H, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 8, SCALES_H, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 8, x, index_base, out, SCALES_FLAT, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 8, SCALES_FLAT, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
-# HIERARCHICAL4X32 at every width of codec.FINE_WIDTHS (the other scale modes at 2, 4, 8 only:
-# each entry point is seconds of cold compile, and no allocation mixes them with fine widths).
+# HIERARCHICAL4X32 at every width of codec.FINE_WIDTHS; the other scale modes at 2, 4, 8 only
+# (each entry point is seconds of cold compile, and format 3 is the one with the fine widths).
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 2, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 2, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w3q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 3, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 3, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 4, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 4, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w5q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 5, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 5, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w6q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 6, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 6, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w7q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 7, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 7, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 8, x, index_base, out, SCALES_H4X32, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 8, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
@@ -730,92 +754,157 @@ def decode_w8(lo, hi, records, scales, table, out, accumulate):
 @numba.njit(**JIT_OPTIONS)
 def hop_w2h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, SCALES_H, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 2, SCALES_H, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 2, SCALES_H, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, SCALES_FLAT, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 2, SCALES_FLAT, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 2, SCALES_FLAT, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, SCALES_H, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 4, SCALES_H, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 4, SCALES_H, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, SCALES_FLAT, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 4, SCALES_FLAT, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 4, SCALES_FLAT, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, SCALES_H, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 8, SCALES_H, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 8, SCALES_H, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, SCALES_FLAT, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 8, SCALES_FLAT, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 8, SCALES_FLAT, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, SCALES_H4X32, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 2, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 2, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w3q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 3, records, table, acc, index_base, out, SCALES_H4X32, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 3, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 3, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, SCALES_H4X32, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 4, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 4, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w5q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 5, records, table, acc, index_base, out, SCALES_H4X32, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 5, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 5, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w6q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 6, records, table, acc, index_base, out, SCALES_H4X32, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 6, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 6, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w7q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 7, records, table, acc, index_base, out, SCALES_H4X32, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 7, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 7, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, SCALES_H4X32, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 8, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 8, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**_inline)
