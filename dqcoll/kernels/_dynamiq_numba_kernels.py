@@ -123,7 +123,9 @@ def _prefetch_row_write(out, index_base, valid, i, hi):
             _prefetch_write(out, c)
 
 
-# -- scalar helpers (inlined) -----------------------------------------------------------------
+# -- scalar helpers ----------------------------------------------------------------------------
+# Plain calls, not numba-level inlining: LLVM inlines them anyway (the hash loops still vectorise:
+# the 4-bit rates did not move), and numba's inliner cost ~1 s of cold compile per kernel for them.
 
 
 @numba.njit(**JIT_OPTIONS)
