@@ -219,9 +219,9 @@ def _scales_encode(
     codec._normalise's factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is
     unusable, and the prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a
     prescale is not 1 (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32
-    and as uint32 (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With ``tree`` (a
-    literal) the group maxima come from a halving tree inside each group, whose every step
-    vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
+    and as uint32 (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With
+    ``tree`` (a literal) the group maxima come from a halving tree inside each group, whose every
+    step vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
     just written) the plain per-group loop measured faster."""
     if scales != SCALES_FLAT:
         top = np.uint32(0)
