@@ -1,6 +1,6 @@
 """DynamiQ's CPU codec per operation: the compiled (numba) kernels against the torch reference.
 
-Per width (2, 4, 8) and rounding mode (correlated, independent), one thread
+Per format, width and rounding mode, one thread
 (``torch.set_num_threads(1)``, ``DQCOLL_CPU_THREADS=1``), on ``--numel`` coordinates (default
 ``2**24``) of N(0, 1) rows, as rank 1 of ``--world-size`` (default 4) ranks:
 
@@ -14,6 +14,10 @@ op                        call (the executor's role)
 ``stats``                 ``stats`` + ``center_gather`` (numba) / ``stats_center`` + gather
 ``restore``               ``restore`` (fp32 output)
 ========================  =================================================================
+
+Formats: ``hierarchical`` (the paper's scales and levels) at widths 2, 4, 8, correlated and
+independent rounding; ``hierarchical4x32`` with ``Levels.TUNED`` (format 3) at every fine width
+(2..8), correlated rounding.
 
 Before timing, the numba outputs must equal the reference's bit for bit (no speed for a wrong
 answer). Best of ``--repeats`` after one untimed warm-up (which also pays the JIT), into reused
@@ -46,10 +50,23 @@ sys.path.insert(0, str(ROOT))
 from dqcoll.cli.provenance import device_name, git_commit  # noqa: E402
 from dqcoll.kernels import dynamiq_numba as fast  # noqa: E402
 from dqcoll.schemes.dynamiq import codec  # noqa: E402
-from dqcoll.schemes.dynamiq.codec import SUPER, CodecConfig, RoundingMode  # noqa: E402
+from dqcoll.schemes.dynamiq.codec import (  # noqa: E402
+    FINE_WIDTHS,
+    SUPER,
+    WIDTHS,
+    CodecConfig,
+    Levels,
+    RoundingMode,
+    Scales,
+)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "dynamiq-cpu-rates.json"
 KEY = 0x5EED
+# (scales, levels, widths, rounding modes) measured
+FORMATS = (
+    (Scales.HIERARCHICAL, Levels.NONUNIFORM, WIDTHS, tuple(RoundingMode)),
+    (Scales.HIERARCHICAL4X32, Levels.TUNED, FINE_WIDTHS, (RoundingMode.CORRELATED,)),
+)
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -95,36 +112,43 @@ def measure(numel: int, repeats: int, world_size: int, reference: bool) -> list[
     rank, n = 1, world_size
     records: list[dict[str, Any]] = []
 
-    def add(op: str, width: int | None, rounding: str | None, kernels: str, seconds: float) -> None:
-        records.append({"op": op, "width": width, "rounding": rounding, "kernels": kernels,
+    def add(op: str, width: int | None, rounding: str | None, kernels: str, seconds: float,
+            config: CodecConfig | None = None) -> None:
+        scales = None if config is None else config.scales.value
+        levels = None if config is None else config.levels.value
+        records.append({"op": op, "width": width, "rounding": rounding, "scales": scales,
+                        "levels": levels, "kernels": kernels,
                         "numel": rows * SUPER, "time_ms": seconds * 1e3,
                         "mcoords_per_s": rows * SUPER / seconds / 1e6})
-        print(f"{op:<18}{width or '':>4}  {rounding or '':<12}{kernels:<7}"
-              f"{rows * SUPER / seconds / 1e6:>10.1f}", flush=True)
+        print(f"{op:<18}{scales or '':<18}{levels or '':<11}{width or '':>4}  "
+              f"{rounding or '':<12}{kernels:<7}{rows * SUPER / seconds / 1e6:>10.1f}", flush=True)
 
-    print(f"{'op':<18}{'bits':>4}  {'rounding':<12}{'impl':<7}{'M coords/s':>10}")
-    for rounding in RoundingMode:
-        config = CodecConfig(rounding=rounding)
-        for width in (2, 4, 8):
-            incoming = codec.encode_torch(x, width, index, 0, n, KEY ^ 1, config)
-            expected = codec.encode_torch(x, width, index, rank, n, KEY, config)
-            out = torch.empty_like(expected)
-            assert torch.equal(fast.encode(x, width, index, rank, n, KEY, config, out=out),
-                               expected), (width, rounding)
-            acc = local.clone()
-            hop_ref = codec.decode_accumulate_encode_torch(incoming, width, acc, index, rank, n,
-                                                           KEY, config)
-            acc = local.clone()
-            assert torch.equal(fast.decode_accumulate_encode(incoming, width, acc, index, rank,
-                                                             n, KEY, config), hop_ref)
-            decoded = torch.empty_like(x)
-            assert torch.equal(fast.decode(incoming, width, config, out=decoded),
-                               codec.decode_torch(incoming, width, config))
-            timed = _timed_ops(x, incoming, acc, out, decoded, width, config, index, rank, n)
-            for op, (numba_fn, torch_fn) in timed.items():
-                add(op, width, rounding.value, "numba", _best(numba_fn, repeats))
-                if reference:
-                    add(op, width, rounding.value, "torch", _best(torch_fn, 1))
+    print(f"{'op':<18}{'scales':<18}{'levels':<11}{'bits':>4}  {'rounding':<12}{'impl':<7}"
+          f"{'M coords/s':>10}")
+    cases = [(CodecConfig(levels=levels, scales=scales, rounding=rounding), width)
+             for scales, levels, widths, roundings in FORMATS
+             for rounding in roundings for width in widths]
+    for config, width in cases:
+        rounding = config.rounding
+        incoming = codec.encode_torch(x, width, index, 0, n, KEY ^ 1, config)
+        expected = codec.encode_torch(x, width, index, rank, n, KEY, config)
+        out = torch.empty_like(expected)
+        assert torch.equal(fast.encode(x, width, index, rank, n, KEY, config, out=out),
+                           expected), (width, rounding)
+        acc = local.clone()
+        hop_ref = codec.decode_accumulate_encode_torch(incoming, width, acc, index, rank, n,
+                                                       KEY, config)
+        acc = local.clone()
+        assert torch.equal(fast.decode_accumulate_encode(incoming, width, acc, index, rank,
+                                                         n, KEY, config), hop_ref)
+        decoded = torch.empty_like(x)
+        assert torch.equal(fast.decode(incoming, width, config, out=decoded),
+                           codec.decode_torch(incoming, width, config))
+        timed = _timed_ops(x, incoming, acc, out, decoded, width, config, index, rank, n)
+        for op, (numba_fn, torch_fn) in timed.items():
+            add(op, width, rounding.value, "numba", _best(numba_fn, repeats), config)
+            if reference:
+                add(op, width, rounding.value, "torch", _best(torch_fn, 1), config)
     mean, _ = fast.stats(x, valid)
     work = torch.empty_like(x)
     result = torch.empty(rows * SUPER)

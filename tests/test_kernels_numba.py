@@ -17,7 +17,14 @@ pytest.importorskip("numba")
 from dqcoll.errors import UnsupportedError
 from dqcoll.kernels import cpu_runtime, dynamiq_numba, dynamiq_ops
 from dqcoll.schemes.dynamiq import codec
-from dqcoll.schemes.dynamiq.codec import SUPER, WIDTHS, CodecConfig, Levels
+from dqcoll.schemes.dynamiq.codec import (
+    FINE_WIDTHS,
+    SUPER,
+    WIDTHS,
+    CodecConfig,
+    Levels,
+    Scales,
+)
 
 KEY = 0xC0FFEE
 
@@ -104,7 +111,7 @@ def test_cpu_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("levels", list(Levels))
-@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_level_tables_agree_with_searchsorted(width: int, levels: Levels) -> None:
     """The 8-bit level search (bin table plus one compare) equals ``searchsorted`` over the
     interior magnitudes on a dense grid of [0, 1] and on every magnitude and its neighbours."""
@@ -117,6 +124,84 @@ def test_level_tables_agree_with_searchsorted(width: int, levels: Levels) -> Non
     guess = tables.rtab[(probe * tables.bins).astype("int64")]
     guess = guess + (tables.nxt[guess] <= probe)
     assert (guess == interior.searchsorted(probe, side="right")).all()
+
+
+@pytest.mark.parametrize("divisor", [1, 3])
+def test_uncentred_stats_and_gather_equal_the_divided_rows(divisor: int) -> None:
+    """``stats(centre=False)``: zero means and the squared norm of the uncentred rows, bit for bit
+    the reference's (``stats_center_rounded_torch(x / n, valid, centre=False)``, the prototype
+    "norm16" statistics); ``center_gather`` with those zeros then writes ``x / n`` reordered, bit
+    for bit: -0.0 stays -0.0, NaN stays NaN, padding past ``valid`` is +0."""
+    g = torch.Generator().manual_seed(divisor)
+    rows = 9
+    x = torch.randn(rows, SUPER, generator=g) * torch.exp(torch.randn(rows, 1, generator=g) * 4)
+    x[0] = -0.0
+    x[1, ::3] = -0.0
+    x[2, 17] = float("nan")
+    x[3, 200] = float("-inf")
+    x[4] = torch.randn(SUPER, generator=g) * 1e-39  # denormals
+    x[5, 100:] = 0.0  # a partial row
+    x[6] = torch.randn(SUPER, generator=g) * 1e19  # squares overflow fp32
+    valid = torch.full((rows,), SUPER, dtype=torch.int64)
+    valid[5] = 100
+    valid[1] = 1
+    x[1, 1:] = 0.0
+    divided = x / divisor
+    _, _, norm_ref = codec.stats_center_rounded_torch(divided, valid, centre=False)
+    mean, norm2 = dynamiq_numba.stats(x, valid, divisor=divisor, centre=False)
+    assert torch.equal(mean.view(torch.int32), torch.zeros(rows, dtype=torch.int32))  # +0.0
+    assert torch.equal(torch.isnan(norm2), torch.isnan(norm_ref))
+    assert torch.equal(torch.nan_to_num(norm2).view(torch.int32),
+                       torch.nan_to_num(norm_ref).view(torch.int32))
+    order = torch.randperm(rows, generator=g)
+    gathered = dynamiq_numba.center_gather(x, mean, valid, order, divisor=divisor)
+    expected = divided.clone()
+    expected[5, 100:] = 0.0
+    expected = expected[order]
+    assert torch.equal(torch.isnan(gathered), torch.isnan(expected))
+    assert torch.equal(torch.where(torch.isnan(gathered), 0.0, gathered).view(torch.int32),
+                       torch.where(torch.isnan(expected), 0.0, expected).view(torch.int32))
+    assert (gathered[(order == 0).nonzero()[0, 0]].view(torch.int32) == -2**31).all()  # -0.0
+    # and centre=True is unchanged: the reference's mean and centred norm
+    mean_c, norm_c = dynamiq_numba.stats(x, valid, divisor=divisor)
+    _, mean_cr, norm_cr = codec.stats_center_torch(divided, valid)
+    for a, b in ((mean_c, mean_cr), (norm_c, norm_cr)):
+        assert torch.equal(torch.nan_to_num(a).view(torch.int32),
+                           torch.nan_to_num(b).view(torch.int32))
+
+
+@pytest.mark.parametrize("width", [3, 6])
+def test_fine_widths_do_not_depend_on_threads(monkeypatch: pytest.MonkeyPatch,
+                                              width: int) -> None:
+    """The bitstream widths (HIERARCHICAL4X32) give the same records, sums and decodes on 1 and 3
+    threads."""
+    rows = 3 * cpu_runtime.MIN_ROWS_PER_THREAD + 5
+    x = heavy_tailed(0, rows * SUPER, seed=width).view(rows, SUPER)
+    index = torch.arange(rows, dtype=torch.int64) * SUPER + 2**33
+    config = CodecConfig(levels=Levels.TUNED, scales=Scales.HIERARCHICAL4X32)
+    results = []
+    for threads in ("1", "3"):
+        monkeypatch.setenv("DQCOLL_CPU_THREADS", threads)
+        records = dynamiq_numba.encode(x, width, index, 2, 5, KEY, config)
+        acc = x.clone()
+        hop = dynamiq_numba.decode_accumulate_encode(records, width, acc, index, 1, 5, KEY,
+                                                     config)
+        results.append((records, hop, acc, dynamiq_numba.decode(hop, width, config)))
+    assert torch.equal(results[0][0], codec.encode_torch(x, width, index, 2, 5, KEY, config))
+    for a, b in zip(results[0], results[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_formats_reject_what_the_kernels_lack() -> None:
+    """A (scales, width) outside ``FORMATS`` raises instead of running another format's kernel."""
+    x = torch.zeros(1, SUPER)
+    index = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="width must be one of"):
+        dynamiq_numba.encode(x, 5, index, 0, 1, KEY, CodecConfig())
+    config = CodecConfig(scales=Scales.HIERARCHICAL4X32)
+    assert dynamiq_numba.FORMATS[Scales.HIERARCHICAL4X32] == FINE_WIDTHS
+    records = dynamiq_numba.encode(x, 5, index, 0, 1, KEY, config)
+    assert records.shape == (1, codec.record_nbytes(5, Scales.HIERARCHICAL4X32)) == (1, 166)
 
 
 def test_out_arguments_write_in_place() -> None:

@@ -3,10 +3,12 @@
 
 Every kernel is a top-level ``@njit`` function over rows ``[lo, hi)`` of whole NumPy arrays (views
 of the caller's torch tensors), with no policy: checks, allocation, thread split and the per-call
-tables live in :mod:`.dynamiq_numba`. Each width has its own entry point (``encode_w4``, ...),
-which inlines one generic body with the width as a literal, so that the inner loops over the 256
-coordinates of a row have constant trip counts and no width branch, and LLVM vectorises them
-(a width branch in the loop measured 291 -> 76 M coordinates/s at 2 bits).
+tables live in :mod:`.dynamiq_numba`. Each width has its own entry point (``encode_w4h``, ...),
+which inlines one generic row body with the width (and, for the encodes and hops, the scale
+encoding) as a literal, so that the inner loops over the 256 coordinates of a row have constant
+trip counts and no width branch, and LLVM vectorises them (a width branch in the loop measured
+291 -> 76 M coordinates/s at 2 bits). Widths 3, 5, 6, 7 (HIERARCHICAL4X32 only) pack their codes
+as codec._pack_bitstream does: 8 codes in one ``8w``-bit word, ``w`` bytes.
 
 Byte-exactness rules, besides :data:`.cpu_runtime.JIT_OPTIONS` (no fastmath, so no FMA):
 
@@ -18,9 +20,9 @@ Byte-exactness rules, besides :data:`.cpu_runtime.JIT_OPTIONS` (no fastmath, so 
   same memory as ``x`` viewed as uint32): the order of non-negative patterns is the order of the
   values and every NaN pattern sorts above ``+inf``, so NaN propagates as ``torch.amax`` does;
 * sums over 256 coordinates use the reference's fixed halving tree;
-* the level is the reference's ``searchsorted`` done another way: at 2 and 4 bits a chain of
+* the level is the reference's ``searchsorted`` done another way: at 2 to 5 bits a chain of
   compares and selects against the interior magnitudes (vectorises; a table lookup needs gathers,
-  which kept the loop scalar: 180 vs 1090 M coordinates/s for that loop alone); at 8 bits a
+  which kept the loop scalar: 180 vs 1090 M coordinates/s for that loop alone); at 6 to 8 bits a
   table over ``[0, 1]`` in ``bins`` equal bins (``a * bins`` is an exact power-of-two scaling)
   plus one compare, exact because no bin holds more than one level boundary (checked where the
   tables are built). No index is derived from a value that can be NaN (``a`` is 0 where the
@@ -44,6 +46,16 @@ GROUPS = 16
 FLAT_BLOCK = 32
 FLAT_BLOCKS = 8
 FEISTEL_ROUNDS = 8
+# Scale encodings, as the launchers pass them (a literal in the encode and hop entry points).
+SCALES_FLAT = 0
+SCALES_H = 1  # uint8 code per group of 16 + bf16 unit
+SCALES_H4X32 = 2  # 4-bit code per group of 32 + bf16 unit
+H4_BLOCKS = 8
+# Widths up to this one find the level by a chain of compares and selects, wider ones by the bin
+# table (see _encode_row). 5 bits (14 interior magnitudes), HIERARCHICAL4X32, one thread: encode
+# 3.21 -> 2.63, hop 3.69 -> 2.80 ns per coordinate with the chain; 6 bits (30) is slower with it
+# (hop 3.57 -> 3.94).
+CHAIN_WIDTH = 5
 
 _M1 = np.uint32(0x21F0AAAD)
 _M2 = np.uint32(0x735A2D97)
@@ -53,6 +65,7 @@ _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _FM1 = np.float32(-1.0)
 _F255 = np.float32(255.0)
+_F16 = np.float32(16.0)
 _INF = np.float32(np.inf)
 _TWO_M24 = np.float32(2.0**-24)
 _TINY = np.float32(2.0**-64)
@@ -109,10 +122,12 @@ def _prefetch_row_write(out, index_base, valid, i, hi):
             _prefetch_write(out, c)
 
 
-# -- scalar helpers (inlined) -----------------------------------------------------------------
+# -- scalar helpers ----------------------------------------------------------------------------
+# Plain calls, not numba-level inlining: LLVM inlines them anyway (the hash loops still vectorise:
+# the 4-bit rates did not move), and numba's inliner cost ~1 s of cold compile per kernel for them.
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _mix32(x):
     """rng.mix32 in uint32: ``x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 15``."""
     x = np.uint32(x ^ (x >> np.uint32(16)))
@@ -122,14 +137,14 @@ def _mix32(x):
     return np.uint32(x ^ (x >> np.uint32(15)))
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _row_key(key, base):
     """The inner hash of ``rng.coord_hash(key, g)``, ``mix32(key ^ g_hi)``: the same for every
     coordinate of a row starting at ``base`` (a multiple of 256)."""
     return _mix32(np.uint32(key ^ np.uint32(base >> 32)))
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _lo32(g):
     return np.uint32(g & 0xFFFFFFFF)
 
@@ -161,7 +176,7 @@ def perm_table(table_key, rank, world_size, half, out):
         out[t] = np.int32(v)
 
 
-@numba.njit(**_inline)
+@numba.njit(**JIT_OPTIONS)
 def _bf16_ceil_bits(bits):
     """bf16 pattern of the non-negative fp32 with pattern ``bits``, rounded up; NaN -> 0x7FC0."""
     if bits > _INF_BITS:
@@ -196,18 +211,19 @@ def _tree_sum_256(t):
 
 @numba.njit(**_inline)
 def _scales_encode(
-    xrow_bits, hierarchical, d, meta, f32, u32, qscale, gbits, ginv, gpre, hbits, qbits, tree
+    xrow_bits, scales, d, meta, f32, u32, qscale, gbits, ginv, gpre, hbits, qbits, tree
 ):
-    """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18 or 16
-    bytes), the decoded scale of each group of 16 into ``qscale`` [16], and codec._normalise's
-    factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is unusable, and the
-    prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a prescale is not 1
-    (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32 and as uint32
-    (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With ``tree`` (a
-    literal) the group maxima come from a halving tree inside each group, whose every step
-    vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
+    """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18, 6 or 16
+    bytes for ``scales`` SCALES_H, SCALES_H4X32 or SCALES_FLAT, a literal), the decoded scale of
+    each group of 16 into ``qscale`` [16] (a block of 32 gives both its groups its scale), and
+    codec._normalise's factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is
+    unusable, and the prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a
+    prescale is not 1 (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32
+    and as uint32 (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With
+    ``tree`` (a literal) the group maxima come from a halving tree inside each group, whose every
+    step vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
     just written) the plain per-group loop measured faster."""
-    if hierarchical:
+    if scales != SCALES_FLAT:
         top = np.uint32(0)
         if tree:
             for j in range(SUPER // 2):  # halving tree inside each group: contiguous halves
@@ -242,6 +258,7 @@ def _scales_encode(
         for g in range(GROUPS):
             m = gbits[g]
             top = m if m > top else top
+    if scales == SCALES_H:
         u32[0] = top
         f32[0] = f32[0] / _F255  # fp32 division, as the reference's ``top / 255.0``
         unit_bits = _bf16_ceil_bits(u32[0])
@@ -261,6 +278,34 @@ def _scales_encode(
             qscale[g] = qscale[g] * unit  # exact: 8-bit times 8-bit significands
         meta[GROUPS] = np.uint8(unit_bits & np.uint32(0xFF))
         meta[GROUPS + 1] = np.uint8(unit_bits >> np.uint32(8))
+    elif scales == SCALES_H4X32:
+        # The maximum of a block of 32 is the larger of its two groups' (a max is exact), so
+        # the group maxima above serve both hierarchical encodings.
+        for b in range(H4_BLOCKS):
+            a0 = gbits[2 * b]
+            a1 = gbits[2 * b + 1]
+            gbits[b] = a0 if a0 > a1 else a1
+        u32[0] = top
+        f32[0] = f32[0] / _F16  # fp32 division, as the reference's ``top / 16.0``
+        unit_bits = _bf16_ceil_bits(u32[0])
+        u32[0] = np.uint32(unit_bits << np.uint32(16))
+        unit = f32[0]
+        usable = unit > _F0 and unit < _INF
+        gmax = gbits.view(np.float32)
+        den = unit if usable else _F1
+        for b in range(H4_BLOCKS):
+            ratio = np.float32(np.ceil(gmax[b] / den))
+            qscale[b] = min(max(ratio, _F1), _F16) if usable else _F1  # q in [1, 16]
+        for i in range(H4_BLOCKS // 2):  # q - 1 as nibbles, block 2i in the low one
+            n0 = np.uint32(np.int32(qscale[2 * i]) - 1)
+            n1 = np.uint32(np.int32(qscale[2 * i + 1]) - 1)
+            meta[i] = np.uint8(n0 | (n1 << np.uint32(4)))
+        for b in range(H4_BLOCKS - 1, -1, -1):  # downwards: block b's q is read before written
+            s = qscale[b] * unit  # exact: 5-bit times 8-bit significands
+            qscale[2 * b] = s
+            qscale[2 * b + 1] = s
+        meta[H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
+        meta[H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
     else:
         for blk in range(FLAT_BLOCKS):
             m = np.uint32(0)
@@ -296,13 +341,22 @@ def _scales_encode(
 
 
 @numba.njit(**_inline)
-def _scales_decode(meta, hierarchical, d, f32, u32):
+def _scales_decode(meta, scales, d, f32, u32):
     """Decoded scale of each group of 16 coordinates of one record into ``d`` [16]."""
-    if hierarchical:
+    if scales == SCALES_H:
         u32[0] = np.uint32((np.uint32(meta[GROUPS]) | (np.uint32(meta[GROUPS + 1]) << 8)) << 16)
         unit = f32[0]
         for g in range(GROUPS):
             d[g] = np.float32(meta[g]) * unit
+    elif scales == SCALES_H4X32:
+        k = H4_BLOCKS // 2
+        u32[0] = np.uint32((np.uint32(meta[k]) | (np.uint32(meta[k + 1]) << 8)) << 16)
+        unit = f32[0]
+        for b in range(H4_BLOCKS):
+            q = np.uint32(meta[b >> 1]) >> np.uint32(4 * (b & 1))
+            s = np.float32(np.int32(q & np.uint32(0xF)) + 1) * unit
+            d[2 * b] = s  # both groups of 16 of the block of 32
+            d[2 * b + 1] = s
     else:
         for blk in range(FLAT_BLOCKS):
             u32[0] = np.uint32(
@@ -316,7 +370,7 @@ def _scales_decode(meta, hierarchical, d, f32, u32):
 
 @numba.njit(**_inline)
 def _encode_row(
-    xrow, xrow_bits, base, out_row, width, hierarchical, mags, nxt, rtab, bins,
+    xrow, xrow_bits, base, out_row, width, scales, mags, nxt, rtab, bins,
     jitter_key, perm_key, ptab, inv_n, correlated, scratch, tree,
 ):
     """codec._encode_rows for one row ``xrow`` (fp32 [256], ``xrow_bits`` its uint32 view) whose
@@ -327,7 +381,7 @@ def _encode_row(
      av, neg, binv, rv, lov, hiv, hbits, qbits) = scratch
     top = (1 << (width - 1)) - 1  # R
     code_nbytes = 32 * width
-    tiny = _scales_encode(xrow_bits, hierarchical, d, out_row[code_nbytes:], f32, u32, qscale,
+    tiny = _scales_encode(xrow_bits, scales, d, out_row[code_nbytes:], f32, u32, qscale,
                           gbits, ginv, gpre, hbits, qbits, tree)
     xs = xrow
     if tiny:  # codec._normalise's x * s, exact, into scratch (only rows with denormal scales)
@@ -351,7 +405,7 @@ def _encode_row(
         for g in range(GROUPS):
             piv[g] = np.float32(ptab[selv[g]])
 
-    if width <= 4:
+    if width <= CHAIN_WIDTH:
         for j in range(SUPER):
             g_lo = np.uint32(lo32 + np.uint32(j))  # wraps mod 2**32
             k = jend if g_lo < lo32 else jrow
@@ -362,8 +416,9 @@ def _encode_row(
                 pi = piv[g]
                 for j in range(GROUP):
                     u[g * GROUP + j] = (pi + u[g * GROUP + j]) * inv_n  # two roundings
-        # R <= 7: the level and its neighbours by a chain of compares and selects against the
-        # interior magnitudes (no gather, so the loop vectorises: ~6x the table lookup).
+        # Up to CHAIN_WIDTH bits: the level and its neighbours by a chain of compares and selects
+        # against the interior magnitudes (no gather, so the loop vectorises: ~6x the table
+        # lookup).
         for j in range(SUPER):
             inv = d[j]
             q = xs[j] * inv  # inv > 0 exactly where the scale is usable
@@ -383,7 +438,7 @@ def _encode_row(
             level = r + (1 if (a - lo) > u[j] * (hi - lo) else 0)
             codes[j] = np.uint8(top - level if y < _F0 else top + level)
     else:
-        # R = 127: the level from the bin table, in a scalar loop of its own (gathers), between
+        # Wider: the level from the bin table, in a scalar loop of its own (gathers), between
         # two loops that vectorise.
         # Per group of 16, with its factors and pi(rank) as scalars.
         bins_f = np.float32(bins)
@@ -417,37 +472,66 @@ def _encode_row(
             codes[j] = np.uint8(top - level if neg[j] else top + level)
 
     # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8.
-    per_byte = 8 // width
-    for i in range(code_nbytes):
-        v = np.uint8(0)
-        for k in range(per_byte):
-            v |= np.uint8(codes[i * per_byte + k] << (k * width))
-        out_row[i] = v
+    if 8 % width == 0:
+        per_byte = 8 // width
+        for i in range(code_nbytes):
+            v = np.uint8(0)
+            for k in range(per_byte):
+                v |= np.uint8(codes[i * per_byte + k] << (k * width))
+            out_row[i] = v
+    else:
+        # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (LLVM merges the
+        # byte stores of one word's shifts into wider stores).
+        for i in range(SUPER // 8):
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(codes[i * 8 + k]) << np.uint64(k * width)
+            for b in range(width):
+                out_row[i * width + b] = np.uint8(word >> np.uint64(8 * b) & np.uint64(0xFF))
 
 
 @numba.njit(**_inline)
 def _decode_row(
-    rec, width, hierarchical, table, d, f32, u32, out_row, accumulate
+    rec, width, scales, table, d, f32, u32, out_row, accumulate
 ):
     """codec.decode_torch for one record: ``table[code] * D``; with ``accumulate`` added to
     ``out_row`` (one rounding each), else stored."""
     code_nbytes = 32 * width
-    _scales_decode(rec[code_nbytes:], hierarchical, d, f32, u32)
-    # Per group of 16: its scale in a register, one lookup per byte (``table`` holds the values
-    # of a byte's codes side by side): 1.2 -> 1.9 (4 bits) / 2.4 (2 bits) G coordinates/s.
-    per_byte = 8 // width
-    group_nbytes = GROUP // per_byte
-    for g in range(GROUPS):
-        scale = d[g]
-        for i in range(group_nbytes):
-            base = np.int64(rec[g * group_nbytes + i]) * per_byte
-            for k in range(per_byte):
-                c = g * GROUP + i * per_byte + k
-                value = table[base + k] * scale
-                if accumulate:
-                    out_row[c] = out_row[c] + value
-                else:
-                    out_row[c] = value
+    _scales_decode(rec[code_nbytes:], scales, d, f32, u32)
+    if 8 % width == 0:
+        # Per group of 16: its scale in a register, one lookup per byte (``table`` holds the
+        # values of a byte's codes side by side): 1.2 -> 1.9 (4 bits) / 2.4 (2 bits) G
+        # coordinates/s.
+        per_byte = 8 // width
+        group_nbytes = GROUP // per_byte
+        for g in range(GROUPS):
+            scale = d[g]
+            for i in range(group_nbytes):
+                base = np.int64(rec[g * group_nbytes + i]) * per_byte
+                for k in range(per_byte):
+                    c = g * GROUP + i * per_byte + k
+                    value = table[base + k] * scale
+                    if accumulate:
+                        out_row[c] = out_row[c] + value
+                    else:
+                        out_row[c] = value
+    else:
+        # Bitstream widths: ``table`` is indexed by code; 8 codes per w-byte word, 2 per group.
+        mask = np.uint64((1 << width) - 1)
+        for g in range(GROUPS):
+            scale = d[g]
+            for h in range(2):
+                i = 2 * g + h
+                word = np.uint64(0)
+                for b in range(width):
+                    word |= np.uint64(rec[i * width + b]) << np.uint64(8 * b)
+                for k in range(8):
+                    c = i * 8 + k
+                    value = table[np.int64(word >> np.uint64(k * width) & mask)] * scale
+                    if accumulate:
+                        out_row[c] = out_row[c] + value
+                    else:
+                        out_row[c] = value
 
 
 @numba.njit(**_inline)
@@ -467,157 +551,364 @@ def _encode_scratch():
             np.empty(SUPER // 2, np.uint32), np.empty(SUPER // 4, np.uint32))
 
 
-# -- generic bodies over row ranges (inlined into the per-width entry points) -------------------
-
-
-@numba.njit(**_inline)
-def _encode_rows(
-    lo, hi, width, x, index_base, out, hierarchical, mags, nxt, rtab, bins,
-    jitter_key, perm_key, ptab, inv_n, correlated,
-):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
-                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+# -- the decodes' row loop (inlined into the per-width entry points) ----------------------------
 
 
 @numba.njit(**_inline)
 def _decode_rows(
-    lo, hi, width, records, hierarchical, table, out, accumulate
+    lo, hi, width, records, scales, table, out, accumulate
 ):
     d = np.empty(GROUPS, np.float32)
     f32 = np.empty(1, np.float32)
     u32 = f32.view(np.uint32)
     for i in range(lo, hi):
-        _decode_row(records[i], width, hierarchical, table, d, f32, u32, out[i], accumulate)
-
-
-@numba.njit(**_inline)
-def _hop_rows(
-    lo, hi, width, records, table, acc, index_base, out, hierarchical, mags, nxt,
-    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated,
-):
-    """The fused decode-accumulate-encode, a row at a time: the partial sum is accumulated in
-    ``acc``'s row itself and encoded from there while it is in cache (with ``keep_sum=False``
-    the reference leaves ``acc`` unspecified; the executor never reads it again)."""
-    scratch = _encode_scratch()
-    dd, f32, u32 = scratch[0], scratch[4], scratch[5]  # d (free until the encode), a word
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], width, hierarchical, table, dd, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], width, hierarchical, mags, nxt,
-                    rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+        _decode_row(records[i], width, scales, table, d, f32, u32, out[i], accumulate)
 
 
 # -- entry points: one per width -----------------------------------------------------------------
 
 
-# Scale mode as a literal too (``h``: hierarchical, ``f``: flat): the dead branch of a runtime
-# flag cost the encode ~8 % (2-bit encode 2.61 -> 2.38 ns per coordinate without it).
+# Scale mode as a literal too (``h``: hierarchical, ``f``: flat, ``q``: HIERARCHICAL4X32): the
+# dead branch of a runtime flag cost the encode ~8 % (2-bit encode 2.61 -> 2.38 ns per coordinate
+# without it). The decodes take it at run time: it is read once per record, outside the loops.
+
+
+# The encodes and hops write their row loop out instead of inlining a generic one: numba's
+# inliner re-runs its passes on an inlined body at every level it is inlined through, so one
+# level less took a kernel's cold compile from ~7.4 to ~5.2 s (26 of them).
+#
+# The hop accumulates the partial sum in ``acc``'s row itself and encodes it from there while it
+# is in cache (with ``keep_sum=False`` the reference leaves ``acc`` unspecified; the executor
+# never reads it again). ``d`` of the scratch is free until the encode.
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 2, x, index_base, out, True, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 2, SCALES_H, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 2, x, index_base, out, False, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 2, SCALES_FLAT, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 4, x, index_base, out, True, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 4, SCALES_H, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 4, x, index_base, out, False, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 4, SCALES_FLAT, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8h(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 8, x, index_base, out, True, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 8, SCALES_H, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    _encode_rows(lo, hi, 8, x, index_base, out, False, mags, nxt, rtab, bins,
-                 jitter_key, perm_key, ptab, inv_n, correlated)
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 8, SCALES_FLAT, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+
+
+# HIERARCHICAL4X32 at every width of codec.FINE_WIDTHS; the other scale modes at 2, 4, 8 only
+# (each entry point is seconds of cold compile, and format 3 is the one with the fine widths).
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_w2(lo, hi, records, hierarchical, table, out, accumulate):
-    _decode_rows(lo, hi, 2, records, hierarchical, table, out, accumulate)
+def encode_w2q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 2, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_w4(lo, hi, records, hierarchical, table, out, accumulate):
-    _decode_rows(lo, hi, 4, records, hierarchical, table, out, accumulate)
+def encode_w3q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 3, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_w8(lo, hi, records, hierarchical, table, out, accumulate):
-    _decode_rows(lo, hi, 8, records, hierarchical, table, out, accumulate)
+def encode_w4q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 4, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w5q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 5, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w6q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 6, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w7q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 7, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_w8q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
+               jitter_key, perm_key, ptab, inv_n, correlated):
+    x_bits = x.view(np.uint32)
+    scratch = _encode_scratch()
+    for i in range(lo, hi):
+        _encode_row(x[i], x_bits[i], index_base[i], out[i], 8, SCALES_H4X32, mags, nxt, rtab, bins,
+                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w2(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 2, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w3(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 3, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w4(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 4, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w5(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 5, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w6(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 6, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w7(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 7, records, scales, table, out, accumulate)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_w8(lo, hi, records, scales, table, out, accumulate):
+    _decode_rows(lo, hi, 8, records, scales, table, out, accumulate)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, True, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 2, SCALES_H, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 2, SCALES_H, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 2, records, table, acc, index_base, out, False, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 2, SCALES_FLAT, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 2, SCALES_FLAT, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, True, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 4, SCALES_H, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 4, SCALES_H, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 4, records, table, acc, index_base, out, False, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 4, SCALES_FLAT, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 4, SCALES_FLAT, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8h(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, True, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 8, SCALES_H, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 8, SCALES_H, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8f(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    _hop_rows(lo, hi, 8, records, table, acc, index_base, out, False, mags,
-              nxt, rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated)
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 8, SCALES_FLAT, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 8, SCALES_FLAT, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w2q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 2, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 2, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w3q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 3, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 3, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w4q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 4, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 4, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w5q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 5, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 5, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w6q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 6, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 6, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w7q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 7, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 7, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_w8q(lo, hi, records, table, acc, index_base, out, mags, nxt,
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+    scratch = _encode_scratch()
+    d, f32, u32 = scratch[0], scratch[4], scratch[5]
+    acc_bits = acc.view(np.uint32)
+    for i in range(lo, hi):
+        _decode_row(records[i], 8, SCALES_H4X32, table, d, f32, u32, acc[i], True)
+        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 8, SCALES_H4X32, mags, nxt, rtab,
+                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
 
 
 @numba.njit(**_inline)
-def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, index_base, valid,
+def _decode_restore_rows(lo, hi, width, records, scales, table, mean, index_base, valid,
                          out):
     """The last decode of an all-reduce fused with the restore: ``out[index_base[i] + j] =
     decode(records[i])[j] + mean[i]`` for ``j < valid[i]`` (two roundings, as decoding into the
@@ -628,7 +919,7 @@ def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, inde
     u32 = f32.view(np.uint32)
     for i in range(lo, hi):
         _prefetch_row_write(out, index_base, valid, i, hi)
-        _decode_row(records[i], width, hierarchical, table, d, f32, u32, row, False)
+        _decode_row(records[i], width, scales, table, d, f32, u32, row, False)
         m = mean[i]
         b = index_base[i]
         if valid[i] == SUPER:
@@ -641,18 +932,38 @@ def _decode_restore_rows(lo, hi, width, records, hierarchical, table, mean, inde
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_restore_w2(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
-    _decode_restore_rows(lo, hi, 2, records, hierarchical, table, mean, index_base, valid, out)
+def decode_restore_w2(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 2, records, scales, table, mean, index_base, valid, out)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_restore_w4(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
-    _decode_restore_rows(lo, hi, 4, records, hierarchical, table, mean, index_base, valid, out)
+def decode_restore_w3(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 3, records, scales, table, mean, index_base, valid, out)
 
 
 @numba.njit(**JIT_OPTIONS)
-def decode_restore_w8(lo, hi, records, hierarchical, table, mean, index_base, valid, out):
-    _decode_restore_rows(lo, hi, 8, records, hierarchical, table, mean, index_base, valid, out)
+def decode_restore_w4(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 4, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w5(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 5, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w6(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 6, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w7(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 7, records, scales, table, mean, index_base, valid, out)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_w8(lo, hi, records, scales, table, mean, index_base, valid, out):
+    _decode_restore_rows(lo, hi, 8, records, scales, table, mean, index_base, valid, out)
 
 
 # -- statistics and restore ------------------------------------------------------------------------
@@ -728,10 +1039,13 @@ def restore_add(lo, hi, work, mean, out):
 
 
 @numba.njit(**JIT_OPTIONS)
-def stats_only(lo, hi, x, valid, divisor, mean, norm2):
+def stats_only(lo, hi, x, valid, divisor, centre, mean, norm2):
     """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
     reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
-    centred rows (they are written later, already in sorted order, by :func:`center_gather`)."""
+    centred rows (they are written later, already in sorted order, by :func:`center_gather`).
+    Without ``centre`` the mean is +0 (codec.stats_center_rounded_torch's ``centre=False``):
+    ``v - 0`` is ``v`` for every fp32 ``v``, -0 and NaN included, so the norm is the uncentred
+    rows' and center_gather with that mean writes ``x / divisor`` itself."""
     t = np.empty(SUPER // 2, np.float32)
     r = np.empty(SUPER, np.float32)
     divide = divisor != _F1
@@ -745,7 +1059,7 @@ def stats_only(lo, hi, x, valid, divisor, mean, norm2):
         # codec.tree_sum, its first level read straight from the row (no copies)
         for j in range(half):
             t[j] = src[j] + src[j + half]
-        m = _tree_sum_128(t) / np.float32(valid[i])
+        m = _tree_sum_128(t) / np.float32(valid[i]) if centre else _F0
         v = valid[i]
         if v == SUPER:
             for j in range(half):

@@ -16,6 +16,7 @@ ranks do not compile at different steps).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -24,10 +25,12 @@ import torch
 
 from ..schemes.dynamiq import codec
 from ..schemes.dynamiq.codec import (
+    FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
     WIDTHS,
     CodecConfig,
+    Levels,
     Scales,
     record_nbytes,
 )
@@ -51,17 +54,32 @@ __all__ = [
     "warm_up",
 ]
 
-_ENCODE = {(2, True): K.encode_w2h, (4, True): K.encode_w4h, (8, True): K.encode_w8h,
-           (2, False): K.encode_w2f, (4, False): K.encode_w4f, (8, False): K.encode_w8f}
-_DECODE = {2: K.decode_w2, 4: K.decode_w4, 8: K.decode_w8}
-_HOP = {(2, True): K.hop_w2h, (4, True): K.hop_w4h, (8, True): K.hop_w8h,
-        (2, False): K.hop_w2f, (4, False): K.hop_w4f, (8, False): K.hop_w8f}
-_DECODE_RESTORE = {2: K.decode_restore_w2, 4: K.decode_restore_w4, 8: K.decode_restore_w8}
+_H, _F, _Q = Scales.HIERARCHICAL, Scales.FLAT, Scales.HIERARCHICAL4X32
+# One encode and one hop entry point per (width, scales), both literals in the kernel; the
+# decodes take the scales at run time (see _dynamiq_numba_kernels).
+_ENCODE = {(2, _H): K.encode_w2h, (4, _H): K.encode_w4h, (8, _H): K.encode_w8h,
+           (2, _F): K.encode_w2f, (4, _F): K.encode_w4f, (8, _F): K.encode_w8f,
+           (2, _Q): K.encode_w2q, (3, _Q): K.encode_w3q, (4, _Q): K.encode_w4q,
+           (5, _Q): K.encode_w5q, (6, _Q): K.encode_w6q, (7, _Q): K.encode_w7q,
+           (8, _Q): K.encode_w8q}
+_HOP = {(2, _H): K.hop_w2h, (4, _H): K.hop_w4h, (8, _H): K.hop_w8h,
+        (2, _F): K.hop_w2f, (4, _F): K.hop_w4f, (8, _F): K.hop_w8f,
+        (2, _Q): K.hop_w2q, (3, _Q): K.hop_w3q, (4, _Q): K.hop_w4q, (5, _Q): K.hop_w5q,
+        (6, _Q): K.hop_w6q, (7, _Q): K.hop_w7q, (8, _Q): K.hop_w8q}
+_DECODE = {2: K.decode_w2, 3: K.decode_w3, 4: K.decode_w4, 5: K.decode_w5, 6: K.decode_w6,
+           7: K.decode_w7, 8: K.decode_w8}
+_DECODE_RESTORE = {2: K.decode_restore_w2, 3: K.decode_restore_w3, 4: K.decode_restore_w4,
+                   5: K.decode_restore_w5, 6: K.decode_restore_w6, 7: K.decode_restore_w7,
+                   8: K.decode_restore_w8}
+_SCALES = {_F: K.SCALES_FLAT, _H: K.SCALES_H, _Q: K.SCALES_H4X32}
 
 
 # The widths per scale encoding these kernels implement (plus raw width 16 in every mode): the
-# scheme runs any other (scales, width) on the torch reference.
-FORMATS: dict[Scales, tuple[int, ...]] = {Scales.HIERARCHICAL: WIDTHS, Scales.FLAT: WIDTHS}
+# scheme runs any other (scales, width) on the torch reference. The fine widths are compiled for
+# format 3 (HIERARCHICAL4X32) only: with the two older encodings (``width_set="fine"`` and their
+# scales) each would add ~5 s of cold compile per encode and hop entry point, for combinations
+# format 3 supersedes; those calls run on the reference.
+FORMATS: dict[Scales, tuple[int, ...]] = {_H: WIDTHS, _F: WIDTHS, _Q: FINE_WIDTHS}
 
 # -- array views -----------------------------------------------------------------------------
 
@@ -127,9 +145,22 @@ def _out_records(out: torch.Tensor | None, rows: int, width: int,
     return out
 
 
-def _check_width(width: int) -> None:
-    if width not in WIDTHS and width != RAW_WIDTH:
-        raise ValueError(f"width must be one of {(*WIDTHS, RAW_WIDTH)}, got {width}")
+def _check_width(width: int, config: CodecConfig) -> None:
+    widths = FORMATS.get(config.scales, ())
+    if width not in widths and width != RAW_WIDTH:
+        raise ValueError(f"width must be one of {(*widths, RAW_WIDTH)} with "
+                         f"{config.scales.value} scales, got {width}")
+
+
+@functools.lru_cache(maxsize=32)
+def _decode_table(width: int, levels: Levels) -> np.ndarray:
+    """The decode's table: ``level_tables``' per-byte table where codes fill whole bytes, the
+    code table itself (fp32 [2**width], indexed by code) for the bitstream widths."""
+    if 8 % width == 0:
+        return level_tables(width, levels).table
+    table = codec.code_table(width, levels).numpy()
+    table.setflags(write=False)
+    return table
 
 
 def _rounding_args(width: int, config: CodecConfig, key: int, rank: int,
@@ -158,16 +189,20 @@ def stats_center(
     return centred, mean, norm2
 
 
-def stats(x: torch.Tensor, valid: torch.Tensor, *,
-          divisor: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def stats(x: torch.Tensor, valid: torch.Tensor, *, divisor: int = 1,
+          centre: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, norm2)`` of ``stats_center(x / divisor, valid)`` without the centred rows (same
-    bits; the division is the reference's fp32 ``x / n`` for ``op="avg"``, fused)."""
+    bits; the division is the reference's fp32 ``x / n`` for ``op="avg"``, fused). With
+    ``centre=False``: ``(zeros, norm2)``, norm2 that of the uncentred rows as
+    ``codec.stats_center_rounded_torch(x / divisor, valid, centre=False)`` gives it; then
+    :func:`center_gather` with these zeros writes ``x / divisor`` reordered, bit for bit."""
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     valid_np = _valid(valid, rows)
     mean = torch.empty(rows, dtype=torch.float32)
     norm2 = torch.empty(rows, dtype=torch.float32)
-    run_rows(K.stats_only, rows, xs, valid_np, _divisor(divisor), mean.numpy(), norm2.numpy())
+    run_rows(K.stats_only, rows, xs, valid_np, _divisor(divisor), bool(centre), mean.numpy(),
+             norm2.numpy())
     return mean, norm2
 
 
@@ -224,7 +259,7 @@ def encode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """codec.encode_torch: rows ``[k, 256]`` -> records uint8 ``[k, record_nbytes]``."""
-    _check_width(width)
+    _check_width(width, config)
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     index = _index(index_base, rows)
@@ -232,7 +267,7 @@ def encode(
     if width == RAW_WIDTH:
         return codec.encode_torch(x.float(), width, index_base, rank, world_size, key, config,
                                   out=records)
-    run_rows(_ENCODE[width, config.scales is Scales.HIERARCHICAL], rows, xs, index, records.numpy(),
+    run_rows(_ENCODE[width, config.scales], rows, xs, index, records.numpy(),
              *_rounding_args(width, config, key, rank, world_size))
     return records
 
@@ -240,17 +275,16 @@ def encode(
 def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """codec.decode_torch: records -> fp32 ``[k, 256]`` (into ``out`` when given)."""
-    _check_width(width)
+    _check_width(width, config)
     rec = _records(records, width, config)
     rows = rec.shape[0]
     result = torch.empty((rows, SUPER), dtype=torch.float32) if out is None else out
     _check_inplace("out", result, rows)
     if width == RAW_WIDTH:
         return codec.decode_torch(records, width, config, out=result)
-    lv = level_tables(width, config.levels)
     with _inplace_rows(result) as target:
-        run_rows(_DECODE[width], rows, rec, config.scales is Scales.HIERARCHICAL, lv.table,
-                 target, False)
+        run_rows(_DECODE[width], rows, rec, _SCALES[config.scales],
+                 _decode_table(width, config.levels), target, False)
     return result
 
 
@@ -258,16 +292,15 @@ def decode_accumulate(
     records: torch.Tensor, width: int, config: CodecConfig, acc: torch.Tensor
 ) -> None:
     """codec.decode_accumulate_torch: ``acc += decode(records)`` in place."""
-    _check_width(width)
+    _check_width(width, config)
     rec = _records(records, width, config)
     _check_inplace("acc", acc, rec.shape[0])
     if width == RAW_WIDTH:
         codec.decode_accumulate_torch(records, width, config, acc)
         return
-    lv = level_tables(width, config.levels)
     with _inplace_rows(acc) as target:
-        run_rows(_DECODE[width], rec.shape[0], rec, config.scales is Scales.HIERARCHICAL,
-                 lv.table, target, True)
+        run_rows(_DECODE[width], rec.shape[0], rec, _SCALES[config.scales],
+                 _decode_table(width, config.levels), target, True)
 
 
 def decode_accumulate_encode(
@@ -288,7 +321,7 @@ def decode_accumulate_encode(
     whatever ``keep_sum`` says; with ``keep_sum=False`` the reference leaves its contents
     unspecified). In place measured 2.65 -> 2.55 ns per coordinate at 2 bits against a separate
     1 KiB row buffer."""
-    _check_width(width)
+    _check_width(width, config)
     rec = _records(records, width, config)
     rows = rec.shape[0]
     _check_inplace("acc", acc, rows)
@@ -297,10 +330,10 @@ def decode_accumulate_encode(
     if width == RAW_WIDTH:
         return codec.decode_accumulate_encode_torch(
             records, width, acc, index_base, rank, world_size, key, config, out=result)
-    lv = level_tables(width, config.levels)
     with _inplace_rows(acc) as target:
-        run_rows(_HOP[width, config.scales is Scales.HIERARCHICAL], rows, rec, lv.table, target,
-                 index, result.numpy(), *_rounding_args(width, config, key, rank, world_size))
+        run_rows(_HOP[width, config.scales], rows, rec, _decode_table(width, config.levels),
+                 target, index, result.numpy(),
+                 *_rounding_args(width, config, key, rank, world_size))
     return result
 
 
@@ -350,9 +383,11 @@ def decode_restore(
     """``restore(decode(records), mean, index_base, valid, out)`` in one pass, the same bits:
     each record decoded and its valid coordinates, plus the row's mean, written straight to
     their place in the flat fp32 ``out`` (the all-reduce's last decode, without the work rows
-    in between). Widths 2, 4 and 8."""
-    if width not in _DECODE_RESTORE:
-        raise ValueError(f"width must be one of {tuple(_DECODE_RESTORE)}, got {width}")
+    in between). The widths of ``FORMATS`` (no raw 16)."""
+    widths = FORMATS.get(config.scales, ())
+    if width not in widths:
+        raise ValueError(f"width must be one of {widths} with {config.scales.value} scales, "
+                         f"got {width}")
     rec = _records(records, width, config)
     rows = rec.shape[0]
     if out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu" or (
@@ -367,9 +402,8 @@ def decode_restore(
     if rows and (index.min() < 0 or (index + valid_np).max() > out.numel()):
         raise ValueError(f"index_base/valid address coordinates outside out "
                          f"({out.numel()} elements)")
-    lv = level_tables(width, config.levels)
-    run_rows(_DECODE_RESTORE[width], rows, rec, config.scales is Scales.HIERARCHICAL, lv.table,
-             mean_np, index, valid_np, out.detach().numpy())
+    run_rows(_DECODE_RESTORE[width], rows, rec, _SCALES[config.scales],
+             _decode_table(width, config.levels), mean_np, index, valid_np, out.detach().numpy())
 
 
 _warm_lock = threading.Lock()
@@ -392,7 +426,7 @@ def warm_up() -> None:
         stats(x, valid, divisor=3)
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
         for scales, widths in FORMATS.items():
-            config = CodecConfig(scales=scales)
+            config = CodecConfig(scales=scales, levels=Levels.TUNED)
             for width in widths:
                 for world_size in (1, 3):  # independent and correlated rounding
                     records = encode(centred, width, index, 0, world_size, 1, config)
