@@ -221,8 +221,8 @@ def _scales_encode(
     prescale is not 1 (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32
     and as uint32 (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With
     ``tree`` (a literal) the group maxima come from a halving tree inside each group, whose every
-    step vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
-    just written) the plain per-group loop measured faster."""
+    step vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row
+    was just written) the plain per-group loop measured faster."""
     if scales != SCALES_FLAT:
         top = np.uint32(0)
         if tree:

@@ -383,14 +383,16 @@ class DynamiqCall:
         # the sorted order (step 4), dividing by n for avg on the way; the others divide and
         # centre here and gather later.
         split = (prep.stats is not None and prep.center_gather is not None
-                 and scheme.stats == "fp32")
+                 and scheme.stats in ("fp32", "norm16"))
         divisor = n if ctx.op is ReduceOp.AVG else 1
         if divisor != 1 and not split:
             flat = flat / n  # a new buffer: flat may be the caller's tensor
         centred: torch.Tensor | None = None
         if split:
             assert prep.stats is not None
-            mean, norm2 = prep.stats(flat, valid, divisor=divisor)
+            # norm16: no centring (zero means; center_gather then writes x / divisor itself)
+            mean, norm2 = prep.stats(flat, valid, divisor=divisor,
+                                     centre=scheme.stats == "fp32")
         elif scheme.stats in ("bf16", "norm16"):
             centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
                                                               centre=scheme.stats == "bf16")
