@@ -50,7 +50,6 @@ FEISTEL_ROUNDS = 8
 SCALES_FLAT = 0
 SCALES_H = 1  # uint8 code per group of 16 + bf16 unit
 SCALES_H4X32 = 2  # 4-bit code per group of 32 + bf16 unit
-H4_BLOCK = 32
 H4_BLOCKS = 8
 # Widths up to this one find the level by a chain of compares and selects, wider ones by the bin
 # table (see _encode_row). 5 bits (14 interior magnitudes), HIERARCHICAL4X32, one thread: encode
@@ -217,14 +216,13 @@ def _scales_encode(
     """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18, 6 or 16
     bytes for ``scales`` SCALES_H, SCALES_H4X32 or SCALES_FLAT, a literal), the decoded scale of
     each group of 16 into ``qscale`` [16] (a block of 32 gives both its groups its scale), and
-    codec._normalise's
-    factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is unusable, and the
-    prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a prescale is not 1
-    (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32 and as uint32
-    (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With ``tree`` (a
-    literal) the group maxima come from a halving tree inside each group, whose every step
-    vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row was
-    just written) the plain per-group loop measured faster."""
+    codec._normalise's factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is
+    unusable, and the prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a
+    prescale is not 1 (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32
+    and as uint32 (a bit cast); ``gbits`` [16], ``hbits`` [128], ``qbits`` [64] scratch. With
+    ``tree`` (a literal) the group maxima come from a halving tree inside each group, whose every
+    step vectorises: the encode's scales 0.53 -> 0.3 ns per coordinate; in the fused hop (the row
+    was just written) the plain per-group loop measured faster."""
     if scales != SCALES_FLAT:
         top = np.uint32(0)
         if tree:

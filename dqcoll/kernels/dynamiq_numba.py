@@ -75,9 +75,10 @@ _SCALES = {_F: K.SCALES_FLAT, _H: K.SCALES_H, _Q: K.SCALES_H4X32}
 
 
 # The widths per scale encoding these kernels implement (plus raw width 16 in every mode): the
-# scheme runs any other (scales, width) on the torch reference. Fine widths for the first two
-# encodings would cost ~4 s of cold compile per (width, scales) entry point and are not used by
-# the format they belong to (format 3: HIERARCHICAL4X32 with the fine widths).
+# scheme runs any other (scales, width) on the torch reference. The fine widths are compiled for
+# format 3 (HIERARCHICAL4X32) only: with the two older encodings (``width_set="fine"`` and their
+# scales) each would add ~5 s of cold compile per encode and hop entry point, for combinations
+# format 3 supersedes; those calls run on the reference.
 FORMATS: dict[Scales, tuple[int, ...]] = {_H: WIDTHS, _F: WIDTHS, _Q: FINE_WIDTHS}
 
 # -- array views -----------------------------------------------------------------------------
