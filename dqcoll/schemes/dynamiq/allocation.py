@@ -390,15 +390,15 @@ class _HullCost:
         costs = lookup.tolist()
         self.bytes = [int(costs[w]) for w in hull]
         self.offsets = offsets[1:]
+        self.offsets_np = np.asarray(self.offsets, dtype=np.float64)
         self.fixed = int(nan[~zero_np].sum()) * int(costs[top])  # NaN rows: the widest width
 
     @staticmethod
-    def _first(g, u: float, off: float) -> int:  # type: ignore[no-untyped-def]
-        """The first index with ``g[i] + u >= off`` (``len(g)`` if none)."""
+    def _fix(g, u: float, off: float, i: int) -> int:  # type: ignore[no-untyped-def]
+        """Move ``i`` (a binary search's guess) to the first index with ``g[i] + u >= off``."""
         import numpy as np
 
         n = g.shape[0]
-        i = int(np.searchsorted(g, off - u, side="left"))
         while i > 0 and float(g[i - 1]) + u >= off:  # step back over whole runs of equal keys
             i = int(np.searchsorted(g, g[i - 1], side="left"))
         while i < n and float(g[i]) + u < off:
@@ -407,9 +407,20 @@ class _HullCost:
 
     def class_bytes(self, c: int, u: float) -> int:
         """Payload bytes of class ``c`` at ``u`` (width ``hull[k]`` from ``starts[k]`` on)."""
+        import numpy as np
+
         g = self.keys[c]
-        starts = [0, *(self._first(g, u, off) for off in self.offsets)]
-        ends = [*starts[1:], g.shape[0]]
+        n = g.shape[0]
+        offsets = self.offsets_np
+        guess = np.searchsorted(g, offsets - u, side="left")  # one call for every threshold
+        # where fl(g + u) >= off disagrees with g >= off - u (rounding), correct the guess
+        before = g[np.maximum(guess - 1, 0)] + u >= offsets
+        at = g[np.minimum(guess, n - 1)] + u < offsets
+        wrong = ((guess > 0) & before) | ((guess < n) & at)
+        starts = [0, *guess.tolist()]
+        for k in np.flatnonzero(wrong).tolist():
+            starts[k + 1] = self._fix(g, u, self.offsets[k], starts[k + 1])
+        ends = [*starts[1:], n]
         total = sum(b * (hi - lo) for b, lo, hi in zip(self.bytes, starts, ends, strict=True))
         return total + self.fixed
 
@@ -522,17 +533,20 @@ def allocate_widths_by_count(
         return ws, Allocation(ws[max(ws)], float("nan"), math.ceil(cost(ws)), stats, budget, False)
     u_lo = offsets[1] - float(log_f[finite].max()) - max(shifts.values()) - 1.0
     u_hi = offsets[-1] - float(log_f[finite].min()) - min(shifts.values()) + 1.0
-    if cost(widths_at(u_lo)) + stats > budget:
+    fast = _HullCost(log_f, zero, shifts, hull, offsets, top, lookup.long())
+
+    def fast_cost(u: float) -> float:  # == cost(widths_at(u)), bit for bit
+        return sum(classes[c][1] * float(fast.class_bytes(c, u)) for c in shifts)
+
+    if fast_cost(u_lo) + stats > budget:
         ws = widths_at(u_lo)
         return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, True)
-    if cost(widths_at(u_hi)) + stats <= budget:
+    if fast_cost(u_hi) + stats <= budget:
         u_lo = u_hi
     else:
-        fast = _HullCost(log_f, zero, shifts, hull, offsets, top, lookup.long())
         for _ in range(_BISECTION_STEPS):
             mid = 0.5 * (u_lo + u_hi)
-            if sum(classes[c][1] * float(fast.class_bytes(c, mid)) for c in shifts) + stats \
-                    <= budget:
+            if fast_cost(mid) + stats <= budget:
                 u_lo = mid
             else:
                 u_hi = mid

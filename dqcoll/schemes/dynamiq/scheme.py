@@ -457,15 +457,18 @@ class DynamiqCall:
             # under 2 % of the budget and the budget is exact.
             budget_numel = (numel if rows >= _EXACT_BUDGET_ROWS
                             else min(rows * SUPER, numel + SUPER - 1))
+        self.hop: dict[int, torch.Tensor] | None = None
+        self.hop_tau: dict[int, float] = {}
+        hop_widths = (scheme.hop_widths and scheme.target_vnmse is None and not self.sharded
+                      and ctx.schedule is not None and scheme.widths_mode is Widths.VARIABLE)
+        if scheme.target_vnmse is None and not hop_widths:
             self.allocation = allocate_widths(
                 stats[1], budget_numel, scheme.bits, widths_mode=scheme.widths_mode,
                 scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
                 energy_exponent=scheme.energy_exponent, **scheme.allocation_options(),
             )
-        self.hop: dict[int, torch.Tensor] | None = None
-        self.hop_tau: dict[int, float] = {}
-        if (scheme.hop_widths and scheme.target_vnmse is None and not self.sharded
-                and ctx.schedule is not None and scheme.widths_mode is Widths.VARIABLE):
+        if hop_widths:
+            assert ctx.schedule is not None
             classes = count_classes(ctx.schedule.subtree_sizes())
             options = scheme.allocation_options()
             self.hop, self.allocation = allocate_widths_by_count(
