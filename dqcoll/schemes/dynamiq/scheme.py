@@ -1,33 +1,37 @@
 """The ``dynamiq`` scheme: per-call planning around the codec of :mod:`.codec`.
 
-Per call, before the main collective:
+Per call, before the main collective (format 3, the defaults; the paper's configuration in
+brackets):
 
-1. ``op="avg"`` divides by ``n``; each rank computes, per super-group of 256, its mean and the
-   squared norm after centring, and subtracts the mean.
-2. One uncompressed sum all-reduce of those two fp32 values per super-group (8 B / 256 coordinates
-   = 0.25 bit per coordinate, counted in the budget).
-3. :func:`.allocation.allocate_widths` picks a width per super-group from the summed norms.
-   ``energy_exponent=a < 1`` ranks super-groups by ``F ** a`` instead (the default 1 is the
-   paper's rule, which aims at the least vNMSE). That rule starves low-energy super-groups: on
-   the convergence experiment's gradients at 5 bits (4 ranks, ring) the lowest-energy quarter
-   comes back with an error as large as itself (relative 0.997), and AdamW, which normalises
-   every coordinate by its own gradient scale, turns that into noisy updates of whole layers;
-   ``a = 0.5`` cuts that quarter's error to 0.041 for +8 % vNMSE (docs/convergence.md).
-   ``a = 0.73`` puts the thresholds where the codec's measured errors give equal gain per
-   byte, and measured lower vNMSE than the paper's rule in 16 of 18 cases (docs/allocation.md).
-4. Reorder: super-groups are sorted by width (stable, a local permutation), and the sorted rows are
-   cut into ``n`` chunks of equal *bytes*, so each chunk is at most four runs of equal width
-   (one multi-segment pass through the schedule, not one pass per width: one message per hop
-   instead of three). Equal-byte chunks keep every rank's traffic at ``2 (n-1)/n`` of the total
-   to within one record per transfer, which is what makes the byte budget hold per rank.
-   With ``balance="shards"`` the all-reduce uses the reduce-scatter layout instead: chunk ``c`` is
-   shard ``c`` (``ceil(numel / n)`` coordinates, padded to whole super-groups on its own), so its
-   result is bit for bit the reduce-scatter's followed by the all-gather of its bytes, at the price
-   of per-rank traffic that follows how the widths fall across shards. Reduce-scatter and
-   all-gather always use the shard layout.
+1. ``op="avg"`` divides by ``n``; each rank computes, per super-group of 256, its squared norm
+   (``stats="norm16"``) [``"fp32"``: its mean, and the squared norm after subtracting it].
+2. One uncompressed sum all-reduce of the bf16 norms, 2 B per super-group = 0.0625 bit per
+   coordinate, counted in the budget [fp32 mean and norm: 8 B, 0.25 bit].
+3. Widths from the summed norms: the lower convex hull of (record bytes, measured error) over
+   widths 2..8 and raw 16 (:func:`.allocation.hull_offsets`) [the paper's closed form over
+   {2, 4, 8}], one bisection for the budget. With ``hop_widths`` (all-reduce) every super-group
+   gets a width per partial-sum size (:func:`.allocation.allocate_widths_by_count`): a partial
+   sum of more ranks weighs more in the error, and the sink's encoding is forwarded n - 1 times.
+   ``energy_exponent=a < 1`` ranks super-groups by ``F ** a`` instead (1 aims at the least
+   vNMSE). That rule starves low-energy super-groups: on the convergence experiment's gradients at
+   5 bits (4 ranks, ring, format 2) the lowest-energy quarter came back with an error as large as
+   itself (relative 0.997), and AdamW, which normalises every coordinate by its own gradient
+   scale, turns that into noisy updates of whole layers; ``a = 0.5`` cut that quarter's error to
+   0.041 for +8 % vNMSE (docs/convergence.md; x1.7-3.1 with format 3, docs/accuracy.md).
+4. Reorder: super-groups are sorted by width (stable, a local permutation) and cut into ``n``
+   chunks of equal *bytes* (one multi-segment pass through the schedule, not one pass per
+   width). Equal-byte chunks keep every rank's traffic at ``2 (n-1)/n`` of the total to within
+   one record per transfer, which is what makes the byte budget hold per rank. With hop widths
+   the sorted rows are striped over the chunks instead, so that every chunk holds the same mix
+   at every count. With ``balance="shards"`` the all-reduce uses the reduce-scatter layout
+   instead: chunk ``c`` is shard ``c`` (``ceil(numel / n)`` coordinates, padded to whole
+   super-groups on its own), so its result is bit for bit the reduce-scatter's followed by the
+   all-gather of its bytes, at the price of per-rank traffic that follows how the widths fall
+   across shards. Reduce-scatter and all-gather always use the shard layout.
 
-At every hop the executor calls the fused decompress-accumulate-recompress on each run; at the end
-each rank adds back the summed means and undoes the reorder.
+At every hop the executor calls the fused decompress-accumulate-recompress on each run (where a
+row's width changes with the count: decompress-accumulate, then compress); at the end each rank
+adds back the summed means (zero without centring) and undoes the reorder.
 
 Random numbers are keyed by the *original* coordinate index, so chunking, reordering and tiling do
 not change them.
