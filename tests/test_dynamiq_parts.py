@@ -260,3 +260,36 @@ def test_hull_cost_counts_equal_the_row_by_row_rule(ties: bool) -> None:
                 w = torch.where(log_f + shift + u >= off, width, w)
             w = torch.where(zero, 0, torch.where(nan, top, w))
             assert int(lookup[w].sum()) == fast.class_bytes(c, u), (u, c)
+
+
+def test_target_allocation_with_hop_widths_meets_its_prediction() -> None:
+    """allocate_for_target_by_count: the predicted vNMSE (recomputed here row by row from the
+    widths it returns) meets the target, a tighter target costs more bytes, and the per-class
+    widths are those of the hull rule at the returned u."""
+    from dqcoll.schemes.dynamiq import allocation as A
+    from dqcoll.schemes.dynamiq.error_model import ErrorModel
+    from dqcoll.topology import build_schedule
+
+    g = torch.Generator().manual_seed(7)
+    rows = 2000
+    norm2 = torch.exp(torch.randn(rows, generator=g) * 2).float()
+    norm2[::50] = 0
+    valid = torch.full((rows,), 256)
+    schedule = build_schedule("ring", 4)
+    classes = A.count_classes(schedule.subtree_sizes())
+    config = C.FORMAT3
+    unit = ErrorModel().unit_error(schedule, config)
+    errors = A.MEASURED_ERRORS[(config.levels, config.scales)]
+    costs = []
+    for target in (1e-2, 1e-3, 1e-4):
+        hop, alloc = A.allocate_for_target_by_count(
+            norm2, torch.zeros(rows), valid, target, classes, world_size=4, rho=0.0,
+            unit_error=unit, scales=config.scales, width_set=C.FINE_WIDTHS, errors=errors,
+            stats_bytes=2)
+        f = norm2.double()
+        predicted = sum(a / 4 * float((unit[hop[c]] * f).sum())
+                        for c, (a, _) in classes.items()) / float(f.sum())
+        assert predicted == pytest.approx(alloc.predicted_vnmse, rel=1e-9)
+        assert alloc.target_met and predicted <= target * (1 + 1e-9)
+        costs.append(alloc.payload_nbytes)
+    assert costs[0] < costs[1] < costs[2]

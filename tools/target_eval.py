@@ -162,7 +162,14 @@ def render(meta: dict, records: list[dict]) -> str:  # type: ignore[type-arg]
         "along a path; c_b = 1 otherwise), H the schedule's partial-sum growth (ring (n+1)/2, "
         "butterfly ~1 + log2(n)/2 at rho = 0), gamma the gain of correlated rounding per "
         "algorithm, rho the ranks' correlation measured after the previous call, kappa = 1 "
-        "unless calibrated (the DDP hook calibrates kappa from measured errors).",
+        "unless calibrated (the DDP hook calibrates kappa from measured errors). With hop "
+        "widths (format 3's default, all-reduce) every super-group has a width per partial-sum "
+        "size c, and H splits into the sizes' weights alpha_c (1 + (c-1) rho) / n (summing to "
+        "H), each multiplying eps of that size's width; those terms are multiplied by "
+        "HOP_WIDTHS_CALIBRATION = 1.16, the largest achieved / predicted ratio an uncalibrated "
+        "run of this script measured (ring 0.99-1.16, butterfly 0.96-1.10, second calls). The "
+        "widths come from the hull of the measured errors over widths 2..8 and raw 16, as under "
+        "a bit budget; the sweep's budgets use hop widths too.",
         "",
     ]
     return "\n".join(lines) + "\n"

@@ -379,14 +379,21 @@ class _HullCost:
     (64 halvings x 8 classes x 7 thresholds: ~3 ms at 2^16 rows instead of ~0.5 s)."""
 
     def __init__(self, log_f: torch.Tensor, zero: torch.Tensor, shifts: dict[int, float],
-                 hull: list[int], offsets: list[float], top: int, lookup: torch.Tensor) -> None:
+                 hull: list[int], offsets: list[float], top: int, lookup: torch.Tensor,
+                 energies: torch.Tensor | None = None) -> None:
         import numpy as np
 
         keys = log_f.numpy()
         nan = np.isnan(keys)
         zero_np = zero.numpy()
-        base = np.sort(keys[~zero_np & ~nan])
+        live = ~zero_np & ~nan
+        order = np.argsort(keys[live], kind="stable")
+        base = keys[live][order]
         self.keys = {c: base + shift if shift else base for c, shift in shifts.items()}
+        self.hull = hull
+        # target mode: prefix sums of the rows' energies in key order (band sums by subtraction)
+        self.prefix = None if energies is None else np.concatenate(
+            [[0.0], np.cumsum(energies.numpy()[live][order])])
         costs = lookup.tolist()
         self.bytes = [int(costs[w]) for w in hull]
         self.offsets = offsets[1:]
@@ -407,6 +414,22 @@ class _HullCost:
 
     def class_bytes(self, c: int, u: float) -> int:
         """Payload bytes of class ``c`` at ``u`` (width ``hull[k]`` from ``starts[k]`` on)."""
+        g = self.keys[c]
+        starts = self._starts(c, u)
+        ends = [*starts[1:], g.shape[0]]
+        total = sum(b * (hi - lo) for b, lo, hi in zip(self.bytes, starts, ends, strict=True))
+        return total + self.fixed
+
+    def class_error(self, c: int, u: float, unit_error: list[float]) -> float:
+        """``sum_s unit_error[width_s] F_s`` over the finite rows of class ``c`` at ``u``."""
+        assert self.prefix is not None
+        starts = self._starts(c, u)
+        ends = [*starts[1:], self.keys[c].shape[0]]
+        return sum(unit_error[w] * float(self.prefix[hi] - self.prefix[lo])
+                   for w, lo, hi in zip(self.hull, starts, ends, strict=True))
+
+    def _starts(self, c: int, u: float) -> list[int]:
+        """Index of the first row at width ``hull[k]`` or wider, for every k."""
         import numpy as np
 
         g = self.keys[c]
@@ -420,9 +443,7 @@ class _HullCost:
         starts = [0, *guess.tolist()]
         for k in np.flatnonzero(wrong).tolist():
             starts[k + 1] = self._fix(g, u, self.offsets[k], starts[k + 1])
-        ends = [*starts[1:], n]
-        total = sum(b * (hi - lo) for b, lo, hi in zip(self.bytes, starts, ends, strict=True))
-        return total + self.fixed
+        return starts
 
 
 def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width_set, errors,
@@ -552,6 +573,87 @@ def allocate_widths_by_count(
                 u_hi = mid
     ws = widths_at(u_lo)
     return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, False)
+
+
+def allocate_for_target_by_count(
+    norm2: torch.Tensor,
+    mean_sum: torch.Tensor,
+    valid: torch.Tensor,
+    target: float,
+    classes: dict[int, tuple[float, float]],
+    *,
+    world_size: int,
+    rho: float,
+    unit_error: torch.Tensor,
+    scales: Scales,
+    width_set: tuple[int, ...],
+    errors: dict[int, float] | None,
+    stats_bytes: int,
+    max_width: int = RAW_WIDTH,
+) -> tuple[dict[int, torch.Tensor], Allocation]:
+    """:func:`allocate_for_target` with hop widths: the widths of :func:`allocate_widths_by_count`
+    (one ``u`` for every count class) at the smallest ``u`` whose predicted vNMSE meets
+    ``target``. Class ``c`` contributes ``alpha_c (1 + (c - 1) rho) / n`` times
+    ``unit_error[width] F`` per super-group (summed over the classes at rho = 0 this weight is the
+    schedule's path growth ``H``; :mod:`.error_model`)."""
+    rows = norm2.numel()
+    norm2 = norm2.detach().to("cpu")
+    stats = stats_bytes * rows
+    f = norm2.double()
+    finite_f = torch.where(torch.isfinite(f), f, 0.0)
+    energy = float(finite_f.sum()) * (1.0 + (world_size - 1) * rho)
+    means = mean_sum.detach().to("cpu", torch.float64)
+    counts = valid.detach().to("cpu", torch.float64)
+    energy += float((counts * means * means).nan_to_num(0.0, 0.0, 0.0).sum())
+    lookup = _cost_lookup(scales).double()
+    hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
+    log_f, zero = _log_energies(norm2)
+    nan = torch.isnan(log_f)
+    log_f = log_f + torch.arange(rows, dtype=torch.float64) * 2.0**-30 / max(rows, 1)
+    shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}
+    weights = {c: a * (1.0 + (c - 1) * rho) / world_size for c, (a, _) in classes.items()}
+    unit = unit_error.tolist()
+
+    def widths_at(u: float) -> dict[int, torch.Tensor]:
+        out = {}
+        for c, shift in shifts.items():
+            w = torch.full_like(log_f, hull[0], dtype=torch.int64)
+            for width, off in zip(hull[1:], offsets[1:], strict=False):
+                w = torch.where(log_f + shift + u >= off, width, w)
+            w = torch.where(nan, top, w)
+            out[c] = torch.where(zero, 0, w)
+        return out
+
+    def cost(ws: dict[int, torch.Tensor]) -> float:
+        return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
+
+    def result(u: float, predicted: float) -> tuple[dict[int, torch.Tensor], Allocation]:
+        ws = widths_at(u)
+        payload = math.ceil(cost(ws))
+        return ws, Allocation(ws[max(ws)], u, payload, stats, payload + stats, False, predicted,
+                              predicted <= target)
+
+    finite = torch.isfinite(log_f) & ~zero
+    if not bool(finite.any()) or energy <= 0.0 or len(hull) == 1:
+        return result(0.0, 0.0)
+    fast = _HullCost(log_f, zero, shifts, hull, offsets, top, lookup.long(), finite_f)
+
+    def error(u: float) -> float:
+        return sum(weights[c] * fast.class_error(c, u, unit) for c in shifts) / energy
+
+    u_lo = offsets[1] - float(log_f[finite].max()) - max(shifts.values()) - 1.0
+    u_hi = offsets[-1] - float(log_f[finite].min()) - min(shifts.values()) + 1.0
+    if error(u_lo) <= target:
+        return result(u_lo, error(u_lo))
+    if error(u_hi) > target:
+        return result(u_hi, error(u_hi))
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (u_lo + u_hi)
+        if error(mid) <= target:
+            u_hi = mid
+        else:
+            u_lo = mid
+    return result(u_hi, error(u_hi))
 
 
 def allocate_for_target(

@@ -55,8 +55,8 @@ from . import rng
 from .allocation import (
     MEASURED_ERRORS,
     STATS_BYTES,
-    Allocation,
     allocate_for_target,
+    allocate_for_target_by_count,
     allocate_widths,
     allocate_widths_by_count,
     count_classes,
@@ -433,6 +433,13 @@ class DynamiqCall:
         # 3. Widths from the summed norms (identical on every rank): under a bit budget, or the
         #    cheapest whose predicted error meets target_vnmse.
         self.rho_key: tuple[Any, ...] | None = None
+        self.hop: dict[int, torch.Tensor] | None = None
+        self.hop_tau: dict[int, float] = {}
+        hop_widths = (scheme.hop_widths and not self.sharded and ctx.schedule is not None
+                      and scheme.widths_mode is Widths.VARIABLE)
+        options = scheme.allocation_options()
+        classes = (count_classes(ctx.schedule.subtree_sizes())
+                   if hop_widths and ctx.schedule is not None else {})
         if scheme.target_vnmse is not None:
             schedule = ctx.schedule
             model = scheme.error_model
@@ -441,13 +448,22 @@ class DynamiqCall:
                 self.rho_key = ("dynamiq.rho", numel, ctx.collective.value,
                                 schedule.algorithm if schedule is not None else "")
                 rho = float((ctx.state or {}).get(self.rho_key, 0.0))
-            self.allocation: Allocation = allocate_for_target(
-                stats[1], stats[0], valid, scheme.target_vnmse, world_size=n, rho=rho,
-                error_per_energy=model.error_per_energy(schedule, self.config, rho),
-                scales=self.config.scales,
-                widths_mode=scheme.widths_mode, max_width=scheme.max_width,
-                **scheme.allocation_options(),
-            )
+            if hop_widths:
+                assert schedule is not None
+                self.hop, self.allocation = allocate_for_target_by_count(
+                    stats[1], stats[0], valid, scheme.target_vnmse, classes, world_size=n,
+                    rho=rho, unit_error=model.unit_error(schedule, self.config),
+                    scales=self.config.scales,
+                    width_set=options.get("width_set") or (2, 4, 8),
+                    errors=options.get("errors"), stats_bytes=options["stats_bytes"],
+                    max_width=scheme.max_width)
+            else:
+                self.allocation = allocate_for_target(
+                    stats[1], stats[0], valid, scheme.target_vnmse, world_size=n, rho=rho,
+                    error_per_energy=model.error_per_energy(schedule, self.config, rho),
+                    scales=self.config.scales,
+                    widths_mode=scheme.widths_mode, max_width=scheme.max_width, **options,
+                )
             self.summed_energy = float(torch.nan_to_num(stats[1].double(), 0.0, 0.0, 0.0).sum())
             self.state = ctx.state
             self.info_rho = rho
@@ -461,25 +477,19 @@ class DynamiqCall:
             # under 2 % of the budget and the budget is exact.
             budget_numel = (numel if rows >= _EXACT_BUDGET_ROWS
                             else min(rows * SUPER, numel + SUPER - 1))
-        self.hop: dict[int, torch.Tensor] | None = None
-        self.hop_tau: dict[int, float] = {}
-        hop_widths = (scheme.hop_widths and scheme.target_vnmse is None and not self.sharded
-                      and ctx.schedule is not None and scheme.widths_mode is Widths.VARIABLE)
-        if scheme.target_vnmse is None and not hop_widths:
-            self.allocation = allocate_widths(
-                stats[1], budget_numel, scheme.bits, widths_mode=scheme.widths_mode,
-                scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
-                energy_exponent=scheme.energy_exponent, **scheme.allocation_options(),
-            )
-        if hop_widths:
-            assert ctx.schedule is not None
-            classes = count_classes(ctx.schedule.subtree_sizes())
-            options = scheme.allocation_options()
-            self.hop, self.allocation = allocate_widths_by_count(
-                stats[1], budget_numel, scheme.bits, classes, scales=self.config.scales,
-                width_set=options.get("width_set") or (2, 4, 8), errors=options.get("errors"),
-                stats_bytes=options["stats_bytes"], max_width=scheme.max_width,
-                energy_exponent=scheme.energy_exponent)
+            if not hop_widths:
+                self.allocation = allocate_widths(
+                    stats[1], budget_numel, scheme.bits, widths_mode=scheme.widths_mode,
+                    scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
+                    energy_exponent=scheme.energy_exponent, **options,
+                )
+            else:
+                self.hop, self.allocation = allocate_widths_by_count(
+                    stats[1], budget_numel, scheme.bits, classes, scales=self.config.scales,
+                    width_set=options.get("width_set") or (2, 4, 8),
+                    errors=options.get("errors"), stats_bytes=options["stats_bytes"],
+                    max_width=scheme.max_width, energy_exponent=scheme.energy_exponent)
+        if self.hop is not None:
             self.hop_tau = {c: t for c, (_, t) in classes.items()}
         widths = self.allocation.widths  # int64 [rows], host
         # Kernels that do not implement a width this call uses (or the scales) leave the whole
