@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -170,7 +171,7 @@ def test_every_bit_of_the_budget_buys_accuracy(algorithm: str) -> None:
         errors.append(result.vnmse)
         bits.append(result.bits_used)
         assert result.bits_used <= budget and result.bits_used > budget - 0.6, (budget, bits)
-    assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert all(a > b for a, b in itertools.pairwise(errors)), errors
     paper = [simulate(schedule, data, bits=b, seed=1, max_width=8, width_set="paper").vnmse
              for b in (7.0, 8.5)]
     assert paper[0] == paper[1] > errors[-1]

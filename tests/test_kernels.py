@@ -32,6 +32,7 @@ from dqcoll.schemes.dynamiq.codec import (
     FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
+    WIDTHS,
     CodecConfig,
     Levels,
     RoundingMode,
@@ -48,6 +49,12 @@ CONFIGS = {
     "independent": CodecConfig(rounding=RoundingMode.INDEPENDENT),
     "h4x32": CodecConfig(levels=Levels.TUNED, scales=Scales.HIERARCHICAL4X32),
 }
+
+
+def widths_of(scales: Scales) -> tuple[int, ...]:
+    """The widths both fast paths implement with ``scales`` (format 3's every width; the paper's
+    scale modes 2, 4, 8): the tests' cases, so nothing is generated only to be skipped."""
+    return FINE_WIDTHS if scales is Scales.HIERARCHICAL4X32 else WIDTHS
 
 
 def need(impl: Any, width: int, config: CodecConfig) -> None:
@@ -163,11 +170,11 @@ def assert_same_floats(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(
-    "config_name, world_size",
-    [("default", 1), ("default", 3), ("default", 8), ("uniform", 3), ("flat", 3),
-     ("independent", 8), ("h4x32", 1), ("h4x32", 8)],
+    "config_name, world_size, width",
+    [(c, n, w) for c, n in [("default", 1), ("default", 3), ("default", 8), ("uniform", 3),
+                            ("flat", 3), ("independent", 8), ("h4x32", 1), ("h4x32", 8)]
+     for w in widths_of(CONFIGS[c].scales)],
 )
-@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_encode_bytes_match_reference(
     impl: Any, width: int, config_name: str, world_size: int
 ) -> None:
@@ -183,9 +190,9 @@ def test_encode_bytes_match_reference(
         assert torch.equal(actual, expected), (rank, (actual != expected).nonzero()[:5].tolist())
 
 
-@pytest.mark.parametrize("scales", [Scales.HIERARCHICAL, Scales.HIERARCHICAL4X32])
+@pytest.mark.parametrize("scales, width", [
+    (s, w) for s in (Scales.HIERARCHICAL, Scales.HIERARCHICAL4X32) for w in widths_of(s)])
 @pytest.mark.parametrize("levels", list(Levels))
-@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_level_search_exact_at_boundaries(
     impl: Any, width: int, levels: Levels, scales: Scales
 ) -> None:
@@ -209,8 +216,7 @@ def test_encode_low_precision_rows_equal_upcast(impl: Any, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("levels", list(Levels))
-@pytest.mark.parametrize("scales", list(Scales))
-@pytest.mark.parametrize("width", FINE_WIDTHS)
+@pytest.mark.parametrize("scales, width", [(s, w) for s in Scales for w in widths_of(s)])
 def test_decode_matches_reference_on_any_bytes(
     impl: Any, width: int, scales: Scales, levels: Levels
 ) -> None:
@@ -225,8 +231,7 @@ def test_decode_matches_reference_on_any_bytes(
                                                                               config))
 
 
-@pytest.mark.parametrize("scales", list(Scales))
-@pytest.mark.parametrize("width", FINE_WIDTHS)
+@pytest.mark.parametrize("scales, width", [(s, w) for s in Scales for w in widths_of(s)])
 def test_decode_accumulate_matches_reference(impl: Any, width: int, scales: Scales) -> None:
     """``acc += decode(records)`` in place, with the reference's single fp32 rounding; rows are a
     strided view (as the executor's slices of its work buffer can be)."""
@@ -245,11 +250,11 @@ def test_decode_accumulate_matches_reference(impl: Any, width: int, scales: Scal
 
 
 @pytest.mark.parametrize(
-    "config_name, world_size",
-    [("default", 1), ("default", 3), ("default", 8), ("uniform", 8), ("flat", 3),
-     ("independent", 3), ("h4x32", 3), ("h4x32", 8)],
+    "config_name, world_size, width",
+    [(c, n, w) for c, n in [("default", 1), ("default", 3), ("default", 8), ("uniform", 8),
+                            ("flat", 3), ("independent", 3), ("h4x32", 3), ("h4x32", 8)]
+     for w in widths_of(CONFIGS[c].scales)],
 )
-@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_fused_hop_matches_reference(
     impl: Any, width: int, config_name: str, world_size: int
 ) -> None:
@@ -471,8 +476,8 @@ gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("config_name", list(CONFIGS))
-@pytest.mark.parametrize("width", FINE_WIDTHS)
+@pytest.mark.parametrize("config_name, width", [
+    (c, w) for c in CONFIGS for w in widths_of(CONFIGS[c].scales)])
 def test_gpu_kernels_match_cpu_reference(tri: Any, width: int, config_name: str) -> None:
     """On CUDA, at 2**20 coordinates: every kernel's bytes and values equal the CPU reference's."""
     config = CONFIGS[config_name]
@@ -504,9 +509,9 @@ def test_gpu_kernels_match_cpu_reference(tri: Any, width: int, config_name: str)
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("scales", [Scales.HIERARCHICAL, Scales.HIERARCHICAL4X32])
+@pytest.mark.parametrize("scales, width", [
+    (s, w) for s in (Scales.HIERARCHICAL, Scales.HIERARCHICAL4X32) for w in widths_of(s)])
 @pytest.mark.parametrize("levels", list(Levels))
-@pytest.mark.parametrize("width", FINE_WIDTHS)
 def test_gpu_level_search_exact_at_boundaries(
     tri: Any, width: int, levels: Levels, scales: Scales
 ) -> None:
