@@ -446,6 +446,24 @@ class _HullCost:
         return starts
 
 
+def _hull_rule(log_f: torch.Tensor, zero: torch.Tensor, nan: torch.Tensor, hull: list[int],
+               offsets: list[float], top: int, u: float, shift: float = 0.0) -> torch.Tensor:
+    """Each row's width by the hull rule: ``hull[k]`` from ``log2 F + shift + u >= o_k`` on (the
+    widest width for NaN rows, 0 for zero rows)."""
+    key = log_f + shift if shift else log_f
+    w = torch.full_like(log_f, hull[0], dtype=torch.int64)
+    for width, off in zip(hull[1:], offsets[1:], strict=False):
+        w = torch.where(key + u >= off, width, w)
+    w = torch.where(nan, top, w)
+    return torch.where(zero, 0, w)
+
+
+def _classes_cost(ws: dict[int, torch.Tensor], classes: dict[int, tuple[float, float]],
+                  lookup: torch.Tensor) -> float:
+    """Traffic-weighted payload bytes of per-class widths (``tau_c`` times class c's bytes)."""
+    return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
+
+
 def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width_set, errors,
                    stats, budget, cost):  # type: ignore[no-untyped-def]
     """The generic allocation: any width set, thresholds from an error table (default the
@@ -455,11 +473,7 @@ def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width
     nan = torch.isnan(log_f)
 
     def widths_at(u: float) -> torch.Tensor:
-        w = torch.full_like(log_f, hull[0], dtype=torch.int64)
-        for width, off in zip(hull[1:], offsets[1:], strict=False):
-            w = torch.where(log_f + u >= off, width, w)
-        w = torch.where(nan, top, w)
-        return torch.where(zero, 0, w)
+        return _hull_rule(log_f, zero, nan, hull, offsets, top, u)
 
     finite = torch.isfinite(log_f) & ~zero
     if not bool(finite.any()) or len(hull) == 1:
@@ -536,17 +550,11 @@ def allocate_widths_by_count(
     shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}
 
     def widths_at(u: float) -> dict[int, torch.Tensor]:
-        out = {}
-        for c, shift in shifts.items():
-            w = torch.full_like(log_f, hull[0], dtype=torch.int64)
-            for width, off in zip(hull[1:], offsets[1:], strict=False):
-                w = torch.where(log_f + shift + u >= off, width, w)
-            w = torch.where(nan, top, w)
-            out[c] = torch.where(zero, 0, w)
-        return out
+        return {c: _hull_rule(log_f, zero, nan, hull, offsets, top, u, shift)
+                for c, shift in shifts.items()}
 
     def cost(ws: dict[int, torch.Tensor]) -> float:
-        return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
+        return _classes_cost(ws, classes, lookup)
 
     finite = torch.isfinite(log_f) & ~zero
     if not bool(finite.any()) or len(hull) == 1:
@@ -615,17 +623,11 @@ def allocate_for_target_by_count(
     unit = unit_error.tolist()
 
     def widths_at(u: float) -> dict[int, torch.Tensor]:
-        out = {}
-        for c, shift in shifts.items():
-            w = torch.full_like(log_f, hull[0], dtype=torch.int64)
-            for width, off in zip(hull[1:], offsets[1:], strict=False):
-                w = torch.where(log_f + shift + u >= off, width, w)
-            w = torch.where(nan, top, w)
-            out[c] = torch.where(zero, 0, w)
-        return out
+        return {c: _hull_rule(log_f, zero, nan, hull, offsets, top, u, shift)
+                for c, shift in shifts.items()}
 
     def cost(ws: dict[int, torch.Tensor]) -> float:
-        return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
+        return _classes_cost(ws, classes, lookup)
 
     def result(u: float, predicted: float) -> tuple[dict[int, torch.Tensor], Allocation]:
         ws = widths_at(u)
@@ -710,11 +712,7 @@ def allocate_for_target(
         u_hi = offsets[-1] - float(log_f[finite].min()) + 1.0  # everything at the widest
 
         def widths(u: float) -> torch.Tensor:
-            w = torch.full_like(log_f, hull[0], dtype=torch.int64)
-            for width, off in zip(hull[1:], offsets[1:], strict=False):
-                w = torch.where(log_f + u >= off, width, w)
-            w = torch.where(nan, top, w)
-            return torch.where(zero, 0, w)
+            return _hull_rule(log_f, zero, nan, hull, offsets, top, u)
     else:
         u_lo = 4.0 - C_SLOPE * float(log_f[finite].max()) - 1.0  # everything at 2 bits
         u_hi = float(max_width) - C_SLOPE * float(log_f[finite].min())  # everything at max_width
