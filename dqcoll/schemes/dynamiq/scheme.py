@@ -142,9 +142,9 @@ class DynamiqScheme:
         # scales="hierarchical", width_set="paper", thresholds="paper", stats="fp32",
         # hop_widths=False, max_width=8): width_set "fine" = widths {2, ..., 8} ("paper":
         # {2, 4, 8}); thresholds "measured" (from the codec's own single-shot errors, the lower
-        # convex hull of (bytes, error); "auto": where those errors are measured, else "paper")
-        # convex hull of (bytes, error)) or "paper" (4**-w errors); stats "norm16" (only the bf16
-        # squared norm, 2 B per super-group, no centring), "bf16" (bf16 mean and norm, 4 B: the
+        # convex hull of (bytes, error)), "paper" (4**-w errors) or "auto" ("measured" where those
+        # errors are measured for the levels and scales, else "paper"); stats "norm16" (only the
+        # bf16 squared norm, 2 B per super-group, no centring), "bf16" (bf16 mean and norm, 4 B: the
         # local mean is rounded to bf16 before centring) or "fp32" (8 B, the paper's).
         if width_set not in ("paper", "fine") or \
                 thresholds not in ("paper", "measured", "auto") or \
@@ -153,8 +153,9 @@ class DynamiqScheme:
                 f"dynamiq: bad width_set/thresholds/stats {width_set!r} {thresholds!r} {stats!r}")
         self.width_set = width_set
         # hop_widths: each super-group's width also depends on how many ranks the partial sum
-        # being encoded holds (the executor's ``count``): see allocate_widths_by_count. All-reduce
-        # under a bit budget only (reduce-scatter, all-gather and target_vnmse ignore it).
+        # being encoded holds (the executor's ``count``): see allocate_widths_by_count and
+        # allocate_for_target_by_count. All-reduce only (reduce-scatter and all-gather use the
+        # shard layout, one width per super-group).
         self.hop_widths = str(hop_widths).lower() in ("1", "true", "yes")
         self.thresholds = thresholds  # "auto" is settled below, once the format is known
         self.stats = stats
