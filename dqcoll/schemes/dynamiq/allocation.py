@@ -645,17 +645,8 @@ def allocate_for_target_by_count(
 
     u_lo = offsets[1] - float(log_f[finite].max()) - max(shifts.values()) - 1.0
     u_hi = offsets[-1] - float(log_f[finite].min()) - min(shifts.values()) + 1.0
-    if error(u_lo) <= target:
-        return result(u_lo, error(u_lo))
-    if error(u_hi) > target:
-        return result(u_hi, error(u_hi))
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (u_lo + u_hi)
-        if error(mid) <= target:
-            u_hi = mid
-        else:
-            u_lo = mid
-    return result(u_hi, error(u_hi))
+    u = _smallest_u_meeting(error, target, u_lo, u_hi)
+    return result(u, error(u))
 
 
 def allocate_for_target(
@@ -723,17 +714,25 @@ def allocate_for_target(
     def error(u: float) -> float:
         return predicted_vnmse(widths(u), finite_f, energy, error_per_energy)
 
+    u = _smallest_u_meeting(error, target, u_lo, u_hi)
+    return result(widths(u), u)
+
+
+def _smallest_u_meeting(error: Callable[[float], float], target: float, u_lo: float,
+                        u_hi: float) -> float:
+    """Target mode's bisection: the smallest ``u`` (fewest bytes) whose predicted error is at
+    most ``target`` (``u_lo`` when even it meets it, ``u_hi`` when even it does not)."""
     if error(u_lo) <= target:
-        return result(widths(u_lo), u_lo)
+        return u_lo
     if error(u_hi) > target:
-        return result(widths(u_hi), u_hi)
+        return u_hi
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (u_lo + u_hi)
         if error(mid) <= target:
             u_hi = mid
         else:
             u_lo = mid
-    return result(widths(u_hi), u_hi)
+    return u_hi
 
 
 def _compiled_allocation() -> Callable[..., tuple[int, float, int]] | None:
