@@ -20,7 +20,8 @@ from .. import envs
 from ..errors import UnsupportedError
 from .cpu_runtime import numba_available
 
-__all__ = ["DynamiqOps", "dynamiq_ops", "numba_available", "triton_available", "warm_up"]
+__all__ = ["DynamiqOps", "check_format", "dynamiq_ops", "numba_available", "triton_available",
+           "warm_up"]
 
 log = logging.getLogger("dqcoll")
 
@@ -59,6 +60,15 @@ class DynamiqOps:
             return True
         have = self.formats.get(scales, ())
         return all(w in have or w in (0, 16) for w in widths)
+
+
+def check_format(formats: Mapping[Any, tuple[int, ...]], width: int, config: Any) -> None:
+    """Raise unless a fast path with ``formats`` (``DynamiqOps.formats``) implements ``width``
+    with ``config.scales`` (raw width 16, the reference's torch ops, always)."""
+    widths = formats.get(config.scales, ())
+    if width not in widths and width != 16:
+        raise ValueError(f"width must be one of {(*widths, 16)} with {config.scales.value} "
+                         f"scales, got {width}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -80,7 +80,10 @@ class LevelTables:
     nxt: np.ndarray  # fp32 [R]: nxt[r] = m_{r+1} if r + 1 < R else +inf (interior levels only)
     rtab: np.ndarray  # int32 [bins + 1]: interior magnitudes <= b / bins
     bins: int
-    table: np.ndarray  # fp32 [256 * (8 // width)]: value of code k of byte b at b * (8//w) + k
+    # the decodes' table: fp32 [256 * (8 // width)], the value of code k of byte b at
+    # b * (8//w) + k, where codes fill whole bytes (2, 4, 8 bits); fp32 [2**width], the value of
+    # each code, for the bitstream widths (3, 5, 6, 7: decoded code by code)
+    table: np.ndarray
     # int32 [bins + 1, 4], the Triton level search (one 16-byte load per coordinate): bin k holds
     # the fp32 bit patterns of m_r, m_{r+1}, m_{r+2} and r, with r = rtab[k] lowered to R - 2 in
     # the bins past the last interior magnitude (there ``m_{r+1} <= a`` always holds), so that the
@@ -115,9 +118,11 @@ def level_tables(width: int, levels: Levels) -> LevelTables:
     guess = guess + (nxt[guess] <= probes)
     assert np.array_equal(guess, np.searchsorted(interior, probes, side="right")), width
     codes = codec.code_table(width, levels).numpy()
-    per_byte = 8 // width
-    byte = np.arange(256)[:, None] >> (np.arange(per_byte)[None, :] * width)  # LSB-first
-    table = np.ascontiguousarray(codes[byte & ((1 << width) - 1)].reshape(-1))
+    table = codes
+    if 8 % width == 0:
+        per_byte = 8 // width
+        byte = np.arange(256)[:, None] >> (np.arange(per_byte)[None, :] * width)  # LSB-first
+        table = np.ascontiguousarray(codes[byte & ((1 << width) - 1)].reshape(-1))
     rows = np.zeros((bins + 1, 4), dtype=np.int32)
     if top >= 2:
         base = np.minimum(rtab, top - 2)

@@ -16,7 +16,6 @@ ranks do not compile at different steps).
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Iterator
 
@@ -34,7 +33,7 @@ from ..schemes.dynamiq.codec import (
     Scales,
     record_nbytes,
 )
-from . import DynamiqOps
+from . import DynamiqOps, check_format
 from . import _dynamiq_numba_kernels as K
 from ._params import RoundingParams, level_tables
 from .cpu_runtime import run_rows
@@ -146,21 +145,7 @@ def _out_records(out: torch.Tensor | None, rows: int, width: int,
 
 
 def _check_width(width: int, config: CodecConfig) -> None:
-    widths = FORMATS.get(config.scales, ())
-    if width not in widths and width != RAW_WIDTH:
-        raise ValueError(f"width must be one of {(*widths, RAW_WIDTH)} with "
-                         f"{config.scales.value} scales, got {width}")
-
-
-@functools.lru_cache(maxsize=32)
-def _decode_table(width: int, levels: Levels) -> np.ndarray:
-    """The decode's table: ``level_tables``' per-byte table where codes fill whole bytes, the
-    code table itself (fp32 [2**width], indexed by code) for the bitstream widths."""
-    if 8 % width == 0:
-        return level_tables(width, levels).table
-    table = codec.code_table(width, levels).numpy()
-    table.setflags(write=False)
-    return table
+    check_format(FORMATS, width, config)
 
 
 def _rounding_args(width: int, config: CodecConfig, key: int, rank: int,
@@ -284,7 +269,7 @@ def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
         return codec.decode_torch(records, width, config, out=result)
     with _inplace_rows(result) as target:
         run_rows(_DECODE[width], rows, rec, _SCALES[config.scales],
-                 _decode_table(width, config.levels), target, False)
+                 level_tables(width, config.levels).table, target, False)
     return result
 
 
@@ -300,7 +285,7 @@ def decode_accumulate(
         return
     with _inplace_rows(acc) as target:
         run_rows(_DECODE[width], rec.shape[0], rec, _SCALES[config.scales],
-                 _decode_table(width, config.levels), target, True)
+                 level_tables(width, config.levels).table, target, True)
 
 
 def decode_accumulate_encode(
@@ -331,7 +316,7 @@ def decode_accumulate_encode(
         return codec.decode_accumulate_encode_torch(
             records, width, acc, index_base, rank, world_size, key, config, out=result)
     with _inplace_rows(acc) as target:
-        run_rows(_HOP[width, config.scales], rows, rec, _decode_table(width, config.levels),
+        run_rows(_HOP[width, config.scales], rows, rec, level_tables(width, config.levels).table,
                  target, index, result.numpy(),
                  *_rounding_args(width, config, key, rank, world_size))
     return result
@@ -403,7 +388,8 @@ def decode_restore(
         raise ValueError(f"index_base/valid address coordinates outside out "
                          f"({out.numel()} elements)")
     run_rows(_DECODE_RESTORE[width], rows, rec, _SCALES[config.scales],
-             _decode_table(width, config.levels), mean_np, index, valid_np, out.detach().numpy())
+             level_tables(width, config.levels).table, mean_np, index, valid_np,
+             out.detach().numpy())
 
 
 _warm_lock = threading.Lock()

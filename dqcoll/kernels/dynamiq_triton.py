@@ -48,7 +48,7 @@ from ..schemes.dynamiq.codec import (
     record_nbytes,
     restore_torch,
 )
-from . import DynamiqOps
+from . import DynamiqOps, check_format
 from . import _dynamiq_kernels as compiled_kernels
 from ._launch import Kernel, LaunchConfig, compile_options, launch_config
 from ._params import RoundingParams, level_tables
@@ -150,10 +150,8 @@ class LevelParams:
 @functools.lru_cache(maxsize=64)
 def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
     tables = level_tables(width, levels)
-    codes = (torch.from_numpy(tables.table) if 8 % width == 0
-             else codec.code_table(width, levels))
     return LevelParams(
-        codes=codes.to(device),
+        codes=torch.from_numpy(tables.table).to(device),
         rows=torch.from_numpy(tables.rows).to(device),
         bins=tables.bins,
     )
@@ -187,10 +185,7 @@ def _tile(config: CodecConfig) -> tuple[int, int, str]:
 
 
 def _check_width(width: int, config: CodecConfig) -> None:
-    widths = FORMATS.get(config.scales, ())
-    if width not in widths and width != RAW_WIDTH:
-        raise ValueError(f"width must be one of {(*widths, RAW_WIDTH)} with "
-                         f"{config.scales.value} scales, got {width}")
+    check_format(FORMATS, width, config)
 
 
 def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
