@@ -26,6 +26,7 @@ asynchronous ones.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import numbers
@@ -63,9 +64,20 @@ _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Everything that changes the number or the sizes of the messages, or their contents' meaning,
 # must be here: ranks that disagree on any of it raise before data moves (a size disagreement
 # over gloo is not an error but a SIGABRT, or a short message silently accepted).
+# ``seed`` and ``step`` travel as 62-bit hashes of their whole value (the random numbers use all
+# of it: dynamiq 64 bits of each, thc their decimal text), so any difference is caught; the
+# message then shows each rank's own value. ``call`` (the communicator's call counter) and
+# ``mode`` (sync or async_op) are the call's identity: two threads that issue their calls in
+# different orders on different ranks pair a sync call with an async one, which raises here
+# instead of summing unrelated buffers.
 _FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step", "tile_nbytes",
-           "tiles_in_flight", "collective", "out_numel")
-_NUMERIC_FIELDS = ("numel", "seed", "step", "tile_nbytes", "tiles_in_flight", "out_numel")
+           "tiles_in_flight", "call", "mode", "collective", "out_numel")
+_NUMERIC_FIELDS = ("numel", "tile_nbytes", "tiles_in_flight", "call", "out_numel")
+_HASHED_FIELDS = ("seed", "step")
+_MODES = {1: "sync", 2: "async_op"}
+# Integer options travel as int64 in the argument check, negated for the minimum: each must lie
+# in [0, 2**62) so that neither overflows.
+_INT_LIMIT = 1 << 62
 _COLLECTIVE_IDS = {Collective.ALLREDUCE: 1, Collective.REDUCE_SCATTER: 2,
                    Collective.ALL_GATHER: 3}
 # Inputs whose largest finite magnitude on any rank lies outside [2**-_RANGE_EXP, 2**_RANGE_EXP)
@@ -98,6 +110,8 @@ class _Request:
     category: str = ""
     fingerprint: tuple[int, ...] = ()
     exponent: int = _NO_EXPONENT  # binary exponent of the largest finite |value| (frexp)
+    seed: int = 0  # this rank's own values of the hashed fields, for the mismatch message
+    step: int = 0
 
 
 def _schemes_with(option: str) -> list[str]:
@@ -106,6 +120,19 @@ def _schemes_with(option: str) -> list[str]:
 
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
+
+
+def _hash62(value: int) -> int:
+    """A 62-bit hash of an integer of any size (its decimal text): equal only for equal values,
+    up to collisions of probability 2**-62."""
+    digest = hashlib.blake2b(str(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (_INT_LIMIT - 1)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters (``bits=2**1100`` has 332 digits)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]} ({len(text)} characters)"
 
 
 def _choose_algorithm(name: str, world_size: int, buf: Any = None, scheme: Any = None) -> str:
@@ -156,15 +183,20 @@ def _prepare(
         if isinstance(value, bool) or not isinstance(value, kind):
             return fail("other", InvalidArgumentError(
                 f"rank {comm.rank}: {name} must be "
-                f"{'a number' if kind is numbers.Real else 'an integer'}, got {value!r} "
+                f"{'a number' if kind is numbers.Real else 'an integer'}, got {_short(value)} "
                 f"({type(value).__name__})"))
+        if kind is numbers.Real and not _is_finite(value):
+            return fail("other", InvalidArgumentError(
+                f"rank {comm.rank}: {name} must be a finite number, got {_short(value)}"))
     seed, step = int(seed), int(step)
     tile_nbytes, tiles_in_flight = int(tile_nbytes), int(tiles_in_flight)
-    if tile_nbytes < 0 or tiles_in_flight < 1:
+    if not (0 <= tile_nbytes < _INT_LIMIT and 1 <= tiles_in_flight < _INT_LIMIT):
         return fail("other", InvalidArgumentError(
-            f"rank {comm.rank}: tile_nbytes must be >= 0 (0: untiled) and tiles_in_flight >= 1, "
-            f"got tile_nbytes={tile_nbytes}, tiles_in_flight={tiles_in_flight}"
+            f"rank {comm.rank}: tile_nbytes must be in [0, 2**62) (0: untiled) and "
+            f"tiles_in_flight in [1, 2**62), got tile_nbytes={_short(tile_nbytes)}, "
+            f"tiles_in_flight={_short(tiles_in_flight)}"
         ))
+    request.seed, request.step = seed, step
 
     try:
         request.op = ReduceOp.parse(op)
@@ -206,6 +238,10 @@ def _prepare(
             f"{[str(d).replace('torch.', '') for d in request.scheme.spec.dtypes]}, got "
             f"{str(tensor.dtype).replace('torch.', '')}"
         ))
+    if tensor.layout is not torch.strided:
+        return fail("layout", InvalidArgumentError(
+            f"rank {comm.rank}: buf is a {str(tensor.layout).replace('torch.', '')} tensor; "
+            f"dqcoll reduces dense (strided) tensors: pass buf.to_dense()"))
     if not tensor.is_contiguous():
         return fail("layout", InvalidArgumentError(
             f"rank {comm.rank}: expected a contiguous tensor, got shape {tuple(tensor.shape)} "
@@ -219,14 +255,21 @@ def _prepare(
         _crc(request.scheme.spec.name + options_text),
         _crc(request.schedule.algorithm),
         _crc(request.op.value),
-        seed & ((1 << 62) - 1),
-        step,
+        _hash62(seed),
+        _hash62(step),
         tile_nbytes,
         tiles_in_flight,
     )
     if envs.validate() and comm.world_size > 1:
         request.exponent = _max_exponent(tensor)
     return request
+
+
+def _is_finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (OverflowError, ValueError, TypeError):  # 2**1100 does not fit a float
+        return False
 
 
 def _handshake(request: _Request, comm: Communicator, what: str) -> int:
@@ -273,8 +316,10 @@ def _handshake(request: _Request, comm: Communicator, what: str) -> int:
         kinds = {i: c.value for c, i in _COLLECTIVE_IDS.items()}
         detail = "; ".join(
             f"{f} (min {lo}, max {hi})" if f in _NUMERIC_FIELDS
+            else f"{f} (this rank: {getattr(request, f)})" if f in _HASHED_FIELDS
             else f"collective ({kinds.get(lo)} vs {kinds.get(hi)})"
-            if f == "collective" else f"{f}"
+            if f == "collective" else f"mode ({_MODES.get(lo)} vs {_MODES.get(hi)})"
+            if f == "mode" else f"{f}"
             for f, lo, hi in differ
         )
         raise MismatchError(f"rank {comm.rank}: {what}: ranks disagree on {detail}")
@@ -322,12 +367,31 @@ def _max_exponent(tensor: torch.Tensor) -> int:
     return math.frexp(top)[1]
 
 
-def _range_shift(exponent: int) -> int:
-    """The power of two ``s`` the call's inputs are divided by (``x * 2**-s``): 0 (unscaled)
-    unless the largest finite magnitude over all ranks is outside [2**-48, 2**48); then it lands
-    in [0.5, 1)."""
-    if exponent == _NO_EXPONENT or -_RANGE_EXP < exponent <= _RANGE_EXP:
+def _sums_exact_in_wire_dtype(scheme: Scheme) -> bool:
+    """Whether the scheme sends values as they are (``none``): its sums are exact in its wire
+    dtype, so it must not be scaled into a range where small values lose bits."""
+    return scheme.spec.exact_sums and scheme.spec.name == "none"
+
+
+def _range_shift(exponent: int, *, dtype: torch.dtype, world_size: int,
+                 exact_sums: bool) -> int:
+    """The power of two ``s`` the call's inputs are divided by (``x * 2**-s``), 0: unscaled.
+
+    ``exponent`` is the largest over all ranks of ``e`` with ``max |x| < 2**e``, so every partial
+    sum is below ``world_size * 2**e <= 2**(e + c)``, ``c = ceil(log2 world_size)``. The
+    smallest shift that keeps that bound at most half the dtype's largest power (2**127 for
+    fp32 and bf16, 2**15 for fp16) is the *overflow* shift: fp16 inputs of 30000 on 3 ranks
+    need 2 (they overflowed to inf before). A scheme whose sums are exact in its wire dtype
+    (``none``) takes only that shift, which is exact for every normal number. The others take
+    it too, unless the magnitude is outside [2**-48, 2**48), where their norms and scales would
+    leave the fp32 range; then the largest value lands in [0.5, 1)."""
+    if exponent == _NO_EXPONENT:
         return 0
+    spread = (world_size - 1).bit_length()  # ceil(log2 world_size)
+    top = math.frexp(torch.finfo(dtype).max)[1]  # 128 for fp32 and bf16, 16 for fp16
+    overflow = max(0, exponent + spread - (top - 1))
+    if exact_sums or -_RANGE_EXP < exponent <= _RANGE_EXP:
+        return overflow
     return exponent
 
 
@@ -362,12 +426,14 @@ def _run(
     scheme_options: dict[str, Any],
     tile_nbytes: int | None = None,
     tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT,
+    async_op: bool = False,
 ) -> None:
     comm = comm or get_default_comm()
     with comm.in_flight(collective.value):
         _run_checked(collective, buf, out, op=op, scheme=scheme, bits=bits, algorithm=algorithm,
                      comm=comm, seed=seed, step=step, scheme_options=scheme_options,
-                     tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
+                     tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight,
+                     async_op=async_op)
 
 
 def _run_checked(
@@ -385,6 +451,7 @@ def _run_checked(
     scheme_options: dict[str, Any],
     tile_nbytes: int | None,
     tiles_in_flight: int,
+    async_op: bool = False,
 ) -> None:
     tile_nbytes = default_tile_nbytes(comm.device) if tile_nbytes is None else tile_nbytes
     call_step = comm.next_step()
@@ -396,9 +463,14 @@ def _run_checked(
     if target is None:
         options.pop("target_vnmse", None)
         options["bits"] = bits
-    request = _prepare(buf, op=op, scheme=scheme, scheme_options=options, algorithm=algorithm,
-                       comm=comm, seed=seed, step=step, bits=bits, tile_nbytes=tile_nbytes,
-                       tiles_in_flight=tiles_in_flight)
+    try:
+        request = _prepare(buf, op=op, scheme=scheme, scheme_options=options,
+                           algorithm=algorithm, comm=comm, seed=seed, step=step, bits=bits,
+                           tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
+    except Exception as exc:  # whatever goes wrong here is this rank's error, told to every rank
+        request = _Request(error=exc if isinstance(exc, DqcollError) else InvalidArgumentError(
+            f"rank {comm.rank}: {what}: invalid arguments: {type(exc).__name__}: {exc}"),
+            category="other")
     out_tensor = None
     if request.error is None and collective is not Collective.ALLREDUCE:
         _check_sharded_support(request, collective, comm)
@@ -407,10 +479,16 @@ def _run_checked(
         out_tensor = request.out
     if request.error is None:
         out_numel = out_tensor.numel() if out_tensor is not None else 0
-        request.fingerprint = (*request.fingerprint, _COLLECTIVE_IDS[collective], out_numel)
+        request.fingerprint = (*request.fingerprint, call_step, 2 if async_op else 1,
+                               _COLLECTIVE_IDS[collective], out_numel)
     exponent = _handshake(request, comm, what)
+    shift = 0
+    if exponent != _NO_EXPONENT:
+        assert request.tensor is not None and request.scheme is not None
+        shift = _range_shift(exponent, dtype=request.tensor.dtype, world_size=comm.world_size,
+                             exact_sums=_sums_exact_in_wire_dtype(request.scheme))
     try:
-        _execute(collective, request, comm, what, _range_shift(exponent), seed=seed,
+        _execute(collective, request, comm, what, shift, seed=seed,
                  step=step, tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
     except BaseException as exc:
         # Data moved (or may have): peers may be anywhere in this call, and messages of it may
@@ -544,7 +622,8 @@ def _launch(collective: Collective, buf: Any, out: Any, result: Any, *, async_op
     """Run one collective now (in the caller's stream scope) or on the communicator's worker."""
     comm = comm or get_default_comm()
     if async_op:
-        return handles.submit(comm, lambda: _run(collective, buf, out, comm=comm, **kwargs),
+        return handles.submit(comm, lambda: _run(collective, buf, out, comm=comm, async_op=True,
+                                                 **kwargs),
                               buf=buf, result=result, what=f"{collective.value} (async_op)")
     handles.drain(comm)
     with stream_scope(buf):

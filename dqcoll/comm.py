@@ -3,7 +3,8 @@
 ``dqcoll.init()`` makes one and sets it as the process default; ``dqcoll.testing.run_local``
 gives each in-process rank its own (a thread-local default). The call counter keys the random
 numbers of each call, so every rank must issue the same collectives in the same order, as with
-NCCL.
+NCCL. After a lost rank, :meth:`Communicator.shrink` gives the survivors a new communicator over
+themselves (:mod:`dqcoll.membership`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from .errors import (
     DqcollError,
     InvalidArgumentError,
     UnsupportedError,
+    one_line,
 )
 from .kernels import cpu_runtime
 from .transports.base import Counters, Transport
@@ -77,6 +79,9 @@ class Communicator:
         self.dead: str | None = None  # why the communicator can no longer be used
         self._busy = threading.Lock()  # held while a collective runs (the in-flight guard)
         self._busy_with = ""
+        # -- shrinks: how many this communicator made, and which old ranks the new one has --
+        self.shrinks = 0
+        self.members: list[int] = list(range(transport.world_size))  # ranks of the original
 
     @property
     def rank(self) -> int:
@@ -132,6 +137,49 @@ class Communicator:
         if self.dead is None:
             self.dead = reason
             log.warning("rank %d: communicator is dead: %s", self.rank, reason)
+
+    def shrink(self, *, exclude: Sequence[int] | None = None, wait_s: float | None = None,
+               timeout_s: float | None = None, store: Any = None) -> Communicator:
+        """A new communicator over the ranks that are still alive (call on every survivor).
+
+        Use after a collective raised because a rank died (``PeerError`` or
+        ``CollectiveTimeoutError``): the survivors agree on who is left through the job's store
+        and form a fresh gloo group of exactly those ranks, renumbered in their old order; this
+        communicator is closed. ``exclude``: old ranks known to be dead (the survivors then
+        need not wait for them); without it each survivor waits up to ``wait_s`` (default
+        :data:`~dqcoll.membership.DEFAULT_WAIT_S`) for ranks that may still arrive. The new
+        communicator has this one's seed and device; ``members`` lists its ranks' numbers in
+        the original group. See :mod:`dqcoll.membership` (torch transport over gloo only).
+        """
+        from . import handles, membership
+
+        if self.closed:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: shrink() on a closed communicator ({self!r})")
+        if exclude is not None:
+            exclude = [int(r) for r in exclude]
+            bad = [r for r in exclude if not 0 <= r < self.world_size]
+            if bad:
+                raise InvalidArgumentError(
+                    f"rank {self.rank}: shrink(exclude={exclude}): ranks {bad} are not in this "
+                    f"communicator (world size {self.world_size})")
+        wait = membership.DEFAULT_WAIT_S if wait_s is None else envs.check_timeout_s(
+            wait_s, "wait_s")
+        handles.shutdown(self)
+        self.mark_dead("shrunk after a lost rank: use the communicator shrink() returned")
+        transport, members = membership.shrink_torch_transport(
+            self.transport, generation=str(self.shrinks), exclude=exclude or (),
+            wait_s=wait, timeout_s=timeout_s, store=store)
+        self.shrinks += 1
+        self.closed = True
+        comm = Communicator(transport, seed=self.seed, device=self.device)
+        comm.members = [self.members[r] for r in members]
+        global _default
+        if _default is self:
+            _default = comm
+        if getattr(_thread_default, "comm", None) is self:
+            _thread_default.comm = comm
+        return comm
 
     def close(self) -> None:
         """Release the communicator: later calls raise, and its async worker thread ends."""
@@ -197,7 +245,7 @@ def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: flo
         raise CollectiveTimeoutError(
             f"dqcoll.init: rank {rank} of {world_size} could not reach the store of rank 0 at "
             f"{addr}:{port} within {timeout_s:g} s (missing rank: 0, or a wrong "
-            f"MASTER_ADDR/MASTER_PORT): {type(exc).__name__}: {exc}") from exc
+            f"MASTER_ADDR/MASTER_PORT): {one_line(exc)}") from None
     keys = [f"dqcoll/joined/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
     # Poll rather than store.wait(): when the time is up, rank 0 (the store) may exit at once,
@@ -246,7 +294,7 @@ def init(
 
     from .transports.torch_dist import TorchTransport
 
-    timeout = envs.timeout_s() if timeout_s is None else float(timeout_s)
+    timeout = envs.timeout_s() if timeout_s is None else envs.check_timeout_s(timeout_s)
     if backend == "gloo":
         if not dist.is_initialized():
             r = _env_int("RANK", rank)
@@ -262,8 +310,10 @@ def init(
             except Exception as exc:
                 raise CommAbortedError(
                     f"dqcoll.init: rank {r} of {n}: creating the gloo process group at "
-                    f"{addr}:{port} failed: {type(exc).__name__}: {exc}") from exc
-        transport: Transport = TorchTransport(group, timeout_s=timeout)
+                    f"{addr}:{port} failed: {one_line(exc)}") from None
+            transport: Transport = TorchTransport(group, timeout_s=timeout, store=store)
+        else:
+            transport = TorchTransport(group, timeout_s=timeout)
     elif backend == "torch":
         transport = TorchTransport(group, timeout_s=timeout)
     elif backend == "nccl":

@@ -2,15 +2,23 @@
 
 Nothing else in dqcoll reads ``os.environ`` for its own settings (the torchrun variables
 ``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`).
-Values are read at call time, so tests can monkeypatch them.
+Values are read at call time, so tests can monkeypatch them. Every value is validated when read:
+a malformed one raises :class:`~dqcoll.errors.InvalidArgumentError` naming the variable and the
+value (``DQCOLL_TIMEOUT_S=nan`` used to be accepted, and a missing rank then waited forever).
+Rejected: validating once at import (tests and launchers set variables after ``import dqcoll``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+
+from .errors import InvalidArgumentError
 
 __all__ = [
     "ENV_VARS",
+    "check_timeout_s",
     "cpu_threads",
     "kernels",
     "log_level",
@@ -55,11 +63,21 @@ def _get(name: str) -> str:
     return os.environ.get(name, ENV_VARS[name][0])
 
 
+def check_timeout_s(value: object, name: str = "timeout_s") -> float:
+    """``value`` as a finite, positive number of seconds, or an error naming ``name``."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgumentError(
+            f"{name} must be a finite positive number of seconds, got {value!r}") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidArgumentError(
+            f"{name} must be a finite positive number of seconds, got {value!r}")
+    return seconds
+
+
 def timeout_s() -> float:
-    value = float(_get("DQCOLL_TIMEOUT_S"))
-    if value <= 0:
-        raise ValueError(f"DQCOLL_TIMEOUT_S must be positive, got {value}")
-    return value
+    return check_timeout_s(_get("DQCOLL_TIMEOUT_S").strip(), "DQCOLL_TIMEOUT_S")
 
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "numba")
@@ -68,7 +86,7 @@ KERNEL_CHOICES = ("auto", "torch", "triton", "numba")
 def kernels() -> str:
     value = _get("DQCOLL_KERNELS").strip().lower()
     if value not in KERNEL_CHOICES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"DQCOLL_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
     return value
 
@@ -81,19 +99,40 @@ def cpu_threads() -> int | None:
     try:
         threads = int(value)
     except ValueError:
-        raise ValueError(f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}") from None
+        raise InvalidArgumentError(
+            f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}") from None
     if threads < 1:
-        raise ValueError(f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}")
+        raise InvalidArgumentError(
+            f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}")
     return threads
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def validate() -> bool:
-    return _get("DQCOLL_VALIDATE").strip() not in ("0", "false", "no", "off")
+    value = _get("DQCOLL_VALIDATE").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise InvalidArgumentError(
+            f"DQCOLL_VALIDATE must be one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
+    return value in _TRUE
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def log_level() -> str:
-    return _get("DQCOLL_LOG_LEVEL").upper()
+    value = _get("DQCOLL_LOG_LEVEL").strip().upper()
+    if value not in _LOG_LEVELS or not isinstance(logging.getLevelName(value), int):
+        raise InvalidArgumentError(
+            f"DQCOLL_LOG_LEVEL must be one of {', '.join(_LOG_LEVELS)}, got {value!r}")
+    return value
 
 
 def tuning_dir() -> str:
-    return _get("DQCOLL_TUNING_DIR")
+    value = _get("DQCOLL_TUNING_DIR")
+    if value and not os.path.isdir(value):
+        raise InvalidArgumentError(
+            f"DQCOLL_TUNING_DIR must name a directory (or be empty), got {value!r}")
+    return value

@@ -15,7 +15,15 @@ __all__ = [
     "MismatchError",
     "PeerError",
     "UnsupportedError",
+    "one_line",
 ]
+
+
+def one_line(exc: BaseException) -> str:
+    """``"<type>: <first line>"`` of an exception, without the C++ stack trace that c10d
+    (torch.distributed) appends to its messages after "Exception raised from"."""
+    text = str(exc).split("Exception raised from", 1)[0].strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class DqcollError(RuntimeError):

@@ -20,7 +20,8 @@ otherwise unchanged. Errors of an asynchronous call surface at its ``wait()``, a
 argument checking (every rank joins the argument handshake in the worker, so a bad argument on one
 rank still reaches the others as a PeerError rather than a hang).
 
-Lifetime: the worker thread starts with a communicator's first asynchronous call and ends when
+Lifetime: the worker thread starts with a communicator's first asynchronous call (never on a
+closed communicator: that call's handle holds the error) and ends when
 the communicator is closed or garbage-collected (after the jobs already queued), so short-lived
 communicators do not leave threads behind. The thread holds no reference to the communicator
 between jobs.
@@ -43,7 +44,7 @@ import torch
 
 from .interop import caller_stream
 
-__all__ = ["CollectiveHandle", "drain", "shutdown", "submit"]
+__all__ = ["CollectiveHandle", "drain", "failed", "shutdown", "submit"]
 
 
 class CollectiveHandle:
@@ -72,12 +73,15 @@ class CollectiveHandle:
         work queued after ``wait()`` sees the result. Raises the collective's error, if any;
         ``timeout_s`` bounds the host wait (``TimeoutError``), not the collective's own timeout.
         """
-        try:
-            done = self._future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
+        # Wait first, then look: since Python 3.11 ``concurrent.futures.TimeoutError`` is the
+        # built-in TimeoutError, a base class of the collective's own CollectiveTimeoutError, so
+        # catching it around ``result()`` would mistake the collective's timeout for this one.
+        finished, _ = concurrent.futures.wait([self._future], timeout=timeout_s)
+        if not finished:
             raise TimeoutError(
                 f"{self.what}: not finished after waiting {timeout_s:g} s on the host"
-            ) from None
+            )
+        done = self._future.result()  # raises the collective's error, if it had one
         if done is not None:
             stream = caller_stream(self._buf)
             if stream is not None:
@@ -163,9 +167,24 @@ def drain(comm: Any) -> None:
         concurrent.futures.wait([worker.last])
 
 
+def failed(error: BaseException, *, buf: Any, result: Any, what: str) -> CollectiveHandle:
+    """A handle that is already completed with ``error`` (raised by its ``wait()``)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_exception(error)
+    return CollectiveHandle(future, result, buf, what)
+
+
 def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,
            what: str) -> CollectiveHandle:
-    """Run ``run()`` (one whole collective on ``comm``) on the communicator's worker."""
+    """Run ``run()`` (one whole collective on ``comm``) on the communicator's worker.
+
+    On a closed communicator no worker is started: the handle holds the error at once."""
+    if getattr(comm, "closed", False):
+        from .errors import InvalidArgumentError
+
+        return failed(InvalidArgumentError(
+            f"rank {comm.rank}: {what} on a closed communicator ({comm!r}); create a new one"),
+            buf=buf, result=result, what=what)
     worker = _worker(comm)
     stream = caller_stream(buf)
     if stream is None:

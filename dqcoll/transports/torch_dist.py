@@ -17,6 +17,13 @@ Longer messages cannot be caught here (the abort happens inside gloo): the argum
 moves. Header bytes count in ``bytes_sent`` but not in ``payload_bytes_sent``. Over nccl no header
 is sent (reading it would synchronise the host with the device at every step): there, sizes are
 right by construction, from the argument check.
+
+**Groups of survivors.** ``group`` may also be a process group built outside
+``torch.distributed``'s registry (``ProcessGroupGloo(store, rank, size)``, as
+:mod:`dqcoll.membership` builds for the survivors of a lost rank, since ``new_group`` would need
+the dead rank too): rank and size then come from the group itself. ``store`` (the job's
+key-value store, by default the default group's) is kept for that shrink; :meth:`abort` aborts a
+gloo group, closing its connections so that peers blocked on this rank fail at once.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import datetime
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,27 +43,39 @@ from .base import ALLREDUCE_OPS, Counters, reduce_in_rank_order
 __all__ = ["TorchTransport"]
 
 HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
+_ABORT_TAG = 0x7A5E  # a tag no message uses: abort()'s receives never complete
 
 
 class TorchTransport:
     name = "torch"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout_s: float | None = None):
-        if not dist.is_available() or not dist.is_initialized():
+    def __init__(self, group: Any = None, *, timeout_s: float | None = None,
+                 store: Any = None, store_prefix: str = "dqcoll/") -> None:
+        standalone = group is not None and not isinstance(group, dist.ProcessGroup)
+        if not standalone and (not dist.is_available() or not dist.is_initialized()):
             raise InvalidArgumentError(
                 "the torch transport needs an initialised torch.distributed process group "
                 "(call torch.distributed.init_process_group first, or dqcoll.init(backend='gloo'))"
             )
-        world = dist.group.WORLD
-        assert world is not None  # initialised above
-        self.group: dist.ProcessGroup = group if group is not None else world
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        if standalone:  # a backend object (ProcessGroupGloo) of survivors: not in the registry
+            self.group = group
+            self.rank, self.world_size = int(group.rank()), int(group.size())
+            self.backend = str(group.name()).lower()
+            self._global = list(range(self.world_size))
+        else:
+            world = dist.group.WORLD
+            assert world is not None  # initialised above
+            self.group = group if group is not None else world
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self.backend = str(dist.get_backend(self.group))
+            self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.timeout_s = envs.timeout_s() if timeout_s is None else timeout_s
         self.counters = Counters()
-        self.backend = str(dist.get_backend(self.group))
-        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.headers = self.backend != "nccl"  # see the module docstring
+        # -- what a shrink after a lost rank needs (dqcoll.membership) --
+        self.store = store if store is not None else _default_store()
+        self.store_prefix = store_prefix  # keys of this group's shrinks live under it
 
     def _wait(self, works: list[tuple[str, int, dist.Work]], what: str) -> None:
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -173,9 +193,33 @@ class TorchTransport:
         self.allreduce(torch.zeros(1), "sum", what=what)
 
     def abort(self, reason: str) -> None:
-        # torch.distributed has no portable abort for gloo; peers learn of it through their timeouts
-        # or the closed connections once this process exits.
-        pass
+        """Close a gloo group's connections, so that peers blocked on this rank fail at once
+        (they would otherwise wait for their timeout). Other backends: nothing (peers learn of
+        it through their timeouts).
+
+        gloo has no call for it (``ProcessGroup.abort()`` and ``shutdown()`` leave the sockets
+        open: a peer blocked in a receive from this rank failed only when this process exited,
+        9 s later in a probe), but a timed-out wait closes its connection ("Application timeout
+        caused pair closure", and the peer sees "Connection closed by peer"): so post, to each
+        peer, a receive under a tag nobody sends and let it time out after 1 ms."""
+        if self.backend != "gloo":
+            return
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            try:
+                work = self.group.recv([torch.empty(1)], peer, _ABORT_TAG)
+                work.wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # the expected timeout, or the connection was already closed
+                pass
 
     def close(self) -> None:
         pass
+
+
+def _default_store() -> Any:
+    """The default process group's key-value store, or None (no default group)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
