@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -145,17 +146,20 @@ class Communicator:
         Use after a collective raised because a rank died (``PeerError`` or
         ``CollectiveTimeoutError``): the survivors agree on who is left through the job's store
         and form a fresh gloo group of exactly those ranks, renumbered in their old order; this
-        communicator is closed. ``exclude``: old ranks known to be dead (the survivors then
-        need not wait for them); without it each survivor waits up to ``wait_s`` (default
-        :data:`~dqcoll.membership.DEFAULT_WAIT_S`) for ranks that may still arrive. The new
+        communicator stays dead (``CommAbortedError``), and the new one replaces it as the
+        default where it was the default. ``exclude``: old ranks known to be dead (the
+        survivors then need not wait for them); without it each survivor waits up to
+        ``wait_s`` (default :data:`~dqcoll.membership.DEFAULT_WAIT_S`) for ranks that may
+        still arrive. The new
         communicator has this one's seed and device; ``members`` lists its ranks' numbers in
         the original group. See :mod:`dqcoll.membership` (torch transport over gloo only).
         """
         from . import handles, membership
 
-        if self.closed:
+        if self.closed or self.shrinks:
             raise InvalidArgumentError(
-                f"rank {self.rank}: shrink() on a closed communicator ({self!r})")
+                f"rank {self.rank}: shrink() on a {'closed' if self.closed else 'shrunk'} "
+                f"communicator ({self!r}); shrink the communicator the last shrink() returned")
         if exclude is not None:
             exclude = [int(r) for r in exclude]
             bad = [r for r in exclude if not 0 <= r < self.world_size]
@@ -171,7 +175,6 @@ class Communicator:
             self.transport, generation=str(self.shrinks), exclude=exclude or (),
             wait_s=wait, timeout_s=timeout_s, store=store)
         self.shrinks += 1
-        self.closed = True
         comm = Communicator(transport, seed=self.seed, device=self.device)
         comm.members = [self.members[r] for r in members]
         global _default
@@ -227,6 +230,21 @@ def _env_int(name: str, value: int | None) -> int:
     return int(os.environ[name])
 
 
+def _port_open(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts TCP connections at ``addr:port`` within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.05, min(1.0, remaining))):
+                return True
+        except OSError:
+            pass
+        if remaining <= 0:
+            return False
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
     """A TCPStore every rank has joined (rank 0 serves it), or an error naming who is missing.
 
@@ -236,6 +254,13 @@ def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: flo
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0 and not _port_open(addr, port, timeout_s):
+        # Checked with a plain socket first: torch's TCPStore client logs every failed attempt
+        # with a C++ stack trace on stderr (c10d's logger, whatever the exception says).
+        raise CollectiveTimeoutError(
+            f"dqcoll.init: rank {rank} of {world_size} could not reach the store of rank 0 at "
+            f"{addr}:{port} within {timeout_s:g} s (missing rank: 0, or a wrong "
+            f"MASTER_ADDR/MASTER_PORT)")
     try:
         # multi_tenant, as torch's tcp:// rendezvous: the server lives in a per-process registry
         # until exit, not only as long as the process group (peers may still talk to it).

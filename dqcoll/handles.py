@@ -21,7 +21,7 @@ argument checking (every rank joins the argument handshake in the worker, so a b
 rank still reaches the others as a PeerError rather than a hang).
 
 Lifetime: the worker thread starts with a communicator's first asynchronous call (never on a
-closed communicator: that call's handle holds the error) and ends when
+closed or dead communicator: that call's handle holds the error) and ends when
 the communicator is closed or garbage-collected (after the jobs already queued), so short-lived
 communicators do not leave threads behind. The thread holds no reference to the communicator
 between jobs.
@@ -178,13 +178,13 @@ def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,
            what: str) -> CollectiveHandle:
     """Run ``run()`` (one whole collective on ``comm``) on the communicator's worker.
 
-    On a closed communicator no worker is started: the handle holds the error at once."""
-    if getattr(comm, "closed", False):
-        from .errors import InvalidArgumentError
-
-        return failed(InvalidArgumentError(
-            f"rank {comm.rank}: {what} on a closed communicator ({comm!r}); create a new one"),
-            buf=buf, result=result, what=what)
+    On a closed or dead communicator no worker is started: the handle holds the error at once."""
+    if getattr(comm, "closed", False) or getattr(comm, "dead", None) is not None:
+        try:
+            with comm.in_flight(what):  # raises the closed / dead communicator's error
+                pass
+        except Exception as exc:
+            return failed(exc, buf=buf, result=result, what=what)
     worker = _worker(comm)
     stream = caller_stream(buf)
     if stream is None:

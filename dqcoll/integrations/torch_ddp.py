@@ -40,6 +40,20 @@ rank, and copies the returned tensor into the gradients):
   with the corrected model. Bits per coordinate of every iteration are recorded in
   ``state.bits_history`` (and logged), ``kappa`` in ``state.kappa_history``.
 
+* **Surviving a lost rank** (``fault_tolerant=True``): when a bucket's collective fails (a rank
+  died: ``PeerError`` / timeout), the hook records the error in ``state.failure`` and hands DDP
+  the bucket unreduced, so that backward ends normally instead of leaving DDP's reducer half-way
+  through an iteration. The training loop then skips the optimizer step and recovers:
+  ``state.shrink()`` (a communicator over the survivors, :meth:`dqcoll.Communicator.shrink`) and
+  ``resync(state, model, optimizer, step)`` (every survivor takes the parameters, optimizer state
+  and counters of the lowest surviving rank: a survivor whose last call completed just before the
+  loss may have taken one more step than the others). From then on every bucket, warm-up ones
+  too, is averaged over the survivors through dqcoll (DDP's own process group still counts the
+  lost rank). Limits: DDP must be built with ``broadcast_buffers=False`` (or a model without
+  buffers), since DDP broadcasts buffers over its own group; the lost rank's data shard is
+  lost unless the loop re-shards; the average is over fewer replicas (a smaller global batch).
+  ``examples/ddp_lost_rank.py`` SIGKILLs one of 4 ranks mid-training and finishes with 3.
+
 The compressed path runs synchronously inside the hook and returns a completed future: dqcoll's
 codec is host-driven, and on the 2-core CPU machines this project is tested on a worker thread
 only competes with backward for the cores. (DDP still overlaps: it launches each bucket as soon as
@@ -63,12 +77,12 @@ import torch.distributed as dist
 from .. import schemes
 from ..api import allreduce
 from ..comm import Communicator
-from ..errors import InvalidArgumentError
+from ..errors import DqcollError, InvalidArgumentError
 from ..schemes.dynamiq.error_model import ErrorModel
 from ..tinylm import derived_seed
 from ..transports.torch_dist import TorchTransport
 
-__all__ = ["DynamiqState", "dynamiq_hook"]
+__all__ = ["DynamiqState", "dynamiq_hook", "resync"]
 
 log = logging.getLogger("dqcoll.ddp")
 
@@ -92,6 +106,8 @@ class DynamiqState:
         error_feedback: keep a residual per bucket (see the module docstring).
         monitor_every: every this many iterations, also compute the exact average and record the
             vNMSE (0: never).
+        fault_tolerant: on a failed collective (a lost rank), record it in ``failure`` and
+            return the bucket unreduced instead of raising (see the module docstring).
     """
 
     def __init__(
@@ -109,6 +125,7 @@ class DynamiqState:
         monitor_every: int = 0,
         target_vnmse: float | None = None,
         calibration_rate: float = 0.5,
+        fault_tolerant: bool = False,
     ) -> None:
         options = dict(scheme_options or {})
         spec = schemes.spec(scheme)  # raises for an unknown name, listing the registered ones
@@ -166,6 +183,13 @@ class DynamiqState:
         self.bits_history: list[tuple[int, float]] = []  # (iteration, bits per coordinate sent)
         self._bits_sums = [0.0, 0]  # sum of bits * numel over the iteration's buckets, numel
 
+        # -- surviving a lost rank --
+        self.fault_tolerant = fault_tolerant
+        self.failure: BaseException | None = None  # first failed bucket of this iteration
+        self.failures: list[tuple[int, str]] = []  # (iteration, error) of every failed one
+        self.shrunk = False  # True once averaging runs over a communicator of survivors
+        self._device = torch.device("cpu")  # device of the last bucket (for the communicator)
+
         # -- what the hook saw and did --
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
         self.last_info: dict[str, Any] = {}  # comm.last_info of the last compressed bucket
@@ -192,7 +216,33 @@ class DynamiqState:
         return self.comm
 
     def group_size(self) -> int:
+        if self.shrunk and self.comm is not None:
+            return self.comm.world_size
         return dist.get_world_size(self.process_group)
+
+    def group_rank(self) -> int:
+        if self.shrunk and self.comm is not None:
+            return self.comm.rank
+        return dist.get_rank(self.process_group)
+
+    def record_failure(self, iteration: int, exc: BaseException) -> None:
+        """Keep the first failure of an iteration for the training loop (fault_tolerant)."""
+        if self.failure is None:
+            self.failure = exc
+            log.warning("dqcoll ddp: iteration %d: averaging failed (%s: %s); the bucket is "
+                        "returned unreduced: skip this step, then state.shrink()", iteration,
+                        type(exc).__name__, exc)
+        self.failures.append((iteration, f"{type(exc).__name__}: {exc}"))
+
+    def shrink(self, **kwargs: Any) -> Communicator:
+        """After a lost rank: average over a communicator of the survivors from now on
+        (``kwargs`` go to :meth:`dqcoll.Communicator.shrink`); clears ``failure``."""
+        comm = self.communicator(self._device)
+        self.comm = comm.shrink(**kwargs)
+        self.shrunk = True
+        self.failure = None
+        self.residuals.clear()  # the failed step's residuals were never sent
+        return self.comm
 
     def __repr__(self) -> str:
         return (f"DynamiqState(scheme={self.scheme!r}, bits={self.bits:g}, "
@@ -216,10 +266,25 @@ def _exact_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Futu
     (The reducer multiplies by ``1/n`` as it copies gradients into the bucket;
     ``default_hooks.allreduce_hook`` divides by ``n`` instead, which differs in the last bit when
     ``n`` is not a power of two.)"""
+    if state.shrunk:  # DDP's group still counts the lost rank: average over the survivors
+        assert state.comm is not None
+        allreduce(buf, op="avg", scheme="none", comm=state.comm)
+        return _completed(buf)
     buf.mul_(1.0 / state.group_size())
     work = dist.all_reduce(buf, group=state.process_group, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda fut: fut.value()[0])
+    iteration = state.iteration
+
+    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            return fut.value()[0]
+        except Exception as exc:
+            if not state.fault_tolerant:
+                raise
+            state.record_failure(iteration, exc)
+            return buf
+
+    return work.get_future().then(done)
 
 
 def _residual(state: DynamiqState, index: int, buf: torch.Tensor) -> torch.Tensor:
@@ -251,7 +316,10 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
     exact = None
     if state.should_monitor(iteration):
         exact = buf.double()
-        dist.all_reduce(exact, group=state.process_group)
+        if state.shrunk:
+            comm.transport.allreduce(exact, "sum", what=f"ddp monitor #{iteration}")
+        else:
+            dist.all_reduce(exact, group=state.process_group)
         exact /= state.group_size()
     options = dict(state.scheme_options)
     hint = state.allocation_u.get(index)
@@ -282,7 +350,7 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
 
 
 def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
-    leader = dist.get_rank(state.process_group) == 0
+    leader = state.group_rank() == 0
     if state._bits_sums[1]:
         bits = state._bits_sums[0] / state._bits_sums[1]
         state.bits_history.append((iteration, bits))
@@ -312,7 +380,7 @@ def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: 
     kappa = state.kappa * ratio**state.calibration_rate
     state.kappa = min(max(kappa, 1e-3), 1e3)
     state.kappa_history.append((iteration, state.kappa))
-    if dist.get_rank(state.process_group) == 0:
+    if state.group_rank() == 0:
         log.info("dqcoll ddp: iteration %d: measured/predicted vNMSE %.2f -> kappa %.3g",
                  iteration, measured / predicted, state.kappa)
 
@@ -325,14 +393,59 @@ def dynamiq_hook(state: DynamiqState,
     index = bucket.index()
     iteration = state.iteration
     state.bucket_numel[index] = buf.numel()
+    state._device = buf.device
     try:
         if not state.should_compress(iteration):
             return _exact_average(state, buf)
         _compressed_average(state, buf, index, iteration)
         return _completed(buf)
+    except (DqcollError, RuntimeError) as exc:  # RuntimeError: torch.distributed's own errors
+        if not state.fault_tolerant:
+            raise
+        state.record_failure(iteration, exc)
+        return _completed(buf)
     finally:
         if bucket.is_last():
             _end_of_iteration(state, iteration)
+
+
+def resync(state: DynamiqState, module: torch.nn.Module,
+           optimizer: torch.optim.Optimizer | None = None, step: int = 0) -> int:
+    """After :meth:`DynamiqState.shrink`: every survivor takes the lowest surviving rank's
+    parameters, buffers, optimizer state, ``state.iteration`` and ``step`` (returned), bit for
+    bit, so the replicas are identical again.
+
+    A survivor whose last collective completed just before the loss took that step while the
+    others skipped it; this puts them back in line. Each dtype's tensors travel as one small
+    all-reduce in rank order in which the other ranks add zeros (exact: ``x + 0 == x``)."""
+    comm = state.comm
+    if comm is None or not state.shrunk:
+        raise InvalidArgumentError("resync() follows state.shrink() (no communicator of "
+                                   "survivors yet)")
+    tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                entry = optimizer.state.get(param, {})
+                tensors.extend(v for _, v in sorted(entry.items()) if isinstance(v, torch.Tensor))
+    counters = torch.tensor([state.iteration, step], dtype=torch.int64)
+    tensors.append(counters)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for dtype, group in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
+        if comm.rank != 0:
+            flat.zero_()
+        comm.transport.allreduce(flat, "sum", what=f"ddp resync ({dtype})")
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+    state.iteration = int(counters[0])
+    state.failure = None
+    return int(counters[1])
 
 
 # DDP checks the hook's annotations against the real types, and this module's are strings
