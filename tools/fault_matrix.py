@@ -56,7 +56,8 @@ class Died(Exception):
 
 
 def outcome(report, fn, buf=None):
-    keep = buf.clone() if isinstance(buf, torch.Tensor) else None
+    dense = isinstance(buf, torch.Tensor) and buf.layout is torch.strided
+    keep = buf.clone() if dense else None
     start = time.monotonic()
     try:
         fn()
@@ -135,7 +136,82 @@ def run(scenario, comm, fault_s, report, process):
     elif scenario == "after-close":
         if rank == 1:
             comm.close()
+    elif scenario == "seed-above-bit-62":  # thc hashes the whole seed: ranks used to diverge
+        seed = 2**62 if rank == 1 else 0
+        call = lambda: dqcoll.allreduce(buf, scheme="thc", seed=seed)  # noqa: E731
+    elif scenario in ("step-2**63", "bits-2**1100"):
+        bad = {"step": 2**63} if scenario == "step-2**63" else {"bits": 2**1100}
+        kwargs = bad if rank == 1 else {}
+        call = lambda: dqcoll.allreduce(buf, **kwargs)  # noqa: E731
+    elif scenario == "sparse":
+        if rank == 1:
+            buf = torch.zeros(NUMEL).to_sparse()
+    elif scenario.startswith("fp16-sum-90000-"):
+        buf = torch.full((NUMEL,), 30000.0, dtype=torch.float16)
+        scheme = scenario.rsplit("-", 1)[1]
+        call = lambda: dqcoll.allreduce(buf, scheme=scheme)  # noqa: E731
+    elif scenario == "none-1e-8-next-to-1e38":
+        buf = torch.full((4096,), 1e-8 * (rank + 1))
+        if rank == 0:
+            buf[:256] = 1e38
+        call = lambda: dqcoll.allreduce(buf, scheme="none")  # noqa: E731
+    elif scenario == "async-timeout-wait":
+        if rank == 1:
+            time.sleep(2 * fault_s)
+            report["error"] = "(the faulty rank)"
+            return
+        call = lambda: dqcoll.allreduce(buf, async_op=True).wait()  # noqa: E731
+    elif scenario == "sync-async-order":  # rank 0: sync call first; the others: async first
+        later = {}
+        def second_call():
+            time.sleep(0.2)
+            if rank == 0:
+                outcome(later, lambda: dqcoll.allreduce(data(rank), async_op=True,
+                                                        comm=comm).wait(10))
+            else:
+                outcome(later, lambda: dqcoll.allreduce(data(rank), comm=comm))
+        thread = threading.Thread(target=second_call)
+        thread.start()
+        if rank != 0:
+            call = lambda: dqcoll.allreduce(buf, async_op=True, comm=comm).wait(10)  # noqa: E731
+    elif scenario == "async-after-close":
+        if rank == 1:
+            comm.close()
+            before = threading.active_count()
+            handle = dqcoll.allreduce(buf, async_op=True)
+            call = lambda: handle.wait(10)  # noqa: E731
+            report["threads_started"] = threading.active_count() - before
+    elif scenario == "kill-shrink":
+        import signal
+        def sigkill(sends):
+            if rank == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        on_step(comm, "reduce step 1", sigkill)
     outcome(report, call, buf if isinstance(buf, torch.Tensor) else None)
+    if scenario == "sync-async-order":
+        thread.join()
+        report["first"] = dict(report)
+        report.update(later)
+    if scenario.startswith("fp16-sum") or scenario.startswith("none-1e-8"):
+        exact = 90000.0 if scenario.startswith("fp16") else 6e-8
+        tail = buf[256:].double() if scenario.startswith("none") else buf.double()
+        report["value"] = float(tail.max())
+        report["rel_err"] = abs(float(tail.min()) - exact) / exact if not scenario.startswith(
+            "fp16") else None
+    if scenario == "kill-shrink":
+        first = dict(report)
+        start = time.monotonic()
+        try:
+            comm = comm.shrink()
+            report["shrink_s"] = round(time.monotonic() - start, 3)
+            report["members"] = comm.members
+            buf = data(rank)
+            outcome(report, lambda: dqcoll.allreduce(buf, comm=comm), buf)
+            exact = sum(data(r).double() for r in comm.members)
+            report["vnmse"] = float(((buf.double() - exact).norm() / exact.norm()) ** 2)
+        except DqcollError as exc:
+            report["error"], report["message"] = type(exc).__name__, str(exc)[:300]
+        report["first"] = first
     if scenario == "two-threads" and rank == 0:
         thread.join()
         report["first"] = dict(report)
@@ -156,6 +232,8 @@ scenario, fault_s = sys.argv[1], float(sys.argv[2])
 report = {}
 if scenario == "missing-rank":
     outcome(report, lambda: dqcoll.init(backend="gloo", timeout_s=fault_s))
+elif scenario == "nan-timeout":
+    outcome(report, lambda: dqcoll.init(backend="gloo", timeout_s=float("nan")))
 else:
     comm = dqcoll.init(backend="gloo")
     report["rank"] = comm.rank
@@ -168,9 +246,15 @@ os._exit(0)
 
 ORDER = ("kill", "stall", "never-calls", "mismatch", "bad-input", "different-collective",
          "unusable-buffer", "unwritable-buffer", "short-message", "corrupt-bytes", "nan",
-         "huge-values", "dead-reuse", "two-threads", "after-close", "missing-rank")
-LOCAL_ONLY = ("two-threads", "after-close")
-GLOO_ONLY = ("missing-rank",)
+         "huge-values", "dead-reuse", "two-threads", "after-close", "missing-rank",
+         # issue 25
+         "seed-above-bit-62", "step-2**63", "bits-2**1100", "sparse", "fp16-sum-90000-none",
+         "fp16-sum-90000-dynamiq", "fp16-sum-90000-thc", "none-1e-8-next-to-1e38",
+         "async-timeout-wait", "sync-async-order", "async-after-close", "nan-timeout",
+         "kill-shrink")
+LOCAL_ONLY = ("two-threads", "after-close", "sync-async-order", "async-after-close")
+GLOO_ONLY = ("missing-rank", "nan-timeout", "kill-shrink")
+WORLD_SIZE = {"kill-shrink": 4}  # one of 4 ranks SIGKILLed, as issue 25 asks
 
 
 def _free_port() -> int:
@@ -233,6 +317,15 @@ def summarise(reports: dict[int, dict[str, Any]]) -> str:
             text = f"{first.get('error')} {first.get('elapsed_s', 0):.2f} s, then {text}"
         if text.startswith("ok") and "finite" in rep:
             text += " (finite)" if rep["finite"] else " (non-finite)"
+        if "value" in rep:
+            text += f", max {rep['value']:.6g}"
+            if rep.get("rel_err") is not None:
+                text += f", rel. error {rep['rel_err']:.1e}"
+        if "shrink_s" in rep:
+            text += (f", after shrink() in {rep['shrink_s']:.2f} s to {rep.get('members')} "
+                     f"(vNMSE {rep.get('vnmse', float('nan')):.4f})")
+        if rep.get("threads_started"):
+            text += f", {rep['threads_started']} thread(s) started"
         parts.append(f"r{rank}: {text}")
     digests = {repr(rep["digest"]) for rep in reports.values()
                if rep.get("error") == "ok" and "digest" in rep}
@@ -259,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                     transport == "local" and scenario in GLOO_ONLY):
                 continue
             if transport == "gloo":
-                reports = run_gloo(scenario, args.timeout_s)
+                reports = run_gloo(scenario, args.timeout_s, WORLD_SIZE.get(scenario, 3))
             else:
                 reports = run_local_scenario(scenario, args.timeout_s)
             raw[f"{scenario}/{transport}"] = {str(k): v for k, v in reports.items()}
