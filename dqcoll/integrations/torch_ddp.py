@@ -433,14 +433,14 @@ def resync(state: DynamiqState, module: torch.nn.Module,
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for dtype, group in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
+    for dtype, same_dtype in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in same_dtype])
         if comm.rank != 0:
             flat.zero_()
         comm.transport.allreduce(flat, "sum", what=f"ddp resync ({dtype})")
         offset = 0
         with torch.no_grad():
-            for t in group:
+            for t in same_dtype:
                 t.copy_(flat[offset : offset + t.numel()].view(t.shape))
                 offset += t.numel()
     state.iteration = int(counters[0])
