@@ -13,7 +13,9 @@ shrink:
 2. **Check in.** Each survivor sets ``<prefix>alive/<old rank>``.
 3. **Close the membership.** A survivor waits until every rank it expects has checked in: all
    ranks but ``exclude`` (when the caller names the dead ranks, e.g. from the error) or, without
-   ``exclude``, all ranks, for at most ``wait_s`` seconds. Then it proposes the ranks it saw with
+   ``exclude``, all ranks, until ``wait_s`` seconds passed without a new arrival (survivors
+   that fail one after another, each released by the previous one's abort, keep the window
+   open), and never longer than the timeout. Then it proposes the ranks it saw with
    one ``compare_set`` on ``<prefix>members``: the first proposal wins, and every survivor adopts
    it, so all survivors agree on the same ordered list even when one of them was slow to arrive.
    A rank that is not in the list (it arrived after the membership was closed) raises
@@ -71,10 +73,15 @@ def agree_on_members(store: Any, prefix: str, rank: int, world_size: int, *,
     patience = wait_s if not exclude else timeout_s
     try:
         store.set(keys[rank], "1")
-        start = time.monotonic()
+        start = last_arrival = time.monotonic()
+        seen: list[int] = []
         while True:
-            seen = [r for r in range(world_size) if store.check([keys[r]])]
-            if all(r in seen for r in expected) or time.monotonic() - start >= patience:
+            now_seen = [r for r in range(world_size) if store.check([keys[r]])]
+            now = time.monotonic()
+            if now_seen != seen:  # survivors arriving one after another extend the window
+                seen, last_arrival = now_seen, now
+            if all(r in seen for r in expected) or now - last_arrival >= patience or (
+                    now - start >= timeout_s):
                 break
             time.sleep(_POLL_S)
         proposal = ",".join(str(r) for r in seen if r in expected)
@@ -89,7 +96,7 @@ def agree_on_members(store: Any, prefix: str, rank: int, world_size: int, *,
         raise CommAbortedError(
             f"rank {rank}: shrink: the survivors closed their new group without this rank "
             f"(members {members}, old world size {world_size}): it arrived more than "
-            f"{patience:g} s after them")
+            f"{patience:g} s after the last of them")
     return members
 
 
