@@ -616,12 +616,14 @@ def _dup(src, dst, n):
 
 
 @numba.njit(**JIT_OPTIONS)
-def _q_scales(xb, i, out, meta_at, t, f32, u32, bs):
-    """HIERARCHICAL4X32 scales of row ``i`` (``xb``: the rows' fp32 bit patterns): the 6 scale
-    bytes into ``out[i, meta_at:]``; per block of 32, ``bs[b]`` = fp32(1 / (D_b * s_b)) (0
-    where the block's scale is unusable) and the prescale ``bs[8 + b]`` (2**64 below 2**-64,
-    else 1), as codec._normalise. ``t`` is uint32 scratch [192]. Returns whether a usable block
-    has a prescale (rare)."""
+def _q_scales(xb, i, t, tf, f32, u32, bs):
+    """HIERARCHICAL4X32 scales of row ``i`` (``xb``: the rows' fp32 bit patterns). Per block of
+    32, ``bs[b]`` = fp32(1 / (D_b * s_b)) (0 where the block's scale is unusable) and the
+    prescale ``bs[8 + b]`` (2**64 below 2**-64, else 1), as codec._normalise; ``bs[16 + b]``
+    the block's code q in [1, 16]. ``t`` is uint32 scratch [192], ``tf`` the same memory as fp32.
+    Returns ``(tiny, unit_bits)``: whether a usable block has a prescale (rare) and the bf16
+    unit. (The 6 scale bytes are written by the caller after the codes: the packing's 8-byte
+    stores overrun the codes.)"""
     # |x| as bit patterns (sign cleared): integer order is value order, NaN above +inf, so the
     # maxima propagate NaN as torch.amax does. Adjacent pairs: level k holds maxima of 2**k.
     h = SUPER // 2  # levels alternate between t[:128] and t[128:]
@@ -645,24 +647,38 @@ def _q_scales(xb, i, out, meta_at, t, f32, u32, bs):
     unit = f32[0]
     usable = unit > _F0 and unit < _INF  # False for 0, inf and NaN
     den = unit if usable else _F1
-    tiny = False
-    nibbles = np.uint32(0)
-    for b in range(H4_BLOCKS):
-        u32[0] = t[b]
-        q = min(max(np.float32(np.ceil(f32[0] / den)), _F1), _F16) if usable else _F1
-        nibbles |= np.uint32(np.uint32(np.int32(q) - 1) << np.uint32(4 * b))
+    for b in range(H4_BLOCKS):  # one vector: the maxima read as fp32 through ``tf``
+        q = min(max(np.float32(np.ceil(tf[b] / den)), _F1), _F16) if usable else _F1
         s = q * unit  # the decoded scale: exact (5-bit times 8-bit significands)
         ok = (s > _F0) & (s < _INF)
         pre = _PRESCALE if (ok and s < _TINY) else _F1
-        tiny |= pre != _F1
         den2 = s * pre
         bs[b] = _F1 / den2 if ok else _F0
         bs[H4_BLOCKS + b] = pre
-    for k in range(H4_BLOCKS // 2):  # q - 1 as nibbles, block 2k in the low one
-        out[i, meta_at + k] = np.uint8((nibbles >> np.uint32(8 * k)) & np.uint32(0xFF))
-    out[i, meta_at + H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
-    out[i, meta_at + H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
-    return tiny
+        bs[2 * H4_BLOCKS + b] = q
+    tiny = False
+    for b in range(H4_BLOCKS):
+        tiny |= bs[H4_BLOCKS + b] != _F1
+    return tiny, unit_bits
+
+
+@intrinsic
+def _store_u64(typingctx, arr, i, offset, value):  # type: ignore[no-untyped-def]
+    """``arr[i, offset : offset + 8] = value`` (uint64, little-endian) as one unaligned store:
+    a packed word of 8 codes is ``w`` bytes, and storing all 8 bytes of each word in order
+    (the next word and then the scale bytes overwrite the excess) replaces ``w`` byte stores."""
+    sig = types.void(arr, i, offset, value)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ary, row, col, val = args
+        aryty = signature.args[0]
+        array = context.make_array(aryty)(context, builder, ary)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [row, col])
+        i64p = ir.IntType(64).as_pointer()
+        builder.store(val, builder.bitcast(ptr, i64p), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(**_inline)
@@ -687,6 +703,7 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
     e25, e26, e27, e28 = ext[25], ext[26], ext[27], ext[28]
     e29, e30, e31, e32 = ext[29], ext[30], ext[31], ext[32]
     xb = x.view(np.uint32)
+    tf = t.view(np.float32)
     for i in range(lo, hi):
         if hop:  # codec.decode_accumulate_torch of record i into row i
             code_nbytes = 32 * width
@@ -727,7 +744,7 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
         base = index_base[i]
         top = (1 << (width - 1)) - 1  # R
         code_nbytes = 32 * width
-        tiny = _q_scales(xb, i, out, code_nbytes, t, f32, u32, bs)
+        tiny, unit_bits = _q_scales(xb, i, t, tf, f32, u32, bs)
         # the per-block inverse scales at every coordinate: 8 -> 256 by doubling
         _dup(bs, sa, 8)
         _dup(sa, sb, 16)
@@ -883,15 +900,20 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
                     v |= np.uint8(codes[m * per_byte + k] << (k * width))
                 out[i, m] = v
         else:
-            # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes
+            # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (8 stored,
+            # in order, so the next word's store overwrites the excess)
             for m in range(SUPER // 8):
                 word = np.uint64(0)
                 for k in range(8):
                     word |= np.uint64(codes[m * 8 + k]) << np.uint64(k * width)
-                for b in range(width):
-                    out[i, m * width + b] = np.uint8(word >> np.uint64(8 * b) & np.uint64(0xFF))
-
-
+                _store_u64(out, i, m * width, word)
+        # the scale bytes: q - 1 as nibbles (block 2k in the low one), then the bf16 unit
+        for k in range(H4_BLOCKS // 2):
+            n0 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k]) - 1)
+            n1 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k + 1]) - 1)
+            out[i, code_nbytes + k] = np.uint8(n0 | (n1 << np.uint32(4)))
+        out[i, code_nbytes + H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
+        out[i, code_nbytes + H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
 
 
 @numba.njit(**_inline)
@@ -900,7 +922,7 @@ def _q_scratch():
     codes, av, rv)``."""
     f32 = np.empty(1, np.float32)
     return (np.empty(SUPER // 2 + SUPER // 4, np.uint32), f32, f32.view(np.uint32),
-            np.empty(2 * H4_BLOCKS, np.float32), np.empty(SUPER, np.float32),
+            np.empty(3 * H4_BLOCKS, np.float32), np.empty(SUPER, np.float32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
             np.empty(SUPER, np.float32), np.empty(SUPER, np.uint8),
