@@ -663,6 +663,22 @@ def _q_scales(xb, i, t, tf, f32, u32, bs):
 
 
 @intrinsic
+def _load_u64(typingctx, arr, i, offset):  # type: ignore[no-untyped-def]
+    """``arr[i, offset : offset + 8]`` as one little-endian uint64 (an unaligned load; the bytes
+    past a record's codes are its scale bytes or the next record's: read, never used)."""
+    sig = types.uint64(arr, i, offset)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ary, row, col = args
+        aryty = signature.args[0]
+        array = context.make_array(aryty)(context, builder, ary)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [row, col])
+        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+
+    return sig, codegen
+
+
+@intrinsic
 def _store_u64(typingctx, arr, i, offset, value):  # type: ignore[no-untyped-def]
     """``arr[i, offset : offset + 8] = value`` (uint64, little-endian) as one unaligned store:
     a packed word of 8 codes is ``w`` bytes, and storing all 8 bytes of each word in order
@@ -728,19 +744,15 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
                             dvalue = table[dat + dk] * dscale
                             x[i, dc] = x[i, dc] + dvalue
             else:
+                # Bitstream widths: 8 codes per w bytes, read as one 8-byte word
                 dmask = np.uint64((1 << width) - 1)
-                for dg in range(GROUPS):
-                    dscale = d[dg]
-                    for dh in range(2):
-                        dm = 2 * dg + dh
-                        dword = np.uint64(0)
-                        for db in range(width):
-                            dword |= np.uint64(records[i, dm * width + db]) << np.uint64(8 * db)
-                        for dk in range(8):
-                            dc = dm * 8 + dk
-                            code = np.int64(dword >> np.uint64(dk * width) & dmask)
-                            dvalue = table[code] * dscale
-                            x[i, dc] = x[i, dc] + dvalue
+                for dm in range(SUPER // 8):
+                    dscale = d[dm >> 1]
+                    dword = _load_u64(records, i, dm * width)
+                    for dk in range(8):
+                        dc = dm * 8 + dk
+                        code = np.int64(dword >> np.uint64(dk * width) & dmask)
+                        x[i, dc] = x[i, dc] + table[code] * dscale
         base = index_base[i]
         top = (1 << (width - 1)) - 1  # R
         code_nbytes = 32 * width
@@ -765,15 +777,12 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
             for j in range(SUPER):
                 p[j] = x[i, j]
         # Uniforms (rng.rounding_uniforms): gamma from one mix32 per coordinate (the row's inner
-        # hash, two where the row crosses a multiple of 2**32 of the global index).
+        # hash, two where the row crosses a multiple of 2**32 of the global index); correlated:
+        # u = (pi(rank) + gamma) / n, pi per run of 16 from the permutation table.
         lo32 = _lo32(base)
         jrow = _row_key(jitter_key, base)
         jend = _row_key(jitter_key, base + SUPER - 1)
-        for j in range(SUPER):
-            g_lo = np.uint32(lo32 + np.uint32(j))  # wraps mod 2**32
-            k = jend if g_lo < lo32 else jrow
-            u[j] = np.float32(_mix32(np.uint32(k ^ g_lo)) >> np.uint32(8)) * _TWO_M24  # exact
-        if correlated:  # u = (pi(rank) + gamma) / n, pi per run of 16 from the permutation table
+        if correlated:
             prow = _row_key(perm_key, base)
             pend = _row_key(perm_key, base + SUPER - 1)
             for g in range(GROUPS):
@@ -785,7 +794,15 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
             _dup(sa, sb, 64)
             _dup(sb, pv, 128)
             for j in range(SUPER):
-                u[j] = (pv[j] + u[j]) * inv_n  # two roundings, as the reference
+                g_lo = np.uint32(lo32 + np.uint32(j))  # wraps mod 2**32
+                k = jend if g_lo < lo32 else jrow
+                gamma = np.float32(_mix32(np.uint32(k ^ g_lo)) >> np.uint32(8)) * _TWO_M24
+                u[j] = (pv[j] + gamma) * inv_n  # two roundings, as the reference
+        else:
+            for j in range(SUPER):
+                g_lo = np.uint32(lo32 + np.uint32(j))
+                k = jend if g_lo < lo32 else jrow
+                u[j] = np.float32(_mix32(np.uint32(k ^ g_lo)) >> np.uint32(8)) * _TWO_M24
         coarse = (top - 1) // _STEP  # interior magnitudes m_S, m_2S, ... below m_R
         if width <= 6:
             # Two-level search of r = #{interior m_t <= a}, lo = m_r, hi = m_{r+1}: the coarse
