@@ -572,33 +572,33 @@ def _encode_scratch():
 # -- format 3 (HIERARCHICAL4X32): the row codec written for LLVM's loop vectorizer -----------------
 # Measured on the dev VM (numba 0.68 / LLVM 22, 2-core Xeon with AVX-512; 2**22 coordinates, one
 # thread), the generic row codec above spent, at 5 bits and 3.9 ns per coordinate, 1.2 ns in the
-# scales, 1.7 ns in the level chain and 0.7 ns in per-row overhead. Three rules bring it down:
+# scales, 1.7 ns in the level chain and ~0.7 ns in per-row overhead. What brought it to ~1.4 ns:
 #
+# * one function holds the row loop (:func:`_q_rows`, inlined into each entry point with the
+#   width as a literal), and no array view is made per row (``x[i]``, ``out[i][a:]``,
+#   ``a.view(...)``): each array passed to a numba-inlined function or viewed costs an NRT
+#   incref/decref call pair, and the per-row version made ~40 of them per row. Rows are
+#   addressed as ``x[i, j]``; helpers that take arrays are plain calls (LLVM inlines them);
 # * every per-coordinate step is one flat loop ``for j in range(N)`` with affine indices (``j``,
 #   ``2 * j``, ``2 * j + 1``): LLVM's loop vectorizer takes those, stride-2 loads and stores
 #   included, while a short constant loop nested in another (``for k in range(16)`` inside
 #   ``for g in range(16)``) is unrolled first and left scalar (the group maxima) or turned into
 #   gathers. So the block maxima are an adjacent-pair tree (256 -> 128 -> ... -> 8: each level
-#   one loop) and per-block values reach the coordinates by doubling copies (8 -> 16 -> ... ->
-#   256);
-# * no array view is made per row (``x[i]``, ``out[i][a:]``, ``a.view(...)``): each one is an
-#   NRT incref/decref call pair. Rows are addressed as ``x[i, j]``, and the scratch arrays are
-#   made once per launch and passed one by one (a tuple of arrays costs an incref per element);
-# * the level search is two-level: a chain over every ``_STEP``-th interior magnitude finds the
-#   window, selecting the window's magnitudes with the same masks, then a short chain inside it
-#   (5 bits: 34 vector operations per lane group instead of 56; 6 bits: 62 instead of a scalar
-#   table lookup with gathers).
+#   one loop) and per-block values reach the coordinates by doubling copies (8 -> ... -> 256);
+# * the level search halves a window of magnitudes held in registers (selects, no table lookup:
+#   a gather per coordinate is slower than 36 selects on this CPU), and the kernels ask LLVM for
+#   512-bit vectors (:func:`_prefer_wide_vectors`);
+# * packed words are stored 8 bytes at a time and decoded from 8-byte loads.
 #
 # The bytes are those of codec.encode_torch (tests/test_kernels_numba.py compares them).
 
-_STEP = 4  # level-search window (interior magnitudes per coarse step)
 _NO_LEVEL = np.float32(np.inf)  # past the last interior magnitude: never <= a
 
 
 @numba.njit(**JIT_OPTIONS)
 def _window_table(mags):
     """``ext[t] = m_t`` for m_0 and the interior magnitudes (t < R), ``+inf`` past them: fp32
-    ``[40]``, room for every window up to 6 bits (R = 31: ``ext[28 + 4]``)."""
+    ``[40]``, room for the level search's window up to 6 bits (``ext[32]``)."""
     top = mags.shape[0] - 1
     ext = np.empty(40, np.float32)
     for t in range(ext.shape[0]):
@@ -803,85 +803,73 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
                 g_lo = np.uint32(lo32 + np.uint32(j))
                 k = jend if g_lo < lo32 else jrow
                 u[j] = np.float32(_mix32(np.uint32(k ^ g_lo)) >> np.uint32(8)) * _TWO_M24
-        coarse = (top - 1) // _STEP  # interior magnitudes m_S, m_2S, ... below m_R
         if width <= 6:
-            # Two-level search of r = #{interior m_t <= a}, lo = m_r, hi = m_{r+1}: the coarse
-            # chain counts c = #{m_kS <= a} and selects the window's magnitudes ext[cS .. cS + S]
-            # with the same masks; the fine chain finishes inside the window. ext is +inf past the
-            # last interior magnitude, so hi = min(first magnitude above a, 1).
+            # r = #{interior m_t <= a}, lo = m_r, hi = m_{r+1} by halving: v0..v(2h) hold the
+            # window ext[r .. r + 2h]; each step compares its middle and keeps the upper or the
+            # lower half with the same mask (selects of values: no gather). ext is +inf past the
+            # last interior magnitude, so hi = min(first magnitude above a, 1). 6 bits: 5
+            # compares and 36 selects per lane; the steps a width does not need are dead code.
             for j in range(SUPER):
                 inv = d[j]
                 q = p[j] * inv  # inv > 0 exactly where the scale is usable
                 y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
                 a = abs(y)
-                c = 0
-                w0 = _F0  # m_cS (m_0 = 0), then the window's next four magnitudes
-                w1 = e1
-                w2 = e2
-                w3 = e3
-                w4 = e4
-                if coarse >= 1:
-                    below = e4 <= a
-                    c += 1 if below else 0
-                    w0 = e4 if below else w0
-                    w1 = e5 if below else w1
-                    w2 = e6 if below else w2
-                    w3 = e7 if below else w3
-                    w4 = e8 if below else w4
-                if coarse >= 2:
-                    below = e8 <= a
-                    c += 1 if below else 0
-                    w0 = e8 if below else w0
-                    w1 = e9 if below else w1
-                    w2 = e10 if below else w2
-                    w3 = e11 if below else w3
-                    w4 = e12 if below else w4
-                if coarse >= 3:
-                    below = e12 <= a
-                    c += 1 if below else 0
-                    w0 = e12 if below else w0
-                    w1 = e13 if below else w1
-                    w2 = e14 if below else w2
-                    w3 = e15 if below else w3
-                    w4 = e16 if below else w4
-                if coarse >= 4:
-                    below = e16 <= a
-                    c += 1 if below else 0
-                    w0 = e16 if below else w0
-                    w1 = e17 if below else w1
-                    w2 = e18 if below else w2
-                    w3 = e19 if below else w3
-                    w4 = e20 if below else w4
-                if coarse >= 5:
-                    below = e20 <= a
-                    c += 1 if below else 0
-                    w0 = e20 if below else w0
-                    w1 = e21 if below else w1
-                    w2 = e22 if below else w2
-                    w3 = e23 if below else w3
-                    w4 = e24 if below else w4
-                if coarse >= 6:
-                    below = e24 <= a
-                    c += 1 if below else 0
-                    w0 = e24 if below else w0
-                    w1 = e25 if below else w1
-                    w2 = e26 if below else w2
-                    w3 = e27 if below else w3
-                    w4 = e28 if below else w4
-                if coarse >= 7:
-                    below = e28 <= a
-                    c += 1 if below else 0
-                    w0 = e28 if below else w0
-                    w1 = e29 if below else w1
-                    w2 = e30 if below else w2
-                    w3 = e31 if below else w3
-                    w4 = e32 if below else w4
-                b1 = w1 <= a
-                b2 = w2 <= a
-                b3 = w3 <= a
-                r = c * _STEP + (1 if b1 else 0) + (1 if b2 else 0) + (1 if b3 else 0)
-                lo = w3 if b3 else (w2 if b2 else (w1 if b1 else w0))
-                hi = min(w4 if b3 else (w3 if b2 else (w2 if b1 else w1)), _F1)
+                v0 = _F0
+                v1, v2, v3, v4, v5, v6, v7, v8 = e1, e2, e3, e4, e5, e6, e7, e8
+                v9, v10, v11, v12, v13, v14, v15, v16 = e9, e10, e11, e12, e13, e14, e15, e16
+                v17, v18, v19, v20, v21, v22, v23, v24 = e17, e18, e19, e20, e21, e22, e23, e24
+                v25, v26, v27, v28, v29, v30, v31, v32 = e25, e26, e27, e28, e29, e30, e31, e32
+                r = 0
+                if width >= 6:
+                    below = v16 <= a
+                    r += 16 if below else 0
+                    v0 = v16 if below else v0
+                    v1 = v17 if below else v1
+                    v2 = v18 if below else v2
+                    v3 = v19 if below else v3
+                    v4 = v20 if below else v4
+                    v5 = v21 if below else v5
+                    v6 = v22 if below else v6
+                    v7 = v23 if below else v7
+                    v8 = v24 if below else v8
+                    v9 = v25 if below else v9
+                    v10 = v26 if below else v10
+                    v11 = v27 if below else v11
+                    v12 = v28 if below else v12
+                    v13 = v29 if below else v13
+                    v14 = v30 if below else v14
+                    v15 = v31 if below else v15
+                    v16 = v32 if below else v16
+                if width >= 5:
+                    below = v8 <= a
+                    r += 8 if below else 0
+                    v0 = v8 if below else v0
+                    v1 = v9 if below else v1
+                    v2 = v10 if below else v2
+                    v3 = v11 if below else v3
+                    v4 = v12 if below else v4
+                    v5 = v13 if below else v5
+                    v6 = v14 if below else v6
+                    v7 = v15 if below else v7
+                    v8 = v16 if below else v8
+                if width >= 4:
+                    below = v4 <= a
+                    r += 4 if below else 0
+                    v0 = v4 if below else v0
+                    v1 = v5 if below else v1
+                    v2 = v6 if below else v2
+                    v3 = v7 if below else v3
+                    v4 = v8 if below else v4
+                if width >= 3:
+                    below = v2 <= a
+                    r += 2 if below else 0
+                    v0 = v2 if below else v0
+                    v1 = v3 if below else v1
+                    v2 = v4 if below else v2
+                below = v1 <= a
+                r += 1 if below else 0
+                lo = v1 if below else v0
+                hi = min(v2 if below else v1, _F1)
                 level = r + (1 if (a - lo) > u[j] * (hi - lo) else 0)
                 codes[j] = np.uint8(top - level if y < _F0 else top + level)
         else:
