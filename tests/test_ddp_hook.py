@@ -204,10 +204,10 @@ def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
         def hook(state: DynamiqState, bucket: dist.GradBucket,
                  ) -> torch.futures.Future[torch.Tensor]:
             future = dynamiq_hook(state, bucket)
-            pending_at_return.append(not future.done())
+            pending_at_return.append(not future.done())  # noqa: B023 (used within the loop body)
             index = bucket.index()
 
-            done = order[-1]
+            done = order[-1]  # noqa: B023 (used within the loop body)
 
             def finished(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
                 done.append(index)
