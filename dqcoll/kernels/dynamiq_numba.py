@@ -395,7 +395,7 @@ def decode_restore(
 
 
 _warm_lock = threading.Lock()
-_warmed = False
+_warmed: set[Scales] = set()  # the formats warm_up has compiled or loaded
 
 
 # The scale encodings whose kernels warm_up compiles: the default format's. The paper's
@@ -430,14 +430,14 @@ def _machine_lock() -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's disk cache) the kernels of the default format for the
-    argument types the launchers pass, on a few rows: ~0.5 s with a warm cache, minutes cold
-    (one process of the machine at a time: :func:`_machine_lock`)."""
-    global _warmed
-    with _warm_lock, _machine_lock():
-        if _warmed:
+def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
+    """Compile (or load from numba's disk cache) the kernels of ``formats`` (default: the
+    default format's) for the argument types the launchers pass, on a few rows: ~0.5 s with a
+    warm cache, minutes cold (one process of the machine at a time: :func:`_machine_lock`)."""
+    with _warm_lock:
+        if set(formats) <= _warmed:
             return
+    with _warm_lock, _machine_lock():
         x = torch.randn(2, SUPER)
         index = torch.arange(2, dtype=torch.int64) * SUPER
         valid = torch.full((2,), SUPER, dtype=torch.int64)
@@ -446,7 +446,7 @@ def warm_up() -> None:
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
-        for scales in WARM_FORMATS:
+        for scales in formats:
             widths = FORMATS[scales]
             config = CodecConfig(scales=scales, levels=Levels.TUNED)
             for width in widths:
@@ -463,7 +463,7 @@ def warm_up() -> None:
         from .allocation_numba import bisect
 
         bisect(np.zeros(2), np.zeros(2, np.bool_), np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8)
-        _warmed = True
+        _warmed.update(formats)
 
 
 OPS = DynamiqOps(
