@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import envs, kernels
+from .auto import AutoPolicy
 from .errors import (
     CollectiveTimeoutError,
     CommAbortedError,
@@ -71,6 +72,8 @@ class Communicator:
             kernels.warm_up(self.device)
         self._calls = 0
         self.last_info: dict[str, Any] = {}
+        # scheme="auto": the measured link and codec rates and the calibration (dqcoll.auto)
+        self.auto = AutoPolicy()
         # what schemes remember across calls (calibration); every rank updates it identically
         self.scheme_state: dict[Any, Any] = {}
         self.closed = False

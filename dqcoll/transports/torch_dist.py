@@ -169,6 +169,17 @@ class TorchTransport:
             tensor.copy_(reduced.view(tensor.shape))
         self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
 
+    def native_allreduce(self, tensor: torch.Tensor, *, what: str) -> None:
+        """Sum ``tensor`` in place with the group's own all-reduce (gloo's or NCCL's: what DDP
+        runs without a hook; its result is the same on every rank), waiting at most the
+        transport's timeout. For large buffers where no compression pays (``scheme="auto"``);
+        the small all-reduces keep :meth:`allreduce`'s rank order."""
+        if self.world_size > 1 and tensor.numel():
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            assert work is not None
+            self._wait([("all_reduce with", -1, work)], what)
+        self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
+
     def barrier(self, *, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1), "sum", what=what)
 
