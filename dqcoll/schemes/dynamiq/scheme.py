@@ -292,20 +292,29 @@ class DynamiqScheme:
         return out.reshape(payload["shape"])
 
 
-def _work_buffer(ctx: CallContext, rows: int, device: torch.device) -> torch.Tensor | None:
-    """The fp32 ``[rows, 256]`` work buffer of a CPU call, kept by the communicator between
-    calls (None where there is no communicator state, or off the CPU: CUDA has torch's caching
-    allocator). Calls on one communicator run one at a time, and nothing reads a call's work
-    after its ``finish``. A fresh 64 MiB buffer per call cost page faults on first touch: 91 ms
-    for the centring pass vs ~15 ms into a reused one (2^24 coordinates, 2-core VM)."""
+def _state_buffer(ctx: CallContext, name: str, rows: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """An fp32 ``[rows, 256]`` buffer of a CPU call kept by the communicator between calls
+    under ``name`` (None where there is no communicator state, or off the CPU: CUDA has torch's
+    caching allocator). Calls on one communicator run one at a time, and nothing reads a call's
+    buffers after its ``finish``. A fresh 64 MiB buffer per call cost page faults on first
+    touch: 91 ms for the centring pass vs ~15 ms into a reused one (2^24 coordinates, 2-core
+    VM); the padded copy of an input whose length is no multiple of 256 cost 40 ms of
+    ``torch.zeros`` per 12.6 M coordinates. Each buffer holds the largest call seen so far on
+    its communicator (``ctx.state``), and goes with it."""
     if ctx.state is None or device.type != "cpu":
         return None
-    key = ("dynamiq.work", str(device))
+    key = (name, str(device))
     buffer = ctx.state.get(key)
     if not isinstance(buffer, torch.Tensor) or buffer.shape[0] < rows:
         buffer = torch.empty((rows, SUPER), dtype=torch.float32, device=device)
         ctx.state[key] = buffer
     return buffer[:rows]
+
+
+def _work_buffer(ctx: CallContext, rows: int, device: torch.device) -> torch.Tensor | None:
+    """The call's fp32 ``[rows, 256]`` work rows (see :func:`_state_buffer`)."""
+    return _state_buffer(ctx, "dynamiq.work", rows, device)
 
 
 def _runs(sorted_widths: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
@@ -375,8 +384,11 @@ class DynamiqCall:
             if numel == rows * SUPER and x.dtype == torch.float32 and x.is_contiguous():
                 flat = x.view(rows, SUPER)  # the input itself: read, never written below
             else:
-                flat = torch.zeros(rows, SUPER, dtype=torch.float32, device=device)
+                flat = _state_buffer(ctx, "dynamiq.input", rows, device)
+                if flat is None:
+                    flat = torch.empty(rows, SUPER, dtype=torch.float32, device=device)
                 flat.view(-1)[:numel] = x.reshape(-1)
+                flat.view(-1)[numel:] = 0.0  # the tail's padding
             row_start = torch.arange(rows, dtype=torch.int64) * SUPER
             valid = (numel - row_start).clamp(max=SUPER)
             row_chunk = torch.zeros(rows, dtype=torch.int64)
