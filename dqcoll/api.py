@@ -293,6 +293,14 @@ def _inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
     if tensor.device.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(
             f"{where} is on device {tensor.device}; dqcoll reads and writes cpu or cuda memory")
+    if tensor.device.type not in comm.devices:
+        # e.g. a CUDA tensor on a gloo communicator: gloo would be handed device memory
+        raise InvalidArgumentError(
+            f"{where} is on device {tensor.device}, but this communicator's transport "
+            f"({_transport_label(comm)}) moves {' and '.join(comm.devices)} tensors only: "
+            f"pass a tensor on {comm.devices[0]} (e.g. {name}.to({comm.devices[0]!r}), copied "
+            f"back after the call), or create the communicator for {tensor.device.type} "
+            f"tensors (dqcoll.init(backend='nccl'), or backend='torch' over an NCCL group)")
     if tensor.requires_grad:
         raise InvalidArgumentError(
             f"{where} requires grad (a {'leaf' if tensor.is_leaf else 'non-leaf'} of an "
@@ -304,6 +312,21 @@ def _inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
             f"call runs outside inference mode, where torch forbids writing it in place; call "
             f"under torch.inference_mode() (not with async_op=True) or pass a normal tensor")
     return tensor
+
+
+def _transport_label(comm: Communicator) -> str:
+    """The transport's name, with its torch.distributed backend where it has one."""
+    backend = getattr(comm.transport, "backend", None)
+    return f"{comm.transport.name}/{backend}" if backend else str(comm.transport.name)
+
+
+def _buffer_device(buf: Any, default: torch.device) -> torch.device:
+    """The device of ``buf``'s memory, or ``default`` where it cannot be told (the argument
+    check then reports the buffer)."""
+    try:
+        return as_torch_view(buf, name="buf").device
+    except Exception:
+        return default
 
 
 def _max_exponent(tensor: torch.Tensor) -> int:
@@ -386,7 +409,8 @@ def _run_checked(
     tile_nbytes: int | None,
     tiles_in_flight: int,
 ) -> None:
-    tile_nbytes = default_tile_nbytes(comm.device) if tile_nbytes is None else tile_nbytes
+    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
+        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
     call_step = comm.next_step()
     step = call_step if step is None else step
     seed = comm.seed if seed is None else seed
@@ -460,20 +484,32 @@ def _execute(collective: Collective, request: _Request, comm: Communicator, what
     else:
         assert out_tensor is not None
         target = out_tensor.view(-1)
+    # A stream-ordered transport (NCCL) returns before the data moved, and a timed-out or
+    # aborted transfer leaves garbage behind: decode into scratch and copy out only once the
+    # host saw every transfer complete (docs/gpu_transport.md).
+    deferred_copy = bool(getattr(comm.transport, "stream_ordered", False))
     if collective is Collective.REDUCE_SCATTER:
-        full = torch.empty_like(flat)
-        call.finish(full)
-        result = full.view(n, -1)[comm.rank]
+        finish_shard = getattr(call, "finish_shard", None)
+        if finish_shard is not None:  # decode this rank's shard only
+            result = torch.empty_like(target)
+            finish_shard(comm.rank, result)
+        else:
+            full = torch.empty_like(flat)
+            call.finish(full)
+            result = full.view(n, -1)[comm.rank]
+    elif shift or deferred_copy:
+        result = torch.empty_like(target)
+        call.finish(result)
+    else:
+        result = None
+        call.finish(target)
+    if deferred_copy:
+        comm.transport.synchronize(what=f"{what} (last transfers)")  # type: ignore[attr-defined]
+    if result is not None:
         if shift:
             _unscale_into(result, shift, target)
         else:
             target.copy_(result)
-    elif shift:
-        result = torch.empty_like(target)
-        call.finish(result)
-        _unscale_into(result, shift, target)
-    else:
-        call.finish(target)
     comm.last_info.update(call.info)
     if shift:
         comm.last_info["range_shift"] = shift

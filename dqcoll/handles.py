@@ -155,12 +155,14 @@ def shutdown(comm: Any) -> None:
         worker.stop()
 
 
-def drain(comm: Any) -> None:
+def drain(comm: Any, timeout_s: float | None = None) -> bool:
     """Wait until every asynchronous collective issued on ``comm`` so far has run (their errors
-    stay with their handles)."""
+    stay with their handles); False if ``timeout_s`` passed first."""
     worker = _WORKERS.get(comm)
     if worker is not None and worker.last is not None:
-        concurrent.futures.wait([worker.last])
+        done, _ = concurrent.futures.wait([worker.last], timeout=timeout_s)
+        return bool(done)
+    return True
 
 
 def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,
