@@ -149,10 +149,10 @@ class Communicator:
         is aborted), so the transport is never closed under a call that still posts to it."""
         from . import handles
 
-        self.closed = True
         timeout = 2 * float(getattr(self.transport, "timeout_s", envs.timeout_s()))
         if not handles.drain(self, timeout_s=timeout):
             self.transport.abort(f"close(): async collectives still running after {timeout:g} s")
+        self.closed = True
         handles.shutdown(self)
         self.transport.close()
         global _default

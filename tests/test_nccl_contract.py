@@ -16,7 +16,7 @@ import itertools
 import re
 import socket
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -114,7 +114,7 @@ class _RecordingCupyComm:
     """Stands in for a joined ``NcclCommunicator`` (needs a GPU); its methods carry the real
     parameter names (checked above)."""
 
-    def __init__(self, ndev: int = 0, commId: Any = None, rank: int = 0) -> None:  # noqa: N803
+    def __init__(self, ndev: int = 0, commId: Any = None, rank: int = 0) -> None:
         self.args = (ndev, commId, rank)
         self.calls: list[tuple[Any, ...]] = []
 
@@ -285,7 +285,7 @@ class _RecordingCommunicator:
     """Stands in for ``nccl.core.Communicator`` where a device is needed; ``init`` carries the
     real signature's parameter names (checked in the test)."""
 
-    inits: list[dict[str, Any]] = []
+    inits: ClassVar[list[dict[str, Any]]] = []
 
     @classmethod
     def init(cls, nranks: int, rank: int, unique_id: Any, config: Any = None) -> Any:

@@ -510,7 +510,6 @@ class DynamiqCall:
         used = set(np.flatnonzero(np.bincount(widths.numpy(), minlength=1)).tolist())
         for class_widths in (self.hop or {}).values():
             used |= set(np.flatnonzero(np.bincount(class_widths.numpy(), minlength=1)).tolist())
-        self.kernels["allocation"] = self.allocation.kernel
         if not self.ops.implements(self.config.scales, used):
             _warn_once(f"dynamiq: the {self.ops.name} kernels do not implement widths "
                        f"{sorted(used)} with {self.config.scales.value} scales; such calls run "
@@ -626,6 +625,9 @@ class DynamiqCall:
             "target_met": self.allocation.target_met,
             "widths": counts,
             "kernels": self.kernels,  # the same dict: the codec steps add themselves as they run
+            # the bit allocation (host code): "numba" where the compiled bisection ran, "torch"
+            # for the torch allocation (hop widths, fine width sets, target mode: the defaults)
+            "allocation_impl": self.allocation.kernel,
         }
 
     def _decode_restore(self, out: torch.Tensor) -> None:
