@@ -299,8 +299,9 @@ def _inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
             f"{where} is on device {tensor.device}, but this communicator's transport "
             f"({_transport_label(comm)}) moves {' and '.join(comm.devices)} tensors only: "
             f"pass a tensor on {comm.devices[0]} (e.g. {name}.to({comm.devices[0]!r}), copied "
-            f"back after the call), or create the communicator for {tensor.device.type} "
-            f"tensors (dqcoll.init(backend='nccl'), or backend='torch' over an NCCL group)")
+            f"back after the call), or create a communicator for {tensor.device.type} tensors "
+            + ("(dqcoll.init(backend='nccl'), or backend='torch' over an NCCL group)"
+               if tensor.device.type == "cuda" else "(dqcoll.init(backend='gloo'))"))
     if tensor.requires_grad:
         raise InvalidArgumentError(
             f"{where} requires grad (a {'leaf' if tensor.is_leaf else 'non-leaf'} of an "

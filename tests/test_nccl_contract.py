@@ -16,6 +16,7 @@ import itertools
 import re
 import socket
 import threading
+import time
 from typing import Any, ClassVar
 
 import pytest
@@ -355,3 +356,298 @@ def test_each_backend_says_no_gpu(backend: str, expected: str) -> None:
     assert expected in str(info.value), info.value
     assert cupy_nccl.nccl_unavailable_reason() is not None
     assert nccl4py.nccl4py_unavailable_reason() is not None
+
+
+# -- the transport on the host: both bindings over fakes of a joined communicator ------------------
+#
+# A joined communicator needs a GPU; these fakes carry NCCL's point-to-point semantics on the host
+# instead (a receive completes when the matching send arrives, in order per pair; groupEnd waits
+# for the group's receives, with a deadline) and the real libraries' method signatures (checked
+# first). The transports, their bindings and everything above them are the real code.
+
+
+class _FakeNet:
+    """Byte mailboxes between ranks: a send copies its bytes out at once, a receive is filled
+    when the matching send is there (FIFO per pair)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.data: dict[tuple[int, int], list[bytes]] = {}
+        self.waiting: dict[tuple[int, int], list[tuple[int, int, threading.Event]]] = {}
+        self.group = threading.local()
+
+    def _match(self, pair: tuple[int, int]) -> None:
+        import ctypes
+
+        data, waiting = self.data.setdefault(pair, []), self.waiting.setdefault(pair, [])
+        while data and waiting:
+            payload = data.pop(0)
+            ptr, count, done = waiting.pop(0)
+            assert len(payload) == count, f"{pair}: {len(payload)} bytes sent, {count} expected"
+            ctypes.memmove(ptr, payload, count)
+            done.set()
+
+    def send(self, src: int, dst: int, ptr: int, count: int) -> None:
+        import ctypes
+
+        with self.lock:
+            self.data.setdefault((src, dst), []).append(ctypes.string_at(ptr, count))
+            self._match((src, dst))
+
+    def recv(self, dst: int, src: int, ptr: int, count: int) -> None:
+        done = threading.Event()
+        with self.lock:
+            self.waiting.setdefault((src, dst), []).append((ptr, count, done))
+            self._match((src, dst))
+        self.group.pending.append(done)
+
+    def group_start(self) -> None:
+        self.group.pending = []
+
+    def group_end(self) -> None:
+        for done in self.group.pending:
+            if not done.wait(20):
+                raise RuntimeError("fake NCCL: a receive did not complete within 20 s")
+
+
+class _FakeCupyComm(_RecordingCupyComm):
+    """A joined CuPy communicator on the host (signatures: _RecordingCupyComm's, checked)."""
+
+    def __init__(self, net: _FakeNet, rank: int) -> None:
+        super().__init__()
+        self.net, self.rank = net, rank
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        assert datatype == cupy_nccl_module.NCCL_UINT8
+        self.net.send(self.rank, peer, sendbuf, count)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        assert datatype == cupy_nccl_module.NCCL_UINT8
+        self.net.recv(self.rank, peer, recvbuf, count)
+
+
+class _FakeNccl4pyComm:
+    """A joined nccl4py Communicator on the host (send/recv signatures checked below)."""
+
+    def __init__(self, net: _FakeNet, rank: int) -> None:
+        self.net, self.rank = net, rank
+        self.destroyed = False
+
+    def send(self, sendbuf: Any, peer: int, *, stream: Any = None) -> None:
+        self.net.send(self.rank, peer, sendbuf.data_ptr(), sendbuf.numel())
+
+    def recv(self, recvbuf: Any, peer: int, *, stream: Any = None) -> None:
+        self.net.recv(self.rank, peer, recvbuf.data_ptr(), recvbuf.numel())
+
+    def get_async_error(self) -> int:
+        return 0
+
+    def abort(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+class _HostEvent:
+    def __init__(self, done: bool = True) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _HostStreams:
+    """CudaStreams on the host: one "stream" whose work is done when posted."""
+
+    def __init__(self, complete: bool = True) -> None:
+        self.complete = complete
+
+    def current_handle(self) -> int:
+        return 0
+
+    def record(self) -> Any:
+        return _HostEvent(self.complete)
+
+    def scope(self) -> Any:
+        return _NullContext()
+
+    def bind_thread(self) -> None:
+        pass
+
+
+def test_host_fakes_match_the_real_signatures() -> None:
+    """Every fake used below has the parameters of what it replaces: CuPy's send/recv (its
+    docstring signature), nccl4py's Communicator.send/recv, the transport's CudaStreams, and
+    torch.cuda.Event.query."""
+    for name in ("send", "recv"):
+        ours = list(inspect.signature(getattr(_FakeCupyComm, name)).parameters)
+        assert ours == _doc_params(getattr(cupy_nccl_module.NcclCommunicator, name)), name
+        real = inspect.signature(getattr(nccl_core.Communicator, name)).parameters
+        fake = inspect.signature(getattr(_FakeNccl4pyComm, name)).parameters
+        assert [(p.name, p.kind) for p in fake.values()] == [
+            (p.name, p.kind) for p in real.values()], name
+    for name in ("current_handle", "record", "scope", "bind_thread"):
+        assert inspect.signature(getattr(_HostStreams, name)) == inspect.signature(
+            getattr(nccl_common.CudaStreams, name)), name
+    assert list(inspect.signature(_HostEvent.query).parameters) == list(
+        inspect.signature(torch.cuda.Event.query).parameters)
+
+
+class _FakeCupyModule:
+    NCCL_UINT8 = 1
+
+    def __init__(self, net: _FakeNet) -> None:
+        self.groupStart, self.groupEnd = net.group_start, net.group_end
+
+
+class _FakeCore:
+    def __init__(self, net: _FakeNet) -> None:
+        self.group_start, self.group_end = net.group_start, net.group_end
+
+    @staticmethod
+    def get_error_string(result: Any) -> str:
+        return ""
+
+
+def _host_transport(binding: str, net: _FakeNet, rank: int, world_size: int) -> Any:
+    kwargs = dict(rank=rank, world_size=world_size, device=torch.device("cpu"), timeout_s=20.0,
+                  streams=_HostStreams())
+    transport: Any
+    if binding == "nccl-cupy":
+        transport = cupy_nccl.NcclTransport(_FakeCupyComm(net, rank),
+                                            nccl_module=_FakeCupyModule(net), **kwargs)
+    else:
+        transport = nccl4py.Nccl4pyTransport(_FakeNccl4pyComm(net, rank), core=_FakeCore(net),
+                                             **kwargs)
+    transport.devices = ("cpu",)  # host memory stands in for the GPU's
+    return transport
+
+
+def _collectives(comm: Any) -> dict[str, torch.Tensor]:
+    n, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(50 + rank)
+    base = torch.randn(3 * 2048 + 6, generator=g) * 3
+    results = {}
+    for algorithm in ("ring", "butterfly"):
+        x = base.clone()
+        dqcoll.allreduce(x, scheme="dynamiq", algorithm=algorithm, seed=4, step=1,
+                         tile_nbytes=4096, comm=comm)
+        results[f"allreduce/{algorithm}"] = x
+    out = torch.empty(base.numel() // n)
+    dqcoll.reduce_scatter(base.clone(), out, algorithm="ring", seed=4, step=1, comm=comm)
+    results["reduce_scatter"] = out
+    small = torch.arange(7, dtype=torch.float32) * (rank + 1) + 0.1
+    comm.transport.allreduce(small, "sum", what="small")
+    results["small"] = small
+    comm.barrier()
+    return results
+
+
+@pytest.mark.parametrize("binding", ["nccl-cupy", "nccl4py"])
+def test_both_bindings_give_the_local_transports_bits(binding: str) -> None:
+    """Three ranks over each NCCL transport (real transport and binding code, the joined
+    communicator faked on the host) run dynamiq all-reduces (ring, butterfly; tiled),
+    a reduce-scatter, the small rank-order all-reduce and a barrier: every result is bit for bit
+    what the ``local`` transport gives, then close() destroys each communicator once."""
+    from dqcoll.comm import Communicator
+    from dqcoll.testing import run_local
+
+    n = 3
+    expected = run_local(n, _collectives)
+    net = _FakeNet()
+    transports = [_host_transport(binding, net, r, n) for r in range(n)]
+    actual = _run_ranks(n, lambda r: _collectives(Communicator(transports[r], device="cpu")))
+    for rank in range(n):
+        for key, value in expected[rank].items():
+            assert torch.equal(actual[rank][key], value), (binding, rank, key)
+    for transport in transports:
+        transport.close()
+        transport.close()  # idempotent
+    if binding == "nccl-cupy":
+        assert all(t.comm.calls.count(("destroy",)) == 1 for t in transports)
+    else:
+        assert all(t.comm.destroyed for t in transports)
+
+
+class _SlowComm(_RecordingCupyComm):
+    """A CuPy communicator whose calls take time and record when they ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[str, float, float]] = []
+        self.watchdog_alive_at_destroy: bool | None = None
+        self.transport: Any = None
+
+    def _span(self, name: str, seconds: float) -> None:
+        start = time.monotonic()
+        time.sleep(seconds)
+        self.spans.append((name, start, time.monotonic()))
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._span("send", 0.03)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._span("recv", 0.03)
+
+    def abort(self) -> None:
+        self._span("abort", 0.0)
+
+    def destroy(self) -> None:
+        self.watchdog_alive_at_destroy = self.transport._watchdog.is_alive()
+        self._span("destroy", 0.0)
+
+
+def test_watchdog_abort_never_overlaps_a_post_and_close_joins_it() -> None:
+    """A group that never completes times out while another thread keeps posting: the
+    watchdog's abort runs between posts, never inside one (one lock around every call into the
+    communicator), posts after it raise without touching the communicator, the caller's host
+    wait raises the timeout naming the step, and close() joins the watchdog before it would
+    destroy (it does not: an aborted communicator is already freed)."""
+    import time as clock
+
+    comm = _SlowComm()
+    transport = cupy_nccl.NcclTransport(
+        comm, rank=0, world_size=2, device=torch.device("cpu"), timeout_s=0.2,
+        nccl_module=_FakeCupyModule(_FakeNet()), streams=_HostStreams(complete=False))
+    transport.binding.nccl = types_namespace(NCCL_UINT8=1, groupStart=lambda: None,
+                                             groupEnd=lambda: None)
+    comm.transport = transport
+    payload = torch.zeros(64, dtype=torch.uint8)
+    errors: list[BaseException] = []
+
+    def poster() -> None:
+        deadline = clock.monotonic() + 2.0
+        step = 0
+        while clock.monotonic() < deadline:
+            try:
+                transport.exchange([(1, payload)], [(1, torch.empty(64, dtype=torch.uint8))],
+                                   what=f"allreduce#0 reduce step {step}")
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            step += 1
+
+    thread = threading.Thread(target=poster)
+    thread.start()
+    thread.join(timeout=10)
+    assert errors and isinstance(errors[0], dqcoll.errors.CollectiveTimeoutError), errors
+    assert "allreduce#0 reduce step 0" in str(errors[0])
+    transport._watchdog.join(timeout=5)  # it returns once it has aborted
+    aborts = [s for s in comm.spans if s[0] == "abort"]
+    assert len(aborts) == 1
+    at = aborts[0][1]
+    inside = [s for s in comm.spans if s[0] != "abort" and s[1] < at < s[2]]
+    assert not inside, inside
+    assert not [s for s in comm.spans if s[0] != "abort" and s[1] > at]  # nothing posted after
+    with pytest.raises(dqcoll.errors.CollectiveTimeoutError):
+        transport.synchronize()
+    transport.close()
+    assert not transport._watchdog.is_alive()
+    assert comm.watchdog_alive_at_destroy is None  # aborted: never destroyed as well
+
+
+def types_namespace(**attrs: Any) -> Any:
+    import types
+
+    return types.SimpleNamespace(**attrs)
