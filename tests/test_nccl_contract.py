@@ -492,6 +492,16 @@ def test_host_fakes_match_the_real_signatures() -> None:
             getattr(nccl_common.CudaStreams, name)), name
     assert list(inspect.signature(_HostEvent.query).parameters) == list(
         inspect.signature(torch.cuda.Event.query).parameters)
+    # the module-level parts: CuPy's group calls and byte type, nccl4py's group calls
+    assert _FakeCupyModule.NCCL_UINT8 == cupy_nccl_module.NCCL_UINT8
+    for name in ("groupStart", "groupEnd"):
+        assert _doc_params(getattr(cupy_nccl_module, name)) == [], name
+    for name in ("group_start", "group_end"):
+        real = [p for p in inspect.signature(getattr(nccl_core, name)).parameters.values()
+                if p.default is inspect.Parameter.empty]
+        assert real == [], name  # called with no argument, as the binding does
+    assert list(inspect.signature(_FakeCore.get_error_string).parameters) == list(
+        inspect.signature(nccl_core.get_error_string).parameters)
 
 
 class _FakeCupyModule:
@@ -506,7 +516,7 @@ class _FakeCore:
         self.group_start, self.group_end = net.group_start, net.group_end
 
     @staticmethod
-    def get_error_string(result: Any) -> str:
+    def get_error_string(nccl_result: Any) -> str:
         return ""
 
 

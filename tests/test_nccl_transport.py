@@ -111,6 +111,14 @@ def test_each_missing_piece_is_named(monkeypatch: pytest.MonkeyPatch, device_cou
                                      nccl_available: bool, expected: str) -> None:
     """CuPy importable but no usable GPU, no visible GPU, or no NCCL library: the reason names
     the missing piece, and init_transport raises UnsupportedError carrying it."""
+    try:  # the fake's surface is the real CuPy's (where CuPy is installed)
+        import cupy as real_cupy
+        from cupy.cuda import nccl as real_nccl
+
+        assert callable(real_cupy.cuda.runtime.getDeviceCount)
+        assert isinstance(real_nccl.available, bool)
+    except ImportError:
+        pass
     _fake_cupy(monkeypatch, device_count=device_count, nccl_available=nccl_available)
     reason = cupy_nccl.nccl_unavailable_reason()
     assert reason is not None and expected in reason, reason
