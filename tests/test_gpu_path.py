@@ -202,7 +202,7 @@ def test_torch_backend_over_nccl_group_defaults_to_the_gpu(
         with pytest.raises(InvalidArgumentError, match="cuda tensors only"):
             dqcoll.allreduce(torch.zeros(4096), comm=comm)  # a CPU tensor on an NCCL group
     finally:
-        comm.closed = True
+        comm.close()
 
 
 def test_gloo_backend_refuses_an_existing_nccl_group(
