@@ -11,7 +11,8 @@ all-reduce, the watchdog and the lock are those of :mod:`.nccl_common`.
 tuple of 128 signed ints both ways) both work: the id travels as bytes and
 :func:`unique_id_argument` converts it to the form the installed CuPy's constructor takes, read
 off its signature. Contract-tested against the real CuPy 14 on CPU (tests/test_nccl_contract.py);
-CuPy 13 by the signature it documents. CuPy 12 and older are refused by the same check.
+CuPy 13.6 checked by hand on CPU (docs/gpu_transport.md). Older CuPy documenting the same tuple
+signature takes the CuPy 13 path untested; one whose signature says neither is refused.
 
 The module imports without CuPy; :func:`nccl_unavailable_reason` says why NCCL cannot run here and
 :func:`init_transport` raises :class:`~dqcoll.errors.UnsupportedError` with that reason.
