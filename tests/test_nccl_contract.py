@@ -661,3 +661,20 @@ def types_namespace(**attrs: Any) -> Any:
     import types
 
     return types.SimpleNamespace(**attrs)
+
+
+@requires_no_gpu
+@pytest.mark.parametrize("binding", ["nccl-cupy", "nccl4py"])
+def test_a_failing_communicator_init_names_the_rank(binding: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real constructor, handed the real id, fails for want of a GPU (NCCL's "unhandled
+    cuda error"): init_transport raises CommAbortedError naming the rank, the binding and the
+    device, not the library's bare error. Only the device selection is stubbed."""
+    _stub_device_selection(monkeypatch)
+    monkeypatch.setattr(cupy_nccl, "_import_nccl", lambda: cupy_nccl_module)
+    monkeypatch.setattr(nccl4py, "_import_core", lambda: nccl_core)
+    module = cupy_nccl if binding == "nccl-cupy" else nccl4py
+    with pytest.raises(dqcoll.errors.CommAbortedError,
+                       match=r"rank 0 of 1: ncclCommInitRank through (CuPy|nccl4py) on cuda:0"):
+        module.init_transport(rank=0, world_size=1, master_addr="127.0.0.1",
+                              master_port=_free_port(), timeout_s=10)

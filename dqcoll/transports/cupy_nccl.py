@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import envs
-from ..errors import UnsupportedError
+from ..errors import CommAbortedError, UnsupportedError
 from .nccl_common import (
     UNIQUE_ID_NBYTES,
     StreamOrderedNcclTransport,
@@ -214,6 +214,11 @@ def init_transport(
                            store=store)
     unique_id = exchange_unique_id(lambda: unique_id_bytes(nccl), plan.store, plan.rank,
                                    plan.key, timeout)
-    comm = create_communicator(nccl, plan.world_size, unique_id, plan.rank, plan.device)
+    try:
+        comm = create_communicator(nccl, plan.world_size, unique_id, plan.rank, plan.device)
+    except Exception as exc:  # NCCL could not start (library, driver, network)
+        raise CommAbortedError(
+            f"rank {plan.rank} of {plan.world_size}: ncclCommInitRank through CuPy on "
+            f"{plan.device} failed: {type(exc).__name__}: {exc}") from exc
     return NcclTransport(comm, rank=plan.rank, world_size=plan.world_size, device=plan.device,
                          timeout_s=timeout, store=plan.store, nccl_module=nccl)

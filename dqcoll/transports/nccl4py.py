@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import envs
-from ..errors import UnsupportedError
+from ..errors import CommAbortedError, UnsupportedError
 from .nccl_common import StreamOrderedNcclTransport, exchange_unique_id, plan_rendezvous
 
 __all__ = ["Nccl4pyBinding", "Nccl4pyTransport", "init_transport", "nccl4py_unavailable_reason"]
@@ -158,6 +158,11 @@ def init_transport(
                            store=store)
     unique_id = exchange_unique_id(lambda: unique_id_bytes(core), plan.store, plan.rank,
                                    plan.key, timeout)
-    comm = create_communicator(core, plan.world_size, unique_id, plan.rank, plan.device)
+    try:
+        comm = create_communicator(core, plan.world_size, unique_id, plan.rank, plan.device)
+    except Exception as exc:  # NCCL could not start (library, driver, network)
+        raise CommAbortedError(
+            f"rank {plan.rank} of {plan.world_size}: ncclCommInitRank through nccl4py on "
+            f"{plan.device} failed: {type(exc).__name__}: {exc}") from exc
     return Nccl4pyTransport(comm, rank=plan.rank, world_size=plan.world_size,
                             device=plan.device, timeout_s=timeout, store=plan.store, core=core)
