@@ -22,8 +22,9 @@ rank still reaches the others as a PeerError rather than a hang).
 
 Lifetime: the worker thread starts with a communicator's first asynchronous call and ends when
 the communicator is closed or garbage-collected (after the jobs already queued), so short-lived
-communicators do not leave threads behind. The thread holds no reference to the communicator
-between jobs.
+communicators do not leave threads behind. ``Communicator.close()`` first waits for the queued
+jobs (:func:`drain`, bounded), so the transport is never closed under one. The thread holds no
+reference to the communicator between jobs.
 
 Rejected: running the collective in the caller's thread and only deferring the final copy. The
 executor's codec work is host-driven (one Python call per hop and tile), so only a thread frees
