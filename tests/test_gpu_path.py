@@ -449,3 +449,28 @@ def test_gpu_check_keeps_earlier_sections_when_one_runs_out_of_time(tmp_path: Pa
     assert killed.returncode == 124
     assert (out / "gpu_check" / "fast.json").exists()
     assert "slow started" in (out / "gpu_check" / "slow.log").read_text()
+
+
+@pytest.mark.gpu
+def test_ranks_on_the_second_gpu_launch_there() -> None:
+    """(Two GPUs.) Ranks whose communicator and tensors are on cuda:1, while every thread's
+    current device is 0, get exactly the CPU run's bits: their warm-up and every kernel launch on
+    cuda:1, where the data is (issue 29, item 1)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    torch.cuda.set_device(0)
+
+    def on_gpu(comm: Any) -> torch.Tensor:
+        torch.cuda.set_device(0)  # each rank thread: current device 0, data on 1
+        x = _data(comm.rank, 3 * 4096 + 5).to("cuda:1")
+        dqcoll.allreduce(x, seed=1, step=0)
+        return x.cpu()
+
+    def on_cpu(comm: Any) -> torch.Tensor:
+        x = _data(comm.rank, 3 * 4096 + 5)
+        dqcoll.allreduce(x, seed=1, step=0)
+        return x
+
+    for rank, (got, expected) in enumerate(zip(run_local(2, on_gpu, device="cuda:1"),
+                                               run_local(2, on_cpu), strict=True)):
+        assert torch.equal(got, expected), rank
