@@ -678,3 +678,25 @@ def test_a_failing_communicator_init_names_the_rank(binding: str,
                        match=r"rank 0 of 1: ncclCommInitRank through (CuPy|nccl4py) on cuda:0"):
         module.init_transport(rank=0, world_size=1, master_addr="127.0.0.1",
                               master_port=_free_port(), timeout_s=10)
+
+
+def test_nccl4py_async_error_codes() -> None:
+    """Nccl4pyBinding.check_async_error reads nccl4py's real result codes: ncclSuccess and
+    ncclInProgress are no error; any other code raises with its name and NCCL's own description
+    (``get_error_string``, the real one)."""
+    from nccl.bindings import nccl as bindings
+
+    class Comm:
+        def __init__(self, result: Any) -> None:
+            self.result = result
+
+        def get_async_error(self) -> Any:
+            return self.result
+
+    assert list(inspect.signature(Comm.get_async_error).parameters) == list(
+        inspect.signature(nccl_core.Communicator.get_async_error).parameters)
+    for ok in (bindings.Result.Success, bindings.Result.InProgress):
+        nccl4py.Nccl4pyBinding(Comm(ok), nccl_core).check_async_error()
+    with pytest.raises(RuntimeError, match="RemoteError") as info:
+        nccl4py.Nccl4pyBinding(Comm(bindings.Result.RemoteError), nccl_core).check_async_error()
+    assert nccl_core.get_error_string(bindings.Result.RemoteError) in str(info.value)
