@@ -150,12 +150,17 @@ section_nccl() {
     "$PY" - <<'EOF' || return 1
 import sys
 from dqcoll.transports.cupy_nccl import nccl_unavailable_reason
-reason = nccl_unavailable_reason()
-if reason is not None:
-    print("NCCL cannot run here:", reason)
-    sys.exit(1)
-from cupy.cuda import nccl
-print("cupy NCCL available, NCCL version", nccl.get_version())
+from dqcoll.transports.nccl4py import nccl4py_unavailable_reason
+reasons = {"nccl-cupy": nccl_unavailable_reason(), "nccl4py": nccl4py_unavailable_reason()}
+for binding, reason in reasons.items():
+    print(f"{binding}: {'available' if reason is None else 'cannot run here: ' + reason}")
+if reasons["nccl-cupy"] is None:
+    from cupy.cuda import nccl
+    print("CuPy's NCCL version", nccl.get_version())
+if reasons["nccl4py"] is None:
+    import nccl.core
+    print("nccl4py's NCCL version", nccl.core.get_version())
+sys.exit(0 if None in reasons.values() else 1)
 EOF
     # tests/test_nccl_transport.py runs its NCCL cases over nccl4py and over CuPy's bindings
     "$PY" -m pytest -q -p no:cacheprovider -m "multi_rank_gpu or gpu" -rs \
