@@ -486,31 +486,32 @@ def _execute(collective: Collective, request: _Request, comm: Communicator, what
         assert out_tensor is not None
         target = out_tensor.view(-1)
     # A stream-ordered transport (NCCL) returns before the data moved, and a timed-out or
-    # aborted transfer leaves garbage behind: decode into scratch and copy out only once the
-    # host saw every transfer complete (docs/gpu_transport.md).
-    deferred_copy = bool(getattr(comm.transport, "stream_ordered", False))
+    # aborted transfer leaves garbage behind: the host waits (with the timeout) until every
+    # transfer of the call completed before anything is written to the caller's buffers, so a
+    # failure raises here with the buffers untouched (docs/gpu_transport.md). Waiting before
+    # the final decode rather than decoding into scratch first saves a buffer-sized copy.
+    if getattr(comm.transport, "stream_ordered", False):
+        comm.transport.synchronize(what=f"{what} (last transfers)")  # type: ignore[attr-defined]
+    result: torch.Tensor | None = None
     if collective is Collective.REDUCE_SCATTER:
         finish_shard = getattr(call, "finish_shard", None)
         if finish_shard is not None:  # decode this rank's shard only
-            result = torch.empty_like(target)
+            result = torch.empty_like(target) if shift else target
             finish_shard(comm.rank, result)
         else:
             full = torch.empty_like(flat)
             call.finish(full)
             result = full.view(n, -1)[comm.rank]
-    elif shift or deferred_copy:
+    elif shift:
         result = torch.empty_like(target)
         call.finish(result)
     else:
-        result = None
         call.finish(target)
-    if deferred_copy:
-        comm.transport.synchronize(what=f"{what} (last transfers)")  # type: ignore[attr-defined]
-    if result is not None:
-        if shift:
-            _unscale_into(result, shift, target)
-        else:
-            target.copy_(result)
+    if shift:
+        assert result is not None
+        _unscale_into(result, shift, target)
+    elif result is not None and result is not target:
+        target.copy_(result)
     comm.last_info.update(call.info)
     if shift:
         comm.last_info["range_shift"] = shift
