@@ -140,7 +140,10 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
     # tensors' (its pointer check accepts any GPU's memory): make the tensors' device current for
     # the launch, so that a communicator on cuda:1, or a thread that never called set_device,
     # launches on the GPU that holds the data, on the caller's stream of that GPU.
-    with torch.cuda.device(_launch_device(args)):
+    device = _launch_device(args)
+    # (meta tensors: benchmarks/kernels_aot.py captures launches without a GPU)
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
         # Rank threads of the local transport may hit a kernel's first (compiling) launch at once.
         with _COMPILE_LOCK:
             kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, **compile_options())
