@@ -115,10 +115,14 @@ def test_u_hint_is_not_a_scheme_option() -> None:
 # -- reduce-scatter ---------------------------------------------------------------------------
 
 
-def test_reduce_scatter_decodes_only_its_shard(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dynamiq reduce-scatter restores only this rank's shard (``finish_shard``): the
-    whole-buffer ``finish`` is never called, and the shard equals the matching part of the
-    all-reduce with the same arguments, on every rank (3 ranks, shards of 5 super-groups + 7)."""
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_reduce_scatter_decodes_only_its_shard(monkeypatch: pytest.MonkeyPatch,
+                                               kernels: str) -> None:
+    """A dynamiq reduce-scatter restores only this rank's shard (``finish_shard``, with the
+    compiled restore and with the torch one): the whole-buffer ``finish`` is never called, and
+    the shard equals the matching part of the all-reduce with the same arguments, on every rank
+    (3 ranks, shards of 5 super-groups + 7)."""
+    monkeypatch.setenv("DQCOLL_KERNELS", kernels)
     n, numel = 3, 3 * (5 * 256 + 7)
 
     def allreduce(comm: Any) -> torch.Tensor:
@@ -141,7 +145,7 @@ def test_reduce_scatter_decodes_only_its_shard(monkeypatch: pytest.MonkeyPatch) 
     for rank, ((out, ran), part) in enumerate(zip(shards, parts, strict=True)):
         assert not torch.isnan(out).any(), rank
         assert torch.equal(out, part), rank
-        assert "restore" in ran, ran
+        assert ran["restore"] == ("torch" if kernels == "torch" else "numba"), ran
 
 
 # -- device routing ------------------------------------------------------------------------------
