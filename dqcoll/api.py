@@ -306,6 +306,15 @@ def _inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
     if tensor.device.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(
             f"{where} is on device {tensor.device}; dqcoll reads and writes cpu or cuda memory")
+    if tensor.device.type not in comm.devices:
+        # e.g. a CUDA tensor on a gloo communicator: gloo would be handed device memory
+        raise InvalidArgumentError(
+            f"{where} is on device {tensor.device}, but this communicator's transport "
+            f"({_transport_label(comm)}) moves {' and '.join(comm.devices)} tensors only: "
+            f"pass a tensor on {comm.devices[0]} (e.g. {name}.to({comm.devices[0]!r}), copied "
+            f"back after the call), or create a communicator for {tensor.device.type} tensors "
+            + ("(dqcoll.init(backend='nccl'), or backend='torch' over an NCCL group)"
+               if tensor.device.type == "cuda" else "(dqcoll.init(backend='gloo'))"))
     if tensor.requires_grad:
         raise InvalidArgumentError(
             f"{where} requires grad (a {'leaf' if tensor.is_leaf else 'non-leaf'} of an "
@@ -317,6 +326,21 @@ def _inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
             f"call runs outside inference mode, where torch forbids writing it in place; call "
             f"under torch.inference_mode() (not with async_op=True) or pass a normal tensor")
     return tensor
+
+
+def _transport_label(comm: Communicator) -> str:
+    """The transport's name, with its torch.distributed backend where it has one."""
+    backend = getattr(comm.transport, "backend", None)
+    return f"{comm.transport.name}/{backend}" if backend else str(comm.transport.name)
+
+
+def _buffer_device(buf: Any, default: torch.device) -> torch.device:
+    """The device of ``buf``'s memory, or ``default`` where it cannot be told (the argument
+    check then reports the buffer)."""
+    try:
+        return as_torch_view(buf, name="buf").device
+    except Exception:
+        return default
 
 
 def _max_exponent(tensor: torch.Tensor) -> int:
@@ -404,7 +428,8 @@ def _run_checked(
                   seed=seed, step=step, scheme_options=scheme_options, tile_nbytes=tile_nbytes,
                   tiles_in_flight=tiles_in_flight)
         return
-    tile_nbytes = default_tile_nbytes(comm.device) if tile_nbytes is None else tile_nbytes
+    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
+        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
     call_step = comm.next_step()
     step = call_step if step is None else step
     seed = comm.seed if seed is None else seed
@@ -461,7 +486,8 @@ def _run_auto(
             f"rank {comm.rank}: scheme='auto' is for allreduce and reduce_scatter (an "
             f"all-gather's bytes are set by the scheme its shards were made with)")
     start = time.perf_counter()
-    tile_nbytes = default_tile_nbytes(comm.device) if tile_nbytes is None else tile_nbytes
+    if tile_nbytes is None:
+        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
     call_step = comm.next_step()
     step = call_step if step is None else step
     seed = comm.seed if seed is None else seed
@@ -595,20 +621,33 @@ def _execute(collective: Collective, request: _Request, comm: Communicator, what
     else:
         assert out_tensor is not None
         target = out_tensor.view(-1)
+    # A stream-ordered transport (NCCL) returns before the data moved, and a timed-out or
+    # aborted transfer leaves garbage behind: the host waits (with the timeout) until every
+    # transfer of the call completed before anything is written to the caller's buffers, so a
+    # failure raises here with the buffers untouched (docs/gpu_transport.md). Waiting before
+    # the final decode rather than decoding into scratch first saves a buffer-sized copy.
+    if getattr(comm.transport, "stream_ordered", False):
+        comm.transport.synchronize(what=f"{what} (last transfers)")  # type: ignore[attr-defined]
+    result: torch.Tensor | None = None
     if collective is Collective.REDUCE_SCATTER:
-        full = torch.empty_like(flat)
-        call.finish(full)
-        result = full.view(n, -1)[comm.rank]
-        if shift:
-            _unscale_into(result, shift, target)
+        finish_shard = getattr(call, "finish_shard", None)
+        if finish_shard is not None:  # decode this rank's shard only
+            result = torch.empty_like(target) if shift else target
+            finish_shard(comm.rank, result)
         else:
-            target.copy_(result)
+            full = torch.empty_like(flat)
+            call.finish(full)
+            result = full.view(n, -1)[comm.rank]
     elif shift:
         result = torch.empty_like(target)
         call.finish(result)
-        _unscale_into(result, shift, target)
     else:
         call.finish(target)
+    if shift:
+        assert result is not None
+        _unscale_into(result, shift, target)
+    elif result is not None and result is not target:
+        target.copy_(result)
     comm.last_info.update(call.info)
     if shift:
         comm.last_info["range_shift"] = shift
