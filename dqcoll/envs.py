@@ -18,6 +18,7 @@ from .errors import InvalidArgumentError
 
 __all__ = [
     "ENV_VARS",
+    "auto_force",
     "check_timeout_s",
     "cpu_threads",
     "kernels",
@@ -55,6 +56,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DQCOLL_TUNING_DIR": (
         "",
         "Extra directory searched for tuned algorithm tables before the packaged ones.",
+    ),
+    "DQCOLL_AUTO_FORCE": (
+        "",
+        "none | bf16 | dynamiq: what scheme='auto' runs on every call, whatever its model "
+        "predicts (last_info['auto'] still reports the predictions). Empty: the model decides.",
     ),
 }
 
@@ -135,4 +141,18 @@ def tuning_dir() -> str:
     if value and not os.path.isdir(value):
         raise InvalidArgumentError(
             f"DQCOLL_TUNING_DIR must name a directory (or be empty), got {value!r}")
+    return value
+
+
+AUTO_CHOICES = ("none", "bf16", "dynamiq")
+
+
+def auto_force() -> str | None:
+    """The DQCOLL_AUTO_FORCE setting, or None (see ENV_VARS)."""
+    value = _get("DQCOLL_AUTO_FORCE").strip().lower()
+    if not value:
+        return None
+    if value not in AUTO_CHOICES:
+        raise InvalidArgumentError(
+            f"DQCOLL_AUTO_FORCE must be one of {', '.join(AUTO_CHOICES)} or empty, got {value!r}")
     return value

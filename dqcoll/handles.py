@@ -23,8 +23,9 @@ rank still reaches the others as a PeerError rather than a hang).
 Lifetime: the worker thread starts with a communicator's first asynchronous call (never on a
 closed or dead communicator: that call's handle holds the error) and ends when
 the communicator is closed or garbage-collected (after the jobs already queued), so short-lived
-communicators do not leave threads behind. The thread holds no reference to the communicator
-between jobs.
+communicators do not leave threads behind. ``Communicator.close()`` first waits for the queued
+jobs (:func:`drain`, bounded), so the transport is never closed under one. The thread holds no
+reference to the communicator between jobs.
 
 Rejected: running the collective in the caller's thread and only deferring the final copy. The
 executor's codec work is host-driven (one Python call per hop and tile), so only a thread frees
@@ -87,6 +88,13 @@ class CollectiveHandle:
             if stream is not None:
                 stream.wait_event(done)
         return self._result
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], None]) -> None:
+        """Call ``fn(future)`` once the collective has run on the host (on the worker thread,
+        before its next collective; at once if it already has). ``future.exception()`` is the
+        collective's error or None; on CUDA ``future.result()`` is the event recorded after the
+        collective's last kernel (make a stream wait on it before reading the buffer there)."""
+        self._future.add_done_callback(fn)
 
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
@@ -159,12 +167,14 @@ def shutdown(comm: Any) -> None:
         worker.stop()
 
 
-def drain(comm: Any) -> None:
+def drain(comm: Any, timeout_s: float | None = None) -> bool:
     """Wait until every asynchronous collective issued on ``comm`` so far has run (their errors
-    stay with their handles)."""
+    stay with their handles); False if ``timeout_s`` passed first."""
     worker = _WORKERS.get(comm)
     if worker is not None and worker.last is not None:
-        concurrent.futures.wait([worker.last])
+        done, _ = concurrent.futures.wait([worker.last], timeout=timeout_s)
+        return bool(done)
+    return True
 
 
 def failed(error: BaseException, *, buf: Any, result: Any, what: str) -> CollectiveHandle:

@@ -41,23 +41,34 @@ rank, and copies the returned tensor into the gradients):
   ``state.bits_history`` (and logged), ``kappa`` in ``state.kappa_history``.
 
 * **Surviving a lost rank** (``fault_tolerant=True``): when a bucket's collective fails (a rank
-  died: ``PeerError`` / timeout), the hook records the error in ``state.failure`` and hands DDP
-  the bucket unreduced, so that backward ends normally instead of leaving DDP's reducer half-way
-  through an iteration. The training loop then skips the optimizer step and recovers:
-  ``state.shrink()`` (a communicator over the survivors, :meth:`dqcoll.Communicator.shrink`) and
-  ``resync(state, model, optimizer, step)`` (every survivor takes the parameters, optimizer state
-  and counters of the lowest surviving rank: a survivor whose last call completed just before the
-  loss may have taken one more step than the others). From then on every bucket, warm-up ones
-  too, is averaged over the survivors through dqcoll (DDP's own process group still counts the
-  lost rank). Limits: DDP must be built with ``broadcast_buffers=False`` (or a model without
-  buffers), since DDP broadcasts buffers over its own group; the lost rank's data shard is
-  lost unless the loop re-shards; the average is over fewer replicas (a smaller global batch).
-  ``examples/ddp_lost_rank.py`` SIGKILLs one of 4 ranks mid-training and finishes with 3.
+  died: ``PeerError`` / timeout), the hook records the error in ``state.failure`` and completes
+  the bucket's future with the bucket unreduced, so that backward ends normally instead of
+  leaving DDP's reducer half-way through an iteration. The training loop then skips the
+  optimizer step and recovers: ``state.shrink()`` (a communicator over the survivors,
+  :meth:`dqcoll.Communicator.shrink`) and ``resync(state, model, optimizer, step)`` (every
+  survivor takes the parameters, optimizer state and counters of the lowest surviving rank: a
+  survivor whose last call completed just before the loss may have taken one more step than the
+  others). From then on every bucket, warm-up ones too, is averaged over the survivors through
+  dqcoll (DDP's own process group still counts the lost rank). Limits: DDP must be built with
+  ``broadcast_buffers=False`` (or a model without buffers), since DDP broadcasts buffers over
+  its own group; the lost rank's data shard is lost unless the loop re-shards; the average is
+  over fewer replicas (a smaller global batch). ``examples/ddp_lost_rank.py`` SIGKILLs one of 4
+  ranks mid-training and finishes with 3.
 
-The compressed path runs synchronously inside the hook and returns a completed future: dqcoll's
-codec is host-driven, and on the 2-core CPU machines this project is tested on a worker thread
-only competes with backward for the cores. (DDP still overlaps: it launches each bucket as soon as
-its gradients are ready.)
+**Overlap.** The compressed path issues ``dqcoll.allreduce(..., async_op=True)`` and returns at
+once a future that the communicator's worker thread completes when the bucket's all-reduce is
+done (torch's ``fp16_compress_hook`` does the same with ``dist.all_reduce(async_op=True)``): DDP
+goes on computing the next buckets' gradients while this one is coded and on the wire, and the
+worker runs the buckets in issue order, so every rank's messages match. The bookkeeping of a
+bucket (allocation carried over, bits, the end of the iteration) runs on the worker when its
+all-reduce completes. Monitored iterations (``monitor_every``) run synchronously: their exact
+fp64 all-reduce is a second collective on the same process group, which must not interleave
+with the worker's. ``DynamiqState(async_op=False)`` runs every bucket inside the hook (the same
+bits; a test checks it).
+
+**Ready before the first backward.** The state creates its communicator (and so compiles or
+loads the CPU kernels, printing a line while a first compilation runs) when it is made, if
+``torch.distributed`` is initialised, or at :meth:`DynamiqState.prepare`; never inside backward.
 
 Rejected: a hook that builds its own process group (DDP's group is the one whose ranks hold the
 replicas; a second group would double the rendezvous and could order collectives differently),
@@ -67,6 +78,7 @@ because dqcoll pads internally).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 from typing import Any
@@ -74,7 +86,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import schemes
+from .. import handles, schemes
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import DqcollError, InvalidArgumentError
@@ -95,7 +107,9 @@ class DynamiqState:
     Args:
         process_group: the group DDP reduces over (None: the default group).
         scheme: a registered dqcoll scheme name (``dqcoll.schemes.list_schemes()``); ``"none"``
-            averages with the process group's own all-reduce, exactly like DDP without a hook.
+            averages with the process group's own all-reduce, exactly like DDP without a hook;
+            ``"auto"`` picks per bucket the fastest of the group's own all-reduce, a bf16 one
+            and dynamiq at ``bits`` (:mod:`dqcoll.auto`), the same on every rank.
         bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.81).
         algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct").
         scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
@@ -106,8 +120,13 @@ class DynamiqState:
         error_feedback: keep a residual per bucket (see the module docstring).
         monitor_every: every this many iterations, also compute the exact average and record the
             vNMSE (0: never).
+        async_op: return at once and let the communicator's worker complete the bucket's future
+            (see the module docstring); False: every bucket inside the hook.
+        device: the device of DDP's buckets (default: ``cuda`` for an NCCL group, else ``cpu``);
+            the communicator is made for it when the state is made (if ``torch.distributed`` is
+            initialised) or at :meth:`prepare`.
         fault_tolerant: on a failed collective (a lost rank), record it in ``failure`` and
-            return the bucket unreduced instead of raising (see the module docstring).
+            complete the bucket unreduced instead of raising (see the module docstring).
     """
 
     def __init__(
@@ -125,10 +144,13 @@ class DynamiqState:
         monitor_every: int = 0,
         target_vnmse: float | None = None,
         calibration_rate: float = 0.5,
+        async_op: bool = True,
+        device: torch.device | str | None = None,
         fault_tolerant: bool = False,
     ) -> None:
         options = dict(scheme_options or {})
-        spec = schemes.spec(scheme)  # raises for an unknown name, listing the registered ones
+        # "auto" takes dynamiq's options (dqcoll.auto); any other name must be registered
+        spec = schemes.spec("dynamiq" if scheme == "auto" else scheme)
         if target_vnmse is not None:
             if "target_vnmse" not in spec.options:
                 raise InvalidArgumentError(
@@ -137,7 +159,8 @@ class DynamiqState:
             probe = {**options, "target_vnmse": target_vnmse}
         else:
             probe = {**options, **({"bits": bits} if "bits" in spec.options else {})}
-        schemes.get(scheme, **probe)  # raises now for bad options, not at the first backward
+        # raises now for bad options, not at the first backward
+        schemes.get("dynamiq" if scheme == "auto" else scheme, **probe)
         if not 0.0 < calibration_rate <= 1.0:
             raise InvalidArgumentError(
                 f"calibration_rate must be in (0, 1], got {calibration_rate}"
@@ -148,7 +171,9 @@ class DynamiqState:
 
         # -- where: the group whose ranks hold the replicas, and dqcoll's communicator on it --
         self.process_group = process_group
-        self.comm: Communicator | None = None  # made at the first compressed bucket, on its device
+        self.comm: Communicator | None = None  # made by prepare(), before the first backward
+        self.device = None if device is None else torch.device(device)
+        self.async_op = bool(async_op)
 
         # -- what goes on the wire --
         self.scheme = scheme
@@ -188,11 +213,13 @@ class DynamiqState:
         self.failure: BaseException | None = None  # first failed bucket of this iteration
         self.failures: list[tuple[int, str]] = []  # (iteration, error) of every failed one
         self.shrunk = False  # True once averaging runs over a communicator of survivors
-        self._device = torch.device("cpu")  # device of the last bucket (for the communicator)
 
         # -- what the hook saw and did --
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
         self.last_info: dict[str, Any] = {}  # comm.last_info of the last compressed bucket
+
+        if dist.is_available() and dist.is_initialized() and scheme != "none":
+            self.prepare()
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -209,10 +236,32 @@ class DynamiqState:
         """The seed of the random rounding for one iteration."""
         return derived_seed(self.seed, "ddp", iteration) & _SEED_MASK
 
+    def prepare(self, device: torch.device | str | None = None) -> Communicator:
+        """Create the communicator on ``device`` (default: the state's): compiles or loads the
+        kernels now (a first compilation prints a line and takes minutes once per machine),
+        not inside the first backward. Every rank of the group calls it (it is collective
+        with ``scheme="auto"``, which measures the link here)."""
+        if device is not None:
+            self.device = torch.device(device)
+        if self.device is None:
+            backend = str(dist.get_backend(self.process_group)).lower()
+            self.device = (torch.device("cuda", torch.cuda.current_device())
+                           if "nccl" in backend else torch.device("cpu"))
+        comm = self.communicator(self.device)
+        if self.scheme == "auto" and not comm.auto.ready():
+            # measure the link and the codecs now (collective), not in the first backward
+            comm.auto.measure_link(comm.transport, what="DynamiqState.prepare link probe")
+            comm.auto.measure_codecs(comm.device, self.bits)
+        return comm
+
     def communicator(self, device: torch.device) -> Communicator:
         if self.comm is None:
             self.comm = Communicator(TorchTransport(self.process_group), seed=self.seed,
                                      device=device)
+        elif self.comm.device.type != device.type:
+            raise InvalidArgumentError(
+                f"DynamiqState: a bucket on {device} but the communicator was prepared for "
+                f"{self.comm.device}; pass device= to DynamiqState or prepare()")
         return self.comm
 
     def group_size(self) -> int:
@@ -237,7 +286,7 @@ class DynamiqState:
     def shrink(self, **kwargs: Any) -> Communicator:
         """After a lost rank: average over a communicator of the survivors from now on
         (``kwargs`` go to :meth:`dqcoll.Communicator.shrink`); clears ``failure``."""
-        comm = self.communicator(self._device)
+        comm = self.prepare()
         self.comm = comm.shrink(**kwargs)
         self.shrunk = True
         self.failure = None
@@ -251,11 +300,13 @@ class DynamiqState:
                 f"monitor_every={self.monitor_every})")
 
 
+def _future_for(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    return (torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda
+            else torch.futures.Future())
+
+
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    future: torch.futures.Future[torch.Tensor] = (
-        torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda
-        else torch.futures.Future()
-    )
+    future = _future_for(tensor)
     future.set_result(tensor)
     return future
 
@@ -304,23 +355,7 @@ def _local_quantization(state: DynamiqState, values: torch.Tensor) -> torch.Tens
     return codec.decode(codec.encode(values)).reshape(-1).float()
 
 
-def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
-                        iteration: int) -> None:
-    comm = state.communicator(buf.device)
-    if state.error_feedback:
-        residual = _residual(state, index, buf)
-        message = buf.float() + residual
-        buf.copy_(message)  # what this rank contributes (rounded to the bucket's dtype)
-        message = buf.float()
-        residual.copy_(message - _local_quantization(state, message))
-    exact = None
-    if state.should_monitor(iteration):
-        exact = buf.double()
-        if state.shrunk:
-            comm.transport.allreduce(exact, "sum", what=f"ddp monitor #{iteration}")
-        else:
-            dist.all_reduce(exact, group=state.process_group)
-        exact /= state.group_size()
+def _call_options(state: DynamiqState, index: int) -> dict[str, Any]:
     options = dict(state.scheme_options)
     hint = state.allocation_u.get(index)
     if state.carry_allocation and hint is not None and math.isfinite(hint):
@@ -330,16 +365,75 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
         options["error_model"] = ErrorModel(kappa=state.kappa)
     else:
         options["bits"] = state.bits
-    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
-              comm=comm, seed=state.step_seed(iteration), step=index, **options)
-    state.last_info = dict(comm.last_info)
-    u = comm.last_info.get("u")
+    return options
+
+
+def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -> None:
+    """What a completed bucket leaves in the state (runs where its all-reduce completed)."""
+    state.last_info = dict(info)
+    u = info.get("u")
     if u is not None:
         state.allocation_u[index] = float(u)
-    bits = comm.last_info.get("bits")
+    bits = info.get("bits")
     if bits is not None:
-        state._bits_sums[0] += float(bits) * buf.numel()
-        state._bits_sums[1] += buf.numel()
+        state._bits_sums[0] += float(bits) * numel
+        state._bits_sums[1] += numel
+
+
+def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iteration: int,
+                        last: bool) -> torch.futures.Future[torch.Tensor]:
+    comm = state.communicator(buf.device)
+    if state.error_feedback:
+        residual = _residual(state, index, buf)
+        message = buf.float() + residual
+        buf.copy_(message)  # what this rank contributes (rounded to the bucket's dtype)
+        message = buf.float()
+        residual.copy_(message - _local_quantization(state, message))
+    options = _call_options(state, index)
+    seed = state.step_seed(iteration)
+    if state.async_op and not state.should_monitor(iteration):
+        future = _future_for(buf)
+        handle = allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
+                           comm=comm, seed=seed, step=index, async_op=True, **options)
+
+        def done(finished: concurrent.futures.Future[Any]) -> None:
+            # On the worker thread, right after the all-reduce (before its next job).
+            error = finished.exception()
+            if error is None:
+                try:
+                    _record(state, comm.last_info, index, buf.numel())
+                    if last:
+                        _end_of_iteration(state, iteration)
+                except BaseException as exc:  # bookkeeping must not lose the bucket's future
+                    error = exc
+            if error is not None and state.fault_tolerant and isinstance(error, DqcollError):
+                state.record_failure(iteration, error)  # the bucket goes back unreduced
+                if last:
+                    _end_of_iteration(state, iteration)
+                future.set_result(buf)
+                return
+            if error is not None:
+                future.set_exception(error)
+                return
+            event = finished.result()
+            if event is not None:  # CUDA: the result is ready once this stream passes the event
+                torch.cuda.current_stream(buf.device).wait_event(event)
+            future.set_result(buf)
+
+        handle.add_done_callback(done)
+        return future
+    handles.drain(comm)  # nothing of this communicator may be in flight beside the exact one
+    exact = None
+    if state.should_monitor(iteration):
+        exact = buf.double()
+        if state.shrunk:
+            comm.transport.allreduce(exact, "sum", what=f"ddp monitor #{iteration}")
+        else:
+            dist.all_reduce(exact, group=state.process_group)
+        exact /= state.group_size()
+    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
+              comm=comm, seed=seed, step=index, **options)
+    _record(state, comm.last_info, index, buf.numel())
     if exact is not None:
         norm2 = float(exact.square().sum())
         state._monitor_sums[0] += float((buf.double() - exact).square().sum())
@@ -347,6 +441,9 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
         predicted = comm.last_info.get("predicted_vnmse")
         if predicted is not None and math.isfinite(predicted):
             state._monitor_sums[2] += float(predicted) * norm2
+    if last:
+        _end_of_iteration(state, iteration)
+    return _completed(buf)
 
 
 def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
@@ -393,13 +490,19 @@ def dynamiq_hook(state: DynamiqState,
     index = bucket.index()
     iteration = state.iteration
     state.bucket_numel[index] = buf.numel()
-    state._device = buf.device
+    if state.should_compress(iteration):
+        try:
+            return _compressed_average(state, buf, index, iteration, bucket.is_last())
+        except (DqcollError, RuntimeError) as exc:  # RuntimeError: torch.distributed's own
+            if not state.fault_tolerant:
+                raise
+            state.record_failure(iteration, exc)
+            if bucket.is_last():
+                _end_of_iteration(state, iteration)
+            return _completed(buf)
     try:
-        if not state.should_compress(iteration):
-            return _exact_average(state, buf)
-        _compressed_average(state, buf, index, iteration)
-        return _completed(buf)
-    except (DqcollError, RuntimeError) as exc:  # RuntimeError: torch.distributed's own errors
+        return _exact_average(state, buf)
+    except (DqcollError, RuntimeError) as exc:
         if not state.fault_tolerant:
             raise
         state.record_failure(iteration, exc)
