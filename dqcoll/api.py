@@ -501,7 +501,7 @@ def _run_checked(
     if isinstance(scheme, str) and scheme == "auto":
         _run_auto(collective, buf, out, op=op, bits=bits, algorithm=algorithm, comm=comm,
                   seed=seed, step=step, scheme_options=scheme_options, tile_nbytes=tile_nbytes,
-                  tiles_in_flight=tiles_in_flight)
+                  tiles_in_flight=tiles_in_flight, async_op=async_op)
         return
     if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
         tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
@@ -558,6 +558,7 @@ def _run_auto(
     scheme_options: dict[str, Any],
     tile_nbytes: int | None,
     tiles_in_flight: int,
+    async_op: bool = False,
 ) -> None:
     """``scheme="auto"`` (see :mod:`dqcoll.auto`): the arguments are checked as for
     ``dynamiq`` with its options, the ranks agree on the candidates' predicted times in the same
@@ -589,7 +590,8 @@ def _run_auto(
         fingerprint = list(request.fingerprint)
         fingerprint[2] = _crc("auto" + repr(request.scheme))
         out_numel = request.out.numel() if request.out is not None else 0
-        request.fingerprint = (*fingerprint, _COLLECTIVE_IDS[collective], out_numel)
+        request.fingerprint = (*fingerprint, call_step, 2 if async_op else 1,
+                               _COLLECTIVE_IDS[collective], out_numel)
     policy = comm.auto
     numel = request.tensor.numel() if request.tensor is not None else 0
     element_nbytes = request.tensor.element_size() if request.tensor is not None else 4
