@@ -68,15 +68,18 @@ _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # over gloo is not an error but a SIGABRT, or a short message silently accepted).
 # ``seed`` and ``step`` travel as 62-bit hashes of their whole value (the random numbers use all
 # of it: dynamiq 64 bits of each, thc their decimal text), so any difference is caught; the
-# message then shows each rank's own value. ``call`` (the communicator's call counter) and
-# ``mode`` (sync or async_op) are the call's identity: two threads that issue their calls in
-# different orders on different ranks pair a sync call with an async one, which raises here
-# instead of summing unrelated buffers.
+# message then shows each rank's own value. The call's identity rides along without new
+# fields (every int64 of the check is wire bytes of every call): the communicator's call
+# counter is hashed with ``step``, and the mode (sync or async_op) is coded with the collective
+# kind, so two threads that issue their calls in different orders on different ranks, pairing a
+# sync call with an async one, raise here instead of summing unrelated buffers.
 _FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step", "tile_nbytes",
-           "tiles_in_flight", "call", "mode", "collective", "out_numel")
-_NUMERIC_FIELDS = ("numel", "tile_nbytes", "tiles_in_flight", "call", "out_numel")
+           "tiles_in_flight", "collective", "out_numel")
+_NUMERIC_FIELDS = ("numel", "tile_nbytes", "tiles_in_flight", "out_numel")
 _HASHED_FIELDS = ("seed", "step")
-_MODES = {1: "sync", 2: "async_op"}
+_STEP_FIELD = _FIELDS.index("step")
+_MODES = {0: "sync", 1: "async_op"}
+_MODE_STRIDE = 8  # collective field = kind id + _MODE_STRIDE * mode
 # Integer options travel as int64 in the argument check, negated for the minimum: each must lie
 # in [0, 2**62) so that neither overflows.
 _INT_LIMIT = 1 << 62
@@ -114,6 +117,7 @@ class _Request:
     exponent: int = _NO_EXPONENT  # binary exponent of the largest finite |value| (frexp)
     seed: int = 0  # this rank's own values of the hashed fields, for the mismatch message
     step: int = 0
+    call: int = 0  # the communicator's call counter (hashed with step)
 
 
 def _schemes_with(option: str) -> list[str]:
@@ -124,9 +128,9 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _hash62(value: int) -> int:
-    """A 62-bit hash of an integer of any size (its decimal text): equal only for equal values,
-    up to collisions of probability 2**-62."""
+def _hash62(value: object) -> int:
+    """A 62-bit hash of a value of any size (its text, e.g. an int's digits): equal only for
+    equal values, up to collisions of probability 2**-62."""
     digest = hashlib.blake2b(str(value).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (_INT_LIMIT - 1)
 
@@ -267,6 +271,17 @@ def _prepare(
     return request
 
 
+def _with_identity(request: _Request, fingerprint: tuple[int, ...], call: int, async_op: bool,
+                   collective: Collective, out_numel: int) -> tuple[int, ...]:
+    """The fingerprint with the call's identity: ``step`` hashed with the call counter, the
+    collective kind coded with the mode, then the output length."""
+    request.call = call
+    fields = list(fingerprint)
+    fields[_STEP_FIELD] = _hash62(f"{request.step}/{call}")
+    kind = _COLLECTIVE_IDS[collective] + _MODE_STRIDE * (1 if async_op else 0)
+    return (*fields, kind, out_numel)
+
+
 def _is_finite(value: Any) -> bool:
     try:
         return math.isfinite(float(value))
@@ -329,10 +344,13 @@ def _handshake(request: _Request, comm: Communicator, what: str,
         kinds = {i: c.value for c, i in _COLLECTIVE_IDS.items()}
         detail = "; ".join(
             f"{f} (min {lo}, max {hi})" if f in _NUMERIC_FIELDS
-            else f"{f} (this rank: {getattr(request, f)})" if f in _HASHED_FIELDS
-            else f"collective ({kinds.get(lo)} vs {kinds.get(hi)})"
-            if f == "collective" else f"mode ({_MODES.get(lo)} vs {_MODES.get(hi)})"
-            if f == "mode" else f"{f}"
+            else f"seed (this rank: {request.seed})" if f == "seed"
+            else (f"step or call counter (this rank: step {request.step}, call {request.call}; "
+                  f"ranks must issue the same collectives in the same order)") if f == "step"
+            else (f"collective or mode ({kinds.get(lo % _MODE_STRIDE)} "
+                  f"{_MODES.get(lo // _MODE_STRIDE)} vs {kinds.get(hi % _MODE_STRIDE)} "
+                  f"{_MODES.get(hi // _MODE_STRIDE)})") if f == "collective"
+            else f"{f}"
             for f, lo, hi in differ
         )
         raise MismatchError(f"rank {comm.rank}: {what}: ranks disagree on {detail}")
@@ -530,8 +548,8 @@ def _run_checked(
         out_tensor = request.out
     if request.error is None:
         out_numel = out_tensor.numel() if out_tensor is not None else 0
-        request.fingerprint = (*request.fingerprint, call_step, 2 if async_op else 1,
-                               _COLLECTIVE_IDS[collective], out_numel)
+        request.fingerprint = _with_identity(request, request.fingerprint, call_step,
+                                             async_op, collective, out_numel)
     exponent = _handshake(request, comm, what)
     try:
         _execute(collective, request, comm, what, _shift_for(request, comm, exponent), seed=seed,
@@ -590,8 +608,8 @@ def _run_auto(
         fingerprint = list(request.fingerprint)
         fingerprint[2] = _crc("auto" + repr(request.scheme))
         out_numel = request.out.numel() if request.out is not None else 0
-        request.fingerprint = (*fingerprint, call_step, 2 if async_op else 1,
-                               _COLLECTIVE_IDS[collective], out_numel)
+        request.fingerprint = _with_identity(request, tuple(fingerprint), call_step, async_op,
+                                             collective, out_numel)
     policy = comm.auto
     numel = request.tensor.numel() if request.tensor is not None else 0
     element_nbytes = request.tensor.element_size() if request.tensor is not None else 4
