@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """An emulated cluster on one machine: ``n`` network namespaces joined by rate-limited links.
 
-What it builds (as root), all of it inside namespaces this tool creates::
+What it builds, all of it inside namespaces this module creates::
 
     <prefix>-hub   a bridge ``br0``; the hub ends ``<prefix>-b<i>`` of every link are its ports
     <prefix>-r<i>  one per rank: ``lo`` and ``<prefix>-v<i>`` with address 10.77.0.<i+1>/24
@@ -10,33 +9,51 @@ Each veth link is capped in *both* directions with ``tc ... tbf``: on the rank e
 sends) and on the hub end (what it receives), so every rank has a full-duplex port of ``--rate``,
 like a host on a switch. One rank runs per namespace with the env:// variables set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = rank 0's address, ``MASTER_PORT``) and
-``GLOO_SOCKET_IFNAME`` = its veth, so gloo's traffic crosses the capped links. Everything is torn
-down afterwards (deleting a namespace deletes its links), also on Ctrl-C, SIGTERM or a failure.
+``GLOO_SOCKET_IFNAME`` = its veth, so gloo's traffic crosses the capped links: real bytes through
+a real rate limit in the kernel, not a model. Everything is torn down afterwards (deleting a
+namespace deletes its links), also on Ctrl-C, SIGTERM or a failure.
 
-Nothing is created in, and no address is assigned in, the root namespace: the bridge lives in the
-hub namespace, addresses only in the rank namespaces, so the host's networking is untouched and
-the ranks can reach nothing but each other.
+Two modes build the same plan (``--mode``, default ``auto``: ``root`` as root, else
+``rootless``):
+
+* ``root``: named namespaces (``ip netns add``) in the host's ``/run/netns``. Nothing is created
+  in, and no address is assigned in, the root namespace: the bridge lives in the hub namespace,
+  addresses only in the rank namespaces, so the host's networking is untouched and the ranks can
+  reach nothing but each other. ``cleanup`` removes what a killed run left.
+* ``rootless``: an unprivileged user runs the same commands inside one new user namespace with
+  its own network and mount namespaces (``unshare --user --map-root-user --net --mount``), where
+  it holds ``CAP_NET_ADMIN`` over the namespaces it creates; a private tmpfs on ``/run`` gives
+  ``ip netns`` a place for the names. Nothing is visible outside, and nothing can be left behind:
+  the namespaces die with the last process of the run, even after ``kill -9``. Needs
+  unprivileged user namespaces (most distributions allow them; some disable them with
+  ``kernel.unprivileged_userns_clone=0``, ``user.max_user_namespaces=0`` or an AppArmor/seccomp
+  policy, and then :func:`check_prerequisites` says so).
 
 Delay: ``tc qdisc ... netem delay`` is the usual way to add latency, but this machine's kernel has
 no ``sch_netem`` (``Error: Specified qdisc kind is unknown``), so ``--delay-us`` is refused with
 that message unless netem works; ``tbf``'s ``latency`` is only the bound on its queue, not an added
 delay. Bandwidth limits are real: ``measure`` shows the TCP goodput of one link.
 
-Usage (as root, from the repository root)::
+Usage (from the repository root; ``tools/netns_cluster.py`` is the same command)::
 
-    tools/netns_cluster.py bench -n 4 --rate 1gbit -- -b 1M -e 16M -f 4 --json out.json
-    tools/netns_cluster.py measure -n 2 --rate 200mbit
-    tools/netns_cluster.py exec -n 4 --rate 10gbit -- python my_job.py
-    tools/netns_cluster.py cleanup          # remove namespaces left by a killed run
+    python -m dqcoll.cli.netns bench -n 4 --rate 1gbit -- -b 1M -e 16M -f 4 --json out.json
+    python -m dqcoll.cli.netns measure -n 2 --rate 200mbit
+    python -m dqcoll.cli.netns exec -n 4 --rate 10gbit -- python my_job.py
+    python -m dqcoll.cli.netns cleanup          # root mode: remove namespaces of a killed run
 
 Rejected: a bridge in the root namespace (changes the host's networking and needs its own
-cleanup), and shaping ``lo`` (all ranks would share one qdisc: one link, not one per rank).
+cleanup); shaping ``lo`` (all ranks would share one qdisc: one link, not one per rank); for the
+rootless mode, user-space networking (slirp4netns, pasta: a user-space TCP stack copies every
+byte and would be the bottleneck, not the emulated link) and one ``unshare --net`` per rank with
+its veth moved in by pid (the same links with a start-up handshake per rank; named namespaces
+let both modes run one plan).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import re
 import shutil
@@ -49,10 +66,14 @@ from collections.abc import Sequence
 __all__ = [
     "Cluster",
     "ClusterPlan",
+    "Mode",
     "NetnsError",
     "build_plan",
     "check_prerequisites",
+    "choose_mode",
     "parse_rate_bps",
+    "rootless_argv",
+    "run_cluster",
 ]
 
 _RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -66,6 +87,19 @@ _BURST_S = 0.002
 
 class NetnsError(RuntimeError):
     """A step of building, running or tearing down the cluster failed; carries the command."""
+
+
+class Mode(enum.Enum):
+    """Who builds the namespaces (see the module docstring)."""
+
+    ROOT = "root"  # named namespaces in the host's /run/netns
+    ROOTLESS = "rootless"  # the same plan inside one private user + net + mount namespace
+
+
+# The user namespace of the rootless mode: this user becomes root inside (CAP_NET_ADMIN over the
+# namespaces it creates, none over the host's); --mount gives it a private /run for `ip netns`.
+_UNSHARE = ("unshare", "--user", "--map-root-user", "--net", "--mount")
+_INSIDE_FLAG = "--inside-userns"  # set on the command the rootless mode runs under unshare
 
 
 def parse_rate_bps(text: str) -> int:
@@ -167,16 +201,48 @@ def _run(cmd: Sequence[str]) -> str:
     return done.stdout
 
 
-def check_prerequisites() -> str | None:
-    """None when clusters can be built here, else why not."""
+def choose_mode(requested: str = "auto") -> Mode:
+    """``auto``: the root mode as root, the rootless mode otherwise."""
+    if requested == "auto":
+        return Mode.ROOT if os.geteuid() == 0 else Mode.ROOTLESS
+    try:
+        return Mode(requested)
+    except ValueError:
+        raise ValueError(f"mode must be auto, root or rootless, got {requested!r}") from None
+
+
+def check_prerequisites(mode: Mode = Mode.ROOT) -> str | None:
+    """None when clusters can be built here in ``mode``, else why not (one line)."""
     if not sys.platform.startswith("linux"):
         return f"network namespaces need Linux, this is {sys.platform}"
-    if os.geteuid() != 0:
-        return "network namespaces and tc need root"
-    for tool in ("ip", "tc"):
+    tools = ("ip", "tc") if mode is Mode.ROOT else ("ip", "tc", "unshare", "mount")
+    for tool in tools:
         if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (iproute2)"
+            package = "util-linux" if tool in ("unshare", "mount") else "iproute2"
+            return f"`{tool}` is not installed ({package})"
+    if mode is Mode.ROOT:
+        return None if os.geteuid() == 0 else "network namespaces and tc need root"
+    try:
+        done = subprocess.run([*_UNSHARE, "--", "ip", "link", "add", "dqcprobe", "type",
+                               "bridge"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot start `unshare`: {exc}"
+    if done.returncode:
+        text = (done.stderr or done.stdout).strip().splitlines()
+        return ("user namespaces are not available to this user here (`unshare --user --net` "
+                f"failed: {text[-1] if text else done.returncode})")
     return None
+
+
+def rootless_argv(argv: Sequence[str]) -> list[str]:
+    """The command that runs this module's ``main(argv)`` inside a new user namespace."""
+    return [*_UNSHARE, "--", sys.executable, "-m", "dqcoll.cli.netns", _INSIDE_FLAG, *argv]
+
+
+def _private_run_dir() -> None:
+    """Inside the rootless mode's mount namespace: a tmpfs on /run, where `ip netns` keeps its
+    names (the host's /run is not writable by this user, and the mount is seen by nobody else)."""
+    _run(("mount", "-t", "tmpfs", "-o", "mode=0755", "dqcoll-netns", "/run"))
 
 
 def _existing_namespaces() -> list[str]:
@@ -205,7 +271,7 @@ class Cluster:
         self._old_handlers: dict[int, object] = {}
 
     def __enter__(self) -> ClusterPlan:
-        reason = check_prerequisites()
+        reason = check_prerequisites(Mode.ROOT)  # in the rootless mode: root of its namespace
         if reason:
             raise NetnsError(reason)
         taken = set(_existing_namespaces()) & {*self.plan.namespaces, self.plan.hub}
@@ -312,47 +378,95 @@ def _bench_command(plan: ClusterPlan, bench_args: Sequence[str]) -> list[str]:
             *bench_args]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+def run_cluster(world_size: int, rate: str, command: Sequence[str], *, mode: str = "auto",
+                timeout_s: float = 900.0, quiet_ranks: bool = True) -> int:
+    """Run ``command`` once per rank on an emulated cluster of ``world_size`` ranks with
+    ``rate`` links, built in ``mode``; the worst exit status of the ranks (1 with a message on
+    stderr when the cluster cannot be built). What :func:`main`'s ``exec`` does, for callers
+    such as ``dqcoll demo``."""
+    argv = ["exec", "-n", str(world_size), "--rate", rate, "--mode", mode,
+            "--timeout-s", f"{timeout_s:g}", *([] if quiet_ranks else ["--all-output"]),
+            "--", *command]
+    return main(argv)
+
+
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="netns_cluster.py", description=__doc__.split("\n")[0])
     parser.add_argument("action", choices=("bench", "measure", "exec", "cleanup"))
     parser.add_argument("-n", "--world-size", type=int, default=4)
     parser.add_argument("--rate", default="1gbit", help="per link and direction, tc syntax")
+    parser.add_argument("--mode", default="auto", choices=("auto", "root", "rootless"),
+                        help="auto: root as root, rootless (user namespaces) otherwise")
     parser.add_argument("--latency-ms", type=float, default=50.0, help="tbf queue bound")
     parser.add_argument("--delay-us", type=float, default=0.0,
                         help="added one-way delay per link end (needs sch_netem)")
     parser.add_argument("--prefix", default=None, help="namespace name prefix (default dqc<pid>)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--measure-nbytes", type=int, default=50 * 10**6)
-    args = parser.parse_args(argv)
+    parser.add_argument("--all-output", action="store_true",
+                        help="show every rank's stdout (default: rank 0's only)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    inside = bool(argv) and argv[0] == _INSIDE_FLAG  # the rootless mode, under unshare
+    if inside:
+        argv = argv[1:]
+    extra: list[str] = []
+    cut = argv.index("--") if "--" in argv else len(argv)
+    own, extra = argv[:cut], argv[cut + 1 :]
+    parser = _build_parser()
+    args = parser.parse_args(own)
+    mode = Mode.ROOT if inside else choose_mode(args.mode)
     if args.action == "cleanup":
+        if mode is Mode.ROOTLESS:
+            print("rootless mode: nothing to clean up (its namespaces die with the run)")
+            return 0
         prefix = args.prefix or "dqc"
         left = [ns for ns in _existing_namespaces() if re.fullmatch(rf"{prefix}\d*-(hub|r\d+)", ns)]
         for ns in left:
             _run(("ip", "netns", "del", ns))
         print(f"removed {len(left)} namespaces: {left}")
         return 0
+    if args.action == "measure" and args.world_size < 2:
+        parser.error("measure needs -n 2 or more")
+    if args.action == "exec" and not extra:
+        parser.error("exec needs a command after --")
+    if mode is Mode.ROOTLESS:
+        reason = check_prerequisites(Mode.ROOTLESS)
+        if reason:
+            print(f"netns_cluster: {reason}", file=sys.stderr)
+            return 1
+        child = subprocess.Popen(rootless_argv(argv))
+        try:
+            return child.wait()
+        except KeyboardInterrupt:  # the child got the same SIGINT and tears its cluster down
+            child.wait()
+            print("netns_cluster: interrupted", file=sys.stderr)
+            return 130
+        finally:
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
     plan = build_plan(args.world_size, args.rate, prefix=args.prefix, latency_ms=args.latency_ms,
                       delay_us=args.delay_us)
     if args.action == "bench":
         command = _bench_command(plan, extra)
     elif args.action == "measure":
-        if plan.world_size < 2:
-            parser.error("measure needs -n 2 or more")
         command = measure_command(args.measure_nbytes)
     else:
-        if not extra:
-            parser.error("exec needs a command after --")
         command = extra
+    how = ("rootless: one user namespace, private to this run" if inside
+           else "root: named namespaces")
     try:
+        if inside:
+            _private_run_dir()
         with Cluster(plan):
             print(f"# {plan.description}; burst {plan.burst_nbytes} B, ranks at "
-                  f"{', '.join(plan.addresses)}", flush=True)
-            return run_ranks(plan, command, timeout_s=args.timeout_s)
+                  f"{', '.join(plan.addresses)}; {how}", flush=True)
+            return run_ranks(plan, command, timeout_s=args.timeout_s,
+                             quiet_ranks=not args.all_output)
     except NetnsError as exc:
         print(f"netns_cluster: {exc}", file=sys.stderr)
         return 1
