@@ -190,8 +190,13 @@ def _register_hook(row: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else ""
+    """The innermost message of a (possibly future-chained) error, first line, <= 200 chars."""
+    text = str(exc)
+    marker = "running the callback: "  # torch.futures wraps a callback's error once per `then`
+    if marker in text:
+        text = text.rsplit(marker, 1)[1]
+    lines = text.strip().splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def _flat_grads(model: nn.Module) -> torch.Tensor:
