@@ -323,6 +323,8 @@ def run_rank(args: argparse.Namespace) -> int:
     broken = False
     for row in args.rows:
         entry: dict[str, Any] = {"row": row, "label": ROWS[row]}
+        if rank == 0:  # what the file says if this row never finishes (a rank aborted)
+            _write(args, world_size, numel, [*rows, {**entry, "status": _UNFINISHED}])
         if broken:
             entry["status"] = "not run: the process group failed in an earlier row"
         else:
@@ -347,20 +349,34 @@ def run_rank(args: argparse.Namespace) -> int:
         rows.append(entry)
         if rank == 0:
             print(_format_row(entry, _baseline(rows)), flush=True)
-    if rank == 0:
-        result = {"provenance": provenance(args, world_size, numel), "rows": rows}
-        baseline = _baseline(rows)
-        for entry in rows:
-            if baseline and "median_ms" in entry:
-                entry["speedup_vs_ddp"] = baseline / entry["median_ms"]
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-            print(f"# wrote {args.json}", flush=True)
+            _write(args, world_size, numel, rows)
+    if rank == 0 and args.json:
+        print(f"# wrote {args.json}", flush=True)
     if not broken:
         dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+# A row that crashes by aborting a rank's process (gloo's C++ errors in PowerSGD) can leave the
+# others blocked until the launcher stops them: the file is rewritten after every row, and the
+# row in progress reads this until it finishes.
+_UNFINISHED = "crashed: did not finish (a rank aborted or hung; the launcher stopped the run)"
+
+
+def _write(args: argparse.Namespace, world_size: int, numel: int,
+           rows: list[dict[str, Any]]) -> None:
+    """Rank 0: the results so far, with provenance and each row's speed-up over DDP's default."""
+    if not args.json:
+        return
+    baseline = _baseline(rows)
+    for entry in rows:
+        if baseline and "median_ms" in entry:
+            entry["speedup_vs_ddp"] = baseline / entry["median_ms"]
+    result = {"provenance": provenance(args, world_size, numel), "rows": rows}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 # -- output ----------------------------------------------------------------------------------
