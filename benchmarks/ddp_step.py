@@ -64,6 +64,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -325,6 +326,9 @@ def run_rank(args: argparse.Namespace) -> int:
         entry: dict[str, Any] = {"row": row, "label": ROWS[row]}
         if rank == 0:  # what the file says if this row never finishes (a rank aborted)
             _write(args, world_size, numel, [*rows, {**entry, "status": _UNFINISHED}])
+        watchdog = _watchdog(row, _row_deadline_s(rows, args), rank == 0,
+                             lambda status, e=entry: _write(args, world_size, numel,
+                                                            [*rows, {**e, "status": status}]))
         if broken:
             entry["status"] = "not run: the process group failed in an earlier row"
         else:
@@ -344,6 +348,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 if entry["status"] == "ok":
                     entry = {"row": row, "label": ROWS[row],
                              "status": f"crashed: {type(exc).__name__}: {_first_line(exc)}"}
+        watchdog.cancel()
         if "step_ms" in entry:
             entry.update(summarize(entry["step_ms"]))
         rows.append(entry)
@@ -356,6 +361,33 @@ def run_rank(args: argparse.Namespace) -> int:
         dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _row_deadline_s(rows: list[dict[str, Any]], args: argparse.Namespace) -> float:
+    """How long a row may run before it counts as hung: 60 s plus 20 times what its steps take
+    at the slowest step of DDP's default row (before that row: ``--timeout-s``)."""
+    ddp = next((r for r in rows if r["row"] == "ddp" and r.get("step_ms")), None)
+    if ddp is None:
+        return args.timeout_s
+    return 60.0 + 20.0 * (args.warmup + args.steps + 1) * max(ddp["step_ms"]) / 1e3
+
+
+def _watchdog(row: str, deadline_s: float, leader: bool,
+              record: Callable[[str], None]) -> threading.Timer:
+    """A timer that ends this rank if the row hangs (PowerSGD on gloo can block forever in a
+    collective whose peer died); rank 0 first records the row as hung."""
+
+    def fire() -> None:
+        status = f"crashed: hung (no result after {deadline_s:.0f} s; the run was stopped)"
+        if leader:
+            record(status)
+            print(f"{ROWS[row]:<34}{status}", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(deadline_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 # A row that crashes by aborting a rank's process (gloo's C++ errors in PowerSGD) can leave the
