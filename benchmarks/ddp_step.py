@@ -60,6 +60,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import socket
 import subprocess
@@ -91,6 +92,10 @@ ROWS: dict[str, str] = {
     "auto": "dqcoll dynamiq_hook, auto",
     "powersgd": "torch powerSGD_hook (rank 2)",
 }
+# column names of the markdown summary
+SHORT: dict[str, str] = {"floor": "no comm. (floor)", "ddp": "DDP default",
+                         "fp16_hook": "fp16 hook", "dynamiq": "dqcoll dynamiq 5 b",
+                         "auto": "dqcoll auto", "powersgd": "PowerSGD"}
 NOMINAL_BITS = {"ddp": 32.0, "fp16_hook": 16.0}  # torch rows: the wire dtype's bits
 BUCKET_CAP_MB = 25
 POWERSGD_RANK = 2
@@ -293,6 +298,7 @@ def provenance(args: argparse.Namespace, world_size: int, numel: int) -> dict[st
         "backend": "gloo",
         "world_size": world_size,
         "link": args.link,
+        "topology": args.topology,
         "model": args.model,
         "params": numel,
         "batch_per_rank": args.batch,
@@ -403,7 +409,7 @@ def _write(args: argparse.Namespace, world_size: int, numel: int,
         return
     baseline = _baseline(rows)
     for entry in rows:
-        if baseline and "median_ms" in entry:
+        if baseline and "median_ms" in entry and entry["row"] != "floor":
             entry["speedup_vs_ddp"] = baseline / entry["median_ms"]
     result = {"provenance": provenance(args, world_size, numel), "rows": rows}
     path = Path(args.json)
@@ -444,29 +450,39 @@ def _cell(entry: dict[str, Any] | None) -> str:
         return ""
     if "median_ms" not in entry:
         return entry["status"].split(":")[0]
-    speedup = entry.get("speedup_vs_ddp")
+    speedup = entry.get("speedup_vs_ddp") if entry["row"] != "floor" else None
     return f"{entry['median_ms']:.0f}" + (f" ({speedup:.2f}x)" if speedup else "")
+
+
+def _order(result: dict[str, Any]) -> tuple[float, int, str]:
+    """Loopback first, then links from the fastest; more ranks first; then the model."""
+    prov = result["provenance"]
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", prov["link"].split(" (")[0].lower())
+    units = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+    rate = float(match.group(1)) * units[match.group(2)] if match else math.inf
+    return (-rate, -int(prov["world_size"]), str(prov["model"]))
 
 
 def render_markdown(paths: Sequence[str]) -> str:
     """One markdown table of step times (ms, and speed-up over DDP's default) per result file,
     then the bits/coord and vNMSE of the compressed rows."""
-    results = [json.loads(Path(p).read_text()) for p in paths]
+    results = sorted((json.loads(Path(p).read_text()) for p in paths), key=_order)
     order = list(ROWS)
-    time_rows = ["| link | ranks | model | " + " | ".join(ROWS[r] for r in order) + " |",
+    time_rows = ["| link | ranks | model | " + " | ".join(SHORT[r] for r in order) + " |",
                  "|---|---:|---|" + "---:|" * len(order)]
     error_rows = ["| link | ranks | model | row | bits/coord | vNMSE |",
                   "|---|---:|---|---|---:|---:|"]
     for result in results:
         prov = result["provenance"]
         by_row = {r["row"]: r for r in result["rows"]}
-        key = f"| {prov['link']} | {prov['world_size']} | {prov['model']} |"
+        link = prov["link"].split(" (")[0]  # the rate; the topology is in the JSON
+        key = f"| {link} | {prov['world_size']} | {prov['model']} |"
         time_rows.append(key + " " + " | ".join(_cell(by_row.get(r)) for r in order) + " |")
         for name in ("fp16_hook", "dynamiq", "auto", "powersgd"):
             entry = by_row.get(name)
             if entry and "vnmse" in entry:
                 bits = entry.get("bits_per_coord")
-                error_rows.append(f"{key} {ROWS[name]} | {'-' if bits is None else f'{bits:.2f}'}"
+                error_rows.append(f"{key} {SHORT[name]} | {'-' if bits is None else f'{bits:.2f}'}"
                                   f" | {entry['vnmse']:.2e} |")
     commits = sorted({r["provenance"]["commit"] for r in results})
     devices = sorted({r["provenance"]["device"] for r in results})
@@ -531,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2, help="transformer tokens per sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--link", default="", help="label of the network (default: loopback)")
+    p.add_argument("--topology", default="", help="how the network is built (recorded)")
     p.add_argument("--note", default="", help="recorded with the results (machine state)")
     p.add_argument("--json", default="", metavar="FILE")
     p.add_argument("--timeout-s", type=float, default=300.0,
@@ -564,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"-n must be >= 2 (an all-reduce needs peers), got {args.world_size}")
     if not args.link:
         argv = [*argv, "--link", "loopback"]
+    if not args.topology:
+        argv = [*argv, "--topology", f"1 host, {args.world_size} processes, gloo over lo"]
     return spawn(argv, args.world_size, timeout_s=4 * args.timeout_s)
 
 

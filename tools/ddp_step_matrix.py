@@ -70,10 +70,12 @@ def build_runs(links: list[str], world_sizes: list[int], models: list[str], *,
                     command: tuple[str, ...] = (python, str(BENCH), "-n", str(world_size),
                                                 "--link", "loopback", *common)
                 else:
-                    label = f"{link} (netns: veth + bridge, tbf per port and direction)"
+                    topology = (f"{world_size} network namespaces, veth ports to a bridge, tbf "
+                                f"{link} per port and direction (dqcoll.cli.netns, mode {mode})")
                     command = (python, "-m", "dqcoll.cli.netns", "exec", "-n", str(world_size),
                                "--rate", link, "--mode", mode, "--", python, str(BENCH),
-                               "--launcher", "env", "--link", label, *common)
+                               "--launcher", "env", "--link", link, "--topology", topology,
+                               *common)
                 runs.append(Run(link, world_size, model, path, command))
     return runs
 
