@@ -84,6 +84,13 @@ class CollectiveHandle:
                 stream.wait_event(done)
         return self._result
 
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], None]) -> None:
+        """Call ``fn(future)`` once the collective has run on the host (on the worker thread,
+        before its next collective; at once if it already has). ``future.exception()`` is the
+        collective's error or None; on CUDA ``future.result()`` is the event recorded after the
+        collective's last kernel (make a stream wait on it before reading the buffer there)."""
+        self._future.add_done_callback(fn)
+
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"CollectiveHandle({self.what!r}, {state})"

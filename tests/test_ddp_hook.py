@@ -116,7 +116,8 @@ def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
 
 def _three_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"none": _none_vs_plain(rank, world_size),
-            "dynamiq": _dynamiq_replicas(rank, world_size)}
+            "dynamiq": _dynamiq_replicas(rank, world_size),
+            "async": _async_vs_sync(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +184,72 @@ def test_dynamiq_keeps_replicas_bit_identical(three_ranks: list[dict[str, Any]])
         assert result["bits"] <= 5.0 * (1 + 255 / min(result["buckets"].values())) + 1e-9
         assert result["bytes_sent"] > 0
     assert results[0]["vnmse"] == results[1]["vnmse"] == results[2]["vnmse"]
+
+
+# -- overlap: the asynchronous hook ----------------------------------------------------------------
+
+
+def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
+    """The same training with the hook's futures completed by the communicator's worker
+    (async_op=True, the default) and inside the hook (async_op=False)."""
+    results: dict[str, Any] = {}
+    for async_op in (True, False):
+        model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+        state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=1, algorithm="butterfly",
+                             async_op=async_op)
+        prepared = state.comm is not None  # made with the state, before any backward
+        order: list[list[int]] = []  # per iteration, bucket indices as their futures completed
+        pending_at_return: list[bool] = []
+
+        def hook(state: DynamiqState, bucket: dist.GradBucket,
+                 ) -> torch.futures.Future[torch.Tensor]:
+            future = dynamiq_hook(state, bucket)
+            pending_at_return.append(not future.done())  # noqa: B023 (used within the loop body)
+            index = bucket.index()
+
+            done = order[-1]  # noqa: B023 (used within the loop body)
+
+            def finished(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                done.append(index)
+                return fut.value()
+
+            return future.then(finished)
+
+        hook.__annotations__.update(dynamiq_hook.__annotations__)  # DDP checks the real types
+        model.register_comm_hook(state, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(6):
+            x, y = _batch(rank, step)
+            optimizer.zero_grad(set_to_none=True)
+            order.append([])
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        results[f"async={async_op}"] = {
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "order": order, "pending": pending_at_return, "prepared": prepared,
+            "iteration": state.iteration, "bits": state.bits_history}
+    return results
+
+
+def test_async_hook_overlaps_and_matches_the_synchronous_one(
+        three_ranks: list[dict[str, Any]]) -> None:
+    """async_op=True returns futures that are still pending when the hook returns (backward goes
+    on), completes each iteration's buckets in bucket order, keeps the end-of-iteration
+    bookkeeping, and trains to bit-identical parameters with the synchronous hook; the
+    communicator exists before the first backward."""
+    for rank, result in enumerate(r["async"] for r in three_ranks):
+        run, sync = result["async=True"], result["async=False"]
+        assert torch.equal(run["params"], sync["params"]), f"rank {rank}"
+        assert run["prepared"] and sync["prepared"]
+        assert run["iteration"] == sync["iteration"] == 6
+        assert run["bits"] == sync["bits"] and len(run["bits"]) == 5
+        # DDP rebuilds its buckets after the first iteration (one bucket, then several); it
+        # calls the hook in bucket order 0, 1, ... and the futures complete in that order
+        assert len(run["order"][-1]) >= 2, run["order"]
+        for done in run["order"]:
+            assert done == sorted(done), (rank, run["order"])
+        assert any(run["pending"][1:]), "every compressed bucket was already done"
+        assert not any(sync["pending"][1:])  # the first (warm-up) bucket is gloo's own
 
 
 # -- training: within 1 % of uncompressed ----------------------------------------------------------

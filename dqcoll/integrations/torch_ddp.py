@@ -40,10 +40,20 @@ rank, and copies the returned tensor into the gradients):
   with the corrected model. Bits per coordinate of every iteration are recorded in
   ``state.bits_history`` (and logged), ``kappa`` in ``state.kappa_history``.
 
-The compressed path runs synchronously inside the hook and returns a completed future: dqcoll's
-codec is host-driven, and on the 2-core CPU machines this project is tested on a worker thread
-only competes with backward for the cores. (DDP still overlaps: it launches each bucket as soon as
-its gradients are ready.)
+**Overlap.** The compressed path issues ``dqcoll.allreduce(..., async_op=True)`` and returns at
+once a future that the communicator's worker thread completes when the bucket's all-reduce is
+done (torch's ``fp16_compress_hook`` does the same with ``dist.all_reduce(async_op=True)``): DDP
+goes on computing the next buckets' gradients while this one is coded and on the wire, and the
+worker runs the buckets in issue order, so every rank's messages match. The bookkeeping of a
+bucket (allocation carried over, bits, the end of the iteration) runs on the worker when its
+all-reduce completes. Monitored iterations (``monitor_every``) run synchronously: their exact
+fp64 all-reduce is a second collective on the same process group, which must not interleave
+with the worker's. ``DynamiqState(async_op=False)`` runs every bucket inside the hook (the same
+bits; a test checks it).
+
+**Ready before the first backward.** The state creates its communicator (and so compiles or
+loads the CPU kernels, printing a line while a first compilation runs) when it is made, if
+``torch.distributed`` is initialised, or at :meth:`DynamiqState.prepare`; never inside backward.
 
 Rejected: a hook that builds its own process group (DDP's group is the one whose ranks hold the
 replicas; a second group would double the rendezvous and could order collectives differently),
@@ -53,6 +63,7 @@ because dqcoll pads internally).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 from typing import Any
@@ -60,7 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import schemes
+from .. import handles, schemes
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import InvalidArgumentError
@@ -92,6 +103,11 @@ class DynamiqState:
         error_feedback: keep a residual per bucket (see the module docstring).
         monitor_every: every this many iterations, also compute the exact average and record the
             vNMSE (0: never).
+        async_op: return at once and let the communicator's worker complete the bucket's future
+            (see the module docstring); False: every bucket inside the hook.
+        device: the device of DDP's buckets (default: ``cuda`` for an NCCL group, else ``cpu``);
+            the communicator is made for it when the state is made (if ``torch.distributed`` is
+            initialised) or at :meth:`prepare`.
     """
 
     def __init__(
@@ -109,6 +125,8 @@ class DynamiqState:
         monitor_every: int = 0,
         target_vnmse: float | None = None,
         calibration_rate: float = 0.5,
+        async_op: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         options = dict(scheme_options or {})
         spec = schemes.spec(scheme)  # raises for an unknown name, listing the registered ones
@@ -131,7 +149,9 @@ class DynamiqState:
 
         # -- where: the group whose ranks hold the replicas, and dqcoll's communicator on it --
         self.process_group = process_group
-        self.comm: Communicator | None = None  # made at the first compressed bucket, on its device
+        self.comm: Communicator | None = None  # made by prepare(), before the first backward
+        self.device = None if device is None else torch.device(device)
+        self.async_op = bool(async_op)
 
         # -- what goes on the wire --
         self.scheme = scheme
@@ -170,6 +190,9 @@ class DynamiqState:
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
         self.last_info: dict[str, Any] = {}  # comm.last_info of the last compressed bucket
 
+        if dist.is_available() and dist.is_initialized() and scheme != "none":
+            self.prepare()
+
     # -- helpers ----------------------------------------------------------------------------------
 
     def should_compress(self, iteration: int | None = None) -> bool:
@@ -185,10 +208,27 @@ class DynamiqState:
         """The seed of the random rounding for one iteration."""
         return derived_seed(self.seed, "ddp", iteration) & _SEED_MASK
 
+    def prepare(self, device: torch.device | str | None = None) -> Communicator:
+        """Create the communicator on ``device`` (default: the state's): compiles or loads the
+        kernels now (a first compilation prints a line and takes minutes once per machine),
+        not inside the first backward. Every rank of the group calls it (it is collective
+        with ``scheme="auto"``, which measures the link here)."""
+        if device is not None:
+            self.device = torch.device(device)
+        if self.device is None:
+            backend = str(dist.get_backend(self.process_group)).lower()
+            self.device = (torch.device("cuda", torch.cuda.current_device())
+                           if "nccl" in backend else torch.device("cpu"))
+        return self.communicator(self.device)
+
     def communicator(self, device: torch.device) -> Communicator:
         if self.comm is None:
             self.comm = Communicator(TorchTransport(self.process_group), seed=self.seed,
                                      device=device)
+        elif self.comm.device.type != device.type:
+            raise InvalidArgumentError(
+                f"DynamiqState: a bucket on {device} but the communicator was prepared for "
+                f"{self.comm.device}; pass device= to DynamiqState or prepare()")
         return self.comm
 
     def group_size(self) -> int:
@@ -201,11 +241,13 @@ class DynamiqState:
                 f"monitor_every={self.monitor_every})")
 
 
+def _future_for(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    return (torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda
+            else torch.futures.Future())
+
+
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    future: torch.futures.Future[torch.Tensor] = (
-        torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda
-        else torch.futures.Future()
-    )
+    future = _future_for(tensor)
     future.set_result(tensor)
     return future
 
@@ -239,20 +281,7 @@ def _local_quantization(state: DynamiqState, values: torch.Tensor) -> torch.Tens
     return codec.decode(codec.encode(values)).reshape(-1).float()
 
 
-def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
-                        iteration: int) -> None:
-    comm = state.communicator(buf.device)
-    if state.error_feedback:
-        residual = _residual(state, index, buf)
-        message = buf.float() + residual
-        buf.copy_(message)  # what this rank contributes (rounded to the bucket's dtype)
-        message = buf.float()
-        residual.copy_(message - _local_quantization(state, message))
-    exact = None
-    if state.should_monitor(iteration):
-        exact = buf.double()
-        dist.all_reduce(exact, group=state.process_group)
-        exact /= state.group_size()
+def _call_options(state: DynamiqState, index: int) -> dict[str, Any]:
     options = dict(state.scheme_options)
     hint = state.allocation_u.get(index)
     if state.carry_allocation and hint is not None and math.isfinite(hint):
@@ -262,16 +291,66 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
         options["error_model"] = ErrorModel(kappa=state.kappa)
     else:
         options["bits"] = state.bits
-    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
-              comm=comm, seed=state.step_seed(iteration), step=index, **options)
-    state.last_info = dict(comm.last_info)
-    u = comm.last_info.get("u")
+    return options
+
+
+def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -> None:
+    """What a completed bucket leaves in the state (runs where its all-reduce completed)."""
+    state.last_info = dict(info)
+    u = info.get("u")
     if u is not None:
         state.allocation_u[index] = float(u)
-    bits = comm.last_info.get("bits")
+    bits = info.get("bits")
     if bits is not None:
-        state._bits_sums[0] += float(bits) * buf.numel()
-        state._bits_sums[1] += buf.numel()
+        state._bits_sums[0] += float(bits) * numel
+        state._bits_sums[1] += numel
+
+
+def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iteration: int,
+                        last: bool) -> torch.futures.Future[torch.Tensor]:
+    comm = state.communicator(buf.device)
+    if state.error_feedback:
+        residual = _residual(state, index, buf)
+        message = buf.float() + residual
+        buf.copy_(message)  # what this rank contributes (rounded to the bucket's dtype)
+        message = buf.float()
+        residual.copy_(message - _local_quantization(state, message))
+    options = _call_options(state, index)
+    seed = state.step_seed(iteration)
+    if state.async_op and not state.should_monitor(iteration):
+        future = _future_for(buf)
+        handle = allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
+                           comm=comm, seed=seed, step=index, async_op=True, **options)
+
+        def done(finished: concurrent.futures.Future[Any]) -> None:
+            # On the worker thread, right after the all-reduce (before its next job).
+            error = finished.exception()
+            if error is None:
+                try:
+                    _record(state, comm.last_info, index, buf.numel())
+                    if last:
+                        _end_of_iteration(state, iteration)
+                except BaseException as exc:  # bookkeeping must not lose the bucket's future
+                    error = exc
+            if error is not None:
+                future.set_exception(error)
+                return
+            event = finished.result()
+            if event is not None:  # CUDA: the result is ready once this stream passes the event
+                torch.cuda.current_stream(buf.device).wait_event(event)
+            future.set_result(buf)
+
+        handle.add_done_callback(done)
+        return future
+    handles.drain(comm)  # nothing of this communicator may be in flight beside the exact one
+    exact = None
+    if state.should_monitor(iteration):
+        exact = buf.double()
+        dist.all_reduce(exact, group=state.process_group)
+        exact /= state.group_size()
+    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
+              comm=comm, seed=seed, step=index, **options)
+    _record(state, comm.last_info, index, buf.numel())
     if exact is not None:
         norm2 = float(exact.square().sum())
         state._monitor_sums[0] += float((buf.double() - exact).square().sum())
@@ -279,6 +358,9 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int,
         predicted = comm.last_info.get("predicted_vnmse")
         if predicted is not None and math.isfinite(predicted):
             state._monitor_sums[2] += float(predicted) * norm2
+    if last:
+        _end_of_iteration(state, iteration)
+    return _completed(buf)
 
 
 def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
@@ -325,11 +407,10 @@ def dynamiq_hook(state: DynamiqState,
     index = bucket.index()
     iteration = state.iteration
     state.bucket_numel[index] = buf.numel()
+    if state.should_compress(iteration):
+        return _compressed_average(state, buf, index, iteration, bucket.is_last())
     try:
-        if not state.should_compress(iteration):
-            return _exact_average(state, buf)
-        _compressed_average(state, buf, index, iteration)
-        return _completed(buf)
+        return _exact_average(state, buf)
     finally:
         if bucket.is_last():
             _end_of_iteration(state, iteration)

@@ -122,6 +122,24 @@ def _prefetch_row_write(out, index_base, valid, i, hi):
             _prefetch_write(out, c)
 
 
+
+@intrinsic
+def _prefer_wide_vectors(typingctx):  # type: ignore[no-untyped-def]
+    """Mark the calling kernel ``"prefer-vector-width"="512"``: LLVM's X86 tuning for these
+    cores (``rocketlake``, Sapphire Rapids) vectorises with 256-bit registers unless a function
+    asks for more. A hint: on CPUs without 512-bit registers it changes nothing. Format 3's
+    encode, one thread, 2**22 coordinates, dev VM: 5 bits 2.37 -> 2.09, 6 bits 2.95 -> 2.52 ns
+    per coordinate. (llvmlite accepts only a fixed list of attribute names, so the string
+    attribute goes into the set directly.)"""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # -- scalar helpers ----------------------------------------------------------------------------
 # Plain calls, not numba-level inlining: LLVM inlines them anyway (the hash loops still vectorise:
 # the 4-bit rates did not move), and numba's inliner cost ~1 s of cold compile per kernel for them.
@@ -551,6 +569,372 @@ def _encode_scratch():
             np.empty(SUPER // 2, np.uint32), np.empty(SUPER // 4, np.uint32))
 
 
+# -- format 3 (HIERARCHICAL4X32): the row codec written for LLVM's loop vectorizer -----------------
+# Measured on the dev VM (numba 0.68 / LLVM 22, 2-core Xeon with AVX-512; 2**22 coordinates, one
+# thread), the generic row codec above spent, at 5 bits and 3.9 ns per coordinate, 1.2 ns in the
+# scales, 1.7 ns in the level chain and ~0.7 ns in per-row overhead. What brought it to ~1.4 ns:
+#
+# * one function holds the row loop (:func:`_q_rows`, inlined into each entry point with the
+#   width as a literal), and no array view is made per row (``x[i]``, ``out[i][a:]``,
+#   ``a.view(...)``): each array passed to a numba-inlined function or viewed costs an NRT
+#   incref/decref call pair, and the per-row version made ~40 of them per row. Rows are
+#   addressed as ``x[i, j]``; helpers that take arrays are plain calls (LLVM inlines them);
+# * every per-coordinate step is one flat loop ``for j in range(N)`` with affine indices (``j``,
+#   ``2 * j``, ``2 * j + 1``): LLVM's loop vectorizer takes those, stride-2 loads and stores
+#   included, while a short constant loop nested in another (``for k in range(16)`` inside
+#   ``for g in range(16)``) is unrolled first and left scalar (the group maxima) or turned into
+#   gathers. So the block maxima are an adjacent-pair tree (256 -> 128 -> ... -> 8: each level
+#   one loop) and per-block values reach the coordinates by doubling copies (8 -> ... -> 256);
+# * the level search halves a window of magnitudes held in registers (selects, no table lookup:
+#   a gather per coordinate is slower than 36 selects on this CPU), and the kernels ask LLVM for
+#   512-bit vectors (:func:`_prefer_wide_vectors`);
+# * packed words are stored 8 bytes at a time and decoded from 8-byte loads.
+#
+# The bytes are those of codec.encode_torch (tests/test_kernels_numba.py compares them).
+
+_NO_LEVEL = np.float32(np.inf)  # past the last interior magnitude: never <= a
+
+
+@numba.njit(**JIT_OPTIONS)
+def _window_table(mags):
+    """``ext[t] = m_t`` for m_0 and the interior magnitudes (t < R), ``+inf`` past them: fp32
+    ``[40]``, room for the level search's window up to 6 bits (``ext[32]``)."""
+    top = mags.shape[0] - 1
+    ext = np.empty(40, np.float32)
+    for t in range(ext.shape[0]):
+        ext[t] = mags[t] if t < top else _NO_LEVEL
+    return ext
+
+
+@numba.njit(**JIT_OPTIONS)
+def _dup(src, dst, n):
+    """``dst[2k] = dst[2k + 1] = src[k]`` for ``k < n`` (one vectorised loop)."""
+    for k in range(n):
+        v = src[k]
+        dst[2 * k] = v
+        dst[2 * k + 1] = v
+
+
+@numba.njit(**JIT_OPTIONS)
+def _q_scales(xb, i, t, tf, f32, u32, bs):
+    """HIERARCHICAL4X32 scales of row ``i`` (``xb``: the rows' fp32 bit patterns). Per block of
+    32, ``bs[b]`` = fp32(1 / (D_b * s_b)) (0 where the block's scale is unusable) and the
+    prescale ``bs[8 + b]`` (2**64 below 2**-64, else 1), as codec._normalise; ``bs[16 + b]``
+    the block's code q in [1, 16]. ``t`` is uint32 scratch [192], ``tf`` the same memory as fp32.
+    Returns ``(tiny, unit_bits)``: whether a usable block has a prescale (rare) and the bf16
+    unit. (The 6 scale bytes are written by the caller after the codes: the packing's 8-byte
+    stores overrun the codes.)"""
+    # |x| as bit patterns (sign cleared): integer order is value order, NaN above +inf, so the
+    # maxima propagate NaN as torch.amax does. Adjacent pairs: level k holds maxima of 2**k.
+    h = SUPER // 2  # levels alternate between t[:128] and t[128:]
+    for j in range(SUPER // 2):
+        t[j] = max(np.uint32(xb[i, 2 * j] & _ABS), np.uint32(xb[i, 2 * j + 1] & _ABS))
+    for j in range(SUPER // 4):
+        t[h + j] = max(t[2 * j], t[2 * j + 1])
+    for j in range(SUPER // 8):
+        t[j] = max(t[h + 2 * j], t[h + 2 * j + 1])
+    for j in range(SUPER // 16):
+        t[h + j] = max(t[2 * j], t[2 * j + 1])
+    for j in range(H4_BLOCKS):
+        t[j] = max(t[h + 2 * j], t[h + 2 * j + 1])  # block maxima
+    top = t[0]
+    for b in range(1, H4_BLOCKS):
+        top = max(top, t[b])
+    u32[0] = top
+    f32[0] = f32[0] / _F16  # fp32 division, as the reference's ``top / 16.0``
+    unit_bits = _bf16_ceil_bits(u32[0])
+    u32[0] = np.uint32(unit_bits << np.uint32(16))
+    unit = f32[0]
+    usable = unit > _F0 and unit < _INF  # False for 0, inf and NaN
+    den = unit if usable else _F1
+    for b in range(H4_BLOCKS):  # one vector: the maxima read as fp32 through ``tf``
+        q = min(max(np.float32(np.ceil(tf[b] / den)), _F1), _F16) if usable else _F1
+        s = q * unit  # the decoded scale: exact (5-bit times 8-bit significands)
+        ok = (s > _F0) & (s < _INF)
+        pre = _PRESCALE if (ok and s < _TINY) else _F1
+        den2 = s * pre
+        bs[b] = _F1 / den2 if ok else _F0
+        bs[H4_BLOCKS + b] = pre
+        bs[2 * H4_BLOCKS + b] = q
+    tiny = False
+    for b in range(H4_BLOCKS):
+        tiny |= bs[H4_BLOCKS + b] != _F1
+    return tiny, unit_bits
+
+
+@intrinsic
+def _load_u64(typingctx, arr, i, offset):  # type: ignore[no-untyped-def]
+    """``arr[i, offset : offset + 8]`` as one little-endian uint64 (an unaligned load; the bytes
+    past a record's codes are its scale bytes or the next record's: read, never used)."""
+    sig = types.uint64(arr, i, offset)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ary, row, col = args
+        aryty = signature.args[0]
+        array = context.make_array(aryty)(context, builder, ary)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [row, col])
+        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_u64(typingctx, arr, i, offset, value):  # type: ignore[no-untyped-def]
+    """``arr[i, offset : offset + 8] = value`` (uint64, little-endian) as one unaligned store:
+    a packed word of 8 codes is ``w`` bytes, and storing all 8 bytes of each word in order
+    (the next word and then the scale bytes overwrite the excess) replaces ``w`` byte stores."""
+    sig = types.void(arr, i, offset, value)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ary, row, col, val = args
+        aryty = signature.args[0]
+        array = context.make_array(aryty)(context, builder, ary)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [row, col])
+        i64p = ir.IntType(64).as_pointer()
+        builder.store(val, builder.bitcast(ptr, i64p), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(**_inline)
+def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, hop):
+    """codec._encode_rows of rows ``[lo, hi)`` of ``x`` (fp32 ``[rows, 256]``; row ``i``'s first
+    coordinate has global index ``index_base[i]``) into ``out`` (uint8 ``[rows,
+    record_nbytes]``), HIERARCHICAL4X32. With ``hop`` (a literal) each row first adds
+    ``decode(records[i])`` (``table``: the decode table) into ``x[i]``: the fused hop. One
+    function holds the row loop, so the arrays are acquired once per launch, not per row."""
+    _prefer_wide_vectors()
+    (t, f32, u32, bs, sa, sb, d, p, u, pv, codes, av, rv) = _q_scratch()
+    ext = _window_table(mags)
+    # The level search's magnitudes as scalars (a select between two loads of ``ext`` inside the
+    # coordinate loop became a gather); the coarse steps a width does not have are dead code.
+    e1, e2, e3, e4 = ext[1], ext[2], ext[3], ext[4]
+    e5, e6, e7, e8 = ext[5], ext[6], ext[7], ext[8]
+    e9, e10, e11, e12 = ext[9], ext[10], ext[11], ext[12]
+    e13, e14, e15, e16 = ext[13], ext[14], ext[15], ext[16]
+    e17, e18, e19, e20 = ext[17], ext[18], ext[19], ext[20]
+    e21, e22, e23, e24 = ext[21], ext[22], ext[23], ext[24]
+    e25, e26, e27, e28 = ext[25], ext[26], ext[27], ext[28]
+    e29, e30, e31, e32 = ext[29], ext[30], ext[31], ext[32]
+    xb = x.view(np.uint32)
+    tf = t.view(np.float32)
+    for i in range(lo, hi):
+        if hop:  # codec.decode_accumulate_torch of record i into row i
+            code_nbytes = 32 * width
+            dk = code_nbytes + H4_BLOCKS // 2
+            u32[0] = np.uint32(
+                (np.uint32(records[i, dk]) | (np.uint32(records[i, dk + 1]) << 8)) << 16)
+            dunit = f32[0]
+            for db in range(H4_BLOCKS):
+                dq = np.uint32(records[i, code_nbytes + (db >> 1)]) >> np.uint32(4 * (db & 1))
+                ds = np.float32(np.int32(dq & np.uint32(0xF)) + 1) * dunit
+                d[2 * db] = ds
+                d[2 * db + 1] = ds
+            if 8 % width == 0:
+                per_byte = 8 // width
+                group_nbytes = GROUP // per_byte
+                for dg in range(GROUPS):
+                    dscale = d[dg]
+                    for dm in range(group_nbytes):
+                        dat = np.int64(records[i, dg * group_nbytes + dm]) * per_byte
+                        for dk in range(per_byte):
+                            dc = dg * GROUP + dm * per_byte + dk
+                            dvalue = table[dat + dk] * dscale
+                            x[i, dc] = x[i, dc] + dvalue
+            else:
+                # Bitstream widths: 8 codes per w bytes, read as one 8-byte word
+                dmask = np.uint64((1 << width) - 1)
+                for dm in range(SUPER // 8):
+                    dscale = d[dm >> 1]
+                    dword = _load_u64(records, i, dm * width)
+                    for dk in range(8):
+                        dc = dm * 8 + dk
+                        code = np.int64(dword >> np.uint64(dk * width) & dmask)
+                        x[i, dc] = x[i, dc] + table[code] * dscale
+        base = index_base[i]
+        top = (1 << (width - 1)) - 1  # R
+        code_nbytes = 32 * width
+        tiny, unit_bits = _q_scales(xb, i, t, tf, f32, u32, bs)
+        # the per-block inverse scales at every coordinate: 8 -> 256 by doubling
+        _dup(bs, sa, 8)
+        _dup(sa, sb, 16)
+        _dup(sb, sa, 32)
+        _dup(sa, sb, 64)
+        _dup(sb, d, 128)
+        if tiny:  # codec._normalise's x * s (exact), for rows with a denormal block scale
+            for b in range(H4_BLOCKS):
+                sb[b] = bs[H4_BLOCKS + b]
+            _dup(sb, sa, 8)
+            _dup(sa, sb, 16)
+            _dup(sb, sa, 32)
+            _dup(sa, sb, 64)
+            _dup(sb, pv, 128)
+            for j in range(SUPER):
+                p[j] = x[i, j] * pv[j]
+        else:
+            for j in range(SUPER):
+                p[j] = x[i, j]
+        # Uniforms (rng.rounding_uniforms): gamma from one mix32 per coordinate (the row's inner
+        # hash, two where the row crosses a multiple of 2**32 of the global index); correlated:
+        # u = (pi(rank) + gamma) / n, pi per run of 16 from the permutation table.
+        lo32 = _lo32(base)
+        jrow = _row_key(jitter_key, base)
+        jend = _row_key(jitter_key, base + SUPER - 1)
+        if correlated:
+            prow = _row_key(perm_key, base)
+            pend = _row_key(perm_key, base + SUPER - 1)
+            for g in range(GROUPS):
+                f_lo = np.uint32(lo32 + np.uint32(g * GROUP))
+                k = pend if f_lo < lo32 else prow
+                sa[g] = np.float32(ptab[np.int32(_mix32(np.uint32(k ^ f_lo)) >> _SEL_SHIFT)])
+            _dup(sa, sb, 16)
+            _dup(sb, sa, 32)
+            _dup(sa, sb, 64)
+            _dup(sb, pv, 128)
+            for j in range(SUPER):
+                g_lo = np.uint32(lo32 + np.uint32(j))  # wraps mod 2**32
+                k = jend if g_lo < lo32 else jrow
+                gamma = np.float32(_mix32(np.uint32(k ^ g_lo)) >> np.uint32(8)) * _TWO_M24
+                u[j] = (pv[j] + gamma) * inv_n  # two roundings, as the reference
+        else:
+            for j in range(SUPER):
+                g_lo = np.uint32(lo32 + np.uint32(j))
+                k = jend if g_lo < lo32 else jrow
+                u[j] = np.float32(_mix32(np.uint32(k ^ g_lo)) >> np.uint32(8)) * _TWO_M24
+        if width <= 6:
+            # r = #{interior m_t <= a}, lo = m_r, hi = m_{r+1} by halving: v0..v(2h) hold the
+            # window ext[r .. r + 2h]; each step compares its middle and keeps the upper or the
+            # lower half with the same mask (selects of values: no gather). ext is +inf past the
+            # last interior magnitude, so hi = min(first magnitude above a, 1). 6 bits: 5
+            # compares and 36 selects per lane; the steps a width does not need are dead code.
+            for j in range(SUPER):
+                inv = d[j]
+                q = p[j] * inv  # inv > 0 exactly where the scale is usable
+                y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
+                a = abs(y)
+                v0 = _F0
+                v1, v2, v3, v4, v5, v6, v7, v8 = e1, e2, e3, e4, e5, e6, e7, e8
+                v9, v10, v11, v12, v13, v14, v15, v16 = e9, e10, e11, e12, e13, e14, e15, e16
+                v17, v18, v19, v20, v21, v22, v23, v24 = e17, e18, e19, e20, e21, e22, e23, e24
+                v25, v26, v27, v28, v29, v30, v31, v32 = e25, e26, e27, e28, e29, e30, e31, e32
+                r = 0
+                if width >= 6:
+                    below = v16 <= a
+                    r += 16 if below else 0
+                    v0 = v16 if below else v0
+                    v1 = v17 if below else v1
+                    v2 = v18 if below else v2
+                    v3 = v19 if below else v3
+                    v4 = v20 if below else v4
+                    v5 = v21 if below else v5
+                    v6 = v22 if below else v6
+                    v7 = v23 if below else v7
+                    v8 = v24 if below else v8
+                    v9 = v25 if below else v9
+                    v10 = v26 if below else v10
+                    v11 = v27 if below else v11
+                    v12 = v28 if below else v12
+                    v13 = v29 if below else v13
+                    v14 = v30 if below else v14
+                    v15 = v31 if below else v15
+                    v16 = v32 if below else v16
+                if width >= 5:
+                    below = v8 <= a
+                    r += 8 if below else 0
+                    v0 = v8 if below else v0
+                    v1 = v9 if below else v1
+                    v2 = v10 if below else v2
+                    v3 = v11 if below else v3
+                    v4 = v12 if below else v4
+                    v5 = v13 if below else v5
+                    v6 = v14 if below else v6
+                    v7 = v15 if below else v7
+                    v8 = v16 if below else v8
+                if width >= 4:
+                    below = v4 <= a
+                    r += 4 if below else 0
+                    v0 = v4 if below else v0
+                    v1 = v5 if below else v1
+                    v2 = v6 if below else v2
+                    v3 = v7 if below else v3
+                    v4 = v8 if below else v4
+                if width >= 3:
+                    below = v2 <= a
+                    r += 2 if below else 0
+                    v0 = v2 if below else v0
+                    v1 = v3 if below else v1
+                    v2 = v4 if below else v2
+                below = v1 <= a
+                r += 1 if below else 0
+                lo = v1 if below else v0
+                hi = min(v2 if below else v1, _F1)
+                level = r + (1 if (a - lo) > u[j] * (hi - lo) else 0)
+                codes[j] = np.uint8(top - level if y < _F0 else top + level)
+        else:
+            # 7 and 8 bits: the bin table (a gather, scalar) between two vectorised loops.
+            bins_f = np.float32(bins)
+            for j in range(SUPER):
+                inv = d[j]
+                q = p[j] * inv
+                y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
+                a = abs(y)
+                av[j] = a
+                p[j] = y
+                rv[j] = np.int32(a * bins_f)  # a in [0, 1]: exact scaling, floor
+            for j in range(SUPER):
+                a = av[j]
+                r = rtab[rv[j]]
+                if nxt[r] <= a:
+                    r += 1
+                rv[j] = r
+                sa[j] = mags[r]
+                sb[j] = mags[r + 1]
+            for j in range(SUPER):
+                a = av[j]
+                lo = sa[j]
+                level = rv[j] + (1 if (a - lo) > u[j] * (sb[j] - lo) else 0)
+                codes[j] = np.uint8(top - level if p[j] < _F0 else top + level)
+        # Pack LSB-first: code j goes to byte j*w//8 at bit j*w%8.
+        if 8 % width == 0:
+            per_byte = 8 // width
+            for m in range(code_nbytes):
+                v = np.uint8(0)
+                for k in range(per_byte):
+                    v |= np.uint8(codes[m * per_byte + k] << (k * width))
+                out[i, m] = v
+        else:
+            # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (8 stored,
+            # in order, so the next word's store overwrites the excess)
+            for m in range(SUPER // 8):
+                word = np.uint64(0)
+                for k in range(8):
+                    word |= np.uint64(codes[m * 8 + k]) << np.uint64(k * width)
+                _store_u64(out, i, m * width, word)
+        # the scale bytes: q - 1 as nibbles (block 2k in the low one), then the bf16 unit
+        for k in range(H4_BLOCKS // 2):
+            n0 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k]) - 1)
+            n1 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k + 1]) - 1)
+            out[i, code_nbytes + k] = np.uint8(n0 | (n1 << np.uint32(4)))
+        out[i, code_nbytes + H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
+        out[i, code_nbytes + H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
+
+
+@numba.njit(**_inline)
+def _q_scratch():
+    """Per-launch scratch of :func:`_q_encode_row`: ``(t, f32, u32, bs, sa, sb, d, p, u, pv,
+    codes, av, rv)``."""
+    f32 = np.empty(1, np.float32)
+    return (np.empty(SUPER // 2 + SUPER // 4, np.uint32), f32, f32.view(np.uint32),
+            np.empty(3 * H4_BLOCKS, np.float32), np.empty(SUPER, np.float32),
+            np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
+            np.empty(SUPER, np.float32), np.empty(SUPER, np.float32),
+            np.empty(SUPER, np.float32), np.empty(SUPER, np.uint8),
+            np.empty(SUPER, np.float32), np.empty(SUPER, np.int32))
+
+
+
 # -- the decodes' row loop (inlined into the per-width entry points) ----------------------------
 
 
@@ -649,71 +1033,50 @@ def encode_w8f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
 @numba.njit(**JIT_OPTIONS)
 def encode_w2q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], 2, SCALES_H4X32, mags, nxt, rtab, bins,
-                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+    _q_rows(lo, hi, x, index_base, out, 2, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
+            inv_n, correlated, out, mags, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w3q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], 3, SCALES_H4X32, mags, nxt, rtab, bins,
-                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+    _q_rows(lo, hi, x, index_base, out, 3, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
+            inv_n, correlated, out, mags, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], 4, SCALES_H4X32, mags, nxt, rtab, bins,
-                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+    _q_rows(lo, hi, x, index_base, out, 4, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
+            inv_n, correlated, out, mags, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w5q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], 5, SCALES_H4X32, mags, nxt, rtab, bins,
-                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+    _q_rows(lo, hi, x, index_base, out, 5, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
+            inv_n, correlated, out, mags, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w6q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], 6, SCALES_H4X32, mags, nxt, rtab, bins,
-                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+    _q_rows(lo, hi, x, index_base, out, 6, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
+            inv_n, correlated, out, mags, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w7q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], 7, SCALES_H4X32, mags, nxt, rtab, bins,
-                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+    _q_rows(lo, hi, x, index_base, out, 7, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
+            inv_n, correlated, out, mags, False)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
                jitter_key, perm_key, ptab, inv_n, correlated):
-    x_bits = x.view(np.uint32)
-    scratch = _encode_scratch()
-    for i in range(lo, hi):
-        _encode_row(x[i], x_bits[i], index_base[i], out[i], 8, SCALES_H4X32, mags, nxt, rtab, bins,
-                    jitter_key, perm_key, ptab, inv_n, correlated, scratch, True)
+    _q_rows(lo, hi, x, index_base, out, 8, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
+            inv_n, correlated, out, mags, False)
 
 
 @numba.njit(**JIT_OPTIONS)
@@ -826,85 +1189,50 @@ def hop_w8f(lo, hi, records, table, acc, index_base, out, mags, nxt,
 @numba.njit(**JIT_OPTIONS)
 def hop_w2q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[4], scratch[5]
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], 2, SCALES_H4X32, table, d, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 2, SCALES_H4X32, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+    _q_rows(lo, hi, acc, index_base, out, 2, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w3q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[4], scratch[5]
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], 3, SCALES_H4X32, table, d, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 3, SCALES_H4X32, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+    _q_rows(lo, hi, acc, index_base, out, 3, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[4], scratch[5]
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], 4, SCALES_H4X32, table, d, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 4, SCALES_H4X32, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+    _q_rows(lo, hi, acc, index_base, out, 4, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w5q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[4], scratch[5]
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], 5, SCALES_H4X32, table, d, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 5, SCALES_H4X32, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+    _q_rows(lo, hi, acc, index_base, out, 5, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w6q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[4], scratch[5]
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], 6, SCALES_H4X32, table, d, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 6, SCALES_H4X32, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+    _q_rows(lo, hi, acc, index_base, out, 6, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w7q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[4], scratch[5]
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], 7, SCALES_H4X32, table, d, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 7, SCALES_H4X32, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+    _q_rows(lo, hi, acc, index_base, out, 7, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, True)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8q(lo, hi, records, table, acc, index_base, out, mags, nxt,
             rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
-    scratch = _encode_scratch()
-    d, f32, u32 = scratch[0], scratch[4], scratch[5]
-    acc_bits = acc.view(np.uint32)
-    for i in range(lo, hi):
-        _decode_row(records[i], 8, SCALES_H4X32, table, d, f32, u32, acc[i], True)
-        _encode_row(acc[i], acc_bits[i], index_base[i], out[i], 8, SCALES_H4X32, mags, nxt, rtab,
-                    bins, jitter_key, perm_key, ptab, inv_n, correlated, scratch, False)
+    _q_rows(lo, hi, acc, index_base, out, 8, mags, nxt, rtab, bins, jitter_key, perm_key,
+            ptab, inv_n, correlated, records, table, True)
 
 
 @numba.njit(**_inline)
