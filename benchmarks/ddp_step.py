@@ -491,7 +491,7 @@ def render_markdown(paths: Sequence[str]) -> str:
     notes = sorted({r["provenance"].get("note") or "" for r in results} - {""})
     footer = (f"\nStep time in ms (median over the timed steps, slowest rank), and speed-up over "
               f"DDP's default in parentheses. Commit {', '.join(commits)}; {'; '.join(devices)}."
-              + (f" {' '.join(notes)}" if notes else ""))
+              + (f" Notes: {'; '.join(notes)}." if notes else ""))
     return "\n".join([*time_rows, footer, "", *error_rows])
 
 
