@@ -139,9 +139,7 @@ def _host_namespaces() -> list[str]:
 
 @needs_userns
 def test_rootless_link_is_capped_and_invisible_to_the_host():
-    """Rootless, a 100 Mbit/s cluster carries one TCP stream at 50-115% of the cap, and none of
-    its namespaces ever shows in the host's ``ip netns list``."""
-    before = _host_namespaces()
+    """Rootless, a 100 Mbit/s cluster carries one TCP stream at 50-115% of the cap."""
     done = _tool("measure", "-n", "2", "--rate", "100mbit", "--mode", "rootless",
                  "--prefix", "dqcu", "--measure-nbytes", "3000000")
     assert done.returncode == 0, done.stderr
@@ -149,7 +147,29 @@ def test_rootless_link_is_capped_and_invisible_to_the_host():
     line = next(ln for ln in done.stdout.splitlines() if "goodput" in ln)
     gbps = float(line.split("=")[-1].split()[0])
     assert 0.05 <= gbps <= 0.115, line
-    assert _host_namespaces() == before
+
+
+@needs_userns
+def test_rootless_namespaces_are_invisible_to_the_host_while_they_run():
+    """While a rootless cluster is up (its ranks are running), none of its namespaces is in the
+    host's ``ip netns list``, and the run leaves none behind (other jobs' namespaces may come
+    and go meanwhile: only this run's prefix is checked)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(_PATH), "exec", "-n", "2", "--rate", "1gbit", "--mode", "rootless",
+         "--prefix", "dqcv", "--", sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=_PATH.parents[1])
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        first = proc.stdout.readline()  # printed once the cluster is built, as the ranks start
+        assert "rootless" in first, first
+        assert [ns for ns in _host_namespaces() if ns.startswith("dqcv-")] == []
+        proc.stdin.close()  # the ranks read stdin to its end, then exit
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [ns for ns in _host_namespaces() if ns.startswith("dqcv-")] == []
 
 
 @needs_userns
