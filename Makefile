@@ -1,6 +1,7 @@
 # Two commands set up and run everything on a fresh machine:
 #   make demo   -- 4 ranks over gloo on this machine: quantized all-reduce, printed as a table
-#   make test   -- the test suite (CPU tier; GPU tiers skip without a GPU)
+#   make test   -- the test suite (CPU tier, with the contract tier against the real CuPy and
+#                  nccl4py packages; GPU tiers skip without a GPU)
 # Both create .venv if it is missing. Where no NVIDIA GPU is present the CPU build of torch is
 # installed first, so that pip does not pull the CUDA wheels.
 
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 		echo "no GPU: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
 		$(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
 	fi
-	$(PY) -m pip install -q -e ".[test,dev]"
+	$(PY) -m pip install -q -e ".[test,dev,gpu-contract]"
 	@touch $(STAMP)
 
 env: $(STAMP)

@@ -29,11 +29,13 @@ import dataclasses
 import logging
 import math
 import numbers
+import time
 import zlib
 from typing import Any
 
 import torch
 
+from . import auto as auto_mod
 from . import envs, handles, schemes
 from .comm import Communicator, get_default_comm
 from .context import call_context
@@ -229,11 +231,14 @@ def _prepare(
     return request
 
 
-def _handshake(request: _Request, comm: Communicator, what: str) -> int:
+def _handshake(request: _Request, comm: Communicator, what: str,
+               extra: list[int] | None = None) -> int:
     """Raise on every rank if any rank is invalid or the ranks disagree (one tiny all-reduce).
 
     Returns the largest binary exponent of a finite input value over all ranks (the range
-    check of :func:`_range_shift`); :data:`_NO_EXPONENT` without a check.
+    check of :func:`_range_shift`); :data:`_NO_EXPONENT` without a check. ``extra`` (integers)
+    rides along and is replaced in place by its maximum over ranks (``scheme="auto"``'s
+    agreement); without a check it stays this rank's.
     """
     n = comm.world_size
     if not envs.validate() or n == 1:
@@ -241,7 +246,13 @@ def _handshake(request: _Request, comm: Communicator, what: str) -> int:
             raise request.error
         return _NO_EXPONENT
     k = len(_FIELDS)
-    vector = torch.zeros(2 * k + n + 1, dtype=torch.int64)
+    # every call carries the same slots (zeros outside auto), so that a rank calling auto and
+    # one calling a scheme by name exchange vectors of one size and see the mismatch
+    m = _EXTRA_SLOTS
+    assert extra is None or len(extra) == m
+    vector = torch.zeros(2 * k + n + m + 1, dtype=torch.int64)
+    if extra:
+        vector[2 * k + n : 2 * k + n + m] = torch.tensor(extra, dtype=torch.int64)
     if request.error is None:
         fields = torch.tensor(request.fingerprint, dtype=torch.int64)
         vector[:k] = fields
@@ -260,6 +271,8 @@ def _handshake(request: _Request, comm: Communicator, what: str) -> int:
         raise
     vector = vector.cpu()
     codes = vector[2 * k : 2 * k + n].tolist()
+    if extra is not None:
+        extra[:] = vector[2 * k + n : 2 * k + n + m].tolist()
     if request.error is not None:
         raise request.error
     bad = [(r, _ERROR_NAMES.get(c, "other")) for r, c in enumerate(codes) if c]
@@ -293,6 +306,15 @@ def _inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
     if tensor.device.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(
             f"{where} is on device {tensor.device}; dqcoll reads and writes cpu or cuda memory")
+    if tensor.device.type not in comm.devices:
+        # e.g. a CUDA tensor on a gloo communicator: gloo would be handed device memory
+        raise InvalidArgumentError(
+            f"{where} is on device {tensor.device}, but this communicator's transport "
+            f"({_transport_label(comm)}) moves {' and '.join(comm.devices)} tensors only: "
+            f"pass a tensor on {comm.devices[0]} (e.g. {name}.to({comm.devices[0]!r}), copied "
+            f"back after the call), or create a communicator for {tensor.device.type} tensors "
+            + ("(dqcoll.init(backend='nccl'), or backend='torch' over an NCCL group)"
+               if tensor.device.type == "cuda" else "(dqcoll.init(backend='gloo'))"))
     if tensor.requires_grad:
         raise InvalidArgumentError(
             f"{where} requires grad (a {'leaf' if tensor.is_leaf else 'non-leaf'} of an "
@@ -304,6 +326,21 @@ def _inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
             f"call runs outside inference mode, where torch forbids writing it in place; call "
             f"under torch.inference_mode() (not with async_op=True) or pass a normal tensor")
     return tensor
+
+
+def _transport_label(comm: Communicator) -> str:
+    """The transport's name, with its torch.distributed backend where it has one."""
+    backend = getattr(comm.transport, "backend", None)
+    return f"{comm.transport.name}/{backend}" if backend else str(comm.transport.name)
+
+
+def _buffer_device(buf: Any, default: torch.device) -> torch.device:
+    """The device of ``buf``'s memory, or ``default`` where it cannot be told (the argument
+    check then reports the buffer)."""
+    try:
+        return as_torch_view(buf, name="buf").device
+    except Exception:
+        return default
 
 
 def _max_exponent(tensor: torch.Tensor) -> int:
@@ -386,7 +423,13 @@ def _run_checked(
     tile_nbytes: int | None,
     tiles_in_flight: int,
 ) -> None:
-    tile_nbytes = default_tile_nbytes(comm.device) if tile_nbytes is None else tile_nbytes
+    if isinstance(scheme, str) and scheme == "auto":
+        _run_auto(collective, buf, out, op=op, bits=bits, algorithm=algorithm, comm=comm,
+                  seed=seed, step=step, scheme_options=scheme_options, tile_nbytes=tile_nbytes,
+                  tiles_in_flight=tiles_in_flight)
+        return
+    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
+        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
     call_step = comm.next_step()
     step = call_step if step is None else step
     seed = comm.seed if seed is None else seed
@@ -418,6 +461,124 @@ def _run_checked(
         # is done for (NCCL's rule after an error, too).
         comm.mark_dead(f"{what} failed: {type(exc).__name__}: {exc}")
         raise
+
+
+def _run_auto(
+    collective: Collective,
+    buf: Any,
+    out: Any,
+    *,
+    op: str | ReduceOp,
+    bits: float,
+    algorithm: str,
+    comm: Communicator,
+    seed: int | None,
+    step: int | None,
+    scheme_options: dict[str, Any],
+    tile_nbytes: int | None,
+    tiles_in_flight: int,
+) -> None:
+    """``scheme="auto"`` (see :mod:`dqcoll.auto`): the arguments are checked as for
+    ``dynamiq`` with its options, the ranks agree on the candidates' predicted times in the same
+    check, and every rank runs the candidate the rule picks from those agreed numbers."""
+    if collective is Collective.ALL_GATHER:
+        raise InvalidArgumentError(
+            f"rank {comm.rank}: scheme='auto' is for allreduce and reduce_scatter (an "
+            f"all-gather's bytes are set by the scheme its shards were made with)")
+    start = time.perf_counter()
+    if tile_nbytes is None:
+        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
+    call_step = comm.next_step()
+    step = call_step if step is None else step
+    seed = comm.seed if seed is None else seed
+    what = f"{collective.value}#{call_step} (auto)"
+    options = dict(scheme_options)
+    target = options.get("target_vnmse")
+    if target is None:
+        options.pop("target_vnmse", None)
+        options["bits"] = bits
+    # Checked as dynamiq with the caller's options (so bad options raise on every rank now),
+    # fingerprinted as "auto": a rank calling auto and another calling dynamiq disagree.
+    request = _prepare(buf, op=op, scheme="dynamiq", scheme_options=options,
+                       algorithm=algorithm, comm=comm, seed=seed, step=step, bits=bits,
+                       tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
+    if request.error is None and collective is not Collective.ALLREDUCE:
+        _check_output(request, out, collective, comm)
+    if request.error is None:
+        fingerprint = list(request.fingerprint)
+        fingerprint[2] = _crc("auto" + repr(request.scheme))
+        out_numel = request.out.numel() if request.out is not None else 0
+        request.fingerprint = (*fingerprint, _COLLECTIVE_IDS[collective], out_numel)
+    policy = comm.auto
+    numel = request.tensor.numel() if request.tensor is not None else 0
+    element_nbytes = request.tensor.element_size() if request.tensor is not None else 4
+    budget = float(bits) if target is None else auto_mod.TARGET_BITS
+    traffic = 2 if collective is Collective.ALLREDUCE else 1  # reduce-scatter: half the bytes
+
+    def local_us() -> list[int]:
+        # (the codec rates were measured with every rank of the machine measuring at once, so
+        # they include the sharing of its cores)
+        predicted = policy.predict_s(numel * traffic // 2, element_nbytes, comm.world_size,
+                                     budget, 1.0)
+        if element_nbytes == 2:  # a 16-bit buffer: bf16 saves nothing
+            predicted["bf16"] = math.inf
+        return [min(int(predicted[c] * 1e6), _MAX_US) for c in auto_mod.CANDIDATES]
+
+    ready = policy.ready()
+    extra = [int(policy.last_elapsed_s * 1e6), *(local_us() if ready else [0, 0, 0])]
+    exponent = _handshake(request, comm, what, extra)
+    policy.calibrate(extra[0] / 1e6)
+    try:
+        if not ready:  # the first auto call: measure the link and the codecs, then agree
+            policy.measure_link(comm.transport, what=f"{what} link probe")
+            policy.measure_codecs(comm.device, budget)
+            agreed = torch.tensor(local_us(), dtype=torch.float64)
+            comm.transport.allreduce(agreed, "max", what=f"{what} predictions")
+            extra[1:] = [int(v) for v in agreed.tolist()]
+        choice = policy.choose({c: extra[1 + i] / 1e6
+                                for i, c in enumerate(auto_mod.CANDIDATES)})
+        native = (choice.scheme != "dynamiq" and collective is Collective.ALLREDUCE
+                  and hasattr(comm.transport, "native_allreduce") and numel > 0)
+        if native:
+            _native_allreduce(request, comm, choice.scheme, what)
+        else:
+            if choice.scheme != "dynamiq":
+                request.scheme = schemes.get(choice.scheme)
+            if algorithm == "auto":
+                request.schedule = algorithms.build_schedule(
+                    _choose_algorithm("auto", comm.world_size, buf, request.scheme),
+                    comm.world_size)
+            _execute(collective, request, comm, what, _range_shift(exponent), seed=seed,
+                     step=step, tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
+    except BaseException as exc:
+        comm.mark_dead(f"{what} failed: {type(exc).__name__}: {exc}")
+        raise
+    policy.last_elapsed_s = time.perf_counter() - start
+    comm.last_info["scheme"] = choice.scheme
+    comm.last_info["auto"] = choice.as_info()
+
+
+_MAX_US = 1 << 50  # an "infinite" prediction in the argument check's int64 fields
+# the argument check's slots for auto: the previous call's time, then one prediction per candidate
+_EXTRA_SLOTS = 1 + len(auto_mod.CANDIDATES)
+
+
+def _native_allreduce(request: _Request, comm: Communicator, scheme: str, what: str) -> None:
+    """``auto``'s ``none`` / ``bf16`` over a torch process group: the group's own all-reduce,
+    what DDP runs without a hook (``avg``: divided by n first, as ``allreduce_hook``), ``bf16``
+    cast to bf16 and back around it (torch's ``bf16_compress_hook``)."""
+    tensor = request.tensor
+    assert tensor is not None and request.op is not None
+    n = comm.world_size
+    flat = tensor.view(-1)
+    work = flat.to(torch.bfloat16) if scheme == "bf16" and flat.element_size() == 4 else flat
+    if request.op is ReduceOp.AVG:
+        work = work.div_(n) if work is not flat else work.mul_(1.0 / n)
+    comm.transport.native_allreduce(work, what=what)
+    if work is not flat:
+        flat.copy_(work)
+    comm.last_info = {"scheme": scheme, "algorithm": f"{comm.transport.name} all_reduce",
+                      "bits": 8.0 * work.element_size()}
 
 
 def _execute(collective: Collective, request: _Request, comm: Communicator, what: str,
@@ -460,20 +621,33 @@ def _execute(collective: Collective, request: _Request, comm: Communicator, what
     else:
         assert out_tensor is not None
         target = out_tensor.view(-1)
+    # A stream-ordered transport (NCCL) returns before the data moved, and a timed-out or
+    # aborted transfer leaves garbage behind: the host waits (with the timeout) until every
+    # transfer of the call completed before anything is written to the caller's buffers, so a
+    # failure raises here with the buffers untouched (docs/gpu_transport.md). Waiting before
+    # the final decode rather than decoding into scratch first saves a buffer-sized copy.
+    if getattr(comm.transport, "stream_ordered", False):
+        comm.transport.synchronize(what=f"{what} (last transfers)")  # type: ignore[attr-defined]
+    result: torch.Tensor | None = None
     if collective is Collective.REDUCE_SCATTER:
-        full = torch.empty_like(flat)
-        call.finish(full)
-        result = full.view(n, -1)[comm.rank]
-        if shift:
-            _unscale_into(result, shift, target)
+        finish_shard = getattr(call, "finish_shard", None)
+        if finish_shard is not None:  # decode this rank's shard only
+            result = torch.empty_like(target) if shift else target
+            finish_shard(comm.rank, result)
         else:
-            target.copy_(result)
+            full = torch.empty_like(flat)
+            call.finish(full)
+            result = full.view(n, -1)[comm.rank]
     elif shift:
         result = torch.empty_like(target)
         call.finish(result)
-        _unscale_into(result, shift, target)
     else:
         call.finish(target)
+    if shift:
+        assert result is not None
+        _unscale_into(result, shift, target)
+    elif result is not None and result is not target:
+        target.copy_(result)
     comm.last_info.update(call.info)
     if shift:
         comm.last_info["range_shift"] = shift

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from . import envs, kernels
+from .auto import AutoPolicy
 from .errors import (
     CollectiveTimeoutError,
     CommAbortedError,
     DqcollError,
     InvalidArgumentError,
-    UnsupportedError,
 )
 from .kernels import cpu_runtime
 from .transports.base import Counters, Transport
@@ -34,6 +34,7 @@ __all__ = ["Communicator", "get_default_comm", "init", "set_default_comm"]
 
 log = logging.getLogger("dqcoll")
 
+NCCL_BACKENDS = ("nccl", "nccl4py", "nccl-cupy")
 _default: Communicator | None = None
 _thread_default = threading.local()
 
@@ -58,7 +59,9 @@ class Communicator:
     ) -> None:
         self.transport = transport
         self.seed = int(seed)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if device is None:  # the transport's own device (an NCCL group's GPU), else the CPU
+            device = getattr(transport, "device", None) or torch.device("cpu")
+        self.device = torch.device(device)
         if self.device.type == "cpu":
             # Ranks sharing this machine share its cores: the compiled CPU kernels divide them.
             local_ranks = transport.world_size if transport.name == "local" else 1
@@ -71,6 +74,8 @@ class Communicator:
             kernels.warm_up(self.device)
         self._calls = 0
         self.last_info: dict[str, Any] = {}
+        # scheme="auto": the measured link and codec rates and the calibration (dqcoll.auto)
+        self.auto = AutoPolicy()
         # what schemes remember across calls (calibration); every rank updates it identically
         self.scheme_state: dict[Any, Any] = {}
         self.closed = False
@@ -85,6 +90,12 @@ class Communicator:
     @property
     def world_size(self) -> int:
         return self.transport.world_size
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The device types whose tensors the transport moves (``transport.devices``; a
+        transport that does not say is assumed to move both)."""
+        return tuple(getattr(self.transport, "devices", None) or ("cpu", "cuda"))
 
     @property
     def counters(self) -> Counters:
@@ -134,9 +145,16 @@ class Communicator:
             log.warning("rank %d: communicator is dead: %s", self.rank, reason)
 
     def close(self) -> None:
-        """Release the communicator: later calls raise, and its async worker thread ends."""
+        """Release the communicator: later calls raise, and its async worker thread ends.
+
+        Pending ``async_op`` collectives run to the end first (each bounded by its own
+        timeouts; the wait here by twice the communicator's timeout, after which the transport
+        is aborted), so the transport is never closed under a call that still posts to it."""
         from . import handles
 
+        timeout = 2 * float(getattr(self.transport, "timeout_s", envs.timeout_s()))
+        if not handles.drain(self, timeout_s=timeout):
+            self.transport.abort(f"close(): async collectives still running after {timeout:g} s")
         self.closed = True
         handles.shutdown(self)
         self.transport.close()
@@ -239,8 +257,11 @@ def init(
     * ``backend="gloo"``: initialise ``torch.distributed`` with gloo (unless already initialised)
       from the arguments or the torchrun variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
       and run dqcoll over it.
-    * ``backend="torch"``: run over an existing torch.distributed ``group`` (default: WORLD).
-    * ``backend="nccl"``: CuPy's NCCL bindings (needs CUDA GPUs and CuPy).
+      An already initialised non-gloo group (e.g. NCCL) is refused: use ``backend="torch"``.
+    * ``backend="torch"``: run over an existing torch.distributed ``group`` (default: WORLD);
+      the device defaults to the group's (the current CUDA device for an NCCL group).
+    * ``backend="nccl"``: NCCL through nccl4py where it imports, else CuPy's bindings;
+      ``"nccl4py"`` / ``"nccl-cupy"`` choose one (needs CUDA GPUs).
     """
     import torch.distributed as dist
 
@@ -248,7 +269,14 @@ def init(
 
     timeout = envs.timeout_s() if timeout_s is None else float(timeout_s)
     if backend == "gloo":
-        if not dist.is_initialized():
+        if dist.is_initialized():
+            existing = str(dist.get_backend(group))
+            if "gloo" not in existing:
+                raise InvalidArgumentError(
+                    f"dqcoll.init(backend='gloo'): torch.distributed is already initialised "
+                    f"with backend {existing!r}; use dqcoll.init(backend='torch') to run over "
+                    f"that group (its tensors' device), or destroy it first")
+        else:
             r = _env_int("RANK", rank)
             n = _env_int("WORLD_SIZE", world_size)
             addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -266,19 +294,17 @@ def init(
         transport: Transport = TorchTransport(group, timeout_s=timeout)
     elif backend == "torch":
         transport = TorchTransport(group, timeout_s=timeout)
-    elif backend == "nccl":
-        try:
-            from .transports import cupy_nccl  # type: ignore[attr-defined]
-        except ImportError as exc:
-            raise UnsupportedError(f"backend='nccl' is not available: {exc}") from exc
-        transport = cupy_nccl.init_transport(  # type: ignore[attr-defined]
-            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-            timeout_s=timeout, device=device,
+    elif backend in NCCL_BACKENDS:
+        from .transports import init_nccl
+
+        transport = init_nccl(
+            backend, rank=rank, world_size=world_size, master_addr=master_addr,
+            master_port=master_port, timeout_s=timeout, device=device,
         )
-        device = transport.device  # small all-reduces (argument checks) run on the GPU
+        device = transport.device  # type: ignore[attr-defined]  # the rank's GPU
     else:
         raise InvalidArgumentError(
-            f"unknown backend {backend!r}; expected 'gloo', 'torch' or 'nccl'"
+            f"unknown backend {backend!r}; expected 'gloo', 'torch' or one of {NCCL_BACKENDS}"
         )
     comm = Communicator(transport, seed=seed, device=device)
     set_default_comm(comm)

@@ -11,6 +11,7 @@ import os
 
 __all__ = [
     "ENV_VARS",
+    "auto_force",
     "cpu_threads",
     "kernels",
     "log_level",
@@ -47,6 +48,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DQCOLL_TUNING_DIR": (
         "",
         "Extra directory searched for tuned algorithm tables before the packaged ones.",
+    ),
+    "DQCOLL_AUTO_FORCE": (
+        "",
+        "none | bf16 | dynamiq: what scheme='auto' runs on every call, whatever its model "
+        "predicts (last_info['auto'] still reports the predictions). Empty: the model decides.",
     ),
 }
 
@@ -97,3 +103,17 @@ def log_level() -> str:
 
 def tuning_dir() -> str:
     return _get("DQCOLL_TUNING_DIR")
+
+
+AUTO_CHOICES = ("none", "bf16", "dynamiq")
+
+
+def auto_force() -> str | None:
+    """The DQCOLL_AUTO_FORCE setting, or None (see ENV_VARS)."""
+    value = _get("DQCOLL_AUTO_FORCE").strip().lower()
+    if not value:
+        return None
+    if value not in AUTO_CHOICES:
+        raise ValueError(
+            f"DQCOLL_AUTO_FORCE must be one of {', '.join(AUTO_CHOICES)} or empty, got {value!r}")
+    return value

@@ -22,8 +22,9 @@ rank still reaches the others as a PeerError rather than a hang).
 
 Lifetime: the worker thread starts with a communicator's first asynchronous call and ends when
 the communicator is closed or garbage-collected (after the jobs already queued), so short-lived
-communicators do not leave threads behind. The thread holds no reference to the communicator
-between jobs.
+communicators do not leave threads behind. ``Communicator.close()`` first waits for the queued
+jobs (:func:`drain`, bounded), so the transport is never closed under one. The thread holds no
+reference to the communicator between jobs.
 
 Rejected: running the collective in the caller's thread and only deferring the final copy. The
 executor's codec work is host-driven (one Python call per hop and tile), so only a thread frees
@@ -162,12 +163,14 @@ def shutdown(comm: Any) -> None:
         worker.stop()
 
 
-def drain(comm: Any) -> None:
+def drain(comm: Any, timeout_s: float | None = None) -> bool:
     """Wait until every asynchronous collective issued on ``comm`` so far has run (their errors
-    stay with their handles)."""
+    stay with their handles); False if ``timeout_s`` passed first."""
     worker = _WORKERS.get(comm)
     if worker is not None and worker.last is not None:
-        concurrent.futures.wait([worker.last])
+        done, _ = concurrent.futures.wait([worker.last], timeout=timeout_s)
+        return bool(done)
+    return True
 
 
 def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,

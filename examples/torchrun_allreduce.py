@@ -70,8 +70,10 @@ def synchronize(comm: dqcoll.Communicator) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
-                        help="nccl: CuPy's NCCL on cuda:LOCAL_RANK; gloo: CPU processes")
+    parser.add_argument("--backend", default="nccl",
+                        choices=("nccl", "nccl4py", "nccl-cupy", "gloo"),
+                        help="nccl: NCCL on cuda:LOCAL_RANK (nccl4py where it imports, else "
+                             "CuPy's; nccl4py / nccl-cupy choose one); gloo: CPU processes")
     parser.add_argument("--numel", default="4M", help="coordinates per rank (K/M/G suffixes)")
     parser.add_argument("--schemes", default="none,dynamiq")
     parser.add_argument("--algorithm", default="auto")

@@ -35,7 +35,7 @@ def pytest_sessionstart(session):  # type: ignore[no-untyped-def]
     from dqcoll.kernels import dynamiq_numba
     from dqcoll.testing import run_local
 
-    dynamiq_numba.warm_up()
+    dynamiq_numba.warm_up(tuple(dynamiq_numba.FORMATS))  # every format the suite tests
     names = [name for name in dqcoll.schemes.list_schemes() if name != "dynamiq"]
 
     def every_scheme(comm):  # type: ignore[no-untyped-def]

@@ -117,7 +117,8 @@ def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
 def _three_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"none": _none_vs_plain(rank, world_size),
             "dynamiq": _dynamiq_replicas(rank, world_size),
-            "async": _async_vs_sync(rank, world_size)}
+            "async": _async_vs_sync(rank, world_size),
+            "auto": _auto_hook(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +251,40 @@ def test_async_hook_overlaps_and_matches_the_synchronous_one(
             assert done == sorted(done), (rank, run["order"])
         assert any(run["pending"][1:]), "every compressed bucket was already done"
         assert not any(sync["pending"][1:])  # the first (warm-up) bucket is gloo's own
+
+
+def _auto_hook(rank: int, world_size: int) -> dict[str, Any]:
+    model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+    state = DynamiqState(scheme="auto", bits=5, warmup_steps=0)
+    assert state.comm is not None
+    link = state.comm.auto.link_bytes_per_s  # measured when the state was made
+    model.register_comm_hook(state, dynamiq_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    chosen = []
+    for step in range(4):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        chosen.append(state.last_info.get("auto"))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    return {"identical": all(torch.equal(gathered[0], g) for g in gathered), "link": link,
+            "chosen": chosen}
+
+
+def test_auto_hook_trains_with_the_same_choice_everywhere(
+        three_ranks: list[dict[str, Any]]) -> None:
+    """DynamiqState(scheme="auto") measures the link when it is made, every rank records the
+    same choice and predictions for every bucket, and the replicas stay bit-identical."""
+    results = [r["auto"] for r in three_ranks]
+    for result in results:
+        assert result["identical"]
+        assert result["link"] is not None and result["link"] > 0
+        assert all(c is not None and c["chosen"] in ("none", "bf16", "dynamiq")
+                   for c in result["chosen"])
+    assert results[0]["chosen"] == results[1]["chosen"] == results[2]["chosen"]
 
 
 # -- training: within 1 % of uncompressed ----------------------------------------------------------

@@ -392,6 +392,15 @@ def test_forced_fast_path_allreduce_equals_reference(
     actual = run_local(3, body)
     for (a, _), (e, _) in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
+    # what ran, not what the variable asked for: a regression that fell back to the reference
+    # would otherwise compare the reference with itself and pass
+    codec = {"encode", "decode", "decode_accumulate", "decode_accumulate_encode", "restore",
+             "decode_restore"}
+    for _, info in expected:
+        assert set(info["kernels"].values()) == {"torch"}, info["kernels"]
+    for _, info in actual:
+        ran = {step: impl for step, impl in info["kernels"].items() if step in codec}
+        assert ran and set(ran.values()) == {fast}, info["kernels"]
     if "target_vnmse" in kwargs:
         assert expected[0][1]["widths"][16] > 0, "the case meant to reach width 16 did not"
 

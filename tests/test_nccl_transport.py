@@ -1,9 +1,11 @@
-"""The ``nccl`` transport (CuPy's NCCL bindings) and the torchrun launch path.
+"""The NCCL transports (nccl4py and CuPy's bindings) and the torchrun launch path.
 
-CPU tier: the module imports without CuPy, every reason NCCL cannot run is named in an
-UnsupportedError, the transport is registered, and the torchrun example runs over gloo.
+CPU tier: the modules import without CuPy or nccl4py, every reason NCCL cannot run is named in an
+UnsupportedError, the transports are registered, the id travels over a store, and the torchrun
+example runs over gloo. The contract with the real packages is tests/test_nccl_contract.py.
 
-GPU tiers (skipped cleanly without a GPU, CuPy or NCCL): several NCCL ranks share the one GPU -
+GPU tiers (skipped cleanly without a GPU, CuPy or NCCL), over each binding: several NCCL ranks
+share the one GPU -
 each process gets its own ``NCCL_HOSTID``, so NCCL treats them as separate hosts and connects them
 with sockets over loopback - and run every algorithm x scheme x collective, tiled and untiled, on
 torch tensors, on CuPy arrays on a CuPy stream, and with ``async_op``; every rank must end
@@ -37,20 +39,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_module_imports_without_cupy_and_names_the_reason() -> None:
-    """With CuPy unimportable, the module still imports; nccl_unavailable_reason says CuPy is
-    missing and how to install it, and both init_transport and dqcoll.init(backend='nccl') raise
-    UnsupportedError with that reason (checked in a fresh interpreter that blocks CuPy)."""
+    """With CuPy and nccl4py unimportable, the modules still import; nccl_unavailable_reason
+    says CuPy is missing and how to install it, and init_transport, dqcoll.init(backend='nccl')
+    (which then takes CuPy's bindings) and backend='nccl-cupy' raise UnsupportedError with that
+    reason; backend='nccl4py' names nccl4py and its extra (checked in a fresh interpreter that
+    blocks both)."""
     code = r"""
 import sys
 sys.modules["cupy"] = None  # import cupy -> ImportError, whether or not CuPy is installed
+sys.modules["nccl"] = None  # the same for nccl4py
 import dqcoll
 from dqcoll.errors import UnsupportedError
 from dqcoll.transports import cupy_nccl
 reason = cupy_nccl.nccl_unavailable_reason()
 assert reason is not None and "CuPy is not importable" in reason and "dqcoll[cuda12]" in reason
 assert not cupy_nccl.supports_nccl()
+try:
+    dqcoll.init(backend="nccl4py", rank=0, world_size=1)
+except UnsupportedError as exc:
+    assert "nccl4py is not importable" in str(exc) and "nccl4py[cu12]" in str(exc), exc
+else:
+    raise AssertionError("no error")
 for attempt in (lambda: cupy_nccl.init_transport(rank=0, world_size=1),
-                lambda: dqcoll.init(backend="nccl", rank=0, world_size=1)):
+                lambda: dqcoll.init(backend="nccl", rank=0, world_size=1),
+                lambda: dqcoll.init(backend="nccl-cupy", rank=0, world_size=1)):
     try:
         attempt()
     except UnsupportedError as exc:
@@ -99,6 +111,14 @@ def test_each_missing_piece_is_named(monkeypatch: pytest.MonkeyPatch, device_cou
                                      nccl_available: bool, expected: str) -> None:
     """CuPy importable but no usable GPU, no visible GPU, or no NCCL library: the reason names
     the missing piece, and init_transport raises UnsupportedError carrying it."""
+    try:  # the fake's surface is the real CuPy's (where CuPy is installed)
+        import cupy as real_cupy
+        from cupy.cuda import nccl as real_nccl
+
+        assert callable(real_cupy.cuda.runtime.getDeviceCount)
+        assert isinstance(real_nccl.available, bool)
+    except ImportError:
+        pass
     _fake_cupy(monkeypatch, device_count=device_count, nccl_available=nccl_available)
     reason = cupy_nccl.nccl_unavailable_reason()
     assert reason is not None and expected in reason, reason
@@ -147,8 +167,9 @@ import json, os, sys, time, torch, dqcoll
 from dqcoll import schemes
 from dqcoll.errors import DqcollError
 from dqcoll.types import Collective
-scenario, out_dir = sys.argv[1], sys.argv[2]
-comm = dqcoll.init(backend="nccl")
+scenario, out_dir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
+comm = dqcoll.init(backend=backend)
+assert comm.transport.name == backend, (comm.transport.name, backend)
 rank, n = comm.rank, comm.world_size
 assert comm.device.type == "cuda", comm.device
 
@@ -213,13 +234,16 @@ if scenario == "stall":
     comm.transport.exchange = exchange
     start = time.monotonic()
     report = {"rank": rank}
+    x = data(rank, 4096).cuda()
+    before = x.clone()
     try:
-        dqcoll.allreduce(data(rank, 4096).cuda(), algorithm="ring", tile_nbytes=0)
+        dqcoll.allreduce(x, algorithm="ring", tile_nbytes=0)
         comm.transport.synchronize()
         report["error"] = None
     except DqcollError as exc:
         report["error"] = type(exc).__name__
         report["message"] = str(exc)
+    report["untouched"] = bool(torch.equal(x, before))
     report["elapsed_s"] = time.monotonic() - start
     print("REPORT " + json.dumps(report), flush=True)
 os._exit(0)
@@ -240,13 +264,13 @@ def _nccl_env(rank: int, world_size: int, port: int, timeout_s: float) -> dict[s
     return env
 
 
-def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float,
+def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float, backend: str,
               wait_for: int | None = None) -> dict[int, dict[str, Any]]:
     """Start ``world_size`` NCCL ranks on GPU 0; collect the reports of all (or of the first
     ``wait_for``) ranks and kill the rest."""
     port = _free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-c", _NCCL_WORKER, scenario, str(out_dir)],
+        subprocess.Popen([sys.executable, "-c", _NCCL_WORKER, scenario, str(out_dir), backend],
                          env=_nccl_env(r, world_size, port, timeout_s), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for r in range(world_size)
@@ -265,20 +289,28 @@ def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float,
     return reports
 
 
-def _skip_without_nccl() -> None:
-    reason = cupy_nccl.nccl_unavailable_reason()
+def _skip_without_nccl(backend: str) -> None:
+    from dqcoll.transports import nccl4py
+
+    reason = (nccl4py.nccl4py_unavailable_reason() if backend == "nccl4py"
+              else cupy_nccl.nccl_unavailable_reason())
     if reason is not None:
-        pytest.skip(f"NCCL cannot run here: {reason}")
+        pytest.skip(f"{backend} cannot run here: {reason}")
+
+
+BINDINGS = ["nccl4py", "nccl-cupy"]
 
 
 @pytest.mark.multi_rank_gpu
+@pytest.mark.parametrize("backend", BINDINGS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_nccl_ranks_on_one_gpu_match_local(world_size: int, tmp_path: Path) -> None:
+def test_nccl_ranks_on_one_gpu_match_local(world_size: int, backend: str,
+                                           tmp_path: Path) -> None:
     """NCCL ranks sharing one GPU run every scheme x algorithm x collective, untiled and tiled,
     plus a CuPy array on a CuPy stream and an async_op call: every rank ends bit-identical to rank
     0 and to the local transport's result for the same inputs and seed on CUDA tensors."""
-    _skip_without_nccl()
-    reports = _run_nccl("matrix", world_size, tmp_path, timeout_s=120)
+    _skip_without_nccl(backend)
+    reports = _run_nccl("matrix", world_size, tmp_path, timeout_s=120, backend=backend)
     for rep in reports.values():
         assert rep["exit"] == 0, rep
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
@@ -319,18 +351,21 @@ def test_nccl_ranks_on_one_gpu_match_local(world_size: int, tmp_path: Path) -> N
 
 
 @pytest.mark.multi_rank_gpu
-def test_nccl_stalled_rank_is_reported_with_the_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BINDINGS)
+def test_nccl_stalled_rank_is_reported_with_the_step(backend: str, tmp_path: Path) -> None:
     """When rank 1 of 2 NCCL ranks stalls before a reduce step, rank 0 raises a
     CollectiveTimeoutError (or PeerError) naming the collective step within the timeout plus
-    slack, from the watchdog's abort, instead of waiting forever."""
-    _skip_without_nccl()
+    slack, from the watchdog's abort, instead of waiting forever, and its buffer keeps the
+    input (the result is copied out only after the last transfer completed)."""
+    _skip_without_nccl(backend)
     timeout_s = 5.0
-    reports = _run_nccl("stall", 2, tmp_path, timeout_s=timeout_s, wait_for=1)
+    reports = _run_nccl("stall", 2, tmp_path, timeout_s=timeout_s, backend=backend, wait_for=1)
     rep = reports[0]
     assert rep["exit"] == 0, rep
     assert rep["error"] in ("CollectiveTimeoutError", "PeerError"), rep
     assert "allreduce#1" in rep["message"] and "step" in rep["message"], rep
     assert rep["elapsed_s"] < 3 * timeout_s + 10, rep
+    assert rep["untouched"], rep
 
 
 @pytest.mark.gpu
@@ -360,23 +395,25 @@ def test_cupy_array_runs_on_cupy_stream() -> None:
 
 
 def test_unique_id_travels_over_a_tcp_store() -> None:
-    """Rank 0 publishes NCCL's 128 signed bytes in a TCPStore it hosts and every other rank
-    reads back exactly the same tuple (negative bytes included), under a key of its own per
-    communicator; a rank that never gets the id times out naming the key."""
+    """Rank 0 publishes the 128 id bytes (values 0..255, as CuPy 14 and nccl4py make them) in a
+    TCPStore it hosts and every other rank reads back exactly the same bytes, under a key of its
+    own per communicator; a rank that never gets the id times out naming the key, and an id of
+    the wrong length is refused."""
     import threading
 
-    from dqcoll.errors import CollectiveTimeoutError
+    from dqcoll.errors import CollectiveTimeoutError, PeerError
+    from dqcoll.transports import nccl_common
 
-    fake_id = tuple((i * 37) % 256 - 128 for i in range(128))
-    nccl = types.SimpleNamespace(get_unique_id=lambda: fake_id)
+    fake_id = bytes((i * 37) % 256 for i in range(128))
     port = _free_port()
-    ids: dict[int, tuple[int, ...]] = {}
+    ids: dict[int, bytes] = {}
     stores: list[Any] = []  # rank 0's store serves the others: keep it alive, as the transport does
 
     def rank_body(rank: int) -> None:
-        store = cupy_nccl._make_store(rank, 3, "127.0.0.1", port, 30.0)
+        store = nccl_common.make_store(rank, 3, "127.0.0.1", port, 30.0)
         stores.append(store)
-        ids[rank] = cupy_nccl._exchange_unique_id(nccl, store, rank, "dqcoll/nccl/t/0", 30.0)
+        ids[rank] = nccl_common.exchange_unique_id(lambda: fake_id, store, rank,
+                                                   "dqcoll/nccl/t/0", 30.0)
 
     threads = [threading.Thread(target=rank_body, args=(r,)) for r in range(3)]
     for t in threads:
@@ -384,7 +421,9 @@ def test_unique_id_travels_over_a_tcp_store() -> None:
     for t in threads:
         t.join(timeout=60)
     assert ids == {0: fake_id, 1: fake_id, 2: fake_id}
+    store = torch.distributed.TCPStore("127.0.0.1", _free_port(), 1, is_master=True,
+                                       wait_for_workers=False)
     with pytest.raises(CollectiveTimeoutError, match="dqcoll/nccl/t/missing"):
-        store = torch.distributed.TCPStore("127.0.0.1", _free_port(), 1, is_master=True,
-                                           wait_for_workers=False)
-        cupy_nccl._exchange_unique_id(nccl, store, 1, "dqcoll/nccl/t/missing", 0.5)
+        nccl_common.exchange_unique_id(lambda: fake_id, store, 1, "dqcoll/nccl/t/missing", 0.5)
+    with pytest.raises(PeerError, match="expected 128 bytes"):
+        nccl_common.exchange_unique_id(lambda: fake_id[:100], store, 0, "dqcoll/nccl/t/s", 0.5)

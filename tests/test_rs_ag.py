@@ -134,22 +134,10 @@ def test_dynamiq_balance_shards_allreduce(numel: int, ratio: float | None) -> No
         assert errors["shards"] < 0.5, errors
 
 
-def test_dynamiq_u_hint_changes_nothing() -> None:
-    """u_hint (e.g. the previous step's last_info["u"]) gives bit-identical results, whatever
-    its value; it is not part of the cross-rank argument check."""
-    numel = 2 * 4096
-    plain = run_local(3, _allreduce_vs_exact, numel, "bytes", None)
-    u = plain[0][2]["u"]
-    for hint in (u, u + 0.37, -1e6, float("nan")):
-        hinted = run_local(3, _allreduce_vs_exact, numel, "bytes", hint)
-        for rank in range(3):
-            assert torch.equal(hinted[rank][0], plain[rank][0]), (hint, rank)
-            assert hinted[rank][2]["u"] == u
-
-
 def test_allocation_hint_replays_the_plain_bisection() -> None:
-    """allocate_widths with any u_hint returns the u and widths (bit for bit) of a plain 64-step
-    bisection, on random norms spanning many decades, zeros included."""
+    """allocate_widths (the torch allocation; u_hint is no scheme option, see
+    tests/test_gpu_path.py) with any u_hint returns the u and widths (bit for bit) of a plain
+    64-step bisection, on random norms spanning many decades, zeros included."""
     g = torch.Generator().manual_seed(0)
     checked = 0
     for _ in range(30):

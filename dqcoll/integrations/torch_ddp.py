@@ -92,7 +92,9 @@ class DynamiqState:
     Args:
         process_group: the group DDP reduces over (None: the default group).
         scheme: a registered dqcoll scheme name (``dqcoll.schemes.list_schemes()``); ``"none"``
-            averages with the process group's own all-reduce, exactly like DDP without a hook.
+            averages with the process group's own all-reduce, exactly like DDP without a hook;
+            ``"auto"`` picks per bucket the fastest of the group's own all-reduce, a bf16 one
+            and dynamiq at ``bits`` (:mod:`dqcoll.auto`), the same on every rank.
         bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.81).
         algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct").
         scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
@@ -129,7 +131,8 @@ class DynamiqState:
         device: torch.device | str | None = None,
     ) -> None:
         options = dict(scheme_options or {})
-        spec = schemes.spec(scheme)  # raises for an unknown name, listing the registered ones
+        # "auto" takes dynamiq's options (dqcoll.auto); any other name must be registered
+        spec = schemes.spec("dynamiq" if scheme == "auto" else scheme)
         if target_vnmse is not None:
             if "target_vnmse" not in spec.options:
                 raise InvalidArgumentError(
@@ -138,7 +141,8 @@ class DynamiqState:
             probe = {**options, "target_vnmse": target_vnmse}
         else:
             probe = {**options, **({"bits": bits} if "bits" in spec.options else {})}
-        schemes.get(scheme, **probe)  # raises now for bad options, not at the first backward
+        # raises now for bad options, not at the first backward
+        schemes.get("dynamiq" if scheme == "auto" else scheme, **probe)
         if not 0.0 < calibration_rate <= 1.0:
             raise InvalidArgumentError(
                 f"calibration_rate must be in (0, 1], got {calibration_rate}"
@@ -219,7 +223,12 @@ class DynamiqState:
             backend = str(dist.get_backend(self.process_group)).lower()
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if "nccl" in backend else torch.device("cpu"))
-        return self.communicator(self.device)
+        comm = self.communicator(self.device)
+        if self.scheme == "auto" and not comm.auto.ready():
+            # measure the link and the codecs now (collective), not in the first backward
+            comm.auto.measure_link(comm.transport, what="DynamiqState.prepare link probe")
+            comm.auto.measure_codecs(comm.device, self.bits)
+        return comm
 
     def communicator(self, device: torch.device) -> Communicator:
         if self.comm is None:

@@ -8,10 +8,13 @@ Triton is imported lazily, so ``import dqcoll`` works without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -149,15 +152,50 @@ def dynamiq_ops(device: torch.device) -> DynamiqOps:
         return _fallback(f"Triton kernels are not available ({exc})", device)
 
 
+# A warm-up that takes longer than this is compiling (loading the cached kernels takes ~0.5 s
+# on the dev VM): it says so once, and how long it took when done.
+COMPILE_NOTICE_S = 3.0
+
+
+@contextlib.contextmanager
+def _compile_notice(what: str, where: str) -> Iterator[None]:
+    """Log a line if the block runs longer than :data:`COMPILE_NOTICE_S` (a first compilation,
+    once per machine: the kernels are cached) and another when it ends, instead of a silent
+    pause of minutes at a communicator's creation."""
+    start = time.perf_counter()
+    fired = threading.Event()
+
+    def notice() -> None:
+        fired.set()
+        log.warning("dqcoll: compiling the %s (first use on this machine, a few minutes on 2 "
+                    "cores; cached afterwards in %s) ...", what, where)
+
+    timer = threading.Timer(COMPILE_NOTICE_S, notice)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if fired.is_set():
+            log.warning("dqcoll: %s compiled in %.0f s", what, time.perf_counter() - start)
+
+
 def warm_up(device: torch.device) -> None:
     """Compile (or load from the disk cache) the kernels :func:`dynamiq_ops` picks for
-    ``device`` now, so that ranks started together do not compile at different steps."""
+    ``device`` now, so that ranks started together do not compile at different steps; a first
+    compilation logs what it compiles and how long it took (:func:`_compile_notice`)."""
     ops = dynamiq_ops(device)
     if ops.name == "numba":
+        import numba
+
         from . import dynamiq_numba
 
-        dynamiq_numba.warm_up()
+        where = numba.config.CACHE_DIR or "__pycache__ beside dqcoll/kernels"
+        with _compile_notice("CPU kernels (numba)", where):
+            dynamiq_numba.warm_up()
     elif ops.name == "triton" and device.type == "cuda":
         from . import dynamiq_triton
 
-        dynamiq_triton.warm_up(device)
+        with _compile_notice("GPU kernels (Triton)", "Triton's cache, ~/.triton"):
+            dynamiq_triton.warm_up(device)

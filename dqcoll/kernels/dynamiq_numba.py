@@ -16,6 +16,8 @@ ranks do not compile at different steps).
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -393,16 +395,49 @@ def decode_restore(
 
 
 _warm_lock = threading.Lock()
-_warmed = False
+_warmed: set[Scales] = set()  # the formats warm_up has compiled or loaded
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's disk cache) every kernel for the argument types the
-    launchers pass, on a few rows: ~0.5 s with a warm cache, tens of seconds cold."""
-    global _warmed
+# The scale encodings whose kernels warm_up compiles: the default format's. The paper's
+# configuration (``scales="hierarchical"``) and the flat ablation compile at their first call
+# (~1 min more of cold compile otherwise, for options few calls use).
+WARM_FORMATS = (_Q,)
+
+
+@contextlib.contextmanager
+def _machine_lock() -> Iterator[None]:
+    """Held while a process warms up: the ranks of one machine start together, and without it
+    every one of them compiles every kernel at once on cores they share (4 ranks on 2 cores: 4x
+    the work, each finishing at the end). With it the first compiles and writes numba's cache,
+    and the others load from it (~0.5 s). Advisory (``fcntl.flock``), per user; where it cannot
+    be taken, nothing is serialised."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), f"dqcoll-numba-warm-up-{os.getuid()}.lock")
+    try:
+        handle = open(path, "a+")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
+    """Compile (or load from numba's disk cache) the kernels of ``formats`` (default: the
+    default format's) for the argument types the launchers pass, on a few rows: ~0.5 s with a
+    warm cache, minutes cold (one process of the machine at a time: :func:`_machine_lock`)."""
     with _warm_lock:
-        if _warmed:
+        if set(formats) <= _warmed:
             return
+    with _warm_lock, _machine_lock():
         x = torch.randn(2, SUPER)
         index = torch.arange(2, dtype=torch.int64) * SUPER
         valid = torch.full((2,), SUPER, dtype=torch.int64)
@@ -411,7 +446,8 @@ def warm_up() -> None:
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
-        for scales, widths in FORMATS.items():
+        for scales in formats:
+            widths = FORMATS[scales]
             config = CodecConfig(scales=scales, levels=Levels.TUNED)
             for width in widths:
                 for world_size in (1, 3):  # independent and correlated rounding
@@ -427,7 +463,7 @@ def warm_up() -> None:
         from .allocation_numba import bisect
 
         bisect(np.zeros(2), np.zeros(2, np.bool_), np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8)
-        _warmed = True
+        _warmed.update(formats)
 
 
 OPS = DynamiqOps(

@@ -117,6 +117,14 @@ def _kernels_for(device: torch.device) -> tuple[ModuleType, bool]:
     raise ValueError(f"dynamiq Triton kernels run on CUDA or (interpreted) CPU, got {device}")
 
 
+def _launch_device(args: tuple[Any, ...]) -> torch.device:
+    """The device of the first tensor argument: the launch must run there."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+    raise ValueError("a kernel launch needs at least one tensor argument")
+
+
 def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *args: Any,
             **constexprs: Any) -> None:
     grid = cfg.grid(n_rows)
@@ -127,7 +135,15 @@ def _launch(kernel: Any, cfg: LaunchConfig, n_rows: int, interpreted: bool, *arg
         # warn about each.
         with _INTERPRETER_LOCK, numpy.errstate(all="ignore"):
             kernel[grid](*args, **constexprs)
-    else:
+        return
+    # Triton launches on torch's *current* device and its current stream there, never on the
+    # tensors' (its pointer check accepts any GPU's memory): make the tensors' device current for
+    # the launch, so that a communicator on cuda:1, or a thread that never called set_device,
+    # launches on the GPU that holds the data, on the caller's stream of that GPU.
+    device = _launch_device(args)
+    # (meta tensors: benchmarks/kernels_aot.py captures launches without a GPU)
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
         # Rank threads of the local transport may hit a kernel's first (compiling) launch at once.
         with _COMPILE_LOCK:
             kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, **compile_options())

@@ -1,5 +1,6 @@
 """Transports and their registry: ``local`` (threads), ``torch`` (a torch.distributed group),
-``nccl`` (CuPy's NCCL bindings)."""
+``nccl`` (NCCL itself: nccl4py where it imports, else CuPy's bindings), ``nccl4py`` and
+``nccl-cupy`` (either binding by name)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ __all__ = [
     "Transport",
     "TransportSpec",
     "get",
+    "init_nccl",
     "list_transports",
+    "nccl_binding",
     "register_transport",
     "ring_allreduce_nbytes",
 ]
@@ -62,10 +65,40 @@ def _torch_factory(group: Any = None, **kwargs: Any) -> Transport:
     return TorchTransport(group, **kwargs)
 
 
-def _nccl_factory(**kwargs: Any) -> Transport:
-    from .cupy_nccl import init_transport
+def nccl_binding(requested: str = "nccl") -> str:
+    """The NCCL binding ``requested`` names: ``nccl4py`` or ``nccl-cupy``, or for ``nccl``
+    nccl4py where it imports, else CuPy's (an explicit name is never swapped)."""
+    if requested in ("nccl4py", "nccl-cupy"):
+        return requested
+    if requested != "nccl":
+        raise InvalidArgumentError(
+            f"unknown NCCL binding {requested!r}; expected 'nccl', 'nccl4py' or 'nccl-cupy'")
+    from .nccl4py import nccl4py_importable
 
-    return init_transport(**kwargs)
+    return "nccl4py" if nccl4py_importable() is None else "nccl-cupy"
+
+
+def init_nccl(requested: str = "nccl", **kwargs: Any) -> Transport:
+    """The NCCL transport of ``requested`` (see :func:`nccl_binding`); every rank calls it."""
+    if nccl_binding(requested) == "nccl4py":
+        from . import nccl4py
+
+        return nccl4py.init_transport(**kwargs)
+    from . import cupy_nccl
+
+    return cupy_nccl.init_transport(**kwargs)
+
+
+def _nccl_factory(**kwargs: Any) -> Transport:
+    return init_nccl("nccl", **kwargs)
+
+
+def _nccl4py_factory(**kwargs: Any) -> Transport:
+    return init_nccl("nccl4py", **kwargs)
+
+
+def _cupy_nccl_factory(**kwargs: Any) -> Transport:
+    return init_nccl("nccl-cupy", **kwargs)
 
 
 register_transport(TransportSpec("local", _local_factory, "ranks as threads in one process",
@@ -74,4 +107,9 @@ register_transport(TransportSpec("torch", _torch_factory,
                                  "an existing torch.distributed group (gloo, nccl)",
                                  ("cpu", "cuda")))
 register_transport(TransportSpec("nccl", _nccl_factory,
-                                 "CuPy's NCCL bindings (one GPU per process)", ("cuda",)))
+                                 "NCCL: nccl4py where importable, else CuPy's bindings "
+                                 "(one GPU per process)", ("cuda",)))
+register_transport(TransportSpec("nccl4py", _nccl4py_factory,
+                                 "NCCL through nccl4py (one GPU per process)", ("cuda",)))
+register_transport(TransportSpec("nccl-cupy", _cupy_nccl_factory,
+                                 "NCCL through CuPy's bindings (one GPU per process)", ("cuda",)))

@@ -80,6 +80,7 @@ class LocalHub:
 
 class LocalTransport:
     name = "local"
+    devices = ("cpu", "cuda")  # mailboxes copy on the tensors' own device
 
     def __init__(self, hub: LocalHub, rank: int) -> None:
         if not 0 <= rank < hub.world_size:

@@ -48,6 +48,12 @@ class SubgroupTransport:
         self.rank = members.index(parent.rank)
         self.world_size = len(members)
         self.counters: Counters = parent.counters  # the same object: bytes go on its wire
+        # The parent's device and ordering: over NCCL, exchange returns once queued (the
+        # executor then overlaps tiles on streams) and the small tensors live on its GPU.
+        self.stream_ordered: bool = bool(getattr(parent, "stream_ordered", False))
+        self.device = getattr(parent, "device", None) or torch.device("cpu")
+        self.devices: tuple[str, ...] = tuple(getattr(parent, "devices", None)
+                                              or ("cpu", "cuda"))
 
     def exchange(
         self,
@@ -88,7 +94,13 @@ class SubgroupTransport:
         tensor.copy_(result)
 
     def barrier(self, *, what: str = "barrier") -> None:
-        self.allreduce(torch.zeros(1), "sum", what=what)
+        self.allreduce(torch.zeros(1, device=self.device), "sum", what=what)
+
+    def synchronize(self, *, what: str = "synchronize") -> None:
+        """The parent's host wait for what is queued (stream-ordered parents only)."""
+        wait = getattr(self.parent, "synchronize", None)
+        if wait is not None:
+            wait(what=what)
 
     def abort(self, reason: str) -> None:
         self.parent.abort(reason)

@@ -32,9 +32,24 @@ from .. import envs
 from ..errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError, PeerError
 from .base import ALLREDUCE_OPS, Counters, reduce_in_rank_order
 
-__all__ = ["TorchTransport"]
+__all__ = ["TorchTransport", "backend_devices"]
 
 HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
+
+
+def backend_devices(backend: str) -> tuple[str, ...]:
+    """The device types a group's backend moves: ``"gloo"`` -> cpu, ``"nccl"`` -> cuda, a
+    per-device string (``"cpu:gloo,cuda:nccl"``) -> the devices it names; another backend
+    (mpi, ucc, a custom one) is assumed to move both."""
+    name = backend.lower()
+    if name == "gloo":
+        return ("cpu",)
+    if name == "nccl":
+        return ("cuda",)
+    if ":" in name:
+        return tuple(sorted({part.split(":", 1)[0].strip() for part in name.split(",")}
+                            & {"cpu", "cuda"})) or ("cpu", "cuda")
+    return ("cpu", "cuda")
 
 
 class TorchTransport:
@@ -56,6 +71,11 @@ class TorchTransport:
         self.backend = str(dist.get_backend(self.group))
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.headers = self.backend != "nccl"  # see the module docstring
+        self.devices = backend_devices(self.backend)
+        # The device of the small all-reduces and barriers: a CUDA-only group (nccl) takes
+        # the current CUDA device (torchrun jobs set it per rank), anything else the CPU.
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if self.devices == ("cuda",) else torch.device("cpu"))
 
     def _wait(self, works: list[tuple[str, int, dist.Work]], what: str) -> None:
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -169,8 +189,19 @@ class TorchTransport:
             tensor.copy_(reduced.view(tensor.shape))
         self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
 
+    def native_allreduce(self, tensor: torch.Tensor, *, what: str) -> None:
+        """Sum ``tensor`` in place with the group's own all-reduce (gloo's or NCCL's: what DDP
+        runs without a hook; its result is the same on every rank), waiting at most the
+        transport's timeout. For large buffers where no compression pays (``scheme="auto"``);
+        the small all-reduces keep :meth:`allreduce`'s rank order."""
+        if self.world_size > 1 and tensor.numel():
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            assert work is not None
+            self._wait([("all_reduce with", -1, work)], what)
+        self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
+
     def barrier(self, *, what: str = "barrier") -> None:
-        self.allreduce(torch.zeros(1), "sum", what=what)
+        self.allreduce(torch.zeros(1, device=self.device), "sum", what=what)
 
     def abort(self, reason: str) -> None:
         # torch.distributed has no portable abort for gloo; peers learn of it through their timeouts

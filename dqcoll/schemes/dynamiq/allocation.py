@@ -123,6 +123,7 @@ class Allocation:
     over_budget: bool  # even the cheapest allocation did not fit (tiny buffers)
     predicted_vnmse: float = float("nan")  # target mode: the error model's prediction
     target_met: bool | None = None  # target mode: False when even 8 bits everywhere falls short
+    kernel: str = "torch"  # the implementation that computed it: "numba" (compiled) or "torch"
 
     @property
     def total_nbytes(self) -> int:
@@ -215,9 +216,9 @@ def allocate_widths(
                                       widths.numpy())
         if status == allocation_numba.NO_FINITE:
             return Allocation(widths, float("nan"), payload, stats, budget,
-                              payload + stats > budget)
+                              payload + stats > budget, kernel="numba")
         return Allocation(widths, u, payload, stats, budget,
-                          status == allocation_numba.OVER_BUDGET)
+                          status == allocation_numba.OVER_BUDGET, kernel="numba")
     # +inf is a finite input whose squared norm overflowed fp32 (Inf/NaN inputs give NaN after
     # centring): rank it as the largest finite norm rather than spending 8 bits on it.
     log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 from typing import Any
 
@@ -114,7 +115,7 @@ class DynamiqScheme:
         supports_reduce_scatter=True,
         needs_global_stats=True,
         options=("bits", "target_vnmse", "error_model", "max_width", "levels", "widths",
-                 "scales", "rounding", "seed", "balance", "u_hint", "energy_exponent",
+                 "scales", "rounding", "seed", "balance", "energy_exponent",
                  "width_set", "thresholds", "stats", "hop_widths"),
     )
 
@@ -131,7 +132,6 @@ class DynamiqScheme:
         rounding: str | RoundingMode = "correlated",
         seed: int = 0,
         balance: str | Balance = "bytes",
-        u_hint: float | None = None,
         energy_exponent: float = 1.0,
         width_set: str = "fine",
         thresholds: str = "auto",
@@ -181,10 +181,6 @@ class DynamiqScheme:
         self.bits = bits
         self.seed = int(seed)
         self.balance: Balance = _parse(Balance, balance, "balance")
-        # A guess of the allocation parameter (e.g. the previous step's ``last_info["u"]``): it
-        # only saves work in the bisection, whose result is the same with or without it, so it
-        # is left out of the argument check (ranks may pass different hints).
-        self.u_hint = None if u_hint is None else float(u_hint)
         if target_vnmse is not None:
             try:
                 target_vnmse = float(target_vnmse)
@@ -292,20 +288,29 @@ class DynamiqScheme:
         return out.reshape(payload["shape"])
 
 
-def _work_buffer(ctx: CallContext, rows: int, device: torch.device) -> torch.Tensor | None:
-    """The fp32 ``[rows, 256]`` work buffer of a CPU call, kept by the communicator between
-    calls (None where there is no communicator state, or off the CPU: CUDA has torch's caching
-    allocator). Calls on one communicator run one at a time, and nothing reads a call's work
-    after its ``finish``. A fresh 64 MiB buffer per call cost page faults on first touch: 91 ms
-    for the centring pass vs ~15 ms into a reused one (2^24 coordinates, 2-core VM)."""
+def _state_buffer(ctx: CallContext, name: str, rows: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """An fp32 ``[rows, 256]`` buffer of a CPU call kept by the communicator between calls
+    under ``name`` (None where there is no communicator state, or off the CPU: CUDA has torch's
+    caching allocator). Calls on one communicator run one at a time, and nothing reads a call's
+    buffers after its ``finish``. A fresh 64 MiB buffer per call cost page faults on first
+    touch: 91 ms for the centring pass vs ~15 ms into a reused one (2^24 coordinates, 2-core
+    VM); the padded copy of an input whose length is no multiple of 256 cost 40 ms of
+    ``torch.zeros`` per 12.6 M coordinates. Each buffer holds the largest call seen so far on
+    its communicator (``ctx.state``), and goes with it."""
     if ctx.state is None or device.type != "cpu":
         return None
-    key = ("dynamiq.work", str(device))
+    key = (name, str(device))
     buffer = ctx.state.get(key)
     if not isinstance(buffer, torch.Tensor) or buffer.shape[0] < rows:
         buffer = torch.empty((rows, SUPER), dtype=torch.float32, device=device)
         ctx.state[key] = buffer
     return buffer[:rows]
+
+
+def _work_buffer(ctx: CallContext, rows: int, device: torch.device) -> torch.Tensor | None:
+    """The call's fp32 ``[rows, 256]`` work rows (see :func:`_state_buffer`)."""
+    return _state_buffer(ctx, "dynamiq.work", rows, device)
 
 
 def _runs(sorted_widths: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
@@ -317,6 +322,17 @@ def _runs(sorted_widths: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
         if width and b > a:
             runs.append((width, a, b))
     return runs
+
+
+log = logging.getLogger("dqcoll")
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log a fallback to the reference once per distinct reason (not per call)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 class DynamiqCall:
@@ -375,8 +391,11 @@ class DynamiqCall:
             if numel == rows * SUPER and x.dtype == torch.float32 and x.is_contiguous():
                 flat = x.view(rows, SUPER)  # the input itself: read, never written below
             else:
-                flat = torch.zeros(rows, SUPER, dtype=torch.float32, device=device)
+                flat = _state_buffer(ctx, "dynamiq.input", rows, device)
+                if flat is None:
+                    flat = torch.empty(rows, SUPER, dtype=torch.float32, device=device)
                 flat.view(-1)[:numel] = x.reshape(-1)
+                flat.view(-1)[numel:] = 0.0  # the tail's padding
             row_start = torch.arange(rows, dtype=torch.int64) * SUPER
             valid = (numel - row_start).clamp(max=SUPER)
             row_chunk = torch.zeros(rows, dtype=torch.int64)
@@ -393,16 +412,21 @@ class DynamiqCall:
         if divisor != 1 and not split:
             flat = flat / n  # a new buffer: flat may be the caller's tensor
         centred: torch.Tensor | None = None
+        # What ran, step by step (comm.last_info["kernels"]); filled in as the steps run.
+        self.kernels: dict[str, str] = {}
         if split:
             assert prep.stats is not None
             # norm16: no centring (zero means; center_gather then writes x / divisor itself)
             mean, norm2 = prep.stats(flat, valid, divisor=divisor,
                                      centre=scheme.stats == "fp32")
+            self.kernels["stats"] = prep.name
         elif scheme.stats in ("bf16", "norm16"):
             centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
                                                               centre=scheme.stats == "bf16")
+            self.kernels["stats"] = "torch"
         else:
             centred, mean, norm2 = prep.stats_center(flat, valid)
+            self.kernels["stats"] = prep.name
         # A row whose squares all underflow fp32 (|x| below ~1e-23) has norm2 == 0 although it is
         # not zero: give it the smallest normal norm so that it still gets a record (width 0 would
         # drop it, and each rank would keep its own centred values).
@@ -481,7 +505,7 @@ class DynamiqCall:
             if not hop_widths:
                 self.allocation = allocate_widths(
                     stats[1], budget_numel, scheme.bits, widths_mode=scheme.widths_mode,
-                    scales=self.config.scales, u_hint=scheme.u_hint, max_width=scheme.max_width,
+                    scales=self.config.scales, max_width=scheme.max_width,
                     energy_exponent=scheme.energy_exponent, **options,
                 )
             else:
@@ -499,6 +523,9 @@ class DynamiqCall:
         for class_widths in (self.hop or {}).values():
             used |= set(np.flatnonzero(np.bincount(class_widths.numpy(), minlength=1)).tolist())
         if not self.ops.implements(self.config.scales, used):
+            _warn_once(f"dynamiq: the {self.ops.name} kernels do not implement widths "
+                       f"{sorted(used)} with {self.config.scales.value} scales; such calls run "
+                       f"the torch reference (the same bytes, slower)")
             self.ops = _torch_ops()
 
         # 4. Reorder by width (within each shard when sharded) and cut into chunks. The row
@@ -527,8 +554,10 @@ class DynamiqCall:
             assert prep.center_gather is not None
             self.work = prep.center_gather(flat, mean, valid, self.order, divisor=divisor,
                                                out=_work_buffer(ctx, rows, device))
+            self.kernels["center_gather"] = prep.name
         else:
             self.work = centred[self.order]
+            self.kernels["center_gather"] = "torch"
         del centred, flat
         self.mean_sorted = (torch.from_numpy(stats[0].numpy()[order_np])
                             if device.type == "cpu" else stats[0][self.order])
@@ -607,6 +636,10 @@ class DynamiqCall:
             "rho": getattr(self, "info_rho", None),
             "target_met": self.allocation.target_met,
             "widths": counts,
+            "kernels": self.kernels,  # the same dict: the codec steps add themselves as they run
+            # the bit allocation (host code): "numba" where the compiled bisection ran, "torch"
+            # for the torch allocation (hop widths, fine width sets, target mode: the defaults)
+            "allocation_impl": self.allocation.kernel,
         }
 
     def _decode_restore(self, out: torch.Tensor) -> None:
@@ -675,6 +708,7 @@ class DynamiqCall:
     # -- per-hop operations -------------------------------------------------------------------
 
     def compress(self, chunk: int, count: int) -> torch.Tensor:
+        self.kernels["encode"] = self.ops.name
         out = torch.empty(self.payload_nbytes(chunk, count), dtype=torch.uint8,
                           device=self.work.device)
         for width, a, b, offset in self._segments(chunk, count):
@@ -689,9 +723,11 @@ class DynamiqCall:
             if self.deferred is not None and width != RAW_WIDTH:
                 self.deferred.append((width, a, b, records))  # decoded by finish
             else:
+                self.kernels["decode"] = self.ops.name
                 self.ops.decode(records, width, self.config, out=self.work[a:b])
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        self.kernels["decode_accumulate"] = self.ops.name
         for width, a, b, offset in self._segments(chunk, count):
             self.ops.decode_accumulate(self._records(payload, width, a, b, offset), width,
                                        self.config, self.work[a:b])
@@ -699,6 +735,7 @@ class DynamiqCall:
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
     ) -> torch.Tensor:
+        self.kernels["decode_accumulate_encode"] = self.ops.name
         if self._geom:
             return self._hop_widths_step(chunk, payload, count, out_count)
         out = torch.empty_like(payload)
@@ -746,20 +783,47 @@ class DynamiqCall:
                 j += 1
         return out
 
+    def finish_shard(self, shard: int, out: torch.Tensor) -> None:
+        """Restore only shard ``shard`` (a reduce-scatter's own) into ``out`` (one shard's
+        coordinates): the rows of chunk ``shard``, which the sharded layout keeps together."""
+        if self.shard is None or self.deferred:
+            raise InvalidArgumentError("finish_shard needs a sharded call (reduce-scatter)")
+        size = self.shard[0]
+        a, b = self.chunk_bounds[shard], self.chunk_bounds[shard + 1]
+        work, mean = self.work[a:b], self.mean_sorted[a:b]
+        base = self.index_base[a:b] - shard * size  # coordinates within the shard
+        valid = self.valid_sorted[a:b]
+        if self.ops.restore is not None and out.is_contiguous() and out.device == work.device:
+            self.kernels["restore"] = self.ops.name
+            self.ops.restore(work, mean, base, valid, out.view(-1))
+            return
+        self.kernels["restore"] = "torch"
+        value = work + mean.to(work.device)[:, None]
+        coord = torch.arange(SUPER, device=work.device)
+        keep = coord[None, :] < valid.to(work.device)[:, None]
+        target = base.to(work.device)[:, None] + coord[None, :]
+        result = torch.zeros(out.numel(), dtype=torch.float32, device=work.device)
+        result[target[keep]] = value[keep]
+        out.copy_(result.reshape(out.shape))
+
     def finish(self, out: torch.Tensor) -> None:
         if self.deferred:
             if (self.ops.decode_restore is not None and out.dtype == torch.float32
                     and out.is_contiguous() and out.device == self.work.device):
+                self.kernels["decode_restore"] = self.ops.name
                 self._decode_restore(out.view(-1))
                 return
+            self.kernels["decode"] = self.ops.name
             for width, a, b, records in self.deferred:  # another output: decode, then restore
                 self.ops.decode(records, width, self.config, out=self.work[a:b])
             self.deferred.clear()
         self._measure_rho()
         if self.ops.restore is not None and out.is_contiguous() and out.device == self.work.device:
+            self.kernels["restore"] = self.ops.name
             self.ops.restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted,
                              out.view(-1))
             return
+        self.kernels["restore"] = "torch"
         if self.uneven:  # rows past the end were dropped: scatter by coordinate index
             value = self.work + self.mean_sorted[:, None]
             coord = torch.arange(SUPER, device=value.device)

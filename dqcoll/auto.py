@@ -1,0 +1,232 @@
+"""``scheme="auto"``: per call, the fastest of ``none``, ``bf16`` and ``dynamiq``, chosen the same
+way on every rank.
+
+The rule (:meth:`AutoPolicy.choose`), in one place:
+
+1. **Predict** each candidate's call time from two measured rates::
+
+       t(s) = max(wire_s, cpu_s) + OVERLAP_REST * min(wire_s, cpu_s)
+       wire_s = 2 (n - 1) / n * numel * bits_s / 8 / link_bytes_per_s
+       cpu_s  = numel * codec_ns_s * 1e-9 * share
+
+   ``bits_s`` is 32 or 16 for ``none`` on fp32 / 16-bit buffers, 16 for ``bf16``, the budget for
+   ``dynamiq`` (``bits``, or ~8 bits for ``target_vnmse``); ``link_bytes_per_s`` is what the
+   communicator measured on its own traffic (:meth:`AutoPolicy.measure_link`: a ring exchange
+   of :data:`PROBE_NBYTES` at its first ``auto`` call, or at ``DynamiqState.prepare``);
+   ``codec_ns_s`` is the CPU time per coordinate of each scheme's whole call, measured at the
+   same moment on this rank's own kernels (:func:`measure_codec_ns`); ``share`` is how many
+   ranks of this machine share a core. Pipelining overlaps a tile's transfer with another
+   tile's codec, so the smaller of the two costs only partly (:data:`OVERLAP_REST`).
+2. **Calibrate** with what calls measured: after each call its time (the slowest rank's,
+   agreed in the next call's argument check) over its prediction moves that candidate's factor
+   (geometric mean, weight :data:`CALIBRATION_RATE`), so the model's errors (Python glue, core
+   sharing, the link under load) are corrected by measurement.
+3. **Agree**: every rank puts its predictions into the argument check, which takes the maximum
+   over ranks (the slowest rank decides a collective's time); every rank then picks from the
+   same numbers, so all run the same scheme (no extra message).
+4. **Choose** the candidate with the least agreed time, but compress (``bf16`` or ``dynamiq``)
+   only where it beats the uncompressed prediction by :data:`MARGIN` (5 %): a wrong prediction
+   then costs at most that margin against not compressing, which is the promise of ``auto``.
+
+``last_info["auto"]`` says what was chosen, the agreed predictions in ms and why. Override:
+pass a scheme name instead of ``"auto"``, or ``AutoPolicy.force`` / ``DQCOLL_AUTO_FORCE``.
+
+``none`` and ``bf16`` chosen by ``auto`` over a torch process group run that group's own
+all-reduce (gloo's or NCCL's, what DDP runs without a hook; ``bf16``: cast, sum in bf16, cast
+back, as torch's ``bf16_compress_hook``), so ``auto`` is never slower than them because of
+dqcoll's executor; over other transports they run dqcoll's ``none`` / ``bf16`` schemes.
+
+Rejected: a tuned table per (size, link) (needs a tuning run per cluster and goes stale when the
+network is shared), and trying each candidate in turn and keeping the fastest (every rank must
+agree, and a slow candidate costs a whole call each time it is retried).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import torch
+
+from . import envs
+
+__all__ = ["CANDIDATES", "AutoChoice", "AutoPolicy", "measure_codec_ns"]
+
+CANDIDATES = ("none", "bf16", "dynamiq")
+# Compress only where the prediction beats not compressing by this fraction: the bound on how
+# much slower than the uncompressed path a wrong prediction can make a call.
+MARGIN = 0.05
+# The share of the smaller of (wire, codec) that pipelining does not hide (tiles overlap one
+# tile's transfer with another's codec; the first and last tiles do not overlap).
+OVERLAP_REST = 0.35
+# Weight of each measured call in the calibration factor (geometric).
+CALIBRATION_RATE = 0.5
+# The link probe: each rank sends this many bytes to the next rank and receives as many from
+# the previous (a ring, every link busy at once, as in a ring all-reduce), best of two, after
+# one smaller exchange. ~35 ms on a 1 Gb/s link, ~170 ms on 200 Mb/s.
+PROBE_NBYTES = 4 << 20
+# Per-coordinate CPU of a call of each candidate relative to the single-shot codec measured at
+# warm-up (dynamiq: encode + decode of one buffer; a ring all-reduce also runs the statistics,
+# the hops' fused decode-encode and the restore: about 1.5 of that per coordinate per rank).
+CALL_OVER_CODEC = 1.5
+# Bits per coordinate dynamiq is assumed to send under target_vnmse (its widths vary per call).
+TARGET_BITS = 8.0
+_CODEC_NUMEL = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+    """What ``auto`` chose for one call, and why (``last_info["auto"]``)."""
+
+    scheme: str
+    predicted_ms: dict[str, float]  # agreed over ranks (the slowest rank's prediction)
+    reason: str
+
+    def as_info(self) -> dict[str, Any]:
+        return {"chosen": self.scheme, "predicted_ms": dict(self.predicted_ms),
+                "reason": self.reason}
+
+
+def measure_codec_ns(device: torch.device, bits: float) -> dict[str, float]:
+    """CPU (or device) nanoseconds per coordinate of each candidate's call on this rank: the
+    single-shot codec of ``_CODEC_NUMEL`` N(0, 1) coordinates on this device's kernels, best of
+    three, times :data:`CALL_OVER_CODEC`; ``none`` is one add of the partial sums."""
+    from . import schemes
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(_CODEC_NUMEL, generator=g).to(device)
+    y = torch.randn(_CODEC_NUMEL, generator=g).to(device)
+
+    def best(fn: Any) -> float:
+        fn()
+        elapsed = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = min(elapsed, time.perf_counter() - start)
+        return elapsed * 1e9 / _CODEC_NUMEL
+
+    dynamiq = schemes.get("dynamiq", bits=bits)
+    return {
+        "none": best(lambda: x.add(y)),
+        # the native path's cast to bf16, sum and cast back (the executor's bf16 scheme costs
+        # more; calibration corrects the factor where it runs)
+        "bf16": best(lambda: x.to(torch.bfloat16).add_(y.to(torch.bfloat16)).float()),
+        "dynamiq": best(lambda: dynamiq.decode(dynamiq.encode(x))) * CALL_OVER_CODEC,
+    }
+
+
+class AutoPolicy:
+    """The measured rates and calibration of one communicator's ``auto`` calls (``comm.auto``).
+    Everything that decides a choice is agreed over ranks, so every rank holds the same
+    ``link_bytes_per_s`` and ``calibration``; ``codec_ns`` is this rank's own (its predictions
+    are maximised over ranks in the argument check)."""
+
+    def __init__(self) -> None:
+        # -- measured: the link (agreed: the slowest rank's), this rank's codecs --
+        self.link_bytes_per_s: float | None = None
+        self.codec_ns: dict[str, float] = {}
+        self.codec_bits: float | None = None  # the dynamiq budget codec_ns was measured at
+        # -- corrected by measured calls (agreed): candidate -> measured / predicted --
+        self.calibration: dict[str, float] = {name: 1.0 for name in CANDIDATES}
+        # -- the previous auto call, calibrated in the next one's argument check --
+        self.pending: tuple[str, float] | None = None  # (scheme, agreed prediction in s)
+        self.last_elapsed_s = 0.0  # this rank's time of that call
+        self.force = envs.auto_force()  # a candidate to run whatever the model says, or None
+        self.history: list[AutoChoice] = []  # the last choices (bounded), for inspection
+        self.choices = 0
+
+    # -- measurement ------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self.link_bytes_per_s is not None and bool(self.codec_ns)
+
+    def measure_link(self, transport: Any, *, what: str = "auto link probe") -> float:
+        """Time a ring exchange of :data:`PROBE_NBYTES` (every rank sends to the next and
+        receives from the previous at once), best of two after a smaller one, and agree on the
+        slowest rank's rate (a min over ranks). Collective: every rank calls it at the same
+        point. Returns bytes per second."""
+        n, rank = transport.world_size, transport.rank
+        if n == 1:
+            self.link_bytes_per_s = math.inf
+            return self.link_bytes_per_s
+        device = getattr(transport, "device", None) or torch.device("cpu")
+        send = torch.zeros(PROBE_NBYTES, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        best = math.inf
+        for size in (PROBE_NBYTES // 8, PROBE_NBYTES, PROBE_NBYTES):
+            start = time.perf_counter()
+            transport.exchange([((rank + 1) % n, send[:size])], [((rank - 1) % n, recv[:size])],
+                               what=f"{what} ({size} B)")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if size == PROBE_NBYTES:
+                best = min(best, time.perf_counter() - start)
+        rate = torch.tensor([-PROBE_NBYTES / best], dtype=torch.float64, device=device)
+        transport.allreduce(rate, "max", what=f"{what} (agree)")  # max of -rate: the min rate
+        self.link_bytes_per_s = float(-rate.item())
+        return self.link_bytes_per_s
+
+    def measure_codecs(self, device: torch.device, bits: float) -> None:
+        self.codec_ns = measure_codec_ns(device, bits)
+        self.codec_bits = bits
+
+    # -- the rule ---------------------------------------------------------------------------------
+
+    def predict_s(self, numel: int, element_nbytes: int, world_size: int, bits: float,
+                  cores_shared: float) -> dict[str, float]:
+        """This rank's calibrated prediction of each candidate's call time (seconds)."""
+        assert self.link_bytes_per_s is not None
+        wire_bits = {"none": 8.0 * element_nbytes, "bf16": 16.0, "dynamiq": bits}
+        factor = 2.0 * (world_size - 1) / world_size
+        predicted = {}
+        for name in CANDIDATES:
+            wire = factor * numel * wire_bits[name] / 8.0 / self.link_bytes_per_s
+            cpu = numel * self.codec_ns[name] * 1e-9 * cores_shared
+            raw = max(wire, cpu) + OVERLAP_REST * min(wire, cpu)
+            predicted[name] = raw * self.calibration[name]
+        return predicted
+
+    def choose(self, agreed_s: dict[str, float]) -> AutoChoice:
+        """The candidate to run from the agreed predictions (see the module docstring)."""
+        ms = {name: round(t * 1e3, 3) for name, t in agreed_s.items()}
+        if self.force is not None:
+            choice = AutoChoice(self.force, ms, f"forced by DQCOLL_AUTO_FORCE={self.force}")
+        else:
+            baseline = agreed_s["none"]
+            best = min(("bf16", "dynamiq"), key=lambda name: agreed_s[name])
+            if agreed_s[best] <= (1.0 - MARGIN) * baseline:
+                reason = (f"{best} predicted {ms[best]:g} ms against {ms['none']:g} ms "
+                          f"uncompressed (link {self._link_text()})")
+                choice = AutoChoice(best, ms, reason)
+            else:
+                reason = (f"no compression predicted {MARGIN:.0%} faster than {ms['none']:g} ms "
+                          f"uncompressed (bf16 {ms['bf16']:g}, dynamiq {ms['dynamiq']:g} ms; "
+                          f"link {self._link_text()})")
+                choice = AutoChoice("none", ms, reason)
+        self.pending = (choice.scheme, agreed_s[choice.scheme])
+        self.choices += 1
+        self.history = [*self.history[-63:], choice]
+        return choice
+
+    def calibrate(self, measured_s: float) -> None:
+        """The previous call took ``measured_s`` (agreed: the slowest rank's): move its
+        candidate's factor towards measured / predicted. Every rank runs it with the same
+        numbers, so the factors stay identical."""
+        if self.pending is None or not measured_s > 0:
+            return
+        scheme, predicted = self.pending
+        self.pending = None
+        if not predicted > 0:
+            return
+        ratio = min(max(measured_s / predicted, 1.0 / 16), 16.0)
+        factor = self.calibration[scheme] * ratio**CALIBRATION_RATE
+        self.calibration[scheme] = min(max(factor, 1e-3), 1e3)
+
+    def _link_text(self) -> str:
+        rate = self.link_bytes_per_s or 0.0
+        return "unbounded" if math.isinf(rate) else f"{rate * 8 / 1e9:.3g} Gb/s measured"

@@ -1,0 +1,512 @@
+"""What the two NCCL transports share: the rendezvous and a stream-ordered transport over any
+NCCL binding (CuPy's ``cupy.cuda.nccl`` in :mod:`.cupy_nccl`, NVIDIA's nccl4py in
+:mod:`.nccl4py`).
+
+**Rendezvous.** Rank 0 makes the NCCL unique id and publishes its 128 bytes in a torch
+``TCPStore``; every rank reads the same ``bytes`` back and hands them to its binding, which
+converts them to what its constructor takes (CuPy 14: ``bytes``; CuPy 13: a tuple of signed
+ints; nccl4py: ``UniqueId.from_bytes``). The id is ``bytes`` from end to end here: CuPy 14's
+``get_unique_id()`` returns bytes 0..255, and packing them as signed bytes failed
+(docs/gpu_transport.md). The store is, in this order: the torchrun agent's store when torchrun
+says it hosts one (``TORCHELASTIC_USE_AGENT_STORE=True``), the default store of an initialised
+``torch.distributed``, or a store that rank 0 hosts at ``MASTER_ADDR:MASTER_PORT``. Keys live
+under ``dqcoll/nccl/attempt_<restart>/<n>/`` with ``n`` counting this process's communicators.
+
+**Streams.** Everything is queued on the caller's current stream; ``exchange`` posts its sends
+and receives in one NCCL group and returns without waiting (``stream_ordered = True``). The
+small ``allreduce`` (statistics, argument checks) is read by the host right after it, so it
+waits - by polling an event, with the timeout - for its own transfers only. Stream and event
+calls go through :class:`CudaStreams`, which tests replace by a host fake checked against
+torch's signatures.
+
+**Deterministic small all-reduce.** A reduce-scatter by all-to-all, a sum *in rank order* of
+each shard, and an all-gather (:func:`~dqcoll.transports.base.reduce_in_rank_order`): every rank
+gets the very bits of the ``local`` transport. ``ncclAllReduce`` adds in an order of its own, so
+DynamiQ's bit allocation could differ in the last bit from the ``local`` result.
+
+**Timeouts, aborts and the one lock.** Each posted group records an event; a watchdog thread
+polls the pending events and the binding's asynchronous error. A group that has not completed
+after ``timeout_s`` (or an asynchronous error: a peer died) makes the watchdog abort the
+communicator, which lets the stuck kernels return; the next call, the host wait of the small
+all-reduce, or :meth:`synchronize` then raises :class:`~dqcoll.errors.CollectiveTimeoutError` /
+:class:`~dqcoll.errors.PeerError` naming the step and the peers. Posting (``groupStart`` ..
+``groupEnd``), the asynchronous-error query, ``abort`` and ``destroy`` all run under one lock,
+and a post first checks that the communicator is still usable: the bindings free the
+communicator inside ``abort``/``destroy``, so any of these calls racing another would touch freed
+memory. :meth:`close` stops the watchdog and joins it before it destroys the communicator.
+Limits: the rendezvous and the first exchange with a new peer (NCCL connects lazily inside
+``groupEnd``) block the host with no timeout of their own, and the watchdog cannot abort while a
+post holds the lock.
+
+Rejected: ``ncclAllReduce`` for the small all-reduce (order, above) and a per-message header
+(reading it would synchronise the host with the device at every step; sizes are right by
+construction from the argument check of :mod:`dqcoll.api`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import (
+    CollectiveTimeoutError,
+    CommAbortedError,
+    InvalidArgumentError,
+    PeerError,
+)
+from .base import ALLREDUCE_OPS, Counters, check_peers, reduce_in_rank_order
+
+__all__ = [
+    "UNIQUE_ID_NBYTES",
+    "CudaStreams",
+    "NcclBinding",
+    "RendezvousPlan",
+    "StreamOrderedNcclTransport",
+    "exchange_unique_id",
+    "make_store",
+    "plan_rendezvous",
+    "select_device",
+]
+
+log = logging.getLogger("dqcoll")
+
+UNIQUE_ID_NBYTES = 128  # sizeof(ncclUniqueId)
+STORE_PREFIX = "dqcoll/nccl"
+_generation = itertools.count()  # one per communicator this process creates
+# Watchdog poll period: a timeout is noticed within this much of its deadline.
+WATCHDOG_PERIOD_S = 0.05
+
+
+# -- rendezvous -------------------------------------------------------------------------------
+
+
+def _env_int(name: str, value: int | None, default: int | None = None) -> int:
+    """An explicit argument, else the torchrun variable ``name``, else ``default``."""
+    if value is not None:
+        return int(value)
+    if name in os.environ:
+        return int(os.environ[name])
+    if default is not None:
+        return default
+    raise InvalidArgumentError(
+        f"{name} is not set: pass it to dqcoll.init(backend='nccl', ...) or launch with torchrun"
+    )
+
+
+def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> Any:
+    """The store the unique id travels over (see the module docstring for the choice)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT: join it as a client
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout,
+                             wait_for_workers=False)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception as exc:  # a private helper: fall back to a store of our own
+            log.info("dqcoll: not reusing torch.distributed's store (%s)", exc)
+    return dist.TCPStore(addr, port, world_size, is_master=(rank == 0), timeout=timeout,
+                         wait_for_workers=False)
+
+
+def exchange_unique_id(make_id: Callable[[], bytes], store: Any, rank: int, key: str,
+                       timeout_s: float) -> bytes:
+    """Rank 0 calls ``make_id()`` (128 bytes) and publishes it under ``key``; every rank
+    returns those very bytes, or raises naming the key (a timeout) or the wrong length."""
+    if rank == 0:
+        unique_id = make_id()
+        if not isinstance(unique_id, bytes) or len(unique_id) != UNIQUE_ID_NBYTES:
+            raise PeerError(
+                f"rank 0: the NCCL binding made a unique id of type {type(unique_id).__name__} "
+                f"and length {len(unique_id)}, expected {UNIQUE_ID_NBYTES} bytes")
+        store.set(key, unique_id)
+        return unique_id
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        data = store.get(key)
+    except Exception as exc:
+        raise CollectiveTimeoutError(
+            f"rank {rank}: no NCCL unique id from rank 0 under {key!r} within {timeout_s:g} s "
+            f"({exc.__class__.__name__}: {exc})"
+        ) from exc
+    data = bytes(data)
+    if len(data) != UNIQUE_ID_NBYTES:
+        raise PeerError(f"rank {rank}: NCCL unique id under {key!r} has {len(data)} bytes, "
+                        f"expected {UNIQUE_ID_NBYTES}")
+    return data
+
+
+def select_device(device: torch.device | str | int | None) -> torch.device:
+    """The CUDA device of this rank (``cuda:LOCAL_RANK`` modulo the visible devices unless
+    given), made the current device."""
+    if device is None:
+        local = _env_int("LOCAL_RANK", None, default=0)
+        device = torch.device("cuda", local % torch.cuda.device_count())
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise InvalidArgumentError(f"the nccl transport runs on a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
+class RendezvousPlan:
+    """Rank, world size, device, store and key of one communicator's rendezvous."""
+
+    __slots__ = ("device", "key", "rank", "store", "timeout_s", "world_size")
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, store: Any, key: str,
+                 timeout_s: float) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.store, self.key, self.timeout_s = store, key, timeout_s
+
+
+def plan_rendezvous(*, rank: int | None, world_size: int | None, master_addr: str | None,
+                    master_port: int | None, timeout_s: float,
+                    device: torch.device | str | int | None, store: Any) -> RendezvousPlan:
+    """Resolve the arguments (or the torchrun variables), select the device, make the store."""
+    r = _env_int("RANK", rank)
+    n = _env_int("WORLD_SIZE", world_size)
+    if not 0 <= r < n:
+        raise InvalidArgumentError(f"rank {r} outside [0, {n})")
+    chosen = select_device(device)
+    if store is None:
+        addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(master_port or os.environ.get("MASTER_PORT", "29500"))
+        store = make_store(r, n, addr, port, timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job: fresh keys
+    key = f"{STORE_PREFIX}/attempt_{attempt}/{next(_generation)}/unique_id"
+    return RendezvousPlan(r, n, chosen, store, key, timeout_s)
+
+
+# -- streams and events -----------------------------------------------------------------------
+
+
+class CudaStreams:
+    """The stream and event calls of the transport, on one CUDA device (torch's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def current_handle(self) -> int:
+        """The ``cudaStream_t`` of the caller's current stream on the device."""
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def record(self) -> Any:
+        """An event recorded on the current stream (``query()`` is True once it completed)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def scope(self) -> Any:
+        """A context in which the device is the current one (for NCCL calls)."""
+        return torch.cuda.device(self.device)
+
+    def bind_thread(self) -> None:
+        """Make the device current in the calling thread (the watchdog's)."""
+        torch.cuda.set_device(self.device)
+
+
+# -- the binding protocol ---------------------------------------------------------------------
+
+
+class NcclBinding(Protocol):
+    """One NCCL communicator through one library's bindings (CuPy's or nccl4py's)."""
+
+    name: str
+
+    def group(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def send(self, tensor: torch.Tensor, peer: int, stream: int) -> None: ...
+
+    def recv(self, tensor: torch.Tensor, peer: int, stream: int) -> None: ...
+
+    def check_async_error(self) -> None:
+        """Raise if NCCL reports an asynchronous error (a peer died, a link failed)."""
+
+    def abort(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
+# -- the transport ----------------------------------------------------------------------------
+
+
+class _Group:
+    """One posted NCCL group: its completion event, deadline and description."""
+
+    __slots__ = ("deadline", "event", "label")
+
+    def __init__(self, event: Any, deadline: float, label: str) -> None:
+        self.event, self.deadline, self.label = event, deadline, label
+
+
+def describe(sends: Sequence[tuple[int, torch.Tensor]],
+             recvs: Sequence[tuple[int, torch.Tensor]], what: str) -> str:
+    parts = []
+    if sends:
+        parts.append("sending to rank " + ", ".join(str(p) for p, _ in sends))
+    if recvs:
+        parts.append("receiving from rank " + ", ".join(str(p) for p, _ in recvs))
+    return f"{what} ({'; '.join(parts)})"
+
+
+class StreamOrderedNcclTransport:
+    """The transport protocol over one :class:`NcclBinding` (see the module docstring)."""
+
+    stream_ordered = True  # exchange() returns once queued; the data is ordered on the stream
+    devices = ("cuda",)  # device types of the tensors it moves
+
+    def __init__(
+        self,
+        binding: NcclBinding,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+        store: Any = None,
+        streams: Any = None,
+        name: str = "nccl",
+    ) -> None:
+        self.binding = binding
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.timeout_s = timeout_s
+        self.counters = Counters()
+        self.streams = streams if streams is not None else CudaStreams(device)
+        self._store = store  # rank 0 may host it: keep it alive with the communicator
+        # State (guarded by _lock): the groups posted and not yet seen complete, the first
+        # failure, and whether close() ran.
+        self._pending: collections.deque[_Group] = collections.deque()
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+        self._closed = False
+        # Held around every call into the communicator (posting, async-error query, abort,
+        # destroy): the bindings free the communicator inside abort and destroy.
+        self._comm_lock = threading.RLock()
+        self._usable = True  # False once aborted or destroyed (checked under _comm_lock)
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(
+            target=self._watch, name=f"dqcoll-{name}-watchdog r{rank}", daemon=True
+        )
+        self._watchdog.start()
+
+    # -- failure handling ---------------------------------------------------------------------
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise CommAbortedError(f"rank {self.rank}: the {self.name} communicator is closed")
+
+    def _fail(self, error: BaseException) -> None:
+        """Record the first failure and abort the communicator (stuck kernels then return)."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = error
+        log.error("dqcoll: %s; aborting the NCCL communicator", error)
+        with self._comm_lock:
+            if not self._usable:
+                return
+            self._usable = False
+            try:
+                self.binding.abort()
+            except Exception as exc:
+                log.error("dqcoll: ncclCommAbort failed: %s", exc)
+
+    def _check_async_error(self, label: str) -> None:
+        with self._comm_lock:
+            if not self._usable:
+                return
+            try:
+                self.binding.check_async_error()
+            except Exception as exc:
+                error: BaseException | None = exc
+            else:
+                error = None
+        if error is not None:
+            self._fail(PeerError(f"rank {self.rank}: NCCL reported an error at {label} "
+                                 f"(a peer died or a link failed): {error}"))
+
+    def _watch(self) -> None:
+        try:
+            self.streams.bind_thread()  # event queries and NCCL calls for this device
+        except Exception as exc:
+            log.error("dqcoll: the NCCL watchdog cannot select %s: %s", self.device, exc)
+            return
+        while not self._stop.wait(WATCHDOG_PERIOD_S):
+            if self._failure is not None:
+                return
+            with self._lock:
+                while self._pending and self._pending[0].event.query():
+                    self._pending.popleft()
+                overdue = next((g for g in self._pending if time.monotonic() > g.deadline), None)
+                oldest = self._pending[0].label if self._pending else None
+            if oldest is not None:
+                self._check_async_error(oldest)
+            if overdue is not None:
+                self._fail(CollectiveTimeoutError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:g} s at {overdue.label}"
+                ))
+                return
+
+    def _track(self, label: str) -> Any:
+        event = self.streams.record()
+        with self._lock:
+            self._pending.append(_Group(event, time.monotonic() + self.timeout_s, label))
+        return event
+
+    def _wait_event(self, event: Any, label: str) -> None:
+        """Host wait for one event, polling, bounded by the timeout (no device synchronise)."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-5
+        while not event.query():
+            if self._failure is not None:
+                raise self._failure
+            if time.monotonic() > deadline:
+                self._fail(CollectiveTimeoutError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:g} s at {label}"
+                ))
+                raise self._failure  # type: ignore[misc]
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        self._raise_if_failed()
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def _check_tensor(self, tensor: torch.Tensor, role: str, peer: int, what: str) -> None:
+        if tensor.device != self.device:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {self.name} transport on {self.device} cannot {role} rank "
+                f"{peer} a tensor on {tensor.device} at {what}"
+            )
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError(
+                f"rank {self.rank}: {self.name} transport needs contiguous tensors, got strides "
+                f"{tensor.stride()} to {role} rank {peer} at {what}"
+            )
+
+    def _group(self, sends: Sequence[tuple[int, torch.Tensor]],
+               recvs: Sequence[tuple[int, torch.Tensor]], what: str) -> None:
+        """Post one group of sends and receives (bytes) on the current stream."""
+        stream = self.streams.current_handle()
+        try:
+            with self._comm_lock:
+                if not self._usable:
+                    raise CommAbortedError(
+                        f"rank {self.rank}: the {self.name} communicator was aborted before "
+                        f"{describe(sends, recvs, what)} could be posted")
+                with self.streams.scope(), self.binding.group():
+                    for peer, tensor in sends:
+                        self.binding.send(tensor.view(-1).view(torch.uint8), peer, stream)
+                    for peer, buffer in recvs:
+                        self.binding.recv(buffer.view(-1).view(torch.uint8), peer, stream)
+        except Exception as exc:  # invalid usage, or the communicator was aborted
+            self._raise_if_failed()
+            self._fail(PeerError(
+                f"rank {self.rank}: posting NCCL {describe(sends, recvs, what)} failed: {exc}"
+            ))
+            raise self._failure from exc  # type: ignore[misc]
+        self._raise_if_failed()
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        what: str,
+    ) -> None:
+        self._raise_if_failed()
+        check_peers(sends, recvs, self.rank, self.world_size)
+        sends = [(p, t) for p, t in sends if t.numel()]
+        recvs = [(p, t) for p, t in recvs if t.numel()]
+        for peer, tensor in sends:
+            self._check_tensor(tensor, "send to", peer, what)
+        for peer, buffer in recvs:
+            self._check_tensor(buffer, "receive from", peer, what)
+        if not sends and not recvs:
+            return
+        self._group(sends, recvs, what)
+        self._track(describe(sends, recvs, what))
+        for _, tensor in sends:
+            self.counters.count_send(tensor.numel() * tensor.element_size())
+        for _, buffer in recvs:
+            self.counters.count_recv(buffer.numel() * buffer.element_size())
+
+    def _post(self, sends: Sequence[tuple[int, torch.Tensor]],
+              recvs: Sequence[tuple[int, torch.Tensor]], label: str) -> None:
+        sends = [(p, t) for p, t in sends if t.numel()]
+        recvs = [(p, t) for p, t in recvs if t.numel()]
+        if not sends and not recvs:
+            return
+        self._group(sends, recvs, label)
+        self._track(describe(sends, recvs, label))
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
+        """Small in-place all-reduce, summed in rank order (see the module docstring); the
+        host waits for it. Tensors on another device are staged through this one."""
+        if op not in ALLREDUCE_OPS:
+            raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
+        self._raise_if_failed()
+        n = self.world_size
+        nbytes = tensor.numel() * tensor.element_size()
+        if n > 1 and tensor.numel():
+            work = tensor.detach().to(self.device).contiguous().reshape(-1)
+            reduced = reduce_in_rank_order(self._post, self.rank, n, work, op, what)
+            self._wait_event(self._track(f"{what} (small all-reduce)"),
+                             f"{what} (small all-reduce)")
+            tensor.copy_(reduced.view(tensor.shape))
+        self.counters.count_allreduce(nbytes, n)
+
+    def barrier(self, *, what: str = "barrier") -> None:
+        self.allreduce(torch.zeros(self.world_size, device=self.device), "sum", what=what)
+
+    def synchronize(self, *, what: str = "synchronize") -> None:
+        """Host wait, with the timeout, until everything posted so far has completed; raises
+        the failure (timeout, abort, peer error) if there was one."""
+        self._raise_if_failed()
+        with self._lock:
+            pending = list(self._pending)
+        for group in pending:
+            self._wait_event(group.event, group.label)
+        self._raise_if_failed()
+
+    def abort(self, reason: str) -> None:
+        self._fail(CommAbortedError(f"rank {self.rank}: communicator aborted: {reason}"))
+
+    def close(self) -> None:
+        """Wait for what is posted (unless failed), stop and join the watchdog, then destroy
+        the communicator (never while another thread is inside a call on it)."""
+        if self._closed:
+            return
+        try:
+            if self._failure is None:
+                self.synchronize(what="close")
+        finally:
+            self._stop.set()
+            if self._watchdog is not threading.current_thread():
+                self._watchdog.join(timeout=max(1.0, 10 * WATCHDOG_PERIOD_S))
+            self._closed = True
+            with self._comm_lock:
+                if self._usable:
+                    self._usable = False
+                    self.binding.destroy()

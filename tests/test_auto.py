@@ -1,0 +1,132 @@
+"""``scheme="auto"`` (dqcoll.auto): every rank runs the same candidate, picked by the documented
+rule from agreed predictions; the result is that candidate's; forcing and mismatches work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dqcoll
+from dqcoll.auto import CANDIDATES, MARGIN, AutoPolicy
+from dqcoll.errors import DqcollError
+from dqcoll.testing import run_local
+
+
+def _inputs(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+
+
+def test_rule_compresses_only_with_the_margin() -> None:
+    """choose() keeps the uncompressed path unless a compressed candidate is predicted at
+    least MARGIN faster, and says why."""
+    policy = AutoPolicy()
+    policy.force = None
+    slow = {"none": 100e-3, "bf16": 60e-3, "dynamiq": 30e-3}
+    assert policy.choose(slow).scheme == "dynamiq"
+    close = {"none": 100e-3, "bf16": 99e-3, "dynamiq": (1 - MARGIN / 2) * 100e-3}
+    choice = policy.choose(close)
+    assert choice.scheme == "none" and "no compression" in choice.reason
+    assert policy.choose({"none": 100e-3, "bf16": 50e-3, "dynamiq": 80e-3}).scheme == "bf16"
+
+
+def test_prediction_follows_link_and_codec_rates() -> None:
+    """With a slow link compression wins, with a fast one the uncompressed path: the model
+    prices wire bytes over the measured link against the measured per-coordinate CPU."""
+    policy = AutoPolicy()
+    policy.force = None
+    policy.codec_ns = {"none": 0.5, "bf16": 1.0, "dynamiq": 6.0}
+    policy.link_bytes_per_s = 125e6  # 1 Gb/s
+    slow = policy.predict_s(16 << 20, 4, 4, 5.0, 1.0)
+    assert policy.choose(slow).scheme == "dynamiq"
+    policy.link_bytes_per_s = 25e9  # 200 Gb/s
+    fast = policy.predict_s(16 << 20, 4, 4, 5.0, 1.0)
+    assert policy.choose(fast).scheme == "none"
+    assert fast["none"] < fast["dynamiq"]
+
+
+def test_calibration_moves_towards_measurements() -> None:
+    """A call measured at 4x its prediction moves that candidate's factor up (geometric, rate
+    1/2: x2), the others stay."""
+    policy = AutoPolicy()
+    policy.force = None
+    policy.choose({"none": 1.0, "bf16": 1.0, "dynamiq": 0.5})
+    policy.calibrate(2.0)
+    assert policy.calibration["dynamiq"] == pytest.approx(2.0)
+    assert policy.calibration["none"] == policy.calibration["bf16"] == 1.0
+    policy.calibrate(5.0)  # nothing pending: no change
+    assert policy.calibration["dynamiq"] == pytest.approx(2.0)
+
+
+def _auto_calls(comm: dqcoll.Communicator, numel: int) -> list[dict]:
+    results = []
+    for _ in range(3):
+        x = _inputs(comm.rank, numel)
+        dqcoll.allreduce(x, scheme="auto", op="avg", comm=comm)
+        info = dict(comm.last_info)
+        # the same call with the chosen scheme named explicitly
+        y = _inputs(comm.rank, numel)
+        dqcoll.allreduce(y, scheme=info["scheme"], op="avg", comm=comm)
+        results.append({"x": x, "y": y, "info": info,
+                        "calibration": dict(comm.auto.calibration)})
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_makes_the_same_choice(world_size: int) -> None:
+    """Over in-process ranks (no native all-reduce: candidates run on dqcoll's executor) every
+    rank reports the same choice, agreed predictions and calibration, ends bit-identical, and
+    the result equals an explicit call of the chosen scheme."""
+    numel = 3 * 4096 + 5
+    results = run_local(world_size, _auto_calls, numel)
+    for call in range(3):
+        infos = [r[call]["info"] for r in results]
+        assert len({i["scheme"] for i in infos}) == 1
+        assert all(i["auto"] == infos[0]["auto"] for i in infos)
+        assert infos[0]["scheme"] in CANDIDATES
+        assert set(infos[0]["auto"]["predicted_ms"]) == set(CANDIDATES)
+        assert all(r[call]["calibration"] == results[0][call]["calibration"] for r in results)
+        for r in results:
+            assert torch.equal(r[call]["x"], results[0][call]["x"])
+            assert torch.equal(r[call]["x"], r[call]["y"])
+
+
+def test_forced_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DQCOLL_AUTO_FORCE overrides the model (the predictions are still reported)."""
+    monkeypatch.setenv("DQCOLL_AUTO_FORCE", "bf16")
+
+    def body(comm: dqcoll.Communicator) -> dict:
+        x = _inputs(comm.rank, 2048)
+        dqcoll.allreduce(x, scheme="auto", comm=comm)
+        return dict(comm.last_info)
+
+    for info in run_local(2, body):
+        assert info["scheme"] == "bf16"
+        assert "forced" in info["auto"]["reason"]
+        assert all(math.isfinite(v) for v in info["auto"]["predicted_ms"].values())
+
+
+def test_auto_against_an_explicit_scheme_raises_on_every_rank() -> None:
+    """One rank auto, another dynamiq: a MismatchError on both before data moves."""
+
+    def body(comm: dqcoll.Communicator) -> str:
+        x = _inputs(comm.rank, 4096)
+        try:
+            dqcoll.allreduce(x, scheme="auto" if comm.rank == 0 else "dynamiq", comm=comm)
+        except DqcollError as exc:
+            return type(exc).__name__
+        return "no error"
+
+    assert run_local(2, body) == ["MismatchError", "MismatchError"]
+
+
+def test_auto_refuses_all_gather() -> None:
+    def body(comm: dqcoll.Communicator) -> str:
+        try:
+            dqcoll.all_gather(torch.zeros(8), torch.zeros(16), scheme="auto", comm=comm)
+        except DqcollError as exc:
+            return str(exc)
+        return ""
+
+    assert all("allreduce and reduce_scatter" in text for text in run_local(2, body))
