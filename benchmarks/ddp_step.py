@@ -192,6 +192,8 @@ def _register_hook(row: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
         raise RowUnavailable(f"DynamiqState(scheme={scheme!r}) rejected: "
                              f"{type(exc).__name__}: {_first_line(exc)}") from None
     ddp.register_comm_hook(state, dynamiq_hook)
+    if hasattr(state, "prepare"):  # communicator, kernels (and auto's measurements) now
+        state.prepare()
     return state
 
 
@@ -237,6 +239,9 @@ def _error_step(ddp: nn.parallel.DistributedDataParallel, state: Any, x: torch.T
     if last_info:
         out["last_info"] = {k: v for k, v in last_info.items()
                             if isinstance(v, (str, int, float, bool))}
+        choice = last_info.get("auto")  # what scheme="auto" chose for the last bucket, and why
+        if isinstance(choice, dict):
+            out["auto_choice"] = json.loads(json.dumps(choice, default=str))
     return out
 
 
@@ -442,9 +447,11 @@ def _format_row(entry: dict[str, Any], baseline: float | None) -> str:
     speedup = f"{baseline / entry['median_ms']:.2f}x" if baseline else "-"
     bits = entry.get("bits_per_coord")
     vnmse = entry.get("vnmse")
+    chosen = entry.get("auto_choice", {}).get("chosen")
     return (f"{label}{entry['median_ms']:>9.1f}{entry['p10_ms']:>8.1f}{entry['p90_ms']:>8.1f}"
             f"{speedup:>8}{'-' if bits is None else f'{bits:.2f}':>11}"
-            f"{'-' if vnmse is None else f'{vnmse:.2e}':>11}")
+            f"{'-' if vnmse is None else f'{vnmse:.2e}':>11}"
+            + (f"  (chose {chosen} for the last bucket)" if chosen else ""))
 
 
 def _cell(entry: dict[str, Any] | None) -> str:
