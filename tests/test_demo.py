@@ -32,6 +32,15 @@ def test_table_shows_both_networks_and_speedup_over_none(capsys):
     assert any(ln.startswith("auto") and "not available (no auto)" in ln for ln in lines)
 
 
+def test_table_says_what_auto_chose_on_each_network(capsys):
+    """``auto`` rows name the scheme chosen on loopback and over the link (they may differ)."""
+    loop = [_row("none", "ring", 200.0), _row("auto", "ring", 201.0, chosen="none")]
+    link = [_row("none", "ring", 800.0), _row("auto", "ring", 330.0, chosen="dynamiq")]
+    demo._print_table(loop, link, "1gbit")
+    auto = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("auto"))
+    assert auto.endswith("(chose loopback: none, 1gbit: dynamiq)")
+
+
 def test_table_without_link_has_loopback_columns_only(capsys):
     """Without the link section there is no link column (not an empty one)."""
     demo._print_table([_row("none", "ring", 200.0)], None, "1gbit")

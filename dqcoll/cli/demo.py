@@ -270,8 +270,11 @@ def _print_table(rows: list[dict[str, Any]], link_rows: list[dict[str, Any]] | N
                 line += (f"{other['time_ms']:>12.1f}"
                          f"{_ratio(link_none_ms.get(row['algorithm']), other):>8}")
                 identical = identical and other["identical"]
-        chosen = row.get("chosen") or (other or {}).get("chosen")
-        print(f"{line}  {'yes' if identical else 'NO'}" + (f"  (chose {chosen})" if chosen else ""))
+        chosen = [f"{where}: {r['chosen']}" for where, r in (("loopback", row),
+                                                              (link_rate, other or {}))
+                  if r.get("chosen")]
+        print(f"{line}  {'yes' if identical else 'NO'}"
+              + (f"  (chose {', '.join(chosen)})" if chosen else ""))
 
 
 def _ratio(none_ms: float | None, row: dict[str, Any]) -> str:
