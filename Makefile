@@ -1,5 +1,6 @@
 # Two commands set up and run everything on a fresh machine:
-#   make demo   -- 4 ranks over gloo on this machine: quantized all-reduce, printed as a table
+#   make demo   -- 4 ranks over gloo on this machine: quantized all-reduce, printed as a table,
+#                  on loopback and over an emulated 1 Gb/s link (network namespaces, no root)
 #   make test   -- the test suite (CPU tier, with the contract tier against the real CuPy and
 #                  nccl4py packages; GPU tiers skip without a GPU)
 # Both create .venv if it is missing. Where no NVIDIA GPU is present the CPU build of torch is

@@ -1,15 +1,17 @@
-"""``tools/netns_cluster.py``: the emulated cluster's plan, and (as root) the real thing.
+"""``dqcoll.cli.netns`` (``tools/netns_cluster.py``): the emulated cluster's plan, and the real
+thing, as root and rootless.
 
 The plan tests run anywhere: names fit Linux's 15-character limit, addresses are assigned only
-inside the rank namespaces, and every link gets a tbf limit on both ends. The root tests build a
-2-rank cluster, measure one link's TCP goodput against its cap, and check that everything is
-gone afterwards, also when the command fails or a setup step is refused (netem); they skip
-cleanly without root or iproute2.
+inside the rank namespaces, every link gets a tbf limit on both ends, and the rootless mode runs
+the same plan inside ``unshare --user --net --mount``. The root tests build a 2-rank cluster,
+measure one link's TCP goodput against its cap, and check that everything is gone afterwards,
+also when the command fails or a setup step is refused (netem); they skip cleanly without root or
+iproute2. The rootless tests do the same in a user namespace; they skip where user namespaces are
+unavailable.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,12 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from dqcoll.cli import netns
+
 _PATH = Path(__file__).resolve().parents[1] / "tools" / "netns_cluster.py"
-_spec = importlib.util.spec_from_file_location("netns_cluster", _PATH)
-assert _spec is not None and _spec.loader is not None
-netns = importlib.util.module_from_spec(_spec)
-sys.modules["netns_cluster"] = netns
-_spec.loader.exec_module(netns)
 
 
 def test_parse_rate():
@@ -79,11 +78,114 @@ def test_rank_env_is_env_style():
     assert env["GLOO_SOCKET_IFNAME"] == plan.interfaces[1]
 
 
+def test_auto_mode_is_root_as_root_and_rootless_otherwise(monkeypatch):
+    """``--mode auto`` keeps the named namespaces for root and uses a user namespace for anyone
+    else; an unknown mode is refused with the choices."""
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    assert netns.choose_mode("auto") is netns.Mode.ROOT
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.choose_mode("auto") is netns.Mode.ROOTLESS
+    assert netns.choose_mode("root") is netns.Mode.ROOT
+    with pytest.raises(ValueError, match="rootless"):
+        netns.choose_mode("sudo")
+
+
+def test_rootless_runs_this_module_inside_a_user_namespace():
+    """The rootless mode re-enters this module under ``unshare`` with a new user (mapped to
+    root), network and mount namespace, and passes the arguments through unchanged."""
+    argv = ["exec", "-n", "2", "--rate", "1gbit", "--", "python", "job.py"]
+    cmd = netns.rootless_argv(argv)
+    cut = cmd.index("--")
+    assert cmd[0] == "unshare"
+    assert {"--user", "--map-root-user", "--net", "--mount"} <= set(cmd[:cut])
+    assert cmd[cut + 1 : cut + 4] == [sys.executable, "-m", "dqcoll.cli.netns"]
+    assert cmd[cut + 5 :] == argv
+
+
+def test_prerequisites_name_what_is_missing(monkeypatch):
+    """Without ``unshare`` the rootless mode says which package provides it; without root the
+    root mode says it needs root."""
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "unshare" else tool)
+    reason = netns.check_prerequisites(netns.Mode.ROOTLESS)
+    assert reason is not None and "unshare" in reason and "util-linux" in reason
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: tool)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.check_prerequisites(netns.Mode.ROOT) == "network namespaces and tc need root"
+
+
+def test_run_cluster_passes_the_command_to_exec(monkeypatch):
+    """``run_cluster`` (the demo's entry) is the ``exec`` action with the mode, the timeout and
+    the command after ``--``."""
+    seen: list[list[str]] = []
+    monkeypatch.setattr(netns, "main", lambda argv: seen.append(argv) or 0)
+    assert netns.run_cluster(3, "200mbit", ["python", "-c", "pass"], mode="rootless",
+                             timeout_s=60) == 0
+    argv = seen[0]
+    assert argv[:5] == ["exec", "-n", "3", "--rate", "200mbit"]
+    assert argv[argv.index("--mode") + 1] == "rootless"
+    assert argv[argv.index("--") + 1 :] == ["python", "-c", "pass"]
+
+
+# -- rootless (user namespaces) -------------------------------------------------------------------
+
+_ROOTLESS_REASON = netns.check_prerequisites(netns.Mode.ROOTLESS)
+needs_userns = pytest.mark.skipif(_ROOTLESS_REASON is not None, reason=str(_ROOTLESS_REASON))
+
+
+def _host_namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.strip())
+
+
+@needs_userns
+def test_rootless_link_is_capped_and_invisible_to_the_host():
+    """Rootless, a 100 Mbit/s cluster carries one TCP stream at 50-115% of the cap."""
+    done = _tool("measure", "-n", "2", "--rate", "100mbit", "--mode", "rootless",
+                 "--prefix", "dqcu", "--measure-nbytes", "3000000")
+    assert done.returncode == 0, done.stderr
+    assert "rootless" in done.stdout
+    line = next(ln for ln in done.stdout.splitlines() if "goodput" in ln)
+    gbps = float(line.split("=")[-1].split()[0])
+    assert 0.05 <= gbps <= 0.115, line
+
+
+@needs_userns
+def test_rootless_namespaces_are_invisible_to_the_host_while_they_run():
+    """While a rootless cluster is up (its ranks are running), none of its namespaces is in the
+    host's ``ip netns list``, and the run leaves none behind (other jobs' namespaces may come
+    and go meanwhile: only this run's prefix is checked)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(_PATH), "exec", "-n", "2", "--rate", "1gbit", "--mode", "rootless",
+         "--prefix", "dqcv", "--", sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=_PATH.parents[1])
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        first = proc.stdout.readline()  # printed once the cluster is built, as the ranks start
+        assert "rootless" in first, first
+        assert [ns for ns in _host_namespaces() if ns.startswith("dqcv-")] == []
+        proc.stdin.close()  # the ranks read stdin to its end, then exit
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [ns for ns in _host_namespaces() if ns.startswith("dqcv-")] == []
+
+
+@needs_userns
+def test_rootless_failed_command_fails_the_run():
+    """Rootless, a rank command that fails makes the tool fail; ``cleanup`` has nothing to do."""
+    done = _tool("exec", "-n", "2", "--rate", "1gbit", "--mode", "rootless", "--", "false")
+    assert done.returncode != 0
+    done = _tool("cleanup", "--mode", "rootless")
+    assert done.returncode == 0 and "nothing to clean up" in done.stdout
+
+
 # -- as root --------------------------------------------------------------------------------------
 
 
 def _can_build() -> str | None:
-    reason = netns.check_prerequisites()
+    reason = netns.check_prerequisites(netns.Mode.ROOT)
     if reason:
         return reason
     probe = f"dqcprobe{os.getpid()}"  # xdist workers probe at the same time: one name each
@@ -104,6 +206,7 @@ def _leftovers(prefix: str) -> list[str]:
 
 
 def _tool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    # (run as the script beside the other tools, which is the package module's command line)
     return subprocess.run([sys.executable, str(_PATH), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=_PATH.parents[1])
 
@@ -130,7 +233,8 @@ def test_failed_command_and_refused_setup_leave_nothing_behind():
     (netem where sch_netem is missing) is reported with the reason; either way every namespace
     is removed."""
     prefix = f"dqcf{os.getpid() % 10000}"
-    done = _tool("exec", "-n", "2", "--rate", "1gbit", "--prefix", prefix, "--", "false")
+    done = _tool("exec", "-n", "2", "--rate", "1gbit", "--mode", "root", "--prefix", prefix,
+                 "--", "false")
     assert done.returncode != 0
     assert _leftovers(prefix) == []
     done = _tool("measure", "-n", "2", "--rate", "1gbit", "--prefix", prefix, "--delay-us", "100",

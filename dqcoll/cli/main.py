@@ -10,7 +10,8 @@ __all__ = ["main"]
 
 # sub-command -> (module, help)
 COMMANDS = {
-    "demo": ("dqcoll.cli.demo", "4 ranks over gloo on this machine: quantized all-reduce table"),
+    "demo": ("dqcoll.cli.demo",
+             "4 ranks over gloo: all-reduce table on loopback and over an emulated 1 Gb/s link"),
     "bench": ("dqcoll.cli.bench", "all-reduce benchmark (nccl-tests style) vs torch and DDP hooks"),
     "eval": ("dqcoll.cli.eval", "vNMSE of every scheme on the same gradients (table, CSV, PNG)"),
     "tune": ("dqcoll.cli.tune", "auto-tune algorithm x scheme x bits x tiles for a topology"),

@@ -1,0 +1,599 @@
+"""The training step, not the all-reduce: DDP step time with every gradient hook in one run.
+
+Users run training steps. This measures what one costs under PyTorch DDP over gloo, with each way
+of averaging the gradients, **in the same run**: the same ranks (processes), the same model and
+data, rows one after another, so that rows compare with each other even on a noisy machine:
+
+=============  ==================================================================================
+row            what averages the gradients
+=============  ==================================================================================
+``floor``      nothing: the same step without DDP (forward, backward, SGD): the compute floor
+``ddp``        DDP's default (no hook): fp32 all-reduce per bucket, overlapped with backward
+``fp16_hook``  torch's ``default_hooks.fp16_compress_hook``
+``dynamiq``    dqcoll's ``dynamiq_hook``, ``DynamiqState(scheme="dynamiq", bits=5,
+               warmup_steps=0, monitor_every=0)``
+``auto``       the same with ``scheme="auto"`` ("not available" where ``DynamiqState``
+               rejects it)
+``powersgd``   torch's ``powerSGD_hook`` (rank 2, compressing from the 2nd step); last, because
+               it crashes on gloo in some torch versions: the row then reads "crashed: <error>"
+=============  ==================================================================================
+
+Every rank: ``torch.set_num_threads(1)``, SGD (lr 1e-3), a fixed batch of ``--batch`` (32) per
+rank, ``bucket_cap_mb=25``. Each row builds DDP around a fresh copy of the same initial model,
+runs ``--warmup`` (3) untimed steps and ``--steps`` (10) timed ones; a step's time is the slowest
+rank's (``zero_grad`` to ``optimizer.step``, no barrier between steps, as in training), and the
+row reports the median, p10 and p90 over the steps.
+
+After the timed steps, one more (untimed) step measures the error beside the time: the
+gradients DDP left in the model against the exact average (every rank's own gradients from a
+copy of the model without DDP, all-reduced in float64), ``vNMSE = |g - g_exact|^2 /
+|g_exact|^2`` over all parameters; and for the dqcoll rows the bytes the communicator sent in that
+step (its counters: payload, scales, statistics, argument check) per coordinate, normalised by the
+all-reduce's ``2 (n-1)/n`` traffic factor, so fp32 reads 32. Torch's rows carry their wire
+dtype's nominal bits (PowerSGD: none).
+
+Models (``--model``): ``mlp``, the issue's ``nn.Sequential`` of 12 x (``Linear(1024, 1024)`` +
+ReLU), 12.6 M parameters; ``transformer``, ``nn.TransformerEncoder`` (4 layers, d_model 512,
+8 heads, feed-forward 2048, no dropout), 12.6 M parameters, on ``--seq-len`` (default 2) tokens
+per sample, so that its step costs about what the MLP's does.
+
+Ranks: ``-n N`` spawns N processes here (gloo over loopback); under an env:// launcher
+(``tools/netns_cluster.py exec ... -- python benchmarks/ddp_step.py``, torchrun) each process is
+one rank. Rank 0 prints the table and writes ``--json`` with provenance (commit, device, versions,
+world size, link, model, bucket cap). ``--render FILE...`` prints results as markdown (the
+"Training step" section of docs/benchmarks.md); ``tools/ddp_step_matrix.py`` runs the whole
+matrix.
+
+Rejected: timing the hooks on a synthetic bucket (``dqcoll bench`` does that; it misses DDP's
+overlap of communication with backward, which is what a user gets or loses), one process per row
+(rows would see different machine states; here they share the processes and run back to back),
+and comparing against the exact average with the hook's own ``monitor_every`` (it exists only for
+dqcoll's hook; the direct comparison measures every row the same way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from dqcoll.cli.provenance import device_name, git_commit  # noqa: E402
+
+__all__ = ["ROWS", "build_model", "main", "percentile", "render_markdown", "summarize"]
+
+# row name -> label in tables; also the order the rows run in (powersgd last: see docstring)
+ROWS: dict[str, str] = {
+    "floor": "no communication (no DDP)",
+    "ddp": "DDP default (no hook)",
+    "fp16_hook": "torch fp16_compress_hook",
+    "dynamiq": "dqcoll dynamiq_hook, dynamiq 5 b",
+    "auto": "dqcoll dynamiq_hook, auto",
+    "powersgd": "torch powerSGD_hook (rank 2)",
+}
+# column names of the markdown summary
+SHORT: dict[str, str] = {"floor": "no comm. (floor)", "ddp": "DDP default",
+                         "fp16_hook": "fp16 hook", "dynamiq": "dqcoll dynamiq 5 b",
+                         "auto": "dqcoll auto", "powersgd": "PowerSGD"}
+NOMINAL_BITS = {"ddp": 32.0, "fp16_hook": 16.0}  # torch rows: the wire dtype's bits
+BUCKET_CAP_MB = 25
+POWERSGD_RANK = 2
+LEARNING_RATE = 1e-3
+
+
+class RowUnavailable(Exception):
+    """A row that cannot run here (e.g. ``scheme="auto"`` before dqcoll has it)."""
+
+
+# -- models and data -------------------------------------------------------------------------
+
+
+def build_model(name: str, *, width: int = 1024, layers: int = 12, seed: int = 0) -> nn.Module:
+    """The benchmark's models (see the module docstring); the same weights for the same seed."""
+    torch.manual_seed(seed)
+    if name == "mlp":
+        blocks: list[nn.Module] = []
+        for _ in range(layers):
+            blocks += [nn.Linear(width, width), nn.ReLU()]
+        return nn.Sequential(*blocks)
+    if name == "transformer":
+        layer = nn.TransformerEncoderLayer(d_model=width // 2, nhead=8,
+                                           dim_feedforward=2 * width, dropout=0.0,
+                                           batch_first=True)
+        return nn.TransformerEncoder(layer, num_layers=max(1, layers // 3),
+                                     enable_nested_tensor=False)
+    raise ValueError(f"model must be mlp or transformer, got {name!r}")
+
+
+def make_batch(model_name: str, rank: int, args: argparse.Namespace
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed (input, target) batch per rank (data loading is not what is measured)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if model_name == "mlp":
+        shape: tuple[int, ...] = (args.batch, args.width)
+    else:
+        shape = (args.batch, args.seq_len, args.width // 2)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(step_ms: Sequence[float]) -> dict[str, float]:
+    return {"median_ms": percentile(step_ms, 50), "p10_ms": percentile(step_ms, 10),
+            "p90_ms": percentile(step_ms, 90)}
+
+
+# -- one rank --------------------------------------------------------------------------------
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _register_hook(row: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
+    """Register the row's hook on ``ddp``; returns its state (None for DDP's default)."""
+    if row == "ddp":
+        return None
+    if row == "fp16_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if row == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=POWERSGD_RANK,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
+
+    scheme = "dynamiq" if row == "dynamiq" else "auto"
+    try:
+        state = DynamiqState(scheme=scheme, bits=5, warmup_steps=0, monitor_every=0)
+    except Exception as exc:  # the same on every rank: it is the argument check
+        raise RowUnavailable(f"DynamiqState(scheme={scheme!r}) rejected: "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from None
+    ddp.register_comm_hook(state, dynamiq_hook)
+    if hasattr(state, "prepare"):  # communicator, kernels (and auto's measurements) now
+        state.prepare()
+    return state
+
+
+def _first_line(exc: BaseException) -> str:
+    """The innermost message of a (possibly future-chained) error, first line, <= 200 chars."""
+    text = str(exc)
+    marker = "running the callback: "  # torch.futures wraps a callback's error once per `then`
+    if marker in text:
+        text = text.rsplit(marker, 1)[1]
+    lines = text.strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+def _flat_grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1).double() if p.grad is not None
+                      else torch.zeros(p.numel(), dtype=torch.float64)
+                      for p in model.parameters()])
+
+
+def _error_step(ddp: nn.parallel.DistributedDataParallel, state: Any, x: torch.Tensor,
+                y: torch.Tensor, world_size: int) -> dict[str, Any]:
+    """One untimed step's vNMSE against the exact average, and the dqcoll hook's bits/coord."""
+    reference = copy.deepcopy(ddp.module)  # the same weights, no DDP
+    comm = getattr(state, "comm", None)
+    counters = getattr(comm, "counters", None)
+    if counters is not None:
+        counters.reset()
+    ddp.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    averaged = _flat_grads(ddp.module)
+    nn.functional.mse_loss(reference(x), y).backward()
+    exact = _flat_grads(reference)
+    dist.all_reduce(exact)
+    exact /= world_size
+    norm2 = float(exact.square().sum())
+    error2 = float((averaged - exact).square().sum())
+    out: dict[str, Any] = {"vnmse": error2 / norm2 if norm2 > 0 else math.nan}
+    if counters is not None:
+        traffic = 2 * (world_size - 1) / world_size * averaged.numel()
+        out["bits_per_coord"] = float(counters["bytes_sent"]) * 8 / traffic
+        out["bits_source"] = "measured (dqcoll counters, one step)"
+    last_info = getattr(state, "last_info", None)
+    if last_info:
+        out["last_info"] = {k: v for k, v in last_info.items()
+                            if isinstance(v, (str, int, float, bool))}
+        choice = last_info.get("auto")  # what scheme="auto" chose for the last bucket, and why
+        if isinstance(choice, dict):
+            out["auto_choice"] = json.loads(json.dumps(choice, default=str))
+    return out
+
+
+def _slowest_rank(step_s: list[float]) -> list[float]:
+    times = torch.tensor(step_s, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return [float(t) * 1e3 for t in times]
+
+
+def _time_steps(step: Callable[[], None], args: argparse.Namespace) -> list[float]:
+    for _ in range(args.warmup):
+        step()
+    step_s = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        step_s.append(time.perf_counter() - start)
+    return _slowest_rank(step_s)
+
+
+def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tensor,
+             y: torch.Tensor, world_size: int) -> dict[str, Any]:
+    model = copy.deepcopy(base)
+    if row == "floor":
+        opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        dist.barrier()
+        return {"step_ms": _time_steps(lambda: _train_step(model, opt, x, y), args)}
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    state = _register_hook(row, ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE)
+    dist.barrier()
+    result: dict[str, Any] = {"step_ms": _time_steps(lambda: _train_step(ddp, opt, x, y), args)}
+    result.update(_error_step(ddp, state, x, y, world_size))
+    if row in NOMINAL_BITS:
+        result.update(bits_per_coord=NOMINAL_BITS[row], bits_source="nominal (wire dtype)")
+    return result
+
+
+def _agree(ok: bool) -> bool:
+    """Whether every rank finished the row (a row that failed on one rank fails on all)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def provenance(args: argparse.Namespace, world_size: int, numel: int) -> dict[str, Any]:
+    import numba
+
+    import dqcoll
+
+    return {
+        "commit": git_commit("benchmarks"),
+        "device": device_name("cpu"),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch_version": torch.__version__,
+        "numba_version": numba.__version__,
+        "dqcoll_version": dqcoll.__version__,
+        "backend": "gloo",
+        "world_size": world_size,
+        "link": args.link,
+        "topology": args.topology,
+        "model": args.model,
+        "params": numel,
+        "batch_per_rank": args.batch,
+        "seq_len": args.seq_len if args.model == "transformer" else None,
+        "bucket_cap_mb": BUCKET_CAP_MB,
+        "optimizer": f"SGD lr {LEARNING_RATE:g}",
+        "threads_per_rank": torch.get_num_threads(),
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "step_time": "slowest rank per step; median / p10 / p90 over the timed steps",
+        "note": args.note,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python benchmarks/ddp_step.py " + shlex.join(args.argv),
+    }
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    base = build_model(args.model, width=args.width, layers=args.layers, seed=args.seed)
+    numel = sum(p.numel() for p in base.parameters())
+    x, y = make_batch(args.model, rank, args)
+    rows: list[dict[str, Any]] = []
+    args.provenance = provenance(args, world_size, numel)  # once: the code that runs, as it starts
+    header = _table_header(args, world_size, numel)
+    if rank == 0:
+        print(header[0], flush=True)
+        print(header[1], flush=True)
+    broken = False
+    for row in args.rows:
+        entry: dict[str, Any] = {"row": row, "label": ROWS[row]}
+        if rank == 0:  # what the file says if this row never finishes (a rank aborted)
+            _write(args, world_size, numel, [*rows, {**entry, "status": _UNFINISHED}])
+        watchdog = _watchdog(row, _row_deadline_s(rows, args), rank == 0,
+                             lambda status, e=entry: _write(args, world_size, numel,
+                                                            [*rows, {**e, "status": status}]))
+        if broken:
+            entry["status"] = "not run: the process group failed in an earlier row"
+        else:
+            try:
+                entry.update(_run_row(row, base, args, x, y, world_size))
+                entry["status"] = "ok"
+            except RowUnavailable as exc:
+                entry["status"] = f"not available: {exc}"
+            except Exception as exc:  # torch's hooks that do not run here (PowerSGD on gloo)
+                entry = {"row": row, "label": ROWS[row],
+                         "status": f"crashed: {type(exc).__name__}: {_first_line(exc)}"}
+            try:
+                if not _agree(entry["status"] == "ok") and entry["status"] == "ok":
+                    entry = {"row": row, "label": ROWS[row], "status": "crashed on another rank"}
+            except Exception as exc:
+                broken = True
+                if entry["status"] == "ok":
+                    entry = {"row": row, "label": ROWS[row],
+                             "status": f"crashed: {type(exc).__name__}: {_first_line(exc)}"}
+        watchdog.cancel()
+        if "step_ms" in entry:
+            entry.update(summarize(entry["step_ms"]))
+        rows.append(entry)
+        if rank == 0:
+            print(_format_row(entry, _baseline(rows)), flush=True)
+            _write(args, world_size, numel, rows)
+    if rank == 0 and args.json:
+        print(f"# wrote {args.json}", flush=True)
+    if not broken:
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _row_deadline_s(rows: list[dict[str, Any]], args: argparse.Namespace) -> float:
+    """How long a row may run before it counts as hung: 60 s plus 10 times what its steps take
+    at the slowest step of DDP's default row (before that row: ``--timeout-s``). Generous: the
+    slowest row that finished on the loaded 2-core machine took ~2.5x DDP's slowest step."""
+    ddp = next((r for r in rows if r["row"] == "ddp" and r.get("step_ms")), None)
+    if ddp is None:
+        return args.timeout_s
+    return 60.0 + 10.0 * (args.warmup + args.steps + 1) * max(ddp["step_ms"]) / 1e3
+
+
+def _watchdog(row: str, deadline_s: float, leader: bool,
+              record: Callable[[str], None]) -> threading.Timer:
+    """A timer that ends this rank if the row hangs (PowerSGD on gloo can block forever in a
+    collective whose peer died); rank 0 first records the row as hung."""
+
+    def fire() -> None:
+        status = f"crashed: hung (no result after {deadline_s:.0f} s; the run was stopped)"
+        if leader:
+            record(status)
+            print(f"{ROWS[row]:<34}{status}", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(deadline_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+# A row that crashes by aborting a rank's process (gloo's C++ errors in PowerSGD) can leave the
+# others blocked until the launcher stops them: the file is rewritten after every row, and the
+# row in progress reads this until it finishes.
+_UNFINISHED = "crashed: did not finish (a rank aborted or hung; the launcher stopped the run)"
+
+
+def _write(args: argparse.Namespace, world_size: int, numel: int,
+           rows: list[dict[str, Any]]) -> None:
+    """Rank 0: the results so far, with provenance and each row's speed-up over DDP's default."""
+    if not args.json:
+        return
+    baseline = _baseline(rows)
+    for entry in rows:
+        if baseline and "median_ms" in entry and entry["row"] != "floor":
+            entry["speedup_vs_ddp"] = baseline / entry["median_ms"]
+    result = {"provenance": args.provenance, "rows": rows}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def _baseline(rows: list[dict[str, Any]]) -> float | None:
+    return next((r["median_ms"] for r in rows if r["row"] == "ddp" and "median_ms" in r), None)
+
+
+def _table_header(args: argparse.Namespace, world_size: int, numel: int) -> tuple[str, str]:
+    what = (f"# ddp_step: {args.model} ({numel / 1e6:.1f} M params), {world_size} ranks, "
+            f"link {args.link}, gloo, bucket {BUCKET_CAP_MB} MB, batch {args.batch}/rank, "
+            f"1 thread/rank, median of {args.steps} steps after {args.warmup}")
+    columns = (f"{'row':<34}{'step(ms)':>9}{'p10':>8}{'p90':>8}{'vs DDP':>8}"
+               f"{'bits/coord':>11}{'vNMSE':>11}")
+    return what, columns
+
+
+def _format_row(entry: dict[str, Any], baseline: float | None) -> str:
+    label = f"{entry['label']:<34}"
+    if "median_ms" not in entry:
+        return label + entry["status"]
+    speedup = f"{baseline / entry['median_ms']:.2f}x" if baseline else "-"
+    bits = entry.get("bits_per_coord")
+    vnmse = entry.get("vnmse")
+    chosen = entry.get("auto_choice", {}).get("chosen")
+    return (f"{label}{entry['median_ms']:>9.1f}{entry['p10_ms']:>8.1f}{entry['p90_ms']:>8.1f}"
+            f"{speedup:>8}{'-' if bits is None else f'{bits:.2f}':>11}"
+            f"{'-' if vnmse is None else f'{vnmse:.2e}':>11}"
+            + (f"  (chose {chosen} for the last bucket)" if chosen else ""))
+
+
+def _cell(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return ""
+    if "median_ms" not in entry:
+        return entry["status"].split(":")[0]
+    speedup = entry.get("speedup_vs_ddp") if entry["row"] != "floor" else None
+    return f"{entry['median_ms']:.0f}" + (f" ({speedup:.2f}x)" if speedup else "")
+
+
+def _order(result: dict[str, Any]) -> tuple[float, int, str]:
+    """Loopback first, then links from the fastest; more ranks first; then the model."""
+    prov = result["provenance"]
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", prov["link"].split(" (")[0].lower())
+    units = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+    rate = float(match.group(1)) * units[match.group(2)] if match else math.inf
+    return (-rate, -int(prov["world_size"]), str(prov["model"]))
+
+
+def render_markdown(paths: Sequence[str]) -> str:
+    """One markdown table of step times (ms, and speed-up over DDP's default) per result file,
+    then the bits/coord and vNMSE of the compressed rows."""
+    results = sorted((json.loads(Path(p).read_text()) for p in paths), key=_order)
+    order = list(ROWS)
+    time_rows = ["| link | ranks | model | " + " | ".join(SHORT[r] for r in order) + " |",
+                 "|---|---:|---|" + "---:|" * len(order)]
+    error_rows = ["| link | ranks | model | row | bits/coord | vNMSE |",
+                  "|---|---:|---|---|---:|---:|"]
+    for result in results:
+        prov = result["provenance"]
+        by_row = {r["row"]: r for r in result["rows"]}
+        link = prov["link"].split(" (")[0]  # the rate; the topology is in the JSON
+        key = f"| {link} | {prov['world_size']} | {prov['model']} |"
+        time_rows.append(key + " " + " | ".join(_cell(by_row.get(r)) for r in order) + " |")
+        for name in ("fp16_hook", "dynamiq", "auto", "powersgd"):
+            entry = by_row.get(name)
+            if entry and "vnmse" in entry:
+                bits = entry.get("bits_per_coord")
+                error_rows.append(f"{key} {SHORT[name]} | {'-' if bits is None else f'{bits:.2f}'}"
+                                  f" | {entry['vnmse']:.2e} |")
+    commits = sorted({r["provenance"]["commit"] for r in results})
+    devices = sorted({r["provenance"]["device"] for r in results})
+    notes = sorted({r["provenance"].get("note") or "" for r in results} - {""})
+    footer = (f"\nStep time in ms (median over the timed steps, slowest rank), and speed-up over "
+              f"DDP's default in parentheses. Commit {', '.join(commits)}; {'; '.join(devices)}."
+              + (f" Notes: {'; '.join(notes)}." if notes else ""))
+    return "\n".join([*time_rows, footer, "", *error_rows])
+
+
+# -- launcher --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(argv: Sequence[str], world_size: int, timeout_s: float) -> int:
+    """``world_size`` ranks as processes on this machine (gloo over loopback)."""
+    from dqcoll import kernels
+
+    kernels.warm_up(torch.device("cpu"))  # compile (or load) once here, not in every rank
+    port = _free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    child = [sys.executable, str(Path(__file__).resolve()), *argv, "--launcher", "env"]
+    try:
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
+                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+            procs.append(subprocess.Popen(child, env=env,
+                                          stdout=None if rank == 0 else subprocess.DEVNULL))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + 60)  # let the others report
+            time.sleep(0.1)
+        return max(abs(p.returncode) if p.returncode is not None else 124 for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddp_step.py", description=__doc__.split("\n")[0])
+    p.add_argument("-n", "--world-size", type=int, default=4,
+                   help="ranks to spawn here (ignored under --launcher env)")
+    p.add_argument("--model", default="mlp", choices=("mlp", "transformer"))
+    p.add_argument("--rows", type=lambda t: [r for r in t.split(",") if r],
+                   default=list(ROWS), help=f"comma-separated from {list(ROWS)}")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank")
+    p.add_argument("--width", type=int, default=1024,
+                   help="MLP width; the transformer's d_model is half of it")
+    p.add_argument("--layers", type=int, default=12,
+                   help="MLP layers; the transformer has a third of them")
+    p.add_argument("--seq-len", type=int, default=2, help="transformer tokens per sample")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--link", default="", help="label of the network (default: loopback)")
+    p.add_argument("--topology", default="", help="how the network is built (recorded)")
+    p.add_argument("--note", default="", help="recorded with the results (machine state)")
+    p.add_argument("--json", default="", metavar="FILE")
+    p.add_argument("--timeout-s", type=float, default=300.0,
+                   help="gloo timeout per collective, and the spawn launcher's bound per run")
+    p.add_argument("--launcher", default="auto", choices=("auto", "spawn", "env"))
+    p.add_argument("--render", nargs="+", default=None, metavar="FILE",
+                   help="print result files as markdown and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if args.render:
+        print(render_markdown(args.render))
+        return 0
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    launcher = args.launcher
+    if launcher == "auto":
+        launcher = "env" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "spawn"
+    if launcher == "env":
+        args.link = args.link or "env://"
+        return run_rank(args)
+    if args.world_size < 2:
+        parser.error(f"-n must be >= 2 (an all-reduce needs peers), got {args.world_size}")
+    if not args.link:
+        argv = [*argv, "--link", "loopback"]
+    if not args.topology:
+        argv = [*argv, "--topology", f"1 host, {args.world_size} processes, gloo over lo"]
+    return spawn(argv, args.world_size, timeout_s=4 * args.timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
