@@ -14,6 +14,7 @@ __all__ = [
     "cpu_threads",
     "kernels",
     "log_level",
+    "policy",
     "timeout_s",
     "tuning_dir",
     "validate",
@@ -44,6 +45,14 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "latency).",
     ),
     "DQCOLL_LOG_LEVEL": ("WARNING", "Log level of the 'dqcoll' logger."),
+    "DQCOLL_POLICY": (
+        "",
+        "Per-role compression policy of the FSDP2 classes and of the 'dqcoll' torch.distributed "
+        "backend (dqcoll.integrations.policy): comma-separated key=value, e.g. "
+        "'weights=int8_block,gradients=dynamiq:5,allreduce=dynamiq:5,min_nbytes=65536,"
+        "warmup_steps=0,intra_node=exact'. A role set to 'none' runs the wrapped process "
+        "group's own exact collective. Empty: the documented defaults.",
+    ),
     "DQCOLL_TUNING_DIR": (
         "",
         "Extra directory searched for tuned algorithm tables before the packaged ones.",
@@ -97,3 +106,9 @@ def log_level() -> str:
 
 def tuning_dir() -> str:
     return _get("DQCOLL_TUNING_DIR")
+
+
+def policy() -> str:
+    """The DQCOLL_POLICY text (parsed by :meth:`dqcoll.integrations.policy.CompressionPolicy
+    .parse`); empty for the defaults."""
+    return _get("DQCOLL_POLICY").strip()
