@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import (
+from torch._C._distributed_c10d import (
     AllgatherOptions,
     AllreduceCoalescedOptions,
     AllreduceOptions,
@@ -88,13 +88,18 @@ class DqcollProcessGroup(dist.ProcessGroup):
         self._rank = rank
         self._world_size = world_size
         self.policy = policy
-        # the exact collectives: gloo for CPU tensors, NCCL for CUDA ones where torch has it
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
-                                          timeout)
-        self.nccl: Any = None
+        # the exact collectives: a plain torch process group with gloo for CPU tensors and,
+        # where torch has CUDA and NCCL, NCCL for CUDA ones (what init_process_group("gloo") or
+        # "cpu:gloo,cuda:nccl" would have made)
+        self.wrapped = dist.ProcessGroup(store, rank, world_size)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+        self.wrapped._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                                       gloo)
+        self.wrapped._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         if torch.cuda.is_available() and dist.is_nccl_available():
-            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank,
-                                              world_size)
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size)
+            self.wrapped._register_backend(torch.device("cuda"),
+                                           dist.ProcessGroup.BackendType.NCCL, nccl)
         # the compressed ones: dqcoll over a connection of their own
         self.lane = Lane(store, rank, world_size, policy=policy,
                          timeout_s=timeout.total_seconds(), name="backend",
@@ -110,18 +115,24 @@ class DqcollProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
+    @property
+    def group_name(self) -> str:
+        # a Python process group has no C++ backend to hold its name: torch's registry has it
+        return dist.distributed_c10d._world.pg_names[self]
+
+    @property
+    def pg_name(self) -> str:
+        return self.group_name
+
     def __repr__(self) -> str:
         return f"DqcollProcessGroup(rank={self._rank}, world_size={self._world_size})"
 
     # -- routing -------------------------------------------------------------------------------
 
-    def _exact(self, tensors: Any, what: str) -> Any:
-        """The wrapped backend for these tensors (NCCL for CUDA tensors, else gloo)."""
+    def _exact(self, what: str) -> dist.ProcessGroup:
+        """The wrapped process group (it routes CUDA tensors to NCCL, CPU ones to gloo)."""
         self.exact_calls[what] = self.exact_calls.get(what, 0) + 1
-        first = _first_tensor(tensors)
-        if first is not None and first.is_cuda and self.nccl is not None:
-            return self.nccl
-        return self.gloo
+        return self.wrapped
 
     def _should_compress(self, role: Role, tensor: torch.Tensor, op_ok: bool = True) -> bool:
         if not tensor.is_floating_point() or not tensor.is_contiguous():
@@ -149,7 +160,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
                 tensors[0].mul_(factor)
             return self.lane.allreduce(tensors[0], avg=kind == "avg",
                                        rule=self.policy.allreduce)
-        return self._exact(tensors, "allreduce").allreduce(tensors, opts)
+        return self._exact("allreduce").allreduce(tensors, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: ReduceScatterOptions | None = None) -> dist.Work:
@@ -161,7 +172,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
                 input = input * factor  # the caller's input stays as it was
             return self.lane.reduce_scatter(input, output, avg=kind == "avg",
                                             rule=self.policy.gradients)
-        return self._exact(input, "reduce_scatter_single").reduce_scatter_single(
+        return self._exact("reduce_scatter_single").reduce_scatter_single(
             output, input, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -170,100 +181,94 @@ class DqcollProcessGroup(dist.ProcessGroup):
         if (self._should_compress(Role.WEIGHTS, output) and input.is_contiguous()
                 and input.dtype == output.dtype):
             return self.lane.all_gather(input, output, rule=self.policy.weights)
-        return self._exact(input, "all_gather_single").all_gather_single(output, input, opts)
+        return self._exact("all_gather_single").all_gather_single(output, input, opts)
 
     # -- always exact: the wrapped backend ------------------------------------------------------
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: AllreduceCoalescedOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllreduceCoalescedOptions()
-        return self._exact(tensors, "allreduce_coalesced").allreduce_coalesced(tensors, opts)
+        return self._exact("allreduce_coalesced").allreduce_coalesced(tensors, opts)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: AllgatherOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllgatherOptions()
-        return self._exact(input_tensors, "allgather").allgather(output_tensors, input_tensors,
+        return self._exact("allgather").allgather(output_tensors, input_tensors,
                                                                  opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor],
                             opts: AllgatherOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllgatherOptions()
-        return self._exact(input_list, "allgather_coalesced").allgather_coalesced(
+        return self._exact("allgather_coalesced").allgather_coalesced(
             output_lists, input_list, opts)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
                                     inputs: list[torch.Tensor],
                                     opts: AllgatherOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllgatherOptions()
-        return self._exact(inputs, "all_gather_single_coalesced").all_gather_single_coalesced(
+        return self._exact("all_gather_single_coalesced").all_gather_single_coalesced(
             outputs, inputs, opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: ReduceScatterOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else ReduceScatterOptions()
-        return self._exact(inputs, "reduce_scatter_single_coalesced") \
+        return self._exact("reduce_scatter_single_coalesced") \
             .reduce_scatter_single_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
                        input_tensors: list[list[torch.Tensor]],
                        opts: ReduceScatterOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else ReduceScatterOptions()
-        return self._exact(output_tensors, "reduce_scatter").reduce_scatter(
+        return self._exact("reduce_scatter").reduce_scatter(
             output_tensors, input_tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor],
                   opts: BroadcastOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else BroadcastOptions()
-        return self._exact(tensors, "broadcast").broadcast(tensors, opts)
+        return self._exact("broadcast").broadcast(tensors, opts)
 
     def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else BarrierOptions()
-        return self._exact(None, "barrier").barrier(opts)
+        return self._exact("barrier").barrier(opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else ReduceOptions()
-        return self._exact(tensors, "reduce").reduce(tensors, opts)
+        return self._exact("reduce").reduce(tensors, opts)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: GatherOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else GatherOptions()
-        return self._exact(input_tensors, "gather").gather(output_tensors, input_tensors, opts)
+        return self._exact("gather").gather(output_tensors, input_tensors, opts)
 
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]],
                 opts: ScatterOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else ScatterOptions()
-        return self._exact(output_tensors, "scatter").scatter(output_tensors, input_tensors, opts)
+        return self._exact("scatter").scatter(output_tensors, input_tensors, opts)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: AllToAllOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllToAllOptions()
-        return self._exact(input_tensors, "alltoall").alltoall(output_tensors, input_tensors,
+        return self._exact("alltoall").alltoall(output_tensors, input_tensors,
                                                                 opts)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: AllToAllOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllToAllOptions()
-        return self._exact(input, "all_to_all_single").all_to_all_single(
+        return self._exact("all_to_all_single").all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        return self._exact(tensors, "send").send(tensors, dst, tag)
+        return self._exact("send").send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        return self._exact(tensors, "recv").recv(tensors, src, tag)
+        return self._exact("recv").recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
-        return self._exact(tensors, "recv_anysource").recv_anysource(tensors, tag)
-
-
-def _first_tensor(tensors: Any) -> torch.Tensor | None:
-    while isinstance(tensors, (list, tuple)) and tensors:
-        tensors = tensors[0]
-    return tensors if isinstance(tensors, torch.Tensor) else None
+        return self._exact("recv_anysource").recv_anysource(tensors, tag)
 
 
 def _create(store: Any, rank: int, world_size: int,
