@@ -62,7 +62,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_api
 
 from .. import envs
 from ..errors import InvalidArgumentError
-from .lane import Lane
+from .lane import Lane, exact_nbytes
 from .policy import CompressionPolicy, Decision, Role
 
 __all__ = ["AllGather", "FsdpCompression", "ReduceScatter", "compress"]
@@ -109,14 +109,20 @@ class FsdpCompression:
         # the lanes' store prefix: compress() runs in the same order on every rank
         FsdpCompression.instances += 1
         self.instance = FsdpCompression.instances
-        # -- what went the exact way: role -> calls, bytes (bandwidth-optimal exact) --
+        # -- what went the exact way: role -> calls, and the bytes a bandwidth-optimal exact
+        # collective sends per rank for them (lane.exact_nbytes) --
         self.exact_calls = {role: 0 for role in Role}
+        self.exact_bytes = {role: 0 for role in Role}
         self._logged: set[str] = set()
 
-    def decide(self, role: Role, tensor: torch.Tensor, op_ok: bool = True) -> Decision:
+    def decide(self, role: Role, tensor: torch.Tensor, group: dist.ProcessGroup,
+               op_ok: bool = True) -> Decision:
+        """``tensor``: the full buffer (all-gather output, reduce-scatter input)."""
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok, step=self.step)
         if not decision.compress:
             self.exact_calls[role] += 1
+            self.exact_bytes[role] += exact_nbytes(role, tensor.numel() * tensor.element_size(),
+                                                   group.size())
             if decision.reason not in self._logged and "warm-up" not in decision.reason:
                 self._logged.add(decision.reason)
                 log.info("dqcoll fsdp: exact %s (%s)", role.value, decision.reason)
@@ -142,7 +148,8 @@ class FsdpCompression:
                 for key, value in counters.items():
                     total[key] += value
         return {"policy": str(self.policy), "step": self.step, "compressed": roles,
-                "exact_calls": {role.value: n for role, n in self.exact_calls.items()}}
+                "exact_calls": {role.value: n for role, n in self.exact_calls.items()},
+                "exact_bytes": {role.value: n for role, n in self.exact_bytes.items()}}
 
     def close(self) -> None:
         for lane in self.lanes.values():
@@ -162,7 +169,7 @@ class AllGather(_fsdp_api.AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        if not self.state.decide(Role.WEIGHTS, output_tensor).compress:
+        if not self.state.decide(Role.WEIGHTS, output_tensor, group).compress:
             return dist.all_gather_single(output_tensor, input_tensor, group=group,
                                           async_op=async_op)
         lane = self.state.lane(group)
@@ -182,7 +189,7 @@ class ReduceScatter(_fsdp_api.ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:
         kind, factor = _op_kind(op)
-        if not self.state.decide(Role.GRADIENTS, input_tensor, kind != "other").compress:
+        if not self.state.decide(Role.GRADIENTS, input_tensor, group, kind != "other").compress:
             return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
         if kind == "premul":
