@@ -62,6 +62,7 @@ class TrainConfig:
     seed: int = 0
     eval_batches: int = 8
     prefetch: bool = True  # explicit forward prefetch of the next block's all-gather
+    threads: int = 1  # torch intra-op threads per rank (ranks share the machine's cores)
 
 
 def policy_of(config: TrainConfig) -> CompressionPolicy:
@@ -174,6 +175,7 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
 
 def main(argv: list[str] | None = None) -> None:
     config, out = _parse(argv)
+    torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     backend = "gloo"
     if config.mode == "backend":
