@@ -1,8 +1,8 @@
 """Train a small transformer with FSDP2 on CPU over gloo, its collectives from dqcoll.
 
-    torchrun --nproc-per-node 4 examples/fsdp_train.py --mode both      # qwZ + qgZ (dqcoll)
-    torchrun --nproc-per-node 4 examples/fsdp_train.py --mode exact     # FSDP2's own collectives
-    torchrun --nproc-per-node 4 examples/fsdp_train.py --mode backend   # init_process_group("dqcoll")
+    torchrun --nproc-per-node 4 examples/fsdp_train.py --mode both     # qwZ + qgZ (dqcoll)
+    torchrun --nproc-per-node 4 examples/fsdp_train.py --mode exact    # FSDP2's own collectives
+    torchrun --nproc-per-node 4 examples/fsdp_train.py --mode backend  # the "dqcoll" backend
 
 Each rank trains :class:`dqcoll.tinylm.TinyLM` (a GPT-style decoder; ``--width 384 --layers 6``
 has 10.7 M parameters) on its own random windows of the Python standard library's source text
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -87,7 +88,7 @@ def build_model(config: TrainConfig) -> TinyLM:
     fully_shard(model)
     if config.prefetch:
         blocks = list(model.blocks)
-        for block, following in zip(blocks, blocks[1:], strict=False):
+        for block, following in itertools.pairwise(blocks):
             block.set_modules_to_forward_prefetch([following])
     return model
 
@@ -135,7 +136,7 @@ def train(config: TrainConfig, rank: int, world_size: int) -> dict[str, Any]:
         losses.append(float(loss.detach()))
     summary = state.summary() if state is not None else dist.group.WORLD.summary()
     sent, exact = _wire_bytes(summary)
-    params = [p.full_tensor() for p in model.parameters()]
+    params = [p.full_tensor().detach() for p in model.parameters()]
     timed = step_s[config.warmup_timing:] or step_s
     return {
         "config": dataclasses.asdict(config),
@@ -149,7 +150,7 @@ def train(config: TrainConfig, rank: int, world_size: int) -> dict[str, Any]:
         "exact_bytes_per_step": exact / config.steps,
         "summary": summary,
         "params": params if rank == 0 else None,
-        "params_sum": [float(p.double().sum()) for p in params],
+        "params_sum": [float(p.detach().double().sum()) for p in params],
     }
 
 

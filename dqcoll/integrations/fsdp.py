@@ -62,7 +62,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_api
 
 from .. import envs
 from ..errors import InvalidArgumentError
-from .lane import Lane, exact_nbytes
+from .lane import Lane, RoleCounters, exact_nbytes
 from .policy import CompressionPolicy, Decision, Role
 
 __all__ = ["AllGather", "FsdpCompression", "ReduceScatter", "compress"]
@@ -141,12 +141,11 @@ class FsdpCompression:
 
     def summary(self) -> dict[str, Any]:
         """Counters per role, summed over the lanes, with the exact calls beside them."""
-        roles: dict[str, dict[str, int]] = {}
+        roles = {role.value: dict(RoleCounters()) for role in Role}
         for lane in self.lanes.values():
             for role, counters in lane.summary().items():
-                total = roles.setdefault(role, dict.fromkeys(counters, 0))
                 for key, value in counters.items():
-                    total[key] += value
+                    roles[role][key] += value
         return {"policy": str(self.policy), "step": self.step, "compressed": roles,
                 "exact_calls": {role.value: n for role, n in self.exact_calls.items()},
                 "exact_bytes": {role.value: n for role, n in self.exact_bytes.items()}}

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from .. import api
 from ..comm import Communicator
@@ -47,7 +46,7 @@ from ..transports.subgroup import SubgroupTransport
 from ..transports.torch_dist import TorchTransport
 from .policy import CompressionPolicy, Role, RoleRule
 
-__all__ = ["Lane", "RoleCounters", "completed_work"]
+__all__ = ["Lane", "LaneWork", "RoleCounters", "exact_nbytes"]
 
 log = logging.getLogger("dqcoll.integrations")
 
@@ -84,10 +83,46 @@ def exact_nbytes(role: Role, tensor_nbytes: int, world_size: int) -> int:
     return 2 * share if role is Role.ALLREDUCE else share
 
 
-def completed_work(result: Any = None) -> dist.Work:
-    future: torch.futures.Future[Any] = torch.futures.Future()
-    future.set_result(result)
-    return _create_work_from_future(future)
+class LaneWork(dist.Work):
+    """The Work of one lane call: ``wait()`` blocks until the lane's thread ran the call and
+    raises its error, if any (a Work made by ``_create_work_from_future`` returns True from
+    ``wait()`` even when its future failed, so a failed collective would pass unnoticed);
+    ``get_future()`` gives a ``torch.futures.Future`` for DDP's reducer and other chainers."""
+
+    def __init__(self, done: concurrent.futures.Future[Any], result: Any) -> None:
+        super().__init__()
+        self._done = done
+        self._result = result
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        try:
+            self._done.result(timeout=seconds if seconds > 0 else None)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"lane call not finished after {seconds:g} s") from None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.done()
+
+    def is_success(self) -> bool:
+        return self._done.done() and self._done.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._done.exception() if self._done.done() else None
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+
+        def finish(done: concurrent.futures.Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(self._result)
+
+        self._done.add_done_callback(finish)
+        return future
 
 
 class Lane:
@@ -146,25 +181,19 @@ class Lane:
     def submit(self, role: Role, tensor_nbytes: int, numel: int,
                run: Callable[[], Any], result: Any) -> dist.Work:
         """Queue ``run()`` (one whole collective) on the lane's thread; a Work for its end."""
-        future: torch.futures.Future[Any] = torch.futures.Future()
         counters = self.counters[role]
 
         def job() -> None:
             before = self.transport.counters["bytes_sent"]
-            try:
-                run()
-            except BaseException as exc:
-                future.set_exception(exc)
-                return
+            run()  # an error goes to the Work's wait()
             counters["calls"] += 1
             counters["numel"] += numel
             counters["wire_bytes"] += self.transport.counters["bytes_sent"] - before
             counters["exact_bytes"] += exact_nbytes(role, tensor_nbytes, self.world_size)
-            future.set_result(result)
 
         with self._lock:
-            self._pool.submit(job)
-        return _create_work_from_future(future)
+            done = self._pool.submit(job)
+        return LaneWork(done, result)
 
     def close(self) -> None:
         """End the thread after the calls queued so far."""
