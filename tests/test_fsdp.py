@@ -375,3 +375,61 @@ def test_policy_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     assert policy.nodes(8) == 2 and policy.nodes(2) == 0 and policy.nodes(5) == 0
     assert CompressionPolicy(intra_node="flat").nodes(8) == 0
     assert CompressionPolicy(local_world_size=4).nodes(8) == 4
+
+
+# -- two levels: exact inside a node, compressed across nodes ------------------------------------
+
+
+def _two_level_job(rank: int, world_size: int) -> dict[str, Any]:
+    from dqcoll.integrations.lane import Lane
+
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    for name, rule in (("none", RoleRule("none")), ("dynamiq", RoleRule("dynamiq", 5.0))):
+        policy = CompressionPolicy(weights=RoleRule("none") if name == "none" else
+                                   RoleRule("int8_block"), gradients=rule, allreduce=rule,
+                                   min_nbytes=0, local_world_size=2)
+        lane = Lane(store, rank, world_size, policy=policy, timeout_s=60, name=name,
+                    prefix=f"two-level-{name}/")
+        g = torch.Generator().manual_seed(rank)
+        numel = 1001  # per shard: no multiple of anything
+        # integers: every order of summation gives the same floats
+        grads = torch.randint(-50, 50, (world_size * numel,), generator=g).float()
+        shard = torch.full((numel,), float("nan"))
+        lane.reduce_scatter(grads, shard, avg=False, rule=policy.gradients).wait()
+        mine = torch.arange(numel, dtype=torch.float32) + 10_000 * rank
+        gathered = torch.full((world_size * numel,), float("nan"))
+        lane.all_gather(mine, gathered, rule=policy.weights).wait()
+        summed = grads.clone()
+        lane.allreduce(summed, avg=True, rule=policy.allreduce).wait()
+        exact_rs = torch.empty(numel)
+        dist.reduce_scatter_single(exact_rs, grads.clone())
+        exact_ar = grads.clone()
+        dist.all_reduce(exact_ar)
+        out[name] = {"rs": shard, "exact_rs": exact_rs, "ag": gathered, "ar": summed,
+                     "exact_ar": exact_ar / world_size, "levels": lane.local_world_size}
+        lane.close()
+    return out
+
+
+def test_two_levels(tmp_path: pathlib.Path) -> None:
+    """With 2 nodes of 2 ranks, reduce-scatter, all-gather and all-reduce run exact inside a
+    node and with the role's scheme across nodes: with scheme none they equal gloo's exact
+    collectives bit for bit (integer inputs), shards land at their rank; with dynamiq they are
+    close and every rank holds the same all-reduce and all-gather."""
+    mp.spawn(_worker, args=(4, str(tmp_path / "store"), str(tmp_path), "gloo", _two_level_job),
+             nprocs=4, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for result in results:
+        exact, quant = result["none"], result["dynamiq"]
+        assert exact["levels"] == 2
+        assert torch.equal(exact["rs"], exact["exact_rs"])
+        assert torch.equal(exact["ar"], exact["exact_ar"])
+        expected = torch.cat([torch.arange(1001, dtype=torch.float32) + 10_000 * r
+                              for r in range(4)])
+        assert torch.equal(exact["ag"], expected)
+        assert metrics.vnmse(quant["rs"], quant["exact_rs"]) < 0.02
+        assert metrics.vnmse(quant["ar"], quant["exact_ar"]) < 0.02
+        assert metrics.vnmse(quant["ag"], expected) < 1e-3
+        assert torch.equal(quant["ar"], results[0]["dynamiq"]["ar"])
+        assert torch.equal(quant["ag"], results[0]["dynamiq"]["ag"])
