@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dqcoll import metrics
 from dqcoll.errors import InvalidArgumentError
@@ -77,11 +77,13 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _sharded(policy: CompressionPolicy | None) -> tuple[nn.Module, Any]:
+def _sharded(policy: CompressionPolicy | None,
+             mixed: MixedPrecisionPolicy | None = None) -> tuple[nn.Module, Any]:
     model = _Net()
+    kwargs = {"mp_policy": mixed} if mixed is not None else {}
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     state = dqfsdp.compress(model, policy) if policy is not None else None
     return model, state
 
@@ -138,6 +140,13 @@ def _fsdp_job(rank: int, world_size: int) -> dict[str, Any]:
                      for name, m in (("own", own), ("exact", exact), ("warm", warm),
                                      ("quant", quant))}
     out["unsharded_crc"] = _unsharded_crc(quant)
+    # bf16 compute and bf16 gradient reduction (FSDP2's mixed precision)
+    half, half_state = _sharded(CompressionPolicy(min_nbytes=0), MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    out["bf16_losses"] = _train(half, rank)
+    out["bf16_crc"] = _unsharded_crc(half)
+    out["bf16_summary"] = half_state.summary()
+    half_state.close()
     out["summary"] = state.summary()
     out["exact_summary"] = exact_state.summary()
     out["warm_summary"] = warm_state.summary()
@@ -211,6 +220,17 @@ def test_compressed_replicas_bit_identical(fsdp_job: list[dict[str, Any]]) -> No
         # AdamW normalises each coordinate's step: small gradients' errors flip a few signs
         err = metrics.vnmse(result["params"]["quant"], result["params"]["own"])
         assert err < 0.02, err
+
+
+def test_bf16_mixed_precision(fsdp_job: list[dict[str, Any]]) -> None:
+    """bf16 parameters and bf16 gradient reduction: both roles compressed (dqcoll takes bf16),
+    replicas bit-identical, losses close to fp32 FSDP2's."""
+    assert fsdp_job[0]["bf16_crc"] == fsdp_job[1]["bf16_crc"]
+    for result in fsdp_job:
+        summary = result["bf16_summary"]["compressed"]
+        assert summary["weights"]["calls"] >= 6 and summary["gradients"]["calls"] == 9
+        for a, b in zip(result["losses"]["own"], result["bf16_losses"], strict=True):
+            assert abs(a - b) < 0.05 * abs(a)
 
 
 def test_compressed_bytes_fewer(fsdp_job: list[dict[str, Any]]) -> None:

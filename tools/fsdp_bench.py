@@ -87,6 +87,35 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The step-time and loss tables of a report, as Markdown (for docs/fsdp.md)."""
+    lines = ["| link | mode | step (ms) | vs exact | wire MB/step | exact MB/step | bytes ratio |",
+             "|---|---|---|---|---|---|---|"]
+    exact_ms = {r["rate"]: r["step_s_median"] * 1e3 for r in report["step_time"]
+                if r.get("ok") and r["mode"] == "exact"}
+    for row in report["step_time"]:
+        if not row.get("ok"):
+            lines.append(f"| {row['rate']} | {row['mode']} | failed | | | | |")
+            continue
+        ms = row["step_s_median"] * 1e3
+        base = exact_ms.get(row["rate"])
+        speedup = f"{base / ms:.2f}x" if base else ""
+        sent, exact = row["wire_bytes_per_step"], row["exact_bytes_per_step"]
+        lines.append(f"| {row['rate']} | {row['mode']} | {ms:.0f} | {speedup} | {sent / 1e6:.2f} "
+                     f"| {exact / 1e6:.2f} | {exact / sent:.2f}x |")
+    if report["loss"]:
+        lines += ["", "| seed | held-out loss, exact FSDP2 | held-out loss, dqcoll (both) "
+                  "| difference |", "|---|---|---|---|"]
+        for pair in report["loss"]:
+            if "relative_difference" in pair:
+                lines.append(f"| {pair['seed']} | {pair['exact']['held_out_loss']:.4f} | "
+                             f"{pair['both']['held_out_loss']:.4f} | "
+                             f"{pair['relative_difference']:+.2%} |")
+        if "loss_mean_relative_difference" in report:
+            lines.append(f"| mean | | | {report['loss_mean_relative_difference']:+.2%} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="fsdp_bench.json")
@@ -106,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--note", default="")
+    parser.add_argument("--markdown", default=None,
+                        help="print the tables of this report file and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(pathlib.Path(args.markdown).read_text())))
+        return 0
 
     report: dict[str, Any] = {"provenance": provenance(), "note": args.note,
                               "settings": vars(args), "step_time": [], "loss": []}
@@ -150,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if diffs:
         report["loss_mean_relative_difference"] = sum(diffs) / len(diffs)
     save()
+    print(markdown(report))
     print(f"fsdp_bench: wrote {out_path}")
     return 0
 
