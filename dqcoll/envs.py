@@ -1,7 +1,9 @@
 """Every ``DQCOLL_*`` environment variable, typed and documented in one place.
 
 Nothing else in dqcoll reads ``os.environ`` for its own settings (the torchrun variables
-``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`).
+``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`;
+torchrun's ``LOCAL_WORLD_SIZE`` for the integrations' node layout through
+:func:`local_world_size`).
 Values are read at call time, so tests can monkeypatch them.
 """
 
@@ -13,6 +15,7 @@ __all__ = [
     "ENV_VARS",
     "cpu_threads",
     "kernels",
+    "local_world_size",
     "log_level",
     "policy",
     "timeout_s",
@@ -112,3 +115,11 @@ def policy() -> str:
     """The DQCOLL_POLICY text (parsed by :meth:`dqcoll.integrations.policy.CompressionPolicy
     .parse`); empty for the defaults."""
     return _get("DQCOLL_POLICY").strip()
+
+
+def local_world_size() -> int | None:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (ranks on this machine), or None when unset or not a
+    positive integer. Not a dqcoll setting: the node layout of
+    :meth:`dqcoll.integrations.policy.CompressionPolicy.nodes` when the policy gives none."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 from typing import Any
 
 import torch
@@ -185,9 +184,7 @@ class CompressionPolicy:
             return 0
         local = self.local_world_size
         if local is None:
-            # torchrun's variable; read here (not via envs) because it is not dqcoll's own
-            text = os.environ.get("LOCAL_WORLD_SIZE", "")
-            local = int(text) if text.isdigit() else None
+            local = envs.local_world_size()  # torchrun's LOCAL_WORLD_SIZE
         if local is None or not 1 < local < world_size or world_size % local:
             return 0
         return local
