@@ -84,7 +84,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: datetime.timedelta,
                  policy: CompressionPolicy) -> None:
-        super().__init__(rank, world_size)
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
         self._rank = rank
         self._world_size = world_size
         self.policy = policy
@@ -97,7 +97,10 @@ class DqcollProcessGroup(dist.ProcessGroup):
                                        gloo)
         self.wrapped._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         if torch.cuda.is_available() and dist.is_nccl_available():
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size,
+                                         options)
             self.wrapped._register_backend(torch.device("cuda"),
                                            dist.ProcessGroup.BackendType.NCCL, nccl)
         # the compressed ones: dqcoll over a connection of their own
@@ -116,7 +119,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         # a Python process group has no C++ backend to hold its name: torch's registry has it
         return dist.distributed_c10d._world.pg_names[self]
 
@@ -150,7 +153,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     # -- compressed when the policy says so -----------------------------------------------------
 
-    def allreduce(self, tensors: list[torch.Tensor],
+    def allreduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: AllreduceOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllreduceOptions()
         kind, factor = _op_kind(opts.reduceOp)
@@ -190,7 +193,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else AllreduceCoalescedOptions()
         return self._exact("allreduce_coalesced").allreduce_coalesced(tensors, opts)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: AllgatherOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllgatherOptions()
         return self._exact("allgather").allgather(output_tensors, input_tensors,
@@ -217,44 +220,44 @@ class DqcollProcessGroup(dist.ProcessGroup):
         return self._exact("reduce_scatter_single_coalesced") \
             .reduce_scatter_single_coalesced(outputs, inputs, opts)
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]],
                        opts: ReduceScatterOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else ReduceScatterOptions()
         return self._exact("reduce_scatter").reduce_scatter(
             output_tensors, input_tensors, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor],
+    def broadcast(self, tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: BroadcastOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else BroadcastOptions()
         return self._exact("broadcast").broadcast(tensors, opts)
 
-    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:  # type: ignore[override]
         opts = opts if opts is not None else BarrierOptions()
         return self._exact("barrier").barrier(opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> dist.Work:
+    def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> dist.Work:  # type: ignore[override]
         opts = opts if opts is not None else ReduceOptions()
         return self._exact("reduce").reduce(tensors, opts)
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: GatherOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else GatherOptions()
         return self._exact("gather").gather(output_tensors, input_tensors, opts)
 
-    def scatter(self, output_tensors: list[torch.Tensor],
+    def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                 input_tensors: list[list[torch.Tensor]],
                 opts: ScatterOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else ScatterOptions()
         return self._exact("scatter").scatter(output_tensors, input_tensors, opts)
 
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],  # type: ignore[override]
                  opts: AllToAllOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllToAllOptions()
         return self._exact("alltoall").alltoall(output_tensors, input_tensors,
                                                                 opts)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: AllToAllOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllToAllOptions()
