@@ -1,7 +1,9 @@
 """Every ``DQCOLL_*`` environment variable, typed and documented in one place.
 
 Nothing else in dqcoll reads ``os.environ`` for its own settings (the torchrun variables
-``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`).
+``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`;
+torchrun's ``LOCAL_WORLD_SIZE`` for the integrations' node layout through
+:func:`local_world_size`).
 Values are read at call time, so tests can monkeypatch them. Every value is validated when read:
 a malformed one raises :class:`~dqcoll.errors.InvalidArgumentError` naming the variable and the
 value (``DQCOLL_TIMEOUT_S=nan`` used to be accepted, and a missing rank then waited forever).
@@ -22,7 +24,9 @@ __all__ = [
     "check_timeout_s",
     "cpu_threads",
     "kernels",
+    "local_world_size",
     "log_level",
+    "policy",
     "timeout_s",
     "tuning_dir",
     "validate",
@@ -53,6 +57,14 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "latency).",
     ),
     "DQCOLL_LOG_LEVEL": ("WARNING", "Log level of the 'dqcoll' logger."),
+    "DQCOLL_POLICY": (
+        "",
+        "Per-role compression policy of the FSDP2 classes and of the 'dqcoll' torch.distributed "
+        "backend (dqcoll.integrations.policy): comma-separated key=value, e.g. "
+        "'weights=int8_block,gradients=dynamiq:5,allreduce=dynamiq:5,min_nbytes=65536,"
+        "warmup_steps=0,intra_node=exact'. A role set to 'none' runs the wrapped process "
+        "group's own exact collective. Empty: the documented defaults.",
+    ),
     "DQCOLL_TUNING_DIR": (
         "",
         "Extra directory searched for tuned algorithm tables before the packaged ones.",
@@ -156,3 +168,17 @@ def auto_force() -> str | None:
         raise InvalidArgumentError(
             f"DQCOLL_AUTO_FORCE must be one of {', '.join(AUTO_CHOICES)} or empty, got {value!r}")
     return value
+
+
+def policy() -> str:
+    """The DQCOLL_POLICY text (parsed by :meth:`dqcoll.integrations.policy.CompressionPolicy
+    .parse`); empty for the defaults."""
+    return _get("DQCOLL_POLICY").strip()
+
+
+def local_world_size() -> int | None:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (ranks on this machine), or None when unset or not a
+    positive integer. Not a dqcoll setting: the node layout of
+    :meth:`dqcoll.integrations.policy.CompressionPolicy.nodes` when the policy gives none."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None

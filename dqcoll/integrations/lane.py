@@ -1,0 +1,266 @@
+"""A compression lane: dqcoll's collectives on a connection of their own, as ``torch`` Work.
+
+The FSDP2 classes (:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
+(:mod:`dqcoll.integrations.torch_backend`) hand their compressed calls to a :class:`Lane`:
+
+* **Its own gloo connection.** The lane makes a ``ProcessGroupGloo`` from the group's store
+  under a prefix of its own (only the group's ranks join; no ``new_group`` over the world), and
+  dqcoll's ``torch`` transport runs over it. dqcoll's point-to-point messages thus never share a
+  connection with the exact collectives the caller issues on the wrapped group meanwhile, from
+  another thread.
+* **One worker thread, in issue order.** Every call, synchronous or not, is queued on the lane's
+  thread, so calls run in the order the caller issued them (the same on every rank, as FSDP2 and
+  DDP issue them) and one dqcoll communicator runs one collective at a time. A call returns a
+  ``torch.distributed.Work`` made from a ``torch.futures.Future`` that the thread completes
+  (torch's own Python process groups do the same); a synchronous caller waits on it at once.
+  Errors (a mismatch on one rank, a timeout) surface at ``wait()`` on every rank.
+* **One or two levels.** With nodes (:meth:`CompressionPolicy.nodes`), reduce-scatter,
+  all-gather and all-reduce run exact (scheme ``none``) among a node's ranks and with the role's
+  scheme across nodes, over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the
+  same connection; ranks are numbered node-major (rank = node x L + local rank, as torchrun does).
+* **Counters.** Per role: calls, coordinates, bytes this rank put on the wire, and the bytes a
+  bandwidth-optimal exact collective of the same tensor would have sent
+  (``(n-1)/n x nbytes`` for reduce-scatter and all-gather, twice that for all-reduce).
+
+Rejected: dqcoll's own ``async_op=True`` handles (:mod:`dqcoll.handles`). They complete a
+``concurrent.futures.Future`` that FSDP2 and DDP cannot wait on, and a synchronous dqcoll call
+first drains them from the caller's thread; a lane keeps every call of one group on one thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import api
+from ..comm import Communicator
+from ..transports.base import Counters
+from ..transports.subgroup import SubgroupTransport
+from ..transports.torch_dist import TorchTransport
+from .policy import CompressionPolicy, Role, RoleRule
+
+__all__ = ["Lane", "LaneWork", "RoleCounters", "exact_nbytes"]
+
+log = logging.getLogger("dqcoll.integrations")
+
+
+class _GlooTransport(TorchTransport):
+    """dqcoll's ``torch`` transport over a bare ``ProcessGroupGloo`` (one not registered with
+    ``torch.distributed``: the transport takes its rank and size from the group itself)."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        super().__init__(group, timeout_s=timeout_s)
+        assert (self.rank, self.world_size) == (rank, world_size), (self.rank, rank)
+
+
+class RoleCounters(dict[str, int]):
+    """Per-role totals: ``calls``, ``numel``, ``wire_bytes`` (what this rank sent),
+    ``exact_bytes`` (what a bandwidth-optimal exact collective would have sent)."""
+
+    KEYS = ("calls", "numel", "wire_bytes", "exact_bytes")
+
+    def __init__(self) -> None:
+        super().__init__({key: 0 for key in self.KEYS})
+
+
+def exact_nbytes(role: Role, tensor_nbytes: int, world_size: int) -> int:
+    """Bytes per rank of a bandwidth-optimal exact collective whose *full* buffer has
+    ``tensor_nbytes`` (the reduce-scatter input, the all-gather output, the all-reduce buffer)."""
+    share = tensor_nbytes * (world_size - 1) // world_size
+    return 2 * share if role is Role.ALLREDUCE else share
+
+
+class LaneWork(dist.Work):
+    """The Work of one lane call: ``wait()`` blocks until the lane's thread ran the call and
+    raises its error, if any (a Work made by ``_create_work_from_future`` returns True from
+    ``wait()`` even when its future failed, so a failed collective would pass unnoticed);
+    ``get_future()`` gives a ``torch.futures.Future`` for DDP's reducer and other chainers."""
+
+    def __init__(self, done: concurrent.futures.Future[Any], result: Any) -> None:
+        super().__init__()
+        self._done = done
+        self._result = result
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        try:
+            self._done.result(timeout=seconds if seconds > 0 else None)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"lane call not finished after {seconds:g} s") from None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.done()
+
+    def is_success(self) -> bool:
+        return self._done.done() and self._done.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._done.exception() if self._done.done() else None
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+
+        def finish(done: concurrent.futures.Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(self._result)
+
+        self._done.add_done_callback(finish)
+        return future
+
+
+class Lane:
+    """dqcoll collectives for one group of ranks, run on one thread (see the module docstring).
+
+    Args:
+        store: the group's store (``torch.distributed`` key-value store); the lane's gloo
+            connection rendezvouses under ``prefix`` in it, so every rank of the group must
+            create its lane at the same point.
+        rank, world_size: this rank in the group and the group's size.
+        policy: schemes per role, nodes.
+        timeout_s: bound of every wait (gloo's own and dqcoll's).
+        name: for the thread and messages.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
+                 timeout_s: float, name: str, prefix: str = "dqcoll-lane/") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.policy = policy
+        self.name = name
+        self._connect(store, prefix, timeout_s)
+        self._split_levels()
+        self.counters = {role: RoleCounters() for role in Role}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"dqcoll-lane {name} rank {rank}")
+        self._lock = threading.Lock()
+
+    def _connect(self, store: Any, prefix: str, timeout_s: float) -> None:
+        """The lane's own gloo connection and the dqcoll communicator over it."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank,
+                                          self.world_size, timeout)
+        self.transport = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s)
+        self.comm = Communicator(self.transport, seed=self.policy.seed)
+
+    def _split_levels(self) -> None:
+        """Communicators of this rank's node and of its peers on other nodes (two levels)."""
+        local = self.policy.nodes(self.world_size)
+        self.local_world_size = local
+        self.intra: Communicator | None = None
+        self.inter: Communicator | None = None
+        if not local:
+            return
+        node, index = divmod(self.rank, local)
+        nodes = self.world_size // local
+        self.intra = Communicator(
+            SubgroupTransport(self.transport, [node * local + j for j in range(local)]),
+            seed=self.policy.seed)
+        self.inter = Communicator(
+            SubgroupTransport(self.transport, [k * local + index for k in range(nodes)]),
+            seed=self.policy.seed)
+
+    # -- submission ----------------------------------------------------------------------------
+
+    def submit(self, role: Role, tensor_nbytes: int, numel: int,
+               run: Callable[[], Any], result: Any) -> dist.Work:
+        """Queue ``run()`` (one whole collective) on the lane's thread; a Work for its end."""
+        counters = self.counters[role]
+
+        def job() -> None:
+            before = self.transport.counters["bytes_sent"]
+            run()  # an error goes to the Work's wait()
+            counters["calls"] += 1
+            counters["numel"] += numel
+            counters["wire_bytes"] += self.transport.counters["bytes_sent"] - before
+            counters["exact_bytes"] += exact_nbytes(role, tensor_nbytes, self.world_size)
+
+        with self._lock:
+            done = self._pool.submit(job)
+        return LaneWork(done, result)
+
+    def close(self) -> None:
+        """End the thread after the calls queued so far."""
+        self._pool.shutdown(wait=True)
+
+    # -- collectives (each queued whole; ``avg`` divides by the world size) --------------------
+
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, *, avg: bool,
+                       rule: RoleRule) -> dist.Work:
+        """``out`` = shard ``rank`` of the sum (or average) of every rank's ``inp``."""
+        op = "avg" if avg else "sum"
+
+        def run() -> None:
+            if self.intra is None or self.inter is None:
+                api.reduce_scatter(inp.view(-1), out.view(-1), op=op, comm=self.comm,
+                                   **rule.options())
+                return
+            local = self.local_world_size
+            nodes = self.world_size // local
+            shard = out.numel()
+            # [nodes, local, shard] -> [local, nodes, shard]: part j holds the shards of the
+            # ranks with local index j, which the exact intra-node step leaves on local rank j
+            by_local = inp.view(nodes, local, shard).transpose(0, 1).contiguous()
+            mine = torch.empty(nodes * shard, dtype=inp.dtype)
+            api.reduce_scatter(by_local.view(-1), mine, op=op, scheme="none", comm=self.intra)
+            api.reduce_scatter(mine, out.view(-1), op=op, comm=self.inter, **rule.options())
+
+        return self.submit(Role.GRADIENTS, inp.numel() * inp.element_size(), inp.numel(), run,
+                           out)
+
+    def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *,
+                   rule: RoleRule) -> dist.Work:
+        """``out`` = every rank's ``shard`` in rank order, decoded alike on every rank."""
+
+        def run() -> None:
+            if self.intra is None or self.inter is None:
+                api.all_gather(shard.view(-1), out.view(-1), comm=self.comm, **rule.options())
+                return
+            local = self.local_world_size
+            nodes = self.world_size // local
+            numel = shard.numel()
+            across = torch.empty(nodes * numel, dtype=shard.dtype)
+            api.all_gather(shard.view(-1), across, comm=self.inter, **rule.options())
+            gathered = torch.empty(local * nodes * numel, dtype=shard.dtype)
+            api.all_gather(across, gathered, scheme="none", comm=self.intra)
+            # [local, nodes, shard] -> [nodes, local, shard]: rank order
+            out.view(nodes, local, numel).copy_(
+                gathered.view(local, nodes, numel).transpose(0, 1))
+
+        return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out)
+
+    def allreduce(self, buf: torch.Tensor, *, avg: bool, rule: RoleRule) -> dist.Work:
+        """``buf`` = the sum (or average) of every rank's ``buf``, in place."""
+        op = "avg" if avg else "sum"
+
+        def run() -> None:
+            if self.intra is None or self.inter is None:
+                api.allreduce(buf.view(-1), op=op, comm=self.comm, **rule.options())
+                return
+            local = self.local_world_size
+            flat = buf.view(-1)
+            shard = -(-flat.numel() // local)
+            padded = torch.zeros(local * shard, dtype=buf.dtype)
+            padded[: flat.numel()] = flat
+            mine = torch.empty(shard, dtype=buf.dtype)
+            api.reduce_scatter(padded, mine, op=op, scheme="none", comm=self.intra)
+            api.allreduce(mine, op=op, comm=self.inter, **rule.options())
+            api.all_gather(mine, padded, scheme="none", comm=self.intra)
+            flat.copy_(padded[: flat.numel()])
+
+        return self.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(), run,
+                           [buf])
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """The counters per role, as plain dicts (for JSON)."""
+        return {role.value: dict(c) for role, c in self.counters.items()}

@@ -1,0 +1,211 @@
+"""Which collectives are compressed, with which scheme and bits: one policy for every role.
+
+ZeRO++ compresses the three collectives of sharded training differently (qwZ: int8 blocks for the
+weights' all-gather; qgZ: 4-bit gradients for the reduce-scatter; hpZ: the weights' second
+all-gather kept inside a node), and COCCL-style libraries likewise pick a format per collective.
+:class:`CompressionPolicy` says the same thing as plain data, per :class:`Role`:
+
+* ``weights``: the all-gather of parameters (FSDP2's unshard; ``all_gather_into_tensor`` through
+  the ``dqcoll`` backend). Default ``int8_block`` (qwZ-style; 8 bits + one fp32 scale per 256).
+* ``gradients``: the reduce-scatter of gradients (FSDP2's post-backward;
+  ``reduce_scatter_tensor`` through the backend). Default ``dynamiq`` at 5 bits.
+* ``allreduce``: DDP-style all-reduce (DDP's buckets through the backend). Default ``dynamiq``
+  at 5 bits.
+
+A role whose scheme is ``none`` is *exact*: it runs the wrapped process group's own collective,
+bit for bit what torch does without dqcoll. Whatever the role, a call is exact when its tensor is
+smaller than ``min_nbytes``, not floating point, reduced with an op other than SUM / AVG /
+PREMUL_SUM, or in the first ``warmup_steps`` steps (see :meth:`CompressionPolicy.decide`).
+
+Nodes: with ``intra_node="exact"`` and a local world size ``L`` with ``1 < L < world size`` (from
+``local_world_size`` or torchrun's ``LOCAL_WORLD_SIZE``), collectives run in two levels, exact
+among the ranks of a node and with the role's scheme across nodes only (the shape of hpZ and
+qgZ: one quantization per slow hop). ``intra_node="flat"`` ignores nodes.
+
+Text form (``DQCOLL_POLICY``, :meth:`CompressionPolicy.parse`): comma-separated ``key=value``;
+a role's value is ``scheme`` or ``scheme:bits``, e.g.
+``weights=int8_block,gradients=dynamiq:4,allreduce=none,min_nbytes=65536,warmup_steps=10``.
+
+Rejected: one scheme for everything (the weights' all-gather cannot use an unbiased stochastic
+scheme's advantages: nothing is summed, so a deterministic block format with its smaller codec
+cost is the better trade) and per-call keyword arguments in the integrations (the backend gets
+no arguments from an unchanged script, so the policy must be an object and an environment
+variable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+
+from .. import envs, schemes
+from ..errors import InvalidArgumentError
+
+__all__ = ["CompressionPolicy", "Decision", "Role", "RoleRule"]
+
+# A DDP bucket is 25 MiB by default and its first bucket 1 MiB; a loss or metric all-reduce is a
+# few bytes. 64 KiB = 16 Ki fp32 coordinates: below it the argument check and the statistics
+# all-reduce (two round trips) cost more than the bytes saved on a 1 Gb/s link (64 KiB take
+# 0.5 ms there; one gloo round trip on the dev VM takes ~0.2 ms).
+DEFAULT_MIN_NBYTES = 64 * 1024
+INTRA_NODE_CHOICES = ("exact", "flat")
+
+
+class Role(enum.Enum):
+    """The collective's part in training."""
+
+    WEIGHTS = "weights"  # all-gather of parameters
+    GRADIENTS = "gradients"  # reduce-scatter of gradients
+    ALLREDUCE = "allreduce"  # all-reduce (DDP buckets, anything else through the backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleRule:
+    """The scheme and bits of one role; ``scheme="none"`` is the exact wrapped collective."""
+
+    scheme: str
+    bits: float | None = None  # None: the scheme's default (schemes without bits ignore it)
+
+    def __post_init__(self) -> None:
+        spec = schemes.spec(self.scheme)  # an unknown name raises, listing the registered ones
+        if self.bits is not None and "bits" not in spec.options:
+            raise InvalidArgumentError(
+                f"scheme {self.scheme!r} has a fixed format and takes no bits (got {self.bits})")
+
+    @property
+    def is_exact(self) -> bool:
+        return self.scheme == "none"
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``dqcoll.reduce_scatter`` / ``all_gather`` / ``allreduce``."""
+        return {"scheme": self.scheme, **({"bits": self.bits} if self.bits is not None else {})}
+
+    def label(self) -> str:
+        return self.scheme if self.bits is None else f"{self.scheme}:{self.bits:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> RoleRule:
+        name, _, bits = text.strip().partition(":")
+        try:
+            return cls(name.strip(), float(bits) if bits else None)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"bad role rule {text!r}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether one call is compressed, and why not when it is not (logged once per reason)."""
+
+    compress: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionPolicy:
+    """Per-role compression for sharded and data-parallel training (see the module docstring)."""
+
+    weights: RoleRule = RoleRule("int8_block")
+    gradients: RoleRule = RoleRule("dynamiq", 5.0)
+    allreduce: RoleRule = RoleRule("dynamiq", 5.0)
+    min_nbytes: int = DEFAULT_MIN_NBYTES  # smaller tensors take the exact path
+    warmup_steps: int = 0  # the first steps are exact (the integrations count the steps)
+    intra_node: str = "exact"  # "exact": two levels where there are nodes; "flat": one level
+    local_world_size: int | None = None  # None: LOCAL_WORLD_SIZE if set, else no nodes
+    seed: int = 0  # keys the random rounding (each call draws fresh numbers from its counter)
+
+    def __post_init__(self) -> None:
+        for name in ("min_nbytes", "warmup_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+        if self.intra_node not in INTRA_NODE_CHOICES:
+            raise InvalidArgumentError(
+                f"intra_node must be one of {INTRA_NODE_CHOICES}, got {self.intra_node!r}")
+        if self.local_world_size is not None and self.local_world_size < 1:
+            raise InvalidArgumentError(
+                f"local_world_size must be >= 1, got {self.local_world_size}")
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def exact(cls) -> CompressionPolicy:
+        """Every role exact: the wrapped process group's own collectives."""
+        none = RoleRule("none")
+        return cls(weights=none, gradients=none, allreduce=none)
+
+    @classmethod
+    def parse(cls, text: str) -> CompressionPolicy:
+        """The policy of a ``DQCOLL_POLICY`` string (defaults for the keys it leaves out)."""
+        fields: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not value:
+                raise InvalidArgumentError(f"DQCOLL_POLICY: expected key=value, got {item!r}")
+            if key in ("weights", "gradients", "allreduce"):
+                fields[key] = RoleRule.parse(value)
+            elif key in ("min_nbytes", "warmup_steps", "seed", "local_world_size"):
+                try:
+                    fields[key] = int(value)
+                except ValueError:
+                    raise InvalidArgumentError(
+                        f"DQCOLL_POLICY: {key} must be an integer, got {value!r}") from None
+            elif key == "intra_node":
+                fields[key] = value
+            else:
+                known = [f.name for f in dataclasses.fields(cls)]
+                raise InvalidArgumentError(f"DQCOLL_POLICY: unknown key {key!r}; known: {known}")
+        return cls(**fields)
+
+    @classmethod
+    def from_env(cls) -> CompressionPolicy:
+        """The policy of ``DQCOLL_POLICY`` (:mod:`dqcoll.envs`), the defaults when it is unset."""
+        return cls.parse(envs.policy())
+
+    def __str__(self) -> str:
+        return (f"weights={self.weights.label()},gradients={self.gradients.label()},"
+                f"allreduce={self.allreduce.label()},min_nbytes={self.min_nbytes},"
+                f"warmup_steps={self.warmup_steps},intra_node={self.intra_node}"
+                + (f",local_world_size={self.local_world_size}"
+                   if self.local_world_size is not None else "")
+                + f",seed={self.seed}")
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def rule(self, role: Role) -> RoleRule:
+        return getattr(self, role.value)
+
+    def nodes(self, world_size: int) -> int:
+        """Ranks per node for the two-level path, or 0 for one level (flat)."""
+        if self.intra_node == "flat":
+            return 0
+        local = self.local_world_size
+        if local is None:
+            local = envs.local_world_size()  # torchrun's LOCAL_WORLD_SIZE
+        if local is None or not 1 < local < world_size or world_size % local:
+            return 0
+        return local
+
+    def decide(self, role: Role, tensor: torch.Tensor, *, reducing_op_ok: bool = True,
+               step: int = 0) -> Decision:
+        """Compress this call? Depends only on what every rank passes alike (role, size, dtype,
+        op, step), so every rank decides the same."""
+        rule = self.rule(role)
+        if rule.is_exact:
+            return Decision(False, f"{role.value}: scheme none")
+        if not reducing_op_ok:
+            return Decision(False, f"{role.value}: reduce op other than SUM/AVG/PREMUL_SUM")
+        if step < self.warmup_steps:
+            return Decision(False, f"{role.value}: warm-up step")
+        if tensor.dtype not in schemes.spec(rule.scheme).dtypes:
+            return Decision(False, f"{role.value}: dtype {tensor.dtype} not taken by "
+                                   f"{rule.scheme}")
+        if tensor.device.type != "cpu":
+            return Decision(False, f"{role.value}: {tensor.device.type} tensors are not "
+                                   f"compressed by the integrations yet")
+        if tensor.numel() * tensor.element_size() < self.min_nbytes:
+            return Decision(False, f"{role.value}: below min_nbytes={self.min_nbytes}")
+        return Decision(True)
