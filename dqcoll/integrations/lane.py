@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 from .. import api
 from ..comm import Communicator
-from ..transports.base import Counters
 from ..transports.subgroup import SubgroupTransport
 from ..transports.torch_dist import TorchTransport
 from .policy import CompressionPolicy, Role, RoleRule
