@@ -296,10 +296,10 @@ def _handshake(request: _Request, comm: Communicator, what: str,
     Returns the largest binary exponent of a finite input value over all ranks (the range
     check of :func:`_range_shift`); :data:`_NO_EXPONENT` without a check. ``extra`` (integers)
     rides along and is replaced in place by its maximum over ranks (``scheme="auto"``'s
-    agreement); without a check it stays this rank's.
+    agreement, so an ``auto`` call runs the exchange even with ``DQCOLL_VALIDATE=0``).
     """
     n = comm.world_size
-    if not envs.validate() or n == 1:
+    if (not envs.validate() and extra is None) or n == 1:
         if request.error is not None:
             raise request.error
         return _NO_EXPONENT

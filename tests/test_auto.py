@@ -130,3 +130,26 @@ def test_auto_refuses_all_gather() -> None:
         return ""
 
     assert all("allreduce and reduce_scatter" in text for text in run_local(2, body))
+
+
+def test_ranks_agree_without_the_argument_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DQCOLL_VALIDATE=0 skips the argument check, but not auto's agreement: ranks whose own
+    predictions would differ (different codec rates here) still run the same candidate."""
+    monkeypatch.setenv("DQCOLL_VALIDATE", "0")
+
+    def body(comm: dqcoll.Communicator) -> list[str]:
+        policy = comm.auto
+        policy.force = None
+        policy.link_bytes_per_s = 125e6
+        # rank 0 thinks dynamiq is cheap, rank 1 that it is very expensive
+        dyn = 0.1 if comm.rank == 0 else 1e4
+        policy.codec_ns = {"none": 0.5, "bf16": 1e4, "dynamiq": dyn}
+        chosen = []
+        for _ in range(2):
+            x = _inputs(comm.rank, 1 << 16)
+            dqcoll.allreduce(x, scheme="auto", comm=comm)
+            chosen.append(comm.last_info["scheme"])
+        return chosen
+
+    first, second = run_local(2, body)
+    assert first == second == ["none", "none"]  # the slowest rank's prediction decides
