@@ -499,6 +499,48 @@ def _run(
                      async_op=async_op)
 
 
+@dataclasses.dataclass
+class _Call:
+    """What every checked collective settles before its argument check."""
+
+    tile_nbytes: int
+    call_step: int  # the communicator's counter: the call's identity
+    step: int
+    seed: int
+    what: str  # the call's name in errors and logs
+    options: dict[str, Any]  # the scheme options, with ``bits`` unless ``target_vnmse``
+    target: Any  # target_vnmse, or None
+
+
+def _call(collective: Collective, buf: Any, comm: Communicator, *, seed: int | None,
+          step: int | None, bits: float, scheme_options: dict[str, Any],
+          tile_nbytes: int | None, label: str = "") -> _Call:
+    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
+        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
+    call_step = comm.next_step()
+    options = dict(scheme_options)
+    target = options.get("target_vnmse")
+    if target is None:
+        options.pop("target_vnmse", None)
+        options["bits"] = bits
+    return _Call(tile_nbytes=tile_nbytes, call_step=call_step,
+                 step=call_step if step is None else step,
+                 seed=comm.seed if seed is None else seed,
+                 what=f"{collective.value}#{call_step}{label}", options=options, target=target)
+
+
+def _prepare_or_error(buf: Any, call: _Call, comm: Communicator, **kwargs: Any) -> _Request:
+    """:func:`_prepare`, with whatever goes wrong there made this rank's error (told to every
+    rank by the argument check)."""
+    try:
+        return _prepare(buf, scheme_options=call.options, comm=comm, seed=call.seed,
+                        step=call.step, tile_nbytes=call.tile_nbytes, **kwargs)
+    except Exception as exc:
+        return _Request(error=exc if isinstance(exc, DqcollError) else InvalidArgumentError(
+            f"rank {comm.rank}: {call.what}: invalid arguments: {type(exc).__name__}: {exc}"),
+            category="other")
+
+
 def _run_checked(
     collective: Collective,
     buf: Any,
@@ -521,25 +563,12 @@ def _run_checked(
                   seed=seed, step=step, scheme_options=scheme_options, tile_nbytes=tile_nbytes,
                   tiles_in_flight=tiles_in_flight, async_op=async_op)
         return
-    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
-        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
-    call_step = comm.next_step()
-    step = call_step if step is None else step
-    seed = comm.seed if seed is None else seed
-    what = f"{collective.value}#{call_step}"
-    options = dict(scheme_options)
-    target = options.get("target_vnmse")
-    if target is None:
-        options.pop("target_vnmse", None)
-        options["bits"] = bits
-    try:
-        request = _prepare(buf, op=op, scheme=scheme, scheme_options=options,
-                           algorithm=algorithm, comm=comm, seed=seed, step=step, bits=bits,
-                           tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
-    except Exception as exc:  # whatever goes wrong here is this rank's error, told to every rank
-        request = _Request(error=exc if isinstance(exc, DqcollError) else InvalidArgumentError(
-            f"rank {comm.rank}: {what}: invalid arguments: {type(exc).__name__}: {exc}"),
-            category="other")
+    call = _call(collective, buf, comm, seed=seed, step=step, bits=bits,
+                 scheme_options=scheme_options, tile_nbytes=tile_nbytes)
+    tile_nbytes, call_step, step, seed, what = (call.tile_nbytes, call.call_step, call.step,
+                                                call.seed, call.what)
+    request = _prepare_or_error(buf, call, comm, op=op, scheme=scheme, algorithm=algorithm,
+                                bits=bits, tiles_in_flight=tiles_in_flight)
     out_tensor = None
     if request.error is None and collective is not Collective.ALLREDUCE:
         _check_sharded_support(request, collective, comm)
@@ -581,32 +610,24 @@ def _run_auto(
     """``scheme="auto"`` (see :mod:`dqcoll.auto`): the arguments are checked as for
     ``dynamiq`` with its options, the ranks agree on the candidates' predicted times in the same
     check, and every rank runs the candidate the rule picks from those agreed numbers."""
-    if collective is Collective.ALL_GATHER:
-        raise InvalidArgumentError(
-            f"rank {comm.rank}: scheme='auto' is for allreduce and reduce_scatter (an "
-            f"all-gather's bytes are set by the scheme its shards were made with)")
     start = time.perf_counter()
-    if tile_nbytes is None:
-        tile_nbytes = default_tile_nbytes(_buffer_device(buf, comm.device))
-    call_step = comm.next_step()
-    step = call_step if step is None else step
-    seed = comm.seed if seed is None else seed
-    what = f"{collective.value}#{call_step} (auto)"
-    options = dict(scheme_options)
-    target = options.get("target_vnmse")
-    if target is None:
-        options.pop("target_vnmse", None)
-        options["bits"] = bits
+    call = _call(collective, buf, comm, seed=seed, step=step, bits=bits,
+                 scheme_options=scheme_options, tile_nbytes=tile_nbytes, label=" (auto)")
+    tile_nbytes, call_step, step, seed, what, target = (
+        call.tile_nbytes, call.call_step, call.step, call.seed, call.what, call.target)
     # Checked as dynamiq with the caller's options (so bad options raise on every rank now),
     # fingerprinted as "auto": a rank calling auto and another calling dynamiq disagree.
-    request = _prepare(buf, op=op, scheme="dynamiq", scheme_options=options,
-                       algorithm=algorithm, comm=comm, seed=seed, step=step, bits=bits,
-                       tile_nbytes=tile_nbytes, tiles_in_flight=tiles_in_flight)
+    request = _prepare_or_error(buf, call, comm, op=op, scheme="dynamiq", algorithm=algorithm,
+                                bits=bits, tiles_in_flight=tiles_in_flight)
+    if request.error is None and collective is Collective.ALL_GATHER:
+        request.error, request.category = InvalidArgumentError(
+            f"rank {comm.rank}: scheme='auto' is for allreduce and reduce_scatter (an "
+            f"all-gather's bytes are set by the scheme its shards were made with)"), "scheme"
     if request.error is None and collective is not Collective.ALLREDUCE:
         _check_output(request, out, collective, comm)
     if request.error is None:
         fingerprint = list(request.fingerprint)
-        fingerprint[2] = _crc("auto" + repr(request.scheme))
+        fingerprint[_FIELDS.index("scheme")] = _crc("auto" + repr(request.scheme))
         out_numel = request.out.numel() if request.out is not None else 0
         request.fingerprint = _with_identity(request, tuple(fingerprint), call_step, async_op,
                                              collective, out_numel)
