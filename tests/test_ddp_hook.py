@@ -323,6 +323,8 @@ def test_state_validates_its_arguments() -> None:
     construction, naming what is accepted; every registered scheme can be chosen."""
     with pytest.raises(InvalidArgumentError, match="registered schemes"):
         DynamiqState(scheme="nope")
+    with pytest.raises(InvalidArgumentError, match="error_feedback needs a fixed scheme"):
+        DynamiqState(scheme="auto", error_feedback=True)
     with pytest.raises(InvalidArgumentError, match="does not take"):
         DynamiqState(scheme="dynamiq", scheme_options={"colour": "red"})
     with pytest.raises(InvalidArgumentError, match="bits"):

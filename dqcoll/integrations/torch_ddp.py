@@ -161,6 +161,11 @@ class DynamiqState:
             probe = {**options, **({"bits": bits} if "bits" in spec.options else {})}
         # raises now for bad options, not at the first backward
         schemes.get("dynamiq" if scheme == "auto" else scheme, **probe)
+        if scheme == "auto" and error_feedback:
+            raise InvalidArgumentError(
+                "DynamiqState: error_feedback needs a fixed scheme (its residual is the chosen "
+                "codec's error, and scheme='auto' chooses per call, after the hook returns); "
+                "pass scheme='dynamiq' for error feedback")
         if not 0.0 < calibration_rate <= 1.0:
             raise InvalidArgumentError(
                 f"calibration_rate must be in (0, 1], got {calibration_rate}"
