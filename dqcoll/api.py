@@ -654,6 +654,7 @@ def _run_auto(
         if not ready:  # the first auto call: measure the link and the codecs, then agree
             policy.measure_link(comm.transport, what=f"{what} link probe")
             policy.measure_codecs(comm.device, budget)
+            start = time.perf_counter()  # the call's time, for calibration, without the probe
             agreed = torch.tensor(local_us(), dtype=torch.float64)
             comm.transport.allreduce(agreed, "max", what=f"{what} predictions")
             extra[1:] = [int(v) for v in agreed.tolist()]
