@@ -709,7 +709,7 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
     (t, f32, u32, bs, sa, sb, d, p, u, pv, codes, av, rv) = _q_scratch()
     ext = _window_table(mags)
     # The level search's magnitudes as scalars (a select between two loads of ``ext`` inside the
-    # coordinate loop became a gather); the coarse steps a width does not have are dead code.
+    # coordinate loop became a gather); the halving steps a width does not need are dead code.
     e1, e2, e3, e4 = ext[1], ext[2], ext[3], ext[4]
     e5, e6, e7, e8 = ext[5], ext[6], ext[7], ext[8]
     e9, e10, e11, e12 = ext[9], ext[10], ext[11], ext[12]
