@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from . import auto as auto_mod
-from . import envs, handles, schemes
+from . import envs, handles, kernels, schemes
 from .comm import Communicator, get_default_comm
 from .context import call_context
 from .errors import DqcollError, InvalidArgumentError, MismatchError, PeerError
@@ -410,6 +410,12 @@ def _max_exponent(tensor: torch.Tensor) -> int:
     """``e`` with ``2**(e-1) <= max finite |x| < 2**e`` (math.frexp), or :data:`_NO_EXPONENT`."""
     if tensor.numel() == 0:
         return _NO_EXPONENT
+    if (tensor.device.type == "cpu" and tensor.dtype == torch.float32
+            and tensor.is_contiguous() and kernels.numba_available() is None):
+        from .kernels import dynamiq_numba  # one compiled pass (numba is importable)
+
+        top = dynamiq_numba.max_finite_abs(tensor)
+        return _NO_EXPONENT if top == 0.0 else math.frexp(top)[1]
     low, high = torch.aminmax(tensor.view(-1))
     top = max(abs(float(low)), abs(float(high)))
     if not math.isfinite(top):  # rare: look past the NaN / Inf values

@@ -319,3 +319,18 @@ def test_compiled_bisect_alone_equals_the_bracketed_search() -> None:
     assert isinstance(allocation_numba.bisect(np.zeros(2), np.zeros(2, np.bool_),
                                               np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8),
                       float)
+
+
+def test_max_finite_abs_matches_torch() -> None:
+    """The range check's compiled pass returns torch's largest finite |x|, past NaN and inf,
+    0 for all-zero or all-non-finite buffers, and exact for denormals."""
+    from dqcoll.kernels import dynamiq_numba
+
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(100_003, generator=g) * 1e-3, torch.zeros(17),
+             torch.tensor([float("nan"), float("inf"), -float("inf")]),
+             torch.tensor([1e-45, -3e-44, 0.0]), torch.tensor([-7.5, 2.0, float("nan"), 3e38])]
+    for x in cases:
+        finite = x[torch.isfinite(x)]
+        expected = float(finite.abs().max()) if finite.numel() else 0.0
+        assert dynamiq_numba.max_finite_abs(x) == expected, x[:5]

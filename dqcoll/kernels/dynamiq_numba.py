@@ -49,6 +49,7 @@ __all__ = [
     "decode_accumulate_encode",
     "decode_restore",
     "encode",
+    "max_finite_abs",
     "restore",
     "stats",
     "stats_center",
@@ -324,6 +325,13 @@ def decode_accumulate_encode(
     return result
 
 
+def max_finite_abs(x: torch.Tensor) -> float:
+    """The largest finite ``|x|`` of a contiguous fp32 CPU tensor (0.0 if there is none)."""
+    bits = np.asarray(K.max_finite_abs_bits(x.detach().reshape(-1).numpy().view(np.uint32)),
+                      dtype=np.uint32)
+    return float(bits.view(np.float32))
+
+
 def restore(
     work: torch.Tensor, mean: torch.Tensor, index_base: torch.Tensor, valid: torch.Tensor,
     out: torch.Tensor,
@@ -460,6 +468,7 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
                                torch.empty(2 * SUPER))
         for dtype in (torch.float32, torch.bfloat16):
             restore(centred, mean, index, valid, torch.empty(2 * SUPER, dtype=dtype))
+        max_finite_abs(x)
         from .allocation_numba import bisect
 
         bisect(np.zeros(2), np.zeros(2, np.bool_), np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8)
