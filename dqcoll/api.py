@@ -704,7 +704,7 @@ def _native_allreduce(request: _Request, comm: Communicator, scheme: str, what: 
     work = flat.to(torch.bfloat16) if scheme == "bf16" and flat.element_size() == 4 else flat
     if request.op is ReduceOp.AVG:
         work = work.div_(n) if work is not flat else work.mul_(1.0 / n)
-    comm.transport.native_allreduce(work, what=what)
+    comm.transport.native_allreduce(work, what=what)  # type: ignore[attr-defined]  # checked
     if work is not flat:
         flat.copy_(work)
     comm.last_info = {"scheme": scheme, "algorithm": f"{comm.transport.name} all_reduce",

@@ -418,7 +418,7 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
                 future.set_result(buf)
                 return
             if error is not None:
-                future.set_exception(error)
+                future.set_exception(error)  # type: ignore[arg-type]  # any exception
                 return
             event = finished.result()
             if event is not None:  # CUDA: the result is ready once this stream passes the event

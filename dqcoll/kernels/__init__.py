@@ -191,7 +191,7 @@ def warm_up(device: torch.device) -> None:
 
         from . import dynamiq_numba
 
-        where = numba.config.CACHE_DIR or "__pycache__ beside dqcoll/kernels"
+        where = getattr(numba.config, "CACHE_DIR", "") or "__pycache__ beside dqcoll/kernels"
         with _compile_notice("CPU kernels (numba)", where):
             dynamiq_numba.warm_up()
     elif ops.name == "triton" and device.type == "cuda":

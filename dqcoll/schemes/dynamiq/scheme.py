@@ -391,9 +391,9 @@ class DynamiqCall:
             if numel == rows * SUPER and x.dtype == torch.float32 and x.is_contiguous():
                 flat = x.view(rows, SUPER)  # the input itself: read, never written below
             else:
-                flat = _state_buffer(ctx, "dynamiq.input", rows, device)
-                if flat is None:
-                    flat = torch.empty(rows, SUPER, dtype=torch.float32, device=device)
+                kept = _state_buffer(ctx, "dynamiq.input", rows, device)
+                flat = (kept if kept is not None
+                        else torch.empty(rows, SUPER, dtype=torch.float32, device=device))
                 flat.view(-1)[:numel] = x.reshape(-1)
                 flat.view(-1)[numel:] = 0.0  # the tail's padding
             row_start = torch.arange(rows, dtype=torch.int64) * SUPER
