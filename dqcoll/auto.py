@@ -54,7 +54,7 @@ from . import envs
 
 __all__ = ["CANDIDATES", "AutoChoice", "AutoPolicy", "measure_codec_ns"]
 
-CANDIDATES = ("none", "bf16", "dynamiq")
+CANDIDATES = envs.AUTO_CHOICES  # ("none", "bf16", "dynamiq"), also DQCOLL_AUTO_FORCE's values
 # Compress only where the prediction beats not compressing by this fraction: the bound on how
 # much slower than the uncompressed path a wrong prediction can make a call.
 MARGIN = 0.05
@@ -130,7 +130,6 @@ class AutoPolicy:
         # -- measured: the link (agreed: the slowest rank's), this rank's codecs --
         self.link_bytes_per_s: float | None = None
         self.codec_ns: dict[str, float] = {}
-        self.codec_bits: float | None = None  # the dynamiq budget codec_ns was measured at
         # -- corrected by measured calls (agreed): candidate -> measured / predicted --
         self.calibration: dict[str, float] = {name: 1.0 for name in CANDIDATES}
         # -- the previous auto call, calibrated in the next one's argument check --
@@ -138,7 +137,6 @@ class AutoPolicy:
         self.last_elapsed_s = 0.0  # this rank's time of that call
         self.force = envs.auto_force()  # a candidate to run whatever the model says, or None
         self.history: list[AutoChoice] = []  # the last choices (bounded), for inspection
-        self.choices = 0
 
     # -- measurement ------------------------------------------------------------------------------
 
@@ -173,7 +171,6 @@ class AutoPolicy:
 
     def measure_codecs(self, device: torch.device, bits: float) -> None:
         self.codec_ns = measure_codec_ns(device, bits)
-        self.codec_bits = bits
 
     # -- the rule ---------------------------------------------------------------------------------
 
@@ -209,7 +206,6 @@ class AutoPolicy:
                           f"link {self._link_text()})")
                 choice = AutoChoice("none", ms, reason)
         self.pending = (choice.scheme, agreed_s[choice.scheme])
-        self.choices += 1
         self.history = [*self.history[-63:], choice]
         return choice
 

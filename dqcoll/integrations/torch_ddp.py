@@ -19,10 +19,9 @@ rank, and copies the returned tensor into the gradients):
   rounding is keyed by a per-iteration seed (``derived_seed(seed, "ddp", iteration)``) and the
   bucket index, so every step draws fresh numbers and a rerun with the same seed is identical.
   Every rank ends with bit-identical averages (dqcoll's invariant), so the replicas never drift.
-* **Allocation carried over** (``dynamiq``): the bit-allocation parameter ``u`` of each bucket's
-  last call (``comm.last_info["u"]``) is passed to the next call of that bucket as ``u_hint``; it
-  warm-starts the bisection without changing its result (see
-  :mod:`dqcoll.schemes.dynamiq.allocation`).
+* **Allocation recorded** (``dynamiq``): the bit-allocation parameter ``u`` of each bucket's
+  last call (``comm.last_info["u"]``) is kept in ``state.allocation_u`` (the scheme takes no
+  hint: its compiled bisection costs ~0.5 ms with or without one).
 * **Error feedback** (optional): each rank adds its residual to the bucket before compressing and
   keeps ``m - decode(encode(m))`` of the scheme's single-shot codec as the next residual. This is
   the EF-SGD residual of the rank's own quantization; the hops' re-quantizations inside the
@@ -116,7 +115,6 @@ class DynamiqState:
         warmup_steps: iterations at the start that are averaged uncompressed (with AdamW, a few
             dozen or more: measured in docs/ddp.md, 5 steps cost one seed in four 7 % of loss).
         seed: base seed of the random rounding (each iteration derives its own).
-        carry_allocation: pass each bucket's last allocation parameter ``u`` on as a hint.
         error_feedback: keep a residual per bucket (see the module docstring).
         monitor_every: every this many iterations, also compute the exact average and record the
             vNMSE (0: never).
@@ -139,7 +137,6 @@ class DynamiqState:
         scheme_options: dict[str, Any] | None = None,
         warmup_steps: int = 10,
         seed: int = 0,
-        carry_allocation: bool = True,
         error_feedback: bool = False,
         monitor_every: int = 0,
         target_vnmse: float | None = None,
@@ -191,8 +188,7 @@ class DynamiqState:
         self.iteration = 0  # backward passes seen (advanced at each iteration's last bucket)
         self.seed = int(seed)
 
-        # -- the bit allocation carried from step to step (bucket index -> last u) --
-        self.carry_allocation = carry_allocation and "u_hint" in spec.options
+        # -- the bit allocation of each bucket's last call (bucket index -> u) --
         self.allocation_u: dict[int, float] = {}
 
         # -- error feedback (bucket index -> fp32 residual of the bucket's size) --
@@ -360,11 +356,8 @@ def _local_quantization(state: DynamiqState, values: torch.Tensor) -> torch.Tens
     return codec.decode(codec.encode(values)).reshape(-1).float()
 
 
-def _call_options(state: DynamiqState, index: int) -> dict[str, Any]:
+def _call_options(state: DynamiqState) -> dict[str, Any]:
     options = dict(state.scheme_options)
-    hint = state.allocation_u.get(index)
-    if state.carry_allocation and hint is not None and math.isfinite(hint):
-        options["u_hint"] = hint
     if state.target_vnmse is not None:
         options["target_vnmse"] = state.target_vnmse
         options["error_model"] = ErrorModel(kappa=state.kappa)
@@ -394,7 +387,7 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         buf.copy_(message)  # what this rank contributes (rounded to the bucket's dtype)
         message = buf.float()
         residual.copy_(message - _local_quantization(state, message))
-    options = _call_options(state, index)
+    options = _call_options(state)
     seed = state.step_seed(iteration)
     if state.async_op and not state.should_monitor(iteration):
         future = _future_for(buf)

@@ -231,9 +231,10 @@ def _tree_sum_256(t):
 def _scales_encode(
     xrow_bits, scales, d, meta, f32, u32, qscale, gbits, ginv, gpre, hbits, qbits, tree
 ):
-    """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18, 6 or 16
-    bytes for ``scales`` SCALES_H, SCALES_H4X32 or SCALES_FLAT, a literal), the decoded scale of
-    each group of 16 into ``qscale`` [16] (a block of 32 gives both its groups its scale), and
+    """Scales of one row from its fp32 bit patterns: the scale bytes into ``meta`` (18 or 16
+    bytes for ``scales`` SCALES_H or SCALES_FLAT, a literal; format 3's SCALES_H4X32 rows go
+    through :func:`_q_scales`), the decoded scale of each group of 16 into ``qscale`` [16] (a
+    block of 32 gives both its groups its scale), and
     codec._normalise's factors: ``ginv``/``gpre`` [16] per group (``inv``, 0 where the scale is
     unusable, and the prescale ``s``) and ``d`` [256], ``inv`` per coordinate. Returns whether a
     prescale is not 1 (a denormal scale: rare). ``f32``/``u32`` are one scratch word seen as fp32
@@ -296,34 +297,6 @@ def _scales_encode(
             qscale[g] = qscale[g] * unit  # exact: 8-bit times 8-bit significands
         meta[GROUPS] = np.uint8(unit_bits & np.uint32(0xFF))
         meta[GROUPS + 1] = np.uint8(unit_bits >> np.uint32(8))
-    elif scales == SCALES_H4X32:
-        # The maximum of a block of 32 is the larger of its two groups' (a max is exact), so
-        # the group maxima above serve both hierarchical encodings.
-        for b in range(H4_BLOCKS):
-            a0 = gbits[2 * b]
-            a1 = gbits[2 * b + 1]
-            gbits[b] = a0 if a0 > a1 else a1
-        u32[0] = top
-        f32[0] = f32[0] / _F16  # fp32 division, as the reference's ``top / 16.0``
-        unit_bits = _bf16_ceil_bits(u32[0])
-        u32[0] = np.uint32(unit_bits << np.uint32(16))
-        unit = f32[0]
-        usable = unit > _F0 and unit < _INF
-        gmax = gbits.view(np.float32)
-        den = unit if usable else _F1
-        for b in range(H4_BLOCKS):
-            ratio = np.float32(np.ceil(gmax[b] / den))
-            qscale[b] = min(max(ratio, _F1), _F16) if usable else _F1  # q in [1, 16]
-        for i in range(H4_BLOCKS // 2):  # q - 1 as nibbles, block 2i in the low one
-            n0 = np.uint32(np.int32(qscale[2 * i]) - 1)
-            n1 = np.uint32(np.int32(qscale[2 * i + 1]) - 1)
-            meta[i] = np.uint8(n0 | (n1 << np.uint32(4)))
-        for b in range(H4_BLOCKS - 1, -1, -1):  # downwards: block b's q is read before written
-            s = qscale[b] * unit  # exact: 5-bit times 8-bit significands
-            qscale[2 * b] = s
-            qscale[2 * b + 1] = s
-        meta[H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
-        meta[H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
     else:
         for blk in range(FLAT_BLOCKS):
             m = np.uint32(0)
