@@ -27,6 +27,14 @@ The rule (:meth:`AutoPolicy.choose`), in one place:
 4. **Choose** the candidate with the least agreed time, but compress (``bf16`` or ``dynamiq``)
    only where it beats the uncompressed prediction by :data:`MARGIN` (5 %): a wrong prediction
    then costs at most that margin against not compressing, which is the promise of ``auto``.
+5. **Try once what is close**: a candidate that has never run on this communicator and whose
+   prediction is within :data:`EXPLORE_WITHIN` of the chosen one's runs once instead (after
+   the chosen one has run and been measured itself), so that
+   its factor is measured rather than assumed. Only calibrated predictions are trusted to be
+   within 5 %: the model does not price everything (gloo's reduction loop, the cast kernels
+   under core sharing), and at 10 Gb/s ``none`` and ``bf16`` differ by less than that error.
+   One such call costs at most ``EXPLORE_WITHIN`` over the chosen candidate's prediction, once
+   per candidate; the choice is a function of agreed numbers, so every rank explores together.
 
 ``last_info["auto"]`` says what was chosen, the agreed predictions in ms and why. Override:
 pass a scheme name instead of ``"auto"``, or ``AutoPolicy.force`` / ``DQCOLL_AUTO_FORCE``.
@@ -37,8 +45,8 @@ back, as torch's ``bf16_compress_hook``), so ``auto`` is never slower than them 
 dqcoll's executor; over other transports they run dqcoll's ``none`` / ``bf16`` schemes.
 
 Rejected: a tuned table per (size, link) (needs a tuning run per cluster and goes stale when the
-network is shared), and trying each candidate in turn and keeping the fastest (every rank must
-agree, and a slow candidate costs a whole call each time it is retried).
+network is shared), and trying every candidate in turn and keeping the fastest (a slow candidate
+costs a whole call each time it is retried): rule 5 tries only a close candidate, once.
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ MARGIN = 0.05
 # The share of the smaller of (wire, codec) that pipelining does not hide (tiles overlap one
 # tile's transfer with another's codec; the first and last tiles do not overlap).
 OVERLAP_REST = 0.35
+# A never-run candidate predicted within this factor of the chosen one is run once (rule 5).
+EXPLORE_WITHIN = 1.25
 # Weight of each measured call in the calibration factor (geometric).
 CALIBRATION_RATE = 0.5
 # The link probe: each rank sends this many bytes to the next rank and receives as many from
@@ -137,6 +147,7 @@ class AutoPolicy:
         self.last_elapsed_s = 0.0  # this rank's time of that call
         self.force = envs.auto_force()  # a candidate to run whatever the model says, or None
         self.history: list[AutoChoice] = []  # the last choices (bounded), for inspection
+        self.tried: set[str] = set()  # candidates run at least once (their factor is measured)
 
     # -- measurement ------------------------------------------------------------------------------
 
@@ -205,9 +216,29 @@ class AutoPolicy:
                           f"uncompressed (bf16 {ms['bf16']:g}, dynamiq {ms['dynamiq']:g} ms; "
                           f"link {self._link_text()})")
                 choice = AutoChoice("none", ms, reason)
+            choice = self._explore(choice, agreed_s, ms)
+        self.tried.add(choice.scheme)
         self.pending = (choice.scheme, agreed_s[choice.scheme])
         self.history = [*self.history[-63:], choice]
         return choice
+
+    def _explore(self, choice: AutoChoice, agreed_s: dict[str, float],
+                 ms: dict[str, float]) -> AutoChoice:
+        """Rule 5: the untried candidate closest to ``choice`` runs instead, if within
+        :data:`EXPLORE_WITHIN` of its prediction (in candidate order on ties)."""
+        if choice.scheme not in self.tried:  # the model's choice runs (and is measured) first
+            return choice
+        chosen = agreed_s[choice.scheme]
+        close = [name for name in CANDIDATES if name not in self.tried
+                 and name != choice.scheme and math.isfinite(agreed_s[name])
+                 and agreed_s[name] <= EXPLORE_WITHIN * chosen]
+        if not close:
+            return choice
+        name = min(close, key=lambda c: agreed_s[c])
+        reason = (f"trying {name} once ({ms[name]:g} ms predicted, within "
+                  f"{EXPLORE_WITHIN - 1:.0%} of {choice.scheme}'s {ms[choice.scheme]:g} ms) to "
+                  f"measure it; the model chose {choice.scheme}")
+        return AutoChoice(name, ms, reason)
 
     def calibrate(self, measured_s: float) -> None:
         """The previous call took ``measured_s`` (agreed: the slowest rank's): move its

@@ -23,12 +23,35 @@ def test_rule_compresses_only_with_the_margin() -> None:
     least MARGIN faster, and says why."""
     policy = AutoPolicy()
     policy.force = None
+    policy.tried = set(CANDIDATES)  # every factor measured: no exploration (rule 5)
     slow = {"none": 100e-3, "bf16": 60e-3, "dynamiq": 30e-3}
     assert policy.choose(slow).scheme == "dynamiq"
     close = {"none": 100e-3, "bf16": 99e-3, "dynamiq": (1 - MARGIN / 2) * 100e-3}
     choice = policy.choose(close)
     assert choice.scheme == "none" and "no compression" in choice.reason
     assert policy.choose({"none": 100e-3, "bf16": 50e-3, "dynamiq": 80e-3}).scheme == "bf16"
+
+
+def test_a_close_untried_candidate_runs_once() -> None:
+    """Rule 5: bf16 predicted 3 % slower than none has never run, so it runs once (and says
+    why); after that the model's choice stands. A far candidate is never tried."""
+    policy = AutoPolicy()
+    policy.force = None
+    close = {"none": 100e-3, "bf16": 103e-3, "dynamiq": 400e-3}
+    first = policy.choose(close)
+    assert first.scheme == "none"  # none itself has never run: the model's choice runs first
+    policy.calibrate(100e-3)
+    second = policy.choose(close)
+    assert second.scheme == "bf16" and "trying bf16 once" in second.reason
+    policy.calibrate(90e-3)  # measured faster than predicted: its factor drops
+    assert policy.calibration["bf16"] < 1.0
+    third = policy.choose(policy_predictions(policy, close))
+    assert third.scheme in ("none", "bf16") and "trying" not in third.reason
+    assert "dynamiq" not in policy.tried
+
+
+def policy_predictions(policy: AutoPolicy, raw: dict[str, float]) -> dict[str, float]:
+    return {name: t * policy.calibration[name] for name, t in raw.items()}
 
 
 def test_prediction_follows_link_and_codec_rates() -> None:
