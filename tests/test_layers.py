@@ -1,4 +1,4 @@
-"""The layers of docs/design.md §1 import downwards only: planning (``dqcoll/topology``) never
+"""The layers of DESIGN section 1 import downwards only: planning (``dqcoll/topology``) never
 calls back up into the public API or the runners, and codecs (``dqcoll/schemes``) never import a
 transport, a schedule or the executor - they say what they need reduced (``ctx.reduce``) and the
 call's runner does the exchange."""
