@@ -2,7 +2,7 @@
 
 For each kernel x width x size (2**20 ... 2**28 coordinates by default) this times the Triton
 kernel with CUDA events after warm-up, converts the bytes the kernel must read and write (the
-model below, DESIGN section 7) into GB/s, divides by the device-to-device copy bandwidth measured
+model below, docs/design.md §7) into GB/s, divides by the device-to-device copy bandwidth measured
 in the same run (``dst.copy_(src)`` of 1 GiB, read + write bytes), and times the torch reference
 on the same GPU for the speed-up. Before anything is timed, the kernel's output on the first rows
 is checked against the CPU reference: no speed is reported for a wrong answer.

@@ -3,7 +3,7 @@
 Schemes ask for the small all-reduces their statistics need through ``ctx.reduce`` and read the
 schedule's numbers from ``ctx.schedule``; this module, at the execution layer, binds both to the
 transport and the :class:`~dqcoll.topology.schedule.Schedule` that run the call, so the codecs
-import neither transports nor schedules (data flows one way, DESIGN section 1).
+import neither transports nor schedules (data flows one way, docs/design.md §1).
 """
 
 from __future__ import annotations

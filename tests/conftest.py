@@ -23,8 +23,8 @@ def has_cuda() -> bool:
 def pytest_sessionstart(session):  # type: ignore[no-untyped-def]
     """Compile the numba CPU kernels once, in the controlling process, before the xdist workers
     start: they (and the ranks that tests spawn) then load them from numba's disk cache (~1 s)
-    instead of compiling them at once in every process (~30 s of CPU each on a fresh clone,
-    enough to push multi-process tests past their timeouts)."""
+    instead of compiling them at once in every process (~80 s of CPU each on a fresh clone,
+    docs/kernels.md "Cold compile"; enough to push multi-process tests past their timeouts)."""
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
         return
     try:

@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of the invariants of DESIGN §2, over every registered scheme.
+"""Property-based tests (hypothesis) of the invariants of docs/design.md §3, over every scheme.
 
 Hypothesis draws the world size (1-5), length (empty, tiny, around multiples of 256 and of the
 world size, and a few thousand), dtype (among those the scheme takes), algorithm, op, scheme and
@@ -42,8 +42,9 @@ VNMSE_BUDGET = {
     "bf16": 1e-4, "dynamiq": 0.1, "global_qsgd": 0.02, "int4_block": 0.12, "int8_block": 1e-3,
     "mxfp4": 0.12, "mxfp6": 0.01, "mxfp8": 0.01, "thc": 0.06, "topk_block": 0.9,
 }
-# Schemes whose aggregate width grows with the number of summed ranks (integer sums, DESIGN §5):
-# their bits per coordinate are per contribution, so the fixed-rate budget check does not apply.
+# Schemes whose aggregate width grows with the number of summed ranks (integer sums,
+# docs/design.md §4): their bits per coordinate are per contribution, so the fixed-rate budget
+# check does not apply.
 WIDENING = {"thc"}
 _HANDSHAKE_FIELDS = 7  # api._FIELDS: the argument check all-reduces (2 * 7 + n) int64 values
 

@@ -1,4 +1,4 @@
-"""Reliability under faults and bad input (DESIGN §2, invariant 4).
+"""Reliability under faults and bad input (docs/design.md §3, invariants 5 and 6).
 
 * A rank that dies or stalls mid-collective makes the others raise, within the timeout, an error
   that names the peer and the collective step -- over the local transport (threads) and over gloo

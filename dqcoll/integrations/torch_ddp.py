@@ -109,7 +109,7 @@ class DynamiqState:
             averages with the process group's own all-reduce, exactly like DDP without a hook;
             ``"auto"`` picks per bucket the fastest of the group's own all-reduce, a bf16 one
             and dynamiq at ``bits`` (:mod:`dqcoll.auto`), the same on every rank.
-        bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.81).
+        bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.25).
         algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct").
         scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
         warmup_steps: iterations at the start that are averaged uncompressed (with AdamW, a few

@@ -9,7 +9,7 @@ through a 6-bytes-per-code bit-plane expansion (3.6 M coords/s for mxfp8, 2.2 fo
 core of the dev VM, against 34 for ``int8_block``). Here one loop per block of 32 (or 128)
 coordinates keeps the block in registers/L1 from load to packed bytes.
 
-How the bytes stay identical (DESIGN §7):
+How the bytes stay identical (docs/design.md §3.4, docs/kernels.md):
 
 * every fp32 operation of the reference is one fp32 operation here, in the same order (no
   fastmath, no FMA: :data:`~dqcoll.kernels.cpu_runtime.JIT_OPTIONS`); multiplications by powers
@@ -28,7 +28,7 @@ decided by :mod:`dqcoll.kernels.baselines`). Scale mode and packing width are br
 outside the per-element loops, so each inner loop stays a straight-line loop over 32 elements.
 
 Rejected: a vectorised torch rewrite of the MX encoder (still ~15 passes and gathers; ~20 M
-coords/s for DynamiQ's comparable encoder, DESIGN §7) and numba ``parallel=True`` (see
+coords/s for DynamiQ's comparable encoder, docs/design.md §7) and numba ``parallel=True`` (see
 :mod:`.cpu_runtime`).
 """
 

@@ -6,11 +6,11 @@ cut a call into contiguous row ranges and run them on a process-wide thread pool
 computed on its own (no reduction crosses rows), so the bytes do not depend on the number of
 threads or on where the ranges are cut.
 
-Why these options (measured on the 2-core dev VM, numba 0.68, see DESIGN §7):
+Why these options (measured on the 2-core dev VM, numba 0.68, see docs/design.md §7):
 
 * ``nogil=True``: the executor's communication thread (gloo's waits) and the ranks of the
   ``local`` transport run beside a kernel only if it releases the GIL;
-* ``cache=True``: the JIT (~40 s for every kernel on one core) is paid once per machine; kernels
+* ``cache=True``: the JIT (docs/kernels.md, "Cold compile") is paid once per machine; kernels
   are plain top-level functions because numba does not cache closures over jitted functions;
 * ``fastmath=False`` and no FMA: numba (LLVM) contracts ``a * b + c`` only under fastmath, and the
   torch reference rounds twice, so the bytes match;

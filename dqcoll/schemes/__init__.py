@@ -2,7 +2,7 @@
 
 ``schemes.get("dynamiq", bits=5)`` returns a configured scheme; ``schemes.list_schemes()`` names
 them; ``schemes.spec("mxfp8")`` tells what one can do without building it. A scheme module
-registers itself with :func:`register_scheme`; see docs/extending.md for how to add one.
+registers itself with :func:`register_scheme`; see docs/design.md §5 for how to add one.
 """
 
 from __future__ import annotations
