@@ -22,7 +22,8 @@ import platform
 import sys
 import time
 
-from ..topology.graph import Topology, parse_topology
+from ..topology.detect import parse_topology
+from ..topology.graph import Topology
 from .bench import parse_size
 from .progress import ProgressBar
 from .provenance import git_commit

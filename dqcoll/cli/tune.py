@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 
-from ..topology.graph import parse_topology
+from ..topology.detect import parse_topology
 from ..topology.tuning import TUNED_DIR, TunedTable, default_candidates, size_buckets
 from .bench import parse_size
 from .progress import ProgressBar
