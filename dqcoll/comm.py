@@ -38,8 +38,8 @@ __all__ = ["Communicator", "get_default_comm", "init", "set_default_comm"]
 log = logging.getLogger("dqcoll")
 
 NCCL_BACKENDS = ("nccl", "nccl4py", "nccl-cupy")
-_default: Communicator | None = None
-_thread_default = threading.local()
+_default: Communicator | None = None  # dqcoll.init()'s, until closed or replaced by shrink()
+_thread_default = threading.local()  # .comm: this thread's default (run_local's rank), or None
 
 
 class Communicator:

@@ -30,7 +30,7 @@ log = logging.getLogger("dqcoll")
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> str | None:
-    """None when Triton can be used, else the reason it cannot."""
+    """None when Triton can be used, else the reason it cannot (checked once per process)."""
     try:
         import triton  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install
@@ -64,7 +64,7 @@ def _numba_ops() -> DynamiqOps:
     return dynamiq_numba.OPS
 
 
-_logged: set[str] = set()
+_logged: set[str] = set()  # fallback reasons already logged: one per distinct reason, for good
 
 
 def _fallback(why: str, device: torch.device) -> DynamiqOps:

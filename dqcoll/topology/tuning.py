@@ -359,6 +359,8 @@ def _search_dirs() -> list[str]:
 
 @functools.lru_cache(maxsize=64)
 def _load_cached(path: str, mtime: float) -> TunedTable:
+    """A table file, parsed once per (path, modification time): the 64 most recently read stay
+    (``algorithm="auto"`` looks its table up at every call); an edited file is read again."""
     return TunedTable.load(path)
 
 
@@ -384,12 +386,14 @@ def find_table(world_size: int, dtype: str, topology_key: str | None = None) -> 
 
 @functools.lru_cache(maxsize=16)
 def _detected_key(world_size: int) -> str:
+    """The detected topology's key, detected once per process and world size (16 kept): the
+    machine does not change under a running job."""
     from .detect import detect_topology
 
     return detect_topology(world_size=world_size).key
 
 
-_logged: set[str] = set()
+_logged: set[str] = set()  # messages already logged: one per (table, scheme) asked, for good
 
 
 def _log_once(message: str) -> None:
