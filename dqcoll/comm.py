@@ -38,8 +38,8 @@ __all__ = ["Communicator", "get_default_comm", "init", "set_default_comm"]
 log = logging.getLogger("dqcoll")
 
 NCCL_BACKENDS = ("nccl", "nccl4py", "nccl-cupy")
-_default: Communicator | None = None
-_thread_default = threading.local()
+_default: Communicator | None = None  # dqcoll.init()'s, until closed or replaced by shrink()
+_thread_default = threading.local()  # .comm: this thread's default (run_local's rank), or None
 
 
 class Communicator:
@@ -70,7 +70,7 @@ class Communicator:
             local_ranks = transport.world_size if transport.name == "local" else 1
             if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun sets it
                 local_ranks = max(local_ranks, int(os.environ["LOCAL_WORLD_SIZE"]))
-            cpu_runtime.set_local_ranks(local_ranks)
+            cpu_runtime.claim_local_ranks(self, local_ranks)  # released by close() / death
         if self.device.type in ("cpu", "cuda"):
             # Compile (or load from the disk cache) the kernels this device's calls launch (numba
             # on CPU, every Triton variant on CUDA) now, not at some step.
@@ -148,6 +148,7 @@ class Communicator:
         """Refuse every later collective (see the class docstring); the first reason sticks."""
         if self.dead is None:
             self.dead = reason
+            cpu_runtime.release_local_ranks(self)
             log.warning("rank %d: communicator is dead: %s", self.rank, reason)
 
     def shrink(self, *, exclude: Sequence[int] | None = None, wait_s: float | None = None,
@@ -207,6 +208,7 @@ class Communicator:
         if not handles.drain(self, timeout_s=timeout):
             self.transport.abort(f"close(): async collectives still running after {timeout:g} s")
         self.closed = True
+        cpu_runtime.release_local_ranks(self)
         handles.shutdown(self)
         self.transport.close()
         global _default

@@ -127,6 +127,10 @@ class RankPlan:
 
 @functools.lru_cache(maxsize=256)
 def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
+    """Rank ``rank``'s sends and receives per step of ``schedule``. Cached for the life of the
+    process, the 256 most recently used (schedule, rank) pairs (a pure function of immutable
+    data; a call would otherwise walk every transfer of the schedule)."""
+
     def plan(steps: Sequence[Step]) -> tuple[StepPlan, ...]:
         result = []
         for step in steps:
@@ -431,18 +435,18 @@ class _StreamDriver:
         pass
 
 
-_SIDE_STREAMS: dict[tuple[int, int], Any] = {}
-_SIDE_LOCK = threading.Lock()
+_side = threading.local()  # .streams: this thread's {device index: communication stream}
 
 
 def _side_stream(device: torch.device) -> Any:
-    """One communication stream per (device, thread): created once, reused by every call."""
+    """One communication stream per (device, thread): created at the thread's first
+    stream-ordered call on the device, reused by its later calls, dropped with the thread (so
+    the streams held are those of live threads, one per device each)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, threading.get_ident())
-    with _SIDE_LOCK:
-        if key not in _SIDE_STREAMS:
-            _SIDE_STREAMS[key] = torch.cuda.Stream(device=index)
-        return _SIDE_STREAMS[key]
+    streams: dict[int, Any] = _side.__dict__.setdefault("streams", {})
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(device=index)
+    return streams[index]
 
 
 def _make_driver(transport: Transport, device: torch.device, tiles_in_flight: int,

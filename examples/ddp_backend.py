@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dqcoll.tinylm import LMConfig, TinyLM, derived_seed, sample_batch, split_corpus, stdlib_corpus
+from dqcoll.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
+from dqcoll.schemes.seeds import derived_seed
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 examples/ddp_train.py --scheme dynamiq --bits 5
     torchrun --nproc-per-node 4 examples/ddp_train.py --scheme none        # DDP's own all-reduce
 
-Each rank trains :class:`dqcoll.tinylm.TinyLM` (a GPT-style decoder, ~0.1 M parameters at the
+Each rank trains :class:`dqcoll.eval.tinylm.TinyLM` (a GPT-style decoder, ~0.1 M parameters at the
 defaults) on its own random windows of the Python standard library's source text (present on every
 machine, no download), with AdamW. The gradients go through ``dynamiq_hook``
 (:mod:`dqcoll.integrations.torch_ddp`) over the job's gloo group. Rank 0 prints the training loss
@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll import schemes
+from dqcoll.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
-from dqcoll.tinylm import LMConfig, TinyLM, derived_seed, sample_batch, split_corpus, stdlib_corpus
+from dqcoll.schemes.seeds import derived_seed
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 examples/fsdp_train.py --mode exact    # FSDP2's own collectives
     torchrun --nproc-per-node 4 examples/fsdp_train.py --mode backend  # the "dqcoll" backend
 
-Each rank trains :class:`dqcoll.tinylm.TinyLM` (a GPT-style decoder; ``--width 384 --layers 6``
+Each rank trains :class:`dqcoll.eval.tinylm.TinyLM` (a GPT-style decoder; ``--width 384 --layers 6``
 has 10.7 M parameters) on its own random windows of the Python standard library's source text
 (present on every machine), with AdamW, every block and the model wrapped by ``fully_shard``.
 ``--mode``:
@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from dqcoll.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 from dqcoll.integrations import fsdp as dqfsdp
 from dqcoll.integrations.policy import CompressionPolicy, RoleRule
-from dqcoll.tinylm import LMConfig, TinyLM, derived_seed, sample_batch, split_corpus, stdlib_corpus
+from dqcoll.schemes.seeds import derived_seed
 
 MODES = ("exact", "qwz", "qgz", "both", "backend")
 

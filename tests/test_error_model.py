@@ -7,10 +7,10 @@ import torch
 
 import dqcoll
 from dqcoll.errors import InvalidArgumentError
+from dqcoll.eval.sources import make_source
 from dqcoll.metrics import vnmse
 from dqcoll.schemes.dynamiq import codec as C
 from dqcoll.schemes.dynamiq.error_model import EPSILON, estimate_rho, path_growth
-from dqcoll.sources import make_source
 from dqcoll.testing import run_local
 from dqcoll.topology import build_schedule
 

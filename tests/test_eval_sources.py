@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dqcoll.cli import eval as eval_cli
 from dqcoll.cli.main import main as dqcoll_main
 from dqcoll.errors import DqcollError
-from dqcoll.sources import make_source, parse_source_spec
+from dqcoll.eval import accuracy
+from dqcoll.eval.sources import make_source, parse_source_spec
 
 
 def test_spec_parsing() -> None:
@@ -106,7 +106,7 @@ def test_stdlib_lm_source_real_gradients() -> None:
 def test_word_vocabulary_tokens_round_trip() -> None:
     """vocab > 256: the corpus's most frequent words become tokens; decoding the ids gives the
     corpus back byte for byte, and the vocabulary is deterministic."""
-    from dqcoll import tinylm
+    from dqcoll.eval import tinylm
 
     words = tinylm.word_vocabulary(512)
     assert len(words) == 256 and len(set(words)) == 256
@@ -167,21 +167,19 @@ def test_eval_command_outputs(tmp_path, capsys) -> None:  # type: ignore[no-unty
 def test_eval_rejects_bad_scheme_specs() -> None:
     """Unknown schemes and options are refused before anything runs."""
     with pytest.raises(DqcollError):
-        eval_cli.parse_scheme_spec("mxfp9")
+        accuracy.parse_scheme_spec("mxfp9")
     with pytest.raises(DqcollError):
-        eval_cli.parse_scheme_spec("mxfp8:bits=3")
-    assert math.isclose(eval_cli.parse_scheme_spec("dynamiq:bits=4.5").options[0][1], 4.5)
+        accuracy.parse_scheme_spec("mxfp8:bits=3")
+    assert math.isclose(accuracy.parse_scheme_spec("dynamiq:bits=4.5").options[0][1], 4.5)
 
 
 def test_bits_needed_reports_the_cheapest_member_that_meets_the_target() -> None:
     """eval's error-target mode: every family reports either a member whose measured vNMSE meets
     the target (with the bits it sent) or that none did; dynamiq's target mode and its budget
     sweep meet it too; bf16 meets a loose target."""
-    from dqcoll.cli.eval import bits_needed
-    from dqcoll.sources import make_source
 
     source = make_source("gaussian", world_size=3, numel=4096, seed=0)
-    rows = bits_needed(source, "butterfly", 1e-2,
+    rows = accuracy.bits_needed(source, "butterfly", 1e-2,
                        families={"mx": ("mxfp4", "mxfp6", "mxfp8"), "bf16": ("bf16",)},
                        resolution=1.0)
     by_family = {r.family: r for r in rows}

@@ -4,6 +4,7 @@ compiled allocation."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from conftest import heavy_tailed
 
 pytest.importorskip("numba")
 
+from dqcoll.comm import Communicator
 from dqcoll.errors import UnsupportedError
 from dqcoll.kernels import cpu_runtime, dynamiq_numba, dynamiq_ops
 from dqcoll.schemes.dynamiq import codec
@@ -25,6 +27,7 @@ from dqcoll.schemes.dynamiq.codec import (
     Levels,
     Scales,
 )
+from dqcoll.transports.local import LocalHub
 
 KEY = 0xC0FFEE
 
@@ -52,6 +55,7 @@ def test_without_numba_auto_falls_back_and_explicit_raises() -> None:
 import logging, os, sys
 sys.modules["numba"] = None  # as if not installed
 import dqcoll, torch
+from dqcoll.comm import Communicator
 from dqcoll.errors import UnsupportedError
 from dqcoll.kernels import dynamiq_ops
 from dqcoll.testing import run_local
@@ -108,6 +112,37 @@ def test_cpu_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_runtime.cpu_threads() == max(1, os.cpu_count() or 1)
     monkeypatch.setattr(cpu_runtime, "_local_ranks", 10_000)
     assert cpu_runtime.cpu_threads() == 1
+
+
+def test_local_rank_claims_end_with_their_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cores are divided by the largest group of ranks a *live* communicator shares the
+    machine with: a claim ends when its owner is released, collected, closed or dies, so a
+    finished many-rank run leaves the cores to the jobs after it."""
+    monkeypatch.setenv("DQCOLL_CPU_THREADS", "")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # a communicator claims its own size
+    gc.collect()  # communicators of earlier tests that are already unreachable release now
+    before = cpu_runtime.local_ranks()
+
+    class Owner:
+        pass
+
+    big, small = Owner(), Owner()
+    cpu_runtime.claim_local_ranks(big, before + 10_000)
+    cpu_runtime.claim_local_ranks(small, before + 1)
+    assert cpu_runtime.local_ranks() == before + 10_000 and cpu_runtime.cpu_threads() == 1
+    cpu_runtime.release_local_ranks(big)
+    assert cpu_runtime.local_ranks() == before + 1
+    del small
+    gc.collect()
+    assert cpu_runtime.local_ranks() == before
+
+    hub = LocalHub(before + 2)
+    closed, dead = Communicator(hub.transport(0)), Communicator(hub.transport(1))
+    assert cpu_runtime.local_ranks() == before + 2
+    closed.close()
+    assert cpu_runtime.local_ranks() == before + 2  # the other one still runs
+    dead.mark_dead("the test kills it")
+    assert cpu_runtime.local_ranks() == before
 
 
 @pytest.mark.parametrize("levels", list(Levels))

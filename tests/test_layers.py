@@ -1,12 +1,24 @@
-"""The layers of DESIGN section 1 import downwards only: planning (``dqcoll/topology``) never
-calls back up into the public API or the runners, and codecs (``dqcoll/schemes``) never import a
-transport, a schedule or the executor - they say what they need reduced (``ctx.reduce``) and the
-call's runner does the exchange."""
+"""The layers of docs/design.md §1 import downwards only, and the import graph has no circle.
+
+* Planning (``dqcoll/topology``) never calls back up into the public API or the runners; codecs
+  (``dqcoll/schemes``) never import a transport, a schedule or the executor - they say what they
+  need reduced (``ctx.reduce``) and the call's runner does the exchange; kernels
+  (``dqcoll/kernels``) are fast paths of the codecs and know nothing of communicators,
+  transports or plans; transports (``dqcoll/transports``) move bytes and know no codec.
+* Evaluation (``dqcoll/eval``: gradient sources, the tiny LM, the accuracy measurement) and the
+  command line (``dqcoll/cli``) sit beside the library: they may import anything, and no runtime
+  module imports them, so ``import dqcoll`` and the integrations load none of it.
+* No import circle among the modules of ``dqcoll`` (:func:`test_no_import_circles` states the
+  rule it checks).
+"""
 
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -16,9 +28,17 @@ ROOT = pathlib.Path(dqcoll.__file__).parent
 
 # package -> modules (dotted, relative to dqcoll) it must not import
 FORBIDDEN = {
-    "topology": ("api", "hierarchical", "comm", "executor", "context", "handles"),
-    "schemes": ("api", "comm", "executor", "context", "transports", "topology", "hierarchical"),
+    "topology": ("api", "hierarchical", "comm", "executor", "context", "handles", "transports",
+                 "integrations"),
+    "schemes": ("api", "comm", "executor", "context", "transports", "topology", "hierarchical",
+                "integrations"),
+    "kernels": ("api", "comm", "executor", "context", "handles", "hierarchical", "transports",
+                "topology", "integrations"),
+    "transports": ("api", "comm", "executor", "context", "handles", "hierarchical", "schemes",
+                   "kernels", "topology", "integrations"),
 }
+# Beside the runtime: may import anything; only they import each other (see the docstring).
+OUTSIDE_RUNTIME = ("eval", "cli")
 
 
 def _imports(path: pathlib.Path) -> list[str]:
@@ -40,6 +60,169 @@ def _imports(path: pathlib.Path) -> list[str]:
     return found
 
 
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in prefixes)
+
+
+def test_runtime_does_not_import_evaluation_or_the_command_line():
+    """No module outside ``dqcoll/eval`` and ``dqcoll/cli`` imports either of them, even lazily
+    inside a function: the tuner takes its simulation data as an argument, the DDP hook its seed
+    helper from ``dqcoll.schemes.seeds``."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.relative_to(ROOT).parts[0] in OUTSIDE_RUNTIME:
+            continue
+        offenders += [f"{path.relative_to(ROOT)} imports dqcoll.{name}"
+                      for name in _imports(path) if _within(name, OUTSIDE_RUNTIME)]
+    assert not offenders, offenders
+
+
+def test_import_loads_no_evaluation_module():
+    """In a fresh interpreter, ``import dqcoll`` and the integrations (DDP hook, FSDP, the
+    torch.distributed backend) leave no ``dqcoll.eval`` or ``dqcoll.cli`` module in
+    ``sys.modules``."""
+    code = (
+        "import sys, dqcoll, dqcoll.integrations.torch_ddp, dqcoll.integrations.fsdp, "
+        "dqcoll.integrations.torch_backend; "
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['dqcoll', 'eval'], "
+        "['dqcoll', 'cli'])))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def _module_name(path: pathlib.Path) -> str:
+    """``dqcoll/kernels/ops.py`` -> ``dqcoll.kernels.ops``; a package's ``__init__.py`` -> the
+    package's name."""
+    parts = ("dqcoll", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the dqcoll modules it imports anywhere in its source (module level, inside
+    functions, under ``TYPE_CHECKING``), resolved as :func:`test_no_import_circles` says."""
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - node.level + 1]
+                    target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                elif node.module and _within(node.module, ("dqcoll",)):
+                    target = node.module
+                else:
+                    continue
+                for alias in node.names:  # a submodule by name, else a name of ``target``
+                    sub = f"{target}.{alias.name}"
+                    found.add(sub if sub in modules else target)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if _within(a.name, ("dqcoll",))}
+        unknown = found - set(modules)
+        assert not unknown, f"{name} imports {sorted(unknown)}, which the graph does not know"
+        graph[name] = found - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest circle ``[a, b, ..., a]`` through each strongly connected component of
+    more than one module (Tarjan's algorithm, iterative), in name order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        components.append(component)
+    circles = []
+    for component in components:  # breadth-first from the first member back to itself
+        start = min(component)
+        came_from: dict[str, str] = {}
+        frontier = [start]
+        while start not in came_from:
+            following = []
+            for node in frontier:
+                for nxt in sorted(graph[node] & component):
+                    if nxt not in came_from:
+                        came_from[nxt] = node
+                        following.append(nxt)
+            frontier = following
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(came_from[path[-1]])
+        circles.append(path[::-1])
+    return sorted(circles)
+
+
+def test_circle_finder_on_a_small_graph():
+    """The finder reports one shortest circle per knot and nothing for a tree or a self-import."""
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": {"e"}, "e": {"d"}, "f": {"a", "f"}}
+    assert _circles(graph) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+    assert _circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_import_circles():
+    """No module of dqcoll reaches itself through imports.
+
+    The graph: every ``.py`` file under ``dqcoll/`` is a node (a package is its ``__init__.py``);
+    every import statement in its source is an edge, at module level, inside functions and under
+    ``TYPE_CHECKING`` alike (a lazy import only hides a circle until the call). ``from pkg import
+    name`` is an edge to the submodule ``pkg.name`` when there is one, else to ``pkg`` (its
+    ``__init__``, where ``name`` is defined or re-exported); ``import pkg`` and ``from pkg import
+    name`` of a non-module name count as importing ``pkg/__init__.py``.
+
+    Package ``__init__`` files: a package that imports its own submodules to re-export them has
+    edges ``pkg -> pkg.sub``, and that is no circle by itself; it becomes one when a submodule
+    (or anything it imports) imports the package back, ``from . import name`` for a name defined
+    in the ``__init__`` - move that name into a submodule both can import. The implicit import of
+    the parent packages that Python performs before any submodule (``dqcoll/__init__.py`` runs
+    before ``dqcoll.kernels.ops``) is not an edge: every module would otherwise depend on the
+    whole public API.
+    """
+    graph = _import_graph()
+    # the resolution sees lazy imports, re-exports and submodules by name
+    assert "dqcoll.kernels.baselines_numba" in graph["dqcoll.kernels.baselines"]
+    assert {"dqcoll.api", "dqcoll.comm", "dqcoll.schemes"} <= graph["dqcoll"]
+    assert "dqcoll.kernels.ops" in graph["dqcoll.kernels.dynamiq_numba"]
+    circles = _circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
 @pytest.mark.parametrize("package", list(FORBIDDEN))
 def test_lower_layers_do_not_import_upper_ones(package):
     """No module of ``package`` imports (even lazily, inside a function) a module of a layer
@@ -48,6 +231,6 @@ def test_lower_layers_do_not_import_upper_ones(package):
     offenders = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for name in _imports(path):
-            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+            if _within(name, FORBIDDEN[package]):
                 offenders.append(f"{path.relative_to(ROOT)} imports dqcoll.{name}")
     assert not offenders, offenders

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dqcoll.errors import InvalidArgumentError
-from dqcoll.topology.detect import FALLBACK_INTER_GBPS, detect, parse_nvidia_topo
-from dqcoll.topology.graph import LinkKind, Topology, parse_topology
+from dqcoll.topology.detect import FALLBACK_INTER_GBPS, detect, parse_nvidia_topo, parse_topology
+from dqcoll.topology.graph import LinkKind, Topology
 
 TOPO_NVLINK = """\
 \tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dqcoll
+from dqcoll.eval.sources import make_source
 from dqcoll.hierarchical import hierarchical_allreduce
-from dqcoll.sources import make_source
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.graph import Topology

@@ -10,6 +10,7 @@ import torch
 import dqcoll
 from dqcoll.cli import simulate as simulate_cli
 from dqcoll.cli import tune as tune_cli
+from dqcoll.eval.sources import make_source
 from dqcoll.testing import run_local
 from dqcoll.topology import tuning
 from dqcoll.topology.graph import Topology
@@ -29,7 +30,7 @@ def slow_network_table():
     """2 hosts x 4 GPUs behind 1 Gb/s NICs, tuned on a small candidate set."""
     topology = Topology.cluster(2, 4, inter_gbps=1.0)
     return tune(topology, [4096, 1 << 26], error_budget=0.02, candidates=CANDIDATES,
-                source=SOURCE)
+                data=make_source(SOURCE, world_size=topology.world_size))
 
 
 def test_slow_network_picks_hierarchical_compression(slow_network_table):
@@ -52,7 +53,8 @@ def test_tiny_message_picks_uncompressed(slow_network_table):
 def test_error_budget_excludes_lossy_candidates():
     """A budget below what dynamiq reaches leaves only uncompressed candidates."""
     topology = Topology.cluster(2, 2, inter_gbps=1.0)
-    table = tune(topology, [1 << 24], error_budget=1e-9, candidates=CANDIDATES, source=SOURCE)
+    table = tune(topology, [1 << 24], error_budget=1e-9, candidates=CANDIDATES,
+                 data=make_source(SOURCE, world_size=topology.world_size))
     assert table.entries[0].choice.scheme == "none"
     assert dict(table.errors)["ring/dynamiq@6"] > 1e-9
 

@@ -4,7 +4,7 @@ through dqcoll with each scheme; writes docs/convergence.md, docs/convergence.pn
     .venv/bin/python tools/convergence.py                   # about 10 minutes on a 2-core VM
     .venv/bin/python tools/convergence.py --steps 40 --schemes none dynamiq   # smoke test
 
-Setup: the byte-level transformer of :mod:`dqcoll.tinylm` (0.12 M parameters) on the Python
+Setup: the byte-level transformer of :mod:`dqcoll.eval.tinylm` (0.12 M parameters) on the Python
 standard library's source, ``--ranks`` data-parallel ranks as threads over dqcoll's ``local``
 transport (:func:`dqcoll.testing.run_local`). Every rank starts from the same weights; at every
 step each rank computes the gradient of its own batch, ``dqcoll.allreduce(grad, op="avg",
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 import dqcoll
-from dqcoll import tinylm
+from dqcoll.eval import tinylm
+from dqcoll.schemes.seeds import derived_seed
 from dqcoll.testing import run_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +74,7 @@ def _train_rank(comm, spec, args, train, valid):  # type: ignore[no-untyped-def]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     losses = []
     for step in range(args.steps):
-        g = torch.Generator().manual_seed(tinylm.derived_seed(args.seed, "batch", step, comm.rank))
+        g = torch.Generator().manual_seed(derived_seed(args.seed, "batch", step, comm.rank))
         inputs, targets = tinylm.sample_batch(train, args.batch, args.context, g)
         opt.zero_grad(set_to_none=True)
         loss = model(inputs, targets)
@@ -90,7 +91,7 @@ def _train_rank(comm, spec, args, train, valid):  # type: ignore[no-untyped-def]
         losses.append(float(loss.detach()))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     with torch.no_grad():
-        g = torch.Generator().manual_seed(tinylm.derived_seed(args.seed, "validation"))
+        g = torch.Generator().manual_seed(derived_seed(args.seed, "validation"))
         val = [float(model(*tinylm.sample_batch(valid, 32, args.context, g)))
                for _ in range(args.val_batches)]
     return losses, params, sum(val) / len(val)
@@ -220,7 +221,7 @@ def error_profile(specs: list[str], args: argparse.Namespace) -> list[dict[str, 
     the exact sum, relative to that quarter's own energy (mean over ``PROFILE_REPEATS`` seeds).
     vNMSE weighs the quarters by energy; AdamW, which scales every coordinate by its own
     gradient history, sees each quarter's relative error."""
-    from dqcoll.sources import make_source
+    from dqcoll.eval.sources import make_source
 
     spec = (f"{PROFILE_SOURCE};width={args.width};layers={args.layers};"
             f"context={args.context}")
@@ -416,7 +417,7 @@ Machine: {meta["machine"]}. Commit measured: {meta["commit"]}.
 > -0.65 % final training loss (mean -0.23 %, every seed within 1 %; format 2: 1 of 3). Seed 0
 > with `energy_exponent=0.5`: -1.80 % and -1.43 %.
 
-Setup: byte-level transformer (`dqcoll/tinylm.py`, width {args.width}, {args.layers} layers,
+Setup: byte-level transformer (`dqcoll/eval/tinylm.py`, width {args.width}, {args.layers} layers,
 context {args.context}, {nparams / 1e6:.2f} M parameters) on the Python standard library's source
 (the last 5 % held out for validation); {args.ranks} data-parallel ranks (threads over the `local`
 transport), {args.batch} windows per rank per step, AdamW (lr {args.lr:g}, weight decay 0.01,

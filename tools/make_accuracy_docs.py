@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/make_accuracy_docs.py            # about 10 minutes on a 2-core VM
 
-Every number in the page comes from :func:`dqcoll.cli.eval.evaluate` (real all-reduces over the
+Every number in the page comes from :func:`dqcoll.eval.accuracy.evaluate` (real all-reduces over the
 local transport, the real codecs and schedules) run by this script; the page records the command,
 the machine, the commit and the library versions next to the numbers. Verdicts ("dynamiq at 5 bits
 beats mxfp8") are computed from the rows, not written by hand.
@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from dqcoll.cli.eval import (
+from dqcoll.cli.provenance import git_commit
+from dqcoll.eval.accuracy import (
     EvalRow,
     NeededRow,
     SchemeChoice,
@@ -32,8 +33,7 @@ from dqcoll.cli.eval import (
     parse_scheme_spec,
     plot_rows,
 )
-from dqcoll.cli.provenance import git_commit
-from dqcoll.sources import make_source
+from dqcoll.eval.sources import make_source
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -484,12 +484,12 @@ divided by the 2(n−1)/n coordinates a bandwidth-optimal all-reduce sends per r
 directly comparable with the declared bits per coordinate. The same numbers from the command line:
 `dqcoll eval --source '<spec>' --world-sizes 8 --algorithms ring,butterfly --bits 3,4,5,6,8`.
 
-Gradient sources (see `dqcoll/sources.py`):
+Gradient sources (see `dqcoll/eval/sources.py`):
 
 - `{MIXTURE}`: synthetic LLM-like gradients, 262,144 coordinates per rank; each super-group of
   256 has a magnitude M drawn from the mixture of log-normals (shared by all ranks), each rank's
   coordinates i.i.d. N(0, (M/16)²) (independent across ranks).
-- `{LM_WORDS}`: real gradients of the small transformer of `dqcoll/tinylm.py` (width 64,
+- `{LM_WORDS}`: real gradients of the small transformer of `dqcoll/eval/tinylm.py` (width 64,
   2 layers, tied embedding and output head) with a 4096-token vocabulary (the 3840 most frequent
   words of the training text, plus bytes), trained here for 300 AdamW steps on the Python
   standard library's source; each rank's gradient is on its own batch of 16 windows of 64 tokens.

@@ -28,8 +28,8 @@ import torch
 
 import dqcoll
 from dqcoll.cli.provenance import git_commit
+from dqcoll.eval.sources import make_source
 from dqcoll.metrics import vnmse
-from dqcoll.sources import make_source
 from dqcoll.testing import run_local
 
 SOURCES = {

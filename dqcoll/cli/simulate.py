@@ -22,7 +22,8 @@ import platform
 import sys
 import time
 
-from ..topology.graph import Topology, parse_topology
+from ..topology.detect import parse_topology
+from ..topology.graph import Topology
 from .bench import parse_size
 from .progress import ProgressBar
 from .provenance import git_commit
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", default="dynamiq", help="dynamiq | none (default dynamiq)")
     p.add_argument("--bits", type=float, default=5.0)
     p.add_argument("--source", default=DEFAULT_SOURCE, help="gradient source spec "
-                   "(dqcoll.sources), default %(default)s")
+                   "(dqcoll.eval.sources), default %(default)s")
     p.add_argument("--numel", type=int, default=None, help="coordinates per rank "
                    "(default: the source's own length)")
     p.add_argument("--topology", default=None, help="JSON file, 'detect', 'NxG[-intra]@GBPS', "
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..sources import make_source
+    from ..eval.sources import make_source
     from ..topology.cost import price_allreduce
     from ..topology.placement import build_placed_schedule
     from ..topology.simulator import simulate, simulate_hierarchical

@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 
-from ..topology.graph import parse_topology
+from ..topology.detect import parse_topology
 from ..topology.tuning import TUNED_DIR, TunedTable, default_candidates, size_buckets
 from .bench import parse_size
 from .progress import ProgressBar
@@ -114,6 +114,7 @@ def plot_table(table: TunedTable, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..eval.sources import make_source
     from ..topology.tuning import tune
 
     topology = parse_topology(args.topology, world_size=args.world_size)
@@ -142,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         known = dict(other.errors)
         provenance["errors_from"] = args.errors_from
-    table = tune(topology, sizes, error_budget=args.error_budget, candidates=candidates,
-                 dtype=args.dtype, source=args.source, sim_numel=args.sim_numel, seed=args.seed,
-                 progress=bar, provenance=provenance, known_errors=known)
+    data = make_source(args.source, world_size=topology.world_size, numel=args.sim_numel,
+                       seed=args.seed)
+    table = tune(topology, sizes, error_budget=args.error_budget, data=data,
+                 candidates=candidates, dtype=args.dtype, seed=args.seed, progress=bar,
+                 provenance=provenance, known_errors=known)
     path = table.save(args.out_dir)
     png = args.png or os.path.splitext(path)[0] + ".png"
     if table.entries:
@@ -159,16 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     if not table.complete:
         print("interrupted: the table holds the sizes computed so far", file=sys.stderr)
     if args.bits_needed:
-        from ..sources import make_source
-        from .eval import bits_needed, format_needed
+        from ..eval.accuracy import bits_needed, format_needed
 
-        source = make_source(args.source, world_size=topology.world_size, numel=args.sim_numel,
-                             seed=args.seed)
         algorithms = sorted({c.algorithm for c in candidates
                              if c.algorithm in ("ring", "butterfly", "direct")})
         needed = []
         for algorithm in algorithms:
-            needed += bits_needed(source, algorithm, args.error_budget)
+            needed += bits_needed(data, algorithm, args.error_budget)
         print(f"bits needed for vNMSE <= {args.error_budget:g} on {args.source}, "
               f"{topology.world_size} ranks:")
         print(format_needed(needed))

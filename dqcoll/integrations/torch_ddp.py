@@ -90,7 +90,7 @@ from ..api import allreduce
 from ..comm import Communicator
 from ..errors import DqcollError, InvalidArgumentError
 from ..schemes.dynamiq.error_model import ErrorModel
-from ..tinylm import derived_seed
+from ..schemes.seeds import derived_seed
 from ..transports.torch_dist import TorchTransport
 
 __all__ = ["DynamiqState", "dynamiq_hook", "resync"]

@@ -9,19 +9,18 @@ Triton is imported lazily, so ``import dqcoll`` works without it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
 from .. import envs
 from ..errors import UnsupportedError
 from .cpu_runtime import numba_available
+from .ops import DynamiqOps, check_format
 
 __all__ = ["DynamiqOps", "check_format", "dynamiq_ops", "numba_available", "triton_available",
            "warm_up"]
@@ -29,54 +28,9 @@ __all__ = ["DynamiqOps", "check_format", "dynamiq_ops", "numba_available", "trit
 log = logging.getLogger("dqcoll")
 
 
-@dataclasses.dataclass(frozen=True)
-class DynamiqOps:
-    """One implementation of every DynamiQ step (signatures of the torch reference)."""
-
-    name: str
-    stats_center: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    encode: Callable[..., torch.Tensor]
-    decode: Callable[..., torch.Tensor]
-    decode_accumulate: Callable[..., None]
-    decode_accumulate_encode: Callable[..., torch.Tensor]
-    # restore(work, mean, index_base, valid, out_flat): add back the means and undo the reorder in
-    # one pass; None: the scheme does it with torch ops (reference: codec.restore_torch).
-    restore: Callable[..., None] | None = None
-    # stats(x, valid, divisor=) -> (mean, norm2) and center_gather(x, mean, valid, order,
-    # divisor=, out=) -> the centred rows of x / divisor in ``order``: stats_center split in two
-    # so that the centred rows are written once, already reordered (and divided, for avg).
-    # None: the scheme divides, uses stats_center and a torch gather.
-    stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    center_gather: Callable[..., torch.Tensor] | None = None
-    # decode_restore(records, width, config, mean, index_base, valid, out): restore(decode(...))
-    # in one pass, into a flat fp32 out (an all-reduce's last decode of each row). None: the
-    # scheme decodes into its work rows and restores them.
-    decode_restore: Callable[..., None] | None = None
-    # The widths each scale encoding is implemented for (raw width 16 always is); None: every
-    # format (the reference). The scheme runs a call whose widths are not all here on the
-    # reference ops.
-    formats: Mapping[Any, tuple[int, ...]] | None = None
-
-    def implements(self, scales: Any, widths: Iterable[int]) -> bool:
-        """Whether these kernels encode and decode every one of ``widths`` with ``scales``."""
-        if self.formats is None:
-            return True
-        have = self.formats.get(scales, ())
-        return all(w in have or w in (0, 16) for w in widths)
-
-
-def check_format(formats: Mapping[Any, tuple[int, ...]], width: int, config: Any) -> None:
-    """Raise unless a fast path with ``formats`` (``DynamiqOps.formats``) implements ``width``
-    with ``config.scales`` (raw width 16, the reference's torch ops, always)."""
-    widths = formats.get(config.scales, ())
-    if width not in widths and width != 16:
-        raise ValueError(f"width must be one of {(*widths, 16)} with {config.scales.value} "
-                         f"scales, got {width}")
-
-
 @functools.lru_cache(maxsize=1)
 def triton_available() -> str | None:
-    """None when Triton can be used, else the reason it cannot."""
+    """None when Triton can be used, else the reason it cannot (checked once per process)."""
     try:
         import triton  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install
@@ -110,7 +64,7 @@ def _numba_ops() -> DynamiqOps:
     return dynamiq_numba.OPS
 
 
-_logged: set[str] = set()
+_logged: set[str] = set()  # fallback reasons already logged: one per distinct reason, for good
 
 
 def _fallback(why: str, device: torch.device) -> DynamiqOps:

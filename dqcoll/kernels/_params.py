@@ -1,4 +1,11 @@
-"""Host-side per-call parameters shared by the DynamiQ fast paths (Triton and numba)."""
+"""Host-side per-call parameters shared by the DynamiQ fast paths (Triton and numba).
+
+Caches (process-wide, bounded; pure functions of their arguments, so they change no byte):
+:meth:`RoundingParams.build` keeps the 64 most recently used (key, rank, world size, config):
+the launches of one call share one, and the key changes with every call, so it holds the last
+calls' parameters, each with a 16 KiB permutation column (``rng.PERMUTATION_TABLE`` int32) and
+one copy of it per device it was used on; :func:`level_tables` keeps 16 (width, levels) tables.
+"""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from .cpu_runtime import numba_available
 __all__ = ["cpu_kernels"]
 
 log = logging.getLogger("dqcoll")
-_logged: set[str] = set()
+_logged: set[str] = set()  # fallback reasons already logged: one per distinct reason, for good
 
 
 def cpu_kernels(device: torch.device) -> ModuleType | None:

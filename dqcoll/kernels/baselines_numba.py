@@ -13,7 +13,8 @@ How the bytes stay identical (docs/design.md §3.4, docs/kernels.md):
 
 * every fp32 operation of the reference is one fp32 operation here, in the same order (no
   fastmath, no FMA: :data:`~dqcoll.kernels.cpu_runtime.JIT_OPTIONS`); multiplications by powers
-  of two come from an exact table built by the reference's own :func:`~dqcoll.schemes.mx.pow2`;
+  of two come from an exact table built by the reference's own
+  :func:`~dqcoll.schemes.mx_elements.pow2`;
 * ``floor(log2 |x|)`` and the block absmax are read from the fp32 bit pattern (the integer max of
   ``bits & 0x7FFFFFFF`` orders finite values like their magnitudes and puts Inf, then NaN, above
   them: exactly when torch's ``amax`` is non-finite);
@@ -40,6 +41,7 @@ import numba
 import numpy as np
 import torch
 
+from ..schemes.mx_elements import FORMATS, decode_table, pow2
 from .cpu_runtime import JIT_OPTIONS, run_rows
 
 __all__ = [
@@ -71,8 +73,7 @@ _TWO_M24 = np.float32(2.0**-24)
 
 @functools.lru_cache(maxsize=1)
 def _pow2_table() -> np.ndarray:
-    from ..schemes.mx import pow2
-
+    """Exact fp32 ``2**e`` for e in [-149, 127] (1 KiB), built once per process."""
     return pow2(torch.arange(_POW2_MIN, 128)).numpy().copy()
 
 
@@ -265,8 +266,8 @@ def _mx_format_args(fmt) -> tuple[int, int, int, int, np.uint32, int]:  # type: 
 
 @functools.lru_cache(maxsize=16)
 def _mx_table(name: str) -> np.ndarray:
-    from ..schemes.mx import FORMATS, decode_table
-
+    """The decode table of element format ``name`` (at most 256 fp32), built once per process
+    and format (5 formats)."""
     return decode_table(FORMATS[name]).numpy().copy()
 
 

@@ -18,6 +18,18 @@ Why these options (measured on the 2-core dev VM, numba 0.68, see docs/design.md
   the loop; ``boundscheck=False``: kernels guard every computed index themselves (a NaN cast to an
   integer is undefined, so no index is ever derived from a value that can be NaN).
 
+Process-wide state (all of it bounded; none of it changes a byte, only how fast the kernels run):
+
+* the *local-rank claims*: each live communicator on a CPU device claims how many ranks share
+  this machine's cores (:func:`claim_local_ranks`: the ``local`` transport's world size, or
+  torchrun's ``LOCAL_WORLD_SIZE``) until it is closed, dies, or is garbage-collected
+  (:func:`release_local_ranks`); :func:`local_ranks` is the largest live claim (1 with none), and
+  the default thread count :func:`cpu_threads` divides the cores by it. One entry per live
+  communicator, so the count falls back when a larger group of ranks ends;
+* the thread pool of :func:`run_rows`: created at the first split call, ``max(2, cores)``
+  threads, idle between calls, kept for the life of the process;
+* :func:`numba_available` and the core count, read once per process.
+
 Rejected: numba's own ``parallel=True``/``prange``. Its default ``workqueue`` threading layer is
 not safe when several Python threads call parallel kernels at once (the ranks of the ``local``
 transport do), and the safe layers need TBB or a system OpenMP that a fresh machine may lack. A
@@ -31,6 +43,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,10 +52,12 @@ from .. import envs
 __all__ = [
     "JIT_OPTIONS",
     "MIN_ROWS_PER_THREAD",
+    "claim_local_ranks",
     "cpu_threads",
+    "local_ranks",
     "numba_available",
+    "release_local_ranks",
     "run_rows",
-    "set_local_ranks",
 ]
 
 log = logging.getLogger("dqcoll")
@@ -55,8 +70,11 @@ JIT_OPTIONS: dict[str, Any] = dict(
 # show.
 MIN_ROWS_PER_THREAD = 64
 
-_local_ranks = 1
-_lock = threading.Lock()
+# id(owner) -> (ranks it claims, the finalizer that drops the claim when the owner is collected)
+_claims: dict[int, tuple[int, weakref.finalize]] = {}
+_local_ranks = 1  # max over _claims (1 with none), recomputed on every change, read per launch
+# Reentrant: a claim's finalizer may run from a garbage collection inside a locked section.
+_lock = threading.RLock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -70,12 +88,44 @@ def numba_available() -> str | None:
     return None
 
 
-def set_local_ranks(ranks: int) -> None:
-    """Record how many ranks share this machine's cores (communicators call this); the default
-    thread count divides the cores among them. Keeps the largest value seen."""
-    global _local_ranks
+def claim_local_ranks(owner: object, ranks: int) -> None:
+    """Record that ``owner`` (a communicator) runs with ``ranks`` ranks sharing this machine's
+    cores, until :func:`release_local_ranks` or ``owner`` is garbage-collected; a second claim
+    by the same owner replaces its first."""
+    if int(ranks) < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    release_local_ranks(owner)
     with _lock:
-        _local_ranks = max(_local_ranks, int(ranks))
+        key = id(owner)  # unique while owner lives; the finalizer drops it before id reuse
+        _claims[key] = (int(ranks), weakref.finalize(owner, _drop_claim, key))
+        _recount()
+
+
+def release_local_ranks(owner: object) -> None:
+    """Drop ``owner``'s claim (nothing if it has none): communicators call this when they are
+    closed or die."""
+    with _lock:
+        claim = _claims.pop(id(owner), None)
+        if claim is not None:
+            claim[1].detach()
+            _recount()
+
+
+def local_ranks() -> int:
+    """The largest number of ranks a live communicator says share this machine's cores (1 when
+    no communicator claims any)."""
+    return _local_ranks
+
+
+def _drop_claim(key: int) -> None:
+    with _lock:
+        if _claims.pop(key, None) is not None:
+            _recount()
+
+
+def _recount() -> None:
+    global _local_ranks
+    _local_ranks = max((ranks for ranks, _ in _claims.values()), default=1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,7 +136,7 @@ def _cores() -> int:
 
 
 def cpu_threads() -> int:
-    """Threads one rank's kernels use: ``DQCOLL_CPU_THREADS``, else cores / local ranks."""
+    """Threads one rank's kernels use: ``DQCOLL_CPU_THREADS``, else cores / :func:`local_ranks`."""
     configured = envs.cpu_threads()
     if configured is not None:
         return configured

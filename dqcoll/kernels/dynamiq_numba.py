@@ -35,10 +35,10 @@ from ..schemes.dynamiq.codec import (
     Scales,
     record_nbytes,
 )
-from . import DynamiqOps, check_format
 from . import _dynamiq_numba_kernels as K
 from ._params import RoundingParams, level_tables
 from .cpu_runtime import run_rows
+from .ops import DynamiqOps, check_format
 
 __all__ = [
     "FORMATS",

@@ -48,10 +48,10 @@ from ..schemes.dynamiq.codec import (
     record_nbytes,
     restore_torch,
 )
-from . import DynamiqOps, check_format
 from . import _dynamiq_kernels as compiled_kernels
 from ._launch import Kernel, LaunchConfig, compile_options, launch_config
 from ._params import RoundingParams, level_tables
+from .ops import DynamiqOps, check_format
 
 __all__ = [
     "FORMATS",

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 from typing import Any
 
@@ -58,6 +57,7 @@ from ..kernels.baselines import cpu_kernels
 from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits_torch, packed_nbytes, unpack_bits_torch
 from .elementwise import BlockCall, BlockCodec
+from .mx_elements import FORMATS, ElementFormat, decode_table, pow2
 
 __all__ = [
     "FORMATS",
@@ -83,51 +83,9 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 
 
-@dataclasses.dataclass(frozen=True)
-class ElementFormat:
-    name: str
-    ebits: int
-    mbits: int
-    bias: int
-    max_value: float  # largest finite magnitude (saturation bound)
-
-    @property
-    def bits(self) -> int:
-        return 1 + self.ebits + self.mbits
-
-    @property
-    def emax(self) -> int:
-        """Exponent of the largest normal value (``floor(log2(max_value))``)."""
-        return math.floor(math.log2(self.max_value))
-
-    @property
-    def emin(self) -> int:
-        """Exponent of the smallest normal value (subnormals share it)."""
-        return 1 - self.bias
-
-
-FORMATS: dict[str, ElementFormat] = {
-    "e4m3": ElementFormat("e4m3", 4, 3, 7, 448.0),
-    "e5m2": ElementFormat("e5m2", 5, 2, 15, 57344.0),
-    "e2m3": ElementFormat("e2m3", 2, 3, 1, 7.5),
-    "e3m2": ElementFormat("e3m2", 3, 2, 3, 28.0),
-    "e2m1": ElementFormat("e2m1", 2, 1, 1, 6.0),
-}
-
-
 class ScaleMode(enum.Enum):
     OCP = "ocp"  # E8M0 per block, from the block's own amax (OCP MX v1.0)
     GLOBAL = "global"  # bf16 per block from the all-reduced block max (DynamiQ paper's variant)
-
-
-def pow2(e: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 ``2**e`` for int ``e`` in [-149, 127], built from its bits (``torch.ldexp``
-    goes through ``pow`` and is not guaranteed exact)."""
-    e = e.to(torch.int64)
-    normal = ((e.clamp(-126, 127) + 127) << 23).to(torch.int32).view(torch.float32)
-    # Subnormal powers 2**-127 .. 2**-149: mantissa bit (e + 149) alone.
-    sub = (1 << (e.clamp(-149, -127) + 149)).to(torch.int32).view(torch.float32)
-    return torch.where(e >= -126, normal, sub)
 
 
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
@@ -161,27 +119,6 @@ def encode_elements(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     mant = torch.where(normal, mant_normal, mant_sub)
     code = (sign << (fmt.ebits + fmt.mbits)) | (biased << fmt.mbits) | mant
     return torch.where(v.isnan(), torch.zeros_like(code), code)
-
-
-@functools.lru_cache(maxsize=16)
-def _table_cpu(name: str) -> torch.Tensor:
-    fmt = FORMATS[name]
-    values = []
-    for code in range(1 << fmt.bits):
-        sign = -1.0 if code >> (fmt.ebits + fmt.mbits) else 1.0
-        biased = (code >> fmt.mbits) & ((1 << fmt.ebits) - 1)
-        mant = code & ((1 << fmt.mbits) - 1)
-        if biased == 0:
-            magnitude = mant * 2.0 ** (fmt.emin - fmt.mbits)
-        else:
-            magnitude = (1 + mant / 2**fmt.mbits) * 2.0 ** (biased - fmt.bias)
-        values.append(sign * magnitude if magnitude <= fmt.max_value else math.nan)
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def decode_table(fmt: ElementFormat, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 value of every code (codes above the largest finite value, never emitted: NaN)."""
-    return _table_cpu(fmt.name).to(device)
 
 
 def bf16_round_up(x: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
-from ..tinylm import derived_seed
 from ..types import Collective
 from .base import CallContext, SchemeSpec
 from .integer_sum import IntegerSumCodec
+from .seeds import derived_seed
 
 __all__ = ["LEVELS", "THCScheme", "fwht"]
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from . import algorithms
 from .algorithms import build_schedule
 from .checker import ScheduleError, check_schedule
-from .graph import Link, LinkKind, Topology, parse_topology
+from .detect import parse_topology
+from .graph import Link, LinkKind, Topology
 from .hierarchical import (
     HierarchicalPlan,
     LevelSpec,

@@ -20,6 +20,7 @@ know rank numbers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from ..errors import InvalidArgumentError
@@ -56,7 +57,6 @@ class AlgorithmSpec:
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
-_CACHE: dict[tuple[str, int], Schedule] = {}
 
 
 def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
@@ -80,7 +80,7 @@ def list_algorithms() -> list[str]:
 
 
 def build_schedule(name: str, world_size: int) -> Schedule:
-    """The (cached) schedule of algorithm ``name`` for ``world_size`` ranks."""
+    """The schedule of algorithm ``name`` for ``world_size`` ranks (cached, :func:`_built`)."""
     spec = get(name)
     if not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}")
@@ -89,10 +89,16 @@ def build_schedule(name: str, world_size: int) -> Schedule:
             f"algorithm {name!r} supports world sizes {spec.min_world_size}.."
             f"{spec.max_world_size or 'any'}, got {world_size}"
         )
-    key = (name, world_size)
-    if key not in _CACHE:
-        _CACHE[key] = spec.build(world_size)
-    return _CACHE[key]
+    return _built(name, world_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _built(name: str, world_size: int) -> Schedule:
+    """A registered algorithm's schedule, built once while it is among the 32 most recently used
+    (algorithm, world size) pairs: every collective asks for its schedule, and a schedule is
+    immutable data. Bounded because a schedule grows with the world size (a ring's holds
+    ``2 n (n - 1)`` transfers) and the simulator and the tuner build them for many sizes."""
+    return _REGISTRY[name].build(world_size)
 
 
 def build_ring_schedule(world_size: int) -> Schedule:

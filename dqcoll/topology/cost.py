@@ -252,7 +252,9 @@ def _pipeline(steps: Sequence[StepCost], tiles: int) -> float:
 def _unit_steps(schedule: Schedule, topology: Topology, costs: tuple[SchemeCost, ...],
                 params: CostParams) -> tuple[StepCost, ...]:
     """Per-step costs for chunks of one coordinate: wire and kernel terms scale linearly with
-    the chunk size and latency does not, so one pass over the transfers prices every size."""
+    the chunk size and latency does not, so one pass over the transfers prices every size.
+    Cached for the life of the process, the 256 most recently priced (schedule, topology,
+    costs, params) (pure function of immutable data; the tuner prices each at many sizes)."""
     # A rank's first send of a chunk with nothing received for it is a leaf: it compresses.
     received = {(t.dst, t.chunk) for s in schedule.reduce for t in s.transfers}
     leaf = {(t.src, t.chunk): (t.src, t.chunk) not in received

@@ -1,6 +1,9 @@
-"""Detect the topology of the job this process belongs to.
+"""Where a :class:`~dqcoll.topology.graph.Topology` comes from: this machine, or a description.
 
-Sources, in order (each step says what it found in :attr:`Detection.notes`):
+:func:`parse_topology` reads a short text (a preset shape, a JSON file, or ``"detect"``);
+:func:`detect_topology` detects the topology of the job this process belongs to.
+
+Detection reads, in order (each step says what it found in :attr:`Detection.notes`):
 
 1. **torchrun variables**: ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` give the number of hosts and
    ranks per host (ranks host-major, as torchrun numbers them). Without them: one rank.
@@ -13,6 +16,9 @@ Sources, in order (each step says what it found in :attr:`Detection.notes`):
 Documented fallback: with nothing to go on (a plain Python process on a laptop) the result is
 ``Topology.single_host(1)``: one CPU rank, loopback links. Detection never raises for a missing
 tool; it only reads, never probes the network.
+
+``parse_topology`` lives here rather than beside the graph so that the graph module imports
+nothing above it (``"detect"`` needs this module, which builds graphs).
 
 Rejected: measuring links at start-up (a bandwidth test between ranks). It costs seconds on every
 job and its numbers drift with load; ``dqcoll tune`` takes measured figures through a JSON
@@ -28,9 +34,10 @@ import re
 import shutil
 import subprocess
 
+from ..errors import InvalidArgumentError
 from .graph import LinkKind, Topology
 
-__all__ = ["FALLBACK_INTER_GBPS", "Detection", "detect", "detect_topology"]
+__all__ = ["FALLBACK_INTER_GBPS", "Detection", "detect", "detect_topology", "parse_topology"]
 
 FALLBACK_INTER_GBPS = 10.0  # a common datacenter Ethernet port when the kernel does not say
 
@@ -135,3 +142,38 @@ def detect(
 def detect_topology(*, world_size: int | None = None) -> Topology:
     """The detected topology (named like the presets, so tuned tables for a preset apply)."""
     return detect(world_size=world_size).topology
+
+
+def parse_topology(text: str | Topology, *, world_size: int | None = None) -> Topology:
+    """A topology from a short description:
+
+    * a path to a JSON file written by :meth:`Topology.save`;
+    * ``"detect"``: :func:`detect_topology` on this machine;
+    * ``"NxG[-intra]@GBPS"``, e.g. ``"4x8@100"`` or ``"2x4-pcie@25"``: :meth:`Topology.cluster`;
+    * ``"host:N"``: :meth:`Topology.single_host` (loopback, shared CPU);
+    * ``"flat:N@GBPS"``: :meth:`Topology.flat`.
+    """
+    if isinstance(text, Topology):
+        return text
+    spec = text.strip()
+    if os.path.isfile(spec):
+        return Topology.load(spec)
+    if spec == "detect":
+        return detect_topology(world_size=world_size)
+    try:
+        if spec.startswith("host:"):
+            return Topology.single_host(int(spec[5:]))
+        if spec.startswith("flat:"):
+            count, _, gbps = spec[5:].partition("@")
+            return Topology.flat(int(count), bandwidth_gbps=float(gbps or 1.0))
+        shape, _, gbps = spec.partition("@")
+        shape, _, intra = shape.partition("-")
+        nodes, _, gpus = shape.lower().partition("x")
+        return Topology.cluster(int(nodes), int(gpus), intra=intra or "nvlink",
+                                inter_gbps=float(gbps or 100.0))
+    except ValueError as exc:
+        raise InvalidArgumentError(
+            f"cannot read topology {text!r}: expected a JSON file, 'detect', 'NxG[-intra]@GBPS' "
+            f"(e.g. '4x8@100'), 'host:N' or 'flat:N@GBPS' ({exc})"
+        ) from None
+

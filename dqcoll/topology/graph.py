@@ -13,8 +13,9 @@ Each rank also names its compute *device*; ranks that share one (4 CPU ranks on 
 share its throughput in the cost model the way they share a NIC.
 
 Presets (:meth:`Topology.cluster`, :meth:`Topology.single_host`, :meth:`Topology.flat`) cover the
-usual shapes; :func:`parse_topology` turns a short text (``"4x8@100"``, a JSON file, ``"detect"``)
-into one, and :mod:`.detect` builds one for the machine it runs on.
+usual shapes; :mod:`.detect` builds one for the machine it runs on, and its
+:func:`~dqcoll.topology.detect.parse_topology` turns a short text (``"4x8@100"``, a JSON file,
+``"detect"``) into one.
 
 Default link figures (per direction, :data:`LINK_DEFAULTS`) are round numbers near what NCCL
 reaches, not peaks: NVLink 4 on H100 SXM 450 GB/s nominal, ~360 GB/s measured busbw -> 2880 Gb/s;
@@ -42,7 +43,6 @@ __all__ = [
     "LinkKind",
     "LinkSpec",
     "Topology",
-    "parse_topology",
 ]
 
 
@@ -326,40 +326,3 @@ class Topology:
             kinds.setdefault(link.kind.value, link)
         parts = [f"{k} {v.bandwidth_gbps:g} Gb/s {v.latency_us:g} us" for k, v in kinds.items()]
         return f"{self.name}: {shape}; " + ", ".join(parts)
-
-
-def parse_topology(text: str | Topology, *, world_size: int | None = None) -> Topology:
-    """A topology from a short description:
-
-    * a path to a JSON file written by :meth:`Topology.save`;
-    * ``"detect"``: :func:`dqcoll.topology.detect.detect_topology` on this machine;
-    * ``"NxG[-intra]@GBPS"``, e.g. ``"4x8@100"`` or ``"2x4-pcie@25"``: :meth:`Topology.cluster`;
-    * ``"host:N"``: :meth:`Topology.single_host` (loopback, shared CPU);
-    * ``"flat:N@GBPS"``: :meth:`Topology.flat`.
-    """
-    if isinstance(text, Topology):
-        return text
-    spec = text.strip()
-    if os.path.isfile(spec):
-        return Topology.load(spec)
-    if spec == "detect":
-        from .detect import detect_topology
-
-        return detect_topology(world_size=world_size)
-    try:
-        if spec.startswith("host:"):
-            return Topology.single_host(int(spec[5:]))
-        if spec.startswith("flat:"):
-            count, _, gbps = spec[5:].partition("@")
-            return Topology.flat(int(count), bandwidth_gbps=float(gbps or 1.0))
-        shape, _, gbps = spec.partition("@")
-        shape, _, intra = shape.partition("-")
-        nodes, _, gpus = shape.lower().partition("x")
-        return Topology.cluster(int(nodes), int(gpus), intra=intra or "nvlink",
-                                inter_gbps=float(gbps or 100.0))
-    except ValueError as exc:
-        raise InvalidArgumentError(
-            f"cannot read topology {text!r}: expected a JSON file, 'detect', 'NxG[-intra]@GBPS' "
-            f"(e.g. '4x8@100'), 'host:N' or 'flat:N@GBPS' ({exc})"
-        ) from None
-

@@ -72,7 +72,7 @@ Progress = Callable[[int, int], None]
 
 
 class RankData(Protocol):
-    """Anything that hands out one fp32 1-D tensor per rank (a :mod:`dqcoll.sources` source)."""
+    """Anything that hands out one fp32 1-D tensor per rank (a ``dqcoll.eval.sources`` source)."""
 
     world_size: int
     numel: int

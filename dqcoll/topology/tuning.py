@@ -36,7 +36,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import envs
 from ..errors import InvalidArgumentError
@@ -48,6 +48,9 @@ from .cost import (
 )
 from .graph import Topology
 from .hierarchical import LevelSpec, build_hierarchical_plan
+
+if TYPE_CHECKING:
+    from .simulator import RankData
 
 __all__ = [
     "FALLBACK_RULE",
@@ -260,10 +263,9 @@ def tune(
     sizes: Sequence[int],
     *,
     error_budget: float,
+    data: RankData,
     candidates: Sequence[Candidate] | None = None,
     dtype: str = "float32",
-    source: str = "lognormal-mixture:supergroups=512",
-    sim_numel: int | None = None,
     seed: int = 0,
     params: CostParams | None = None,
     progress: Progress | None = None,
@@ -272,17 +274,21 @@ def tune(
 ) -> TunedTable:
     """Tune ``topology`` for messages of ``sizes`` bytes; see the module docstring.
 
-    Errors are simulated on ``source`` (a :mod:`dqcoll.sources` spec) at the topology's world
-    size with ``sim_numel`` coordinates per rank; ``known_errors`` (configuration label ->
-    vNMSE, e.g. another table's ``errors`` for the same ranks and hosts at another link speed)
-    skips those simulations. Ctrl-C stops early and returns the sizes done (``complete=False``).
+    Errors are simulated on ``data``, one tensor per rank of the topology (a
+    :class:`.simulator.RankData`, e.g. a ``dqcoll.eval.sources`` source as ``dqcoll tune``
+    builds it), with ``seed`` for the schemes' random numbers; ``known_errors`` (configuration
+    label -> vNMSE, e.g. another table's ``errors`` for the same ranks and hosts at another link
+    speed) skips those simulations. Ctrl-C stops early and returns the sizes done
+    (``complete=False``).
     """
-    from ..sources import make_source
     from .placement import build_placed_schedule
     from .simulator import simulate, simulate_hierarchical
 
     if dtype not in DTYPE_NBYTES:
         raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPE_NBYTES)}, got {dtype!r}")
+    if data.world_size != topology.world_size:
+        raise InvalidArgumentError(f"data has {data.world_size} ranks, topology "
+                                   f"{topology.name!r} has {topology.world_size}")
     cands = list(candidates) if candidates is not None else default_candidates(topology)
     n = topology.world_size
     configs = sorted({dataclasses.replace(c, tiles=1) for c in cands})
@@ -292,7 +298,6 @@ def tune(
     known = dict(known_errors or {})
     entries: list[TunedEntry] = []
     complete = True
-    data = make_source(source, world_size=n, numel=sim_numel, seed=seed)
     try:
         for config in configs:  # error: once per configuration
             if progress:
@@ -354,6 +359,8 @@ def _search_dirs() -> list[str]:
 
 @functools.lru_cache(maxsize=64)
 def _load_cached(path: str, mtime: float) -> TunedTable:
+    """A table file, parsed once per (path, modification time): the 64 most recently read stay
+    (``algorithm="auto"`` looks its table up at every call); an edited file is read again."""
     return TunedTable.load(path)
 
 
@@ -379,12 +386,14 @@ def find_table(world_size: int, dtype: str, topology_key: str | None = None) -> 
 
 @functools.lru_cache(maxsize=16)
 def _detected_key(world_size: int) -> str:
+    """The detected topology's key, detected once per process and world size (16 kept): the
+    machine does not change under a running job."""
     from .detect import detect_topology
 
     return detect_topology(world_size=world_size).key
 
 
-_logged: set[str] = set()
+_logged: set[str] = set()  # messages already logged: one per (table, scheme) asked, for good
 
 
 def _log_once(message: str) -> None:

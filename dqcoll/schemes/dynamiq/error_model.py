@@ -44,7 +44,7 @@ Assumptions and their limits: errors of different hops are uncorrelated (true fo
 rounding, approximately for correlated), and every super-group's coordinates have the
 within-group shape of the calibration data. ``EPSILON`` is the single-shot error on i.i.d.
 Gaussian coordinates (2048 super-groups, independent rounding); the real gradients of the tiny
-stdlib LM (:mod:`dqcoll.sources`) measured within 8 % of it (4 bits: 0.0123 vs 0.0133). Heavier
+stdlib LM (:mod:`dqcoll.eval.sources`) measured within 8 % of it (4 bits: 0.0123 vs 0.0133). Heavier
 within-group tails cost more: Student-t(3) coordinates measured 1.6x the 4-bit error
 (0.021), which the model under-predicts until ``kappa`` is calibrated (the DDP hook's error
 monitor does that from measured vNMSE).

@@ -1,10 +1,11 @@
 """A tiny byte-level transformer language model on the Python standard library's own source text.
 
-Two users: the ``stdlib-lm`` gradient source of :mod:`dqcoll.sources` (real gradients, made here,
-for ``dqcoll eval``) and the convergence experiment (``tools/convergence.py``). Both need text that
-is present on every machine without a download: the ``.py`` files of the running interpreter's
-standard library (``sysconfig.get_paths()["stdlib"]``), read in sorted path order, so the corpus
-is fixed by the Python version alone (recorded next to every result).
+Two users: the ``stdlib-lm`` gradient source of :mod:`dqcoll.eval.sources` (real gradients, made
+here, for ``dqcoll eval``) and the convergence experiment (``tools/convergence.py``); the examples
+train it too. All need text that is present on every machine without a download: the ``.py``
+files of the running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``), read
+in sorted path order, so the corpus is fixed by the Python version alone (recorded next to every
+result).
 
 The model is a GPT-style decoder: token embeddings plus learned positions, ``layers``
 pre-LayerNorm blocks of causal multi-head attention and a 4x GELU MLP, a final LayerNorm and an
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import math
 import pathlib
 import re
@@ -40,10 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..schemes.seeds import derived_seed
+
 __all__ = [
     "LMConfig",
     "TinyLM",
-    "derived_seed",
     "flat_grad",
     "sample_batch",
     "set_flat_grad",
@@ -55,12 +56,6 @@ __all__ = [
 ]
 
 VOCAB = 256  # bytes
-
-
-def derived_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts (seed, rank, step, stream name), stable across processes."""
-    text = "/".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & (2**63 - 1)
 
 
 @contextlib.contextmanager

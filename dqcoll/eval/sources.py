@@ -7,7 +7,7 @@ module makes them. A source is named by a spec string::
 
 and built with::
 
-    from dqcoll.sources import make_source
+    from dqcoll.eval.sources import make_source
     src = make_source("lognormal-mixture:supergroups=4096", world_size=8, numel=None, seed=0)
     x3 = src.rank_tensor(3)           # fp32, 1-D, src.numel long; same bytes on every call
     exact = src.exact_sum()           # fp64 sum over the ranks (the reference for vNMSE)
@@ -33,16 +33,18 @@ Kinds (``list_sources()``; defaults in brackets):
     may hold one tensor or several (a state dict / safetensors file: flattened and concatenated in
     sorted key order). Rank ``r`` reads the ``r``-th file; ``numel`` truncates.
 ``stdlib-lm:steps=[50];batch=[16];width=[64];layers=[2];context=[64];vocab=[256];lr=[0.003]``
-    real gradients of the small transformer of :mod:`dqcoll.tinylm`, trained here for ``steps``
-    AdamW steps on the Python standard library's source; rank ``r``'s tensor is the flattened
-    gradient of its own batch of ``batch`` windows at the trained weights (different data per
-    rank, same weights: data parallelism). ``vocab=256`` is byte-level (about 0.12 M coordinates
-    at the defaults); a larger ``vocab`` adds the corpus's most frequent words as tokens, whose
-    Zipfian frequencies give the tied embedding rows LLM-like, widely spread gradient norms.
+    real gradients of the small transformer of :mod:`dqcoll.eval.tinylm`, trained here for
+    ``steps`` AdamW steps on the Python standard library's source; rank ``r``'s tensor is the
+    flattened gradient of its own batch of ``batch`` windows at the trained weights (different
+    data per rank, same weights: data parallelism). ``vocab=256`` is byte-level (about 0.12 M
+    coordinates at the defaults); a larger ``vocab`` adds the corpus's most frequent words as
+    tokens, whose Zipfian frequencies give the tied embedding rows LLM-like, widely spread
+    gradient norms.
 
 Determinism: random draws use ``torch.Generator`` streams seeded from a hash of (seed, stream,
-rank) (:func:`dqcoll.tinylm.derived_seed`), so a rank's tensor does not depend on the world size
-or on which other ranks were asked for (except ``shared`` parts, which depend on the seed only).
+rank) (:func:`dqcoll.schemes.seeds.derived_seed`), so a rank's tensor does not depend on the world
+size or on which other ranks were asked for (except ``shared`` parts, which depend on the seed
+only).
 
 Rejected: numpy ``RandomState`` (a second generator family to keep in step) and sources as
 classes picked by ``isinstance`` chains (a registry keeps ``dqcoll eval --help`` honest).
@@ -63,8 +65,8 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidArgumentError
-from .tinylm import derived_seed
+from ..errors import InvalidArgumentError
+from ..schemes.seeds import derived_seed
 
 __all__ = [
     "SUPERGROUP",

@@ -1,0 +1,90 @@
+"""The element formats of the MX schemes and the exact tables built from them.
+
+:class:`ElementFormat` (sign, exponent and mantissa bits, bias, largest finite value) and
+:data:`FORMATS` name the OCP MX v1.0 element types that :mod:`.mx` specifies (its docstring has the
+table); :func:`pow2` is the exact fp32 power of two every MX encoder scales by, and
+:func:`decode_table` the fp32 value of every element code.
+
+They live apart from the scheme so that the compiled CPU kernels
+(:mod:`dqcoll.kernels.baselines_numba`) build their tables from the reference's own functions
+without importing the scheme module, which itself picks those kernels
+(:func:`dqcoll.kernels.baselines.cpu_kernels`): with both in :mod:`.mx` the two imported each
+other. Rejected: a numpy copy of the tables inside the kernels (a second definition of the
+format to keep identical).
+
+Cache: :func:`_table_cpu` keeps one small table per format name (at most 16 entries of at most 256
+floats; :data:`FORMATS` has 5), for the life of the process; it is a pure function of the name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+__all__ = ["FORMATS", "ElementFormat", "decode_table", "pow2"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementFormat:
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    max_value: float  # largest finite magnitude (saturation bound)
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest normal value (``floor(log2(max_value))``)."""
+        return math.floor(math.log2(self.max_value))
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value (subnormals share it)."""
+        return 1 - self.bias
+
+
+FORMATS: dict[str, ElementFormat] = {
+    "e4m3": ElementFormat("e4m3", 4, 3, 7, 448.0),
+    "e5m2": ElementFormat("e5m2", 5, 2, 15, 57344.0),
+    "e2m3": ElementFormat("e2m3", 2, 3, 1, 7.5),
+    "e3m2": ElementFormat("e3m2", 3, 2, 3, 28.0),
+    "e2m1": ElementFormat("e2m1", 2, 1, 1, 6.0),
+}
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2**e`` for int ``e`` in [-149, 127], built from its bits (``torch.ldexp``
+    goes through ``pow`` and is not guaranteed exact)."""
+    e = e.to(torch.int64)
+    normal = ((e.clamp(-126, 127) + 127) << 23).to(torch.int32).view(torch.float32)
+    # Subnormal powers 2**-127 .. 2**-149: mantissa bit (e + 149) alone.
+    sub = (1 << (e.clamp(-149, -127) + 149)).to(torch.int32).view(torch.float32)
+    return torch.where(e >= -126, normal, sub)
+
+
+@functools.lru_cache(maxsize=16)
+def _table_cpu(name: str) -> torch.Tensor:
+    fmt = FORMATS[name]
+    values = []
+    for code in range(1 << fmt.bits):
+        sign = -1.0 if code >> (fmt.ebits + fmt.mbits) else 1.0
+        biased = (code >> fmt.mbits) & ((1 << fmt.ebits) - 1)
+        mant = code & ((1 << fmt.mbits) - 1)
+        if biased == 0:
+            magnitude = mant * 2.0 ** (fmt.emin - fmt.mbits)
+        else:
+            magnitude = (1 + mant / 2**fmt.mbits) * 2.0 ** (biased - fmt.bias)
+        values.append(sign * magnitude if magnitude <= fmt.max_value else math.nan)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def decode_table(fmt: ElementFormat, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 value of every code (codes above the largest finite value, never emitted: NaN)."""
+    return _table_cpu(fmt.name).to(device)
