@@ -6,6 +6,10 @@ beside the executor: a reduce-scatter inside each host, an all-reduce across hos
 ranks of the same local index, an all-gather inside each host, each over a
 :class:`~dqcoll.transports.subgroup.SubgroupTransport` view of the caller's transport.
 
+Each level is one ordinary collective handed to :func:`dqcoll.execute.launch`, as the public
+functions do (below the public API: only the package's front, the integrations and the command
+line import :mod:`dqcoll.api`).
+
 Rejected: running the plan from :mod:`dqcoll.topology` (it was there): planning then imported the
 public API, and ``api -> topology.tuning -> topology.hierarchical -> api`` was a circle.
 """
@@ -16,12 +20,14 @@ from typing import Any
 
 import torch
 
-from . import api
 from .comm import Communicator, get_default_comm
 from .errors import InvalidArgumentError
+from .execute import launch
 from .interop import as_torch_view
+from .prepare import Request
 from .topology.hierarchical import HierarchicalPlan
 from .transports.subgroup import SubgroupTransport
+from .types import Collective
 
 __all__ = ["hierarchical_allreduce"]
 
@@ -87,10 +93,12 @@ def _run_levels(buf: Any, plan: HierarchicalPlan, comm: Communicator, *, op: str
 def _levels(padded: torch.Tensor, shard: torch.Tensor, plan: HierarchicalPlan,
             intra: Communicator, inter: Communicator, *, op: str, seed: int, step: int) -> None:
     lo, hi = plan.intra, plan.inter
-    api.reduce_scatter(padded, shard, op=op, scheme=lo.scheme, bits=lo.bits,
-                       algorithm=lo.algorithm, comm=intra, seed=_phase_seed(seed, 0), step=step,
-                       **dict(lo.options))
-    api.allreduce(shard, op=op, scheme=hi.scheme, bits=hi.bits, algorithm=hi.algorithm,
-                  comm=inter, seed=_phase_seed(seed, 1), step=step, **dict(hi.options))
-    api.all_gather(shard, padded, scheme=lo.scheme, bits=lo.bits, algorithm=lo.algorithm,
-                   comm=intra, seed=_phase_seed(seed, 2), step=step, **dict(lo.options))
+    launch(Request(Collective.REDUCE_SCATTER, padded, shard, op=op, scheme=lo.scheme,
+                   bits=lo.bits, algorithm=lo.algorithm, comm=intra, seed=_phase_seed(seed, 0),
+                   step=step, scheme_options=dict(lo.options)))
+    launch(Request(Collective.ALLREDUCE, shard, None, op=op, scheme=hi.scheme, bits=hi.bits,
+                   algorithm=hi.algorithm, comm=inter, seed=_phase_seed(seed, 1), step=step,
+                   scheme_options=dict(hi.options)))
+    launch(Request(Collective.ALL_GATHER, shard, padded, scheme=lo.scheme, bits=lo.bits,
+                   algorithm=lo.algorithm, comm=intra, seed=_phase_seed(seed, 2), step=step,
+                   scheme_options=dict(lo.options)))

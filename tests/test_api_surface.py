@@ -34,7 +34,7 @@ def test_allreduce_signature() -> None:
     assert next(iter(params)) == "buf"
     assert params["op"].default == "sum"
     assert params["scheme"].default == "dynamiq"
-    assert params["bits"].default == 5.0
+    assert params["bits"].default is None  # 5 bits (dqcoll.prepare.DEFAULT_BITS)
     assert params["comm"].default is None
     assert params["seed"].default is None
     for name, p in params.items():

@@ -224,10 +224,10 @@ def test_tile_size_follows_the_tensor() -> None:
     communicator created for another device."""
     assert executor.default_tile_nbytes(torch.device("cpu")) < executor.default_tile_nbytes(
         torch.device("cuda", 0))
-    from dqcoll.api import _buffer_device
+    from dqcoll.prepare import buffer_device
 
-    assert _buffer_device(torch.zeros(4), torch.device("cuda", 0)) == torch.device("cpu")
-    assert _buffer_device(object(), torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert buffer_device(torch.zeros(4), torch.device("cuda", 0)) == torch.device("cpu")
+    assert buffer_device(object(), torch.device("cuda", 0)) == torch.device("cuda", 0)
 
 
 # -- issue 29, item 1: Triton launches under the tensors' device ----------------------------------

@@ -46,7 +46,7 @@ VNMSE_BUDGET = {
 # docs/design.md §4): their bits per coordinate are per contribution, so the fixed-rate budget
 # check does not apply.
 WIDENING = {"thc"}
-_HANDSHAKE_FIELDS = 7  # api._FIELDS: the argument check all-reduces (2 * 7 + n) int64 values
+_HANDSHAKE_FIELDS = 7  # validate._FIELDS: the argument check all-reduces (2 * 7 + n) int64 values
 
 
 @dataclasses.dataclass(frozen=True)

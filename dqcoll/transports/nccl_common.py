@@ -40,7 +40,7 @@ post holds the lock.
 
 Rejected: ``ncclAllReduce`` for the small all-reduce (order, above) and a per-message header
 (reading it would synchronise the host with the device at every step; sizes are right by
-construction from the argument check of :mod:`dqcoll.api`).
+construction from the argument check of :mod:`dqcoll.validate`).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ goes with a 16-byte header sent just before it to the same peer (gloo keeps the 
 between two ranks): its length in bytes and a CRC of the step label. The receiver checks both once
 the exchange completed and raises on a short message or one from another step, naming the peer.
 Longer messages cannot be caught here (the abort happens inside gloo): the argument check of
-:mod:`dqcoll.api` makes every rank agree on everything that sets message sizes before any payload
-moves. Header bytes count in ``bytes_sent`` but not in ``payload_bytes_sent``. Over nccl no header
-is sent (reading it would synchronise the host with the device at every step): there, sizes are
-right by construction, from the argument check.
+:mod:`dqcoll.validate` makes every rank agree on everything that sets message sizes before any
+payload moves. Header bytes count in ``bytes_sent`` but not in ``payload_bytes_sent``. Over nccl
+no header is sent (reading it would synchronise the host with the device at every step): there,
+sizes are right by construction, from the argument check.
 
 **Groups of survivors.** ``group`` may also be a process group built outside
 ``torch.distributed``'s registry (``ProcessGroupGloo(store, rank, size)``, as

@@ -1,0 +1,506 @@
+"""A collective's call made ready to check and run: the first step below the public functions.
+
+:func:`prepare_call` turns a :class:`Request` (the arguments as the caller gave them) into a
+:class:`PreparedCall`: the call's identity (the communicator's call counter, seed, step, name),
+the scheme object with its options (``bits`` resolved), the schedule (``algorithm="auto"`` from
+the tuned table), a torch view of each buffer, and the largest binary exponent of the input for
+the range scaling. Nothing here raises for a bad argument: every local failure is recorded in
+the prepared call (an error and its category) and raised by :mod:`dqcoll.validate` on every rank
+together, so that no rank waits for a peer that already gave up.
+
+Also here, because they are decided while preparing and applied by :mod:`dqcoll.execute`: the
+range scaling (an exact power-of-two shift for inputs outside [2**-48, 2**48), see
+:func:`range_shift`) and the default tile size (from the buffer's device).
+
+Imports nothing of :mod:`dqcoll.validate`, :mod:`dqcoll.execute` or :mod:`dqcoll.api` (the
+modules above it on the call path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import envs, kernels, schemes
+from .comm import Communicator
+from .errors import DqcollError, InvalidArgumentError
+from .executor import DEFAULT_TILES_IN_FLIGHT, default_tile_nbytes
+from .interop import as_torch_view
+from .schemes.base import Scheme
+from .topology import algorithms
+from .topology.schedule import Schedule
+from .types import Collective, ReduceOp
+
+__all__ = [
+    "DEFAULT_BITS",
+    "INT_LIMIT",
+    "NO_EXPONENT",
+    "PreparedCall",
+    "Request",
+    "buffer_device",
+    "choose_algorithm",
+    "inspect_buffer",
+    "max_exponent",
+    "prepare_call",
+    "range_shift",
+    "scaled",
+    "shift_for",
+    "unscale_into",
+]
+
+# ``bits=None`` (the public functions' default): 5 bits per coordinate for the schemes that take
+# ``bits`` (dynamiq), none for those with a fixed format. Giving ``bits`` and ``target_vnmse``
+# together is an error; leaving ``bits`` at None with ``target_vnmse`` is the error target alone.
+DEFAULT_BITS = 5.0
+# Integer options travel as int64 in the argument check, negated for the minimum: each must lie
+# in [0, 2**62) so that neither overflows.
+INT_LIMIT = 1 << 62
+# Inputs whose largest finite magnitude on any rank lies outside [2**-RANGE_EXP, 2**RANGE_EXP)
+# are scaled by a power of two (the same on every rank, agreed in the argument check) before the
+# codec and back after: exact, and it keeps every scheme's sums, norms and scales in range
+# (DynamiQ's squared norms overflow fp32 from |x| ~ 1e18 and its super-group means from ~1e36;
+# THC's rotation from ~1e37). Inputs inside the range take the unscaled path, bit for bit.
+# Cost: one torch.aminmax pass per call, 4.9 ms for 64 MiB of fp32 on one core of the dev VM
+# (~14 GB/s), against >= 80 ms per hop for the codec at ~200 M coordinates/s.
+RANGE_EXP = 48
+NO_EXPONENT = -(1 << 20)  # an all-zero (or all non-finite) buffer: nothing to scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One collective as its caller asked for it: the public function's arguments, unchecked."""
+
+    collective: Collective
+    buf: Any  # the input (allreduce: also the output)
+    out: Any  # reduce_scatter / all_gather: the output; allreduce: None
+    op: str | ReduceOp = "sum"
+    scheme: str | Scheme = "dynamiq"
+    bits: float | None = None  # None: DEFAULT_BITS, unless target_vnmse is given
+    algorithm: str = "auto"
+    comm: Communicator | None = None  # None: the default communicator
+    seed: int | None = None  # None: the communicator's seed
+    step: int | None = None  # None: the communicator's call counter
+    async_op: bool = False
+    tile_nbytes: int | None = None  # None: default_tile_nbytes of the buffer's device
+    tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT
+    scheme_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def result(self) -> Any:
+        """What the collective returns: ``buf`` for allreduce, ``out`` otherwise."""
+        return self.buf if self.collective is Collective.ALLREDUCE else self.out
+
+    @property
+    def is_auto(self) -> bool:
+        return isinstance(self.scheme, str) and self.scheme == "auto"
+
+
+@dataclasses.dataclass
+class PreparedCall:
+    """One collective after the local checks: what the argument check exchanges and what the
+    executor runs. With ``error`` set, this rank's arguments are invalid; the argument check
+    raises it here and a :class:`~dqcoll.errors.PeerError` on the other ranks."""
+
+    # the call's identity (every rank must agree on all of it)
+    collective: Collective
+    async_op: bool
+    call: int  # the communicator's call counter (hashed with ``step`` in the argument check)
+    what: str  # the call's name in errors and logs, e.g. "allreduce#3"
+    seed: Any  # as given (or the communicator's); checked to be an integer
+    step: Any  # as given (or the call counter); checked to be an integer
+    tile_nbytes: Any
+    tiles_in_flight: Any
+    auto: bool  # scheme="auto": checked as dynamiq, fingerprinted as "auto"
+    # the scheme's options: ``bits`` (resolved) unless ``target_vnmse`` is given
+    options: dict[str, Any]
+    bits: Any
+    target: Any  # target_vnmse, or None
+    # what the checks resolved (None until they pass)
+    tensor: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    scheme: Scheme | None = None
+    schedule: Schedule | None = None
+    op: ReduceOp | None = None
+    exponent: int = NO_EXPONENT  # binary exponent of the largest finite |value| (frexp)
+    # this rank's local failure, raised by the argument check on every rank together
+    error: DqcollError | None = None
+    category: str = ""  # "buffer", "dtype", "layout", "scheme", "algorithm", "op" or "other"
+
+    def fail(self, category: str, error: DqcollError) -> None:
+        self.error, self.category = error, category
+
+
+def prepare_call(request: Request, comm: Communicator) -> PreparedCall:
+    """``request`` checked on this rank and resolved; a failure is recorded, not raised.
+
+    The steps, in order (the first failure wins): the call's identity and options, the numeric
+    arguments, ``op``, the scheme, the schedule, the input buffer, then the collective's own
+    rules (``scheme="auto"`` takes no all-gather; a scheme must support sharding) and the output
+    buffer."""
+    call = _identify(request, comm)
+    try:
+        _resolve(call, request, comm)
+    except Exception as exc:  # whatever goes wrong there is this rank's error, told to all
+        call.fail("other", exc if isinstance(exc, DqcollError) else InvalidArgumentError(
+            f"rank {comm.rank}: {call.what}: invalid arguments: {type(exc).__name__}: {exc}"))
+    if call.error is None and call.collective is not Collective.ALLREDUCE:
+        if call.auto:
+            _refuse_auto_all_gather(call, comm)
+        else:
+            _check_sharded_support(call, comm)
+    if call.error is None and call.collective is not Collective.ALLREDUCE:
+        _check_output(call, request.out, comm)
+    return call
+
+
+def _identify(request: Request, comm: Communicator) -> PreparedCall:
+    """The call's identity and options: what every collective settles before its checks (the
+    call counter advances here, once per call, valid or not)."""
+    tile_nbytes = request.tile_nbytes
+    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
+        tile_nbytes = default_tile_nbytes(buffer_device(request.buf, comm.device))
+    call_step = comm.next_step()
+    bits = DEFAULT_BITS if request.bits is None else request.bits
+    options = dict(request.scheme_options)
+    target = options.get("target_vnmse")
+    if target is None:
+        options.pop("target_vnmse", None)
+        options["bits"] = bits
+    label = " (auto)" if request.is_auto else ""
+    return PreparedCall(
+        collective=request.collective, async_op=request.async_op, call=call_step,
+        what=f"{request.collective.value}#{call_step}{label}",
+        seed=comm.seed if request.seed is None else request.seed,
+        step=call_step if request.step is None else request.step,
+        tile_nbytes=tile_nbytes, tiles_in_flight=request.tiles_in_flight, auto=request.is_auto,
+        options=options, bits=bits, target=target)
+
+
+def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
+    """The local checks of the arguments and the input buffer; the first failure is recorded."""
+    error = _check_numbers(call, request, comm)
+    if error is not None:
+        call.fail("other", error)
+        return
+    try:
+        call.op = ReduceOp.parse(request.op)
+    except DqcollError as exc:
+        call.fail("op", exc)
+        return
+    try:  # scheme="auto" is checked as dynamiq with the caller's options
+        call.scheme = _resolve_scheme("dynamiq" if call.auto else request.scheme, call.options)
+    except DqcollError as exc:
+        call.fail("scheme", exc)
+        return
+    try:
+        name = choose_algorithm(request.algorithm, comm.world_size, request.buf, call.scheme)
+        call.schedule = algorithms.build_schedule(name, comm.world_size)
+    except DqcollError as exc:
+        call.fail("algorithm", exc)
+        return
+    _inspect_input(call, request.buf, comm)
+    if call.error is None and envs.validate() and comm.world_size > 1:
+        assert call.tensor is not None
+        call.exponent = max_exponent(call.tensor)
+
+
+def _check_numbers(call: PreparedCall, request: Request,
+                   comm: Communicator) -> DqcollError | None:
+    """``bits`` / ``target_vnmse`` (not both), ``seed``, ``step`` and the tiling: numbers of
+    the right kind and range (they travel as int64 in the argument check)."""
+    if call.target is not None and request.bits is not None:
+        return InvalidArgumentError(
+            f"rank {comm.rank}: give bits or target_vnmse, not both (bits={request.bits!r}, "
+            f"target_vnmse={call.target!r})")
+    for name, value, kind in (("bits", call.bits, numbers.Real),
+                              ("seed", call.seed, numbers.Integral),
+                              ("step", call.step, numbers.Integral),
+                              ("tile_nbytes", call.tile_nbytes, numbers.Integral),
+                              ("tiles_in_flight", call.tiles_in_flight, numbers.Integral),
+                              ("target_vnmse", call.options.get("target_vnmse", 1.0),
+                               numbers.Real)):
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return InvalidArgumentError(
+                f"rank {comm.rank}: {name} must be "
+                f"{'a number' if kind is numbers.Real else 'an integer'}, got {_short(value)} "
+                f"({type(value).__name__})")
+        if kind is numbers.Real and not _is_finite(value):
+            return InvalidArgumentError(
+                f"rank {comm.rank}: {name} must be a finite number, got {_short(value)}")
+    tile_nbytes, tiles_in_flight = int(call.tile_nbytes), int(call.tiles_in_flight)
+    if not (0 <= tile_nbytes < INT_LIMIT and 1 <= tiles_in_flight < INT_LIMIT):
+        return InvalidArgumentError(
+            f"rank {comm.rank}: tile_nbytes must be in [0, 2**62) (0: untiled) and "
+            f"tiles_in_flight in [1, 2**62), got tile_nbytes={_short(tile_nbytes)}, "
+            f"tiles_in_flight={_short(tiles_in_flight)}")
+    return None
+
+
+def _resolve_scheme(scheme: str | Scheme, options: dict[str, Any]) -> Scheme:
+    """The scheme object: a registered name built with the options it takes (``bits`` is passed
+    to the schemes that take it; the others have a fixed format), or the caller's object."""
+    if not isinstance(scheme, str):
+        return scheme
+    entry_options = schemes.spec(scheme).options
+    if "target_vnmse" in options and "target_vnmse" not in entry_options:
+        raise InvalidArgumentError(
+            f"target_vnmse is not supported by scheme {scheme!r} (it sets its error "
+            f"through bits); schemes that take it: {_schemes_with('target_vnmse')}")
+    return schemes.get(scheme, **{k: v for k, v in options.items()
+                                  if k in entry_options or k != "bits"})
+
+
+def _inspect_input(call: PreparedCall, buf: Any, comm: Communicator) -> None:
+    """The input buffer as a torch view the scheme takes: dtype, dense, contiguous."""
+    try:
+        tensor = inspect_buffer(buf, "buf", comm)
+    except DqcollError as exc:
+        call.fail("buffer", exc)
+        return
+    except Exception as exc:  # anything that goes wrong while looking at a buffer
+        call.fail("buffer", InvalidArgumentError(
+            f"rank {comm.rank}: buf ({type(buf).__name__}) cannot be used: "
+            f"{type(exc).__name__}: {exc}"))
+        return
+    assert call.scheme is not None
+    if tensor.dtype not in call.scheme.spec.dtypes:
+        call.fail("dtype", InvalidArgumentError(
+            f"rank {comm.rank}: scheme {call.scheme.spec.name!r} takes "
+            f"{[str(d).replace('torch.', '') for d in call.scheme.spec.dtypes]}, got "
+            f"{str(tensor.dtype).replace('torch.', '')}"))
+    elif tensor.layout is not torch.strided:
+        call.fail("layout", InvalidArgumentError(
+            f"rank {comm.rank}: buf is a {str(tensor.layout).replace('torch.', '')} tensor; "
+            f"dqcoll reduces dense (strided) tensors: pass buf.to_dense()"))
+    elif not tensor.is_contiguous():
+        call.fail("layout", InvalidArgumentError(
+            f"rank {comm.rank}: expected a contiguous tensor, got shape {tuple(tensor.shape)} "
+            f"with strides {tensor.stride()}"))
+    else:
+        call.tensor = tensor
+
+
+def choose_algorithm(name: str, world_size: int, buf: Any = None, scheme: Any = None) -> str:
+    """``name``, or for ``"auto"`` the tuned table's choice for this size (nearest smaller size
+    bucket), else the documented fallback rule; see :mod:`dqcoll.topology.tuning`."""
+    if name != "auto":
+        return name
+    from .topology import tuning
+
+    scheme_name = scheme if isinstance(scheme, str) else getattr(
+        getattr(scheme, "spec", None), "name", "dynamiq")
+    return tuning.choose(world_size=world_size, nbytes=int(getattr(buf, "nbytes", 0) or 0),
+                         scheme=scheme_name,
+                         dtype=str(getattr(buf, "dtype", "float32")).replace("torch.", ""))
+
+
+def _refuse_auto_all_gather(call: PreparedCall, comm: Communicator) -> None:
+    if call.collective is Collective.ALL_GATHER:
+        call.fail("scheme", InvalidArgumentError(
+            f"rank {comm.rank}: scheme='auto' is for allreduce and reduce_scatter (an "
+            f"all-gather's bytes are set by the scheme its shards were made with)"))
+
+
+def _check_sharded_support(call: PreparedCall, comm: Communicator) -> None:
+    """A scheme that declares ``supports_reduce_scatter=False`` is refused, saying why."""
+    spec = call.scheme.spec if call.scheme is not None else None
+    if spec is None or spec.supports_reduce_scatter:
+        return
+    call.fail("scheme", InvalidArgumentError(
+        f"rank {comm.rank}: scheme {spec.name!r} cannot run {call.collective.value}: its spec "
+        f"says supports_reduce_scatter=False ({spec.description}: its shards cannot be coded "
+        f"apart from the whole buffer); use allreduce, or one of "
+        f"{[s for s in schemes.list_schemes() if schemes.spec(s).supports_reduce_scatter]}"))
+
+
+def _check_output(call: PreparedCall, out: Any, comm: Communicator) -> None:
+    """The shape rules of reduce-scatter (out = one shard) and all-gather (out = n shards)."""
+    tensor = call.tensor
+    assert tensor is not None
+    try:
+        out_tensor = inspect_buffer(out, "out", comm)
+    except DqcollError as exc:
+        call.fail("buffer", exc)
+        return
+    except Exception as exc:  # anything that goes wrong while looking at a buffer
+        call.fail("buffer", InvalidArgumentError(
+            f"rank {comm.rank}: out ({type(out).__name__}) cannot be used: "
+            f"{type(exc).__name__}: {exc}"))
+        return
+    n = comm.world_size
+    if call.collective is Collective.REDUCE_SCATTER:
+        expected, rule = tensor.numel(), "world_size x out.numel() == buf.numel()"
+        got = n * out_tensor.numel()
+    else:
+        expected, rule = n * tensor.numel(), "out.numel() == world_size x shard.numel()"
+        got = out_tensor.numel()
+    problem = None
+    if got != expected:
+        problem = (
+            f"rank {comm.rank}: {call.collective.value} needs {rule}: input has "
+            f"{tensor.numel()} elements, out has {out_tensor.numel()}, world size {n}")
+        if call.collective is Collective.REDUCE_SCATTER and tensor.numel() % n:
+            padded = -(-tensor.numel() // n) * n
+            problem += (f" ({tensor.numel()} does not split into {n} equal shards: unequal "
+                        f"shards are not supported; pad the buffer to {padded} elements)")
+    elif out_tensor.dtype != tensor.dtype:
+        problem = (f"rank {comm.rank}: out dtype {out_tensor.dtype} differs from input "
+                   f"{tensor.dtype}")
+    elif out_tensor.device != tensor.device:
+        problem = f"rank {comm.rank}: out is on {out_tensor.device}, input on {tensor.device}"
+    elif not out_tensor.is_contiguous():
+        problem = (f"rank {comm.rank}: expected a contiguous out tensor, got strides "
+                   f"{out_tensor.stride()}")
+    if problem is not None:
+        call.fail("buffer", InvalidArgumentError(problem))
+        return
+    call.out = out_tensor
+
+
+def inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
+    """A torch view of ``buf`` that dqcoll can read and then write in place, or a clear error.
+
+    Everything that would fail only when the result is written (autograd leaves, inference
+    tensors) or when the data is read (meta and other storage-less devices) is refused here,
+    before the argument check, so every rank raises and no rank keeps a half-written buffer.
+    """
+    tensor = as_torch_view(buf, name=name)
+    where = f"rank {comm.rank}: {name}"
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(
+            f"{where} is on device {tensor.device}; dqcoll reads and writes cpu or cuda memory")
+    if tensor.device.type not in comm.devices:
+        # e.g. a CUDA tensor on a gloo communicator: gloo would be handed device memory
+        raise InvalidArgumentError(
+            f"{where} is on device {tensor.device}, but this communicator's transport "
+            f"({_transport_label(comm)}) moves {' and '.join(comm.devices)} tensors only: "
+            f"pass a tensor on {comm.devices[0]} (e.g. {name}.to({comm.devices[0]!r}), copied "
+            f"back after the call), or create a communicator for {tensor.device.type} tensors "
+            + ("(dqcoll.init(backend='nccl'), or backend='torch' over an NCCL group)"
+               if tensor.device.type == "cuda" else "(dqcoll.init(backend='gloo'))"))
+    if tensor.requires_grad:
+        raise InvalidArgumentError(
+            f"{where} requires grad (a {'leaf' if tensor.is_leaf else 'non-leaf'} of an "
+            f"autograd graph); dqcoll writes it in place outside autograd: pass "
+            f"{name}.detach() (same memory) or the .grad tensor")
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise InvalidArgumentError(
+            f"{where} is an inference tensor (made under torch.inference_mode()) and this "
+            f"call runs outside inference mode, where torch forbids writing it in place; call "
+            f"under torch.inference_mode() (not with async_op=True) or pass a normal tensor")
+    return tensor
+
+
+def _transport_label(comm: Communicator) -> str:
+    """The transport's name, with its torch.distributed backend where it has one."""
+    backend = getattr(comm.transport, "backend", None)
+    return f"{comm.transport.name}/{backend}" if backend else str(comm.transport.name)
+
+
+def buffer_device(buf: Any, default: torch.device) -> torch.device:
+    """The device of ``buf``'s memory, or ``default`` where it cannot be told (the argument
+    check then reports the buffer)."""
+    try:
+        return as_torch_view(buf, name="buf").device
+    except Exception:
+        return default
+
+
+def _schemes_with(option: str) -> list[str]:
+    return [name for name in schemes.list_schemes() if option in schemes.spec(name).options]
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters (``bits=2**1100`` has 332 digits)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]} ({len(text)} characters)"
+
+
+def _is_finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (OverflowError, ValueError, TypeError):  # 2**1100 does not fit a float
+        return False
+
+
+# -- range scaling: measured here, agreed by the argument check, applied by the execution ------
+
+
+def max_exponent(tensor: torch.Tensor) -> int:
+    """``e`` with ``2**(e-1) <= max finite |x| < 2**e`` (math.frexp), or :data:`NO_EXPONENT`."""
+    if tensor.numel() == 0:
+        return NO_EXPONENT
+    if (tensor.device.type == "cpu" and tensor.dtype == torch.float32
+            and tensor.is_contiguous() and kernels.numba_available() is None):
+        from .kernels import dynamiq_numba  # one compiled pass (numba is importable)
+
+        top = dynamiq_numba.max_finite_abs(tensor)
+        return NO_EXPONENT if top == 0.0 else math.frexp(top)[1]
+    low, high = torch.aminmax(tensor.view(-1))
+    top = max(abs(float(low)), abs(float(high)))
+    if not math.isfinite(top):  # rare: look past the NaN / Inf values
+        flat = tensor.view(-1)
+        finite = torch.where(torch.isfinite(flat), flat, torch.zeros((), dtype=flat.dtype,
+                                                                      device=flat.device))
+        top = float(finite.abs().max())
+    if top == 0.0:
+        return NO_EXPONENT
+    return math.frexp(top)[1]
+
+
+def shift_for(call: PreparedCall, world_size: int, exponent: int) -> int:
+    """:func:`range_shift` for a checked call (its dtype and scheme); ``exponent`` is the
+    maximum over the ranks that the argument check returned."""
+    if exponent == NO_EXPONENT or call.tensor is None or call.scheme is None:
+        return 0
+    return range_shift(exponent, dtype=call.tensor.dtype, world_size=world_size,
+                       exact_sums=_sums_exact_in_wire_dtype(call.scheme))
+
+
+def _sums_exact_in_wire_dtype(scheme: Scheme) -> bool:
+    """Whether the scheme sends values as they are (``none``): its sums are exact in its wire
+    dtype, so it must not be scaled into a range where small values lose bits."""
+    return scheme.spec.exact_sums and scheme.spec.name == "none"
+
+
+def range_shift(exponent: int, *, dtype: torch.dtype, world_size: int,
+                exact_sums: bool) -> int:
+    """The power of two ``s`` the call's inputs are divided by (``x * 2**-s``), 0: unscaled.
+
+    ``exponent`` is the largest over all ranks of ``e`` with ``max |x| < 2**e``, so every partial
+    sum is below ``world_size * 2**e <= 2**(e + c)``, ``c = ceil(log2 world_size)``. The
+    smallest shift that keeps that bound at most half the dtype's largest power (2**127 for
+    fp32 and bf16, 2**15 for fp16) is the *overflow* shift: fp16 inputs of 30000 on 3 ranks
+    need 2 (they overflowed to inf before). A scheme whose sums are exact in its wire dtype
+    (``none``) takes only that shift, which is exact for every normal number. The others take
+    it too, unless the magnitude is outside [2**-48, 2**48), where their norms and scales would
+    leave the fp32 range; then the largest value lands in [0.5, 1)."""
+    if exponent == NO_EXPONENT:
+        return 0
+    spread = (world_size - 1).bit_length()  # ceil(log2 world_size)
+    top = math.frexp(torch.finfo(dtype).max)[1]  # 128 for fp32 and bf16, 16 for fp16
+    overflow = max(0, exponent + spread - (top - 1))
+    if exact_sums or -RANGE_EXP < exponent <= RANGE_EXP:
+        return overflow
+    return exponent
+
+
+def scaled(flat: torch.Tensor, shift: int) -> torch.Tensor:
+    """A copy of ``flat * 2**-shift`` in ``flat``'s dtype (rounded once, from fp64)."""
+    return (flat.double() * 2.0**-shift).to(flat.dtype)
+
+
+def unscale_into(result: torch.Tensor, shift: int, out: torch.Tensor) -> None:
+    """``out = result * 2**shift``, saturating at ``out``'s largest finite value where the
+    scaled result was finite (non-finite inputs stay non-finite)."""
+    value = result.double() * 2.0**shift  # exact in fp64 (|shift| < 200)
+    top = torch.finfo(out.dtype).max
+    overflow = torch.isfinite(result) & (value.abs() > top)
+    if bool(overflow.any()):
+        value = torch.where(overflow, torch.sign(value) * top, value)
+    out.copy_(value.view(out.shape))

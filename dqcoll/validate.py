@@ -1,0 +1,195 @@
+"""The argument check across ranks: every rank raises together, before any data moves.
+
+Local checks (:mod:`dqcoll.prepare`) leave an error *category* in the prepared call rather than
+raising at once; then every rank joins one tiny all-reduce (the handshake, :func:`handshake`)
+carrying that category's code and a fingerprint of its arguments (length, dtype, scheme and
+options, algorithm, op, seed, step, tiling, collective and mode, output length) and the largest
+binary exponent of its input (the range check of :func:`dqcoll.prepare.range_shift`). If any
+rank is invalid or the ranks disagree, *every* rank raises before any data moves: the faulty rank
+its own error, the others a :class:`~dqcoll.errors.PeerError` or
+:class:`~dqcoll.errors.MismatchError` naming the ranks and values.
+
+``DQCOLL_VALIDATE=0`` skips the handshake (local errors still raise, but a peer may then wait
+until its timeout), except for ``scheme="auto"``, whose ranks agree on their predicted times in
+the same exchange (:data:`EXTRA_SLOTS`).
+
+Rejected: raising a local error at once. The peers would enter the collective and wait for the
+faulty rank until their timeout, and a size disagreement over gloo is not an error but a SIGABRT
+or a short message silently accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+
+import torch
+
+from . import auto as auto_mod
+from . import envs
+from .comm import Communicator
+from .errors import InvalidArgumentError, MismatchError, PeerError
+from .prepare import INT_LIMIT, NO_EXPONENT, PreparedCall
+from .types import Collective
+
+__all__ = ["EXTRA_SLOTS", "fingerprint", "handshake"]
+
+_ERROR_CODES = {
+    "buffer": 1,
+    "dtype": 2,
+    "layout": 3,
+    "scheme": 4,
+    "algorithm": 5,
+    "op": 6,
+    "other": 7,
+}
+_ERROR_NAMES = {v: k for k, v in _ERROR_CODES.items()}
+_DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# Everything that changes the number or the sizes of the messages, or their contents' meaning,
+# must be here: ranks that disagree on any of it raise before data moves (a size disagreement
+# over gloo is not an error but a SIGABRT, or a short message silently accepted).
+# ``seed`` and ``step`` travel as 62-bit hashes of their whole value (the random numbers use all
+# of it: dynamiq 64 bits of each, thc their decimal text), so any difference is caught; the
+# message then shows each rank's own value. The call's identity rides along without new
+# fields (every int64 of the check is wire bytes of every call): the communicator's call
+# counter is hashed with ``step``, and the mode (sync or async_op) is coded with the collective
+# kind, so two threads that issue their calls in different orders on different ranks, pairing a
+# sync call with an async one, raise here instead of summing unrelated buffers.
+_FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step", "tile_nbytes",
+           "tiles_in_flight", "collective", "out_numel")
+_NUMERIC_FIELDS = ("numel", "tile_nbytes", "tiles_in_flight", "out_numel")
+_MODES = {0: "sync", 1: "async_op"}
+_MODE_STRIDE = 8  # collective field = kind id + _MODE_STRIDE * mode
+_COLLECTIVE_IDS = {Collective.ALLREDUCE: 1, Collective.REDUCE_SCATTER: 2,
+                   Collective.ALL_GATHER: 3}
+# the slots for scheme="auto": the previous call's time, then one prediction per candidate.
+# Every call carries them (zeros outside auto), so that a rank calling auto and one calling a
+# scheme by name exchange vectors of one size and see the mismatch.
+EXTRA_SLOTS = 1 + len(auto_mod.CANDIDATES)
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _hash62(value: object) -> int:
+    """A 62-bit hash of a value of any size (its text, e.g. an int's digits): equal only for
+    equal values, up to collisions of probability 2**-62."""
+    digest = hashlib.blake2b(str(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (INT_LIMIT - 1)
+
+
+def fingerprint(call: PreparedCall) -> tuple[int, ...]:
+    """The int64 fields of :data:`_FIELDS` for a call that passed its local checks: what every
+    rank must agree on. ``scheme="auto"`` is fingerprinted as ``auto`` (a rank calling auto and
+    another calling dynamiq disagree); ``step`` is hashed with the call counter, and the
+    collective kind is coded with the mode."""
+    tensor, scheme, schedule, op = call.tensor, call.scheme, call.schedule, call.op
+    assert tensor is not None and scheme is not None and schedule is not None and op is not None
+    name = "auto" if call.auto else scheme.spec.name
+    kind = _COLLECTIVE_IDS[call.collective] + _MODE_STRIDE * (1 if call.async_op else 0)
+    return (
+        tensor.numel(),
+        _DTYPE_IDS[tensor.dtype],
+        _crc(name + repr(scheme)),
+        _crc(schedule.algorithm),
+        _crc(op.value),
+        _hash62(int(call.seed)),
+        _hash62(f"{int(call.step)}/{call.call}"),
+        int(call.tile_nbytes),
+        int(call.tiles_in_flight),
+        kind,
+        call.out.numel() if call.out is not None else 0,
+    )
+
+
+def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = None) -> int:
+    """Raise on every rank if any rank is invalid or the ranks disagree (one tiny all-reduce).
+
+    Returns the largest binary exponent of a finite input value over all ranks (the range
+    check of :func:`dqcoll.prepare.range_shift`); :data:`~dqcoll.prepare.NO_EXPONENT` without
+    a check. ``extra`` (:data:`EXTRA_SLOTS` integers) rides along and is replaced in place by its
+    maximum over ranks (``scheme="auto"``'s agreement, so an ``auto`` call runs the exchange even
+    with ``DQCOLL_VALIDATE=0``).
+    """
+    fields = _fingerprint_or_error(call, comm)
+    n = comm.world_size
+    if (not envs.validate() and extra is None) or n == 1:
+        if call.error is not None:
+            raise call.error
+        return NO_EXPONENT
+    vector = _exchange(call, comm, fields, extra)
+    k, m = len(_FIELDS), EXTRA_SLOTS
+    codes = vector[2 * k : 2 * k + n].tolist()
+    if extra is not None:
+        extra[:] = vector[2 * k + n : 2 * k + n + m].tolist()
+    if call.error is not None:
+        raise call.error
+    bad = [(r, _ERROR_NAMES.get(c, "other")) for r, c in enumerate(codes) if c]
+    if bad:
+        listed = ", ".join(f"rank {r} ({cat})" for r, cat in bad)
+        raise PeerError(f"rank {comm.rank}: {call.what} not run: invalid input on {listed}")
+    high = vector[:k].tolist()
+    low = [-v for v in vector[k : 2 * k].tolist()]
+    differ = [(f, lo, hi) for f, lo, hi in zip(_FIELDS, low, high, strict=True) if lo != hi]
+    if differ:
+        raise MismatchError(f"rank {comm.rank}: {call.what}: ranks disagree on "
+                            f"{_describe(call, differ)}")
+    return int(vector[-1])
+
+
+def _fingerprint_or_error(call: PreparedCall, comm: Communicator) -> tuple[int, ...]:
+    """:func:`fingerprint`, with whatever goes wrong there (e.g. a scheme object whose ``repr``
+    raises) made this rank's error, told to every rank by the exchange."""
+    if call.error is not None:
+        return ()
+    try:
+        return fingerprint(call)
+    except Exception as exc:
+        call.fail("other", InvalidArgumentError(
+            f"rank {comm.rank}: {call.what}: invalid arguments: {type(exc).__name__}: {exc}"))
+        return ()
+
+
+def _exchange(call: PreparedCall, comm: Communicator, fields: tuple[int, ...],
+              extra: list[int] | None) -> torch.Tensor:
+    """The handshake's all-reduce (max) of ``[fields, -fields, error codes by rank, extra,
+    exponent]``; a failure of the exchange itself leaves the communicator dead."""
+    n, k, m = comm.world_size, len(_FIELDS), EXTRA_SLOTS
+    assert extra is None or len(extra) == m
+    vector = torch.zeros(2 * k + n + m + 1, dtype=torch.int64)
+    if extra:
+        vector[2 * k + n : 2 * k + n + m] = torch.tensor(extra, dtype=torch.int64)
+    if call.error is None:
+        values = torch.tensor(fields, dtype=torch.int64)
+        vector[:k] = values
+        vector[k : 2 * k] = -values
+        vector[-1] = call.exponent
+    else:
+        vector[2 * k + comm.rank] = _ERROR_CODES[call.category]
+        vector[-1] = NO_EXPONENT
+    vector = vector.to(comm.device)
+    try:
+        comm.transport.allreduce(vector, "max", what=f"{call.what} argument check")
+    except MismatchError:
+        raise  # messages of another step (the torch transport's headers): nothing in flight
+    except BaseException as exc:
+        comm.mark_dead(f"{call.what} argument check failed: {type(exc).__name__}: {exc}")
+        raise
+    return vector.cpu()
+
+
+def _describe(call: PreparedCall, differ: list[tuple[str, int, int]]) -> str:
+    """The fields the ranks disagree on, with the values a reader can act on."""
+    kinds = {i: c.value for c, i in _COLLECTIVE_IDS.items()}
+    return "; ".join(
+        f"{f} (min {lo}, max {hi})" if f in _NUMERIC_FIELDS
+        else f"seed (this rank: {int(call.seed)})" if f == "seed"
+        else (f"step or call counter (this rank: step {int(call.step)}, call {call.call}; "
+              f"ranks must issue the same collectives in the same order)") if f == "step"
+        else (f"collective or mode ({kinds.get(lo % _MODE_STRIDE)} "
+              f"{_MODES.get(lo // _MODE_STRIDE)} vs {kinds.get(hi % _MODE_STRIDE)} "
+              f"{_MODES.get(hi // _MODE_STRIDE)})") if f == "collective"
+        else f"{f}"
+        for f, lo, hi in differ
+    )
