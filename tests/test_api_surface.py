@@ -42,6 +42,27 @@ def test_allreduce_signature() -> None:
             assert p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD), name
 
 
+def test_default_bits_is_five() -> None:
+    """``bits=None`` (the default) is 5 bits: the same result, bit for bit, as ``bits=5``, and
+    the same bits reported; with ``target_vnmse`` it leaves the bits to the target."""
+    import torch
+
+    from dqcoll.testing import run_local
+
+    def body(comm):  # type: ignore[no-untyped-def]
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(comm.rank))
+        default = dqcoll.allreduce(x.clone(), algorithm="ring", seed=1, step=0)
+        default_bits = comm.last_info["bits"]
+        five = dqcoll.allreduce(x.clone(), bits=5, algorithm="ring", seed=1, step=0)
+        five_bits = comm.last_info["bits"]
+        dqcoll.allreduce(x.clone(), algorithm="ring", target_vnmse=1e-2)
+        return default, five, default_bits, five_bits
+
+    for default, five, default_bits, five_bits in run_local(2, body):
+        assert torch.equal(default, five)
+        assert default_bits == five_bits
+
+
 def test_import_needs_no_gpu_stack() -> None:
     """import dqcoll works without CuPy or Triton: neither is imported by the package import."""
     import subprocess
