@@ -18,8 +18,9 @@ CuPy's for CuPy arrays (:func:`dqcoll.interop.stream_scope`). ``async_op=True`` 
 worker (see :mod:`dqcoll.handles`); a synchronous call first waits for the communicator's pending
 asynchronous ones.
 
-Only the package's front (``dqcoll/__init__.py``), the integrations and the command line import
-this module; the layers below call :func:`dqcoll.execute.launch` (a test pins it).
+Only the package's front (``dqcoll/__init__.py``), the integrations, the command line and the
+evaluation (``dqcoll/eval``) import this module; the layers below call
+:func:`dqcoll.execute.launch` (tests/test_layers.py pins it).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ ranks of the same local index, an all-gather inside each host, each over a
 :class:`~dqcoll.transports.subgroup.SubgroupTransport` view of the caller's transport.
 
 Each level is one ordinary collective handed to :func:`dqcoll.execute.launch`, as the public
-functions do (below the public API: only the package's front, the integrations and the command
-line import :mod:`dqcoll.api`).
+functions do (only the package's front, the integrations, the command line and the evaluation
+import :mod:`dqcoll.api`).
 
 Rejected: running the plan from :mod:`dqcoll.topology` (it was there): planning then imported the
 public API, and ``api -> topology.tuning -> topology.hierarchical -> api`` was a circle.

@@ -236,29 +236,29 @@ def test_lower_layers_do_not_import_upper_ones(package):
     assert not offenders, offenders
 
 
-# The public call path, top to bottom: each module imports only the ones after it (api builds
-# the request, execute runs it through prepare and validate), so a buffer's walk never climbs
-# back; below the call path nothing imports the public API.
+# The public call path (docs/design.md §1, layer 3), top to bottom: each module imports only the
+# ones after it (api hands the request to execute, which runs prepare, then validate, then its
+# own step), so a buffer's walk never climbs back; below it nothing imports the public API.
 CALL_PATH = ("api", "execute", "validate", "prepare")
-API_IMPORTERS = ("__init__.py", "integrations", "cli")  # the package's front and its users
+# the package's front, the integrations, and what sits beside the library (OUTSIDE_RUNTIME)
+API_IMPORTERS = ("__init__.py", "integrations", *OUTSIDE_RUNTIME)
 
 
 def test_call_path_imports_go_down():
-    """No module of dqcoll but ``__init__.py``, ``integrations/*`` and ``cli/*`` imports
-    ``dqcoll.api`` (even lazily), and on the call path ``api -> execute -> validate -> prepare``
-    each module imports none of the ones before it."""
+    """No module of dqcoll but ``__init__.py``, ``integrations/*``, ``cli/*`` and ``eval/*``
+    imports ``dqcoll.api`` (even lazily), and on the call path
+    ``api -> execute -> validate -> prepare`` each module imports none of the ones before it."""
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
         relative = path.relative_to(ROOT)
         if relative.parts[0] in API_IMPORTERS:
             continue
         offenders += [f"{relative} imports dqcoll.{name}" for name in _imports(path)
-                      if name == "api" or name.startswith("api.")]
+                      if _within(name, ("api",))]
     for index, module in enumerate(CALL_PATH):
-        above = CALL_PATH[:index]
         offenders += [f"{module}.py imports dqcoll.{name} (above it on the call path)"
                       for name in _imports(ROOT / f"{module}.py")
-                      if any(name == a or name.startswith(a + ".") for a in above)]
+                      if _within(name, CALL_PATH[:index])]
     assert not offenders, offenders
     assert "execute" in _imports(ROOT / "api.py")  # the pinned order is the real one
     assert {"validate", "prepare"} <= set(_imports(ROOT / "execute.py"))
