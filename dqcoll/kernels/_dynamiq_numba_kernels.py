@@ -380,6 +380,28 @@ def _scales_decode(meta, scales, d, f32, u32):
 
 
 @numba.njit(**_inline)
+def _pack_codes(codes, width, out_row):
+    """The 256 ``codes`` of ``width`` bits into the first ``32 * width`` bytes of ``out_row``,
+    LSB-first: code j goes to byte j*b//8 at bit j*b%8."""
+    if 8 % width == 0:
+        per_byte = 8 // width
+        for i in range(32 * width):
+            v = np.uint8(0)
+            for k in range(per_byte):
+                v |= np.uint8(codes[i * per_byte + k] << (k * width))
+            out_row[i] = v
+    else:
+        # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (LLVM merges the
+        # byte stores of one word's shifts into wider stores).
+        for i in range(SUPER // 8):
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(codes[i * 8 + k]) << np.uint64(k * width)
+            for b in range(width):
+                out_row[i * width + b] = np.uint8(word >> np.uint64(8 * b) & np.uint64(0xFF))
+
+
+@numba.njit(**_inline)
 def _encode_row(
     xrow, xrow_bits, base, out_row, width, scales, mags, nxt, rtab, bins,
     jitter_key, perm_key, ptab, inv_n, correlated, scratch, tree,
@@ -482,23 +504,7 @@ def _encode_row(
             level = rv[j] + (1 if (a - lo) > u[j] * (hiv[j] - lo) else 0)
             codes[j] = np.uint8(top - level if neg[j] else top + level)
 
-    # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8.
-    if 8 % width == 0:
-        per_byte = 8 // width
-        for i in range(code_nbytes):
-            v = np.uint8(0)
-            for k in range(per_byte):
-                v |= np.uint8(codes[i * per_byte + k] << (k * width))
-            out_row[i] = v
-    else:
-        # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (LLVM merges the
-        # byte stores of one word's shifts into wider stores).
-        for i in range(SUPER // 8):
-            word = np.uint64(0)
-            for k in range(8):
-                word |= np.uint64(codes[i * 8 + k]) << np.uint64(k * width)
-            for b in range(width):
-                out_row[i * width + b] = np.uint8(word >> np.uint64(8 * b) & np.uint64(0xFF))
+    _pack_codes(codes, width, out_row)
 
 
 @numba.njit(**_inline)
