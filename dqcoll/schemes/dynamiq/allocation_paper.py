@@ -62,12 +62,10 @@ def _widths_for(
     return torch.where(zero, 0, widths)
 
 
-def _width_of(log_f: float, zero: bool, u: float, max_width: int = 8) -> int:
-    """:func:`_widths_for` of one row, in Python floats (bit-identical decisions)."""
-    if zero:
-        return 0
-    if math.isnan(log_f):
-        return 8
+def _width_of(log_f: float, u: float, max_width: int = 8) -> int:
+    """:func:`_widths_for` of one finite, non-zero row, in Python floats (bit-identical
+    decisions). Zero and NaN rows never reach it: their widths (0, 8) do not depend on ``u``,
+    so they are never active in a :class:`_Bracket`."""
     v = C_SLOPE * log_f + u
     if max_width == RAW_WIDTH and v >= 16.0:
         return RAW_WIDTH
@@ -228,7 +226,7 @@ class _Bracket:
         # cost of the rows whose width is settled
         self.base = int(lookup[widths_lo].sum()) - int(lookup[self.w_lo].sum())
         self.evaluations = 0
-        self._rows: list[tuple[float, bool, int, int]] | None = None  # the Python-float mode
+        self._rows: list[tuple[float, int, int]] | None = None  # the Python-float mode
 
     def feasible(self, u: float) -> bool:
         if u <= self.u_lo:
@@ -254,16 +252,16 @@ class _Bracket:
         """:meth:`feasible` on the few remaining active rows, one Python float at a time."""
         if self._rows is None:
             self._costs = self.lookup.tolist()
-            self._rows = list(zip(self.log_f.tolist(), self.zero.tolist(), self.w_lo.tolist(),
-                                  self.w_hi.tolist(), strict=True))
-        widths = [_width_of(lf, zero, u, self.max_width) for lf, zero, _, _ in self._rows]
+            self._rows = list(zip(self.log_f.tolist(), self.w_lo.tolist(), self.w_hi.tolist(),
+                                  strict=True))
+        widths = [_width_of(lf, u, self.max_width) for lf, _, _ in self._rows]
         ok = self.base + sum(self._costs[w] for w in widths) <= self.limit
         rows = []
-        for (lf, zero, w_lo, w_hi), w in zip(self._rows, widths, strict=True):
+        for (lf, w_lo, w_hi), w in zip(self._rows, widths, strict=True):
             if w == (w_hi if ok else w_lo):
                 self.base += self._costs[w]  # settled
             else:
-                rows.append((lf, zero, w, w_hi) if ok else (lf, zero, w_lo, w))
+                rows.append((lf, w, w_hi) if ok else (lf, w_lo, w))
         self._rows = rows
         if ok:
             self.u_lo = u
