@@ -9,9 +9,10 @@ import torch
 
 from dqcoll.errors import InvalidArgumentError
 from dqcoll.schemes import get
-from dqcoll.schemes.dynamiq import allocate_widths, min_bits, rng
 from dqcoll.schemes.dynamiq import codec as C
-from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER
+from dqcoll.schemes.dynamiq import min_bits, rng
+from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER, fixed_widths
+from dqcoll.schemes.dynamiq.allocation_paper import allocate_widths_paper
 
 # -- random numbers ---------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ def test_allocation_meets_budget(bits: float) -> None:
     """Records plus statistics fit bits * numel / 8 and use most of it."""
     f = torch.exp(torch.randn(4000) * 4).float()
     numel = 4000 * 256
-    alloc = allocate_widths(f, numel, bits)
+    alloc = allocate_widths_paper(f, numel, bits)
     assert set(alloc.widths.unique().tolist()) <= {2, 4, 8}
     assert alloc.total_nbytes <= bits * numel / 8
     assert not alloc.over_budget
@@ -177,7 +178,7 @@ def test_allocation_follows_norms_and_skips_zeros() -> None:
     f = torch.exp(torch.linspace(-20, 20, 1000)).float()
     f[10] = 0.0
     f[20] = float("nan")
-    alloc = allocate_widths(f, 1000 * 256, 5.0)
+    alloc = allocate_widths_paper(f, 1000 * 256, 5.0)
     w = alloc.widths.clone()
     assert int(w[10]) == 0 and int(w[20]) == 8
     rest = torch.cat([w[:10], w[11:20], w[21:]])
@@ -190,16 +191,17 @@ def test_energy_exponent_flattens_the_allocation() -> None:
     f = torch.exp(torch.randn(4000) * 4).float()
     f[:5] = 0.0
     numel = 4000 * 256
-    base = allocate_widths(f, numel, 5.0)
-    assert torch.equal(allocate_widths(f, numel, 5.0, energy_exponent=1.0).widths, base.widths)
-    half = allocate_widths(f, numel, 5.0, energy_exponent=0.5)
+    base = allocate_widths_paper(f, numel, 5.0)
+    same = allocate_widths_paper(f, numel, 5.0, energy_exponent=1.0)
+    assert torch.equal(same.widths, base.widths)
+    half = allocate_widths_paper(f, numel, 5.0, energy_exponent=0.5)
     assert half.total_nbytes <= 5.0 * numel / 8 and not half.over_budget
     assert int((half.widths == 2).sum()) < int((base.widths == 2).sum())
     assert int((half.widths == 8).sum()) < int((base.widths == 8).sum())
     assert half.widths[:5].tolist() == [0] * 5  # zero super-groups still cost nothing
     order = torch.argsort(f[5:])
     assert bool((half.widths[5:][order][1:] >= half.widths[5:][order][:-1]).all())
-    flat = allocate_widths(f, numel, 5.0, energy_exponent=0.0)
+    flat = allocate_widths_paper(f, numel, 5.0, energy_exponent=0.0)
     assert flat.widths[5:].unique().numel() == 1
     for bad in (-0.1, 1.5, "x"):
         with pytest.raises(InvalidArgumentError, match="energy_exponent"):
@@ -211,7 +213,7 @@ def test_energy_exponent_flattens_the_allocation() -> None:
 
 def test_fixed_widths_and_minimum_bits() -> None:
     """widths='fixed' puts everything at 4 bits; a budget below 2-bit cost raises."""
-    alloc = allocate_widths(torch.ones(10), 2560, 5.0, widths_mode=C.Widths.FIXED)
+    alloc = fixed_widths(10, 2560, 5.0, scales=C.Scales.HIERARCHICAL, stats_bytes=8)
     assert alloc.widths.tolist() == [4] * 10
     # the default format: 2-bit records of 64 + 6 B, 2 B of statistics; the paper's: 64 + 18, 8
     assert min_bits() == pytest.approx((70 + STATS_BYTES_PER_SUPER) * 8 / 256) == 2.25
@@ -248,7 +250,7 @@ def test_hull_cost_counts_equal_the_row_by_row_rule(ties: bool) -> None:
     hull, offsets, top = A._hull_widths(C.FINE_WIDTHS, 16, errors, scales)
     log_f, zero = A._log_energies(f)
     shifts = {1: 0.0, 3: 1.7, 8: -0.3}
-    lookup = A._cost_lookup(scales)
+    lookup = A.cost_lookup(scales)
     fast = A._HullCost(log_f, zero, shifts, hull, offsets, top, lookup)
     nan = torch.isnan(log_f)
     probes = torch.linspace(-60, 60, 241).tolist()

@@ -260,9 +260,9 @@ def test_out_arguments_write_in_place() -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_compiled_bisection_equals_reference(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
-    """The compiled bisection of ``allocate_widths`` finds the reference's ``u`` and widths bit
-    for bit (zero, NaN and Inf norms, raw 16-bit widths, energy exponents, budgets)."""
-    from dqcoll.schemes.dynamiq.allocation import allocate_widths
+    """The compiled bisection of ``allocate_widths_paper`` finds the reference's ``u`` and
+    widths bit for bit (zero, NaN and Inf norms, raw 16-bit widths, energy exponents, budgets)."""
+    from dqcoll.schemes.dynamiq.allocation_paper import allocate_widths_paper
 
     g = torch.Generator().manual_seed(seed)
     rows = 1000 + 3000 * seed
@@ -274,9 +274,9 @@ def test_compiled_bisection_equals_reference(monkeypatch: pytest.MonkeyPatch, se
     for bits, max_width, exponent in ((3.0, 8, 1.0), (5.0, 8, 0.5), (9.5, 16, 1.0)):
         kwargs = dict(max_width=max_width, energy_exponent=exponent)
         monkeypatch.setenv("DQCOLL_KERNELS", "torch")
-        expected = allocate_widths(norm2, rows * SUPER - seed, bits, **kwargs)
+        expected = allocate_widths_paper(norm2, rows * SUPER - seed, bits, **kwargs)
         monkeypatch.setenv("DQCOLL_KERNELS", "numba")
-        actual = allocate_widths(norm2, rows * SUPER - seed, bits, **kwargs)
+        actual = allocate_widths_paper(norm2, rows * SUPER - seed, bits, **kwargs)
         assert actual.u == expected.u and torch.equal(actual.widths, expected.widths)
         assert actual.payload_nbytes == expected.payload_nbytes
 
@@ -308,7 +308,7 @@ def test_compiled_allocation_edge_cases(monkeypatch: pytest.MonkeyPatch, case: i
     torch reference's ``u``, widths, payload and over-budget flag bit for bit on ties, single
     rows, all-zero / all-NaN / Inf-only norms, subnormals and budgets from below the cheapest
     allocation to above the richest."""
-    from dqcoll.schemes.dynamiq.allocation import allocate_widths
+    from dqcoll.schemes.dynamiq.allocation_paper import allocate_widths_paper
 
     norm2 = _edge_norms()[case]
     rows = norm2.numel()
@@ -316,9 +316,9 @@ def test_compiled_allocation_edge_cases(monkeypatch: pytest.MonkeyPatch, case: i
                                       (5.0, 16, 0.73), (9.0, 16, 1.0), (40.0, 8, 1.0)):
         kwargs = dict(max_width=max_width, energy_exponent=exponent)
         monkeypatch.setenv("DQCOLL_KERNELS", "torch")
-        expected = allocate_widths(norm2, rows * SUPER, bits, **kwargs)
+        expected = allocate_widths_paper(norm2, rows * SUPER, bits, **kwargs)
         monkeypatch.setenv("DQCOLL_KERNELS", "numba")
-        actual = allocate_widths(norm2, rows * SUPER, bits, **kwargs)
+        actual = allocate_widths_paper(norm2, rows * SUPER, bits, **kwargs)
         assert (actual.u == expected.u or (actual.u != actual.u and expected.u != expected.u)), (
             bits, max_width, exponent, actual.u, expected.u)
         assert torch.equal(actual.widths, expected.widths), (bits, max_width, exponent)
@@ -334,22 +334,22 @@ def test_compiled_bisect_alone_equals_the_bracketed_search() -> None:
     import numpy as np
 
     from dqcoll.kernels import allocation_numba
-    from dqcoll.schemes.dynamiq import allocation
+    from dqcoll.schemes.dynamiq import allocation, allocation_paper
 
     g = torch.Generator().manual_seed(3)
     norm2 = torch.exp(torch.randn(5000, generator=g) * 6).float()
     norm2[::9] = 0.0
-    got = allocation.allocate_widths(norm2, 5000 * SUPER, 5.0)
+    got = allocation_paper.allocate_widths_paper(norm2, 5000 * SUPER, 5.0)
     f = norm2.double()
     zero = f == 0
     log_f = torch.log2(torch.where(zero, 1.0, f))
     finite = log_f[~zero]
-    costs = allocation._cost_lookup(codec.Scales.HIERARCHICAL).numpy()
+    costs = allocation.cost_lookup(codec.Scales.HIERARCHICAL).numpy()
     limit = math.floor(5.0 * 5000 * SUPER / 8) - 8 * 5000
-    u_lo = 4.0 - allocation.C_SLOPE * float(finite.max()) - 1.0
-    u_hi = 8.0 - allocation.C_SLOPE * float(finite.min())
+    u_lo = 4.0 - allocation_paper.C_SLOPE * float(finite.max()) - 1.0
+    u_hi = 8.0 - allocation_paper.C_SLOPE * float(finite.min())
     u = allocation_numba.bisect(log_f.numpy(), zero.numpy(), costs, limit, u_lo, u_hi, 64,
-                                allocation.C_SLOPE, 8)
+                                allocation_paper.C_SLOPE, 8)
     assert u == got.u
     assert isinstance(allocation_numba.bisect(np.zeros(2), np.zeros(2, np.bool_),
                                               np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8),

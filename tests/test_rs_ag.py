@@ -23,7 +23,7 @@ from dqcoll import schemes
 from dqcoll.context import call_context
 from dqcoll.errors import InvalidArgumentError, MismatchError, PeerError
 from dqcoll.executor import run_schedule
-from dqcoll.schemes.dynamiq import allocation
+from dqcoll.schemes.dynamiq import allocation, allocation_paper
 from dqcoll.schemes.none import NoneScheme
 from dqcoll.testing import run_local
 from dqcoll.topology import algorithms
@@ -134,10 +134,11 @@ def test_dynamiq_balance_shards_allreduce(numel: int, ratio: float | None) -> No
         assert errors["shards"] < 0.5, errors
 
 
-def test_allocation_hint_replays_the_plain_bisection() -> None:
-    """allocate_widths (the torch allocation; u_hint is no scheme option, see
-    tests/test_gpu_path.py) with any u_hint returns the u and widths (bit for bit) of a plain
-    64-step bisection, on random norms spanning many decades, zeros included."""
+def test_paper_allocation_replays_the_plain_bisection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """allocate_widths_paper (the torch allocation, whose bisection evaluates only the rows still
+    in play) returns the u and widths (bit for bit) of a plain 64-step bisection, on random norms
+    spanning many decades, zeros included."""
+    monkeypatch.setenv("DQCOLL_KERNELS", "torch")
     g = torch.Generator().manual_seed(0)
     checked = 0
     for _ in range(30):
@@ -150,11 +151,10 @@ def test_allocation_hint_replays_the_plain_bisection() -> None:
         if reference is None:  # the cheapest or the richest allocation is the answer
             continue
         checked += 1
-        for hint in (None, reference[0], reference[0] + float(torch.randn(1, generator=g)),
-                     -50.0, 1e9):
-            got = allocation.allocate_widths(norm2, rows * 256, bits, u_hint=hint)
-            assert got.u == reference[0], (hint, got.u, reference[0])
-            assert torch.equal(got.widths, reference[1]), hint
+        got = allocation_paper.allocate_widths_paper(norm2, rows * 256, bits)
+        assert got.kernel == "torch"
+        assert got.u == reference[0], (got.u, reference[0])
+        assert torch.equal(got.widths, reference[1])
     assert checked > 15
 
 
@@ -173,10 +173,10 @@ def _plain_bisection(norm2: torch.Tensor, numel: int, bits: float
     limit = math.floor(bits * numel / 8.0) - allocation.STATS_BYTES["fp32"] * norm2.numel()
 
     def fits(u: float) -> bool:
-        return int(lookup[allocation._widths_for(log_f, zero, u)].sum()) <= limit
+        return int(lookup[allocation_paper._widths_for(log_f, zero, u)].sum()) <= limit
 
-    u_lo = 4.0 - allocation.C_SLOPE * float(log_f[finite].max()) - 1.0
-    u_hi = 8.0 - allocation.C_SLOPE * float(log_f[finite].min())
+    u_lo = 4.0 - allocation_paper.C_SLOPE * float(log_f[finite].max()) - 1.0
+    u_hi = 8.0 - allocation_paper.C_SLOPE * float(log_f[finite].min())
     if not fits(u_lo) or fits(u_hi):
         return None
     for _ in range(64):
@@ -185,7 +185,7 @@ def _plain_bisection(norm2: torch.Tensor, numel: int, bits: float
             u_lo = mid
         else:
             u_hi = mid
-    return u_lo, allocation._widths_for(log_f, zero, u_lo)
+    return u_lo, allocation_paper._widths_for(log_f, zero, u_lo)
 
 
 def _rs_then_ag(comm: dqcoll.Communicator, scheme: str, numel: int

@@ -255,23 +255,14 @@ def _decode_tile(
 
 
 @triton.jit
-def _encode_tile(
-    x, base, row_mask, blk, coord, out_ptr, out_row, lvl_ptr,
-    jitter_key, perm_key, ptab_ptr, inv_n,
-    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
-    SCALES: tl.constexpr, CORRELATED: tl.constexpr, BINS: tl.constexpr,
+def _encode_scales(
+    x, row_mask, blk, scale_row, ROWS: tl.constexpr, NB: tl.constexpr, SCALES: tl.constexpr,
 ):
-    """Encode the fp32 ``[Q, G, 4]`` tile ``x`` (see :func:`_tile_coords`) of rows whose first
-    coordinates have global indices ``base`` (``[1, G, 1]``) into records at byte offsets
-    ``out_row`` (codec._encode_rows)."""
-    TOP: tl.constexpr = (1 << (WIDTH - 1)) - 1  # R
-    CODE_NBYTES: tl.constexpr = 32 * WIDTH
-    Q: tl.constexpr = BS // 4
+    """Scales of the fp32 ``[Q, G, 4]`` tile ``x``: stores the scale bytes of each row at
+    ``scale_row`` (``[1, G, 1]`` pointers past the codes) and returns the decoded scale of each
+    block (``[1, G, 1]``): ``q * unit`` (hierarchical scales) or the flat bf16 scale."""
     G: tl.constexpr = ROWS * NB
-    out = out_ptr + out_row  # [1, G, 1]
-    scale_row = out + CODE_NBYTES
-
-    # Scales. |x| as a bit pattern (sign cleared); integer max = NaN-propagating float max.
+    # |x| as a bit pattern (sign cleared); integer max = NaN-propagating float max.
     abs_bits = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
     block_bits = tl.reduce(tl.reduce(abs_bits, 2, _MAX, keep_dims=True), 0, _MAX,
                            keep_dims=True)  # [1, G, 1]
@@ -322,18 +313,25 @@ def _encode_tile(
         scale = _bf16_bits_to_fp32(scale_bits)
         tl.store(scale_row + 2 * blk, (scale_bits & 0xFF).to(tl.uint8), mask=row_mask)
         tl.store(scale_row + 2 * blk + 1, (scale_bits >> 8).to(tl.uint8), mask=row_mask)
+    return scale
 
-    # codec._normalise: y = clamp((x * s) * inv, -1, 1) with inv = 1 / (D * s) per block (one
-    # division per block, none per coordinate), s = 2**64 below 2**-64, y = 0 where D is 0 or not
-    # finite.
+
+@triton.jit
+def _normalise(x, scale):
+    """codec._normalise: y = clamp((x * s) * inv, -1, 1) with inv = 1 / (D * s) per block (one
+    division per block, none per coordinate), s = 2**64 below 2**-64, y = 0 where D is 0 or not
+    finite."""
     ok = (scale > 0.0) & (scale < float("inf"))
     pre = tl.where(scale < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)  # 2**-64, 2**64
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(ok, scale * pre, 1.0))
     y = tl.where(ok, (x * pre) * inv, 0.0)
-    y = tl.minimum(tl.maximum(y, -1.0), 1.0)
-    a = tl.abs(y)
+    return tl.minimum(tl.maximum(y, -1.0), 1.0)
 
-    # r = number of interior magnitudes m_1..m_{R-1} that are <= a; lo, hi = m_r, m_{r+1}.
+
+@triton.jit
+def _level_bracket(a, lvl_ptr, WIDTH: tl.constexpr, BINS: tl.constexpr):
+    """For magnitudes ``a`` in [0, 1]: ``r``, the number of interior magnitudes m_1..m_{R-1}
+    that are <= a, and ``lo, hi = m_r, m_{r+1}``."""
     if WIDTH == 2:  # R = 1: no interior level, m = [0, 1]
         r = tl.full(a.shape, 0, tl.int32)
         lo = tl.full(a.shape, 0.0, tl.float32)
@@ -351,17 +349,18 @@ def _encode_tile(
         r = r + up.to(tl.int32)
         lo = tl.where(up, lv1, lv0)
         hi = tl.where(up, lv2, lv1)
+    return r, lo, hi
 
-    if BS == 16:  # a scale block is a permutation run: one permutation per block
-        first_coord = blk * 16
-    else:  # runs of 16 in blocks of 32: [Q, G, 1]
-        first_coord = blk * BS + (tl.arange(0, Q)[:, None, None] // 4) * 16
-    u = _rounding_uniforms(base, coord, first_coord, jitter_key, perm_key, ptab_ptr, inv_n,
-                           CORRELATED)
-    level = r + ((a - lo) > u * (hi - lo)).to(tl.int32)  # P(up) = (a - lo) / (hi - lo)
-    codes = tl.where(y < 0.0, TOP - level, TOP + level)  # stored as l + R
 
-    # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8 (fields are disjoint: sum == or).
+@triton.jit
+def _store_codes(
+    codes, out, row_mask, blk, coord, WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
+    BS: tl.constexpr,
+):
+    """The ``[Q, G, 4]`` codes packed LSB-first into the records at ``out`` (``[1, G, 1]``
+    pointers): code j goes to byte j*b//8 at bit j*b%8 (fields are disjoint: sum == or)."""
+    Q: tl.constexpr = BS // 4
+    G: tl.constexpr = ROWS * NB
     if 8 % WIDTH == 0:
         # A thread's 4 consecutive codes make 4 // PER_BYTE whole bytes.
         PER_BYTE: tl.constexpr = 8 // WIDTH
@@ -396,6 +395,36 @@ def _encode_tile(
             if 8 * k < HALF:
                 byte = byte | (first >> (8 * k))
             tl.store(run + k, byte.to(tl.uint8), mask=row_mask)
+
+
+@triton.jit
+def _encode_tile(
+    x, base, row_mask, blk, coord, out_ptr, out_row, lvl_ptr,
+    jitter_key, perm_key, ptab_ptr, inv_n,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    SCALES: tl.constexpr, CORRELATED: tl.constexpr, BINS: tl.constexpr,
+):
+    """Encode the fp32 ``[Q, G, 4]`` tile ``x`` (see :func:`_tile_coords`) of rows whose first
+    coordinates have global indices ``base`` (``[1, G, 1]``) into records at byte offsets
+    ``out_row`` (codec._encode_rows): scales, normalised values, the level bracket of each
+    magnitude, the stochastic rounding between its ends, the packed codes."""
+    TOP: tl.constexpr = (1 << (WIDTH - 1)) - 1  # R
+    CODE_NBYTES: tl.constexpr = 32 * WIDTH
+    Q: tl.constexpr = BS // 4
+    out = out_ptr + out_row  # [1, G, 1]
+    scale = _encode_scales(x, row_mask, blk, out + CODE_NBYTES, ROWS, NB, SCALES)
+    y = _normalise(x, scale)
+    a = tl.abs(y)
+    r, lo, hi = _level_bracket(a, lvl_ptr, WIDTH, BINS)
+    if BS == 16:  # a scale block is a permutation run: one permutation per block
+        first_coord = blk * 16
+    else:  # runs of 16 in blocks of 32: [Q, G, 1]
+        first_coord = blk * BS + (tl.arange(0, Q)[:, None, None] // 4) * 16
+    u = _rounding_uniforms(base, coord, first_coord, jitter_key, perm_key, ptab_ptr, inv_n,
+                           CORRELATED)
+    level = r + ((a - lo) > u * (hi - lo)).to(tl.int32)  # P(up) = (a - lo) / (hi - lo)
+    codes = tl.where(y < 0.0, TOP - level, TOP + level)  # stored as l + R
+    _store_codes(codes, out, row_mask, blk, coord, WIDTH, ROWS, NB, BS)
 
 
 # -- kernels -------------------------------------------------------------------------------------

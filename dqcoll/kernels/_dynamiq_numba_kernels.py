@@ -140,6 +140,26 @@ def _prefer_wide_vectors(typingctx):  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
+@intrinsic
+def _always_inline(typingctx):  # type: ignore[no-untyped-def]
+    """Mark the calling function ``alwaysinline`` for LLVM (:func:`_window_level`). A scalar
+    step of the row loop compiled once per width as a plain call and inlined by LLVM gives the
+    same machine code as numba's inlining (``inline="always"``), whose passes re-run on the
+    inlined body in every entry point: the default format's cold compile took 59 s instead of
+    90 s (dev VM). Without the attribute LLVM's cost model left the large step a call per
+    coordinate. Steps that take arrays stay numba-inlined: as plain calls each call costs an
+    NRT incref/decref pair per array argument unless the function calls nothing, and their
+    loops were vectorised apart from the row loop's context (2-bit encode ~860 -> ~580 M
+    coordinates/s with both)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        builder.function.attributes.add("alwaysinline")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # -- scalar helpers ----------------------------------------------------------------------------
 # Plain calls, not numba-level inlining: LLVM inlines them anyway (the hash loops still vectorise:
 # the 4-bit rates did not move), and numba's inliner cost ~1 s of cold compile per kernel for them.
@@ -360,6 +380,28 @@ def _scales_decode(meta, scales, d, f32, u32):
 
 
 @numba.njit(**_inline)
+def _pack_codes(codes, width, out_row):
+    """The 256 ``codes`` of ``width`` bits into the first ``32 * width`` bytes of ``out_row``,
+    LSB-first: code j goes to byte j*b//8 at bit j*b%8."""
+    if 8 % width == 0:
+        per_byte = 8 // width
+        for i in range(32 * width):
+            v = np.uint8(0)
+            for k in range(per_byte):
+                v |= np.uint8(codes[i * per_byte + k] << (k * width))
+            out_row[i] = v
+    else:
+        # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (LLVM merges the
+        # byte stores of one word's shifts into wider stores).
+        for i in range(SUPER // 8):
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(codes[i * 8 + k]) << np.uint64(k * width)
+            for b in range(width):
+                out_row[i * width + b] = np.uint8(word >> np.uint64(8 * b) & np.uint64(0xFF))
+
+
+@numba.njit(**_inline)
 def _encode_row(
     xrow, xrow_bits, base, out_row, width, scales, mags, nxt, rtab, bins,
     jitter_key, perm_key, ptab, inv_n, correlated, scratch, tree,
@@ -462,23 +504,7 @@ def _encode_row(
             level = rv[j] + (1 if (a - lo) > u[j] * (hiv[j] - lo) else 0)
             codes[j] = np.uint8(top - level if neg[j] else top + level)
 
-    # Pack LSB-first: code j goes to byte j*b//8 at bit j*b%8.
-    if 8 % width == 0:
-        per_byte = 8 // width
-        for i in range(code_nbytes):
-            v = np.uint8(0)
-            for k in range(per_byte):
-                v |= np.uint8(codes[i * per_byte + k] << (k * width))
-            out_row[i] = v
-    else:
-        # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (LLVM merges the
-        # byte stores of one word's shifts into wider stores).
-        for i in range(SUPER // 8):
-            word = np.uint64(0)
-            for k in range(8):
-                word |= np.uint64(codes[i * 8 + k]) << np.uint64(k * width)
-            for b in range(width):
-                out_row[i * width + b] = np.uint8(word >> np.uint64(8 * b) & np.uint64(0xFF))
+    _pack_codes(codes, width, out_row)
 
 
 @numba.njit(**_inline)
@@ -671,64 +697,193 @@ def _store_u64(typingctx, arr, i, offset, value):  # type: ignore[no-untyped-def
 
 
 @numba.njit(**_inline)
+def _q_accumulate_record(records, i, x, width, table, d, f32, u32):
+    """codec.decode_accumulate_torch of record ``i`` into row ``i`` of ``x`` (HIERARCHICAL4X32;
+    ``table``: the decode table; ``d`` [16] scratch for the scales of the groups of 16)."""
+    code_nbytes = 32 * width
+    dk = code_nbytes + H4_BLOCKS // 2
+    u32[0] = np.uint32(
+        (np.uint32(records[i, dk]) | (np.uint32(records[i, dk + 1]) << 8)) << 16)
+    dunit = f32[0]
+    for db in range(H4_BLOCKS):
+        dq = np.uint32(records[i, code_nbytes + (db >> 1)]) >> np.uint32(4 * (db & 1))
+        ds = np.float32(np.int32(dq & np.uint32(0xF)) + 1) * dunit
+        d[2 * db] = ds
+        d[2 * db + 1] = ds
+    if 8 % width == 0:
+        per_byte = 8 // width
+        group_nbytes = GROUP // per_byte
+        for dg in range(GROUPS):
+            dscale = d[dg]
+            for dm in range(group_nbytes):
+                dat = np.int64(records[i, dg * group_nbytes + dm]) * per_byte
+                for dk in range(per_byte):
+                    dc = dg * GROUP + dm * per_byte + dk
+                    dvalue = table[dat + dk] * dscale
+                    x[i, dc] = x[i, dc] + dvalue
+    else:
+        # Bitstream widths: 8 codes per w bytes, read as one 8-byte word
+        dmask = np.uint64((1 << width) - 1)
+        for dm in range(SUPER // 8):
+            dscale = d[dm >> 1]
+            dword = _load_u64(records, i, dm * width)
+            for dk in range(8):
+                dc = dm * 8 + dk
+                code = np.int64(dword >> np.uint64(dk * width) & dmask)
+                x[i, dc] = x[i, dc] + table[code] * dscale
+
+
+@numba.njit(**JIT_OPTIONS)
+def _window_level(a, window, width):
+    """``(r, m_r, m_{r+1})`` for a magnitude ``a`` in [0, 1] at up to 6 bits: r = #{interior
+    m_t <= a}, by halving a window of magnitudes held in registers. ``window`` is ``ext[1..32]``
+    (:func:`_window_table`, a tuple of scalars: a select between two loads of ``ext`` inside the
+    coordinate loop became a gather). v0..v(2h) hold the window ext[r .. r + 2h]; each step
+    compares its middle and keeps the upper or the lower half with the same mask (selects of
+    values: no gather). ``ext`` is +inf past the last interior magnitude, so hi = min(first
+    magnitude above a, 1). 6 bits: 5 compares and 36 selects per lane; the steps a width does
+    not need are dead code (``width`` is a literal)."""
+    _always_inline()
+    (v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, v16,
+     v17, v18, v19, v20, v21, v22, v23, v24, v25, v26, v27, v28, v29, v30, v31, v32) = window
+    v0 = _F0
+    r = 0
+    if width >= 6:
+        below = v16 <= a
+        r += 16 if below else 0
+        v0 = v16 if below else v0
+        v1 = v17 if below else v1
+        v2 = v18 if below else v2
+        v3 = v19 if below else v3
+        v4 = v20 if below else v4
+        v5 = v21 if below else v5
+        v6 = v22 if below else v6
+        v7 = v23 if below else v7
+        v8 = v24 if below else v8
+        v9 = v25 if below else v9
+        v10 = v26 if below else v10
+        v11 = v27 if below else v11
+        v12 = v28 if below else v12
+        v13 = v29 if below else v13
+        v14 = v30 if below else v14
+        v15 = v31 if below else v15
+        v16 = v32 if below else v16
+    if width >= 5:
+        below = v8 <= a
+        r += 8 if below else 0
+        v0 = v8 if below else v0
+        v1 = v9 if below else v1
+        v2 = v10 if below else v2
+        v3 = v11 if below else v3
+        v4 = v12 if below else v4
+        v5 = v13 if below else v5
+        v6 = v14 if below else v6
+        v7 = v15 if below else v7
+        v8 = v16 if below else v8
+    if width >= 4:
+        below = v4 <= a
+        r += 4 if below else 0
+        v0 = v4 if below else v0
+        v1 = v5 if below else v1
+        v2 = v6 if below else v2
+        v3 = v7 if below else v3
+        v4 = v8 if below else v4
+    if width >= 3:
+        below = v2 <= a
+        r += 2 if below else 0
+        v0 = v2 if below else v0
+        v1 = v3 if below else v1
+        v2 = v4 if below else v2
+    below = v1 <= a
+    r += 1 if below else 0
+    return r, v1 if below else v0, min(v2 if below else v1, _F1)
+
+
+@numba.njit(**_inline)
+def _q_levels_table(p, d, u, codes, width, mags, nxt, rtab, bins, av, rv, sa, sb):
+    """Codes of the row ``p`` (scale factors ``d``, uniforms ``u``) into ``codes`` at 7 and 8
+    bits: the level from the bin table (a gather, scalar) between two vectorised loops. ``p``
+    is overwritten with the clamped values; ``av``, ``rv``, ``sa``, ``sb`` [256] scratch."""
+    top = (1 << (width - 1)) - 1  # R
+    bins_f = np.float32(bins)
+    for j in range(SUPER):
+        inv = d[j]
+        q = p[j] * inv
+        y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
+        a = abs(y)
+        av[j] = a
+        p[j] = y
+        rv[j] = np.int32(a * bins_f)  # a in [0, 1]: exact scaling, floor
+    for j in range(SUPER):
+        a = av[j]
+        r = rtab[rv[j]]
+        if nxt[r] <= a:
+            r += 1
+        rv[j] = r
+        sa[j] = mags[r]
+        sb[j] = mags[r + 1]
+    for j in range(SUPER):
+        a = av[j]
+        lo = sa[j]
+        level = rv[j] + (1 if (a - lo) > u[j] * (sb[j] - lo) else 0)
+        codes[j] = np.uint8(top - level if p[j] < _F0 else top + level)
+
+
+@numba.njit(**_inline)
+def _q_store_record(out, i, codes, width, bs, unit_bits):
+    """Record ``i`` of ``out``: the ``codes`` packed LSB-first (code j at bit j*w of the code
+    bytes), then the scale bytes (q - 1 as nibbles, block 2k in the low one, from ``bs``; then
+    the bf16 unit)."""
+    code_nbytes = 32 * width
+    if 8 % width == 0:
+        per_byte = 8 // width
+        for m in range(code_nbytes):
+            v = np.uint8(0)
+            for k in range(per_byte):
+                v |= np.uint8(codes[m * per_byte + k] << (k * width))
+            out[i, m] = v
+    else:
+        # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (8 stored,
+        # in order, so the next word's store overwrites the excess)
+        for m in range(SUPER // 8):
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(codes[m * 8 + k]) << np.uint64(k * width)
+            _store_u64(out, i, m * width, word)
+    for k in range(H4_BLOCKS // 2):
+        n0 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k]) - 1)
+        n1 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k + 1]) - 1)
+        out[i, code_nbytes + k] = np.uint8(n0 | (n1 << np.uint32(4)))
+    out[i, code_nbytes + H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
+    out[i, code_nbytes + H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
+
+
+@numba.njit(**_inline)
 def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key, perm_key,
             ptab, inv_n, correlated, records, table, hop):
     """codec._encode_rows of rows ``[lo, hi)`` of ``x`` (fp32 ``[rows, 256]``; row ``i``'s first
     coordinate has global index ``index_base[i]``) into ``out`` (uint8 ``[rows,
     record_nbytes]``), HIERARCHICAL4X32. With ``hop`` (a literal) each row first adds
     ``decode(records[i])`` (``table``: the decode table) into ``x[i]``: the fused hop. One
-    function holds the row loop, so the arrays are acquired once per launch, not per row."""
+    function holds the row loop, so the arrays are acquired once per launch, not per row. Its
+    steps that take arrays (the hop's decode, the 7-8 bit level table, the packing) are
+    numba-inlined leaves (no call inside, so numba prunes their reference counts); the level
+    window is a scalar function LLVM inlines (:func:`_always_inline`); the steps that call
+    other functions (the scale spreading, the uniforms) stay here. The machine code is the
+    one-function version's (the same instruction counts, to within spill slots)."""
     _prefer_wide_vectors()
     (t, f32, u32, bs, sa, sb, d, p, u, pv, codes, av, rv) = _q_scratch()
     ext = _window_table(mags)
-    # The level search's magnitudes as scalars (a select between two loads of ``ext`` inside the
-    # coordinate loop became a gather); the halving steps a width does not need are dead code.
-    e1, e2, e3, e4 = ext[1], ext[2], ext[3], ext[4]
-    e5, e6, e7, e8 = ext[5], ext[6], ext[7], ext[8]
-    e9, e10, e11, e12 = ext[9], ext[10], ext[11], ext[12]
-    e13, e14, e15, e16 = ext[13], ext[14], ext[15], ext[16]
-    e17, e18, e19, e20 = ext[17], ext[18], ext[19], ext[20]
-    e21, e22, e23, e24 = ext[21], ext[22], ext[23], ext[24]
-    e25, e26, e27, e28 = ext[25], ext[26], ext[27], ext[28]
-    e29, e30, e31, e32 = ext[29], ext[30], ext[31], ext[32]
+    window = (ext[1], ext[2], ext[3], ext[4], ext[5], ext[6], ext[7], ext[8],
+              ext[9], ext[10], ext[11], ext[12], ext[13], ext[14], ext[15], ext[16],
+              ext[17], ext[18], ext[19], ext[20], ext[21], ext[22], ext[23], ext[24],
+              ext[25], ext[26], ext[27], ext[28], ext[29], ext[30], ext[31], ext[32])
+    top = (1 << (width - 1)) - 1  # R
     xb = x.view(np.uint32)
     tf = t.view(np.float32)
     for i in range(lo, hi):
         if hop:  # codec.decode_accumulate_torch of record i into row i
-            code_nbytes = 32 * width
-            dk = code_nbytes + H4_BLOCKS // 2
-            u32[0] = np.uint32(
-                (np.uint32(records[i, dk]) | (np.uint32(records[i, dk + 1]) << 8)) << 16)
-            dunit = f32[0]
-            for db in range(H4_BLOCKS):
-                dq = np.uint32(records[i, code_nbytes + (db >> 1)]) >> np.uint32(4 * (db & 1))
-                ds = np.float32(np.int32(dq & np.uint32(0xF)) + 1) * dunit
-                d[2 * db] = ds
-                d[2 * db + 1] = ds
-            if 8 % width == 0:
-                per_byte = 8 // width
-                group_nbytes = GROUP // per_byte
-                for dg in range(GROUPS):
-                    dscale = d[dg]
-                    for dm in range(group_nbytes):
-                        dat = np.int64(records[i, dg * group_nbytes + dm]) * per_byte
-                        for dk in range(per_byte):
-                            dc = dg * GROUP + dm * per_byte + dk
-                            dvalue = table[dat + dk] * dscale
-                            x[i, dc] = x[i, dc] + dvalue
-            else:
-                # Bitstream widths: 8 codes per w bytes, read as one 8-byte word
-                dmask = np.uint64((1 << width) - 1)
-                for dm in range(SUPER // 8):
-                    dscale = d[dm >> 1]
-                    dword = _load_u64(records, i, dm * width)
-                    for dk in range(8):
-                        dc = dm * 8 + dk
-                        code = np.int64(dword >> np.uint64(dk * width) & dmask)
-                        x[i, dc] = x[i, dc] + table[code] * dscale
-        base = index_base[i]
-        top = (1 << (width - 1)) - 1  # R
-        code_nbytes = 32 * width
+            _q_accumulate_record(records, i, x, width, table, d, f32, u32)
         tiny, unit_bits = _q_scales(xb, i, t, tf, f32, u32, bs)
         # the per-block inverse scales at every coordinate: 8 -> 256 by doubling
         _dup(bs, sa, 8)
@@ -752,6 +907,7 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
         # Uniforms (rng.rounding_uniforms): gamma from one mix32 per coordinate (the row's inner
         # hash, two where the row crosses a multiple of 2**32 of the global index); correlated:
         # u = (pi(rank) + gamma) / n, pi per run of 16 from the permutation table.
+        base = index_base[i]
         lo32 = _lo32(base)
         jrow = _row_key(jitter_key, base)
         jend = _row_key(jitter_key, base + SUPER - 1)
@@ -776,122 +932,18 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
                 g_lo = np.uint32(lo32 + np.uint32(j))
                 k = jend if g_lo < lo32 else jrow
                 u[j] = np.float32(_mix32(np.uint32(k ^ g_lo)) >> np.uint32(8)) * _TWO_M24
-        if width <= 6:
-            # r = #{interior m_t <= a}, lo = m_r, hi = m_{r+1} by halving: v0..v(2h) hold the
-            # window ext[r .. r + 2h]; each step compares its middle and keeps the upper or the
-            # lower half with the same mask (selects of values: no gather). ext is +inf past the
-            # last interior magnitude, so hi = min(first magnitude above a, 1). 6 bits: 5
-            # compares and 36 selects per lane; the steps a width does not need are dead code.
+        if width <= 6:  # the level by a window search in registers, per coordinate
             for j in range(SUPER):
                 inv = d[j]
                 q = p[j] * inv  # inv > 0 exactly where the scale is usable
                 y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
                 a = abs(y)
-                v0 = _F0
-                v1, v2, v3, v4, v5, v6, v7, v8 = e1, e2, e3, e4, e5, e6, e7, e8
-                v9, v10, v11, v12, v13, v14, v15, v16 = e9, e10, e11, e12, e13, e14, e15, e16
-                v17, v18, v19, v20, v21, v22, v23, v24 = e17, e18, e19, e20, e21, e22, e23, e24
-                v25, v26, v27, v28, v29, v30, v31, v32 = e25, e26, e27, e28, e29, e30, e31, e32
-                r = 0
-                if width >= 6:
-                    below = v16 <= a
-                    r += 16 if below else 0
-                    v0 = v16 if below else v0
-                    v1 = v17 if below else v1
-                    v2 = v18 if below else v2
-                    v3 = v19 if below else v3
-                    v4 = v20 if below else v4
-                    v5 = v21 if below else v5
-                    v6 = v22 if below else v6
-                    v7 = v23 if below else v7
-                    v8 = v24 if below else v8
-                    v9 = v25 if below else v9
-                    v10 = v26 if below else v10
-                    v11 = v27 if below else v11
-                    v12 = v28 if below else v12
-                    v13 = v29 if below else v13
-                    v14 = v30 if below else v14
-                    v15 = v31 if below else v15
-                    v16 = v32 if below else v16
-                if width >= 5:
-                    below = v8 <= a
-                    r += 8 if below else 0
-                    v0 = v8 if below else v0
-                    v1 = v9 if below else v1
-                    v2 = v10 if below else v2
-                    v3 = v11 if below else v3
-                    v4 = v12 if below else v4
-                    v5 = v13 if below else v5
-                    v6 = v14 if below else v6
-                    v7 = v15 if below else v7
-                    v8 = v16 if below else v8
-                if width >= 4:
-                    below = v4 <= a
-                    r += 4 if below else 0
-                    v0 = v4 if below else v0
-                    v1 = v5 if below else v1
-                    v2 = v6 if below else v2
-                    v3 = v7 if below else v3
-                    v4 = v8 if below else v4
-                if width >= 3:
-                    below = v2 <= a
-                    r += 2 if below else 0
-                    v0 = v2 if below else v0
-                    v1 = v3 if below else v1
-                    v2 = v4 if below else v2
-                below = v1 <= a
-                r += 1 if below else 0
-                lo = v1 if below else v0
-                hi = min(v2 if below else v1, _F1)
-                level = r + (1 if (a - lo) > u[j] * (hi - lo) else 0)
+                r, m_lo, m_hi = _window_level(a, window, width)
+                level = r + (1 if (a - m_lo) > u[j] * (m_hi - m_lo) else 0)
                 codes[j] = np.uint8(top - level if y < _F0 else top + level)
         else:
-            # 7 and 8 bits: the bin table (a gather, scalar) between two vectorised loops.
-            bins_f = np.float32(bins)
-            for j in range(SUPER):
-                inv = d[j]
-                q = p[j] * inv
-                y = min(max(q if inv > _F0 else _F0, _FM1), _F1)
-                a = abs(y)
-                av[j] = a
-                p[j] = y
-                rv[j] = np.int32(a * bins_f)  # a in [0, 1]: exact scaling, floor
-            for j in range(SUPER):
-                a = av[j]
-                r = rtab[rv[j]]
-                if nxt[r] <= a:
-                    r += 1
-                rv[j] = r
-                sa[j] = mags[r]
-                sb[j] = mags[r + 1]
-            for j in range(SUPER):
-                a = av[j]
-                lo = sa[j]
-                level = rv[j] + (1 if (a - lo) > u[j] * (sb[j] - lo) else 0)
-                codes[j] = np.uint8(top - level if p[j] < _F0 else top + level)
-        # Pack LSB-first: code j goes to byte j*w//8 at bit j*w%8.
-        if 8 % width == 0:
-            per_byte = 8 // width
-            for m in range(code_nbytes):
-                v = np.uint8(0)
-                for k in range(per_byte):
-                    v |= np.uint8(codes[m * per_byte + k] << (k * width))
-                out[i, m] = v
-        else:
-            # codec._pack_bitstream: 8 codes in one 8w-bit word, stored as w bytes (8 stored,
-            # in order, so the next word's store overwrites the excess)
-            for m in range(SUPER // 8):
-                word = np.uint64(0)
-                for k in range(8):
-                    word |= np.uint64(codes[m * 8 + k]) << np.uint64(k * width)
-                _store_u64(out, i, m * width, word)
-        # the scale bytes: q - 1 as nibbles (block 2k in the low one), then the bf16 unit
-        for k in range(H4_BLOCKS // 2):
-            n0 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k]) - 1)
-            n1 = np.uint32(np.int32(bs[2 * H4_BLOCKS + 2 * k + 1]) - 1)
-            out[i, code_nbytes + k] = np.uint8(n0 | (n1 << np.uint32(4)))
-        out[i, code_nbytes + H4_BLOCKS // 2] = np.uint8(unit_bits & np.uint32(0xFF))
-        out[i, code_nbytes + H4_BLOCKS // 2 + 1] = np.uint8(unit_bits >> np.uint32(8))
+            _q_levels_table(p, d, u, codes, width, mags, nxt, rtab, bins, av, rv, sa, sb)
+        _q_store_record(out, i, codes, width, bs, unit_bits)
 
 
 @numba.njit(**_inline)

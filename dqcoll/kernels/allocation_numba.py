@@ -1,4 +1,5 @@
-"""The allocation of :func:`dqcoll.schemes.dynamiq.allocation.allocate_widths`, compiled (numba).
+"""The allocation of :func:`dqcoll.schemes.dynamiq.allocation_paper.allocate_widths_paper` (the
+paper's closed form), compiled (numba).
 
 The reference bisects ``u`` with torch ops over the active super-groups (those whose width still
 differs between the ends of the bracket). Even compiled, that evaluates ~5 S rows over the
@@ -36,23 +37,6 @@ NO_FINITE = 0  # no super-group with a finite, non-zero norm: widths do not depe
 OVER_BUDGET = 1  # even every finite super-group at 2 bits does not fit: u is the cheapest end
 RICHEST = 2  # every finite super-group at max_width fits: u is the richest end
 SEARCHED = 3  # u is the bisection's answer
-
-
-@numba.njit(**dict(JIT_OPTIONS, inline="always"))
-def _width(log_f, zero, u, slope, max_width):
-    """allocation._width_of: 0 for a zero row, 8 for NaN, else 2/4/8/16 by ``slope*log_f + u``."""
-    if zero:
-        return 0
-    if log_f != log_f:
-        return 8
-    v = slope * log_f + u
-    if max_width == 16 and v >= 16.0:
-        return 16
-    if v >= 8.0:
-        return 8
-    if v >= 4.0:
-        return 4
-    return 2
 
 
 @numba.njit(**dict(JIT_OPTIONS, inline="always"))
@@ -156,7 +140,8 @@ def _search(values, log_f, zero, zeros, nans, costs, limit, u_lo, u_hi, bracket,
 
 @numba.njit(**dict(JIT_OPTIONS, inline="always"))
 def _write_widths(log_f, zero, u, slope, max_width, widths):
-    """``widths[i] = _width(log_f[i], zero[i], u, ...)`` without branches: the rows come in
+    """``widths[i]`` by the paper's rule (allocation_paper._widths_for: 0 for a zero row, 8 for
+    NaN, else 2/4/8/16 by ``slope * log_f + u``) without branches: the rows come in
     buffer order, where a branch per threshold mispredicted for ~0.4 ms per 2^16 rows."""
     raw = max_width == 16
     for i in range(log_f.shape[0]):

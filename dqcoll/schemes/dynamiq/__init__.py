@@ -1,17 +1,22 @@
 """DynamiQ (arXiv 2602.08923): the flagship scheme. See :mod:`.codec` for the format,
-:mod:`.allocation` for the bit allocation, :mod:`.rng` for the random numbers and :mod:`.scheme`
-for the per-call planning."""
+:mod:`.options` for the scheme's options and format presets, :mod:`.allocation` for dqcoll's bit
+allocation (:mod:`.allocation_paper` for the paper's), :mod:`.rng` for the random numbers,
+:mod:`.scheme` for the scheme and :mod:`.call` for the per-call planning."""
 
 from __future__ import annotations
 
 from .allocation import Allocation, allocate_widths, min_bits
+from .call import DynamiqCall
 from .codec import CodecConfig, Levels, RoundingMode, Scales, Widths
-from .scheme import DynamiqCall, DynamiqScheme
+from .options import FORMATS, DynamiqFormat
+from .scheme import DynamiqScheme
 
 __all__ = [
+    "FORMATS",
     "Allocation",
     "CodecConfig",
     "DynamiqCall",
+    "DynamiqFormat",
     "DynamiqScheme",
     "Levels",
     "RoundingMode",

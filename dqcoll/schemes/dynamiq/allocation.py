@@ -1,31 +1,30 @@
-"""Budgeted bit allocation: one width per super-group from the all-reduced statistics.
+"""Bit allocation of dqcoll's format (format 3): one width per super-group from the all-reduced
+statistics, and per partial-sum size with hop widths.
 
-Equal marginal gain per bit gives thresholds on the summed squared norm ``F`` of a super-group with
-fixed ratios, ``T(2->4) = 17/512 * T(4->8)``, so the width has a closed form with one free scalar
-``u``:
+A super-group of summed squared norm ``F`` costs ``F * e_w`` error at ``B_w`` record bytes with
+width ``w``. Minimising the total error under a byte budget (Lagrange multiplier ``2**-u``) gives
+the *hull rule*: over the widths on the lower convex hull of ``(B_w, e_w)``, width ``hull[k]``
+from ``log2 F + u >= o_k`` on, with offsets ``o_k = log2((B_k - B_{k-1}) / (e_{k-1} - e_k))``
+(:func:`hull_offsets`). The errors ``e_w`` are the codec's own measured single-shot errors
+(:data:`MEASURED_ERRORS`, ``thresholds="measured"``) or ``4**-w`` (``thresholds="paper"``), over
+widths 2..8 and raw 16. One scalar ``u`` is then found by bisection (float64, 64 halvings):
 
-    width = 2 ** clamp(floor(log2(c * log2 F + u)), 1, 3),   c = 4 / log2(512 / 17)
+* :func:`allocate_widths`: the largest ``u`` whose records plus statistics fit ``bits * numel / 8``
+  bytes;
+* :func:`allocate_widths_by_count` (``hop_widths``, the default all-reduce): one width per
+  super-group *and* partial-sum size ``c``, ``log2 F`` shifted by ``log2(alpha_c / tau_c)``
+  (:func:`count_classes`), under the budget of the transfers' average bytes;
+* :func:`allocate_for_target` / :func:`allocate_for_target_by_count` (``target_vnmse``): the
+  smallest ``u`` whose predicted vNMSE (:mod:`.error_model`) meets the target.
 
-i.e. ``v = c * log2 F + u`` gives 2 bits below 4, 4 bits in [4, 8) and 8 bits from 8 on; we compare
-``v`` with 4 and 8 directly, which is the same thing without a second logarithm. ``u`` is found by
-bisection (float64, a fixed number of halvings) as the largest value whose total wire cost
-(records + statistics) fits ``bits * numel / 8`` bytes. Super-groups whose summed norm is exactly
-zero are zero on every rank after centring and get width 0 (no record). The allocation depends only
-on all-reduced values, so every rank computes the same widths without communication.
+Each bisection step costs the rule by binary searches in the sorted keys (:class:`_HullCost`),
+not row by row. Everything read is all-reduced, so every rank computes the same widths without
+communication. Zero super-groups get width 0 (no record); non-finite ``F`` (an Inf/NaN input)
+gets 8 bits, and the NaN flows through the records to every rank's output; an overflowed (+inf)
+norm of finite values ranks as the largest finite one.
 
-The bisection evaluates the cost only where it can change: widths grow monotonically with ``u``,
-so between a known-feasible and a known-infeasible ``u`` only the super-groups whose widths differ
-at the two ends (the *active* ones) need evaluating, and their number shrinks with every halving
-(about ``2 S`` row evaluations in all instead of ``64 S``). A hint ``u_hint`` (e.g. the previous
-step's ``u``) brackets the answer first; the halvings from the initial bracket are then replayed
-with decisions outside the known bracket taken for free. The sequence of midpoints and decisions
-is the one of a plain bisection either way, so ``u`` and the widths are bit for bit the same with
-or without a hint. Where the CPU kernels are numba's, :mod:`dqcoll.kernels.allocation_numba` runs
-the same halvings on costs counted in the sorted norms (~0.5 ms per call at 2^16 super-groups,
-where these torch ops took ~5 ms), bit for bit the same.
-
-Non-finite ``F`` (an Inf/NaN input, or a norm that overflowed fp32) gets 8 bits; NaN values then
-flow through the records to every rank's output.
+The paper's own rule, a closed form over {2, 4, 8} (``format="paper"``), is
+:mod:`.allocation_paper`; ``widths="fixed"`` (4 bits everywhere) is :func:`fixed_widths`.
 """
 
 from __future__ import annotations
@@ -38,32 +37,29 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .codec import (
-    RAW_WIDTH,
-    SUPER,
-    WIDTHS,
-    Levels,
-    ProtoScales,
-    Scales,
-    Widths,
-    record_nbytes,
-)
+from .codec import ALL_WIDTHS, FINE_WIDTHS, RAW_WIDTH, Levels, ProtoScales, Scales, record_nbytes
 from .error_model import EPSILON, predicted_vnmse
 
 __all__ = [
-    "C_SLOPE",
+    "MEASURED_ERRORS",
+    "STATS_BYTES",
     "STATS_BYTES_PER_SUPER",
     "Allocation",
     "allocate_for_target",
+    "allocate_for_target_by_count",
     "allocate_widths",
+    "allocate_widths_by_count",
+    "count_classes",
+    "fixed_widths",
+    "hull_offsets",
     "min_bits",
 ]
 
-C_SLOPE = 4.0 / math.log2(512.0 / 17.0)
 # statistics bytes per super-group, by the scheme's ``stats`` option
 STATS_BYTES = {"fp32": 8, "bf16": 4, "norm16": 2}
 STATS_BYTES_PER_SUPER = STATS_BYTES["norm16"]  # the default: the bf16 squared norm
-_BISECTION_STEPS = 64
+BISECTION_STEPS = 64
+FIXED_WIDTH = 4  # widths="fixed"
 
 # Single-quantization vNMSE of i.i.d. N(0, 1) per width (groups of 16; 8192 super-groups,
 # measured with the reference codec; docs/dense_gap.md). ``thresholds="measured"`` puts the
@@ -82,6 +78,38 @@ MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
         2: 0.7693, 3: 0.0795, 4: 0.01532, 5: 0.003345, 6: 7.794e-4, 7: 1.891e-4, 8: 8.705e-5,
         16: 4.141e-8},
 }
+# dqcoll's format (format 3) without hop widths: the defaults of allocate_widths
+_FORMAT3_ERRORS = MEASURED_ERRORS[(Levels.TUNED, Scales.HIERARCHICAL4X32)]
+# Ties (bf16 statistics leave few distinct norms on dense data) are broken by row index in the
+# by-count rules so that the bisection can split them and the budget is used up: 2**-30 per row
+# is far below the spacing of distinct norms (>= log2(1 + 2**-8)).
+_TIE_BREAK = 2.0**-30
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    widths: torch.Tensor  # int64 [S]: 0 (no record), 2..8 or 16
+    u: float  # the allocation parameter found (nan when not searched)
+    payload_nbytes: int  # sum of record sizes
+    stats_nbytes: int
+    budget_nbytes: int
+    over_budget: bool  # even the cheapest allocation did not fit (tiny buffers)
+    predicted_vnmse: float = float("nan")  # target mode: the error model's prediction
+    target_met: bool | None = None  # target mode: False when even 8 bits everywhere falls short
+    kernel: str = "torch"  # the implementation that computed it: "numba" (compiled) or "torch"
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.payload_nbytes + self.stats_nbytes
+
+
+def min_bits(scales: Scales = Scales.HIERARCHICAL4X32,
+             stats_bytes: int = STATS_BYTES_PER_SUPER) -> float:
+    """The smallest budget that can hold every super-group at 2 bits, per coordinate."""
+    return (record_nbytes(2, scales) + stats_bytes) * 8.0 / 256
+
+
+# -- the hull rule ----------------------------------------------------------------------------
 
 
 def hull_offsets(
@@ -113,236 +141,40 @@ def hull_offsets(
     return [w for _, _, w in hull], offsets
 
 
-@dataclasses.dataclass(frozen=True)
-class Allocation:
-    widths: torch.Tensor  # int64 [S] in {0, 2, 4, 8}
-    u: float  # the allocation parameter found (nan when not searched)
-    payload_nbytes: int  # sum of record sizes
-    stats_nbytes: int
-    budget_nbytes: int
-    over_budget: bool  # even the cheapest allocation did not fit (tiny buffers)
-    predicted_vnmse: float = float("nan")  # target mode: the error model's prediction
-    target_met: bool | None = None  # target mode: False when even 8 bits everywhere falls short
-    kernel: str = "torch"  # the implementation that computed it: "numba" (compiled) or "torch"
-
-    @property
-    def total_nbytes(self) -> int:
-        return self.payload_nbytes + self.stats_nbytes
-
-
-def min_bits(scales: Scales = Scales.HIERARCHICAL4X32,
-             stats_bytes: int = STATS_BYTES_PER_SUPER) -> float:
-    """The smallest budget that can hold every super-group at 2 bits, per coordinate."""
-    return (record_nbytes(2, scales) + stats_bytes) * 8.0 / SUPER
-
-
-def _widths_for(
-    log_f: torch.Tensor, zero: torch.Tensor, u: float, max_width: int = 8
-) -> torch.Tensor:
-    v = C_SLOPE * log_f + u
-    widths = torch.where(v >= 8.0, 8, torch.where(v >= 4.0, 4, 2))  # NaN v -> 2, fixed below
+def _hull_widths(width_set: Sequence[int], max_width: int, errors: dict[int, float] | None,
+                 scales: Scales) -> tuple[list[int], list[float], int]:
+    """The widths the hull rule chooses among, their hull offsets and the widest coded width
+    (errors default to the paper's ``4**-w`` assumption)."""
+    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
     if max_width == RAW_WIDTH:
-        widths = torch.where(v >= 16.0, RAW_WIDTH, widths)
-    widths = torch.where(torch.isnan(log_f), 8, widths)
-    return torch.where(zero, 0, widths)
+        widths_all = (*widths_all, RAW_WIDTH)
+    if errors is None:
+        errors = {w: 4.0**-w for w in widths_all}
+    hull, offsets = hull_offsets(widths_all, errors, scales)
+    return hull, offsets, max(w for w in hull if w != RAW_WIDTH)
 
 
-def _width_of(log_f: float, zero: bool, u: float, max_width: int = 8) -> int:
-    """:func:`_widths_for` of one row, in Python floats (bit-identical decisions)."""
-    if zero:
-        return 0
-    if math.isnan(log_f):
-        return 8
-    v = C_SLOPE * log_f + u
-    if max_width == RAW_WIDTH and v >= 16.0:
-        return RAW_WIDTH
-    return 8 if v >= 8.0 else 4 if v >= 4.0 else 2
+def _hull_rule(log_f: torch.Tensor, zero: torch.Tensor, nan: torch.Tensor, hull: list[int],
+               offsets: list[float], top: int, u: float, shift: float = 0.0) -> torch.Tensor:
+    """Each row's width by the hull rule: ``hull[k]`` from ``log2 F + shift + u >= o_k`` on (the
+    widest width for NaN rows, 0 for zero rows)."""
+    key = log_f + shift if shift else log_f
+    w = torch.full_like(log_f, hull[0], dtype=torch.int64)
+    for width, off in zip(hull[1:], offsets[1:], strict=False):
+        w = torch.where(key + u >= off, width, w)
+    w = torch.where(nan, top, w)
+    return torch.where(zero, 0, w)
 
 
-def allocate_widths(
-    norm2: torch.Tensor,
-    numel: int,
-    bits: float,
-    *,
-    widths_mode: Widths = Widths.VARIABLE,
-    scales: Scales = Scales.HIERARCHICAL,
-    u_hint: float | None = None,
-    max_width: int = 8,
-    energy_exponent: float = 1.0,
-    width_set: tuple[int, ...] | None = None,
-    errors: dict[int, float] | None = None,
-    stats_bytes: int = STATS_BYTES["fp32"],
-) -> Allocation:
-    """Widths for super-groups with summed squared norms ``norm2`` (fp32 [S]) under a budget of
-    ``bits`` per coordinate over ``numel`` coordinates (records plus statistics). ``u_hint``, a
-    guess of the answer's ``u``, saves work and never changes the result. ``max_width=16``
-    lets the largest super-groups go raw (see :mod:`.codec`).
-
-    ``energy_exponent`` (``a``) ranks super-groups by ``F ** a`` instead of ``F``: 1 is the
-    paper's allocation (equal marginal vNMSE gain per bit if one quantization's error were
-    proportional to ``4 ** -b``; docs/allocation.md); below 1 the widths follow the
-    energies less steeply, so low-energy super-groups keep more bits (0: every super-group the
-    same width). See :class:`~dqcoll.schemes.dynamiq.scheme.DynamiqScheme`."""
-    rows = norm2.numel()
-    # On the host, in float64: every rank (and every device type) computes the same widths, and
-    # the executor needs the payload sizes on the host anyway.
-    norm2 = norm2.detach().to("cpu")
-    stats = stats_bytes * rows
-    budget = math.floor(bits * numel / 8.0)
-    lookup = _cost_lookup(scales)
-
-    def cost(widths: torch.Tensor) -> int:
-        return int(lookup[widths].sum().item())
-
-    if widths_mode is Widths.VARIABLE and (width_set is not None or errors is not None):
-        return _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent,
-                              width_set or WIDTHS, errors, stats, budget, cost)
-
-    if widths_mode is Widths.FIXED:
-        widths = torch.full((rows,), 4, dtype=torch.int64)
-        payload = cost(widths)
-        return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
-
-    f = norm2.double()
-    zero = f == 0
-    log_f = torch.log2(torch.where(zero, 1.0, f))  # +inf for inf, nan for nan
-    compiled = _compiled_allocation()
-    if compiled is not None:  # the same allocation, compiled (kernels/allocation_numba)
-        from ...kernels import allocation_numba
-
-        widths = torch.empty(rows, dtype=torch.int64)
-        status, u, payload = compiled(log_f.numpy(), zero.numpy(), lookup.numpy(), budget - stats,
-                                      _BISECTION_STEPS, C_SLOPE, max_width, energy_exponent,
-                                      widths.numpy())
-        if status == allocation_numba.NO_FINITE:
-            return Allocation(widths, float("nan"), payload, stats, budget,
-                              payload + stats > budget, kernel="numba")
-        return Allocation(widths, u, payload, stats, budget,
-                          status == allocation_numba.OVER_BUDGET, kernel="numba")
-    # +inf is a finite input whose squared norm overflowed fp32 (Inf/NaN inputs give NaN after
-    # centring): rank it as the largest finite norm rather than spending 8 bits on it.
-    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
-    if energy_exponent != 1.0:
-        log_f = log_f * energy_exponent
-    finite = torch.isfinite(log_f) & ~zero
-    if not bool(finite.any()):
-        widths = _widths_for(log_f, zero, 0.0, max_width)
-        payload = cost(widths)
-        return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
-    lo_log = float(log_f[finite].min())
-    hi_log = float(log_f[finite].max())
-    u_lo = 4.0 - C_SLOPE * hi_log - 1.0  # every finite super-group at 2 bits
-    u_hi = float(max_width) - C_SLOPE * lo_log  # every finite super-group at max_width
-    cheapest = _widths_for(log_f, zero, u_lo, max_width)
-    if cost(cheapest) + stats > budget:
-        return Allocation(cheapest, u_lo, cost(cheapest), stats, budget, True)
-    richest = _widths_for(log_f, zero, u_hi, max_width)
-    if cost(richest) + stats <= budget:
-        return Allocation(richest, u_hi, cost(richest), stats, budget, False)
-    search = _Bracket(log_f, zero, lookup, budget - stats, (u_lo, cheapest), (u_hi, richest),
-                      max_width)
-    if u_hint is not None and math.isfinite(u_hint):
-        search.bracket_around(float(u_hint))
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (u_lo + u_hi)
-        if search.feasible(mid):
-            u_lo = mid
-        else:
-            u_hi = mid
-    widths = _widths_for(log_f, zero, u_lo, max_width)
-    return Allocation(widths, u_lo, cost(widths), stats, budget, False)
+def cost_lookup(scales: Scales) -> torch.Tensor:
+    """Record bytes by width (int64 [17]; 0 for width 0)."""
+    lookup = torch.zeros(RAW_WIDTH + 1, dtype=torch.int64)
+    for w in ALL_WIDTHS:
+        lookup[w] = record_nbytes(w, scales)
+    return lookup
 
 
-class _Bracket:
-    """A known-feasible and a known-infeasible ``u`` and the rows whose widths differ between them.
-
-    ``feasible(u)`` answers from the bracket when ``u`` lies outside it and otherwise evaluates
-    only the active rows, then narrows the bracket to ``u``: exact, because every row's width is
-    monotone in ``u`` (``fl(a + u)`` is monotone in ``u``), so a row with equal widths at both ends
-    has that width everywhere between them.
-    """
-
-    _HINT_STEP = 2.0**-10  # first half-width around a hint (u is O(1..100)); x8 per retry
-    # At most this many active rows: evaluate them in Python floats (the same IEEE double
-    # multiply and add as the tensor ops, without their per-call overhead; a bisection ends with
-    # dozens of evaluations of a handful of rows).
-    _PYTHON_ROWS = 16
-
-    def __init__(
-        self,
-        log_f: torch.Tensor,
-        zero: torch.Tensor,
-        lookup: torch.Tensor,
-        limit: int,
-        low: tuple[float, torch.Tensor],
-        high: tuple[float, torch.Tensor],
-        max_width: int = 8,
-    ) -> None:
-        self.max_width = max_width
-        self.lookup = lookup
-        self.limit = limit  # payload bytes allowed
-        self.u_lo, widths_lo = low  # feasible
-        self.u_hi, widths_hi = high  # infeasible
-        active = torch.nonzero(widths_lo != widths_hi).squeeze(1)
-        self.log_f, self.zero = log_f[active], zero[active]
-        self.w_lo, self.w_hi = widths_lo[active], widths_hi[active]
-        # cost of the rows whose width is settled
-        self.base = int(lookup[widths_lo].sum()) - int(lookup[self.w_lo].sum())
-        self.evaluations = 0
-        self._rows: list[tuple[float, bool, int, int]] | None = None  # the Python-float mode
-
-    def feasible(self, u: float) -> bool:
-        if u <= self.u_lo:
-            return True
-        if u >= self.u_hi:
-            return False
-        self.evaluations += 1
-        if self._rows is not None or self.log_f.numel() <= self._PYTHON_ROWS:
-            return self._feasible_few(u)
-        widths = _widths_for(self.log_f, self.zero, u, self.max_width)
-        ok = self.base + int(self.lookup[widths].sum()) <= self.limit
-        settled = widths == (self.w_hi if ok else self.w_lo)
-        self.base += int(self.lookup[widths[settled]].sum())
-        keep = ~settled
-        self.log_f, self.zero, widths = self.log_f[keep], self.zero[keep], widths[keep]
-        if ok:
-            self.u_lo, self.w_lo, self.w_hi = u, widths, self.w_hi[keep]
-        else:
-            self.u_hi, self.w_lo, self.w_hi = u, self.w_lo[keep], widths
-        return ok
-
-    def _feasible_few(self, u: float) -> bool:
-        """:meth:`feasible` on the few remaining active rows, one Python float at a time."""
-        if self._rows is None:
-            self._costs = self.lookup.tolist()
-            self._rows = list(zip(self.log_f.tolist(), self.zero.tolist(), self.w_lo.tolist(),
-                                  self.w_hi.tolist(), strict=True))
-        widths = [_width_of(lf, zero, u, self.max_width) for lf, zero, _, _ in self._rows]
-        ok = self.base + sum(self._costs[w] for w in widths) <= self.limit
-        rows = []
-        for (lf, zero, w_lo, w_hi), w in zip(self._rows, widths, strict=True):
-            if w == (w_hi if ok else w_lo):
-                self.base += self._costs[w]  # settled
-            else:
-                rows.append((lf, zero, w, w_hi) if ok else (lf, zero, w_lo, w))
-        self._rows = rows
-        if ok:
-            self.u_lo = u
-        else:
-            self.u_hi = u
-        return ok
-
-    def bracket_around(self, hint: float) -> None:
-        """Narrow the bracket to a small interval around ``hint`` (when it is inside)."""
-        if not self.u_lo < hint < self.u_hi:
-            return
-        step = self._HINT_STEP
-        if self.feasible(hint):  # look above for an infeasible u (u_hi answers without work)
-            while self.feasible(min(hint + step, self.u_hi)):
-                step *= 8.0
-        else:  # look below for a feasible one
-            while not self.feasible(max(hint - step, self.u_lo)):
-                step *= 8.0
+# -- the set-up every entry point shares ---------------------------------------------------------
 
 
 def _log_energies(norm2: torch.Tensor, energy_exponent: float = 1.0
@@ -358,17 +190,109 @@ def _log_energies(norm2: torch.Tensor, energy_exponent: float = 1.0
     return log_f, zero
 
 
-def _hull_widths(width_set: Sequence[int], max_width: int, errors: dict[int, float] | None,
-                 scales: Scales) -> tuple[list[int], list[float], int]:
-    """The widths a generic allocation chooses among, their hull offsets and the widest coded
-    width (errors default to the paper's ``4**-w`` assumption)."""
-    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
-    if max_width == RAW_WIDTH:
-        widths_all = (*widths_all, RAW_WIDTH)
-    if errors is None:
-        errors = {w: 4.0**-w for w in widths_all}
-    hull, offsets = hull_offsets(widths_all, errors, scales)
-    return hull, offsets, max(w for w in hull if w != RAW_WIDTH)
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """The all-reduced norms as the hull rule reads them: on the host, float64 (every rank and
+    every device type computes the same widths, and the executor needs the sizes on the host)."""
+
+    log_f: torch.Tensor  # a * log2 F (+ the tie break in the by-count rules)
+    zero: torch.Tensor  # F == 0: width 0
+    nan: torch.Tensor  # F is NaN: the widest coded width
+    finite: torch.Tensor  # finite and non-zero: the rows the rule ranks
+    hull: list[int]  # the widths on the hull, narrowest first
+    offsets: list[float]  # their thresholds (offsets[0] = -inf)
+    top: int  # the widest coded width (NaN rows)
+
+    @classmethod
+    def of(cls, norm2: torch.Tensor, *, width_set: Sequence[int], errors: dict[int, float] | None,
+           scales: Scales, max_width: int, energy_exponent: float = 1.0,
+           tie_break: bool = False) -> _Rows:
+        hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
+        log_f, zero = _log_energies(norm2.detach().to("cpu"), energy_exponent)
+        nan = torch.isnan(log_f)
+        if tie_break:
+            rows = log_f.numel()
+            log_f = log_f + torch.arange(rows, dtype=torch.float64) * _TIE_BREAK / max(rows, 1)
+        finite = torch.isfinite(log_f) & ~zero
+        return cls(log_f, zero, nan, finite, hull, offsets, top)
+
+    @property
+    def searchable(self) -> bool:
+        """Whether ``u`` changes anything: some finite row, more than one width."""
+        return bool(self.finite.any()) and len(self.hull) > 1
+
+    def widths(self, u: float, shift: float = 0.0) -> torch.Tensor:
+        return _hull_rule(self.log_f, self.zero, self.nan, self.hull, self.offsets, self.top, u,
+                          shift)
+
+    def class_widths(self, u: float, shifts: dict[int, float]) -> dict[int, torch.Tensor]:
+        return {c: self.widths(u, shift) for c, shift in shifts.items()}
+
+    def bracket(self, shifts: Sequence[float] = (0.0,)) -> tuple[float, float]:
+        """``u`` with every finite row (of every class) at the narrowest width, and at the
+        widest."""
+        u_lo = self.offsets[1] - float(self.log_f[self.finite].max()) - max(shifts) - 1.0
+        u_hi = self.offsets[-1] - float(self.log_f[self.finite].min()) - min(shifts) + 1.0
+        return u_lo, u_hi
+
+    def cost(self, shifts: dict[int, float], lookup: torch.Tensor,
+             energies: torch.Tensor | None = None) -> _HullCost:
+        return _HullCost(self.log_f, self.zero, shifts, self.hull, self.offsets, self.top,
+                         lookup, energies)
+
+
+def target_energy(f: torch.Tensor, mean_sum: torch.Tensor, valid: torch.Tensor,
+                   world_size: int, rho: float) -> tuple[torch.Tensor, float]:
+    """Target mode's ``(F with non-finite rows zeroed, the energy the vNMSE is relative to)``:
+    the summed centred energy grown by the ranks' correlation ``rho``, plus the means'."""
+    finite_f = torch.where(torch.isfinite(f), f, 0.0)
+    energy = float(finite_f.sum()) * (1.0 + (world_size - 1) * rho)
+    means = mean_sum.detach().to("cpu", torch.float64)
+    counts = valid.detach().to("cpu", torch.float64)
+    energy += float((counts * means * means).nan_to_num(0.0, 0.0, 0.0).sum())
+    return finite_f, energy
+
+
+def _count_shifts(classes: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """Per count class ``c``: the key shift ``log2(alpha_c / tau_c)``."""
+    return {c: math.log2(a / t) for c, (a, t) in classes.items()}
+
+
+# -- bisections -----------------------------------------------------------------------------------
+
+
+def _largest_u_fitting(fits: Callable[[float], bool], u_lo: float, u_hi: float
+                       ) -> tuple[float, bool]:
+    """Budget mode's bisection: ``(the largest u that fits, whether even u_lo does not)``
+    (``u_hi`` when it fits)."""
+    if not fits(u_lo):
+        return u_lo, True
+    if fits(u_hi):
+        return u_hi, False
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (u_lo + u_hi)
+        if fits(mid):
+            u_lo = mid
+        else:
+            u_hi = mid
+    return u_lo, False
+
+
+def smallest_u_meeting(error: Callable[[float], float], target: float, u_lo: float,
+                        u_hi: float) -> float:
+    """Target mode's bisection: the smallest ``u`` (fewest bytes) whose predicted error is at
+    most ``target`` (``u_lo`` when even it meets it, ``u_hi`` when even it does not)."""
+    if error(u_lo) <= target:
+        return u_lo
+    if error(u_hi) > target:
+        return u_hi
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (u_lo + u_hi)
+        if error(mid) <= target:
+            u_hi = mid
+        else:
+            u_lo = mid
+    return u_hi
 
 
 class _HullCost:
@@ -447,57 +371,63 @@ class _HullCost:
         return starts
 
 
-def _hull_rule(log_f: torch.Tensor, zero: torch.Tensor, nan: torch.Tensor, hull: list[int],
-               offsets: list[float], top: int, u: float, shift: float = 0.0) -> torch.Tensor:
-    """Each row's width by the hull rule: ``hull[k]`` from ``log2 F + shift + u >= o_k`` on (the
-    widest width for NaN rows, 0 for zero rows)."""
-    key = log_f + shift if shift else log_f
-    w = torch.full_like(log_f, hull[0], dtype=torch.int64)
-    for width, off in zip(hull[1:], offsets[1:], strict=False):
-        w = torch.where(key + u >= off, width, w)
-    w = torch.where(nan, top, w)
-    return torch.where(zero, 0, w)
-
-
 def _classes_cost(ws: dict[int, torch.Tensor], classes: dict[int, tuple[float, float]],
                   lookup: torch.Tensor) -> float:
     """Traffic-weighted payload bytes of per-class widths (``tau_c`` times class c's bytes)."""
     return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
 
 
-def _allocate_hull(norm2, numel, bits, scales, max_width, energy_exponent, width_set, errors,
-                   stats, budget, cost):  # type: ignore[no-untyped-def]
-    """The generic allocation: any width set, thresholds from an error table (default the
-    paper's 4**-w assumption); bisection on ``u`` for the largest total that fits."""
-    hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
-    log_f, zero = _log_energies(norm2, energy_exponent)
-    nan = torch.isnan(log_f)
+# -- entry points ---------------------------------------------------------------------------------
 
-    def widths_at(u: float) -> torch.Tensor:
-        return _hull_rule(log_f, zero, nan, hull, offsets, top, u)
 
-    finite = torch.isfinite(log_f) & ~zero
-    if not bool(finite.any()) or len(hull) == 1:
-        widths = widths_at(0.0)
+def fixed_widths(rows: int, numel: int, bits: float, *, scales: Scales,
+                 stats_bytes: int) -> Allocation:
+    """``widths="fixed"``: every super-group at 4 bits, whatever the budget says."""
+    widths = torch.full((rows,), FIXED_WIDTH, dtype=torch.int64)
+    payload = int(cost_lookup(scales)[widths].sum().item())
+    stats = stats_bytes * rows
+    budget = math.floor(bits * numel / 8.0)
+    return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
+
+
+def allocate_widths(
+    norm2: torch.Tensor,
+    numel: int,
+    bits: float,
+    *,
+    scales: Scales = Scales.HIERARCHICAL4X32,
+    width_set: Sequence[int] = FINE_WIDTHS,
+    errors: dict[int, float] | None = _FORMAT3_ERRORS,
+    stats_bytes: int = STATS_BYTES_PER_SUPER,
+    max_width: int = RAW_WIDTH,
+    energy_exponent: float = 1.0,
+) -> Allocation:
+    """Widths for super-groups with summed squared norms ``norm2`` (fp32 [S]) under a budget of
+    ``bits`` per coordinate over ``numel`` coordinates (records plus statistics): the hull rule
+    over ``width_set`` (plus raw 16 with ``max_width=16``) with thresholds from ``errors``
+    (``None``: ``4**-w``), at the largest ``u`` that fits. The defaults are format 3's.
+
+    ``energy_exponent`` (``a``) ranks super-groups by ``F ** a`` instead of ``F``: 1 aims at the
+    least vNMSE; below 1 the widths follow the energies less steeply, so low-energy super-groups
+    keep more bits (0: every super-group the same width; docs/allocation.md)."""
+    rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
+                    max_width=max_width, energy_exponent=energy_exponent)
+    lookup = cost_lookup(scales)
+    stats = stats_bytes * norm2.numel()
+    budget = math.floor(bits * numel / 8.0)
+
+    def cost(widths: torch.Tensor) -> int:
+        return int(lookup[widths].sum().item())
+
+    if not rows.searchable:
+        widths = rows.widths(0.0)
         payload = cost(widths)
         return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
-    u_lo = offsets[1] - float(log_f[finite].max()) - 1.0
-    u_hi = offsets[-1] - float(log_f[finite].min()) + 1.0
-    cheapest = widths_at(u_lo)
-    if cost(cheapest) + stats > budget:
-        return Allocation(cheapest, u_lo, cost(cheapest), stats, budget, True)
-    richest = widths_at(u_hi)
-    if cost(richest) + stats <= budget:
-        return Allocation(richest, u_hi, cost(richest), stats, budget, False)
-    fast = _HullCost(log_f, zero, {0: 0.0}, hull, offsets, top, _cost_lookup(scales))
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (u_lo + u_hi)
-        if fast.class_bytes(0, mid) + stats <= budget:
-            u_lo = mid
-        else:
-            u_hi = mid
-    widths = widths_at(u_lo)
-    return Allocation(widths, u_lo, cost(widths), stats, budget, False)
+    fast = rows.cost({0: 0.0}, lookup)
+    u, over = _largest_u_fitting(lambda u: fast.class_bytes(0, u) + stats <= budget,
+                                 *rows.bracket())
+    widths = rows.widths(u)
+    return Allocation(widths, u, cost(widths), stats, budget, over)
 
 
 def count_classes(subtree: tuple[tuple[int, ...], ...]) -> dict[int, tuple[float, float]]:
@@ -527,61 +457,38 @@ def allocate_widths_by_count(
     classes: dict[int, tuple[float, float]],
     *,
     scales: Scales,
-    width_set: tuple[int, ...],
+    width_set: Sequence[int],
     errors: dict[int, float] | None,
     stats_bytes: int,
     max_width: int = 8,
     energy_exponent: float = 1.0,
 ) -> tuple[dict[int, torch.Tensor], Allocation]:
-    """Widths per super-group *and* partial-sum size (prototype ``hop_widths``): the hull rule
-    with ``log2 F`` shifted by ``log2(alpha_c / tau_c)`` for class ``c``, one ``u`` for all
-    classes, under the budget of the transfers' average record bytes (``sum_c tau_c B``)."""
-    rows = norm2.numel()
-    norm2 = norm2.detach().to("cpu")
-    stats = stats_bytes * rows
+    """Widths per super-group *and* partial-sum size (``hop_widths``): the hull rule with
+    ``log2 F`` shifted by ``log2(alpha_c / tau_c)`` for class ``c``, one ``u`` for all classes,
+    under the budget of the transfers' average record bytes (``sum_c tau_c B``)."""
+    rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
+                    max_width=max_width, energy_exponent=energy_exponent, tie_break=True)
+    stats = stats_bytes * norm2.numel()
     budget = math.floor(bits * numel / 8.0)
-    lookup = _cost_lookup(scales).double()
-    hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
-    log_f, zero = _log_energies(norm2, energy_exponent)
-    nan = torch.isnan(log_f)
-    # Ties (bf16 statistics leave few distinct norms on dense data) are broken by row index so
-    # that the bisection can split them and the budget is used up; 2**-30 per row is far below
-    # the spacing of distinct norms (>= log2(1 + 2**-8)).
-    log_f = log_f + torch.arange(rows, dtype=torch.float64) * 2.0**-30 / max(rows, 1)
-    shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}
+    lookup = cost_lookup(scales).double()
+    shifts = _count_shifts(classes)
 
-    def widths_at(u: float) -> dict[int, torch.Tensor]:
-        return {c: _hull_rule(log_f, zero, nan, hull, offsets, top, u, shift)
-                for c, shift in shifts.items()}
+    def result(u: float, over: bool, searched: bool = True
+               ) -> tuple[dict[int, torch.Tensor], Allocation]:
+        ws = rows.class_widths(u, shifts)
+        payload = math.ceil(_classes_cost(ws, classes, lookup))
+        return ws, Allocation(ws[max(ws)], u if searched else float("nan"), payload, stats,
+                              budget, over)
 
-    def cost(ws: dict[int, torch.Tensor]) -> float:
-        return _classes_cost(ws, classes, lookup)
+    if not rows.searchable:
+        return result(0.0, False, searched=False)
+    fast = rows.cost(shifts, lookup.long())
 
-    finite = torch.isfinite(log_f) & ~zero
-    if not bool(finite.any()) or len(hull) == 1:
-        ws = widths_at(0.0)
-        return ws, Allocation(ws[max(ws)], float("nan"), math.ceil(cost(ws)), stats, budget, False)
-    u_lo = offsets[1] - float(log_f[finite].max()) - max(shifts.values()) - 1.0
-    u_hi = offsets[-1] - float(log_f[finite].min()) - min(shifts.values()) + 1.0
-    fast = _HullCost(log_f, zero, shifts, hull, offsets, top, lookup.long())
+    def fits(u: float) -> bool:  # cost(class_widths(u)) + stats <= budget, bit for bit
+        return sum(classes[c][1] * float(fast.class_bytes(c, u)) for c in shifts) + stats \
+            <= budget
 
-    def fast_cost(u: float) -> float:  # == cost(widths_at(u)), bit for bit
-        return sum(classes[c][1] * float(fast.class_bytes(c, u)) for c in shifts)
-
-    if fast_cost(u_lo) + stats > budget:
-        ws = widths_at(u_lo)
-        return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, True)
-    if fast_cost(u_hi) + stats <= budget:
-        u_lo = u_hi
-    else:
-        for _ in range(_BISECTION_STEPS):
-            mid = 0.5 * (u_lo + u_hi)
-            if fast_cost(mid) + stats <= budget:
-                u_lo = mid
-            else:
-                u_hi = mid
-    ws = widths_at(u_lo)
-    return ws, Allocation(ws[max(ws)], u_lo, math.ceil(cost(ws)), stats, budget, False)
+    return result(*_largest_u_fitting(fits, *rows.bracket(list(shifts.values()))))
 
 
 def allocate_for_target_by_count(
@@ -595,7 +502,7 @@ def allocate_for_target_by_count(
     rho: float,
     unit_error: torch.Tensor,
     scales: Scales,
-    width_set: tuple[int, ...],
+    width_set: Sequence[int],
     errors: dict[int, float] | None,
     stats_bytes: int,
     max_width: int = RAW_WIDTH,
@@ -605,48 +512,30 @@ def allocate_for_target_by_count(
     ``target``. Class ``c`` contributes ``alpha_c (1 + (c - 1) rho) / n`` times
     ``unit_error[width] F`` per super-group (summed over the classes at rho = 0 this weight is the
     schedule's path growth ``H``; :mod:`.error_model`)."""
-    rows = norm2.numel()
-    norm2 = norm2.detach().to("cpu")
-    stats = stats_bytes * rows
-    f = norm2.double()
-    finite_f = torch.where(torch.isfinite(f), f, 0.0)
-    energy = float(finite_f.sum()) * (1.0 + (world_size - 1) * rho)
-    means = mean_sum.detach().to("cpu", torch.float64)
-    counts = valid.detach().to("cpu", torch.float64)
-    energy += float((counts * means * means).nan_to_num(0.0, 0.0, 0.0).sum())
-    lookup = _cost_lookup(scales).double()
-    hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
-    log_f, zero = _log_energies(norm2)
-    nan = torch.isnan(log_f)
-    log_f = log_f + torch.arange(rows, dtype=torch.float64) * 2.0**-30 / max(rows, 1)
-    shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}
+    rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
+                    max_width=max_width, tie_break=True)
+    stats = stats_bytes * norm2.numel()
+    finite_f, energy = target_energy(norm2.detach().to("cpu").double(), mean_sum, valid,
+                                      world_size, rho)
+    lookup = cost_lookup(scales).double()
+    shifts = _count_shifts(classes)
     weights = {c: a * (1.0 + (c - 1) * rho) / world_size for c, (a, _) in classes.items()}
     unit = unit_error.tolist()
 
-    def widths_at(u: float) -> dict[int, torch.Tensor]:
-        return {c: _hull_rule(log_f, zero, nan, hull, offsets, top, u, shift)
-                for c, shift in shifts.items()}
-
-    def cost(ws: dict[int, torch.Tensor]) -> float:
-        return _classes_cost(ws, classes, lookup)
-
     def result(u: float, predicted: float) -> tuple[dict[int, torch.Tensor], Allocation]:
-        ws = widths_at(u)
-        payload = math.ceil(cost(ws))
+        ws = rows.class_widths(u, shifts)
+        payload = math.ceil(_classes_cost(ws, classes, lookup))
         return ws, Allocation(ws[max(ws)], u, payload, stats, payload + stats, False, predicted,
                               predicted <= target)
 
-    finite = torch.isfinite(log_f) & ~zero
-    if not bool(finite.any()) or energy <= 0.0 or len(hull) == 1:
+    if not rows.searchable or energy <= 0.0:
         return result(0.0, 0.0)
-    fast = _HullCost(log_f, zero, shifts, hull, offsets, top, lookup.long(), finite_f)
+    fast = rows.cost(shifts, lookup.long(), finite_f)
 
     def error(u: float) -> float:
         return sum(weights[c] * fast.class_error(c, u, unit) for c in shifts) / energy
 
-    u_lo = offsets[1] - float(log_f[finite].max()) - max(shifts.values()) - 1.0
-    u_hi = offsets[-1] - float(log_f[finite].min()) - min(shifts.values()) + 1.0
-    u = _smallest_u_meeting(error, target, u_lo, u_hi)
+    u = smallest_u_meeting(error, target, *rows.bracket(list(shifts.values())))
     return result(u, error(u))
 
 
@@ -659,99 +548,36 @@ def allocate_for_target(
     world_size: int,
     rho: float,
     error_per_energy: torch.Tensor,
-    scales: Scales = Scales.HIERARCHICAL,
-    widths_mode: Widths = Widths.VARIABLE,
+    scales: Scales,
+    width_set: Sequence[int],
+    errors: dict[int, float] | None,
+    stats_bytes: int,
     max_width: int = RAW_WIDTH,
-    width_set: tuple[int, ...] | None = None,
-    errors: dict[int, float] | None = None,
-    stats_bytes: int = STATS_BYTES["fp32"],
+    fixed: bool = False,
 ) -> Allocation:
-    """The cheapest widths whose predicted vNMSE (:mod:`.error_model`) is at most ``target``.
+    """The cheapest widths of the hull rule whose predicted vNMSE (:mod:`.error_model`) is at most
+    ``target``: the bisection on ``u`` keeps the smallest ``u`` (fewest bits) whose prediction
+    meets the target. Everything it reads is all-reduced, so every rank picks the same widths.
+    ``fixed``: 4 bits everywhere (``widths="fixed"``), only the prediction computed."""
+    rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
+                    max_width=max_width)
+    stats = stats_bytes * norm2.numel()
+    finite_f, energy = target_energy(norm2.detach().to("cpu", torch.float64), mean_sum, valid,
+                                      world_size, rho)
+    lookup = cost_lookup(scales)
 
-    Same rule as :func:`allocate_widths` (the paper's closed form, or the hull of ``errors`` over
-    ``width_set``); the bisection on ``u`` now keeps the smallest ``u`` (fewest bits) whose
-    prediction meets the target. Everything it reads is all-reduced, so every rank picks the same
-    widths.
-    """
-    rows = norm2.numel()
-    stats = stats_bytes * rows
-    f = norm2.detach().to("cpu", torch.float64)
-    means = mean_sum.detach().to("cpu", torch.float64)
-    counts = valid.detach().to("cpu", torch.float64)
-    finite_f = torch.where(torch.isfinite(f), f, 0.0)
-    energy = float(finite_f.sum()) * (1.0 + (world_size - 1) * rho)
-    energy += float((counts * means * means).nan_to_num(0.0, 0.0, 0.0).sum())
-    lookup = _cost_lookup(scales)
+    def error(widths: torch.Tensor) -> float:
+        return predicted_vnmse(widths, finite_f, energy, error_per_energy)
 
     def result(widths: torch.Tensor, u: float) -> Allocation:
         payload = int(lookup[widths].sum().item())
-        predicted = predicted_vnmse(widths, finite_f, energy, error_per_energy)
+        predicted = error(widths)
         return Allocation(widths, u, payload, stats, payload + stats, False, predicted,
                           predicted <= target)
 
-    if widths_mode is Widths.FIXED:
-        return result(torch.full((rows,), 4, dtype=torch.int64), float("nan"))
-    zero = f == 0
-    log_f = torch.log2(torch.where(zero, 1.0, f))
-    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
-    finite = torch.isfinite(log_f) & ~zero
-    if not bool(finite.any()):
-        return result(_widths_for(log_f, zero, 0.0, max_width), float("nan"))
-    if width_set is not None or errors is not None:  # the hull rule
-        hull, offsets, top = _hull_widths(width_set or WIDTHS, max_width, errors, scales)
-        nan = torch.isnan(log_f)
-        u_lo = offsets[1] - float(log_f[finite].max()) - 1.0  # everything at the narrowest
-        u_hi = offsets[-1] - float(log_f[finite].min()) + 1.0  # everything at the widest
-
-        def widths(u: float) -> torch.Tensor:
-            return _hull_rule(log_f, zero, nan, hull, offsets, top, u)
-    else:
-        u_lo = 4.0 - C_SLOPE * float(log_f[finite].max()) - 1.0  # everything at 2 bits
-        u_hi = float(max_width) - C_SLOPE * float(log_f[finite].min())  # everything at max_width
-
-        def widths(u: float) -> torch.Tensor:
-            return _widths_for(log_f, zero, u, max_width)
-
-    def error(u: float) -> float:
-        return predicted_vnmse(widths(u), finite_f, energy, error_per_energy)
-
-    u = _smallest_u_meeting(error, target, u_lo, u_hi)
-    return result(widths(u), u)
-
-
-def _smallest_u_meeting(error: Callable[[float], float], target: float, u_lo: float,
-                        u_hi: float) -> float:
-    """Target mode's bisection: the smallest ``u`` (fewest bytes) whose predicted error is at
-    most ``target`` (``u_lo`` when even it meets it, ``u_hi`` when even it does not)."""
-    if error(u_lo) <= target:
-        return u_lo
-    if error(u_hi) > target:
-        return u_hi
-    for _ in range(_BISECTION_STEPS):
-        mid = 0.5 * (u_lo + u_hi)
-        if error(mid) <= target:
-            u_hi = mid
-        else:
-            u_lo = mid
-    return u_hi
-
-
-def _compiled_allocation() -> Callable[..., tuple[int, float, int]] | None:
-    """The compiled allocation where the CPU kernels are numba's (``DQCOLL_KERNELS`` auto or
-    numba, numba importable); None: the torch reference above (``DQCOLL_KERNELS=torch``)."""
-    from ...kernels import dynamiq_ops
-
-    if dynamiq_ops(torch.device("cpu")).name != "numba":
-        return None
-    from ...kernels.allocation_numba import allocate
-
-    return allocate
-
-
-def _cost_lookup(scales: Scales) -> torch.Tensor:
-    lookup = torch.zeros(RAW_WIDTH + 1, dtype=torch.int64)
-    from .codec import ALL_WIDTHS
-
-    for w in ALL_WIDTHS:
-        lookup[w] = record_nbytes(w, scales)
-    return lookup
+    if fixed:
+        return result(torch.full((norm2.numel(),), FIXED_WIDTH, dtype=torch.int64), float("nan"))
+    if not bool(rows.finite.any()):  # zero rows get no record, NaN rows 8 bits
+        return result(torch.where(rows.zero, 0, 8), float("nan"))
+    u = smallest_u_meeting(lambda u: error(rows.widths(u)), target, *rows.bracket())
+    return result(rows.widths(u), u)

@@ -1,0 +1,865 @@
+"""One ``dynamiq`` collective call: the per-call planning, then the per-hop operations.
+
+The constructor states the plan as named steps, in order (format 3, the defaults; the paper's
+configuration in brackets):
+
+1. **Layout** (:meth:`DynamiqCall._lay_out`): the input as fp32 rows of 256 (super-groups). The
+   byte-balanced all-reduce pads the tail only; reduce-scatter / all-gather (and the all-reduce
+   with ``balance="shards"``) pad each shard of ``ceil(numel / n)`` coordinates on its own, so
+   that chunk ``c`` is exactly shard ``c``.
+2. **Statistics** (:meth:`DynamiqCall._statistics`): ``op="avg"`` divides by ``n``; each rank
+   computes, per super-group, its squared norm (``stats="norm16"``) [``"fp32"``: its mean, and
+   the squared norm after subtracting it]; one uncompressed sum all-reduce of the bf16 norms,
+   2 B per super-group = 0.0625 bit per coordinate, counted in the budget [fp32 mean and norm:
+   8 B, 0.25 bit].
+3. **Allocation** (:meth:`DynamiqCall._allocate`): widths from the summed norms, identical on every
+   rank: the hull rule of :mod:`.allocation` over widths 2..8 and raw 16, one bisection for the
+   budget [the closed form over {2, 4, 8} of :mod:`.allocation_paper`]. With ``hop_widths``
+   (all-reduce) every super-group gets a width per partial-sum size: a partial sum of more ranks
+   weighs more in the error, and the sink's encoding is forwarded n - 1 times.
+   ``energy_exponent=a < 1`` ranks super-groups by ``F ** a`` instead (1 aims at the least
+   vNMSE). That rule starves low-energy super-groups: on the convergence experiment's gradients at
+   5 bits (4 ranks, ring, format 2) the lowest-energy quarter came back with an error as large as
+   itself (relative 0.997), and AdamW, which normalises every coordinate by its own gradient
+   scale, turns that into noisy updates of whole layers; ``a = 0.5`` cut that quarter's error to
+   0.041 for +8 % vNMSE (docs/convergence.md; x1.7-3.1 with format 3, docs/accuracy.md). With
+   ``target_vnmse``, the cheapest widths whose predicted error meets the target.
+4. **Kernel choice** (:meth:`DynamiqCall._choose_codec_kernels`): a call whose widths or scales
+   the device's kernels do not implement runs the codec on the torch reference (the same bytes).
+5. **Reorder** (:meth:`DynamiqCall._reorder`): super-groups are sorted by width (stable, a local
+   permutation); the centred rows are written once, in that order, into the work rows.
+6. **Geometry** (:meth:`DynamiqCall._byte_geometry`, :meth:`DynamiqCall._chunk_bounds`): record
+   offsets, runs of equal width, and the ``n`` chunks: of equal *bytes* (one multi-segment pass
+   through the schedule, not one pass per width), which keeps every rank's traffic at
+   ``2 (n-1)/n`` of the total to within one record per transfer, so that the byte budget holds per
+   rank. With hop widths the sorted rows are striped over the chunks instead, so that every chunk
+   holds the same mix at every count; in the shard layout chunk ``c`` is shard ``c`` (its result
+   is bit for bit the reduce-scatter's followed by the all-gather of its bytes, at the price of
+   per-rank traffic that follows how the widths fall across shards).
+7. **Info** (:meth:`DynamiqCall._describe`): what the call chose, for ``comm.last_info``.
+
+At every hop the executor calls the fused decompress-accumulate-recompress on each run (where a
+row's width changes with the count: decompress-accumulate, then compress); at the end each rank
+adds back the summed means (zero without centring) and undoes the reorder.
+
+Random numbers are keyed by the *original* coordinate index, so chunking, reordering and tiling do
+not change them.
+
+State kept on the communicator between calls (``ctx.state``, ``comm.scheme_state``; freed with
+the communicator, or by clearing that dict):
+
+* CPU buffers (:func:`_state_buffer`): one fp32 padded-input buffer and one work buffer per
+  device, each of the largest row count seen so far. They change no result (every call overwrites
+  the rows it uses); ``last_info["kept_buffer_nbytes"]`` reports their size after the call.
+* Target mode's correlation estimate (:class:`_RhoEstimates`): with ``target_vnmse`` and no fixed
+  ``ErrorModel.rho``, a call allocates with the ``rho`` its predecessor of the same size,
+  collective and algorithm measured (0 for the first), so its widths *do* depend on earlier calls
+  (``last_info["rho_source"]`` says which). At most :data:`RHO_ENTRIES` such keys are kept, least
+  recently used first out.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ...errors import InvalidArgumentError
+from ...kernels import DynamiqOps, _torch_ops, dynamiq_ops
+from ...types import Collective, ReduceOp
+from ..base import CallContext
+from . import rng
+from .allocation import (
+    Allocation,
+    allocate_for_target,
+    allocate_for_target_by_count,
+    allocate_widths,
+    allocate_widths_by_count,
+    cost_lookup,
+    count_classes,
+    fixed_widths,
+)
+from .allocation_paper import allocate_for_target_paper, allocate_widths_paper
+from .codec import (
+    ALL_WIDTHS,
+    RAW_WIDTH,
+    SUPER,
+    Widths,
+    record_nbytes,
+    stats_center_rounded_torch,
+)
+from .error_model import estimate_rho
+from .options import Balance
+
+if TYPE_CHECKING:
+    from .scheme import DynamiqScheme
+
+__all__ = ["RHO_ENTRIES", "DynamiqCall"]
+
+# Below this many super-groups the budget covers the tail's padding too (see _allocate_budget).
+_EXACT_BUDGET_ROWS = 64
+# Target mode's correlation estimates kept per communicator: (numel, collective, algorithm) keys,
+# least recently used first out. A float each; a training loop has a few dozen bucket sizes.
+RHO_ENTRIES = 1024
+_INPUT_BUFFER = "dynamiq.input"
+_WORK_BUFFER = "dynamiq.work"
+
+log = logging.getLogger("dqcoll")
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log a fallback to the reference once per distinct reason (not per call)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
+# -- state kept on the communicator -------------------------------------------------------------
+
+
+def _state_buffer(ctx: CallContext, name: str, rows: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """An fp32 ``[rows, 256]`` buffer of a CPU call kept by the communicator between calls
+    under ``name`` (None where there is no communicator state, or off the CPU: CUDA has torch's
+    caching allocator). Calls on one communicator run one at a time, and nothing reads a call's
+    buffers after its ``finish``. A fresh 64 MiB buffer per call cost page faults on first
+    touch: 91 ms for the centring pass vs ~15 ms into a reused one (2^24 coordinates, 2-core
+    VM); the padded copy of an input whose length is no multiple of 256 cost 40 ms of
+    ``torch.zeros`` per 12.6 M coordinates.
+
+    Bound: one buffer per (name, device), of the largest row count seen so far on its
+    communicator (``ctx.state``): it grows, never shrinks (a DDP step alternates bucket sizes, and
+    shrinking after a small bucket would pay the page faults again on the next large one), and it
+    goes with the communicator. It changes no result."""
+    if ctx.state is None or device.type != "cpu":
+        return None
+    key = (name, str(device))
+    buffer = ctx.state.get(key)
+    if not isinstance(buffer, torch.Tensor) or buffer.shape[0] < rows:
+        buffer = torch.empty((rows, SUPER), dtype=torch.float32, device=device)
+        ctx.state[key] = buffer
+    return buffer[:rows]
+
+
+def _kept_buffer_nbytes(ctx: CallContext) -> int:
+    """Bytes of the buffers :func:`_state_buffer` keeps on this call's communicator."""
+    return sum(value.nbytes for key, value in (ctx.state or {}).items()
+               if isinstance(key, tuple) and key[:1] in ((_INPUT_BUFFER,), (_WORK_BUFFER,))
+               and isinstance(value, torch.Tensor))
+
+
+class _RhoEstimates:
+    """Target mode's measured correlation ``rho`` per (numel, collective, algorithm), kept in the
+    communicator's state under one key: an LRU of at most :data:`RHO_ENTRIES` entries. Every rank
+    measures the same estimate from the identical decoded aggregate, so every rank reads the same
+    value at the next call."""
+
+    _KEY = "dynamiq.rho"
+
+    def __init__(self, state: dict[Any, Any] | None) -> None:
+        self.table: collections.OrderedDict[tuple[Any, ...], float] | None = None
+        if state is not None:
+            self.table = state.setdefault(self._KEY, collections.OrderedDict())
+
+    def get(self, key: tuple[Any, ...]) -> float | None:
+        if self.table is None or key not in self.table:
+            return None
+        self.table.move_to_end(key)
+        return self.table[key]
+
+    def put(self, key: tuple[Any, ...], rho: float) -> None:
+        if self.table is None:
+            return
+        self.table[key] = rho
+        self.table.move_to_end(key)
+        while len(self.table) > RHO_ENTRIES:
+            self.table.popitem(last=False)
+
+
+# -- the steps' intermediate results ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Layout:
+    """The call's super-groups in their original order (host tables, one entry per row)."""
+
+    flat: torch.Tensor  # fp32 [rows, 256]: the padded input (may be the caller's: never written)
+    row_start: torch.Tensor  # int64: global index of each row's first coordinate
+    valid: torch.Tensor  # int64: valid (unpadded) coordinates of each row
+    row_chunk: torch.Tensor  # int64: the chunk each row belongs to (0 without shards)
+    shard_row_counts: torch.Tensor | None  # int64 [n]: rows per shard (shard layout)
+
+    @property
+    def rows(self) -> int:
+        return int(self.flat.shape[0])
+
+
+@dataclasses.dataclass
+class _Statistics:
+    """The rows after step 2: local statistics and their all-reduced sums."""
+
+    ops: DynamiqOps  # the kernels that computed them (the reorder's gather runs on them too)
+    flat: torch.Tensor | None  # the rows, divided by n for avg unless ``ops`` gathers and divides
+    centred: torch.Tensor | None  # centred rows where already computed, else None
+    mean: torch.Tensor  # fp32 [rows]: this rank's means (zero without centring)
+    divisor: int  # n for avg, else 1 (what the gather still divides by)
+    summed: torch.Tensor  # fp32 [2, rows]: the ranks' summed means and squared norms
+
+
+def _shard_layout(x: torch.Tensor, n: int, device: torch.device
+                  ) -> tuple[_Layout, tuple[int, int], bool]:
+    """Shard ``c`` = coordinates ``[c * shard, (c + 1) * shard)``, padded to whole rows on its
+    own; rows past the end (no valid coordinate, when ``numel % n``) dropped. Returns the layout,
+    ``(shard, shard_rows)`` and whether rows were dropped."""
+    numel = x.numel()
+    shard = -(-numel // n)
+    shard_rows = -(-shard // SUPER)
+    flat = torch.zeros(n, shard_rows * SUPER, dtype=torch.float32, device=device)
+    full, rest = divmod(numel, shard)  # whole shards, then a shorter one
+    flat[:full, :shard] = x.reshape(-1)[: full * shard].reshape(full, shard)
+    if rest:
+        flat[full, :rest] = x.reshape(-1)[full * shard :]
+    lengths = (numel - torch.arange(n, dtype=torch.int64) * shard).clamp(0, shard)
+    in_shard = torch.arange(shard_rows, dtype=torch.int64)
+    row_start = (torch.arange(n, dtype=torch.int64)[:, None] * shard
+                 + in_shard[None, :] * SUPER).reshape(-1)
+    valid = (lengths[:, None] - in_shard[None, :] * SUPER).clamp(max=SUPER).reshape(-1)
+    row_chunk = torch.arange(n, dtype=torch.int64).repeat_interleave(shard_rows)
+    flat = flat.view(n * shard_rows, SUPER)
+    uneven = bool(numel % n)
+    if uneven:  # drop the rows past the end (a row with no valid coordinate)
+        exists = valid > 0
+        flat, row_start, valid, row_chunk = (
+            flat[exists.to(device)], row_start[exists], valid[exists], row_chunk[exists])
+    layout = _Layout(flat, row_start, valid, row_chunk, -(-lengths // SUPER))
+    return layout, (shard, shard_rows), uneven
+
+
+def _tail_layout(x: torch.Tensor, ctx: CallContext, device: torch.device) -> _Layout:
+    """The input's rows in order, the tail padded with zeros (the input itself where it is
+    fp32, contiguous and whole rows; else a copy into the communicator's kept buffer)."""
+    numel = x.numel()
+    rows = -(-numel // SUPER)
+    if numel == rows * SUPER and x.dtype == torch.float32 and x.is_contiguous():
+        flat = x.view(rows, SUPER)  # the input itself: read, never written below
+    else:
+        kept = _state_buffer(ctx, _INPUT_BUFFER, rows, device)
+        flat = (kept if kept is not None
+                else torch.empty(rows, SUPER, dtype=torch.float32, device=device))
+        flat.view(-1)[:numel] = x.reshape(-1)
+        flat.view(-1)[numel:] = 0.0  # the tail's padding
+    row_start = torch.arange(rows, dtype=torch.int64) * SUPER
+    valid = (numel - row_start).clamp(max=SUPER)
+    row_chunk = torch.zeros(rows, dtype=torch.int64)
+    return _Layout(flat.view(rows, SUPER), row_start, valid, row_chunk, None)
+
+
+def _keep_underflowed_rows(norm2: torch.Tensor, flat: torch.Tensor,
+                           centred: torch.Tensor | None, mean: torch.Tensor,
+                           valid: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``norm2`` where a row whose squares all underflow fp32 (|x| below ~1e-23) but that is not
+    zero gets the smallest normal norm instead of 0, so that it still gets a record (width 0
+    would drop it, and each rank would keep its own centred values). Scans only the zero rows."""
+    empty = torch.nonzero(norm2 == 0).squeeze(1)
+    if not empty.numel():
+        return norm2
+    if centred is not None:
+        centred_empty = centred[empty]
+    else:
+        device = flat.device
+        pad = (torch.arange(SUPER, device=device)[None, :]
+               >= valid[empty].to(device)[:, None])
+        centred_empty = (flat[empty] / divisor - mean[empty, None]).masked_fill(pad, 0.0)
+    lost = empty[(centred_empty != 0).any(dim=1)]
+    norm2 = norm2.clone()
+    norm2[lost] = torch.finfo(torch.float32).tiny
+    return norm2
+
+
+def _reduce_statistics(stats: str, mean: torch.Tensor, norm2: torch.Tensor,
+                       ctx: CallContext) -> torch.Tensor:
+    """The ranks' summed ``[means, squared norms]`` (fp32 ``[2, rows]``), by one small
+    uncompressed all-reduce of what the ``stats`` option sends: bf16 mean and norm (4 B per
+    super-group, summed in bf16), the bf16 norm alone (2 B; the means are zero without
+    centring), or fp32 mean and norm (8 B)."""
+    what = f"{ctx.what} statistics"
+    if stats == "bf16":  # 16-bit statistics on the wire, summed in bf16
+        wire = torch.stack([mean, norm2]).to(torch.bfloat16)
+        ctx.reduce(wire, "sum", what)
+        return wire.float()
+    if stats == "norm16":  # no centring: only the bf16 norm is sent (2 B)
+        wire = norm2.to(torch.bfloat16)[None]
+        ctx.reduce(wire, "sum", what)
+        return torch.stack([torch.zeros_like(mean), wire[0].float()])
+    summed = torch.stack([mean, norm2])
+    ctx.reduce(summed, "sum", what)
+    return summed
+
+
+def _runs(sorted_widths: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
+    """Maximal runs (width, first row, end row) of equal non-zero width (width-0 rows have no
+    records)."""
+    runs = []
+    change = np.flatnonzero(sorted_widths[1:] != sorted_widths[:-1]) + 1
+    for a, b in itertools.pairwise([0, *change.tolist(), rows]):
+        width = int(sorted_widths[a]) if b > a else 0
+        if width:
+            runs.append((width, a, b))
+    return runs
+
+
+def _used_widths(widths: torch.Tensor) -> set[int]:
+    return set(np.flatnonzero(np.bincount(widths.numpy(), minlength=1)).tolist())
+
+
+# -- allocation rules by format ------------------------------------------------------------------
+
+
+def _allocate_budget(scheme: DynamiqScheme, norm2: torch.Tensor, numel: int) -> Allocation:
+    """One width per super-group under ``scheme.bits`` over ``numel`` coordinates, by the rule of
+    the scheme's format."""
+    fmt = scheme.format
+    scales = scheme.config.scales
+    stats_bytes = scheme.stats_bytes
+    if fmt.widths is Widths.FIXED:
+        return fixed_widths(norm2.numel(), numel, scheme.bits, scales=scales,
+                            stats_bytes=stats_bytes)
+    if scheme.paper_rule:
+        return allocate_widths_paper(norm2, numel, scheme.bits, scales=scales,
+                                     max_width=fmt.max_width,
+                                     energy_exponent=scheme.energy_exponent,
+                                     stats_bytes=stats_bytes)
+    return allocate_widths(norm2, numel, scheme.bits, scales=scales,
+                           width_set=fmt.width_choices, errors=scheme.measured_errors,
+                           stats_bytes=stats_bytes, max_width=fmt.max_width,
+                           energy_exponent=scheme.energy_exponent)
+
+
+def _allocate_target(scheme: DynamiqScheme, summed: torch.Tensor, valid: torch.Tensor,
+                     world_size: int, rho: float, error_per_energy: torch.Tensor) -> Allocation:
+    """The cheapest widths (one per super-group) whose predicted vNMSE meets
+    ``scheme.target_vnmse``, by the rule of the scheme's format."""
+    assert scheme.target_vnmse is not None
+    fmt = scheme.format
+    scales = scheme.config.scales
+    common: dict[str, Any] = dict(world_size=world_size, rho=rho,
+                                  error_per_energy=error_per_energy, scales=scales,
+                                  max_width=fmt.max_width, stats_bytes=scheme.stats_bytes)
+    if scheme.paper_rule and fmt.widths is Widths.VARIABLE:
+        return allocate_for_target_paper(summed[1], summed[0], valid, scheme.target_vnmse,
+                                         **common)
+    return allocate_for_target(summed[1], summed[0], valid, scheme.target_vnmse,
+                               width_set=fmt.width_choices, errors=scheme.measured_errors,
+                               fixed=fmt.widths is Widths.FIXED, **common)
+
+
+class DynamiqCall:
+    """One collective call: statistics, allocation, reorder, and the per-hop operations."""
+
+    tile_unit = 1  # the executor may cut chunks into tiles of whole rows (super-groups)
+
+    def __init__(self, scheme: DynamiqScheme, x: torch.Tensor, ctx: CallContext) -> None:
+        self.config = scheme.config
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.key = rng.call_key(ctx.seed, ctx.step)
+        self.numel = x.numel()
+        # What ran, step by step (comm.last_info["kernels"]); filled in as the steps run.
+        self.kernels: dict[str, str] = {}
+        self.ops = dynamiq_ops(x.device)
+        if scheme.reference_only and self.ops.name != "torch":
+            self.ops = _torch_ops()
+        layout = self._lay_out(scheme, x, ctx)
+        statistics = self._statistics(scheme, layout, ctx)
+        self._allocate(scheme, layout, statistics.summed, ctx)
+        self._choose_codec_kernels(scheme, ctx)
+        order, sorted_widths = self._reorder(layout, statistics, ctx)
+        self._byte_geometry(sorted_widths, order)
+        self.chunk_bounds = self._chunk_bounds(layout)
+        self.info = self._describe(scheme, ctx)
+
+    # -- 1. layout ----------------------------------------------------------------------------
+
+    def _lay_out(self, scheme: DynamiqScheme, x: torch.Tensor, ctx: CallContext) -> _Layout:
+        """The rows: shards padded on their own (reduce-scatter, all-gather, the all-reduce with
+        ``balance="shards"``), or the whole input with its tail padded."""
+        self.sharded = (ctx.collective is not Collective.ALLREDUCE
+                        or scheme.balance is Balance.SHARDS)
+        self.uneven = False  # sharded with numel % n != 0 (all-reduce only): shards differ
+        self.shard: tuple[int, int] | None = None  # (shard, shard_rows) in the shard layout
+        if not self.sharded:
+            return _tail_layout(x, ctx, x.device)
+        if self.numel % self.world_size and ctx.collective is not Collective.ALLREDUCE:
+            raise InvalidArgumentError(
+                f"{ctx.what}: {self.numel} elements do not split into {self.world_size} equal "
+                f"shards")
+        layout, self.shard, self.uneven = _shard_layout(x, self.world_size, x.device)
+        return layout
+
+    # -- 2. statistics ------------------------------------------------------------------------
+
+    def _statistics(self, scheme: DynamiqScheme, layout: _Layout,
+                    ctx: CallContext) -> _Statistics:
+        """Scale for avg, the local statistics and centring (rows in the original order), then
+        one small uncompressed all-reduce of the statistics. The fast paths that split
+        stats_center write the centred rows only once, already in the sorted order (step 5),
+        dividing by n for avg on the way; the others divide and centre here and gather later."""
+        prep = self.ops
+        flat, valid = layout.flat, layout.valid
+        split = (prep.stats is not None and prep.center_gather is not None
+                 and scheme.stats in ("fp32", "norm16"))
+        divisor = self.world_size if ctx.op is ReduceOp.AVG else 1
+        if divisor != 1 and not split:
+            flat = flat / self.world_size  # a new buffer: flat may be the caller's tensor
+        centred: torch.Tensor | None = None
+        if split:
+            assert prep.stats is not None
+            # norm16: no centring (zero means; center_gather then writes x / divisor itself)
+            mean, norm2 = prep.stats(flat, valid, divisor=divisor,
+                                     centre=scheme.stats == "fp32")
+            self.kernels["stats"] = prep.name
+        elif scheme.stats in ("bf16", "norm16"):
+            centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
+                                                              centre=scheme.stats == "bf16")
+            self.kernels["stats"] = "torch"
+        else:
+            centred, mean, norm2 = prep.stats_center(flat, valid)
+            self.kernels["stats"] = prep.name
+        norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, valid, divisor)
+        summed = _reduce_statistics(scheme.stats, mean, norm2, ctx)
+        return _Statistics(prep, flat, centred, mean, divisor, summed)
+
+    # -- 3. allocation ------------------------------------------------------------------------
+
+    def _allocate(self, scheme: DynamiqScheme, layout: _Layout, summed: torch.Tensor,
+                  ctx: CallContext) -> None:
+        """Widths from the summed norms (identical on every rank): under the bit budget, or the
+        cheapest whose predicted error meets ``target_vnmse``; per count class with hop widths.
+        Sets ``allocation``, ``hop`` (class -> widths, or None) and ``hop_tau`` (class -> its
+        share of the transfers)."""
+        self.rho_key: tuple[Any, ...] | None = None
+        self.rho_source: str | None = None
+        self.info_rho: float | None = None
+        self.state: dict[Any, Any] | None = None
+        self.hop: dict[int, torch.Tensor] | None = None
+        self.hop_tau: dict[int, float] = {}
+        hop_widths = (scheme.hop_widths and not self.sharded and ctx.schedule is not None
+                      and scheme.widths_mode is Widths.VARIABLE)
+        classes = (count_classes(ctx.schedule.subtree_sizes())
+                   if hop_widths and ctx.schedule is not None else {})
+        if scheme.target_vnmse is not None:
+            self._allocate_for_target(scheme, layout, summed, ctx, classes)
+        else:
+            self._allocate_for_budget(scheme, layout, summed, classes)
+        if self.hop is not None:
+            self.hop_tau = {c: t for c, (_, t) in classes.items()}
+
+    def _allocate_for_budget(self, scheme: DynamiqScheme, layout: _Layout, summed: torch.Tensor,
+                             classes: dict[int, tuple[float, float]]) -> None:
+        # A short tail (e.g. 1026 = 4 * 256 + 2) costs a whole record. In a small buffer that
+        # starved every other super-group (2 ranks, 5 bits, 1026 coordinates: vNMSE 0.56), so
+        # below 64 super-groups the tail's padding is budgeted too (at most 255 * bits / 8
+        # bytes over; info["over_budget"] then says so). From 64 super-groups on, the tail is
+        # under 2 % of the budget and the budget is exact.
+        numel, rows = self.numel, layout.rows
+        budget_numel = (numel if rows >= _EXACT_BUDGET_ROWS
+                        else min(rows * SUPER, numel + SUPER - 1))
+        if not classes:
+            self.allocation = _allocate_budget(scheme, summed[1], budget_numel)
+            return
+        self.hop, self.allocation = allocate_widths_by_count(
+            summed[1], budget_numel, scheme.bits, classes,
+            scales=self.config.scales,
+            width_set=scheme.format.width_choices, errors=scheme.measured_errors,
+            stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
+            energy_exponent=scheme.energy_exponent)
+
+    def _allocate_for_target(self, scheme: DynamiqScheme, layout: _Layout, summed: torch.Tensor,
+                             ctx: CallContext, classes: dict[int, tuple[float, float]]) -> None:
+        assert scheme.target_vnmse is not None
+        schedule = ctx.schedule
+        model = scheme.error_model
+        rho = model.rho
+        self.rho_source = "error_model"
+        if rho is None:  # the estimate the previous call of this size measured (0 at first)
+            self.rho_key = (self.numel, ctx.collective.value,
+                            schedule.algorithm if schedule is not None else "")
+            recalled = _RhoEstimates(ctx.state).get(self.rho_key)
+            rho = 0.0 if recalled is None else float(recalled)
+            self.rho_source = "default" if recalled is None else "earlier call"
+        if classes:
+            assert schedule is not None
+            self.hop, self.allocation = allocate_for_target_by_count(
+                summed[1], summed[0], layout.valid, scheme.target_vnmse, classes,
+                world_size=self.world_size, rho=rho,
+                unit_error=model.unit_error(schedule, self.config),
+                scales=self.config.scales,
+                width_set=scheme.format.width_choices, errors=scheme.measured_errors,
+                stats_bytes=scheme.stats_bytes, max_width=scheme.max_width)
+        else:
+            self.allocation = _allocate_target(
+                scheme, summed, layout.valid, self.world_size, rho,
+                model.error_per_energy(schedule, self.config, rho))
+        self.summed_energy = float(torch.nan_to_num(summed[1].double(), 0.0, 0.0, 0.0).sum())
+        self.state = ctx.state
+        self.info_rho = rho
+        # after a reduce-scatter only this rank's shard is decoded: nothing to measure
+        self.whole_result = ctx.collective is Collective.ALLREDUCE
+
+    # -- 4. kernel choice ---------------------------------------------------------------------
+
+    def _choose_codec_kernels(self, scheme: DynamiqScheme, ctx: CallContext) -> None:
+        """Kernels that do not implement a width this call uses (or the scales) leave the whole
+        call's codec to the reference ops (the same bytes, slower). Where the last decode can
+        write straight into the output (``ops.decode_restore``, all-reduce, not target mode,
+        which measures the decoded work rows), decompress only records (rows, records) in
+        ``deferred`` and finish decodes them into ``out``."""
+        used = _used_widths(self.allocation.widths)
+        for class_widths in (self.hop or {}).values():
+            used |= _used_widths(class_widths)
+        if not self.ops.implements(self.config.scales, used):
+            _warn_once(f"dynamiq: the {self.ops.name} kernels do not implement widths "
+                       f"{sorted(used)} with {self.config.scales.value} scales; such calls run "
+                       f"the torch reference (the same bytes, slower)")
+            self.ops = _torch_ops()
+        self.deferred: list[tuple[int, int, int, torch.Tensor]] | None = (
+            [] if (ctx.collective is Collective.ALLREDUCE and self.ops.decode_restore is not None
+                   and scheme.target_vnmse is None) else None)
+
+    # -- 5. reorder ---------------------------------------------------------------------------
+
+    def _reorder(self, layout: _Layout, statistics: _Statistics, ctx: CallContext
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Sort the rows by width (within each shard when sharded; with hop widths striped over
+        the chunks) and write the work rows, means, valid counts and global indices in that
+        order. Returns the order and the sorted widths (host). The row tables are built in NumPy
+        on the host: a stable argsort of 16-bit keys is a radix sort (0.2 ms at 2^16 rows,
+        torch's stable argsort 1.4 ms), and the per-row indexing and scans around it cost ~3 ms
+        per call in torch ops on the 2-core dev VM."""
+        rows, n, device = layout.rows, self.world_size, layout.flat.device
+        widths_np = self.allocation.widths.numpy()
+        if self.hop is not None:
+            # Every class's widths are monotone in F: sorted by their sum, rows are sorted for
+            # every class. Striped over the n chunks (sorted row i -> chunk i mod n, sorted again
+            # within each chunk) so that every chunk holds the same mix of widths at every count
+            # and each rank's traffic meets the budget whichever (chunk, count) pairs it sends.
+            hop_key = torch.stack(list(self.hop.values())).sum(0).numpy()
+            by_key = np.argsort(hop_key, kind="stable")
+            stripe = np.arange(rows, dtype=np.int64) % n
+            order_np = by_key[np.argsort(stripe, kind="stable")]
+        else:
+            key = layout.row_chunk.numpy() * 32 + widths_np  # widths <= 16 < 32
+            order_np = np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
+                                  kind="stable")
+        self.order = torch.from_numpy(order_np).to(device)
+        prep = statistics.ops
+        if statistics.centred is None:
+            assert prep.center_gather is not None and statistics.flat is not None
+            self.work = prep.center_gather(
+                statistics.flat, statistics.mean, layout.valid, self.order,
+                divisor=statistics.divisor, out=_state_buffer(ctx, _WORK_BUFFER, rows, device))
+            self.kernels["center_gather"] = prep.name
+        else:
+            self.work = statistics.centred[self.order]
+            self.kernels["center_gather"] = "torch"
+        statistics.flat = statistics.centred = None  # the work rows hold them from here on
+        summed_means = statistics.summed[0]
+        self.mean_sorted = (torch.from_numpy(summed_means.numpy()[order_np])
+                            if device.type == "cpu" else summed_means[self.order])
+        # valid coordinates and global index of each sorted row's start (for restore and rng)
+        self.valid_sorted = torch.from_numpy(layout.valid.numpy()[order_np])
+        self.index_base = torch.from_numpy(layout.row_start.numpy()[order_np]).to(device)
+        return order_np, widths_np[order_np]
+
+    # -- 6. geometry --------------------------------------------------------------------------
+
+    def _byte_geometry(self, sorted_widths: np.ndarray, order: np.ndarray) -> None:
+        """Byte offset of each sorted row's record (``row_offsets``) and the runs of equal width
+        (``runs``); with hop widths, per count class (``_geom``), and ``row_offsets`` the
+        traffic-weighted average that the chunk geometry follows."""
+        rows = sorted_widths.shape[0]
+        sizes = cost_lookup(self.config.scales).numpy()
+        offsets = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(sizes[sorted_widths], out=offsets[1:])
+        self.row_offsets: np.ndarray = offsets
+        self.runs = _runs(sorted_widths, rows)
+        self._geom: dict[int, tuple[np.ndarray, list[tuple[int, int, int]]]] = {}
+        if self.hop is None:
+            return
+        avg = np.zeros(rows + 1, dtype=np.float64)
+        for c, class_widths in self.hop.items():
+            class_sorted = class_widths.numpy()[order]
+            class_offsets = np.zeros(rows + 1, dtype=np.int64)
+            np.cumsum(sizes[class_sorted], out=class_offsets[1:])
+            avg += self.hop_tau[c] * class_offsets.astype(np.float64)
+            self._geom[c] = (class_offsets, _runs(class_sorted, rows))
+        self.row_offsets = avg
+
+    def _chunk_bounds(self, layout: _Layout) -> list[int]:
+        """The first sorted row of each of the ``n`` chunks, and the end: striped with hop widths
+        (as many rows per chunk as the stripes give it), the shards in the shard layout, else
+        ``n`` chunks of (nearly) equal bytes."""
+        rows, n = layout.rows, self.world_size
+        if self.hop is not None:  # chunk c: sorted rows c, c + n, ... (stripe c of _reorder)
+            return [0, *np.cumsum([rows // n + (c < rows % n) for c in range(n)]).tolist()]
+        if self.sharded:
+            assert layout.shard_row_counts is not None
+            return [0, *torch.cumsum(layout.shard_row_counts, 0).tolist()]
+        offsets = self.row_offsets  # the records' own offsets (no hop widths)
+        total = int(offsets[-1])
+        bounds = [0]
+        for c in range(1, n):
+            target = (c * total + n // 2) // n
+            bounds.append(max(bounds[-1], int(np.searchsorted(offsets, target))))
+        bounds.append(rows)
+        return bounds
+
+    # -- 7. info ------------------------------------------------------------------------------
+
+    def _describe(self, scheme: DynamiqScheme, ctx: CallContext) -> dict[str, Any]:
+        """What the call chose (``comm.last_info``)."""
+        numel, n = self.numel, self.world_size
+        histogram = np.bincount(self.allocation.widths.numpy(), minlength=RAW_WIDTH + 1)
+        bits_used = 8.0 * self.allocation.total_nbytes / max(numel, 1)
+        wire_payload = None
+        if self.hop is not None:
+            # What the all-reduce sends in all, over every rank: each non-sink rank sends its
+            # partial sum of a chunk once (count = its subtree), the sink's encoding (count n) is
+            # forwarded n - 1 times. Per rank it is 2 (n - 1) / n of the records, as without hop
+            # widths, and the statistics come on top.
+            assert ctx.schedule is not None
+            subtree = ctx.schedule.subtree_sizes()
+            wire_payload = sum(
+                self.payload_nbytes(c, subtree[r][c]) for c in range(n) for r in range(n)
+                if subtree[r][c] < n) + sum((n - 1) * self.payload_nbytes(c, n) for c in range(n))
+            bits_used = 8.0 * (wire_payload / (2 * (n - 1)) + self.allocation.stats_nbytes) \
+                / max(numel, 1)
+        return {
+            "bits": bits_used,
+            # the all-reduce's payload bytes over all ranks (hop widths; else 2 (n - 1) times
+            # the records of "widths")
+            "wire_payload_nbytes": wire_payload,
+            "u": self.allocation.u,
+            "over_budget": self.allocation.total_nbytes > math.floor(scheme.bits * numel / 8)
+            if scheme.target_vnmse is None else False,
+            "predicted_vnmse": self.allocation.predicted_vnmse,
+            "rho": self.info_rho,
+            # target mode: where rho came from ("error_model": fixed by ErrorModel.rho,
+            # "earlier call": measured by the last call of this size, "default": 0, none yet)
+            "rho_source": self.rho_source,
+            "target_met": self.allocation.target_met,
+            "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
+            "kernels": self.kernels,  # the same dict: the codec steps add themselves as they run
+            # the bit allocation (host code): "numba" where the compiled bisection ran (the
+            # paper's rule), "torch" for the hull rule (the default) and target mode
+            "allocation_impl": self.allocation.kernel,
+            # CPU buffers the communicator keeps for dynamiq after this call (_state_buffer)
+            "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),
+        }
+
+    def _decode_restore(self, out: torch.Tensor) -> None:
+        """Decode every deferred record straight into ``out`` (plus its mean, at its original
+        place); rows decompress did not defer (width 0 or 16) are restored from ``work``."""
+        assert self.deferred is not None and self.ops.decode_restore is not None
+        rows = self.work.shape[0]
+        for width, a, b, records in self.deferred:
+            self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
+                                    self.index_base[a:b], self.valid_sorted[a:b], out)
+        gaps, end = [], 0  # the rows outside every deferred span
+        for a, b in sorted((a, b) for _, a, b, _ in self.deferred):
+            if a > end:
+                gaps.append(torch.arange(end, a))
+            end = max(end, b)
+        if end < rows:
+            gaps.append(torch.arange(end, rows))
+        self.deferred.clear()
+        if gaps:
+            rest = torch.cat(gaps)
+            assert self.ops.restore is not None
+            self.ops.restore(self.work[rest], self.mean_sorted[rest], self.index_base[rest],
+                             self.valid_sorted[rest], out)
+
+    def _measure_rho(self) -> None:
+        """Target mode: estimate the ranks' correlation from the decoded aggregate (identical on
+        every rank, so every rank stores the same estimate) for the next call."""
+        if self.rho_key is None or self.state is None or not self.whole_result:
+            return
+        decoded_energy = float(torch.nan_to_num(self.work.double(), 0.0, 0.0, 0.0).square().sum())
+        rho = estimate_rho(decoded_energy, self.summed_energy, self.world_size)
+        if rho is not None:
+            _RhoEstimates(self.state).put(self.rho_key, rho)
+            self.info["rho_measured"] = rho
+
+    # -- chunk geometry -----------------------------------------------------------------------
+
+    def _geometry(self, count: int | None) -> tuple[Any, list[tuple[int, int, int]]]:
+        if self._geom and count is not None:
+            return self._geom[count]
+        return self.row_offsets, self.runs
+
+    def _segments(self, chunk: int, count: int | None = None) -> list[tuple[int, int, int, int]]:
+        """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk."""
+        row_offsets, runs = self._geometry(count)
+        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+        base = int(row_offsets[lo])
+        segments = []
+        for width, start, stop in runs:
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                segments.append((width, a, b, int(row_offsets[a]) - base))
+        return segments
+
+    def payload_nbytes(self, chunk: int, count: int) -> int:
+        row_offsets, _ = self._geometry(count)
+        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+        return int(row_offsets[hi] - row_offsets[lo])
+
+    def _records(
+        self, payload: torch.Tensor, width: int, a: int, b: int, offset: int
+    ) -> torch.Tensor:
+        size = record_nbytes(width, self.config.scales)
+        return payload[offset : offset + (b - a) * size].view(b - a, size)
+
+    # -- per-hop operations -------------------------------------------------------------------
+
+    def compress(self, chunk: int, count: int) -> torch.Tensor:
+        self.kernels["encode"] = self.ops.name
+        out = torch.empty(self.payload_nbytes(chunk, count), dtype=torch.uint8,
+                          device=self.work.device)
+        for width, a, b, offset in self._segments(chunk, count):
+            self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
+                            self.world_size, self.key, self.config,
+                            out=self._records(out, width, a, b, offset))
+        return out
+
+    def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        for width, a, b, offset in self._segments(chunk, count):
+            records = self._records(payload, width, a, b, offset)
+            if self.deferred is not None and width != RAW_WIDTH:
+                self.deferred.append((width, a, b, records))  # decoded by finish
+            else:
+                self.kernels["decode"] = self.ops.name
+                self.ops.decode(records, width, self.config, out=self.work[a:b])
+
+    def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        self.kernels["decode_accumulate"] = self.ops.name
+        for width, a, b, offset in self._segments(chunk, count):
+            self.ops.decode_accumulate(self._records(payload, width, a, b, offset), width,
+                                       self.config, self.work[a:b])
+
+    def decompress_accumulate_recompress(
+        self, chunk: int, payload: torch.Tensor, count: int, out_count: int
+    ) -> torch.Tensor:
+        self.kernels["decode_accumulate_encode"] = self.ops.name
+        if self._geom:
+            return self._hop_widths_step(chunk, payload, count, out_count)
+        out = torch.empty_like(payload)
+        for width, a, b, offset in self._segments(chunk):
+            self.ops.decode_accumulate_encode(
+                self._records(payload, width, a, b, offset), width, self.work[a:b],
+                self.index_base[a:b], self.rank, self.world_size, self.key, self.config,
+                keep_sum=False,  # nothing reads this partial sum again (decode overwrites it)
+                out=self._records(out, width, a, b, offset),
+            )
+        return out
+
+    def _hop_widths_step(self, chunk: int, payload: torch.Tensor, count: int,
+                         out_count: int) -> torch.Tensor:
+        """The hop when widths depend on the count: rows whose width stays the same take the
+        fused decode-accumulate-encode; where it changes, decode-accumulate at the incoming
+        width, then encode at the outgoing one (both tables order the rows alike)."""
+        out = torch.empty(self.payload_nbytes(chunk, out_count), dtype=torch.uint8,
+                          device=self.work.device)
+        incoming = self._segments(chunk, count)
+        outgoing = self._segments(chunk, out_count)
+        i = j = 0
+        while i < len(incoming) and j < len(outgoing):
+            w_in, a_in, b_in, off_in = incoming[i]
+            w_out, a_out, b_out, off_out = outgoing[j]
+            a, b = max(a_in, a_out), min(b_in, b_out)
+            if a < b:
+                size_in = record_nbytes(w_in, self.config.scales)
+                size_out = record_nbytes(w_out, self.config.scales)
+                records = payload[off_in + (a - a_in) * size_in:
+                                  off_in + (b - a_in) * size_in].view(b - a, size_in)
+                target = out[off_out + (a - a_out) * size_out:
+                             off_out + (b - a_out) * size_out].view(b - a, size_out)
+                if w_in == w_out:
+                    self.ops.decode_accumulate_encode(
+                        records, w_in, self.work[a:b], self.index_base[a:b], self.rank,
+                        self.world_size, self.key, self.config, keep_sum=False, out=target)
+                else:
+                    self.ops.decode_accumulate(records, w_in, self.config, self.work[a:b])
+                    self.ops.encode(self.work[a:b], w_out, self.index_base[a:b], self.rank,
+                                    self.world_size, self.key, self.config, out=target)
+            if b_in <= b_out:
+                i += 1
+            else:
+                j += 1
+        return out
+
+    def finish_shard(self, shard: int, out: torch.Tensor) -> None:
+        """Restore only shard ``shard`` (a reduce-scatter's own) into ``out`` (one shard's
+        coordinates): the rows of chunk ``shard``, which the sharded layout keeps together."""
+        if self.shard is None or self.deferred:
+            raise InvalidArgumentError("finish_shard needs a sharded call (reduce-scatter)")
+        size = self.shard[0]
+        a, b = self.chunk_bounds[shard], self.chunk_bounds[shard + 1]
+        work, mean = self.work[a:b], self.mean_sorted[a:b]
+        base = self.index_base[a:b] - shard * size  # coordinates within the shard
+        valid = self.valid_sorted[a:b]
+        if self.ops.restore is not None and out.is_contiguous() and out.device == work.device:
+            self.kernels["restore"] = self.ops.name
+            self.ops.restore(work, mean, base, valid, out.view(-1))
+            return
+        self.kernels["restore"] = "torch"
+        value = work + mean.to(work.device)[:, None]
+        coord = torch.arange(SUPER, device=work.device)
+        keep = coord[None, :] < valid.to(work.device)[:, None]
+        target = base.to(work.device)[:, None] + coord[None, :]
+        result = torch.zeros(out.numel(), dtype=torch.float32, device=work.device)
+        result[target[keep]] = value[keep]
+        out.copy_(result.reshape(out.shape))
+
+    def finish(self, out: torch.Tensor) -> None:
+        if self.deferred:
+            if (self.ops.decode_restore is not None and out.dtype == torch.float32
+                    and out.is_contiguous() and out.device == self.work.device):
+                self.kernels["decode_restore"] = self.ops.name
+                self._decode_restore(out.view(-1))
+                return
+            self.kernels["decode"] = self.ops.name
+            for width, a, b, records in self.deferred:  # another output: decode, then restore
+                self.ops.decode(records, width, self.config, out=self.work[a:b])
+            self.deferred.clear()
+        self._measure_rho()
+        if self.ops.restore is not None and out.is_contiguous() and out.device == self.work.device:
+            self.kernels["restore"] = self.ops.name
+            self.ops.restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted,
+                             out.view(-1))
+            return
+        self.kernels["restore"] = "torch"
+        if self.uneven:  # rows past the end were dropped: scatter by coordinate index
+            value = self.work + self.mean_sorted[:, None]
+            coord = torch.arange(SUPER, device=value.device)
+            keep = coord[None, :] < self.valid_sorted.to(value.device)[:, None]
+            target = self.index_base[:, None] + coord[None, :]
+            result = torch.empty(self.numel, dtype=torch.float32, device=value.device)
+            result[target[keep]] = value[keep]
+            out.copy_(result.reshape(out.shape))
+            return
+        restored = torch.empty_like(self.work)
+        restored[self.order] = self.work + self.mean_sorted[:, None]
+        if self.shard is not None:
+            shard, shard_rows = self.shard
+            result = restored.view(self.world_size, shard_rows * SUPER)[:, :shard]
+        else:
+            result = restored.view(-1)[: self.numel]
+        out.copy_(result.reshape(out.shape))
