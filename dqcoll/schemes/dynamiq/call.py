@@ -65,7 +65,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -90,17 +90,42 @@ from .codec import (
     ALL_WIDTHS,
     RAW_WIDTH,
     SUPER,
+    CodecConfig,
     Widths,
     record_nbytes,
     stats_center_rounded_torch,
 )
-from .error_model import estimate_rho
-from .options import Balance
+from .error_model import ErrorModel, estimate_rho
+from .options import Balance, DynamiqFormat
 
-if TYPE_CHECKING:
-    from .scheme import DynamiqScheme
+__all__ = ["RHO_ENTRIES", "DynamiqCall", "SchemeSettings"]
 
-__all__ = ["RHO_ENTRIES", "DynamiqCall"]
+
+class SchemeSettings(Protocol):
+    """What a call reads from its scheme (:class:`.scheme.DynamiqScheme` provides it). A
+    protocol, so that this module does not import the scheme module that imports it."""
+
+    format: DynamiqFormat
+    config: CodecConfig
+    bits: float
+    target_vnmse: float | None
+    energy_exponent: float
+    balance: Balance
+    error_model: ErrorModel
+    widths_mode: Widths
+    stats: str
+    hop_widths: bool
+    max_width: int
+    reference_only: bool
+
+    @property
+    def stats_bytes(self) -> int: ...
+
+    @property
+    def paper_rule(self) -> bool: ...
+
+    @property
+    def measured_errors(self) -> dict[int, float] | None: ...
 
 # Below this many super-groups the budget covers the tail's padding too (see _allocate_budget).
 _EXACT_BUDGET_ROWS = 64
@@ -322,7 +347,7 @@ def _used_widths(widths: torch.Tensor) -> set[int]:
 # -- allocation rules by format ------------------------------------------------------------------
 
 
-def _allocate_budget(scheme: DynamiqScheme, norm2: torch.Tensor, numel: int) -> Allocation:
+def _allocate_budget(scheme: SchemeSettings, norm2: torch.Tensor, numel: int) -> Allocation:
     """One width per super-group under ``scheme.bits`` over ``numel`` coordinates, by the rule of
     the scheme's format."""
     fmt = scheme.format
@@ -342,7 +367,7 @@ def _allocate_budget(scheme: DynamiqScheme, norm2: torch.Tensor, numel: int) -> 
                            energy_exponent=scheme.energy_exponent)
 
 
-def _allocate_target(scheme: DynamiqScheme, summed: torch.Tensor, valid: torch.Tensor,
+def _allocate_target(scheme: SchemeSettings, summed: torch.Tensor, valid: torch.Tensor,
                      world_size: int, rho: float, error_per_energy: torch.Tensor) -> Allocation:
     """The cheapest widths (one per super-group) whose predicted vNMSE meets
     ``scheme.target_vnmse``, by the rule of the scheme's format."""
@@ -365,7 +390,7 @@ class DynamiqCall:
 
     tile_unit = 1  # the executor may cut chunks into tiles of whole rows (super-groups)
 
-    def __init__(self, scheme: DynamiqScheme, x: torch.Tensor, ctx: CallContext) -> None:
+    def __init__(self, scheme: SchemeSettings, x: torch.Tensor, ctx: CallContext) -> None:
         self.config = scheme.config
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -387,7 +412,7 @@ class DynamiqCall:
 
     # -- 1. layout ----------------------------------------------------------------------------
 
-    def _lay_out(self, scheme: DynamiqScheme, x: torch.Tensor, ctx: CallContext) -> _Layout:
+    def _lay_out(self, scheme: SchemeSettings, x: torch.Tensor, ctx: CallContext) -> _Layout:
         """The rows: shards padded on their own (reduce-scatter, all-gather, the all-reduce with
         ``balance="shards"``), or the whole input with its tail padded."""
         self.sharded = (ctx.collective is not Collective.ALLREDUCE
@@ -405,7 +430,7 @@ class DynamiqCall:
 
     # -- 2. statistics ------------------------------------------------------------------------
 
-    def _statistics(self, scheme: DynamiqScheme, layout: _Layout,
+    def _statistics(self, scheme: SchemeSettings, layout: _Layout,
                     ctx: CallContext) -> _Statistics:
         """Scale for avg, the local statistics and centring (rows in the original order), then
         one small uncompressed all-reduce of the statistics. The fast paths that split
@@ -438,7 +463,7 @@ class DynamiqCall:
 
     # -- 3. allocation ------------------------------------------------------------------------
 
-    def _allocate(self, scheme: DynamiqScheme, layout: _Layout, summed: torch.Tensor,
+    def _allocate(self, scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
                   ctx: CallContext) -> None:
         """Widths from the summed norms (identical on every rank): under the bit budget, or the
         cheapest whose predicted error meets ``target_vnmse``; per count class with hop widths.
@@ -461,7 +486,7 @@ class DynamiqCall:
         if self.hop is not None:
             self.hop_tau = {c: t for c, (_, t) in classes.items()}
 
-    def _allocate_for_budget(self, scheme: DynamiqScheme, layout: _Layout, summed: torch.Tensor,
+    def _allocate_for_budget(self, scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
                              classes: dict[int, tuple[float, float]]) -> None:
         # A short tail (e.g. 1026 = 4 * 256 + 2) costs a whole record. In a small buffer that
         # starved every other super-group (2 ranks, 5 bits, 1026 coordinates: vNMSE 0.56), so
@@ -481,7 +506,7 @@ class DynamiqCall:
             stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
             energy_exponent=scheme.energy_exponent)
 
-    def _allocate_for_target(self, scheme: DynamiqScheme, layout: _Layout, summed: torch.Tensor,
+    def _allocate_for_target(self, scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
                              ctx: CallContext, classes: dict[int, tuple[float, float]]) -> None:
         assert scheme.target_vnmse is not None
         schedule = ctx.schedule
@@ -515,7 +540,7 @@ class DynamiqCall:
 
     # -- 4. kernel choice ---------------------------------------------------------------------
 
-    def _choose_codec_kernels(self, scheme: DynamiqScheme, ctx: CallContext) -> None:
+    def _choose_codec_kernels(self, scheme: SchemeSettings, ctx: CallContext) -> None:
         """Kernels that do not implement a width this call uses (or the scales) leave the whole
         call's codec to the reference ops (the same bytes, slower). Where the last decode can
         write straight into the output (``ops.decode_restore``, all-reduce, not target mode,
@@ -623,7 +648,7 @@ class DynamiqCall:
 
     # -- 7. info ------------------------------------------------------------------------------
 
-    def _describe(self, scheme: DynamiqScheme, ctx: CallContext) -> dict[str, Any]:
+    def _describe(self, scheme: SchemeSettings, ctx: CallContext) -> dict[str, Any]:
         """What the call chose (``comm.last_info``)."""
         numel, n = self.numel, self.world_size
         histogram = np.bincount(self.allocation.widths.numpy(), minlength=RAW_WIDTH + 1)
