@@ -84,13 +84,14 @@ def test_calibration_moves_towards_measurements() -> None:
 
 def _auto_calls(comm: dqcoll.Communicator, numel: int) -> list[dict]:
     results = []
-    for _ in range(3):
+    for step in range(3):
         x = _inputs(comm.rank, numel)
-        dqcoll.allreduce(x, scheme="auto", op="avg", comm=comm)
+        dqcoll.allreduce(x, scheme="auto", op="avg", comm=comm, step=step)
         info = dict(comm.last_info)
-        # the same call with the chosen scheme named explicitly
+        # the same call with the chosen scheme named explicitly, at the same step (a stochastic
+        # scheme's rounding is seeded by the step, which otherwise counts calls)
         y = _inputs(comm.rank, numel)
-        dqcoll.allreduce(y, scheme=info["scheme"], op="avg", comm=comm)
+        dqcoll.allreduce(y, scheme=info["scheme"], op="avg", comm=comm, step=step)
         results.append({"x": x, "y": y, "info": info,
                         "calibration": dict(comm.auto.calibration)})
     return results
