@@ -14,55 +14,95 @@ from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.graph import Topology
 from dqcoll.topology.hierarchical import LevelSpec, build_hierarchical_plan
+from dqcoll.topology.placement import build_placed_schedule
 from dqcoll.topology.simulator import simulate, simulate_hierarchical
+from dqcoll.topology.steps import placed_plan
 
 CASES = [
-    ("ring", "dynamiq", 4, "gaussian", 3000),
-    ("butterfly", "dynamiq", 5, "lognormal-mixture:supergroups=24", None),
-    ("direct", "dynamiq", 3, "gaussian", 2000),
-    ("butterfly", "none", 5, "gaussian", 1001),
+    ("ring", "dynamiq", 4, "gaussian", 3000, {}),
+    ("butterfly", "dynamiq", 5, "lognormal-mixture:supergroups=24", None, {}),
+    ("direct", "dynamiq", 3, "gaussian", 2000, {}),
+    ("butterfly", "none", 5, "gaussian", 1001, {}),
+    ("ring", "dynamiq", 5, "lognormal-mixture:supergroups=40", None, {"format": "paper"}),
+    ("butterfly", "dynamiq", 6, "lognormal-mixture:supergroups=70", None,
+     {"format": "paper", "bits": 8.5}),
+    ("ring", "dynamiq", 6, "lognormal-mixture:supergroups=70;noise=torch", None, {"bits": 8.5}),
+    ("ring", "mxfp8", 5, "lognormal-mixture:supergroups=20", None, {}),
+    ("butterfly", "mxfp8", 6, "lognormal-mixture:supergroups=20", 5000, {"scale": "global"}),
+    ("direct", "mxfp8", 3, "gaussian", 4000, {"scale": "global"}),
 ]
 
 
-def _executor_vnmse(source, algorithm, scheme, n, seed, step, op="sum", **options):
+def _executor(source, algorithm, scheme, n, seed, step, op="sum", **options):
     def body(comm):
         x = source.rank_tensor(comm.rank).clone()
         dqcoll.allreduce(x, comm=comm, algorithm=algorithm, scheme=scheme, seed=seed, step=step,
                          op=op, **options)
         return x
 
-    out = run_local(n, body)[0]
+    return run_local(n, body)[0]
+
+
+def _executor_vnmse(source, algorithm, scheme, n, seed, step, op="sum", **options):
+    out = _executor(source, algorithm, scheme, n, seed, step, op, **options)
     exact = source.exact_sum() / (n if op == "avg" else 1)
     return dqcoll.metrics.vnmse(out, exact)
 
 
-@pytest.mark.parametrize("algorithm,scheme,n,spec,numel", CASES,
-                         ids=[f"{a}-{s}-W{n}" for a, s, n, _, _ in CASES])
-def test_simulator_matches_executor(algorithm, scheme, n, spec, numel):
-    """Same seed and step: the simulated vNMSE equals the local transport's to rounding of the
-    final sum (the simulator reproduces the executor's bytes)."""
+@pytest.mark.parametrize("algorithm,scheme,n,spec,numel,options", CASES,
+                         ids=[f"{a}-{s}-W{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                              for a, s, n, _, _, o in CASES])
+def test_simulator_matches_executor(algorithm, scheme, n, spec, numel, options):
+    """Same seed and step: the simulated all-reduce is the local transport's, bit for bit (the
+    simulator reproduces the executor's bytes), whether the rows come from the source's row
+    access or from the scratch file (noise=torch, gaussian); so is the vNMSE."""
     source = make_source(spec, world_size=n, numel=numel, seed=1)
-    result = simulate(build_schedule(algorithm, n), source, scheme=scheme, bits=5.0, seed=9,
-                      step=4)
-    expected = _executor_vnmse(source, algorithm, scheme, n, 9, 4)
+    options = dict(options)
+    bits = options.pop("bits", 5.0) if scheme == "dynamiq" else None
+    out = torch.empty(source.numel)
+    result = simulate(build_schedule(algorithm, n), source, scheme=scheme, bits=bits, seed=9,
+                      step=4, output=out, **options)
+    extra = dict(options, **({"bits": bits} if bits is not None else {}))
+    expected = _executor(source, algorithm, scheme, n, 9, 4, **extra)
+    assert torch.equal(out, expected)
+    vnmse = dqcoll.metrics.vnmse(expected, source.exact_sum())
     assert result.complete and result.chunks_done == result.chunks_total == n
     if scheme == "none":
-        assert result.vnmse < 1e-12 and expected < 1e-12
+        assert result.vnmse < 1e-12 and vnmse < 1e-12
     else:
-        assert result.vnmse == pytest.approx(expected, rel=1e-9)
+        assert result.vnmse == pytest.approx(vnmse, rel=1e-9)
+    if scheme == "dynamiq":
         # below 64 super-groups the tail's padding is budgeted too (scheme.py)
         slack = (result.numel + 255) / result.numel if result.numel < 64 * 256 else 1.0
-        assert result.bits_used is not None and result.bits_used <= 5.0 * slack + 1e-12
+        assert result.bits_used is not None and result.bits_used <= bits * slack + 1e-12
 
 
 def test_simulator_avg_and_independent_rounding():
     """op=avg and rounding='independent' are simulated as the executor runs them."""
-    source = make_source("gaussian", world_size=4, numel=2048, seed=2)
-    result = simulate(build_schedule("ring", 4), source, scheme="dynamiq", bits=6.0, seed=1,
-                      step=0, op="avg", rounding="independent")
-    expected = _executor_vnmse(source, "ring", "dynamiq", 4, 1, 0, op="avg",
-                               rounding="independent", bits=6.0)
-    assert result.vnmse == pytest.approx(expected, rel=1e-9)
+    for scheme, options in (("dynamiq", {"rounding": "independent", "bits": 6.0}),
+                            ("dynamiq", {"format": "paper", "bits": 6.0}),
+                            ("mxfp8", {"scale": "global"})):
+        source = make_source("gaussian", world_size=4, numel=2048, seed=2)
+        out = torch.empty(2048)
+        options = dict(options)
+        bits = options.pop("bits", None)
+        simulate(build_schedule("ring", 4), source, scheme=scheme, bits=bits, seed=1, step=0,
+                 op="avg", output=out, **options)
+        extra = dict(options, **({"bits": bits} if bits is not None else {}))
+        assert torch.equal(out, _executor(source, "ring", scheme, 4, 1, 0, op="avg", **extra))
+
+
+def test_placed_plan_matches_the_placed_schedule():
+    """A closed-form plan on a topology (no Schedule object) gives the bytes of the placed
+    schedule's simulation, which are the executor's."""
+    topology = Topology.cluster(2, 4)
+    source = make_source("lognormal-mixture:supergroups=50", world_size=8, seed=3)
+    for algorithm in ("ring", "butterfly"):
+        a, b = torch.empty(source.numel), torch.empty(source.numel)
+        simulate(placed_plan(algorithm, topology), source, bits=6.0, output=a)
+        simulate(build_placed_schedule(algorithm, topology), source, bits=6.0, output=b,
+                 memory_mb=0.001)
+        assert torch.equal(a, b)
 
 
 def test_batches_do_not_change_the_result():
@@ -117,5 +157,5 @@ def test_unsupported_scheme_is_explicit():
     """A scheme without a batched adapter raises and names the ones that exist."""
     source = make_source("gaussian", world_size=2, numel=256, seed=0)
     with pytest.raises(dqcoll.DqcollError, match="'dynamiq' and 'none'"):
-        simulate(build_schedule("ring", 2), source, scheme="bf16")
+        simulate(build_schedule("ring", 2), source, scheme="thc")
     assert torch.is_tensor(source.rank_tensor(0))

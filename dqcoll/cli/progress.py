@@ -14,13 +14,16 @@ __all__ = ["ProgressBar"]
 
 
 class ProgressBar:
-    def __init__(self, label: str, *, stream: TextIO | None = None, width: int = 30) -> None:
+    def __init__(self, label: str, *, stream: TextIO | None = None, width: int = 30,
+                 every: float = 0.1) -> None:
         self.label = label
         self.stream = stream or sys.stderr
         self.width = width
         self.start = time.monotonic()
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every  # without a terminal: a line per this fraction of the work
         self._last_decile = -1
+        self._last_draw = float("-inf")
 
     def __call__(self, done: int, total: int, note: str = "") -> None:
         total = max(total, 1)
@@ -33,11 +36,15 @@ class ProgressBar:
                 + (f" eta {eta:5.0f}s" if frac > 0 and frac < 1 else "")
                 + (f" {note}" if note else ""))
         if self.tty:
+            now = time.monotonic()
+            if frac < 1 and now - self._last_draw < 0.2:  # redraw at most 5 times a second
+                return
+            self._last_draw = now
             self.stream.write("\r" + text[:160].ljust(100))
             if frac >= 1:
                 self.stream.write("\n")
         else:
-            decile = int(frac * 10)
+            decile = int(frac / self.every + 1e-9)
             if decile == self._last_decile:
                 return
             self._last_decile = decile

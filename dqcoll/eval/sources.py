@@ -19,14 +19,19 @@ Kinds (``list_sources()``; defaults in brackets):
     ``z`` common to all ranks and ``e_rank`` private, both N(0, 1). ``shared`` is the correlation
     between ranks (0: independent workers; real data-parallel gradients sit in between).
     Length ``numel`` [2**20].
-``lognormal-mixture:weights=[0.79,0.21];mu=[-3.99,-16.41];sigma=[1.22,4.63];supergroups=[4096]``
+``lognormal-mixture:weights=[0.79,0.21];mu=[-3.99,-16.41];sigma=[1.22,4.63];supergroups=[4096];noise=[counter]``
     super-groups of 256 coordinates. Each super-group's magnitude ``M`` is drawn once, shared by
     all ranks, from the mixture of log-normals (natural log: ``log M ~ N(mu_k, sigma_k^2)`` with
     probability ``weights_k``); each rank's 256 coordinates are i.i.d. N(0, (M / 16)^2), so a
     super-group's expected squared norm is ``M^2``. The defaults fit the super-group norms of
     LLM gradients: most super-groups moderate, a fifth nearly zero over many decades (skew is what
     variable bit widths exploit). Length ``supergroups * 256`` (or ``numel`` if given, which must
-    not be longer).
+    not be longer). ``noise=counter`` draws the N(0, 1) values from a counter-based generator
+    (:mod:`dqcoll.kernels.noise_numba`: a value is a function of (seed, rank, coordinate)), so
+    any slice of any rank's tensor can be made on its own (:meth:`GradientSource.fill_rows`;
+    the simulator needs that at large ``n``); ``noise=torch`` is the first version's
+    ``torch.Generator`` stream per rank (the same distribution, other values: numbers recorded
+    before the counter-based default, e.g. in docs/accuracy.md, were made with it).
 ``files:path=PATH`` (or ``files:PATH``)
     saved tensors, one file per rank: ``PATH`` is a directory (its ``.pt``/``.npy``/
     ``.safetensors`` files in sorted name order), a glob, or a template with ``{rank}``. A file
@@ -63,6 +68,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
@@ -155,6 +161,23 @@ class GradientSource(abc.ABC):
             )
         with self._lock:
             return self._make(rank)
+
+    #: whether :meth:`fill_rows` can make a slice of a rank's tensor without the whole tensor
+    row_access = False
+
+    def fill_rows(self, ranks: np.ndarray, starts: np.ndarray, out: np.ndarray) -> None:
+        """``out[i] = rank_tensor(ranks[i])[starts[i] : starts[i] + L]`` (fp32 ``[k, L]``), zero
+        past ``numel``: the same values as :meth:`rank_tensor`, for sources with
+        :attr:`row_access` without making the whole tensor (this default makes it, per
+        distinct rank)."""
+        length = out.shape[1]
+        for rank in np.unique(ranks):
+            x = self.rank_tensor(int(rank)).numpy()
+            for i in np.flatnonzero(ranks == rank):
+                a = int(starts[i])
+                part = x[a : a + length]
+                out[i, : part.shape[0]] = part
+                out[i, part.shape[0] :] = 0.0
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.rank_tensor(r) for r in range(self.world_size)]
@@ -259,6 +282,12 @@ class LognormalMixtureSource(GradientSource):
         total = sum(weights)
         self.weights = [w / total for w in weights]
         self.mu, self.sigma, self.supergroups = mu, sigma, groups
+        self.noise = (spec.get("noise", "counter") or "counter").lower()
+        if self.noise not in ("counter", "torch"):
+            raise InvalidArgumentError(
+                f"source 'lognormal-mixture': noise must be 'counter' or 'torch', got "
+                f"{self.noise!r}")
+        self.row_access = self.noise == "counter"
 
     @functools.cached_property
     def magnitudes(self) -> torch.Tensor:
@@ -271,7 +300,37 @@ class LognormalMixtureSource(GradientSource):
         sigma = torch.tensor(self.sigma, dtype=torch.float64)[component]
         return torch.exp(mu + sigma * normal)
 
+    @functools.cached_property
+    def _scale(self) -> np.ndarray:
+        """fp64 ``M / 16`` per super-group: the standard deviation of its coordinates."""
+        return (self.magnitudes / math.sqrt(SUPERGROUP)).numpy()
+
+    def stream_key(self, rank: int) -> int:
+        """The counter-based generator's key of ``rank`` (``noise=counter``)."""
+        return derived_seed(self.seed, "lognormal-mixture-noise", rank)
+
+    @functools.cached_property
+    def _keys(self) -> np.ndarray:
+        return np.array([self.stream_key(r) for r in range(self.world_size)], dtype=np.uint64)
+
+    def fill_rows(self, ranks: np.ndarray, starts: np.ndarray, out: np.ndarray) -> None:
+        if self.noise != "counter":
+            super().fill_rows(ranks, starts, out)
+            return
+        from ..kernels import noise_numba
+
+        ranks = np.asarray(ranks, dtype=np.int64)
+        if ranks.size and (ranks.min() < 0 or ranks.max() >= self.world_size):
+            raise InvalidArgumentError(
+                f"source {self.name!r}: ranks outside [0, {self.world_size})")
+        noise_numba.fill(self._keys[ranks], np.asarray(starts, dtype=np.int64), self.numel,
+                         self._scale, out)
+
     def _make(self, rank: int) -> torch.Tensor:
+        if self.noise == "counter":
+            out = np.empty((1, self.numel), dtype=np.float32)
+            self.fill_rows(np.array([rank]), np.zeros(1, dtype=np.int64), out)
+            return torch.from_numpy(out[0])
         noise = torch.randn(self.supergroups, SUPERGROUP, generator=_generator(
             self.seed, "lognormal-mixture", rank), dtype=torch.float64)
         values = noise * (self.magnitudes / math.sqrt(SUPERGROUP))[:, None]
@@ -469,7 +528,7 @@ for _entry in (
     SourceEntry("gaussian", GaussianSource, ("std", "mean", "shared"),
                 "i.i.d. normal coordinates, optionally correlated across ranks"),
     SourceEntry("lognormal-mixture", LognormalMixtureSource,
-                ("weights", "mu", "sigma", "supergroups"),
+                ("weights", "mu", "sigma", "supergroups", "noise"),
                 "super-group magnitudes from a log-normal mixture, shared by all ranks"),
     SourceEntry("files", FileSource, ("path",), "saved tensors, one file per rank"),
     SourceEntry("stdlib-lm", StdlibLMSource,

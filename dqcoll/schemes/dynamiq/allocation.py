@@ -34,7 +34,9 @@ import enum
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from .codec import ALL_WIDTHS, FINE_WIDTHS, RAW_WIDTH, Levels, ProtoScales, Scales, record_nbytes
@@ -430,24 +432,43 @@ def allocate_widths(
     return Allocation(widths, u, cost(widths), stats, budget, over)
 
 
-def count_classes(subtree: tuple[tuple[int, ...], ...]) -> dict[int, tuple[float, float]]:
+def count_classes(subtree: Any) -> dict[int, tuple[float, float]]:
     """Per partial-sum size ``c`` (the executor's ``count``): ``(alpha_c, tau_c)``, the error
     weight (quantizations of a ``c``-rank partial sum per chunk, times ``c``: its energy relative
     to one rank's) and the share of the all-reduce's transfers that carry it. In a tree reduce
     every non-sink rank sends its partial sum of a chunk once (count = its subtree size); the sink
-    encodes the full sum once (count n), which the all-gather forwards n - 1 times."""
-    n = len(subtree)
-    chunks = len(subtree[0]) if n else 0
+    encodes the full sum once (count n), which the all-gather forwards n - 1 times.
+
+    ``subtree[rank][chunk]`` as nested sequences or an ``[n, chunks]`` array. Vectorised (the
+    simulator passes n = 8192: 6.7e7 entries), with the floats of the plain loop this replaced:
+    classes in order of first appearance (chunk by chunk, rank by rank) and each ``m_c`` the
+    running sum of ``1 / chunks``, added once per send (:func:`_repeated_sum`)."""
+    sizes = np.asarray(subtree, dtype=np.int64)
+    n = sizes.shape[0] if sizes.ndim == 2 else len(subtree)
+    chunks = sizes.shape[1] if sizes.ndim == 2 and n else 0
     sends: dict[int, float] = {}
-    for c in range(chunks):
-        for r in range(n):
-            size = subtree[r][c]
-            if size < n:
-                sends[size] = sends.get(size, 0.0) + 1.0 / chunks
+    if chunks:
+        column_major = sizes.T.reshape(-1)  # chunk by chunk, rank by rank
+        sent = column_major[column_major < n]
+        values, first, counts = np.unique(sent, return_index=True, return_counts=True)
+        for i in np.argsort(first, kind="stable"):
+            sends[int(values[i])] = _repeated_sum(1.0 / chunks, int(counts[i]))
     total = 2.0 * (n - 1)
     classes = {size: (m * size, m / total) for size, m in sends.items()}
     classes[n] = (float(n), (n - 1) / total)
     return classes
+
+
+def _repeated_sum(value: float, times: int) -> float:
+    """``0.0 + value + value + ...`` (``times`` additions, rounded one by one, as a loop would):
+    ``numpy.cumsum`` adds in order, a block at a time."""
+    total = 0.0
+    block = 1 << 20
+    while times > 0:
+        k = min(times, block)
+        total = float(np.cumsum(np.r_[total, np.full(k, value)])[-1])
+        times -= k
+    return total
 
 
 def allocate_widths_by_count(

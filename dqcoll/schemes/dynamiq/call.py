@@ -660,10 +660,7 @@ class DynamiqCall:
             # forwarded n - 1 times. Per rank it is 2 (n - 1) / n of the records, as without hop
             # widths, and the statistics come on top.
             assert ctx.schedule is not None
-            subtree = ctx.schedule.subtree_sizes()
-            wire_payload = sum(
-                self.payload_nbytes(c, subtree[r][c]) for c in range(n) for r in range(n)
-                if subtree[r][c] < n) + sum((n - 1) * self.payload_nbytes(c, n) for c in range(n))
+            wire_payload = self._hop_wire_payload(np.asarray(ctx.schedule.subtree_sizes()))
             bits_used = 8.0 * (wire_payload / (2 * (n - 1)) + self.allocation.stats_nbytes) \
                 / max(numel, 1)
         return {
@@ -688,6 +685,27 @@ class DynamiqCall:
             # CPU buffers the communicator keeps for dynamiq after this call (_state_buffer)
             "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),
         }
+
+    def _hop_wire_payload(self, subtree: np.ndarray) -> int:
+        """``sum over (rank, chunk) with subtree < n of payload_nbytes(chunk, subtree)`` plus
+        ``(n - 1) payload_nbytes(chunk, n)`` per chunk, vectorised (exact integers): a matrix of
+        payload bytes per (count class, chunk), summed over the ranks a block at a time."""
+        n = self.world_size
+        bounds = np.asarray(self.chunk_bounds, dtype=np.int64)
+        classes = sorted(self._geom)
+        class_of = np.zeros(n + 1, np.int64)
+        class_of[classes] = np.arange(len(classes))
+        payload = np.stack([offsets[bounds[1:]] - offsets[bounds[:-1]]
+                            for offsets, _ in (self._geom[c] for c in classes)])
+        chunks = np.arange(n, dtype=np.int64)[None, :]
+        total = int(((n - 1) * payload[class_of[n]]).sum())
+        block = max(1, (1 << 22) // max(n, 1))
+        for r0 in range(0, n, block):
+            sizes = subtree[r0 : r0 + block].astype(np.int64)
+            sent = sizes < n
+            total += int(np.where(sent, payload[class_of[np.where(sent, sizes, n)], chunks],
+                                  0).sum())
+        return total
 
     def _decode_restore(self, out: torch.Tensor) -> None:
         """Decode every deferred record straight into ``out`` (plus its mean, at its original
