@@ -159,3 +159,13 @@ def test_unsupported_scheme_is_explicit():
     with pytest.raises(dqcoll.DqcollError, match="'dynamiq' and 'none'"):
         simulate(build_schedule("ring", 2), source, scheme="thc")
     assert torch.is_tensor(source.rank_tensor(0))
+
+
+def test_simulator_matches_executor_at_moderate_n():
+    """33 ranks (a butterfly that is not a power of two, hop widths over 6 count classes, raw
+    16-bit rows at 8.5 bits): still the local transport's output, bit for bit."""
+    source = make_source("lognormal-mixture:supergroups=66", world_size=33, seed=5)
+    out = torch.empty(source.numel)
+    simulate(placed_plan("butterfly", Topology.cluster(1, 33)), source, bits=8.5, seed=2,
+             step=1, output=out, memory_mb=2)
+    assert torch.equal(out, _executor(source, "butterfly", "dynamiq", 33, 2, 1, bits=8.5))

@@ -132,3 +132,28 @@ def test_simulate_cli_json(capsys):
     assert report["world_size"] == 4 and report["complete"] is True
     assert 0 < report["vnmse"] < 0.05
     assert report["predicted_us"] > 0 and report["speedup_vs_ring_none"] > 0
+    assert report["peak_rss_mb"] > 0 and report["wall_s"] > 0 and report["memory_mb"] > 0
+    assert report["command"].startswith("dqcoll simulate --world-size 4")
+
+
+def test_simulate_cli_scheme_specs_and_large_n(capsys):
+    """--scheme takes a spec (the paper's DynamiQ, MXFP8 with global scales); past
+    PRICE_TRANSFERS the cost model is skipped, said so in the report, unless --price."""
+    code = simulate_cli.main(["-n", "4", "--algorithm", "ring", "--scheme",
+                              "dynamiq:format=paper", "--bits", "6", "--source",
+                              "lognormal-mixture:supergroups=8", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scheme_options"] == {"format": "paper"} and report["bits"] == 6
+    assert 0 < report["vnmse"] < 0.1
+    code = simulate_cli.main(["-n", "4", "--algorithm", "butterfly", "--scheme",
+                              "mxfp8:scale=global", "--source",
+                              "lognormal-mixture:supergroups=8", "--json", "--no-price"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bits"] is None and 0 < report["vnmse"] < 0.1
+    assert report["price_skipped"] == "--no-price" and report["predicted_us"] is None
+    code = simulate_cli.main(["-n", "2048", "--algorithm", "ring", "--no-error", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "transfers" in report["price_skipped"] and report["vnmse"] is None

@@ -93,6 +93,10 @@ def encode_ranked(x: np.ndarray, width: int, index_base: np.ndarray, ranks: np.n
         return
     kernels = _kernels()
     kernel = None if kernels is None else kernels.get((width, config.scales))
+    if rng.PERMUTATION_RUN != 16:
+        # a research override of the run length (tools/dense_gap.py): the kernels' runs are the
+        # 16-coordinate scale groups, the reference reads it
+        kernel = None
     if kernel is None:
         _encode_reference(x, width, index_base, ranks, tables, config, out, size)
         return

@@ -584,6 +584,8 @@ class _Pool:
     def take(self, ranks: np.ndarray, local: np.ndarray) -> np.ndarray:
         """The rows held for (ranks, local units), released."""
         slots = self.slot[ranks, local]
+        if slots.shape[0] and int(slots.min()) < 0:
+            raise AssertionError("the reduce plan sends a payload nobody holds")
         rows = self.data[slots]
         self.slot[ranks, local] = -1
         k = slots.shape[0]
