@@ -119,6 +119,12 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
         dqcoll.allreduce(x, **kwargs)
     _TOTALS.clear()
     dist.barrier()
+    profiler = None
+    if args.cprofile and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)  # CPU, not wall: a loaded machine
+        profiler.enable()
     process_cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(args.repeats):
         x.copy_(x0)
@@ -126,6 +132,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
             dqcoll.allreduce(x, **kwargs)
     process_cpu = time.process_time() - process_cpu
     wall = time.perf_counter() - wall
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.cprofile)
     queue.put((rank, {k: v[:] for k, v in _TOTALS.items()}, process_cpu, wall,
                dict(comm.last_info.get("kernels", {})), comm.last_info.get("algorithm")))
     dist.barrier()
@@ -154,6 +163,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29561)
     parser.add_argument("--json", default=None)
     parser.add_argument("--note", default="")
+    parser.add_argument("--cprofile", default=None, metavar="FILE",
+                        help="also write rank 0's cProfile of the timed calls (calling thread)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

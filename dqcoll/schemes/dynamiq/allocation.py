@@ -482,6 +482,8 @@ def allocate_widths_by_count(
 
     if not rows.searchable:
         return result(0.0, False, searched=False)
+    if _numba_allocation():
+        return _by_count_compiled(rows, shifts, classes, lookup, stats, budget)
     fast = rows.cost(shifts, lookup.long())
 
     def fits(u: float) -> bool:  # cost(class_widths(u)) + stats <= budget, bit for bit
@@ -489,6 +491,39 @@ def allocate_widths_by_count(
             <= budget
 
     return result(*_largest_u_fitting(fits, *rows.bracket(list(shifts.values()))))
+
+
+def _numba_allocation() -> bool:
+    """Whether the compiled search runs (where the CPU kernels are numba's: ``DQCOLL_KERNELS``
+    auto or numba, numba importable); else the torch / NumPy code here (the reference)."""
+    from ...kernels import dynamiq_ops
+
+    return dynamiq_ops(torch.device("cpu")).name == "numba"
+
+
+def _by_count_compiled(rows: _Rows, shifts: dict[int, float],
+                       classes: dict[int, tuple[float, float]], lookup: torch.Tensor,
+                       stats: int, budget: int) -> tuple[dict[int, torch.Tensor], Allocation]:
+    """:func:`allocate_widths_by_count`'s bisection and per-class widths, compiled
+    (:func:`dqcoll.kernels.allocation_numba.hull_by_count`): bit for bit the same ``u``, widths
+    and payload (tested), ~1.5 ms instead of ~7 ms of Python per call at 49152 super-groups
+    (12.6 M coordinates, 4 count classes; 2-core dev VM)."""
+    import numpy as np
+
+    from ...kernels.allocation_numba import hull_by_count
+
+    order = list(shifts)
+    widths = torch.empty((len(order), rows.log_f.numel()), dtype=torch.int64)
+    u, over, traffic = hull_by_count(
+        rows.log_f.numpy(), rows.zero.numpy(), rows.nan.numpy(),
+        np.array([shifts[c] for c in order], dtype=np.float64),
+        np.array([classes[c][1] for c in order], dtype=np.float64),
+        np.array(rows.hull, dtype=np.int64), np.array(rows.offsets, dtype=np.float64),
+        lookup.long().numpy(), rows.top, stats, budget, *rows.bracket(list(shifts.values())),
+        BISECTION_STEPS, widths.numpy())
+    ws = {c: widths[i] for i, c in enumerate(order)}
+    return ws, Allocation(ws[max(ws)], u, math.ceil(traffic), stats, budget, over,
+                          kernel="numba")
 
 
 def allocate_for_target_by_count(

@@ -683,7 +683,8 @@ class DynamiqCall:
             "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
             "kernels": self.kernels,  # the same dict: the codec steps add themselves as they run
             # the bit allocation (host code): "numba" where the compiled bisection ran (the
-            # paper's rule), "torch" for the hull rule (the default) and target mode
+            # paper's rule; the hull rule with hop widths, the all-reduce's default), "torch"
+            # for the hull rule without hop widths and target mode
             "allocation_impl": self.allocation.kernel,
             # CPU buffers the communicator keeps for dynamiq after this call (_state_buffer)
             "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),
