@@ -258,6 +258,7 @@ def _auto_hook(rank: int, world_size: int) -> dict[str, Any]:
     state = DynamiqState(scheme="auto", bits=5, warmup_steps=0)
     assert state.comm is not None
     link = state.comm.auto.link_bytes_per_s  # measured when the state was made
+    native_cpu_ns = dict(state.comm.auto.native_cpu_ns)  # gloo's own all-reduce, with it
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     chosen = []
@@ -271,17 +272,20 @@ def _auto_hook(rank: int, world_size: int) -> dict[str, Any]:
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     return {"identical": all(torch.equal(gathered[0], g) for g in gathered), "link": link,
-            "chosen": chosen}
+            "native_cpu_ns": native_cpu_ns, "chosen": chosen}
 
 
 def test_auto_hook_trains_with_the_same_choice_everywhere(
         three_ranks: list[dict[str, Any]]) -> None:
-    """DynamiqState(scheme="auto") measures the link when it is made, every rank records the
-    same choice and predictions for every bucket, and the replicas stay bit-identical."""
+    """DynamiqState(scheme="auto") measures the link and the CPU of gloo's own fp32 and bf16
+    all-reduce when it is made, every rank records the same choice and predictions for every
+    bucket, and the replicas stay bit-identical."""
     results = [r["auto"] for r in three_ranks]
     for result in results:
         assert result["identical"]
         assert result["link"] is not None and result["link"] > 0
+        assert set(result["native_cpu_ns"]) == {"none", "bf16"}
+        assert all(v > 0 for v in result["native_cpu_ns"].values()), result["native_cpu_ns"]
         assert all(c is not None and c["chosen"] in ("none", "bf16", "dynamiq")
                    for c in result["chosen"])
     assert results[0]["chosen"] == results[1]["chosen"] == results[2]["chosen"]
