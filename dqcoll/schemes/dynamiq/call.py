@@ -576,9 +576,13 @@ class DynamiqCall:
             # within each chunk) so that every chunk holds the same mix of widths at every count
             # and each rank's traffic meets the budget whichever (chunk, count) pairs it sends.
             hop_key = torch.stack(list(self.hop.values())).sum(0).numpy()
+            # a sum of at most 16 per class: 16-bit keys take NumPy's radix sort (0.36 ms at
+            # 49152 rows against 1.5 ms for int64 keys); the same stable order
+            if hop_key.size and int(hop_key.max()) < 1 << 16:
+                hop_key = hop_key.astype(np.uint16)
             by_key = np.argsort(hop_key, kind="stable")
-            stripe = np.arange(rows, dtype=np.int64) % n
-            order_np = by_key[np.argsort(stripe, kind="stable")]
+            # the stable sort by stripe (i mod n), written out: stripe c = rows c, c + n, ...
+            order_np = by_key[np.concatenate([np.arange(c, rows, n) for c in range(n)])]
         else:
             key = layout.row_chunk.numpy() * 32 + widths_np  # widths <= 16 < 32
             order_np = np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
