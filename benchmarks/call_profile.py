@@ -142,10 +142,15 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
 
 
 def _commit() -> str:
+    """The commit of the dqcoll that ran (its own checkout, not the working directory's)."""
+    import dqcoll
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dqcoll.__file__)))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain",
+                                "--untracked-files=no"],
                                capture_output=True, text=True, check=True).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -200,6 +205,7 @@ def main() -> None:
         payload = {
             "command": " ".join(sys.argv),
             "provenance": {"commit": _commit(), "dqcoll": dqcoll.__version__,
+                           "dqcoll_path": os.path.dirname(os.path.abspath(dqcoll.__file__)),
                            "torch": torch.__version__, "numba": numba.__version__,
                            "cpu": platform.processor() or platform.machine(),
                            "cores": os.cpu_count(), "note": args.note,
