@@ -98,6 +98,27 @@ def _instrument() -> None:
         object.__setattr__(dynamiq_numba.OPS, op, timed_op)
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process so far, summed by thread name
+    (``/proc/self/task``; empty where there is none)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, float] = collections.defaultdict(float)
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return dict(out)
+
+
 def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.n))
@@ -125,6 +146,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
 
         profiler = cProfile.Profile(time.thread_time)  # CPU, not wall: a loaded machine
         profiler.enable()
+    threads_before = _thread_cpu()
     process_cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(args.repeats):
         x.copy_(x0)
@@ -132,11 +154,14 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
             dqcoll.allreduce(x, **kwargs)
     process_cpu = time.process_time() - process_cpu
     wall = time.perf_counter() - wall
+    threads = {name: cpu - threads_before.get(name, 0.0)
+               for name, cpu in _thread_cpu().items()}
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.cprofile)
     queue.put((rank, {k: v[:] for k, v in _TOTALS.items()}, process_cpu, wall,
-               dict(comm.last_info.get("kernels", {})), comm.last_info.get("algorithm")))
+               dict(comm.last_info.get("kernels", {})), comm.last_info.get("algorithm"),
+               threads))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -197,6 +222,13 @@ def main() -> None:
         row = per_call[name]
         print(f"{'  ' * depth + name.split('/')[-1]:58s} {row['cpu_ms']:8.1f} "
               f"{row['wall_ms']:8.1f} {row['count']:6.1f}")
+    names = sorted({name for r in results for name in r[6]})
+    threads_ms = {name: 1e3 * sum(r[6].get(name, 0.0) for r in results) / len(results)
+                  / args.repeats for name in names}
+    print("process CPU by thread name (user + system, /proc; 10 ms ticks), ms per call:")
+    for name in sorted(threads_ms, key=lambda k: -threads_ms[k]):
+        if threads_ms[name] > 0:
+            print(f"  {name:30s} {threads_ms[name]:8.1f}")
     if args.json:
         import numba
 
@@ -213,6 +245,7 @@ def main() -> None:
             "world_size": args.n, "numel": args.numel, "bits": args.bits,
             "algorithm": results[0][5], "kernels": results[0][4],
             "process_cpu_ms_per_call": process_cpu_ms, "wall_ms_per_call": wall_ms,
+            "thread_cpu_ms_per_call": threads_ms,
             "steps": per_call,
         }
         with open(args.json, "w") as f:
