@@ -345,7 +345,8 @@ def test_compiled_by_count_allocation_equals_reference(monkeypatch: pytest.Monke
     rows = norm2.numel()
     configs = (("ring", 4, 5.0, 8, 1.0), ("butterfly", 4, 5.0, 8, 0.5),
                ("butterfly", 3, 2.9, 8, 1.0), ("direct", 5, 9.0, 16, 1.0),
-               ("ring", 2, 40.0, 8, 0.0), ("butterfly", 8, 3.3, 16, 0.73))
+               ("ring", 2, 40.0, 8, 0.0), ("butterfly", 8, 3.3, 16, 0.73),
+               ("ring", 4, 2.2, 8, 1.0))  # 2.2 bits: below even every row at 2 bits
     for algorithm, n, bits, max_width, exponent in configs:
         classes = allocation.count_classes(
             algorithms.build_schedule(algorithm, n).subtree_sizes())
