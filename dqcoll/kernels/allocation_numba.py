@@ -1,5 +1,10 @@
-"""The allocation of :func:`dqcoll.schemes.dynamiq.allocation_paper.allocate_widths_paper` (the
-paper's closed form), compiled (numba).
+"""Bit allocations compiled (numba): the paper's closed form
+(:func:`dqcoll.schemes.dynamiq.allocation_paper.allocate_widths_paper`, :func:`allocate`), and
+the search of format 3's hull rule with hop widths
+(:func:`dqcoll.schemes.dynamiq.allocation.allocate_widths_by_count`, :func:`hull_by_count`:
+the same counting by binary searches in the sorted keys as the reference's ``_HullCost``, with
+the search on the predicate itself, and the per-class widths in one pass; ~7 -> ~2 ms per call
+at 49152 super-groups with 4 count classes, 2-core VM). The paper's, in detail:
 
 The reference bisects ``u`` with torch ops over the active super-groups (those whose width still
 differs between the ends of the bracket). Even compiled, that evaluates ~5 S rows over the

@@ -18,7 +18,10 @@ widths 2..8 and raw 16. One scalar ``u`` is then found by bisection (float64, 64
   smallest ``u`` whose predicted vNMSE (:mod:`.error_model`) meets the target.
 
 Each bisection step costs the rule by binary searches in the sorted keys (:class:`_HullCost`),
-not row by row. Everything read is all-reduced, so every rank computes the same widths without
+not row by row; with hop widths and a bit budget (the all-reduce's default) the bisection and the
+per-class widths run compiled where the CPU kernels are numba's
+(:func:`dqcoll.kernels.allocation_numba.hull_by_count`, the same ``u`` and widths bit for
+bit). Everything read is all-reduced, so every rank computes the same widths without
 communication. Zero super-groups get width 0 (no record); non-finite ``F`` (an Inf/NaN input)
 gets 8 bits, and the NaN flows through the records to every rank's output; an overflowed (+inf)
 norm of finite values ranks as the largest finite one.
