@@ -19,14 +19,17 @@ Kinds (``list_sources()``; defaults in brackets):
     ``z`` common to all ranks and ``e_rank`` private, both N(0, 1). ``shared`` is the correlation
     between ranks (0: independent workers; real data-parallel gradients sit in between).
     Length ``numel`` [2**20].
-``lognormal-mixture:weights=[0.79,0.21];mu=[-3.99,-16.41];sigma=[1.22,4.63];supergroups=[4096]``
+``lognormal-mixture:weights=[0.79,0.21];mu=[-3.99,-16.41];sigma=[1.22,4.63];supergroups=[4096];dof=[0];sparsity=[0]``
     super-groups of 256 coordinates. Each super-group's magnitude ``M`` is drawn once, shared by
     all ranks, from the mixture of log-normals (natural log: ``log M ~ N(mu_k, sigma_k^2)`` with
     probability ``weights_k``); each rank's 256 coordinates are i.i.d. N(0, (M / 16)^2), so a
     super-group's expected squared norm is ``M^2``. The defaults fit the super-group norms of
     LLM gradients: most super-groups moderate, a fifth nearly zero over many decades (skew is what
     variable bit widths exploit). Length ``supergroups * 256`` (or ``numel`` if given, which must
-    not be longer).
+    not be longer). ``dof > 0``: Student-t coordinates of that many degrees of freedom instead
+    of normal ones (heavier tails within groups); ``sparsity=p``: each rank's half super-groups
+    (128 coordinates) are exactly zero with probability ``p`` each, independently per rank (as
+    the embedding rows of tokens a rank's batch does not use).
 ``files:path=PATH`` (or ``files:PATH``)
     saved tensors, one file per rank: ``PATH`` is a directory (its ``.pt``/``.npy``/
     ``.safetensors`` files in sorted name order), a glob, or a template with ``{rank}``. A file
@@ -268,6 +271,12 @@ class LognormalMixtureSource(GradientSource):
         total = sum(weights)
         self.weights = [w / total for w in weights]
         self.mu, self.sigma, self.supergroups = mu, sigma, groups
+        self.dof = _float(spec, "dof", 0.0)
+        self.sparsity = _float(spec, "sparsity", 0.0)
+        if self.dof < 0 or not 0.0 <= self.sparsity < 1.0:
+            raise InvalidArgumentError(
+                f"source 'lognormal-mixture': dof must be >= 0 and sparsity in [0, 1), got "
+                f"dof={self.dof}, sparsity={self.sparsity}")
 
     @functools.cached_property
     def magnitudes(self) -> torch.Tensor:
@@ -281,8 +290,15 @@ class LognormalMixtureSource(GradientSource):
         return torch.exp(mu + sigma * normal)
 
     def _make(self, rank: int) -> torch.Tensor:
-        noise = torch.randn(self.supergroups, SUPERGROUP, generator=_generator(
-            self.seed, "lognormal-mixture", rank), dtype=torch.float64)
+        g = _generator(self.seed, "lognormal-mixture", rank)
+        noise = torch.randn(self.supergroups, SUPERGROUP, generator=g, dtype=torch.float64)
+        if self.dof > 0:  # Student-t: a normal over the root of a chi-square / dof per coordinate
+            chi2 = 2.0 * torch._standard_gamma(torch.full_like(noise, self.dof / 2.0), generator=g)
+            noise = noise / torch.sqrt(chi2 / self.dof)
+        if self.sparsity > 0:  # each half super-group of this rank zero with this probability
+            halves = torch.rand(self.supergroups, 2, generator=g, dtype=torch.float64)
+            keep = (halves >= self.sparsity).repeat_interleave(SUPERGROUP // 2, dim=1)
+            noise = noise * keep
         values = noise * (self.magnitudes / math.sqrt(SUPERGROUP))[:, None]
         return values.reshape(-1)[: self.numel].float()
 
@@ -565,7 +581,7 @@ for _entry in (
     SourceEntry("gaussian", GaussianSource, ("std", "mean", "shared"),
                 "i.i.d. normal coordinates, optionally correlated across ranks"),
     SourceEntry("lognormal-mixture", LognormalMixtureSource,
-                ("weights", "mu", "sigma", "supergroups"),
+                ("weights", "mu", "sigma", "supergroups", "dof", "sparsity"),
                 "super-group magnitudes from a log-normal mixture, shared by all ranks"),
     SourceEntry("files", FileSource, ("path",), "saved tensors, one file per rank"),
     SourceEntry("stdlib-lm", StdlibLMSource,
