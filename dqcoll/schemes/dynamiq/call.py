@@ -96,7 +96,7 @@ from .codec import (
     record_nbytes,
     stats_center_rounded_torch,
 )
-from .error_model import ErrorModel, estimate_rho, measure_crests
+from .error_model import ErrorModel, estimate_rho, estimate_row_rho, measure_crests
 from .options import Balance, DynamiqFormat
 
 __all__ = ["RHO_ENTRIES", "DynamiqCall", "SchemeSettings"]
@@ -518,10 +518,12 @@ class DynamiqCall:
         # the estimates the previous call of this size measured (rho 0, Gaussian crests at first)
         self.rho_key = (self.numel, ctx.collective.value,
                         schedule.algorithm if schedule is not None else "")
+        row_rho = None
         if rho is None:
             recalled = _RhoEstimates(ctx.state).get(self.rho_key)
             rho = 0.0 if recalled is None else float(recalled)
             self.rho_source = "default" if recalled is None else "earlier call"
+            row_rho = _RhoEstimates(ctx.state, "row_rho").get(self.rho_key)
         crests = model.crests
         if crests is None:
             crests = _RhoEstimates(ctx.state, "crests").get(self.rho_key)
@@ -536,12 +538,13 @@ class DynamiqCall:
                 unit_error=model.unit_error(schedule, self.config, crests),
                 scales=self.config.scales,
                 width_set=scheme.format.width_choices, errors=scheme.measured_errors,
-                stats_bytes=scheme.stats_bytes, max_width=scheme.max_width)
+                stats_bytes=scheme.stats_bytes, max_width=scheme.max_width, row_rho=row_rho)
         else:
             self.allocation = _allocate_target(
                 scheme, summed, layout.valid, self.world_size, rho,
                 model.error_per_energy(schedule, self.config, rho, crests), target)
         self.summed_energy = float(torch.nan_to_num(summed[1].double(), 0.0, 0.0, 0.0).sum())
+        self.summed_norm2 = summed[1]
         self.state = ctx.state
         self.info_rho = rho
         # after a reduce-scatter only this rank's shard is decoded: nothing to measure
@@ -741,6 +744,9 @@ class DynamiqCall:
             if rho is not None:
                 _RhoEstimates(self.state).put(self.rho_key, rho)
                 self.info["rho_measured"] = rho
+            _RhoEstimates(self.state, "row_rho").put(self.rho_key, estimate_row_rho(
+                self.work, self.summed_norm2[self.order.to(self.summed_norm2.device)].cpu(),
+                self.order.cpu(), self.world_size))
         # the crests of what each width carried: the sink's widths of the decoded aggregate
         crests = measure_crests(self.work, self.allocation.widths[self.order.cpu()])
         if crests:

@@ -67,6 +67,7 @@ __all__ = [
     "EPSILON",
     "UNCERTAINTY",
     "ErrorModel",
+    "estimate_row_rho",
     "measure_crests",
     "path_growth",
     "predicted_vnmse",
@@ -247,6 +248,22 @@ def predicted_vnmse(
     if energy <= 0.0:
         return 0.0
     return float((error_per_energy[widths] * norm2).sum() / energy)
+
+
+def estimate_row_rho(rows: torch.Tensor, summed_norm2: torch.Tensor, order: torch.Tensor,
+                     world_size: int) -> torch.Tensor:
+    """Per super-group ``rho_s = (||S_s||^2 / F_s - 1) / (n - 1)`` (float64 ``[S]`` in the
+    buffer's row order, clamped to [-1/(n-1), 1]; 0 where ``F_s`` is zero or not finite) from
+    the decoded aggregate ``rows`` (layout order) and the summed norms ``summed_norm2`` (layout
+    order); ``order[i]`` is the buffer row of layout row ``i``."""
+    n = max(world_size, 2)
+    decoded = rows.detach().double().square().sum(-1).cpu()
+    f = summed_norm2.double()
+    ok = torch.isfinite(decoded) & torch.isfinite(f) & (f > 0)
+    rho = torch.where(ok, (decoded / torch.where(ok, f, 1.0) - 1.0) / (n - 1), 0.0)
+    out = torch.zeros(rows.shape[0], dtype=torch.float64)
+    out[order] = rho.clamp(-1.0 / (n - 1), 1.0)
+    return out
 
 
 def estimate_rho(decoded_energy: float, summed_energy: float, world_size: int) -> float | None:
