@@ -108,7 +108,8 @@ def crest_fit(rows: int = 2048) -> dict[str, Any]:
         ratios = {}
         for width in sorted(table):
             decoded = decode_torch(encode_torch(x, width, index, 0, 8, 7, config), width, config)
-            error = float((decoded.double() - x.double()).square().sum() / x.double().square().sum())
+            error = float((decoded.double() - x.double()).square().sum()
+                          / x.double().square().sum())
             ratios[width] = error / table[width]
         measured[name] = {"crest": crest, "ratio": ratios}
     gauss = measured["gaussian"]["crest"]

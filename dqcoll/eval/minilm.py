@@ -105,7 +105,7 @@ def wordpiece(text: str, vocab: dict[str, int], max_len: int) -> list[int]:
                 break
             start = end
         ids.extend(pieces)
-    return ids[: max_len - 1] + [vocab["[SEP]"]]
+    return [*ids[: max_len - 1], vocab["[SEP]"]]
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -175,12 +175,13 @@ class MiniLM(nn.Module):
 
         config = json.loads((path / "config.json").read_text())
         model = cls(config)
-        state = {k.removeprefix("bert."): v for k, v in load_file(path / "model.safetensors").items()
+        weights = load_file(path / "model.safetensors")
+        state = {k.removeprefix("bert."): v for k, v in weights.items()
                  if not k.endswith("position_ids")}
         model.load_state_dict(state, strict=True)
         return model
 
-    def _attention(self, layer: nn.Module, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def _attention(self, layer: Any, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         b, t, width = h.shape
         att = layer.attention.self
 
@@ -194,13 +195,14 @@ class MiniLM(nn.Module):
         return out.LayerNorm(out.dense(ctx) + h)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        emb = self.embeddings
+        emb: Any = self.embeddings
         positions = torch.arange(ids.shape[1])
         h = emb.word_embeddings(ids) + emb.position_embeddings(positions)[None] \
             + emb.token_type_embeddings(torch.zeros_like(ids))
         h = emb.LayerNorm(h)
         bias = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
-        for layer in self.encoder.layer:
+        layers: Any = self.encoder.layer
+        for layer in layers:
             h = self._attention(layer, h, bias)
             inner = F.gelu(layer.intermediate.dense(h))
             h = layer.output.LayerNorm(layer.output.dense(inner) + h)

