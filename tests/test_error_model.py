@@ -150,17 +150,23 @@ def test_crest_term_predicts_the_codec_on_heavy_tails(width: int) -> None:
 
 
 def test_row_rho_estimate() -> None:
-    """rho_s = (||S_s||^2 / F_s - 1) / (n - 1) per row, returned in buffer order, clamped, 0
-    for rows of zero summed energy."""
+    """rho_s = (||S_s||^2 - A_s - F_s) / ((n - 1) F_s + B_s) per row, returned in buffer order,
+    clamped, 0 for rows of zero summed energy; the buffer's rho is their F-weighted mean; the
+    expected error A_s + B_s rho_s is not read as correlation."""
     n = 4
     rows = torch.tensor([[2.0] * 256, [1.0] * 256, [0.0] * 256, [9.0] * 256])  # layout order
-    f = torch.tensor([256.0 * 4 / 4, 256.0, 0.0, 1.0])  # summed norms, layout order
+    f = torch.tensor([256.0, 256.0, 0.0, 1.0])  # summed norms, layout order
     order = torch.tensor([2, 0, 3, 1])
-    rho = estimate_row_rho(rows, f, order, n)
+    rho, mean = estimate_row_rho(rows, f, order, n)
     assert rho[2] == pytest.approx(1.0)  # ||S||^2 = 1024 = 4 F: fully correlated
     assert rho[0] == pytest.approx(0.0)  # ||S||^2 = F
     assert rho[3] == 0.0  # zero energy
     assert rho[1] == 1.0  # clamped
+    assert mean == pytest.approx((256.0 * 1.0 + 256.0 * 0.0 + 1.0 * 1.0) / 513.0)
+    # decoded 1024 = F (1 + 3 rho) + A + B rho with F = 256, A = 64, B = 192: rho = 0.75
+    terms = torch.tensor([[64.0, 0.0, 0.0, 0.0], [192.0, 0.0, 0.0, 0.0]])
+    rho, _ = estimate_row_rho(rows, f, order, n, terms)
+    assert rho[2] == pytest.approx(0.75)
 
 
 def test_target_holds_on_heavy_tailed_sparse_ranks() -> None:

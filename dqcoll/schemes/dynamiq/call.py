@@ -96,7 +96,12 @@ from .codec import (
     record_nbytes,
     stats_center_rounded_torch,
 )
-from .error_model import ErrorModel, estimate_rho, estimate_row_rho, measure_crests
+from .error_model import (
+    ErrorModel,
+    estimate_row_rho,
+    measure_crests,
+    row_error_terms,
+)
 from .options import Balance, DynamiqFormat
 
 __all__ = ["RHO_ENTRIES", "DynamiqCall", "SchemeSettings"]
@@ -532,18 +537,20 @@ class DynamiqCall:
         target = scheme.target_vnmse / model.spread
         if classes:
             assert schedule is not None
+            table = model.unit_error(schedule, self.config, crests)
             self.hop, self.allocation = allocate_for_target_by_count(
                 summed[1], summed[0], layout.valid, target, classes,
-                world_size=self.world_size, rho=rho,
-                unit_error=model.unit_error(schedule, self.config, crests),
+                world_size=self.world_size, rho=rho, unit_error=table,
                 scales=self.config.scales,
                 width_set=scheme.format.width_choices, errors=scheme.measured_errors,
                 stats_bytes=scheme.stats_bytes, max_width=scheme.max_width, row_rho=row_rho)
         else:
-            self.allocation = _allocate_target(
-                scheme, summed, layout.valid, self.world_size, rho,
-                model.error_per_energy(schedule, self.config, rho, crests), target)
-        self.summed_energy = float(torch.nan_to_num(summed[1].double(), 0.0, 0.0, 0.0).sum())
+            table = model.error_per_energy(schedule, self.config, rho, crests)
+            self.allocation = _allocate_target(scheme, summed, layout.valid, self.world_size, rho,
+                                               table, target)
+        # each row's expected error, taken off its decoded energy when rho is measured
+        self.row_error_terms = row_error_terms(summed[1], self.hop or {0: self.allocation.widths},
+                                               classes or None, table, self.world_size)
         self.summed_norm2 = summed[1]
         self.state = ctx.state
         self.info_rho = rho
@@ -738,15 +745,13 @@ class DynamiqCall:
         if self.rho_key is None or self.state is None or not self.whole_result:
             return
         if self.rho_source != "error_model":
-            decoded_energy = float(
-                torch.nan_to_num(self.work.double(), 0.0, 0.0, 0.0).square().sum())
-            rho = estimate_rho(decoded_energy, self.summed_energy, self.world_size)
+            order = self.order.cpu()
+            row_rho, rho = estimate_row_rho(self.work, self.summed_norm2.cpu()[order], order,
+                                            self.world_size, self.row_error_terms[:, order])
+            _RhoEstimates(self.state, "row_rho").put(self.rho_key, row_rho)
             if rho is not None:
                 _RhoEstimates(self.state).put(self.rho_key, rho)
                 self.info["rho_measured"] = rho
-            _RhoEstimates(self.state, "row_rho").put(self.rho_key, estimate_row_rho(
-                self.work, self.summed_norm2[self.order.to(self.summed_norm2.device)].cpu(),
-                self.order.cpu(), self.world_size))
         # the crests of what each width carried: the sink's widths of the decoded aggregate
         crests = measure_crests(self.work, self.allocation.widths[self.order.cpu()])
         if crests:

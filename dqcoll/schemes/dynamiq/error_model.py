@@ -71,6 +71,7 @@ __all__ = [
     "measure_crests",
     "path_growth",
     "predicted_vnmse",
+    "row_error_terms",
     "shape_factor",
 ]
 
@@ -250,20 +251,53 @@ def predicted_vnmse(
     return float((error_per_energy[widths] * norm2).sum() / energy)
 
 
+def row_error_terms(norm2: torch.Tensor, widths: dict[int, torch.Tensor],
+                    classes: dict[int, tuple[float, float]] | None, table: torch.Tensor,
+                    world_size: int) -> torch.Tensor:
+    """The model's expected squared error of each super-group's decoded aggregate as ``A_s +
+    B_s rho_s`` (float64 ``[2, S]``: rows A and B, buffer order). With hop widths (``classes``)
+    ``A_s = sum_c alpha_c / n * table[w_cs] F_s`` and ``B_s = sum_c alpha_c / n * table[w_cs]
+    (c - 1) F_s`` (``widths`` per class); else ``A_s = table[w_s] F_s``, ``B_s = 0``
+    (``widths[0]``; ``table`` then already holds the path growth at the call's rho)."""
+    f = torch.nan_to_num(norm2.detach().to("cpu", torch.float64), 0.0, 0.0, 0.0)
+    table = table.to(torch.float64)
+    terms = torch.zeros(2, f.shape[0], dtype=torch.float64)
+    if not classes:
+        terms[0] = table[widths[0].cpu()] * f
+        return terms
+    for c, (alpha, _) in classes.items():
+        part = alpha / world_size * table[widths[c].cpu()] * f
+        terms[0] += part
+        terms[1] += (c - 1) * part
+    return terms
+
+
 def estimate_row_rho(rows: torch.Tensor, summed_norm2: torch.Tensor, order: torch.Tensor,
-                     world_size: int) -> torch.Tensor:
-    """Per super-group ``rho_s = (||S_s||^2 / F_s - 1) / (n - 1)`` (float64 ``[S]`` in the
-    buffer's row order, clamped to [-1/(n-1), 1]; 0 where ``F_s`` is zero or not finite) from
-    the decoded aggregate ``rows`` (layout order) and the summed norms ``summed_norm2`` (layout
-    order); ``order[i]`` is the buffer row of layout row ``i``."""
+                     world_size: int, terms: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, float | None]:
+    """Per super-group ``rho_s`` (float64 ``[S]`` in the buffer's row order, clamped to
+    [-1/(n-1), 1]; 0 where ``F_s`` is zero or not finite) and their ``F``-weighted mean (the
+    buffer's ``rho``; None without energy) from the decoded aggregate ``rows`` (layout order)
+    and the summed norms ``summed_norm2`` (layout order); ``order[i]`` is the buffer row of
+    layout row ``i``. The decoded energy is ``F_s (1 + (n - 1) rho_s)`` plus the call's own
+    error, whose expectation ``A_s + B_s rho_s`` (``terms``, layout order,
+    :func:`row_error_terms`) grows with ``rho_s`` too, so ``rho_s = (||S^_s||^2 - A_s - F_s) /
+    ((n - 1) F_s + B_s)``: at narrow widths the error is as large as a small uncorrelated
+    row's energy and would otherwise read as correlation."""
     n = max(world_size, 2)
     decoded = rows.detach().double().square().sum(-1).cpu()
     f = summed_norm2.double()
+    a = torch.zeros_like(f) if terms is None else terms[0].to("cpu", torch.float64)
+    b = torch.zeros_like(f) if terms is None else terms[1].to("cpu", torch.float64)
     ok = torch.isfinite(decoded) & torch.isfinite(f) & (f > 0)
-    rho = torch.where(ok, (decoded / torch.where(ok, f, 1.0) - 1.0) / (n - 1), 0.0)
+    safe_f = torch.where(ok, f, 1.0)
+    rho = torch.where(ok, (decoded - a - safe_f) / ((n - 1) * safe_f + b), 0.0)
+    rho = rho.clamp(-1.0 / (n - 1), 1.0)
     out = torch.zeros(rows.shape[0], dtype=torch.float64)
-    out[order] = rho.clamp(-1.0 / (n - 1), 1.0)
-    return out
+    out[order] = rho
+    total = float(f[ok].sum())
+    mean = float((f[ok] * rho[ok]).sum()) / total if total > 0 and world_size > 1 else None
+    return out, mean
 
 
 def estimate_rho(decoded_energy: float, summed_energy: float, world_size: int) -> float | None:
