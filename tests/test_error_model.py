@@ -163,10 +163,10 @@ def test_row_rho_estimate() -> None:
     assert rho[3] == 0.0  # zero energy
     assert rho[1] == 1.0  # clamped
     assert mean == pytest.approx((256.0 * 1.0 + 256.0 * 0.0 + 1.0 * 1.0) / 513.0)
-    # decoded 1024 = F (1 + 3 rho) + A + B rho with F = 256, A = 64, B = 192: rho = 0.75
+    # decoded 1024 = F (1 + 3 rho) + A + B rho with F = 256, A = 64, B = 192: rho = 704 / 960
     terms = torch.tensor([[64.0, 0.0, 0.0, 0.0], [192.0, 0.0, 0.0, 0.0]])
     rho, _ = estimate_row_rho(rows, f, order, n, terms)
-    assert rho[2] == pytest.approx(0.75)
+    assert rho[2] == pytest.approx(704.0 / 960.0)
 
 
 def test_target_holds_on_heavy_tailed_sparse_ranks() -> None:
