@@ -164,7 +164,7 @@ def smallest_budget(source, algorithm: str, seed: int, target: float,  # type: i
     the run's measured ones (as for target mode): budgets can go below 2-bit-everywhere when
     super-groups are zero (no record), and a budget too small to hold every non-zero
     super-group at 2 bits is exceeded (its run says so in bits)."""
-    lo, hi = 0.25, 16.9  # statistics only .. raw 16-bit everywhere (plus statistics)
+    lo, hi = 2.25, 16.9  # the smallest budget dynamiq takes .. raw 16-bit everywhere
     result = run(source, algorithm, seed, bits=hi, max_width=16)[0]
     if result["achieved"] > target:
         return float("nan"), result["achieved"]
