@@ -101,6 +101,7 @@ from .error_model import (
     estimate_row_rho,
     measure_crests,
     row_error_terms,
+    row_moments,
 )
 from .options import Balance, DynamiqFormat
 
@@ -744,16 +745,18 @@ class DynamiqCall:
         every rank, so every rank stores the same estimate) for the next call."""
         if self.rho_key is None or self.state is None or not self.whole_result:
             return
+        moments = row_moments(self.work)
         if self.rho_source != "error_model":
             order = self.order.cpu()
             row_rho, rho = estimate_row_rho(self.work, self.summed_norm2.cpu()[order], order,
-                                            self.world_size, self.row_error_terms[:, order])
+                                            self.world_size, self.row_error_terms[:, order],
+                                            moments[0])
             _RhoEstimates(self.state, "row_rho").put(self.rho_key, row_rho)
             if rho is not None:
                 _RhoEstimates(self.state).put(self.rho_key, rho)
                 self.info["rho_measured"] = rho
         # the crests of what each width carried: the sink's widths of the decoded aggregate
-        crests = measure_crests(self.work, self.allocation.widths[self.order.cpu()])
+        crests = measure_crests(self.work, self.allocation.widths[self.order.cpu()], moments)
         if crests:
             _RhoEstimates(self.state, "crests").put(self.rho_key, crests)
             self.info["crests_measured"] = crests
