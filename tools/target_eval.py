@@ -335,6 +335,7 @@ def full_check(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 def render_full(check: dict[str, Any]) -> str:
     rows = check["rows"]
+    extra = [r["extra_bits"] for r in rows] or [float("nan")]
     lines = [
         "## The issue's setting at full size",
         "",
@@ -345,7 +346,7 @@ def render_full(check: dict[str, Any]) -> str:
         f" / {check['uncertainty']:.3f}): out of sample for the whole MiniLM family. Achieved / "
         f"target, second calls: {_range([r['ratio'] for r in rows])}; first calls: "
         f"{_range([r['first_ratio'] for r in rows])}; bits over the sweep (as above): "
-        f"{_range([r['extra_bits'] for r in rows])}.",
+        f"{min(extra):+.2f} to {max(extra):+.2f}.",
         "",
         "| slice | coordinates | algorithm | target | first call: achieved / target | second "
         "call: achieved / target | bits | sweep bits | extra bits | target_met |",
