@@ -8,13 +8,15 @@ energy of what it quantized. Reported per (c, w):
 
 * ``measured / EPSILON``: the codec's error per unit energy on this data, relative to the
   Gaussian table the model used before its crest term;
-* ``measured / model``: the same relative to ``EPSILON * shape_factor(crest)`` with the crest
-  of the exact aggregate (what the crest term predicts).
+* ``measured / model``: the same relative to ``EPSILON * shape_factor(crest)`` with the crests
+  per width of the exact aggregate's rows at the widths the sink sent them (what a second call
+  measures from the decoded aggregate; what the crest term predicts).
 
 and overall: the sum of injected errors against ``||X||^2``, the final vNMSE, and their ratio
 (what correlated rounding cancels; the model's ``gamma``), plus the ranks' correlation of the
 exact data. The all-reduce runs with ``ErrorModel(rho=<exact rho>)`` so that the allocation is
-not the question.
+not the question; the simulator keeps no state between calls, so the allocation itself uses
+the Gaussian's crest, as a first call does (the vNMSE printed is such a call's).
 
 Writes a JSON (``--json``, default docs/target_vnmse_terms.json) with provenance and prints a
 markdown table. Example: ``python tools/target_terms.py --source minilm:stride=8 --target 1e-4``.
@@ -30,6 +32,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,8 +44,8 @@ from dqcoll.schemes.dynamiq.codec import SUPER, decode_torch, record_nbytes, sta
 from dqcoll.topology.algorithms import build_schedule
 
 
-def exact_terms(source) -> tuple[float, dict[int, float]]:  # type: ignore[no-untyped-def]
-    """(rho, crests) of the exact centred aggregate."""
+def exact_terms(source) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """(rho, centred rows) of the exact aggregate."""
     rows = -(-source.numel // SUPER)
     valid = (source.numel - torch.arange(rows) * SUPER).clamp(max=SUPER)
     total = None
@@ -56,8 +59,7 @@ def exact_terms(source) -> tuple[float, dict[int, float]]:  # type: ignore[no-un
     assert total is not None
     n = source.world_size
     rho = (float(total.square().sum()) / summed - 1.0) / (n - 1)
-    crests = em.measure_crests(total.float(), torch.zeros(rows, dtype=torch.int64))
-    return rho, crests
+    return rho, total.float()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.time()
     source = make_source(args.source, world_size=args.world_size, seed=args.seed)
-    rho, crests = exact_terms(source)
+    rho, aggregate = exact_terms(source)
+    seen: dict[str, Any] = {}
     record: dict[tuple[int, int], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     encode = sim._DynamiqAdapter.encode
 
     def spy(self, values, ranks, rows, counts=None):  # type: ignore[no-untyped-def]
         out = encode(self, values, ranks, rows, counts)
+        seen["adapter"] = self
         for width, pick in self._by_width(rows, counts):
             size = record_nbytes(width, self.config.scales)
             decoded = decode_torch(out[pick, :size].contiguous(), width, self.config).double()
@@ -99,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sim._DynamiqAdapter.encode = encode  # type: ignore[method-assign]
     from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
+
+    # the crests per width as a second call would measure them: the sink's widths of the rows
+    crests = em.measure_crests(aggregate, seen["adapter"].call.allocation.widths)
 
     config = DynamiqScheme().config
     table = em.EPSILON[(config.levels, config.scales)]
