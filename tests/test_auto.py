@@ -69,6 +69,41 @@ def test_prediction_follows_link_and_codec_rates() -> None:
     assert fast["none"] < fast["dynamiq"]
 
 
+def test_native_paths_are_priced_at_their_measured_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where none and bf16 run the group's own all-reduce, their CPU is the measured CPU of that
+    all-reduce times the ranks per core, not one add per coordinate: gloo's fp32 all-reduce at
+    3.2 ns of CPU per coordinate against 2.0 ns for bf16 (casts included; the ratio measured on
+    loopback) makes bf16 the choice, where the single-shot rates alone keep the uncompressed
+    path; a 16-bit buffer's own all-reduce costs half the fp32 one's CPU; without a native
+    measurement, or off the native path, the predictions do not change."""
+    from dqcoll.kernels import cpu_runtime
+
+    monkeypatch.setattr(cpu_runtime, "ranks_per_core", lambda: 2.0)
+    policy = AutoPolicy()
+    policy.force = None
+    policy.tried = set(CANDIDATES)
+    # the single-shot rates: an add per coordinate for none, bf16's casts and add measured slow
+    # (9 ns) beside the other ranks' probes
+    policy.codec_ns = {"none": 0.5, "bf16": 9.0, "dynamiq": 15.0}
+    policy.link_bytes_per_s = 0.55e9  # what the probe measured on 10 Gb/s links (4 ranks)
+    numel = 6 << 20
+    assert policy.choose(policy.predict_s(numel, 4, 4, 5.0, 1.0, native=True)).scheme == "none"
+    policy.native_cpu_ns = {"none": 3.2, "bf16": 2.0}
+    plain = policy.predict_s(numel, 4, 4, 5.0, 1.0)
+    native = policy.predict_s(numel, 4, 4, 5.0, 1.0, native=True)
+    assert plain == policy.predict_s(numel, 4, 4, 5.0, 1.0, native=False)
+    assert policy.choose(plain).scheme == "none"
+    assert native["none"] > plain["none"] and native["dynamiq"] == plain["dynamiq"]
+    choice = policy.choose(native)
+    assert choice.scheme == "bf16", choice.reason
+    wire_none = 1.5 * numel * 4 / 0.55e9
+    cpu_none = numel * 3.2e-9 * 2.0
+    assert native["none"] == pytest.approx(max(wire_none, cpu_none)
+                                           + 0.35 * min(wire_none, cpu_none))
+    half = policy.predict_s(numel, 2, 4, 5.0, 1.0, native=True)["none"]
+    assert half == pytest.approx(max(wire_none, cpu_none) / 2 + 0.35 * min(wire_none, cpu_none) / 2)
+
+
 def test_calibration_moves_towards_measurements() -> None:
     """A call measured at 4x its prediction moves that candidate's factor up (geometric, rate
     1/2: x2), the others stay."""

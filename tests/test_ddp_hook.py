@@ -258,6 +258,7 @@ def _auto_hook(rank: int, world_size: int) -> dict[str, Any]:
     state = DynamiqState(scheme="auto", bits=5, warmup_steps=0)
     assert state.comm is not None
     link = state.comm.auto.link_bytes_per_s  # measured when the state was made
+    native_cpu_ns = dict(state.comm.auto.native_cpu_ns)  # gloo's own all-reduce, with it
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     chosen = []
@@ -271,17 +272,20 @@ def _auto_hook(rank: int, world_size: int) -> dict[str, Any]:
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     return {"identical": all(torch.equal(gathered[0], g) for g in gathered), "link": link,
-            "chosen": chosen}
+            "native_cpu_ns": native_cpu_ns, "chosen": chosen}
 
 
 def test_auto_hook_trains_with_the_same_choice_everywhere(
         three_ranks: list[dict[str, Any]]) -> None:
-    """DynamiqState(scheme="auto") measures the link when it is made, every rank records the
-    same choice and predictions for every bucket, and the replicas stay bit-identical."""
+    """DynamiqState(scheme="auto") measures the link and the CPU of gloo's own fp32 and bf16
+    all-reduce when it is made, every rank records the same choice and predictions for every
+    bucket, and the replicas stay bit-identical."""
     results = [r["auto"] for r in three_ranks]
     for result in results:
         assert result["identical"]
         assert result["link"] is not None and result["link"] > 0
+        assert set(result["native_cpu_ns"]) == {"none", "bf16"}
+        assert all(v > 0 for v in result["native_cpu_ns"].values()), result["native_cpu_ns"]
         assert all(c is not None and c["chosen"] in ("none", "bf16", "dynamiq")
                    for c in result["chosen"])
     assert results[0]["chosen"] == results[1]["chosen"] == results[2]["chosen"]
@@ -353,15 +357,19 @@ def _targeted_training(rank: int, world_size: int) -> dict[str, Any]:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
+    assert state.comm is not None
+    info = state.comm.last_info
     return {"identical": all(torch.equal(gathered[0], g) for g in gathered),
             "vnmse": state.vnmse_history, "kappa": state.kappa_history,
-            "bits": state.bits_history}
+            "bits": state.bits_history,
+            "info": {k: info.get(k) for k in ("predicted_vnmse", "measured_vnmse")}}
 
 
 def test_error_target_is_calibrated_by_the_monitor(tmp_path: pathlib.Path) -> None:
     """With target_vnmse=1e-3 the hook logs the bits of every compressed iteration, the monitor
     moves kappa (every rank the same), the replicas stay bit-identical, and once calibrated the
-    measured vNMSE sits within 0.5..1.5 of the target (median of the last 6 iterations)."""
+    measured vNMSE sits within 0.5..1.5 of the target (median of the last 6 iterations); a
+    monitored call's last_info holds measured_vnmse beside predicted_vnmse."""
     runs = _spawn(tmp_path, 3, _targeted_training)
     for run in runs:
         assert run["identical"]
@@ -370,6 +378,8 @@ def test_error_target_is_calibrated_by_the_monitor(tmp_path: pathlib.Path) -> No
     assert [i for i, _ in first["bits"]] == list(range(1, 12))
     assert all(2.8 < b < 17 for _, b in first["bits"])
     assert len(first["kappa"]) == 11 and first["kappa"][-1][1] != 1.0
+    # a monitored call's last_info carries the measured vNMSE beside the predicted one
+    assert 0 < first["info"]["measured_vnmse"] < 1 and 0 < first["info"]["predicted_vnmse"] < 1
     late = sorted(v for _, v in first["vnmse"][-6:])
     median = 0.5 * (late[2] + late[3])
     assert 0.5e-3 <= median <= 1.5e-3, first["vnmse"]

@@ -134,6 +134,7 @@ def test_tiny_run_writes_every_row_with_its_error(tmp_path):
         row = rows[name]
         assert row["status"] == "ok", row
         assert len(row["step_ms"]) == 2 and row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+        assert len(row["cpu_ms_per_rank"]) == 2 and min(row["cpu_ms_per_rank"]) > 0, row
     assert rows["ddp"]["vnmse"] < 1e-12 and rows["ddp"]["speedup_vs_ddp"] == 1.0
     assert "speedup_vs_ddp" not in rows["floor"]  # the floor is not a way to average
     assert rows["fp16_hook"]["vnmse"] < 1e-5

@@ -90,12 +90,14 @@ def test_hop_widths_rejects_other_values(value: Any) -> None:
 @pytest.mark.parametrize("options", [{"hop_widths": False}, {"format": "paper"}])
 def test_target_vnmse_with_one_width_per_super_group(options: dict[str, Any]) -> None:
     """target_vnmse without hop widths (the hull rule, and the paper's closed form): every rank
-    picks the same widths, the prediction meets the target, and the error is near it."""
+    picks the same widths, the prediction meets the target, and the error is near it. A first
+    call has not measured the data's crests yet, so it does not claim the target met."""
     numel = 1 << 14
     results = run_local(4, _allreduce, numel, {"target_vnmse": 1e-3, **options})
     exact = sum(_data(r, numel).double() for r in range(4))
     x, info = results[0]
-    assert info["target_met"] and info["predicted_vnmse"] <= 1e-3
+    assert info["target_met"] is False and info["crests"] is None
+    assert info["predicted_vnmse"] <= info["predicted_vnmse_upper"] <= 1e-3
     assert info["rho"] == 0.0 and info["rho_source"] == "default"
     assert dqcoll.metrics.vnmse(x, exact) < 3e-3
     for y, other in results[1:]:

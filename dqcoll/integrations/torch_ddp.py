@@ -30,7 +30,8 @@ rank, and copies the returned tensor into the gradients):
 * **Error monitor** (optional): every ``monitor_every`` iterations the hook also computes the
   exact average (an uncompressed fp64 all-reduce of the same input) and records the vNMSE of the
   compressed one, summed over the buckets of the iteration (``state.vnmse_history``; logged at
-  INFO on rank 0 of the group by the ``dqcoll.ddp`` logger).
+  INFO on rank 0 of the group by the ``dqcoll.ddp`` logger); on those iterations each bucket's
+  ``comm.last_info["measured_vnmse"]`` sits beside the call's ``predicted_vnmse``.
 * **Error target** (``target_vnmse=``, dynamiq): instead of a fixed ``bits``, every call picks
   the fewest bits whose *predicted* vNMSE meets the target (:mod:`dqcoll.schemes.dynamiq
   .error_model`; the ranks' correlation is measured by each call for the next). The monitor then
@@ -434,8 +435,12 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
     _record(state, comm.last_info, index, buf.numel())
     if exact is not None:
         norm2 = float(exact.square().sum())
-        state._monitor_sums[0] += float((buf.double() - exact).square().sum())
+        error2 = float((buf.double() - exact).square().sum())
+        state._monitor_sums[0] += error2
         state._monitor_sums[1] += norm2
+        # beside the call's predicted_vnmse: this bucket's measured vNMSE (monitored steps only)
+        comm.last_info["measured_vnmse"] = (error2 / norm2 if norm2 > 0
+                                            else (0.0 if error2 == 0 else math.inf))
         predicted = comm.last_info.get("predicted_vnmse")
         if predicted is not None and math.isfinite(predicted):
             state._monitor_sums[2] += float(predicted) * norm2

@@ -533,15 +533,17 @@ def _decode_row(
                     else:
                         out_row[c] = value
     else:
-        # Bitstream widths: ``table`` is indexed by code; 8 codes per w-byte word, 2 per group.
+        # Bitstream widths: ``table`` is indexed by code; 8 codes per w-byte word, 2 per group,
+        # each word read as one unaligned 8-byte load (the bytes past its w are the next word's
+        # or the record's scale bytes, >= 5 of them: read, never used) instead of w byte loads:
+        # decode-and-restore at 6 bits 4.76 -> 4.21 ms, decode-accumulate 3.81 -> 3.57 ms per
+        # 12.6 M coordinates in random row order (one thread, 2-core Xeon VM, loaded).
         mask = np.uint64((1 << width) - 1)
         for g in range(GROUPS):
             scale = d[g]
             for h in range(2):
                 i = 2 * g + h
-                word = np.uint64(0)
-                for b in range(width):
-                    word |= np.uint64(rec[i * width + b]) << np.uint64(8 * b)
+                word = _load_u64_1d(rec, i * width)
                 for k in range(8):
                     c = i * 8 + k
                     value = table[np.int64(word >> np.uint64(k * width) & mask)] * scale
@@ -672,6 +674,22 @@ def _load_u64(typingctx, arr, i, offset):  # type: ignore[no-untyped-def]
         aryty = signature.args[0]
         array = context.make_array(aryty)(context, builder, ary)
         ptr = cgutils.get_item_pointer(context, builder, aryty, array, [row, col])
+        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+
+    return sig, codegen
+
+
+@intrinsic
+def _load_u64_1d(typingctx, arr, offset):  # type: ignore[no-untyped-def]
+    """``arr[offset : offset + 8]`` of a 1-d uint8 array (one record) as one little-endian
+    uint64: :func:`_load_u64` for a record passed as a row."""
+    sig = types.uint64(arr, offset)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ary, col = args
+        aryty = signature.args[0]
+        array = context.make_array(aryty)(context, builder, ary)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [col])
         return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
 
     return sig, codegen

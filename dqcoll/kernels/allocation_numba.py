@@ -1,5 +1,10 @@
-"""The allocation of :func:`dqcoll.schemes.dynamiq.allocation_paper.allocate_widths_paper` (the
-paper's closed form), compiled (numba).
+"""Bit allocations compiled (numba): the paper's closed form
+(:func:`dqcoll.schemes.dynamiq.allocation_paper.allocate_widths_paper`, :func:`allocate`), and
+the search of format 3's hull rule with hop widths
+(:func:`dqcoll.schemes.dynamiq.allocation.allocate_widths_by_count`, :func:`hull_by_count`:
+the same counting by binary searches in the sorted keys as the reference's ``_HullCost``, with
+the search on the predicate itself, and the per-class widths in one pass; ~7 -> ~2 ms per call
+at 49152 super-groups with 4 count classes, 2-core VM). The paper's, in detail:
 
 The reference bisects ``u`` with torch ops over the active super-groups (those whose width still
 differs between the ends of the bracket). Even compiled, that evaluates ~5 S rows over the
@@ -30,7 +35,7 @@ import numpy as np
 
 from .cpu_runtime import JIT_OPTIONS
 
-__all__ = ["SEARCHED", "allocate", "bisect"]
+__all__ = ["SEARCHED", "allocate", "bisect", "hull_by_count"]
 
 # What allocate's ``u`` is (the scheme turns it into an Allocation):
 NO_FINITE = 0  # no super-group with a finite, non-zero norm: widths do not depend on u (u = nan)
@@ -181,3 +186,115 @@ def bisect(log_f: np.ndarray, zero: np.ndarray, costs: np.ndarray, limit: int, u
     _, u, _ = _search(values, log_f, zero, zeros, nans, costs, int(limit), float(u_lo),
                       float(u_hi), False, int(steps), float(slope), int(max_width), widths)
     return float(u)
+
+
+# -- the hull rule per partial-sum size (allocation.allocate_widths_by_count) ----------------------
+
+
+@numba.njit(**dict(JIT_OPTIONS, inline="always"))
+def _first_at_or_above(values, shift, u, threshold):
+    """The first index of the ascending ``values`` with ``fl(fl(value + shift) + u) >=
+    threshold`` (a suffix: both roundings are monotone), by a binary search on that predicate
+    itself, so the count is exact where ``value >= threshold - u`` would be off by rounding."""
+    lo = 0
+    hi = values.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if (values[mid] + shift) + u >= threshold:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@numba.njit(**dict(JIT_OPTIONS, inline="always"))
+def _class_bytes(values, shift, u, offsets, hull_bytes, fixed):
+    """Payload bytes of one class at ``u``: row ``i`` of the sorted finite ``values`` at width
+    ``hull[k]`` for the largest ``k`` with ``fl(fl(values[i] + shift) + u) >= offsets[k]``
+    (``offsets[0]`` is -inf: every row), plus ``fixed`` (the NaN rows at the widest width)."""
+    m = values.shape[0]
+    total = fixed
+    start = 0
+    for k in range(1, offsets.shape[0]):
+        nxt = _first_at_or_above(values, shift, u, offsets[k])
+        total += hull_bytes[k - 1] * (nxt - start)
+        start = nxt
+    total += hull_bytes[offsets.shape[0] - 1] * (m - start)
+    return total
+
+
+@numba.njit(**dict(JIT_OPTIONS, inline="always"))
+def _traffic_bytes(values, shifts, taus, u, offsets, hull_bytes, fixed):
+    """``sum_c tau_c * float(bytes of class c at u)``, the classes in order, from 0.0 (the
+    reference's Python ``sum`` over the classes, the same roundings)."""
+    acc = 0.0
+    for c in range(shifts.shape[0]):
+        acc += taus[c] * float(_class_bytes(values, shifts[c], u, offsets, hull_bytes, fixed))
+    return acc
+
+
+@numba.njit(**JIT_OPTIONS)
+def _hull_by_count(values, shifts, taus, offsets, hull_bytes, fixed, stats, budget, u_lo, u_hi,
+                   steps):
+    """The reference's ``_largest_u_fitting`` over ``fits(u) = traffic(u) + stats <= budget``;
+    returns ``(u, over budget, traffic bytes at u)``."""
+    over = False
+    if not _traffic_bytes(values, shifts, taus, u_lo, offsets, hull_bytes, fixed) + stats \
+            <= budget:
+        u = u_lo
+        over = True
+    elif _traffic_bytes(values, shifts, taus, u_hi, offsets, hull_bytes, fixed) + stats \
+            <= budget:
+        u = u_hi
+    else:
+        for _ in range(steps):
+            mid = 0.5 * (u_lo + u_hi)
+            if _traffic_bytes(values, shifts, taus, mid, offsets, hull_bytes, fixed) + stats \
+                    <= budget:
+                u_lo = mid
+            else:
+                u_hi = mid
+        u = u_lo
+    return u, over, _traffic_bytes(values, shifts, taus, u, offsets, hull_bytes, fixed)
+
+
+@numba.njit(**JIT_OPTIONS)
+def _hull_widths(log_f, zero, nan, shifts, u, offsets, hull, top, widths):
+    """``widths[c, i]``: the reference's ``_hull_rule`` per class (key ``fl(log_f + shift_c)``,
+    unshifted where the shift is 0; ``hull[k]`` for the largest ``k`` with ``fl(key + u) >=
+    offsets[k]``; the widest coded width for NaN rows, 0 for zero rows)."""
+    for c in range(shifts.shape[0]):
+        shift = shifts[c]
+        for i in range(log_f.shape[0]):
+            key = log_f[i] + shift if shift != 0.0 else log_f[i]
+            v = key + u
+            w = hull[0]
+            for k in range(1, offsets.shape[0]):
+                if v >= offsets[k]:
+                    w = hull[k]
+            if nan[i]:
+                w = top
+            widths[c, i] = 0 if zero[i] else w
+
+
+def hull_by_count(log_f: np.ndarray, zero: np.ndarray, nan: np.ndarray, shifts: np.ndarray,
+                  taus: np.ndarray, hull: np.ndarray, offsets: np.ndarray, costs: np.ndarray,
+                  top: int, stats: int, budget: int, u_lo: float, u_hi: float, steps: int,
+                  widths: np.ndarray) -> tuple[float, bool, float]:
+    """:func:`dqcoll.schemes.dynamiq.allocation.allocate_widths_by_count`'s search, compiled:
+    the largest ``u`` in ``steps`` halvings of ``[u_lo, u_hi]`` whose traffic-weighted payload
+    (``sum_c taus[c] * bytes_c``) plus ``stats`` fits ``budget``, each class's bytes counted by
+    binary searches in the sorted finite keys (no row evaluated); the per-class widths at that
+    ``u`` go into ``widths`` (int64 ``[classes, rows]``). ``log_f`` (float64, tie-broken),
+    ``zero`` and ``nan`` are the reference's ``_Rows``; ``offsets[0]`` is -inf. Returns ``(u,
+    over budget, traffic-weighted payload bytes at u)``, bit for bit the reference's."""
+    live = ~zero & ~nan
+    values = np.sort(log_f[live])  # the values only: ties sort alike whatever the algorithm
+    fixed = int(np.count_nonzero(nan & ~zero)) * int(costs[top])
+    hull_bytes = costs[hull].astype(np.int64)
+    u, over, traffic = _hull_by_count(values, shifts, taus, offsets, hull_bytes, fixed,
+                                      int(stats), int(budget), float(u_lo), float(u_hi),
+                                      int(steps))
+    _hull_widths(log_f, zero, nan, shifts, float(u), offsets, hull.astype(np.int64), int(top),
+                 widths)
+    return float(u), bool(over), float(traffic)

@@ -56,6 +56,7 @@ __all__ = [
     "cpu_threads",
     "local_ranks",
     "numba_available",
+    "ranks_per_core",
     "release_local_ranks",
     "run_rows",
 ]
@@ -133,6 +134,12 @@ def _cores() -> int:
     """``os.cpu_count()``, read once (it reads /sys on every call: ~1 ms per all-reduce of
     60 launches when the machine is busy)."""
     return os.cpu_count() or 1
+
+
+def ranks_per_core() -> float:
+    """Ranks of this machine per core, at least 1 (:func:`local_ranks` over the cores): how many
+    times its CPU time a CPU-bound piece of work takes when every rank runs one at once."""
+    return max(1.0, _local_ranks / _cores())
 
 
 def cpu_threads() -> int:

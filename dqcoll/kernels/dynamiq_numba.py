@@ -469,9 +469,12 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             restore(centred, mean, index, valid, torch.empty(2 * SUPER, dtype=dtype))
         max_finite_abs(x)
-        from .allocation_numba import bisect
+        from .allocation_numba import bisect, hull_by_count
 
         bisect(np.zeros(2), np.zeros(2, np.bool_), np.zeros(17, np.int64), 0, 0.0, 1.0, 1, 1.0, 8)
+        hull_by_count(np.zeros(2), np.zeros(2, np.bool_), np.zeros(2, np.bool_), np.zeros(1),
+                      np.ones(1), np.array([2, 4], np.int64), np.array([-np.inf, 1.0]),
+                      np.zeros(17, np.int64), 8, 0, 1, 0.0, 1.0, 1, np.empty((1, 2), np.int64))
         _warmed.update(formats)
 
 

@@ -18,7 +18,10 @@ widths 2..8 and raw 16. One scalar ``u`` is then found by bisection (float64, 64
   smallest ``u`` whose predicted vNMSE (:mod:`.error_model`) meets the target.
 
 Each bisection step costs the rule by binary searches in the sorted keys (:class:`_HullCost`),
-not row by row. Everything read is all-reduced, so every rank computes the same widths without
+not row by row; with hop widths and a bit budget (the all-reduce's default) the bisection and the
+per-class widths run compiled where the CPU kernels are numba's
+(:func:`dqcoll.kernels.allocation_numba.hull_by_count`, the same ``u`` and widths bit for
+bit). Everything read is all-reduced, so every rank computes the same widths without
 communication. Zero super-groups get width 0 (no record); non-finite ``F`` (an Inf/NaN input)
 gets 8 bits, and the NaN flows through the records to every rank's output; an overflowed (+inf)
 norm of finite values ranks as the largest finite one.
@@ -238,9 +241,10 @@ class _Rows:
         return u_lo, u_hi
 
     def cost(self, shifts: dict[int, float], lookup: torch.Tensor,
-             energies: torch.Tensor | None = None) -> _HullCost:
+             energies: torch.Tensor | None = None,
+             correlated: torch.Tensor | None = None) -> _HullCost:
         return _HullCost(self.log_f, self.zero, shifts, self.hull, self.offsets, self.top,
-                         lookup, energies)
+                         lookup, energies, correlated)
 
 
 def target_energy(f: torch.Tensor, mean_sum: torch.Tensor, valid: torch.Tensor,
@@ -307,7 +311,8 @@ class _HullCost:
 
     def __init__(self, log_f: torch.Tensor, zero: torch.Tensor, shifts: dict[int, float],
                  hull: list[int], offsets: list[float], top: int, lookup: torch.Tensor,
-                 energies: torch.Tensor | None = None) -> None:
+                 energies: torch.Tensor | None = None,
+                 correlated: torch.Tensor | None = None) -> None:
         import numpy as np
 
         keys = log_f.numpy()
@@ -321,6 +326,9 @@ class _HullCost:
         # target mode: prefix sums of the rows' energies in key order (band sums by subtraction)
         self.prefix = None if energies is None else np.concatenate(
             [[0.0], np.cumsum(energies.numpy()[live][order])])
+        # and of ``F_s rho_s`` (per-row correlations; allocate_for_target_by_count)
+        self.prefix_rho = None if correlated is None else np.concatenate(
+            [[0.0], np.cumsum(correlated.numpy()[live][order])])
         costs = lookup.tolist()
         self.bytes = [int(costs[w]) for w in hull]
         self.offsets = offsets[1:]
@@ -347,12 +355,15 @@ class _HullCost:
         total = sum(b * (hi - lo) for b, lo, hi in zip(self.bytes, starts, ends, strict=True))
         return total + self.fixed
 
-    def class_error(self, c: int, u: float, unit_error: list[float]) -> float:
-        """``sum_s unit_error[width_s] F_s`` over the finite rows of class ``c`` at ``u``."""
-        assert self.prefix is not None
+    def class_error(self, c: int, u: float, unit_error: list[float],
+                    correlated: bool = False) -> float:
+        """``sum_s unit_error[width_s] F_s`` over the finite rows of class ``c`` at ``u`` (of
+        ``F_s rho_s`` with ``correlated``)."""
+        prefix = self.prefix_rho if correlated else self.prefix
+        assert prefix is not None
         starts = self._starts(c, u)
         ends = [*starts[1:], self.keys[c].shape[0]]
-        return sum(unit_error[w] * float(self.prefix[hi] - self.prefix[lo])
+        return sum(unit_error[w] * float(prefix[hi] - prefix[lo])
                    for w, lo, hi in zip(self.hull, starts, ends, strict=True))
 
     def _starts(self, c: int, u: float) -> list[int]:
@@ -503,6 +514,8 @@ def allocate_widths_by_count(
 
     if not rows.searchable:
         return result(0.0, False, searched=False)
+    if _numba_allocation():
+        return _by_count_compiled(rows, shifts, classes, lookup, stats, budget)
     fast = rows.cost(shifts, lookup.long())
 
     def fits(u: float) -> bool:  # cost(class_widths(u)) + stats <= budget, bit for bit
@@ -510,6 +523,39 @@ def allocate_widths_by_count(
             <= budget
 
     return result(*_largest_u_fitting(fits, *rows.bracket(list(shifts.values()))))
+
+
+def _numba_allocation() -> bool:
+    """Whether the compiled search runs (where the CPU kernels are numba's: ``DQCOLL_KERNELS``
+    auto or numba, numba importable); else the torch / NumPy code here (the reference)."""
+    from ...kernels import dynamiq_ops
+
+    return dynamiq_ops(torch.device("cpu")).name == "numba"
+
+
+def _by_count_compiled(rows: _Rows, shifts: dict[int, float],
+                       classes: dict[int, tuple[float, float]], lookup: torch.Tensor,
+                       stats: int, budget: int) -> tuple[dict[int, torch.Tensor], Allocation]:
+    """:func:`allocate_widths_by_count`'s bisection and per-class widths, compiled
+    (:func:`dqcoll.kernels.allocation_numba.hull_by_count`): bit for bit the same ``u``, widths
+    and payload (tested), ~1.5 ms instead of ~7 ms of Python per call at 49152 super-groups
+    (12.6 M coordinates, 4 count classes; 2-core dev VM)."""
+    import numpy as np
+
+    from ...kernels.allocation_numba import hull_by_count
+
+    order = list(shifts)
+    widths = torch.empty((len(order), rows.log_f.numel()), dtype=torch.int64)
+    u, over, traffic = hull_by_count(
+        rows.log_f.numpy(), rows.zero.numpy(), rows.nan.numpy(),
+        np.array([shifts[c] for c in order], dtype=np.float64),
+        np.array([classes[c][1] for c in order], dtype=np.float64),
+        np.array(rows.hull, dtype=np.int64), np.array(rows.offsets, dtype=np.float64),
+        lookup.long().numpy(), rows.top, stats, budget, *rows.bracket(list(shifts.values())),
+        BISECTION_STEPS, widths.numpy())
+    ws = {c: widths[i] for i, c in enumerate(order)}
+    return ws, Allocation(ws[max(ws)], u, math.ceil(traffic), stats, budget, over,
+                          kernel="numba")
 
 
 def allocate_for_target_by_count(
@@ -527,17 +573,29 @@ def allocate_for_target_by_count(
     errors: dict[int, float] | None,
     stats_bytes: int,
     max_width: int = RAW_WIDTH,
+    row_rho: torch.Tensor | None = None,
 ) -> tuple[dict[int, torch.Tensor], Allocation]:
     """:func:`allocate_for_target` with hop widths: the widths of :func:`allocate_widths_by_count`
     (one ``u`` for every count class) at the smallest ``u`` whose predicted vNMSE meets
     ``target``. Class ``c`` contributes ``alpha_c (1 + (c - 1) rho) / n`` times
     ``unit_error[width] F`` per super-group (summed over the classes at rho = 0 this weight is the
-    schedule's path growth ``H``; :mod:`.error_model`)."""
+    schedule's path growth ``H``; :mod:`.error_model`).
+
+    ``row_rho`` (float64 ``[S]``, optional): each super-group's own correlation ``rho_s`` in
+    place of ``rho``, both in the partial sums' energies ``(1 + (c - 1) rho_s) F_s`` and in the
+    exact sum's ``(1 + (n - 1) rho_s) F_s``. Correlation differs between super-groups (rows that
+    only some ranks touch, like rare tokens' embedding rows, against shared dense ones), and the
+    low-energy, uncorrelated rows are the ones at narrow widths: one average ``rho`` puts their
+    errors too high."""
     rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
                     max_width=max_width, tie_break=True)
     stats = stats_bytes * norm2.numel()
     finite_f, energy = target_energy(norm2.detach().to("cpu").double(), mean_sum, valid,
                                       world_size, rho)
+    correlated = None
+    if row_rho is not None:
+        correlated = finite_f * row_rho.detach().to("cpu", torch.float64)
+        energy += (world_size - 1) * (float(correlated.sum()) - rho * float(finite_f.sum()))
     lookup = cost_lookup(scales).double()
     shifts = _count_shifts(classes)
     weights = {c: a * (1.0 + (c - 1) * rho) / world_size for c, (a, _) in classes.items()}
@@ -551,9 +609,13 @@ def allocate_for_target_by_count(
 
     if not rows.searchable or energy <= 0.0:
         return result(0.0, 0.0)
-    fast = rows.cost(shifts, lookup.long(), finite_f)
+    fast = rows.cost(shifts, lookup.long(), finite_f, correlated)
 
     def error(u: float) -> float:
+        if correlated is not None:
+            return sum(classes[c][0] / world_size * (
+                fast.class_error(c, u, unit) + (c - 1) * fast.class_error(c, u, unit, True))
+                for c in shifts) / energy
         return sum(weights[c] * fast.class_error(c, u, unit) for c in shifts) / energy
 
     u = smallest_u_meeting(error, target, *rows.bracket(list(shifts.values())))

@@ -1,0 +1,53 @@
+"""The default ``dynamiq`` all-reduce's result bytes, pinned: a change of the call's planning
+(statistics, allocation, reorder, geometry, restore) or of its kernels that was meant to be
+faster but not to change the format must leave these digests as they are. A deliberate format
+change updates them in the same commit (docs/design.md §3.4)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import dqcoll
+from dqcoll.testing import run_local
+
+# sha256 of rank 0's result bytes (every rank holds the same), computed at a3b8f68 (main before
+# issue 22's planning changes) with the numba kernels and with DQCOLL_KERNELS=torch alike.
+PINNED = {
+    ("ring", 4, 300_007):
+        "c76e1ba64fa536abdd3259dc6db372783ea03c4177be32dccb07f99562b7eec0",
+    ("butterfly", 4, 300_007):
+        "eec07c3682361cda14046e9b91b719bd58cc97ed91a217c20b2bf04226db450a",
+    ("butterfly", 3, 262_144):
+        "a095b1a95d4e88735dacf901189f1db77a898a69783062331b23011f090948ea",
+    ("direct", 5, 100_003):
+        "b35a6c7a5b7a456399ccd6348a2f54640ed801815a1fc8ce2d62ccc29305522e",
+}
+
+
+def _inputs(rank: int, numel: int) -> torch.Tensor:
+    """Heavy-tailed per-row scales (so many widths are used) from NumPy's PCG64, the same on
+    every platform."""
+    rng = np.random.default_rng(1000 + rank)
+    scale = np.exp(rng.standard_normal(-(-numel // 256)) * 2.0).repeat(256)[:numel]
+    return torch.from_numpy((rng.standard_normal(numel) * scale).astype(np.float32))
+
+
+def _call(comm: Any, algorithm: str, numel: int) -> bytes:
+    x = _inputs(comm.rank, numel)
+    dqcoll.allreduce(x, op="avg", bits=5, algorithm=algorithm, seed=7, step=3)
+    return x.numpy().tobytes()
+
+
+@pytest.mark.parametrize(("algorithm", "world_size", "numel"), list(PINNED))
+def test_default_allreduce_bytes_are_pinned(algorithm: str, world_size: int,
+                                            numel: int) -> None:
+    """Every rank ends with the same bytes, and they hash to the pinned digest."""
+    results = run_local(world_size, _call, algorithm, numel)
+    assert all(r == results[0] for r in results[1:])
+    digest = hashlib.sha256(results[0]).hexdigest()
+    assert digest == PINNED[(algorithm, world_size, numel)], digest
