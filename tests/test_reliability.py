@@ -207,6 +207,18 @@ if scenario == "checks":
         torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
         torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
         report[f"ranks_agree_{scheme}_{algorithm}"] = bool(low.item() == high.item())
+    # 1b. The small all-reduce as one gloo all-gather combined in rank order gives the bits of
+    # the scatter-and-gather over point-to-point messages; a rank at another step is refused.
+    from dqcoll.transports.base import reduce_in_rank_order
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for op in ("sum", "max", "min"):
+            t = (data(rank, 1000) * 1000).to(dtype)
+            gathered = t.clone()
+            comm.transport.allreduce(gathered, op, what="gathered check")
+            pairwise = reduce_in_rank_order(comm.transport._post, rank, n, t.clone(), op, "pairs")
+            report[f"same_as_local_gathered_{dtype}_{op}"] = bool(torch.equal(gathered, pairwise))
+    label = "gathered check B" if rank == 1 else "gathered check A"
+    attempt("gathered_mismatch", lambda: comm.transport.allreduce(torch.ones(4), "sum", what=label))
     # 2. A mismatched length and an invalid input on one rank: every rank raises, nothing moves.
     sent = comm.counters["payload_bytes_sent"]
     buf = data(rank, 3000 + (rank == 1))
@@ -292,6 +304,9 @@ def test_gloo_transport_matches_local_and_reports_bad_input_everywhere(gloo_chec
             if key.startswith(("repeatable", "ranks_agree", "same_as_local")):
                 assert value is True, (rank, key)
         assert rep["mismatch"]["error"] == "MismatchError", rep
+        assert rep["gathered_mismatch"]["error"] == "MismatchError", rep
+        assert "another step" in rep["gathered_mismatch"]["message"]
+        assert sum(k.startswith("same_as_local_gathered") for k in rep) == 9
         assert "numel" in rep["mismatch"]["message"]
         assert rep["mismatch_untouched"]
         expected = "InvalidArgumentError" if rank == 2 else "PeerError"
