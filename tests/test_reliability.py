@@ -212,9 +212,12 @@ if scenario == "checks":
     from dqcoll.transports.base import reduce_in_rank_order
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for op in ("sum", "max", "min"):
-            t = (data(rank, 1000) * 1000).to(dtype)
+            t = (data(rank, 100) * 1000).to(dtype)  # n copies within GATHERED_ALLREDUCE_NBYTES
             gathered = t.clone()
+            messages = comm.counters["messages_sent"]
             comm.transport.allreduce(gathered, op, what="gathered check")
+            report[f"gathered_one_collective_{dtype}_{op}"] = (
+                comm.counters["messages_sent"] == messages)
             pairwise = reduce_in_rank_order(comm.transport._post, rank, n, t.clone(), op, "pairs")
             report[f"same_as_local_gathered_{dtype}_{op}"] = bool(torch.equal(gathered, pairwise))
     label = "gathered check B" if rank == 1 else "gathered check A"
@@ -307,6 +310,7 @@ def test_gloo_transport_matches_local_and_reports_bad_input_everywhere(gloo_chec
         assert rep["gathered_mismatch"]["error"] == "MismatchError", rep
         assert "another step" in rep["gathered_mismatch"]["message"]
         assert sum(k.startswith("same_as_local_gathered") for k in rep) == 9
+        assert all(v for k, v in rep.items() if k.startswith("gathered_one_collective")), rep
         assert "numel" in rep["mismatch"]["message"]
         assert rep["mismatch_untouched"]
         expected = "InvalidArgumentError" if rank == 2 else "PeerError"

@@ -44,9 +44,10 @@ __all__ = ["TorchTransport", "backend_devices"]
 
 HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
 # n x the bytes of a small all-reduce up to which gloo all-gathers it in one collective
-# (TorchTransport.allreduce): the (n - 1) / n x more bytes than the scatter-and-gather cost less
-# than its second synchronisation of the ranks up to here
-GATHERED_ALLREDUCE_NBYTES = 256 * 1024
+# (TorchTransport.allreduce): the argument check's vector. Larger ones (a scheme's statistics)
+# keep the scatter-and-gather, whose bytes are those a scheme's ``bits`` budget counts for them
+# (an all-gather sends n / 2 times as many).
+GATHERED_ALLREDUCE_NBYTES = 4096
 _ABORT_TAG = 0x7A5E  # a tag no message uses: abort()'s receives never complete
 
 
@@ -206,12 +207,12 @@ class TorchTransport:
         every other dqcoll transport (see :func:`~dqcoll.transports.base.reduce_in_rank_order`).
 
         Over gloo, a tensor whose ``n`` copies fit :data:`GATHERED_ALLREDUCE_NBYTES` (the
-        argument check's vector, the statistics of calls up to a few million coordinates at
-        small ``n``) is all-gathered by one gloo collective and every rank combines the ``n``
-        copies in rank order itself (:meth:`_gathered_allreduce`): one synchronisation of the
-        ranks instead of two grouped exchanges with headers, which on a machine whose ranks
-        share cores costs a scheduling round each. Larger tensors, and other backends, take
-        :func:`~dqcoll.transports.base.reduce_in_rank_order`'s scatter and gather."""
+        argument check's vector of every call) is all-gathered by one gloo collective and every
+        rank combines the ``n`` copies in rank order itself (:meth:`_gathered_allreduce`): one
+        synchronisation of the ranks instead of two grouped exchanges with headers, which on a
+        machine whose ranks share cores costs a scheduling round each. Larger tensors, and
+        other backends, take :func:`~dqcoll.transports.base.reduce_in_rank_order`'s scatter and
+        gather."""
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
