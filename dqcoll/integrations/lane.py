@@ -33,13 +33,16 @@ import concurrent.futures
 import datetime
 import logging
 import threading
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import api
+from .. import api, schemes
+from ..errors import InvalidArgumentError, MismatchError
+from ..schemes.elementwise import BlockCodec
 from ..comm import Communicator
 from ..transports.subgroup import SubgroupTransport
 from ..transports.torch_dist import TorchTransport
@@ -50,12 +53,32 @@ __all__ = ["Lane", "LaneWork", "RoleCounters", "exact_nbytes"]
 log = logging.getLogger("dqcoll.integrations")
 
 
+# The lane's small all-reduces (argument checks, DynamiQ's statistics) up to n x this many bytes
+# are one gloo all-gather (TorchTransport.allreduce): FSDP2's calls are a few million
+# coordinates, where the statistics' second synchronisation of the ranks costs more than the
+# n / 2 x their bytes the all-gather sends (~0.02 bit per coordinate at n = 4; the counters
+# count them).
+LANE_GATHER_NBYTES = 256 * 1024
+_GATHER_FIELDS = ("numel", "output numel", "dtype", "output dtype", "scheme")
+
+
+def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
+    """The rule's scheme when it is a block codec whose payload depends on its chunk alone (no
+    per-call statistics shared between the ranks): :meth:`Lane._gather_blocks` runs it."""
+    if rule.is_exact:
+        return None
+    scheme = schemes.get(rule.scheme, **({"bits": rule.bits} if rule.bits is not None else {}))
+    if isinstance(scheme, BlockCodec) and type(scheme).prepare is BlockCodec.prepare:
+        return scheme
+    return None
+
+
 class _GlooTransport(TorchTransport):
     """dqcoll's ``torch`` transport over a bare ``ProcessGroupGloo`` (one not registered with
     ``torch.distributed``: the transport takes its rank and size from the group itself)."""
 
     def __init__(self, group: Any, rank: int, world_size: int, timeout_s: float) -> None:
-        super().__init__(group, timeout_s=timeout_s)
+        super().__init__(group, timeout_s=timeout_s, gather_nbytes=LANE_GATHER_NBYTES)
         assert (self.rank, self.world_size) == (rank, world_size), (self.rank, rank)
 
 
@@ -143,6 +166,7 @@ class Lane:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"dqcoll-lane {name} rank {rank}")
         self._lock = threading.Lock()
+        self._calls = 0  # the lane's own block all-gathers (their labels)
 
     def _connect(self, store: Any, prefix: str, timeout_s: float) -> None:
         """The lane's own gloo connection and the dqcoll communicator over it."""
@@ -220,9 +244,13 @@ class Lane:
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *,
                    rule: RoleRule) -> dist.Work:
         """``out`` = every rank's ``shard`` in rank order, decoded alike on every rank."""
+        codec = _plain_block_codec(rule)
 
         def run() -> None:
             if self.intra is None or self.inter is None:
+                if codec is not None and shard.device.type == "cpu":
+                    self._gather_blocks(shard.reshape(-1), out.view(-1), codec)
+                    return
                 api.all_gather(shard.view(-1), out.view(-1), comm=self.comm, **rule.options())
                 return
             local = self.local_world_size
@@ -237,6 +265,58 @@ class Lane:
                 gathered.view(local, nodes, numel).transpose(0, 1))
 
         return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out)
+
+    def _gather_blocks(self, shard: torch.Tensor, out: torch.Tensor, codec: BlockCodec) -> None:
+        """The all-gather of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s qwZ)
+        as one gloo all-gather of payloads: each rank encodes its own shard once, the payloads
+        travel in one collective, and every rank decodes all ``n`` of them, its own too, from
+        the same bytes (so every replica holds the same weights). The bytes are those of
+        ``dqcoll.all_gather`` with the same scheme (the shard padded with zeros to whole
+        blocks, one payload per shard), without its range scaling (nothing is summed) and
+        without its zero-filled full-size input, padded copy and copy-out: on a machine whose
+        ranks share cores those passes over the output, and the ring's ``n - 1`` steps, cost
+        more than the codec. The argument check (sizes, dtypes, the codec, the call number)
+        is one gathered vector; ranks that disagree all raise :class:`MismatchError`."""
+        n, numel = self.world_size, shard.numel()
+        self._calls += 1
+        what = f"lane {self.name} all_gather#{self._calls}"
+        fields = (numel, out.numel(), zlib.crc32(str(shard.dtype).encode()),
+                  zlib.crc32(str(out.dtype).encode()), zlib.crc32(repr(codec).encode()))
+        check = torch.tensor([*fields, *(-f for f in fields)], dtype=torch.int64)
+        self.transport.allreduce(check, "max", what=f"{what} argument check")
+        high, low = check[: len(fields)].tolist(), [-v for v in check[len(fields):].tolist()]
+        differ = [name for name, lo, hi in zip(_GATHER_FIELDS, low, high, strict=True) if lo != hi]
+        if differ:
+            raise MismatchError(f"rank {self.rank}: {what}: ranks disagree on {', '.join(differ)} "
+                                f"(this rank: {dict(zip(_GATHER_FIELDS, fields, strict=True))})")
+        if out.numel() != n * numel:
+            raise InvalidArgumentError(f"rank {self.rank}: {what}: output of {out.numel()} "
+                                       f"elements for {n} shards of {numel}")
+        padded = -(-numel // codec.block) * codec.block
+        if padded == numel and shard.dtype == torch.float32:
+            values = shard.contiguous()
+        else:
+            values = torch.zeros(padded, dtype=torch.float32)
+            values[:numel] = shard
+        payload = codec.encode_values(values, 1, None)
+        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8)
+        work = self.gloo._allgather_base(gathered, payload)
+        self.transport._wait([("all-gather with", -1, work)], what)
+        wire = (n - 1) * payload.numel()  # gloo's ring all-gather
+        counters = self.transport.counters
+        counters["bytes_sent"] += wire
+        counters["payload_bytes_sent"] += wire
+        counters["bytes_recv"] += wire
+        rows, dst = gathered.view(n, -1), out.view(n, numel)
+        in_place = padded == numel and out.dtype == torch.float32
+        scratch = None if in_place else torch.empty(padded, dtype=torch.float32)
+        for r in range(n):
+            target = dst[r] if in_place else scratch
+            assert target is not None
+            if not codec.decode_into(rows[r], target, 1, None, False):
+                target.copy_(codec.decode_values(rows[r], padded, 1, None))
+            if not in_place:
+                dst[r].copy_(target[:numel])
 
     def allreduce(self, buf: torch.Tensor, *, avg: bool, rule: RoleRule) -> dist.Work:
         """``buf`` = the sum (or average) of every rank's ``buf``, in place."""

@@ -70,7 +70,8 @@ class TorchTransport:
     name = "torch"
 
     def __init__(self, group: Any = None, *, timeout_s: float | None = None,
-                 store: Any = None, store_prefix: str = "dqcoll/") -> None:
+                 store: Any = None, store_prefix: str = "dqcoll/",
+                 gather_nbytes: int = GATHERED_ALLREDUCE_NBYTES) -> None:
         standalone = group is not None and not isinstance(group, dist.ProcessGroup)
         if not standalone and (not dist.is_available() or not dist.is_initialized()):
             raise InvalidArgumentError(
@@ -91,6 +92,7 @@ class TorchTransport:
             self.backend = str(dist.get_backend(self.group))
             self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.timeout_s = envs.timeout_s() if timeout_s is None else timeout_s
+        self.gather_nbytes = int(gather_nbytes)  # see allreduce
         self.counters = Counters()
         self.headers = self.backend != "nccl"  # see the module docstring
         self.devices = backend_devices(self.backend)
@@ -206,8 +208,9 @@ class TorchTransport:
         """Small all-reduce in rank order, not gloo's or NCCL's own all-reduce: the same bits as
         every other dqcoll transport (see :func:`~dqcoll.transports.base.reduce_in_rank_order`).
 
-        Over gloo, a tensor whose ``n`` copies fit :data:`GATHERED_ALLREDUCE_NBYTES` (the
-        argument check's vector of every call) is all-gathered by one gloo collective and every
+        Over gloo, a tensor whose ``n`` copies fit ``gather_nbytes`` (by default
+        :data:`GATHERED_ALLREDUCE_NBYTES`: the argument check's vector of every call) is
+        all-gathered by one gloo collective and every
         rank combines the ``n`` copies in rank order itself (:meth:`_gathered_allreduce`): one
         synchronisation of the ranks instead of two grouped exchanges with headers, which on a
         machine whose ranks share cores costs a scheduling round each. Larger tensors, and
@@ -218,7 +221,7 @@ class TorchTransport:
         nbytes = tensor.numel() * tensor.element_size()
         if self.world_size > 1 and tensor.numel():
             flat = tensor.detach().contiguous().reshape(-1)
-            if self.backend == "gloo" and self.world_size * nbytes <= GATHERED_ALLREDUCE_NBYTES:
+            if self.backend == "gloo" and self.world_size * nbytes <= self.gather_nbytes:
                 self._gathered_allreduce(flat, op, what)
                 tensor.copy_(flat.view(tensor.shape))
                 return
