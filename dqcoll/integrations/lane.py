@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from .. import api, schemes
+from ..comm import Communicator
 from ..errors import InvalidArgumentError, MismatchError
 from ..schemes.elementwise import BlockCodec
-from ..comm import Communicator
 from ..transports.subgroup import SubgroupTransport
 from ..transports.torch_dist import TorchTransport
 from .policy import CompressionPolicy, Role, RoleRule
