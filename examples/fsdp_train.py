@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from dqcoll import schemes
 from dqcoll.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 from dqcoll.integrations import fsdp as dqfsdp
 from dqcoll.integrations.policy import CompressionPolicy, RoleRule
@@ -52,6 +53,7 @@ MODES = ("exact", "qwz", "qgz", "both", "backend")
 class TrainConfig:
     mode: str = "both"
     bits: float = 5.0
+    gradients: str = "dynamiq"  # reduce-scatter scheme of qgz / both / backend (with --bits)
     steps: int = 20
     warmup_steps: int = 0  # exact steps at the start (policy.warmup_steps)
     warmup_timing: int = 2  # steps left out of the step time
@@ -70,7 +72,8 @@ class TrainConfig:
 def policy_of(config: TrainConfig) -> CompressionPolicy:
     """The compression policy of a mode (``backend`` uses that of ``both``)."""
     none = RoleRule("none")
-    gradients = RoleRule("dynamiq", config.bits)
+    takes_bits = "bits" in schemes.spec(config.gradients).options
+    gradients = RoleRule(config.gradients, config.bits if takes_bits else None)
     weights = RoleRule("int8_block")
     rules = {"exact": (none, none), "qwz": (weights, none), "qgz": (none, gradients),
              "both": (weights, gradients), "backend": (weights, gradients)}[config.mode]

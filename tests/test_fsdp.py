@@ -315,6 +315,23 @@ def _gather_blocks_job(rank: int, world_size: int) -> dict[str, Any]:
                 key = f"{scheme} {numel} {dtype}"
                 same[key] = bool(torch.equal(fast.view(torch.uint8), generic.view(torch.uint8)))
     assert _plain_block_codec(RoleRule("dynamiq", 5.0)) is None  # shared statistics: generic
+    for scheme in ("int8_block", "int4_block"):
+        rule = RoleRule(scheme)
+        codec = _plain_block_codec(rule)
+        assert codec is not None
+        for numel in (4096, 3001):
+            for dtype in (torch.float32, torch.bfloat16):
+                for avg in (True, False):
+                    g = torch.Generator().manual_seed(17 * rank + numel)
+                    inp = (torch.randn(world_size * numel, generator=g) * 3).to(dtype)
+                    fast = torch.full((numel,), float("nan"), dtype=dtype)
+                    lane._scatter_blocks(inp.clone(), fast, codec, avg)
+                    generic = torch.full_like(fast, float("nan"))
+                    api.reduce_scatter(inp.clone(), generic, comm=lane.comm, algorithm="direct",
+                                       op="avg" if avg else "sum", **rule.options())
+                    key = f"rs {scheme} {numel} {dtype} {avg}"
+                    same[key] = bool(torch.equal(fast.view(torch.uint8),
+                                                 generic.view(torch.uint8)))
     out: dict[str, Any] = {"same": same, "sent": lane.transport.counters["payload_bytes_sent"]}
     numel = 4096 + 128 * rank  # rank 1 passes a longer shard
     try:
@@ -323,20 +340,30 @@ def _gather_blocks_job(rank: int, world_size: int) -> dict[str, Any]:
         out["mismatch"] = None
     except Exception as exc:
         out["mismatch"] = (type(exc).__name__, str(exc))
+    try:
+        lane._scatter_blocks(torch.randn(world_size * numel), torch.empty(numel),
+                             _plain_block_codec(RoleRule("int4_block")),  # type: ignore[arg-type]
+                             avg=True)
+        out["rs_mismatch"] = None
+    except Exception as exc:
+        out["rs_mismatch"] = (type(exc).__name__, str(exc))
     lane.close()
     return out
 
 
-def test_lane_block_all_gather_equals_dqcoll_all_gather(tmp_path: pathlib.Path) -> None:
+def test_lane_block_collectives_equal_dqcoll_collectives(tmp_path: pathlib.Path) -> None:
     """The lane's all-gather of a block codec (one gloo all-gather of payloads) gives the bytes
-    of ``dqcoll.all_gather`` with the same scheme, for whole and partial blocks, fp32 and bf16;
-    ranks whose shards differ all raise MismatchError naming the field."""
+    of ``dqcoll.all_gather`` with the same scheme, and its reduce-scatter (one gloo all-to-all)
+    those of ``dqcoll.reduce_scatter(algorithm="direct")``, for whole and partial blocks, fp32
+    and bf16, sum and average; ranks whose sizes differ all raise MismatchError naming the
+    field."""
     results = _spawn(tmp_path, _gather_blocks_job)
     for result in results:
-        assert len(result["same"]) == 18 and all(result["same"].values()), result["same"]
+        assert len(result["same"]) == 18 + 16 and all(result["same"].values()), result["same"]
         assert result["sent"] > 0
-        name, message = result["mismatch"]
-        assert name == "MismatchError" and "numel" in message, result["mismatch"]
+        for key in ("mismatch", "rs_mismatch"):
+            name, message = result[key]
+            assert name == "MismatchError" and "numel" in message, result[key]
 
 
 # -- the drop-in backend -----------------------------------------------------------------------

@@ -62,6 +62,7 @@ def _train_args(args: argparse.Namespace, mode: str, steps: int, seed: int) -> l
     return [str(ROOT / "examples" / "fsdp_train.py"), "--mode", mode, "--steps", str(steps),
             "--width", str(args.width), "--layers", str(args.layers), "--heads", str(args.heads),
             "--batch", str(args.batch), "--context", str(args.context), "--bits", str(args.bits),
+            "--gradients", args.gradients,
             "--seed", str(seed), "--lr", str(args.lr),
             "--warmup-steps", str(args.warmup_steps)]
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--bits", type=float, default=5.0)
+    parser.add_argument("--gradients", default="dynamiq",
+                        help="the gradients' reduce-scatter scheme (qgz, both, backend)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0)

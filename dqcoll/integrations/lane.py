@@ -60,6 +60,7 @@ log = logging.getLogger("dqcoll.integrations")
 # count them).
 LANE_GATHER_NBYTES = 256 * 1024
 _GATHER_FIELDS = ("numel", "output numel", "dtype", "output dtype", "scheme")
+_SCATTER_FIELDS = ("numel", "input numel", "dtype", "output dtype", "scheme", "op")
 
 
 def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
@@ -222,9 +223,13 @@ class Lane:
                        rule: RoleRule) -> dist.Work:
         """``out`` = shard ``rank`` of the sum (or average) of every rank's ``inp``."""
         op = "avg" if avg else "sum"
+        codec = _plain_block_codec(rule)
 
         def run() -> None:
             if self.intra is None or self.inter is None:
+                if codec is not None and inp.device.type == "cpu":
+                    self._scatter_blocks(inp.reshape(-1), out.view(-1), codec, avg)
+                    return
                 api.reduce_scatter(inp.view(-1), out.view(-1), op=op, comm=self.comm,
                                    **rule.options())
                 return
@@ -266,6 +271,75 @@ class Lane:
 
         return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out)
 
+    def _check(self, what: str, fields: tuple[int, ...], names: tuple[str, ...]) -> None:
+        """The argument check of the lane's own collectives: one gathered vector of ``fields``
+        (and their negatives); ranks that disagree on any all raise :class:`MismatchError`."""
+        check = torch.tensor([*fields, *(-f for f in fields)], dtype=torch.int64)
+        self.transport.allreduce(check, "max", what=f"{what} argument check")
+        high, low = check[: len(fields)].tolist(), [-v for v in check[len(fields):].tolist()]
+        differ = [name for name, lo, hi in zip(names, low, high, strict=True) if lo != hi]
+        if differ:
+            raise MismatchError(f"rank {self.rank}: {what}: ranks disagree on {', '.join(differ)} "
+                                f"(this rank: {dict(zip(names, fields, strict=True))})")
+
+    def _scatter_blocks(self, inp: torch.Tensor, out: torch.Tensor, codec: BlockCodec,
+                        avg: bool) -> None:
+        """The reduce-scatter of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s
+        qgZ) as one gloo all-to-all of payloads: each rank encodes the ``n - 1`` shards it does
+        not keep (one quantization per contribution, no hop re-quantizing partial sums), and
+        the owner of each shard adds the decoded contributions to its own exact one in rank
+        order. The result is bit for bit that of ``dqcoll.reduce_scatter`` with the same scheme
+        and ``algorithm="direct"`` (tested): the last contribution is added by the fused
+        decode-accumulate-encode and the shard is decoded from those bytes, as there."""
+        n, rank, numel = self.world_size, self.rank, out.numel()
+        self._calls += 1
+        what = f"lane {self.name} reduce_scatter#{self._calls}"
+        fields = (numel, inp.numel(), zlib.crc32(str(inp.dtype).encode()),
+                  zlib.crc32(str(out.dtype).encode()), zlib.crc32(repr(codec).encode()), int(avg))
+        self._check(what, fields, _SCATTER_FIELDS)
+        if inp.numel() != n * numel:
+            raise InvalidArgumentError(f"rank {self.rank}: {what}: input of {inp.numel()} "
+                                       f"elements for {n} shards of {numel}")
+        padded = -(-numel // codec.block) * codec.block
+        if padded == numel and inp.dtype == torch.float32:
+            values = inp.view(n, numel)
+        else:
+            values = torch.zeros(n, padded, dtype=torch.float32)
+            values[:, :numel] = inp.view(n, numel)
+        if avg and codec.avg_mode == "pre":
+            values = values / n
+        nbytes = codec.chunk_nbytes(padded, 1, None)
+        send = torch.empty(n, nbytes, dtype=torch.uint8)
+        for r in range(n):
+            if r != rank:  # the own slot is not sent (the all-to-all keeps it here)
+                send[r].copy_(codec.encode_values(values[r].contiguous(), 1, None))
+        received = torch.empty(n, nbytes, dtype=torch.uint8)
+        work = self.gloo.alltoall_base(received.view(-1), send.view(-1), [], [])
+        self.transport._wait([("all-to-all with", -1, work)], what)
+        wire = (n - 1) * nbytes
+        counters = self.transport.counters
+        counters["bytes_sent"] += wire
+        counters["payload_bytes_sent"] += wire
+        counters["bytes_recv"] += wire
+        acc = values[rank].clone()
+        peers = [r for r in range(n) if r != rank]
+        for r in peers[:-1]:
+            if not codec.decode_into(received[r], acc, 1, None, True):
+                acc.add_(codec.decode_values(received[r], padded, 1, None))
+        if peers:  # the last contribution: fused, then the shard from its own bytes
+            last = received[peers[-1]]
+            final = codec.decode_accumulate_encode(last, acc, 1, n, None)
+            if final is None:
+                if not codec.decode_into(last, acc, 1, None, True):
+                    acc.add_(codec.decode_values(last, padded, 1, None))
+                final = codec.encode_values(acc, n, None)
+            if not codec.decode_into(final, acc, n, None, False):
+                acc.copy_(codec.decode_values(final, padded, n, None))
+        result = acc[:numel]
+        if avg and codec.avg_mode == "post":
+            result = result / n
+        out.copy_(result)
+
     def _gather_blocks(self, shard: torch.Tensor, out: torch.Tensor, codec: BlockCodec) -> None:
         """The all-gather of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s qwZ)
         as one gloo all-gather of payloads: each rank encodes its own shard once, the payloads
@@ -282,13 +356,7 @@ class Lane:
         what = f"lane {self.name} all_gather#{self._calls}"
         fields = (numel, out.numel(), zlib.crc32(str(shard.dtype).encode()),
                   zlib.crc32(str(out.dtype).encode()), zlib.crc32(repr(codec).encode()))
-        check = torch.tensor([*fields, *(-f for f in fields)], dtype=torch.int64)
-        self.transport.allreduce(check, "max", what=f"{what} argument check")
-        high, low = check[: len(fields)].tolist(), [-v for v in check[len(fields):].tolist()]
-        differ = [name for name, lo, hi in zip(_GATHER_FIELDS, low, high, strict=True) if lo != hi]
-        if differ:
-            raise MismatchError(f"rank {self.rank}: {what}: ranks disagree on {', '.join(differ)} "
-                                f"(this rank: {dict(zip(_GATHER_FIELDS, fields, strict=True))})")
+        self._check(what, fields, _GATHER_FIELDS)
         if out.numel() != n * numel:
             raise InvalidArgumentError(f"rank {self.rank}: {what}: output of {out.numel()} "
                                        f"elements for {n} shards of {numel}")
