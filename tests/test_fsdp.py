@@ -448,6 +448,9 @@ def test_policy_parse_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert CompressionPolicy.parse(str(policy)) == policy
     monkeypatch.delenv("DQCOLL_POLICY")
     assert CompressionPolicy.from_env() == CompressionPolicy()
+    zeropp = CompressionPolicy.zeropp(warmup_steps=2)
+    assert zeropp == CompressionPolicy.parse("weights=int8_block,gradients=int4_block,"
+                                             "warmup_steps=2")
     for bad, words in (("weights=nosuch", "nosuch"), ("speed=3", "speed"),
                        ("int8_block", "key=value"), ("min_nbytes=x", "min_nbytes"),
                        ("weights=int8_block:4", "bits"), ("intra_node=ring", "intra_node")):

@@ -207,17 +207,19 @@ if scenario == "checks":
         torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
         torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
         report[f"ranks_agree_{scheme}_{algorithm}"] = bool(low.item() == high.item())
-    # 1b. The small all-reduce as one gloo all-gather combined in rank order gives the bits of
+    # 1b. The small all-reduce as one exchange combined in rank order gives the bits of
     # the scatter-and-gather over point-to-point messages; a rank at another step is refused.
     from dqcoll.transports.base import reduce_in_rank_order
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for op in ("sum", "max", "min"):
             t = (data(rank, 100) * 1000).to(dtype)  # n copies within GATHERED_ALLREDUCE_NBYTES
             gathered = t.clone()
-            messages = comm.counters["messages_sent"]
+            before = comm.counters["allreduce_bytes_sent"]
             comm.transport.allreduce(gathered, op, what="gathered check")
-            report[f"gathered_one_collective_{dtype}_{op}"] = (
-                comm.counters["messages_sent"] == messages)
+            # the one-exchange path: n - 1 copies out (the two-step one counts 2 (n-1)/n)
+            report[f"gathered_one_exchange_{dtype}_{op}"] = (
+                comm.counters["allreduce_bytes_sent"] - before
+                == (n - 1) * t.numel() * t.element_size())
             pairwise = reduce_in_rank_order(comm.transport._post, rank, n, t.clone(), op, "pairs")
             report[f"same_as_local_gathered_{dtype}_{op}"] = bool(torch.equal(gathered, pairwise))
     label = "gathered check B" if rank == 1 else "gathered check A"
@@ -310,7 +312,8 @@ def test_gloo_transport_matches_local_and_reports_bad_input_everywhere(gloo_chec
         assert rep["gathered_mismatch"]["error"] == "MismatchError", rep
         assert "another step" in rep["gathered_mismatch"]["message"]
         assert sum(k.startswith("same_as_local_gathered") for k in rep) == 9
-        assert all(v for k, v in rep.items() if k.startswith("gathered_one_collective")), rep
+        assert sum(k.startswith("gathered_one_exchange") for k in rep) == 9
+        assert all(v for k, v in rep.items() if k.startswith("gathered_one_exchange")), rep
         assert "numel" in rep["mismatch"]["message"]
         assert rep["mismatch_untouched"]
         expected = "InvalidArgumentError" if rank == 2 else "PeerError"

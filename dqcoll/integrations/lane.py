@@ -54,10 +54,10 @@ log = logging.getLogger("dqcoll.integrations")
 
 
 # The lane's small all-reduces (argument checks, DynamiQ's statistics) up to n x this many bytes
-# are one gloo all-gather (TorchTransport.allreduce): FSDP2's calls are a few million
+# go to every rank in one exchange (TorchTransport.allreduce): FSDP2's calls are a few million
 # coordinates, where the statistics' second synchronisation of the ranks costs more than the
-# n / 2 x their bytes the all-gather sends (~0.02 bit per coordinate at n = 4; the counters
-# count them).
+# n / 2 x their bytes that this sends (~0.02 bit per coordinate at n = 4; the counters count
+# them).
 LANE_GATHER_NBYTES = 256 * 1024
 _GATHER_FIELDS = ("numel", "output numel", "dtype", "output dtype", "scheme")
 _SCATTER_FIELDS = ("numel", "input numel", "dtype", "output dtype", "scheme", "op")
@@ -285,8 +285,9 @@ class Lane:
     def _scatter_blocks(self, inp: torch.Tensor, out: torch.Tensor, codec: BlockCodec,
                         avg: bool) -> None:
         """The reduce-scatter of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s
-        qgZ) as one gloo all-to-all of payloads: each rank encodes the ``n - 1`` shards it does
-        not keep (one quantization per contribution, no hop re-quantizing partial sums), and
+        qgZ) as one exchange of payloads (every rank to every other at once): each rank
+        encodes the ``n - 1`` shards it does not keep (one quantization per contribution, no
+        hop re-quantizing partial sums), and
         the owner of each shard adds the decoded contributions to its own exact one in rank
         order. The result is bit for bit that of ``dqcoll.reduce_scatter`` with the same scheme
         and ``algorithm="direct"`` (tested): the last contribution is added by the fused
@@ -311,18 +312,13 @@ class Lane:
         nbytes = codec.chunk_nbytes(padded, 1, None)
         send = torch.empty(n, nbytes, dtype=torch.uint8)
         for r in range(n):
-            if r != rank:  # the own slot is not sent (the all-to-all keeps it here)
+            if r != rank:  # the own slot is not sent (it stays here)
                 send[r].copy_(codec.encode_values(values[r].contiguous(), 1, None))
         received = torch.empty(n, nbytes, dtype=torch.uint8)
-        work = self.gloo.alltoall_base(received.view(-1), send.view(-1), [], [])
-        self.transport._wait([("all-to-all with", -1, work)], what)
-        wire = (n - 1) * nbytes
-        counters = self.transport.counters
-        counters["bytes_sent"] += wire
-        counters["payload_bytes_sent"] += wire
-        counters["bytes_recv"] += wire
-        acc = values[rank].clone()
         peers = [r for r in range(n) if r != rank]
+        self.transport.exchange([(r, send[r]) for r in peers], [(r, received[r]) for r in peers],
+                                what=what)
+        acc = values[rank].clone()
         for r in peers[:-1]:
             if not codec.decode_into(received[r], acc, 1, None, True):
                 acc.add_(codec.decode_values(received[r], padded, 1, None))
@@ -342,15 +338,18 @@ class Lane:
 
     def _gather_blocks(self, shard: torch.Tensor, out: torch.Tensor, codec: BlockCodec) -> None:
         """The all-gather of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s qwZ)
-        as one gloo all-gather of payloads: each rank encodes its own shard once, the payloads
-        travel in one collective, and every rank decodes all ``n`` of them, its own too, from
-        the same bytes (so every replica holds the same weights). The bytes are those of
+        as one exchange of payloads: each rank encodes its own shard once and sends it to every
+        other rank at once (one synchronisation), and every rank decodes all ``n``, its own too,
+        from the same bytes (so every replica holds the same weights). The bytes are those of
         ``dqcoll.all_gather`` with the same scheme (the shard padded with zeros to whole
         blocks, one payload per shard), without its range scaling (nothing is summed) and
         without its zero-filled full-size input, padded copy and copy-out: on a machine whose
         ranks share cores those passes over the output, and the ring's ``n - 1`` steps, cost
-        more than the codec. The argument check (sizes, dtypes, the codec, the call number)
-        is one gathered vector; ranks that disagree all raise :class:`MismatchError`."""
+        more than the codec. The argument check (sizes, dtypes, the codec) is one small
+        all-reduce of a vector, in one exchange; ranks that disagree all raise
+        :class:`MismatchError`. Point-to-point, not gloo's own all-gather or all-to-all: those
+        left processes that sometimes aborted in gloo's teardown at exit, and the messages'
+        headers check lengths and step labels."""
         n, numel = self.world_size, shard.numel()
         self._calls += 1
         what = f"lane {self.name} all_gather#{self._calls}"
@@ -367,15 +366,12 @@ class Lane:
             values = torch.zeros(padded, dtype=torch.float32)
             values[:numel] = shard
         payload = codec.encode_values(values, 1, None)
-        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8)
-        work = self.gloo._allgather_base(gathered, payload)
-        self.transport._wait([("all-gather with", -1, work)], what)
-        wire = (n - 1) * payload.numel()  # gloo's ring all-gather
-        counters = self.transport.counters
-        counters["bytes_sent"] += wire
-        counters["payload_bytes_sent"] += wire
-        counters["bytes_recv"] += wire
-        rows, dst = gathered.view(n, -1), out.view(n, numel)
+        rows = torch.empty(n, payload.numel(), dtype=torch.uint8)
+        rows[self.rank] = payload
+        peers = [r for r in range(n) if r != self.rank]
+        self.transport.exchange([(r, payload) for r in peers], [(r, rows[r]) for r in peers],
+                                what=what)
+        dst = out.view(n, numel)
         in_place = padded == numel and out.dtype == torch.float32
         scratch = None if in_place else torch.empty(padded, dtype=torch.float32)
         for r in range(n):

@@ -6,9 +6,10 @@ all-gather kept inside a node), and COCCL-style libraries likewise pick a format
 :class:`CompressionPolicy` says the same thing as plain data, per :class:`Role`:
 
 * ``weights``: the all-gather of parameters (FSDP2's unshard; ``all_gather_into_tensor`` through
-  the ``dqcoll`` backend). Default ``int8_block`` (qwZ-style; 8 bits + one fp32 scale per 256).
+  the ``dqcoll`` backend). Default ``int8_block`` (qwZ-style; 8 bits + one fp32 scale per 128).
 * ``gradients``: the reduce-scatter of gradients (FSDP2's post-backward;
-  ``reduce_scatter_tensor`` through the backend). Default ``dynamiq`` at 5 bits.
+  ``reduce_scatter_tensor`` through the backend). Default ``dynamiq`` at 5 bits;
+  :meth:`CompressionPolicy.zeropp` takes ZeRO++'s ``int4_block`` (qgZ) instead.
 * ``allreduce``: DDP-style all-reduce (DDP's buckets through the backend). Default ``dynamiq``
   at 5 bits.
 
@@ -135,6 +136,17 @@ class CompressionPolicy:
         """Every role exact: the wrapped process group's own collectives."""
         none = RoleRule("none")
         return cls(weights=none, gradients=none, allreduce=none)
+
+    @classmethod
+    def zeropp(cls, **overrides: Any) -> CompressionPolicy:
+        """ZeRO++'s formats: weights' all-gather in ``int8_block`` (qwZ), gradients'
+        reduce-scatter in ``int4_block`` (qgZ), DDP-style all-reduces left at the default.
+        Both are block codecs, which the FSDP2 lane runs as one exchange each (every rank
+        to every other at once): the least CPU per call of dqcoll's schemes, at a larger
+        error per coordinate than ``dynamiq`` (round to nearest; docs/fsdp.md measures the
+        held-out loss). Text form: ``weights=int8_block,gradients=int4_block``."""
+        return cls(**{"weights": RoleRule("int8_block"), "gradients": RoleRule("int4_block"),
+                      **overrides})
 
     @classmethod
     def parse(cls, text: str) -> CompressionPolicy:

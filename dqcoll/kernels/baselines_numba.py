@@ -340,7 +340,17 @@ def mx_decode_accumulate_encode(
 
 
 @numba.njit(**JIT_OPTIONS)
+def _int_block_code(v, scale, qmax):  # type: ignore[no-untyped-def]
+    """The block code of one value, ``q + qmax`` (round to nearest even, clamped)."""
+    q = np.rint(v / scale)
+    q = min(max(q, np.float32(-qmax)), np.float32(qmax))
+    return np.int32(q) + np.int32(qmax)
+
+
+@numba.njit(**JIT_OPTIONS)
 def _int_block_encode_one(x, xb, b, block, qmax, width, scales, codes_out, codes, one, one_bits):  # type: ignore[no-untyped-def]
+    """Block ``b``: its fp32 scale and packed codes. Widths 8 and 4 write the code bytes in the
+    value loop (no code buffer: one pass, vectorised); 6 goes through :func:`_pack_block`."""
     base = b * block
     amax = np.uint32(0)
     for j in range(block):
@@ -350,11 +360,30 @@ def _int_block_encode_one(x, xb, b, block, qmax, width, scales, codes_out, codes
     one_bits[0] = amax
     scale = one[0] / np.float32(qmax)
     scales[b] = scale
-    if scale > 0 and scale < np.inf:
+    finite = scale > 0 and scale < np.inf
+    if width == 8:
+        out = b * block
+        if finite:
+            for j in range(block):
+                codes_out[out + j] = np.uint8(_int_block_code(x[base + j], scale, qmax))
+        else:
+            for j in range(block):
+                codes_out[out + j] = np.uint8(qmax)
+        return
+    if width == 4:
+        out = b * (block // 2)
+        if finite:
+            for j in range(block // 2):
+                lo = _int_block_code(x[base + 2 * j], scale, qmax)
+                hi = _int_block_code(x[base + 2 * j + 1], scale, qmax)
+                codes_out[out + j] = np.uint8(lo | (hi << 4))
+        else:
+            for j in range(block // 2):
+                codes_out[out + j] = np.uint8(qmax | (qmax << 4))
+        return
+    if finite:
         for j in range(block):
-            q = np.rint(x[base + j] / scale)
-            q = min(max(q, np.float32(-qmax)), np.float32(qmax))
-            codes[j] = np.int64(q) + qmax
+            codes[j] = np.int64(_int_block_code(x[base + j], scale, qmax))
     else:
         for j in range(block):
             codes[j] = qmax
@@ -374,13 +403,39 @@ def _int_block_encode_kernel(lo, hi, x, block, qmax, width, scales, codes_out): 
 
 @numba.njit(**JIT_OPTIONS)
 def _int_block_decode_one(b, block, qmax, width, scales, codes_in, codes, out, accumulate):  # type: ignore[no-untyped-def]
+    """Block ``b`` of ``codes_in`` into ``out`` (added when ``accumulate``). Widths 8 and 4
+    read the code bytes in the value loop; 6 unpacks through :func:`_unpack_block`."""
     s = scales[b]
-    _unpack_block(codes_in, b * (block * width // 8), width, codes)
     base = b * block
     if not (s > -np.inf and s < np.inf):  # NaN or +-Inf
         for j in range(block):
             out[base + j] = out[base + j] + _NAN32 if accumulate else _NAN32
-    elif accumulate:
+        return
+    q0 = np.int32(qmax)
+    if width == 8:
+        src = b * block
+        if accumulate:
+            for j in range(block):
+                out[base + j] = out[base + j] + np.float32(np.int32(codes_in[src + j]) - q0) * s
+        else:
+            for j in range(block):
+                out[base + j] = np.float32(np.int32(codes_in[src + j]) - q0) * s
+        return
+    if width == 4:
+        src = b * (block // 2)
+        if accumulate:
+            for j in range(block // 2):
+                byte = np.int32(codes_in[src + j])
+                out[base + 2 * j] = out[base + 2 * j] + np.float32((byte & 0xF) - q0) * s
+                out[base + 2 * j + 1] = out[base + 2 * j + 1] + np.float32((byte >> 4) - q0) * s
+        else:
+            for j in range(block // 2):
+                byte = np.int32(codes_in[src + j])
+                out[base + 2 * j] = np.float32((byte & 0xF) - q0) * s
+                out[base + 2 * j + 1] = np.float32((byte >> 4) - q0) * s
+        return
+    _unpack_block(codes_in, b * (block * width // 8), width, codes)
+    if accumulate:
         for j in range(block):
             out[base + j] = out[base + j] + np.float32(codes[j] - qmax) * s
     else:

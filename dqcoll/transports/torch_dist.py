@@ -43,10 +43,10 @@ from .base import ALLREDUCE_OPS, Counters, reduce_in_rank_order
 __all__ = ["TorchTransport", "backend_devices"]
 
 HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
-# n x the bytes of a small all-reduce up to which gloo all-gathers it in one collective
-# (TorchTransport.allreduce): the argument check's vector. Larger ones (a scheme's statistics)
-# keep the scatter-and-gather, whose bytes are those a scheme's ``bits`` budget counts for them
-# (an all-gather sends n / 2 times as many).
+# n x the bytes of a small all-reduce up to which every rank sends it to every other in one
+# exchange (TorchTransport.allreduce): the argument check's vector. Larger ones (a scheme's
+# statistics) keep the scatter-and-gather, whose bytes are those a scheme's ``bits`` budget
+# counts for them (sending every copy to every rank costs n / 2 times as many).
 GATHERED_ALLREDUCE_NBYTES = 4096
 _ABORT_TAG = 0x7A5E  # a tag no message uses: abort()'s receives never complete
 
@@ -209,11 +209,11 @@ class TorchTransport:
         every other dqcoll transport (see :func:`~dqcoll.transports.base.reduce_in_rank_order`).
 
         Over gloo, a tensor whose ``n`` copies fit ``gather_nbytes`` (by default
-        :data:`GATHERED_ALLREDUCE_NBYTES`: the argument check's vector of every call) is
-        all-gathered by one gloo collective and every
-        rank combines the ``n`` copies in rank order itself (:meth:`_gathered_allreduce`): one
-        synchronisation of the ranks instead of two grouped exchanges with headers, which on a
-        machine whose ranks share cores costs a scheduling round each. Larger tensors, and
+        :data:`GATHERED_ALLREDUCE_NBYTES`: the argument check's vector of every call) goes to
+        every rank in one grouped exchange and every rank combines the ``n`` copies in rank
+        order itself (:meth:`_gathered_allreduce`): one synchronisation of the ranks instead
+        of two exchanges, which on a machine whose ranks share cores costs a scheduling round
+        each. Larger tensors, and
         other backends, take :func:`~dqcoll.transports.base.reduce_in_rank_order`'s scatter and
         gather."""
         if op not in ALLREDUCE_OPS:
@@ -231,32 +231,18 @@ class TorchTransport:
 
     def _gathered_allreduce(self, flat: torch.Tensor, op: str, what: str) -> None:
         """``flat`` (contiguous, on the CPU) combined in place over the ranks in rank order
-        (``((x_0 + x_1) + x_2) + ...``, the bits of ``reduce_in_rank_order``) from one gloo
-        all-gather of every rank's bytes. Each copy carries a trailer with its length and the
-        CRC of the step label, checked as the point-to-point headers are: a rank in another
-        step raises :class:`~dqcoll.errors.MismatchError` instead of being summed."""
-        n = self.world_size
-        nbytes = flat.numel() * flat.element_size()
-        tag = zlib.crc32(what.encode())
-        trailer = torch.tensor([nbytes, tag], dtype=torch.int64).view(torch.uint8)
-        mine = torch.cat([flat.view(torch.uint8), trailer])
-        gathered = torch.empty(n * mine.numel(), dtype=torch.uint8)
-        try:
-            work = self.group._allgather_base(gathered, mine)  # gloo: one ring all-gather
-        except RuntimeError as exc:
-            raise PeerError(f"rank {self.rank}: posting the all-gather failed at {what}: "
-                            f"{exc}") from exc
-        self._wait([("all-gather with", -1, work)], what)
-        rows = gathered.view(n, mine.numel())
-        trailers = rows[:, nbytes:].contiguous().view(torch.int64).tolist()
-        for peer, (got, their_tag) in enumerate(trailers):
-            if their_tag != tag or got != nbytes:
-                raise MismatchError(
-                    f"rank {self.rank}: rank {peer} was at another step at {what} (label CRC "
-                    f"{their_tag:#x} and {got} bytes, expected {tag:#x} and {nbytes}): the ranks "
-                    f"are out of step (different collectives, or DQCOLL_VALIDATE=0 with "
-                    f"mismatched calls)")
-        copies = rows[:, :nbytes].contiguous().view(flat.dtype).view(n, -1)
+        (``((x_0 + x_1) + x_2) + ...``, the bits of ``reduce_in_rank_order``) from one grouped
+        exchange in which every rank sends its copy to every other: one synchronisation. The
+        messages carry the usual headers (length and step label, checked: a rank at another
+        step raises :class:`~dqcoll.errors.MismatchError`). Point-to-point rather than gloo's
+        all-gather: a process that had run gloo collectives sometimes aborted in gloo's
+        teardown at exit ("terminate called without an active exception")."""
+        n, rank = self.world_size, self.rank
+        peers = [p for p in range(n) if p != rank]
+        copies = torch.empty(n, flat.numel(), dtype=flat.dtype)
+        copies[rank] = flat
+        self._post([(p, flat) for p in peers], [(p, copies[p]) for p in peers],
+                   f"{what} (small all-reduce, all to all)")
         acc = copies[0].clone()
         for p in range(1, n):
             if op == "sum":
@@ -266,7 +252,7 @@ class TorchTransport:
             else:
                 torch.minimum(acc, copies[p], out=acc)
         flat.copy_(acc)
-        wire = (n - 1) * mine.numel()  # a ring all-gather: n - 1 copies out, n - 1 in
+        wire = (n - 1) * flat.numel() * flat.element_size()  # headers: counted by _post
         self.counters["bytes_sent"] += wire
         self.counters["bytes_recv"] += wire
         self.counters["allreduce_bytes_sent"] += wire
