@@ -167,7 +167,8 @@ class Lane:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"dqcoll-lane {name} rank {rank}")
         self._lock = threading.Lock()
-        self._calls = 0  # the lane's own block all-gathers (their labels)
+        self._calls = 0  # the lane's own block collectives (their labels)
+        self._buffers: dict[str, torch.Tensor] = {}  # _scratch's, one per purpose
 
     def _connect(self, store: Any, prefix: str, timeout_s: float) -> None:
         """The lane's own gloo connection and the dqcoll communicator over it."""
@@ -271,6 +272,17 @@ class Lane:
 
         return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out)
 
+    def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat CPU buffer of the lane's own for one purpose of its block collectives, kept
+        between calls (FSDP2's calls repeat a few sizes; fresh multi-MB buffers cost page
+        faults and zero-filling on every call). Each purpose keeps one buffer of its largest
+        size so far (bounded by the largest call; freed with the lane); only the lane's thread
+        uses them, one call at a time, and nothing of them is returned to the caller."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
     def _check(self, what: str, fields: tuple[int, ...], names: tuple[str, ...]) -> None:
         """The argument check of the lane's own collectives: one gathered vector of ``fields``
         (and their negatives); ranks that disagree on any all raise :class:`MismatchError`."""
@@ -287,11 +299,11 @@ class Lane:
         """The reduce-scatter of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s
         qgZ) as one exchange of payloads (every rank to every other at once): each rank
         encodes the ``n - 1`` shards it does not keep (one quantization per contribution, no
-        hop re-quantizing partial sums), and
-        the owner of each shard adds the decoded contributions to its own exact one in rank
-        order. The result is bit for bit that of ``dqcoll.reduce_scatter`` with the same scheme
-        and ``algorithm="direct"`` (tested): the last contribution is added by the fused
-        decode-accumulate-encode and the shard is decoded from those bytes, as there."""
+        hop re-quantizing partial sums), and the owner of each shard adds the decoded
+        contributions to its own exact one in rank order. The result is bit for bit that of
+        ``dqcoll.reduce_scatter`` with the same scheme and ``algorithm="direct"`` (tested): the
+        last contribution is added by the fused decode-accumulate-encode and the shard is
+        decoded from those bytes, as there."""
         n, rank, numel = self.world_size, self.rank, out.numel()
         self._calls += 1
         what = f"lane {self.name} reduce_scatter#{self._calls}"
@@ -305,20 +317,22 @@ class Lane:
         if padded == numel and inp.dtype == torch.float32:
             values = inp.view(n, numel)
         else:
-            values = torch.zeros(n, padded, dtype=torch.float32)
+            values = self._scratch("values", n * padded, torch.float32).view(n, padded)
             values[:, :numel] = inp.view(n, numel)
+            values[:, numel:] = 0.0
         if avg and codec.avg_mode == "pre":
             values = values / n
         nbytes = codec.chunk_nbytes(padded, 1, None)
-        send = torch.empty(n, nbytes, dtype=torch.uint8)
+        send = self._scratch("send", n * nbytes, torch.uint8).view(n, nbytes)
         for r in range(n):
             if r != rank:  # the own slot is not sent (it stays here)
                 send[r].copy_(codec.encode_values(values[r].contiguous(), 1, None))
-        received = torch.empty(n, nbytes, dtype=torch.uint8)
+        received = self._scratch("received", n * nbytes, torch.uint8).view(n, nbytes)
         peers = [r for r in range(n) if r != rank]
         self.transport.exchange([(r, send[r]) for r in peers], [(r, received[r]) for r in peers],
                                 what=what)
-        acc = values[rank].clone()
+        acc = self._scratch("acc", padded, torch.float32)
+        acc.copy_(values[rank])
         for r in peers[:-1]:
             if not codec.decode_into(received[r], acc, 1, None, True):
                 acc.add_(codec.decode_values(received[r], padded, 1, None))
@@ -363,17 +377,18 @@ class Lane:
         if padded == numel and shard.dtype == torch.float32:
             values = shard.contiguous()
         else:
-            values = torch.zeros(padded, dtype=torch.float32)
+            values = self._scratch("values", padded, torch.float32)
             values[:numel] = shard
+            values[numel:] = 0.0
         payload = codec.encode_values(values, 1, None)
-        rows = torch.empty(n, payload.numel(), dtype=torch.uint8)
+        rows = self._scratch("received", n * payload.numel(), torch.uint8).view(n, -1)
         rows[self.rank] = payload
         peers = [r for r in range(n) if r != self.rank]
         self.transport.exchange([(r, payload) for r in peers], [(r, rows[r]) for r in peers],
                                 what=what)
         dst = out.view(n, numel)
         in_place = padded == numel and out.dtype == torch.float32
-        scratch = None if in_place else torch.empty(padded, dtype=torch.float32)
+        scratch = None if in_place else self._scratch("acc", padded, torch.float32)
         for r in range(n):
             target = dst[r] if in_place else scratch
             assert target is not None
