@@ -283,8 +283,24 @@ class Lane:
             buf = self._buffers[name] = torch.empty(numel, dtype=dtype)
         return buf[:numel]
 
+    def _begin(self, kind: str, names: tuple[str, ...], shard: torch.Tensor, full: torch.Tensor,
+               source: torch.Tensor, codec: BlockCodec, *extra: int) -> str:
+        """The label of one block collective, its argument check over the ranks (sizes of
+        ``shard`` and of the n-shard ``full``, the dtypes of ``source`` and of the other, the
+        codec, ``extra``) and this rank's size check; returns the label."""
+        self._calls += 1
+        what = f"lane {self.name} {kind}#{self._calls}"
+        target = full if source is shard else shard
+        fields = (shard.numel(), full.numel(), zlib.crc32(str(source.dtype).encode()),
+                  zlib.crc32(str(target.dtype).encode()), zlib.crc32(repr(codec).encode()), *extra)
+        self._check(what, fields, names)
+        if full.numel() != self.world_size * shard.numel():
+            raise InvalidArgumentError(f"rank {self.rank}: {what}: {full.numel()} elements for "
+                                       f"{self.world_size} shards of {shard.numel()}")
+        return what
+
     def _check(self, what: str, fields: tuple[int, ...], names: tuple[str, ...]) -> None:
-        """The argument check of the lane's own collectives: one gathered vector of ``fields``
+        """The argument check of the lane's own collectives: one small all-reduce of ``fields``
         (and their negatives); ranks that disagree on any all raise :class:`MismatchError`."""
         check = torch.tensor([*fields, *(-f for f in fields)], dtype=torch.int64)
         self.transport.allreduce(check, "max", what=f"{what} argument check")
@@ -305,14 +321,7 @@ class Lane:
         last contribution is added by the fused decode-accumulate-encode and the shard is
         decoded from those bytes, as there."""
         n, rank, numel = self.world_size, self.rank, out.numel()
-        self._calls += 1
-        what = f"lane {self.name} reduce_scatter#{self._calls}"
-        fields = (numel, inp.numel(), zlib.crc32(str(inp.dtype).encode()),
-                  zlib.crc32(str(out.dtype).encode()), zlib.crc32(repr(codec).encode()), int(avg))
-        self._check(what, fields, _SCATTER_FIELDS)
-        if inp.numel() != n * numel:
-            raise InvalidArgumentError(f"rank {self.rank}: {what}: input of {inp.numel()} "
-                                       f"elements for {n} shards of {numel}")
+        what = self._begin("reduce_scatter", _SCATTER_FIELDS, out, inp, inp, codec, int(avg))
         padded = -(-numel // codec.block) * codec.block
         if padded == numel and inp.dtype == torch.float32:
             values = inp.view(n, numel)
@@ -365,14 +374,7 @@ class Lane:
         left processes that sometimes aborted in gloo's teardown at exit, and the messages'
         headers check lengths and step labels."""
         n, numel = self.world_size, shard.numel()
-        self._calls += 1
-        what = f"lane {self.name} all_gather#{self._calls}"
-        fields = (numel, out.numel(), zlib.crc32(str(shard.dtype).encode()),
-                  zlib.crc32(str(out.dtype).encode()), zlib.crc32(repr(codec).encode()))
-        self._check(what, fields, _GATHER_FIELDS)
-        if out.numel() != n * numel:
-            raise InvalidArgumentError(f"rank {self.rank}: {what}: output of {out.numel()} "
-                                       f"elements for {n} shards of {numel}")
+        what = self._begin("all_gather", _GATHER_FIELDS, shard, out, shard, codec)
         padded = -(-numel // codec.block) * codec.block
         if padded == numel and shard.dtype == torch.float32:
             values = shard.contiguous()
