@@ -18,6 +18,11 @@ The FSDP2 classes (:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
   all-gather and all-reduce run exact (scheme ``none``) among a node's ranks and with the role's
   scheme across nodes, over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the
   same connection; ranks are numbered node-major (rank = node x L + local rank, as torchrun does).
+* **Block codecs in one exchange.** On one level, a block codec whose payload depends on its
+  chunk alone (``int8_block``, ``int4_block``, ``bf16``) runs as one point-to-point exchange
+  after a one-exchange argument check (:meth:`Lane._gather_blocks`,
+  :meth:`Lane._scatter_blocks`), with the bytes of dqcoll's own all-gather and direct
+  reduce-scatter; other schemes run dqcoll's schedules.
 * **Counters.** Per role: calls, coordinates, bytes this rank put on the wire, and the bytes a
   bandwidth-optimal exact collective of the same tensor would have sent
   (``(n-1)/n x nbytes`` for reduce-scatter and all-gather, twice that for all-reduce).

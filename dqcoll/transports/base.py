@@ -24,7 +24,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ALLREDUCE_OPS", "Counters", "Transport", "ring_allreduce_nbytes"]
+__all__ = ["ALLREDUCE_OPS", "Counters", "Transport", "combine_in_rank_order",
+           "ring_allreduce_nbytes"]
 
 ALLREDUCE_OPS = ("sum", "max", "min")
 
@@ -63,6 +64,20 @@ Exchange = Callable[[Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, tor
                     None]
 
 
+def combine_in_rank_order(copies: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Rank 0's to rank n-1's copies combined left to right (``((x_0 + x_1) + x_2) + ...``, or
+    max / min), into a new tensor: the order every dqcoll transport's small all-reduce keeps."""
+    acc = copies[0].clone()
+    for other in copies[1:]:
+        if op == "sum":
+            acc.add_(other)
+        elif op == "max":
+            torch.maximum(acc, other, out=acc)
+        else:
+            torch.minimum(acc, other, out=acc)
+    return acc
+
+
 def reduce_in_rank_order(
     post: Exchange, rank: int, world_size: int, flat: torch.Tensor, op: str, what: str
 ) -> torch.Tensor:
@@ -86,17 +101,7 @@ def reduce_in_rank_order(
     sends = [(p, flat[bounds[p] : bounds[p + 1]]) for p in peers if bounds[p + 1] > bounds[p]]
     recvs = [(p, received[p]) for p in peers if shard]
     post(sends, recvs, f"{what} (small all-reduce, scatter)")
-    acc = flat[mine].clone()
-    if rank:
-        acc = received[0].clone()
-    for p in range(1, n):
-        other = flat[mine] if p == rank else received[p]
-        if op == "sum":
-            acc.add_(other)
-        elif op == "max":
-            torch.maximum(acc, other, out=acc)
-        else:
-            torch.minimum(acc, other, out=acc)
+    acc = combine_in_rank_order([flat[mine] if p == rank else received[p] for p in range(n)], op)
     out = torch.empty_like(flat)
     out[mine] = acc
     sends = [(p, acc) for p in peers if shard]

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .. import envs
 from ..errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError, PeerError
-from .base import ALLREDUCE_OPS, Counters, reduce_in_rank_order
+from .base import ALLREDUCE_OPS, Counters, combine_in_rank_order, reduce_in_rank_order
 
 __all__ = ["TorchTransport", "backend_devices"]
 
@@ -213,9 +213,8 @@ class TorchTransport:
         every rank in one grouped exchange and every rank combines the ``n`` copies in rank
         order itself (:meth:`_gathered_allreduce`): one synchronisation of the ranks instead
         of two exchanges, which on a machine whose ranks share cores costs a scheduling round
-        each. Larger tensors, and
-        other backends, take :func:`~dqcoll.transports.base.reduce_in_rank_order`'s scatter and
-        gather."""
+        each. Larger tensors, and other backends, take
+        :func:`~dqcoll.transports.base.reduce_in_rank_order`'s scatter and gather."""
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
@@ -243,15 +242,7 @@ class TorchTransport:
         copies[rank] = flat
         self._post([(p, flat) for p in peers], [(p, copies[p]) for p in peers],
                    f"{what} (small all-reduce, all to all)")
-        acc = copies[0].clone()
-        for p in range(1, n):
-            if op == "sum":
-                acc.add_(copies[p])
-            elif op == "max":
-                torch.maximum(acc, copies[p], out=acc)
-            else:
-                torch.minimum(acc, copies[p], out=acc)
-        flat.copy_(acc)
+        flat.copy_(combine_in_rank_order(list(copies), op))
         wire = (n - 1) * flat.numel() * flat.element_size()  # headers: counted by _post
         self.counters["bytes_sent"] += wire
         self.counters["bytes_recv"] += wire
