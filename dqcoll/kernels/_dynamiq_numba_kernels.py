@@ -1361,6 +1361,25 @@ def stats_center(lo, hi, x, valid, centred, mean, norm2):
 
 
 @numba.njit(**JIT_OPTIONS)
+def rows_nonzero(x, rows, mean, valid, divisor, out):
+    """``out[k] = any(x[rows[k], j] / divisor - mean[rows[k]] != 0 for j < valid[rows[k]])``
+    in fp32 (the underflow check's test of the rows whose norm is 0), stopping at a row's first
+    non-zero value; an all-zero row is one read pass, no copies."""
+    divide = divisor != _F1
+    for k in range(rows.shape[0]):
+        i = rows[k]
+        row = x[i]
+        m = mean[i]
+        found = False
+        for j in range(valid[i]):
+            v = row[j] / divisor if divide else row[j]
+            if v - m != _F0:
+                found = True
+                break
+        out[k] = found
+
+
+@numba.njit(**JIT_OPTIONS)
 def max_finite_abs_bits(xb):
     """The bit pattern of the largest finite ``|x|`` of fp32 values given as uint32 patterns
     (0 when none is finite and non-zero): the API's range check, one vectorised pass (25 MB of

@@ -51,6 +51,7 @@ __all__ = [
     "encode",
     "max_finite_abs",
     "restore",
+    "rows_nonzero",
     "stats",
     "stats_center",
     "warm_up",
@@ -325,6 +326,18 @@ def decode_accumulate_encode(
     return result
 
 
+def rows_nonzero(x: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
+                 divisor: int = 1) -> torch.Tensor:
+    """codec.rows_nonzero_torch: whether row ``rows[k]`` of ``x / divisor - mean`` has a
+    non-zero value among its valid coordinates (bool ``[len(rows)]``)."""
+    xs = _rows_f32("x", x)
+    idx = rows.detach().to(torch.int64).contiguous().numpy()
+    out = torch.empty(idx.shape[0], dtype=torch.bool)
+    K.rows_nonzero(xs, idx, mean.detach().float().contiguous().numpy(), _valid(valid, xs.shape[0]),
+                   _divisor(divisor), out.numpy())
+    return out
+
+
 def max_finite_abs(x: torch.Tensor) -> float:
     """The largest finite ``|x|`` of a contiguous fp32 CPU tensor (0.0 if there is none)."""
     bits = np.asarray(K.max_finite_abs_bits(x.detach().reshape(-1).numpy().view(np.uint32)),
@@ -453,6 +466,7 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
         stats(x, valid)
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
+        rows_nonzero(x, torch.arange(2), mean, valid, 3)
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
         for scales in formats:
             widths = FORMATS[scales]
@@ -489,5 +503,6 @@ OPS = DynamiqOps(
     stats=stats,
     center_gather=center_gather,
     decode_restore=decode_restore,
+    rows_nonzero=rows_nonzero,
     formats=FORMATS,
 )

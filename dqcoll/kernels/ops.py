@@ -41,6 +41,10 @@ class DynamiqOps:
     # in one pass, into a flat fp32 out (an all-reduce's last decode of each row). None: the
     # scheme decodes into its work rows and restores them.
     decode_restore: Callable[..., None] | None = None
+    # rows_nonzero(x, rows, mean, valid, divisor=) -> bool per listed row: any valid value of
+    # x / divisor - mean is non-zero (the underflow check on rows whose norm is 0; reference:
+    # codec.rows_nonzero_torch). None: the reference.
+    rows_nonzero: Callable[..., torch.Tensor] | None = None
     # The widths each scale encoding is implemented for (raw width 16 always is); None: every
     # format (the reference). The scheme runs a call whose widths are not all here on the
     # reference ops.

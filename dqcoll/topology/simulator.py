@@ -308,7 +308,8 @@ class _DynamiqAdapter(_Adapter):
                     flat, self.valid, centre=self.stats_mode == "bf16")
             else:
                 centred, mean, norm2 = self.prep_ops.stats_center(flat, self.valid)
-        norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, self.valid, divisor)
+        norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, self.valid, divisor,
+                                       self.prep_ops)
         if self.stats_mode == "bf16":
             wire = torch.stack([mean, norm2]).to(torch.bfloat16)
         elif self.stats_mode == "norm16":

@@ -94,6 +94,7 @@ from .codec import (
     CodecConfig,
     Widths,
     record_nbytes,
+    rows_nonzero_torch,
     stats_center_rounded_torch,
 )
 from .error_model import (
@@ -296,21 +297,25 @@ def _tail_layout(x: torch.Tensor, ctx: CallContext, device: torch.device) -> _La
 
 def _keep_underflowed_rows(norm2: torch.Tensor, flat: torch.Tensor,
                            centred: torch.Tensor | None, mean: torch.Tensor,
-                           valid: torch.Tensor, divisor: int) -> torch.Tensor:
+                           valid: torch.Tensor, divisor: int,
+                           ops: DynamiqOps | None = None) -> torch.Tensor:
     """``norm2`` where a row whose squares all underflow fp32 (|x| below ~1e-23) but that is not
     zero gets the smallest normal norm instead of 0, so that it still gets a record (width 0
-    would drop it, and each rank would keep its own centred values). Scans only the zero rows."""
+    would drop it, and each rank would keep its own centred values). Scans only the zero rows,
+    with ``ops.rows_nonzero`` where the kernels have it: all-zero rows are common (a ReLU
+    layer's dead units give half of an MLP's weight-gradient rows), and the reference's copies
+    of them cost more than the statistics themselves."""
     empty = torch.nonzero(norm2 == 0).squeeze(1)
     if not empty.numel():
         return norm2
+    test = (ops.rows_nonzero if ops is not None and ops.rows_nonzero is not None
+            else rows_nonzero_torch)
     if centred is not None:
-        centred_empty = centred[empty]
+        lost = empty[test(centred, empty, torch.zeros_like(mean), valid)]
     else:
-        device = flat.device
-        pad = (torch.arange(SUPER, device=device)[None, :]
-               >= valid[empty].to(device)[:, None])
-        centred_empty = (flat[empty] / divisor - mean[empty, None]).masked_fill(pad, 0.0)
-    lost = empty[(centred_empty != 0).any(dim=1)]
+        lost = empty[test(flat, empty, mean, valid, divisor)]
+    if not lost.numel():
+        return norm2
     norm2 = norm2.clone()
     norm2[lost] = torch.finfo(torch.float32).tiny
     return norm2
@@ -464,7 +469,7 @@ class DynamiqCall:
         else:
             centred, mean, norm2 = prep.stats_center(flat, valid)
             self.kernels["stats"] = prep.name
-        norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, valid, divisor)
+        norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, valid, divisor, prep)
         summed = _reduce_statistics(scheme.stats, mean, norm2, ctx)
         return _Statistics(prep, flat, centred, mean, divisor, summed)
 
