@@ -119,6 +119,25 @@ def _thread_cpu() -> dict[str, float]:
     return dict(out)
 
 
+def _data(args: argparse.Namespace, rank: int) -> torch.Tensor:
+    """This rank's buffer: N(0, 1), or (``--data mlp``) the gradient of the DDP benchmark's
+    12-layer 1024-wide ReLU MLP on a random batch of 32, in DDP's bucket order (last layer
+    first), repeated to ``--numel``: about half its weight-gradient rows are dead units' zeros."""
+    gen = torch.Generator().manual_seed(rank)
+    if args.data == "normal":
+        return torch.randn(args.numel, generator=gen)
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(32, 1024, generator=gen)
+    y = torch.randn(32, 1024, generator=gen)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.parameters()))])
+    return grads.repeat(-(-args.numel // grads.numel()))[: args.numel].clone()
+
+
 def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.n))
@@ -130,8 +149,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
 
     comm = Communicator(TorchTransport(), seed=1)
     _instrument()
-    gen = torch.Generator().manual_seed(rank)
-    x0 = torch.randn(args.numel, generator=gen)
+    x0 = _data(args, rank)
     x = x0.clone()
     kwargs = dict(op="avg", scheme="dynamiq", bits=args.bits, algorithm=args.algorithm,
                   comm=comm)
@@ -190,6 +208,8 @@ def main() -> None:
     parser.add_argument("--algorithm", default="ring")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--data", choices=("normal", "mlp"), default="normal",
+                        help="normal: N(0, 1); mlp: the DDP benchmark MLP's gradient")
     parser.add_argument("--port", type=int, default=29561)
     parser.add_argument("--json", default=None)
     parser.add_argument("--note", default="")

@@ -1,7 +1,7 @@
 """Per-hop CPU codec rates of every scheme: M coordinates/s per operation, one thread, one rank.
 
-What one rank's host cores do per hop of a collective (docs/design.md §7: on slow links the codec must
-outrun the link), measured on rank 0's own :class:`~dqcoll.schemes.SchemeCall` of a two-rank
+What one rank's host cores do per hop of a collective (docs/design.md §7: on slow links the codec
+must outrun the link), measured on rank 0's own :class:`~dqcoll.schemes.SchemeCall` of a two-rank
 all-reduce of ``2 * --numel`` coordinates, on its chunk 0 of ``--numel`` coordinates (default
 ``2**24``; two ranks so that a payload summing 2 ranks is valid and the incoming payload is
 rank 1's real leaf payload), with ``torch.set_num_threads(1)`` and one compiled-kernel thread

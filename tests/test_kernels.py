@@ -324,23 +324,57 @@ def test_restore_matches_reference(impl: Any, dtype: torch.dtype) -> None:
     assert not (expected == -7.0).any(), "restore left coordinates unwritten"
 
 
+def _raw_rows() -> torch.Tensor:
+    """Rows for the raw width: heavy-tailed ones, and rows of zeros (+0, -0), a NaN, an Inf,
+    fp32 subnormals, values near fp32's top, a unit below 2**-64 (the prescale), and rows whose
+    fp16 codes are subnormal (one large value beside tiny ones)."""
+    g = torch.Generator().manual_seed(11)
+    x = heavy_tailed(1, 40 * SUPER, seed=3).view(40, SUPER).clone()
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, 5] = float("nan")
+    x[3, 7] = float("-inf")
+    x[4] = 1e-42
+    x[5] = torch.randn(SUPER, generator=g) * 1e-38
+    x[6] = torch.randn(SUPER, generator=g) * 3e38
+    x[7] = torch.randn(SUPER, generator=g) * 1e-21
+    x[8] = torch.randn(SUPER, generator=g) * 1e-6
+    x[8, 0] = 1.0
+    x[9, ::2] = -0.0
+    return x
+
+
 def test_width_16_matches_reference(impl: Any) -> None:
     """Raw 16-bit super-groups (encode, decode, decode-accumulate, the fused hop) give the
-    reference's bytes and values through the fast paths' launchers."""
-    x = heavy_tailed(1, 5 * SUPER, seed=3).view(5, SUPER)
-    index = torch.arange(5, dtype=torch.int64) * SUPER
+    reference's bytes and values through the fast paths' launchers, special values included,
+    and decode any bytes (fp16 NaN, Inf and subnormal patterns, any bf16 unit) as it does."""
+    x = _raw_rows()
+    rows = x.shape[0]
+    index = torch.arange(rows, dtype=torch.int64) * SUPER
     config = CodecConfig()
     expected = codec.encode_torch(x, RAW_WIDTH, index, 0, 3, KEY, config)
     records = impl.encode(x, RAW_WIDTH, index, 0, 3, KEY, config)
     assert torch.equal(records, expected)
-    assert torch.equal(impl.decode(records, RAW_WIDTH, config),
-                       codec.decode_torch(records, RAW_WIDTH, config))
+    arbitrary = torch.randint(0, 256, tuple(records.shape), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(5))
+    for recs in (records, arbitrary):
+        assert_same_floats(impl.decode(recs, RAW_WIDTH, config),
+                           codec.decode_torch(recs, RAW_WIDTH, config))
+        acc, acc_ref = x.clone(), x.clone()
+        impl.decode_accumulate(recs, RAW_WIDTH, config, acc)
+        codec.decode_accumulate_torch(recs, RAW_WIDTH, config, acc_ref)
+        assert_same_floats(acc, acc_ref)
     acc, acc_ref = x.clone(), x.clone()
     hop = impl.decode_accumulate_encode(records, RAW_WIDTH, acc, index, 1, 3, KEY,
                                                  config)
     ref = codec.decode_accumulate_encode_torch(records, RAW_WIDTH, acc_ref, index, 1, 3, KEY,
                                                config)
-    assert torch.equal(hop, ref) and torch.equal(acc, acc_ref)
+    assert torch.equal(hop, ref)
+    assert_same_floats(acc, acc_ref)
+    # records written at an odd byte offset of a payload (widths before them of odd size)
+    payload = torch.zeros(records.numel() + 1, dtype=torch.uint8)
+    impl.encode(x, RAW_WIDTH, index, 0, 3, KEY, config, out=payload[1:].view(records.shape))
+    assert torch.equal(payload[1:].view(records.shape), expected)
 
 
 def test_empty_inputs_and_bad_shapes(impl: Any) -> None:

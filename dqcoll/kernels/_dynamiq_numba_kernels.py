@@ -1337,6 +1337,124 @@ def decode_restore_w8(lo, hi, records, scales, table, mean, index_base, valid, o
     _decode_restore_rows(lo, hi, 8, records, scales, table, mean, index_base, valid, out)
 
 
+# -- raw width 16: fp16 values relative to one bf16 unit ----------------------------------------
+# codec._encode_raw / _decode_raw on records of 514 bytes: 256 fp16 patterns, then the unit's
+# bf16 pattern, little-endian (byte arithmetic: a record may start at an odd payload offset).
+# fp32 <-> fp16 by bit arithmetic, branch-free so the loops vectorise, rounding to nearest even
+# as torch's conversion does: normal results by adding ``0xFFF`` plus the kept LSB, subnormal
+# ones by the hardware's own rounding of ``|y| + 0.5``, whose ULP is fp16's subnormal step 2**-24.
+
+_F_HALF = np.float32(0.5)
+_TWO_M14 = np.float32(2.0**-14)
+_HALF_BITS = np.uint32(0x3F000000)  # 0.5
+_EXP_ADJ = np.uint32(0x38000000)  # (127 - 15) << 23
+_MIN_NORMAL16 = np.uint32(0x38800000)  # 2**-14, fp16's smallest normal, as fp32 bits
+
+
+@numba.njit(**_inline)
+def _raw_encode_row(row, rowb, o8, t, tb, u, ub):
+    """codec._encode_raw of one row into the record ``o8`` (514 bytes); ``t``/``u`` are fp32
+    scratch rows and ``tb``/``ub`` the same memory as uint32."""
+    m = np.uint32(0)
+    for j in range(SUPER):
+        m = max(m, np.uint32(rowb[j] & _ABS))
+    if m > _INF_BITS:  # NaN: bf16_ceil's canonical NaN
+        unit = np.uint32(0x7FC0)
+    else:
+        unit = np.uint32(np.uint32(m + np.uint32(0xFFFF)) >> np.uint32(16))
+    ub[0] = np.uint32(unit << np.uint32(16))
+    d = u[0]
+    ok = d > _F0 and d < _INF
+    pre = _PRESCALE if d < _TINY else _F1
+    inv = _F1 / (d * pre) if ok else _F0
+    if ok:
+        for j in range(SUPER):
+            y = min(max((row[j] * pre) * inv, _FM1), _F1)
+            t[j] = y
+            u[j] = abs(y) + _F_HALF
+    else:
+        for j in range(SUPER):
+            t[j] = _F0
+            u[j] = _F_HALF
+    for j in range(SUPER):
+        bits = tb[j]
+        a = np.uint32(bits & _ABS)
+        sign = np.uint32(np.uint32(bits >> np.uint32(16)) & np.uint32(0x8000))
+        lsb = np.uint32(np.uint32(a >> np.uint32(13)) & np.uint32(1))
+        normal = np.uint32(np.uint32(a - _EXP_ADJ + np.uint32(0xFFF) + lsb) >> np.uint32(13))
+        small = np.uint32(ub[j] - _HALF_BITS)
+        h = np.uint32((small if a < _MIN_NORMAL16 else normal) | sign)
+        o8[2 * j] = np.uint8(h & np.uint32(0xFF))
+        o8[2 * j + 1] = np.uint8(h >> np.uint32(8))
+    o8[2 * SUPER] = np.uint8(unit & np.uint32(0xFF))
+    o8[2 * SUPER + 1] = np.uint8(unit >> np.uint32(8))
+
+
+@numba.njit(**_inline)
+def _raw_decode_row(r8, out, accumulate, t, tb, z, zb):
+    """codec._decode_raw of one record (514 bytes) into ``out`` (or added to it), the fp16 ->
+    fp32 conversion exact for zeros, subnormals, inf and NaN."""
+    zb[0] = np.uint32(np.uint32(r8[2 * SUPER]) << np.uint32(16)) | np.uint32(
+        np.uint32(r8[2 * SUPER + 1]) << np.uint32(24))
+    unit = z[0]
+    for j in range(SUPER):
+        h = np.uint32(np.uint32(r8[2 * j]) | np.uint32(np.uint32(r8[2 * j + 1]) << np.uint32(8)))
+        m = np.uint32(h & np.uint32(0x7FFF))
+        o = np.uint32(np.uint32(m << np.uint32(13)) + _EXP_ADJ)
+        e = np.uint32(m & np.uint32(0x7C00))
+        tb[j] = np.uint32(o + _EXP_ADJ) if e == np.uint32(0x7C00) else o
+        zb[j] = np.uint32(o + np.uint32(0x00800000))
+    for j in range(SUPER):
+        subnormal = np.uint32(r8[2 * j + 1]) & np.uint32(0x7C) == np.uint32(0)
+        t[j] = z[j] - _TWO_M14 if subnormal else t[j]
+    for j in range(SUPER):
+        sign = np.uint32(np.uint32(r8[2 * j + 1]) & np.uint32(0x80))
+        tb[j] = np.uint32(tb[j] | np.uint32(sign << np.uint32(24)))
+    if accumulate:
+        for j in range(SUPER):
+            out[j] = out[j] + t[j] * unit
+    else:
+        for j in range(SUPER):
+            out[j] = t[j] * unit
+
+
+@numba.njit(**JIT_OPTIONS)
+def encode_raw(lo, hi, x, xb, out):
+    """Raw width 16 records of rows ``[lo, hi)`` of ``x`` (``xb``: its uint32 patterns) into
+    ``out`` ``[rows, 514]`` uint8."""
+    t = np.empty(SUPER, np.float32)
+    u = np.empty(SUPER, np.float32)
+    tb = t.view(np.uint32)
+    ub = u.view(np.uint32)
+    for i in range(lo, hi):
+        _raw_encode_row(x[i], xb[i], out[i], t, tb, u, ub)
+
+
+@numba.njit(**JIT_OPTIONS)
+def decode_raw(lo, hi, records, out, accumulate):
+    """Raw width 16 records ``[rows, 514]`` uint8 -> fp32 rows of ``out`` (added with
+    ``accumulate``: the reference's product rounded, then the sum)."""
+    t = np.empty(SUPER, np.float32)
+    z = np.empty(SUPER, np.float32)
+    tb = t.view(np.uint32)
+    zb = z.view(np.uint32)
+    for i in range(lo, hi):
+        _raw_decode_row(records[i], out[i], accumulate, t, tb, z, zb)
+
+
+@numba.njit(**JIT_OPTIONS)
+def hop_raw(lo, hi, records, acc, accb, out):
+    """The raw width's hop per row: ``acc += decode(records)``, then ``acc`` encoded into
+    ``out`` (``accb``: ``acc``'s uint32 patterns)."""
+    t = np.empty(SUPER, np.float32)
+    z = np.empty(SUPER, np.float32)
+    tb = t.view(np.uint32)
+    zb = z.view(np.uint32)
+    for i in range(lo, hi):
+        _raw_decode_row(records[i], acc[i], True, t, tb, z, zb)
+        _raw_encode_row(acc[i], accb[i], out[i], t, tb, z, zb)
+
+
 # -- statistics and restore ------------------------------------------------------------------------
 
 
@@ -1361,19 +1479,28 @@ def stats_center(lo, hi, x, valid, centred, mean, norm2):
 
 
 @numba.njit(**JIT_OPTIONS)
-def rows_nonzero(x, rows, mean, valid, divisor, out):
+def rows_nonzero(x, xb, rows, mean, valid, divisor, out):
     """``out[k] = any(x[rows[k], j] / divisor - mean[rows[k]] != 0 for j < valid[rows[k]])``
-    in fp32 (the underflow check's test of the rows whose norm is 0), stopping at a row's first
-    non-zero value; an all-zero row is one read pass, no copies."""
+    in fp32 (the underflow check's test of the rows whose norm is 0). ``xb`` is ``x``'s bit
+    patterns: a row of zeros (+0 or -0), the common case, is found by one vectorised OR of its
+    magnitudes (then the answer is ``-mean != 0``); other rows take the exact test."""
     divide = divisor != _F1
     for k in range(rows.shape[0]):
         i = rows[k]
-        row = x[i]
+        v = valid[i]
+        bits = xb[i]
+        acc = np.uint32(0)
+        for j in range(v):
+            acc |= bits[j] & _ABS
         m = mean[i]
+        if acc == 0:
+            out[k] = m != _F0
+            continue
+        row = x[i]
         found = False
-        for j in range(valid[i]):
-            v = row[j] / divisor if divide else row[j]
-            if v - m != _F0:
+        for j in range(v):
+            c = row[j] / divisor if divide else row[j]
+            if c - m != _F0:
                 found = True
                 break
         out[k] = found

@@ -3,8 +3,10 @@
 
 Each launcher has the signature of its torch reference in :mod:`dqcoll.schemes.dynamiq.codec`
 (plus ``out=``, to write records or rows straight into the caller's buffer) and returns the same
-bytes and the same fp32 values. Width 16 (raw fp16 records, no random numbers, already a few
-vectorised torch passes) runs the reference itself. Tensors are handed to the kernels as NumPy
+bytes and the same fp32 values, raw width 16 (fp16 values relative to a bf16 unit) included: it
+was the reference's torch passes until real gradients showed what it costs (a ReLU MLP's dead
+units leave half its rows at width 0, so the budget lifts a third of the rest to 16 bits, and
+those passes were a fifth of the codec's CPU). Tensors are handed to the kernels as NumPy
 views (zero copy); inputs that are not row-contiguous are copied once.
 
 Per-call tables (level magnitudes, the level-search table, the decode table) are built once per
@@ -24,7 +26,6 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..schemes.dynamiq import codec
 from ..schemes.dynamiq.codec import (
     FINE_WIDTHS,
     RAW_WIDTH,
@@ -254,8 +255,8 @@ def encode(
     index = _index(index_base, rows)
     records = _out_records(out, rows, width, config)
     if width == RAW_WIDTH:
-        return codec.encode_torch(x.float(), width, index_base, rank, world_size, key, config,
-                                  out=records)
+        run_rows(K.encode_raw, rows, xs, xs.view(np.uint32), records.numpy())
+        return records
     run_rows(_ENCODE[width, config.scales], rows, xs, index, records.numpy(),
              *_rounding_args(width, config, key, rank, world_size))
     return records
@@ -269,9 +270,10 @@ def decode(records: torch.Tensor, width: int, config: CodecConfig, *,
     rows = rec.shape[0]
     result = torch.empty((rows, SUPER), dtype=torch.float32) if out is None else out
     _check_inplace("out", result, rows)
-    if width == RAW_WIDTH:
-        return codec.decode_torch(records, width, config, out=result)
     with _inplace_rows(result) as target:
+        if width == RAW_WIDTH:
+            run_rows(K.decode_raw, rows, rec, target, False)
+            return result
         run_rows(_DECODE[width], rows, rec, _SCALES[config.scales],
                  level_tables(width, config.levels).table, target, False)
     return result
@@ -284,10 +286,10 @@ def decode_accumulate(
     _check_width(width, config)
     rec = _records(records, width, config)
     _check_inplace("acc", acc, rec.shape[0])
-    if width == RAW_WIDTH:
-        codec.decode_accumulate_torch(records, width, config, acc)
-        return
     with _inplace_rows(acc) as target:
+        if width == RAW_WIDTH:
+            run_rows(K.decode_raw, rec.shape[0], rec, target, True)
+            return
         run_rows(_DECODE[width], rec.shape[0], rec, _SCALES[config.scales],
                  level_tables(width, config.levels).table, target, True)
 
@@ -316,10 +318,10 @@ def decode_accumulate_encode(
     _check_inplace("acc", acc, rows)
     index = _index(index_base, rows)
     result = _out_records(out, rows, width, config)
-    if width == RAW_WIDTH:
-        return codec.decode_accumulate_encode_torch(
-            records, width, acc, index_base, rank, world_size, key, config, out=result)
     with _inplace_rows(acc) as target:
+        if width == RAW_WIDTH:
+            run_rows(K.hop_raw, rows, rec, target, target.view(np.uint32), result.numpy())
+            return result
         run_rows(_HOP[width, config.scales], rows, rec, level_tables(width, config.levels).table,
                  target, index, result.numpy(),
                  *_rounding_args(width, config, key, rank, world_size))
@@ -333,7 +335,8 @@ def rows_nonzero(x: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, valid:
     xs = _rows_f32("x", x)
     idx = rows.detach().to(torch.int64).contiguous().numpy()
     out = torch.empty(idx.shape[0], dtype=torch.bool)
-    K.rows_nonzero(xs, idx, mean.detach().float().contiguous().numpy(), _valid(valid, xs.shape[0]),
+    mean_np = mean.detach().float().contiguous().numpy()
+    K.rows_nonzero(xs, xs.view(np.uint32), idx, mean_np, _valid(valid, xs.shape[0]),
                    _divisor(divisor), out.numpy())
     return out
 
@@ -467,6 +470,11 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
         rows_nonzero(x, torch.arange(2), mean, valid, 3)
+        records = encode(centred, RAW_WIDTH, index, 0, 1, 1, CodecConfig())
+        decode_accumulate_encode(records, RAW_WIDTH, centred.clone(), index, 0, 1, 1,
+                                 CodecConfig())
+        decode(records, RAW_WIDTH, CodecConfig())
+        decode_accumulate(records, RAW_WIDTH, CodecConfig(), centred.clone())
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
         for scales in formats:
             widths = FORMATS[scales]

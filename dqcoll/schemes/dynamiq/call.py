@@ -754,19 +754,18 @@ class DynamiqCall:
         for width, a, b, records in self.deferred:
             self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
                                     self.index_base[a:b], self.valid_sorted[a:b], out)
-        gaps, end = [], 0  # the rows outside every deferred span
+        gaps, end = [], 0  # the spans of rows outside every deferred span
         for a, b in sorted((a, b) for _, a, b, _ in self.deferred):
             if a > end:
-                gaps.append(torch.arange(end, a))
+                gaps.append((end, a))
             end = max(end, b)
         if end < rows:
-            gaps.append(torch.arange(end, rows))
+            gaps.append((end, rows))
         self.deferred.clear()
-        if gaps:
-            rest = torch.cat(gaps)
-            assert self.ops.restore is not None
-            self.ops.restore(self.work[rest], self.mean_sorted[rest], self.index_base[rest],
-                             self.valid_sorted[rest], out)
+        assert self.ops.restore is not None or not gaps
+        for a, b in gaps:  # views, not copies: width-0 rows can be half of a gradient's
+            self.ops.restore(self.work[a:b], self.mean_sorted[a:b], self.index_base[a:b],
+                             self.valid_sorted[a:b], out)
 
     def _measure_rho(self) -> None:
         """Target mode: estimate the ranks' correlation from the decoded aggregate (identical on
