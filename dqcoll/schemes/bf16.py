@@ -40,3 +40,15 @@ class BF16Scheme(BlockCodec):
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
     ) -> torch.Tensor:
         return payload.view(torch.bfloat16).float()
+
+    def decode_into(
+        self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
+    ) -> bool:
+        """bf16 upcasts exactly: ``out += bf16`` is ``out + float(bf16)``, in one pass without
+        the fp32 copy."""
+        values = payload.view(torch.bfloat16)
+        if accumulate:
+            out.add_(values)
+        else:
+            out.copy_(values)
+        return True

@@ -76,7 +76,12 @@ class BlockLayout:
                                                      self.world_size)]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding."""
+        """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding (without a
+        pass of zeros where nothing is padded: 29 MB of them cost ~4 ms a call on the dev VM)."""
+        if not self.sharded and self.padded_numel == self.numel:
+            work = torch.empty(self.numel, dtype=torch.float32, device=x.device)
+            work.copy_(x.reshape(-1))
+            return work
         work = torch.zeros(self.padded_numel, dtype=torch.float32, device=x.device)
         if self.sharded:
             n, shard = self.world_size, self.shard
@@ -232,5 +237,9 @@ class BlockCall:
     def finish(self, out: torch.Tensor) -> None:
         result = self.layout.unpad(self.work)
         if self.op is ReduceOp.AVG and self.codec.avg_mode == "post":
+            if out.dtype == torch.float32 and out.is_contiguous():
+                # the same fp32 quotients, written once (no quotient buffer, no second pass)
+                torch.div(result.reshape(out.shape), self.world_size, out=out)
+                return
             result = result / self.world_size
         out.copy_(result.reshape(out.shape))
