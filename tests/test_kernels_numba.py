@@ -447,3 +447,42 @@ def test_rows_nonzero_equals_reference(divisor: int) -> None:
     subset = torch.tensor([8, 2, 0])
     assert torch.equal(dynamiq_numba.rows_nonzero(x, subset, mean, valid, divisor),
                        codec.rows_nonzero_torch(x, subset, mean, valid, divisor))
+
+
+@pytest.mark.parametrize("divisor, centre", [(1, True), (4, True), (4, False)])
+def test_stats_keep_underflowed_equals_the_call_check(divisor: int, centre: bool) -> None:
+    """``stats(keep_underflowed=True)``: the norms the call's underflow check makes of the
+    reference's (``_keep_underflowed_rows`` on the reference statistics) -- the smallest normal
+    norm for rows of non-zero values whose squares underflow, 0 kept for zero rows (+0, -0,
+    subnormals that ``x / n`` flushes), the same means."""
+    from dqcoll.schemes.dynamiq.call import _keep_underflowed_rows
+
+    g = torch.Generator().manual_seed(divisor)
+    rows = 12
+    x = torch.randn(rows, SUPER, generator=g)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2] = torch.randn(SUPER, generator=g) * 1e-25  # squares underflow
+    x[3] = 0.0
+    x[3, 9] = 1e-45  # x / 4 flushes to 0
+    x[4] = 3e-30
+    x[5, 50:] = 0.0
+    x[5, :50] = torch.randn(50, generator=g) * 1e-24
+    x[6] = 1e-20  # centred: zero
+    x[7] = torch.randn(SUPER, generator=g) * 1e-40
+    valid = torch.full((rows,), SUPER, dtype=torch.int64)
+    valid[5] = 50
+    divided = x / divisor
+    if centre:
+        centred, mean_ref, norm_ref = codec.stats_center_torch(divided, valid)
+    else:
+        centred, mean_ref, norm_ref = codec.stats_center_rounded_torch(divided, valid,
+                                                                       centre=False)
+    expected = _keep_underflowed_rows(norm_ref, divided, centred, mean_ref, valid, 1)
+    mean, norm2 = dynamiq_numba.stats(x, valid, divisor=divisor, centre=centre,
+                                      keep_underflowed=True)
+    assert torch.equal(mean.view(torch.int32), mean_ref.float().view(torch.int32))
+    assert torch.equal(norm2.view(torch.int32), expected.float().view(torch.int32))
+    tiny = torch.finfo(torch.float32).tiny
+    assert (norm2[[2, 5, 7]] == tiny).all() and (norm2[[0, 1]] == 0).all()
+    assert bool(norm2[3] == 0) == (divisor != 1)

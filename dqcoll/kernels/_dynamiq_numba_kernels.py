@@ -70,6 +70,7 @@ _INF = np.float32(np.inf)
 _TWO_M24 = np.float32(2.0**-24)
 _TINY = np.float32(2.0**-64)
 _PRESCALE = np.float32(2.0**64)
+_TINY_NORMAL = np.float32(np.finfo(np.float32).tiny)  # the underflow check's norm
 _SEL_SHIFT = np.uint32(rng.PERMUTATION_SHIFT)
 
 _inline = dict(JIT_OPTIONS, inline="always")
@@ -1567,13 +1568,16 @@ def restore_add(lo, hi, work, mean, out):
 
 
 @numba.njit(**JIT_OPTIONS)
-def stats_only(lo, hi, x, valid, divisor, centre, mean, norm2):
+def stats_only(lo, hi, x, valid, divisor, centre, keep, mean, norm2):
     """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
     reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
     centred rows (they are written later, already in sorted order, by :func:`center_gather`).
     Without ``centre`` the mean is +0 (codec.stats_center_rounded_torch's ``centre=False``):
     ``v - 0`` is ``v`` for every fp32 ``v``, -0 and NaN included, so the norm is the uncentred
-    rows' and center_gather with that mean writes ``x / divisor`` itself."""
+    rows' and center_gather with that mean writes ``x / divisor`` itself. With ``keep``, a row
+    whose norm is 0 but which holds a non-zero centred value (its squares underflowed) gets the
+    smallest normal norm, as the call's underflow check would give it, tested while the row is
+    in cache (no second pass over the zero rows)."""
     t = np.empty(SUPER // 2, np.float32)
     r = np.empty(SUPER, np.float32)
     divide = divisor != _F1
@@ -1599,8 +1603,14 @@ def stats_only(lo, hi, x, valid, divisor, centre, mean, norm2):
                 a = src[j] - m if j < v else _F0
                 b = src[j + half] - m if j + half < v else _F0
                 t[j] = a * a + b * b
+        nrm = _tree_sum_128(t)
+        if keep and nrm == _F0:
+            for j in range(v):
+                if src[j] - m != _F0:
+                    nrm = _TINY_NORMAL
+                    break
         mean[i] = m
-        norm2[i] = _tree_sum_128(t)
+        norm2[i] = nrm
 
 
 @numba.njit(**JIT_OPTIONS)

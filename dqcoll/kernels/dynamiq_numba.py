@@ -180,19 +180,22 @@ def stats_center(
 
 
 def stats(x: torch.Tensor, valid: torch.Tensor, *, divisor: int = 1,
-          centre: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          centre: bool = True, keep_underflowed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, norm2)`` of ``stats_center(x / divisor, valid)`` without the centred rows (same
     bits; the division is the reference's fp32 ``x / n`` for ``op="avg"``, fused). With
     ``centre=False``: ``(zeros, norm2)``, norm2 that of the uncentred rows as
     ``codec.stats_center_rounded_torch(x / divisor, valid, centre=False)`` gives it; then
-    :func:`center_gather` with these zeros writes ``x / divisor`` reordered, bit for bit."""
+    :func:`center_gather` with these zeros writes ``x / divisor`` reordered, bit for bit. With
+    ``keep_underflowed`` the norms are those the call's underflow check makes of them
+    (``schemes.dynamiq.call._keep_underflowed_rows``: the smallest normal norm for a row of
+    non-zero centred values whose squares all underflowed), found in the same pass."""
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     valid_np = _valid(valid, rows)
     mean = torch.empty(rows, dtype=torch.float32)
     norm2 = torch.empty(rows, dtype=torch.float32)
-    run_rows(K.stats_only, rows, xs, valid_np, _divisor(divisor), bool(centre), mean.numpy(),
-             norm2.numpy())
+    run_rows(K.stats_only, rows, xs, valid_np, _divisor(divisor), bool(centre),
+             bool(keep_underflowed), mean.numpy(), norm2.numpy())
     return mean, norm2
 
 
@@ -469,6 +472,7 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
         stats(x, valid)
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
+        stats(x, valid, divisor=3, keep_underflowed=True)
         rows_nonzero(x, torch.arange(2), mean, valid, 3)
         records = encode(centred, RAW_WIDTH, index, 0, 1, 1, CodecConfig())
         decode_accumulate_encode(records, RAW_WIDTH, centred.clone(), index, 0, 1, 1,

@@ -34,7 +34,8 @@ class DynamiqOps:
     # stats(x, valid, divisor=) -> (mean, norm2) and center_gather(x, mean, valid, order,
     # divisor=, out=) -> the centred rows of x / divisor in ``order``: stats_center split in two
     # so that the centred rows are written once, already reordered (and divided, for avg).
-    # None: the scheme divides, uses stats_center and a torch gather.
+    # None: the scheme divides, uses stats_center and a torch gather. stats takes
+    # keep_underflowed=True: its norms then already carry the call's underflow check.
     stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     center_gather: Callable[..., torch.Tensor] | None = None
     # decode_restore(records, width, config, mean, index_base, valid, out): restore(decode(...))

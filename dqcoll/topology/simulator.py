@@ -299,7 +299,8 @@ class _DynamiqAdapter(_Adapter):
         if self.split:
             assert self.prep_ops.stats is not None
             mean, norm2 = self.prep_ops.stats(flat, self.valid, divisor=divisor,
-                                              centre=self.stats_mode == "fp32")
+                                              centre=self.stats_mode == "fp32",
+                                              keep_underflowed=True)
         else:
             if divisor != 1:
                 flat = flat / self.n
@@ -308,8 +309,9 @@ class _DynamiqAdapter(_Adapter):
                     flat, self.valid, centre=self.stats_mode == "bf16")
             else:
                 centred, mean, norm2 = self.prep_ops.stats_center(flat, self.valid)
-        norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, self.valid, divisor,
-                                       self.prep_ops)
+        if not self.split:  # the split statistics checked their zero norms already
+            norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, self.valid, divisor,
+                                           self.prep_ops)
         if self.stats_mode == "bf16":
             wire = torch.stack([mean, norm2]).to(torch.bfloat16)
         elif self.stats_mode == "norm16":

@@ -460,7 +460,7 @@ class DynamiqCall:
             assert prep.stats is not None
             # norm16: no centring (zero means; center_gather then writes x / divisor itself)
             mean, norm2 = prep.stats(flat, valid, divisor=divisor,
-                                     centre=scheme.stats == "fp32")
+                                     centre=scheme.stats == "fp32", keep_underflowed=True)
             self.kernels["stats"] = prep.name
         elif scheme.stats in ("bf16", "norm16"):
             centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
@@ -469,7 +469,8 @@ class DynamiqCall:
         else:
             centred, mean, norm2 = prep.stats_center(flat, valid)
             self.kernels["stats"] = prep.name
-        norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, valid, divisor, prep)
+        if not split:  # the split statistics checked their zero norms in the same pass
+            norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, valid, divisor, prep)
         summed = _reduce_statistics(scheme.stats, mean, norm2, ctx)
         return _Statistics(prep, flat, centred, mean, divisor, summed)
 
