@@ -1568,7 +1568,7 @@ def restore_add(lo, hi, work, mean, out):
 
 
 @numba.njit(**JIT_OPTIONS)
-def stats_only(lo, hi, x, valid, divisor, centre, keep, mean, norm2):
+def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2):
     """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
     reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
     centred rows (they are written later, already in sorted order, by :func:`center_gather`).
@@ -1577,7 +1577,8 @@ def stats_only(lo, hi, x, valid, divisor, centre, keep, mean, norm2):
     rows' and center_gather with that mean writes ``x / divisor`` itself. With ``keep``, a row
     whose norm is 0 but which holds a non-zero centred value (its squares underflowed) gets the
     smallest normal norm, as the call's underflow check would give it, tested while the row is
-    in cache (no second pass over the zero rows)."""
+    in cache (no second pass over the zero rows; ``xb`` is ``x``'s bit patterns, so that a row
+    of zeros is one vectorised OR)."""
     t = np.empty(SUPER // 2, np.float32)
     r = np.empty(SUPER, np.float32)
     divide = divisor != _F1
@@ -1605,10 +1606,15 @@ def stats_only(lo, hi, x, valid, divisor, centre, keep, mean, norm2):
                 t[j] = a * a + b * b
         nrm = _tree_sum_128(t)
         if keep and nrm == _F0:
-            for j in range(v):
-                if src[j] - m != _F0:
-                    nrm = _TINY_NORMAL
-                    break
+            bits = xb[i]
+            acc = np.uint32(0)
+            for j in range(v):  # a row of zeros (the common case): one vectorised OR
+                acc |= bits[j] & _ABS
+            if acc != 0:
+                for j in range(v):
+                    if src[j] - m != _F0:
+                        nrm = _TINY_NORMAL
+                        break
         mean[i] = m
         norm2[i] = nrm
 

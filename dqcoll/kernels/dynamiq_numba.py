@@ -194,7 +194,7 @@ def stats(x: torch.Tensor, valid: torch.Tensor, *, divisor: int = 1,
     valid_np = _valid(valid, rows)
     mean = torch.empty(rows, dtype=torch.float32)
     norm2 = torch.empty(rows, dtype=torch.float32)
-    run_rows(K.stats_only, rows, xs, valid_np, _divisor(divisor), bool(centre),
+    run_rows(K.stats_only, rows, xs, xs.view(np.uint32), valid_np, _divisor(divisor), bool(centre),
              bool(keep_underflowed), mean.numpy(), norm2.numpy())
     return mean, norm2
 
