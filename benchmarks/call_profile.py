@@ -152,7 +152,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     x0 = _data(args, rank)
     x = x0.clone()
     kwargs = dict(op="avg", scheme="dynamiq", bits=args.bits, algorithm=args.algorithm,
-                  comm=comm)
+                  comm=comm, tile_nbytes=args.tile_nbytes, tiles_in_flight=args.tiles_in_flight)
     for _ in range(args.warmup):
         x.copy_(x0)
         dqcoll.allreduce(x, **kwargs)
@@ -208,6 +208,9 @@ def main() -> None:
     parser.add_argument("--algorithm", default="ring")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tile-nbytes", type=int, default=None,
+                        help="the call's tile_nbytes (default: dqcoll's; 0: untiled)")
+    parser.add_argument("--tiles-in-flight", type=int, default=2)
     parser.add_argument("--data", choices=("normal", "mlp"), default="normal",
                         help="normal: N(0, 1); mlp: the DDP benchmark MLP's gradient")
     parser.add_argument("--port", type=int, default=29561)
