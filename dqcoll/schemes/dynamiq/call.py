@@ -763,9 +763,10 @@ class DynamiqCall:
         if end < rows:
             gaps.append((end, rows))
         self.deferred.clear()
-        assert self.ops.restore is not None or not gaps
+        restore = self.ops.restore
         for a, b in gaps:  # views, not copies: width-0 rows can be half of a gradient's
-            self.ops.restore(self.work[a:b], self.mean_sorted[a:b], self.index_base[a:b],
+            assert restore is not None
+            restore(self.work[a:b], self.mean_sorted[a:b], self.index_base[a:b],
                              self.valid_sorted[a:b], out)
 
     def _measure_rho(self) -> None:
