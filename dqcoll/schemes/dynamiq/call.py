@@ -767,7 +767,7 @@ class DynamiqCall:
         for a, b in gaps:  # views, not copies: width-0 rows can be half of a gradient's
             assert restore is not None
             restore(self.work[a:b], self.mean_sorted[a:b], self.index_base[a:b],
-                             self.valid_sorted[a:b], out)
+                    self.valid_sorted[a:b], out)
 
     def _measure_rho(self) -> None:
         """Target mode: estimate the ranks' correlation from the decoded aggregate (identical on
