@@ -486,3 +486,55 @@ def test_stats_keep_underflowed_equals_the_call_check(divisor: int, centre: bool
     tiny = torch.finfo(torch.float32).tiny
     assert (norm2[[2, 5, 7]] == tiny).all() and (norm2[[0, 1]] == 0).all()
     assert bool(norm2[3] == 0) == (divisor != 1)
+
+
+def test_decode_restore_raw_equals_decode_then_restore() -> None:
+    """Raw width 16 through the fused final decode: the reference's decode, then its restore
+    (partial rows, a scattered order, arbitrary bytes with NaN / Inf / subnormal fp16 codes)."""
+    g = torch.Generator().manual_seed(8)
+    rows = 9
+    records = torch.randint(0, 256, (rows, codec.record_nbytes(16, Scales.HIERARCHICAL4X32)),
+                            dtype=torch.uint8, generator=g)
+    config = CodecConfig()
+    mean = torch.randn(rows, generator=g)
+    valid = torch.full((rows,), SUPER, dtype=torch.int64)
+    valid[3] = 17
+    index = torch.randperm(rows, generator=g) * SUPER
+    expected = torch.full((rows * SUPER,), -7.0)
+    codec.restore_torch(codec.decode_torch(records, 16, config), mean, index, valid, expected)
+    actual = torch.full((rows * SUPER,), -7.0)
+    dynamiq_numba.decode_restore(records, 16, config, mean, index, valid, actual)
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
+    assert torch.equal(torch.nan_to_num(actual).view(torch.int32),
+                       torch.nan_to_num(expected).view(torch.int32))
+
+
+def test_allreduce_with_zero_and_raw_rows_equals_reference(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A gradient like a ReLU MLP's: half its super-groups exactly zero, so a 5-bit budget puts
+    others at raw 16 bits. The compiled path (the statistics' underflow check, raw records in the
+    hops and in the fused final decode, the zero rows' restore) equals the reference's all-reduce
+    bit for bit on every rank."""
+    import dqcoll
+    from dqcoll.testing import run_local
+
+    def body(comm):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(comm.rank)
+        x = torch.randn(64, SUPER, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 3)
+        x[::2] = 0.0
+        x[1::4] = 0.0 if comm.rank else x[1::4]  # zero on some ranks only
+        x[5] = torch.randn(SUPER, generator=g) * 1e-24  # squares underflow
+        y = x.reshape(-1)[: 64 * SUPER - 100].clone()
+        dqcoll.allreduce(y, op="avg", scheme="dynamiq", bits=5, algorithm="butterfly", seed=3)
+        return y, dict(comm.last_info)
+
+    monkeypatch.setenv("DQCOLL_KERNELS", "torch")
+    expected = run_local(4, body)
+    monkeypatch.setenv("DQCOLL_KERNELS", "numba")
+    actual = run_local(4, body)
+    info = actual[0][1]
+    assert info["widths"][0] > 0 and info["widths"][16] > 0, info["widths"]
+    assert info["kernels"].get("decode_restore") == "numba", info["kernels"]
+    for (a, _), (e, _) in zip(actual, expected, strict=True):
+        assert torch.equal(a.view(torch.int32), e.view(torch.int32))
+    assert all(torch.equal(a, actual[0][0]) for a, _ in actual)

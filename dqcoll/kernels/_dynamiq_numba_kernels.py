@@ -1456,6 +1456,29 @@ def hop_raw(lo, hi, records, acc, accb, out):
         _raw_encode_row(acc[i], accb[i], out[i], t, tb, z, zb)
 
 
+@numba.njit(**JIT_OPTIONS)
+def decode_restore_raw(lo, hi, records, mean, index_base, valid, out):
+    """:func:`decode_raw` fused with the restore, as ``_decode_restore_rows`` for the coded
+    widths: ``out[index_base[i] + j] = decode(records[i])[j] + mean[i]`` for ``j < valid[i]``."""
+    t = np.empty(SUPER, np.float32)
+    z = np.empty(SUPER, np.float32)
+    tb = t.view(np.uint32)
+    zb = z.view(np.uint32)
+    row = np.empty(SUPER, np.float32)
+    for i in range(lo, hi):
+        _prefetch_row_write(out, index_base, valid, i, hi)
+        _raw_decode_row(records[i], row, False, t, tb, z, zb)
+        m = mean[i]
+        b = index_base[i]
+        if valid[i] == SUPER:
+            o = out[b : b + SUPER]
+            for j in range(SUPER):
+                o[j] = row[j] + m
+        else:
+            for j in range(valid[i]):
+                out[b + j] = row[j] + m
+
+
 # -- statistics and restore ------------------------------------------------------------------------
 
 

@@ -397,9 +397,9 @@ def decode_restore(
     """``restore(decode(records), mean, index_base, valid, out)`` in one pass, the same bits:
     each record decoded and its valid coordinates, plus the row's mean, written straight to
     their place in the flat fp32 ``out`` (the all-reduce's last decode, without the work rows
-    in between). The widths of ``FORMATS`` (no raw 16)."""
+    in between). The widths of ``FORMATS`` and raw 16."""
     widths = FORMATS.get(config.scales, ())
-    if width not in widths:
+    if width not in widths and width != RAW_WIDTH:
         raise ValueError(f"width must be one of {widths} with {config.scales.value} scales, "
                          f"got {width}")
     rec = _records(records, width, config)
@@ -416,6 +416,9 @@ def decode_restore(
     if rows and (index.min() < 0 or (index + valid_np).max() > out.numel()):
         raise ValueError(f"index_base/valid address coordinates outside out "
                          f"({out.numel()} elements)")
+    if width == RAW_WIDTH:
+        run_rows(K.decode_restore_raw, rows, rec, mean_np, index, valid_np, out.detach().numpy())
+        return
     run_rows(_DECODE_RESTORE[width], rows, rec, _SCALES[config.scales],
              level_tables(width, config.levels).table, mean_np, index, valid_np,
              out.detach().numpy())
@@ -478,6 +481,8 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
         decode_accumulate_encode(records, RAW_WIDTH, centred.clone(), index, 0, 1, 1,
                                  CodecConfig())
         decode(records, RAW_WIDTH, CodecConfig())
+        decode_restore(records, RAW_WIDTH, CodecConfig(), mean, index, valid,
+                       torch.empty(2 * SUPER))
         decode_accumulate(records, RAW_WIDTH, CodecConfig(), centred.clone())
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
         for scales in formats:

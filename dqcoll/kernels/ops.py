@@ -39,8 +39,8 @@ class DynamiqOps:
     stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     center_gather: Callable[..., torch.Tensor] | None = None
     # decode_restore(records, width, config, mean, index_base, valid, out): restore(decode(...))
-    # in one pass, into a flat fp32 out (an all-reduce's last decode of each row). None: the
-    # scheme decodes into its work rows and restores them.
+    # in one pass, into a flat fp32 out (an all-reduce's last decode of each row), raw width 16
+    # included. None: the scheme decodes into its work rows and restores them.
     decode_restore: Callable[..., None] | None = None
     # rows_nonzero(x, rows, mean, valid, divisor=) -> bool per listed row: any valid value of
     # x / divisor - mean is non-zero (the underflow check on rows whose norm is 0; reference:

@@ -749,7 +749,7 @@ class DynamiqCall:
 
     def _decode_restore(self, out: torch.Tensor) -> None:
         """Decode every deferred record straight into ``out`` (plus its mean, at its original
-        place); rows decompress did not defer (width 0 or 16) are restored from ``work``."""
+        place); the rows no record covers (width 0) are restored from ``work``."""
         assert self.deferred is not None and self.ops.decode_restore is not None
         rows = self.work.shape[0]
         for width, a, b, records in self.deferred:
@@ -835,7 +835,7 @@ class DynamiqCall:
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         for width, a, b, offset in self._segments(chunk, count):
             records = self._records(payload, width, a, b, offset)
-            if self.deferred is not None and width != RAW_WIDTH:
+            if self.deferred is not None:
                 self.deferred.append((width, a, b, records))  # decoded by finish
             else:
                 self.kernels["decode"] = self.ops.name
