@@ -161,7 +161,7 @@ def test_level_tables_agree_with_searchsorted(width: int, levels: Levels) -> Non
     assert (guess == interior.searchsorted(probe, side="right")).all()
 
 
-@pytest.mark.parametrize("divisor", [1, 3])
+@pytest.mark.parametrize("divisor", [1, 3, 4, 8])
 def test_uncentred_stats_and_gather_equal_the_divided_rows(divisor: int) -> None:
     """``stats(centre=False)``: zero means and the squared norm of the uncentred rows, bit for bit
     the reference's (``stats_center_rounded_torch(x / n, valid, centre=False)``, the prototype
@@ -203,6 +203,12 @@ def test_uncentred_stats_and_gather_equal_the_divided_rows(divisor: int) -> None
     for a, b in ((mean_c, mean_cr), (norm_c, norm_cr)):
         assert torch.equal(torch.nan_to_num(a).view(torch.int32),
                            torch.nan_to_num(b).view(torch.int32))
+    # the centred gather too (a power-of-two divisor multiplies by its reciprocal: same bits)
+    centred_ref = codec.stats_center_torch(divided, valid)[0][order]
+    centred = dynamiq_numba.center_gather(x, mean_c, valid, order, divisor=divisor)
+    assert torch.equal(torch.isnan(centred), torch.isnan(centred_ref))
+    assert torch.equal(torch.nan_to_num(centred).view(torch.int32),
+                       torch.nan_to_num(centred_ref).view(torch.int32))
 
 
 @pytest.mark.parametrize("width", [3, 6])
