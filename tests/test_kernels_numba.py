@@ -453,6 +453,8 @@ def test_rows_nonzero_equals_reference(divisor: int) -> None:
     subset = torch.tensor([8, 2, 0])
     assert torch.equal(dynamiq_numba.rows_nonzero(x, subset, mean, valid, divisor),
                        codec.rows_nonzero_torch(x, subset, mean, valid, divisor))
+    with pytest.raises(ValueError, match="indices must be in"):
+        dynamiq_numba.rows_nonzero(x, torch.tensor([rows]), mean, valid, divisor)
 
 
 @pytest.mark.parametrize("divisor, centre", [(1, True), (4, True), (4, False)])

@@ -336,7 +336,9 @@ def rows_nonzero(x: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, valid:
     """codec.rows_nonzero_torch: whether row ``rows[k]`` of ``x / divisor - mean`` has a
     non-zero value among its valid coordinates (bool ``[len(rows)]``)."""
     xs = _rows_f32("x", x)
-    idx = rows.detach().to(torch.int64).contiguous().numpy()
+    idx = rows.detach().to(torch.int64).reshape(-1).contiguous().numpy()
+    if idx.size and (idx.min() < 0 or idx.max() >= xs.shape[0]):
+        raise ValueError(f"rows: indices must be in [0, {xs.shape[0]})")
     out = torch.empty(idx.shape[0], dtype=torch.bool)
     mean_np = mean.detach().float().contiguous().numpy()
     K.rows_nonzero(xs, xs.view(np.uint32), idx, mean_np, _valid(valid, xs.shape[0]),
