@@ -218,3 +218,29 @@ def test_reduce_scatter_and_all_gather_dynamiq() -> None:
     for _, _, full in results:
         assert torch.equal(full, results[0][2])
     assert vnmse(results[0][2], exact) < 2e-3
+
+
+@pytest.mark.parametrize("stats", ["norm16", "fp32", "bf16"])
+@pytest.mark.parametrize("kernels", ["numba", "torch"])
+def test_rows_of_tiny_values_keep_a_record(monkeypatch: pytest.MonkeyPatch, stats: str,
+                                           kernels: str) -> None:
+    """A super-group whose values are all ~1e-22 has a squared norm in fp32's subnormal range,
+    0 once rounded to bf16 by the 16-bit statistics: it must still get a record (a width above
+    0), or every rank would keep its own values. Every rank ends with the same bits."""
+    monkeypatch.setenv("DQCOLL_KERNELS", kernels)
+
+    def body(comm):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(comm.rank)
+        x = torch.randn(8, 256, generator=g)
+        x[3] = torch.randn(256, generator=g) * 1e-22
+        x[5] = torch.randn(256, generator=g) * 1e-25  # squares underflow to 0 in fp32
+        exact = x.clone()
+        dqcoll.allreduce(x, op="avg", scheme="dynamiq", bits=5, seed=1, stats=stats)
+        return x, exact, dict(comm.last_info)
+
+    results = run_local(4, body)
+    assert results[0][2]["widths"][0] == 0, results[0][2]["widths"]
+    for x, _, _ in results:
+        assert torch.equal(x.view(torch.int32), results[0][0].view(torch.int32))
+    for row in (3, 5):  # coded (the fewest bits: the least energy), not dropped
+        assert results[0][0][row].abs().max() > 0

@@ -517,12 +517,18 @@ def test_decode_restore_raw_equals_decode_then_restore() -> None:
                        torch.nan_to_num(expected).view(torch.int32))
 
 
-def test_allreduce_with_zero_and_raw_rows_equals_reference(monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
+@pytest.mark.parametrize("dtype, algorithm", [(torch.float32, "butterfly"),
+                                               (torch.float32, "ring"),
+                                               (torch.bfloat16, "butterfly")])
+def test_allreduce_with_zero_and_raw_rows_equals_reference(monkeypatch: pytest.MonkeyPatch,
+                                                           dtype: torch.dtype, algorithm: str
+                                                           ) -> None:
     """A gradient like a ReLU MLP's: half its super-groups exactly zero, so a 5-bit budget puts
     others at raw 16 bits. The compiled path (the statistics' underflow check, raw records in the
-    hops and in the fused final decode, the zero rows' restore) equals the reference's all-reduce
-    bit for bit on every rank."""
+    hops and in the fused final decode, the zero rows left out of the centred gather and
+    restored as their mean) equals the reference's all-reduce bit for bit on every rank: rows of
+    -0 on every rank (mean -0), mixed signed zeros, constant rows (a mean, no centred norm), a
+    bf16 output (the unfused final decode)."""
     import dqcoll
     from dqcoll.testing import run_local
 
@@ -532,8 +538,12 @@ def test_allreduce_with_zero_and_raw_rows_equals_reference(monkeypatch: pytest.M
         x[::2] = 0.0
         x[1::4] = 0.0 if comm.rank else x[1::4]  # zero on some ranks only
         x[5] = torch.randn(SUPER, generator=g) * 1e-24  # squares underflow
-        y = x.reshape(-1)[: 64 * SUPER - 100].clone()
-        dqcoll.allreduce(y, op="avg", scheme="dynamiq", bits=5, algorithm="butterfly", seed=3)
+        x[2] = -0.0  # -0 on every rank: the summed mean is -0
+        x[4, ::3] = -0.0  # mixed signed zeros
+        x[6] = 0.75 * (comm.rank + 1)  # constant: width 0 with a mean
+        x[8] = -0.0 if comm.rank % 2 else 0.0
+        y = x.reshape(-1)[: 64 * SUPER - 100].to(dtype).clone()
+        dqcoll.allreduce(y, op="avg", scheme="dynamiq", bits=5, algorithm=algorithm, seed=3)
         return y, dict(comm.last_info)
 
     monkeypatch.setenv("DQCOLL_KERNELS", "torch")
@@ -542,7 +552,11 @@ def test_allreduce_with_zero_and_raw_rows_equals_reference(monkeypatch: pytest.M
     actual = run_local(4, body)
     info = actual[0][1]
     assert info["widths"][0] > 0 and info["widths"][16] > 0, info["widths"]
-    assert info["kernels"].get("decode_restore") == "numba", info["kernels"]
+    if dtype == torch.float32:  # the fused final decode, the zero rows left out
+        assert info["kernels"].get("decode_restore") == "numba", info["kernels"]
+        assert info["kernels"].get("restore_mean") == "numba", info["kernels"]
+    as_int = torch.int32 if dtype == torch.float32 else torch.int16
     for (a, _), (e, _) in zip(actual, expected, strict=True):
-        assert torch.equal(a.view(torch.int32), e.view(torch.int32))
-    assert all(torch.equal(a, actual[0][0]) for a, _ in actual)
+        assert torch.equal(a.view(as_int), e.view(as_int))
+    assert all(torch.equal(a.view(as_int), actual[0][0].view(as_int)) for a, _ in actual)
+    assert (actual[0][0][2 * SUPER : 3 * SUPER].view(as_int) == 0).all()  # -0 rows: +0

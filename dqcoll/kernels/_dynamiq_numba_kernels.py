@@ -1559,6 +1559,24 @@ def restore_f32(lo, hi, work, mean, index_base, valid, out):
 
 
 @numba.njit(**JIT_OPTIONS)
+def restore_mean_f32(lo, hi, mean, index_base, valid, out):
+    """``out[index_base[i] + j] = mean[i] + 0`` for ``j < valid[i]``: the restore of rows whose
+    centred values are all +-0 on every rank (width 0), without reading them (``c + m`` is
+    ``m + 0`` for ``c`` = +-0: see ``DynamiqCall._decode_restore``)."""
+    for i in range(lo, hi):
+        _prefetch_row_write(out, index_base, valid, i, hi)
+        m = mean[i] + _F0
+        b = index_base[i]
+        if valid[i] == SUPER:
+            o = out[b : b + SUPER]
+            for j in range(SUPER):
+                o[j] = m
+        else:
+            for j in range(valid[i]):
+                out[b + j] = m
+
+
+@numba.njit(**JIT_OPTIONS)
 def restore_bf16(lo, hi, work, mean, index_base, valid, out):
     """As :func:`restore_f32` into bf16 patterns (uint16), rounded to nearest even as torch
     does: add ``0x7FFF`` plus the kept LSB to the fp32 pattern; NaN becomes ``0x7FC0``."""
@@ -1643,12 +1661,16 @@ def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2):
 
 
 @numba.njit(**JIT_OPTIONS)
-def center_gather(lo, hi, x, mean, valid, order, divisor, out):
+def center_gather(lo, hi, x, mean, valid, order, divisor, skip, out):
     """``out[k] = centred[order[k]]`` with ``centred`` as :func:`stats_center` writes it for
     ``x / divisor``: row ``order[k]`` of ``x`` (divided, see :func:`stats_only`) minus its mean,
-    padding exactly 0 (division, centring and reorder in one pass)."""
+    padding exactly 0 (division, centring and reorder in one pass). Rows ``k`` with ``skip[k]``
+    (when ``skip`` is not empty) are not written."""
     divide = divisor != _F1
+    skipping = skip.shape[0] > 0
     for k in range(lo, hi):
+        if skipping and skip[k]:
+            continue
         if k + PREFETCH_ROWS < hi:  # rows in width-class order: a stream with gaps
             ahead = x[order[k + PREFETCH_ROWS]]
             for c in range(0, SUPER, _LINE):

@@ -52,6 +52,7 @@ __all__ = [
     "encode",
     "max_finite_abs",
     "restore",
+    "restore_mean",
     "rows_nonzero",
     "stats",
     "stats_center",
@@ -207,10 +208,12 @@ def _divisor(divisor: int) -> np.float32:
 
 def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
                   order: torch.Tensor, *, divisor: int = 1,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None,
+                  skip: np.ndarray | None = None) -> torch.Tensor:
     """``stats_center(x / divisor, valid)[0][order]`` with the local ``mean`` :func:`stats`
     returned: the centred rows, already in ``order``, in one pass (no divided or centred copy in
-    between), into ``out`` when given."""
+    between), into ``out`` when given. Rows ``k`` where ``skip[k]`` (bool, one per output row)
+    are left unwritten."""
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     valid_np = _valid(valid, rows)
@@ -226,7 +229,13 @@ def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
     _check_inplace("out", out, rows)
     if not out.is_contiguous():
         raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
-    run_rows(K.center_gather, rows, xs, mean_np, valid_np, order_np, _divisor(divisor),
+    if skip is None:
+        skip_np = np.zeros(0, np.uint8)
+    else:
+        skip_np = np.ascontiguousarray(skip, dtype=np.uint8).reshape(-1)
+        if skip_np.shape[0] != rows:
+            raise ValueError(f"skip: expected [{rows}], got {skip_np.shape}")
+    run_rows(K.center_gather, rows, xs, mean_np, valid_np, order_np, _divisor(divisor), skip_np,
              out.detach().numpy())
     return out
 
@@ -392,6 +401,24 @@ def restore(
         out[target[keep]] = summed[keep].to(out.dtype)
 
 
+def restore_mean(mean: torch.Tensor, index_base: torch.Tensor, valid: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """``out[index_base[i] + j] = mean[i] + 0`` for ``j < valid[i]`` (flat contiguous fp32
+    ``out``): :func:`restore` of rows whose work values are all +-0, without reading them."""
+    mean_np = mean.detach().to(dtype=torch.float32).reshape(-1).contiguous().numpy()
+    rows = mean_np.shape[0]
+    index = _index(index_base, rows)
+    valid_np = _valid(valid, rows)
+    if out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu" or (
+            out.dtype != torch.float32):
+        raise ValueError(f"out: expected a flat contiguous fp32 CPU tensor, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    if rows and (index.min() < 0 or (index + valid_np).max() > out.numel()):
+        raise ValueError(f"index_base/valid address coordinates outside out "
+                         f"({out.numel()} elements)")
+    run_rows(K.restore_mean_f32, rows, mean_np, index, valid_np, out.detach().numpy())
+
+
 def decode_restore(
     records: torch.Tensor, width: int, config: CodecConfig, mean: torch.Tensor,
     index_base: torch.Tensor, valid: torch.Tensor, out: torch.Tensor,
@@ -487,6 +514,8 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
                        torch.empty(2 * SUPER))
         decode_accumulate(records, RAW_WIDTH, CodecConfig(), centred.clone())
         center_gather(x, mean, valid, torch.arange(2), divisor=3)
+        center_gather(x, mean, valid, torch.arange(2), skip=np.array([True, False]))
+        restore_mean(mean, index, valid, torch.empty(2 * SUPER))
         for scales in formats:
             widths = FORMATS[scales]
             config = CodecConfig(scales=scales, levels=Levels.TUNED)
@@ -522,6 +551,7 @@ OPS = DynamiqOps(
     stats=stats,
     center_gather=center_gather,
     decode_restore=decode_restore,
+    restore_mean=restore_mean,
     rows_nonzero=rows_nonzero,
     formats=FORMATS,
 )

@@ -42,6 +42,10 @@ class DynamiqOps:
     # in one pass, into a flat fp32 out (an all-reduce's last decode of each row), raw width 16
     # included. None: the scheme decodes into its work rows and restores them.
     decode_restore: Callable[..., None] | None = None
+    # restore_mean(mean, index_base, valid, out): restore of rows whose work values are all
+    # +-0 (out = mean + 0) without reading them, and center_gather's skip= (rows left
+    # unwritten): the all-reduce's width-0 rows. None: those rows are centred and restored.
+    restore_mean: Callable[..., None] | None = None
     # rows_nonzero(x, rows, mean, valid, divisor=) -> bool per listed row: any valid value of
     # x / divisor - mean is non-zero (the underflow check on rows whose norm is 0; reference:
     # codec.rows_nonzero_torch). None: the reference.

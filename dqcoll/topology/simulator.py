@@ -291,7 +291,7 @@ class _DynamiqAdapter(_Adapter):
     def pass1(self, rank: int, x: torch.Tensor) -> None:
         """DynamiqCall._statistics of this rank (the same kernels and the same roundings), then
         its share of the statistics all-reduce, summed in rank order in the wire's dtype."""
-        from ..schemes.dynamiq.call import _keep_underflowed_rows
+        from ..schemes.dynamiq.call import _keep_underflowed_rows, wire_norms16
 
         flat = x.view(self.rows, SUPER)
         divisor = self.n if self.op is ReduceOp.AVG else 1
@@ -313,9 +313,9 @@ class _DynamiqAdapter(_Adapter):
             norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, self.valid, divisor,
                                            self.prep_ops)
         if self.stats_mode == "bf16":
-            wire = torch.stack([mean, norm2]).to(torch.bfloat16)
+            wire = torch.stack([mean.to(torch.bfloat16), wire_norms16(norm2)])
         elif self.stats_mode == "norm16":
-            wire = norm2.to(torch.bfloat16)[None]
+            wire = wire_norms16(norm2)[None]
         else:
             wire = torch.stack([mean, norm2])
         if self._summed is None:

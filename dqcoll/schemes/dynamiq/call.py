@@ -321,6 +321,16 @@ def _keep_underflowed_rows(norm2: torch.Tensor, flat: torch.Tensor,
     return norm2
 
 
+def wire_norms16(norm2: torch.Tensor) -> torch.Tensor:
+    """fp32 squared norms as the 16-bit statistics send them (bf16, nearest even), a positive
+    norm below fp32's smallest normal first raised to it: rounded to bf16 it would become 0 (a
+    row whose values are all below ~1e-20), so the summed norm would be 0, the row would get
+    width 0, and every rank would keep its own values. As with the underflow check, a row that
+    is not zero keeps a record; every rank then ends with the same bits."""
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.where((norm2 > 0) & (norm2 < tiny), tiny, norm2).to(torch.bfloat16)
+
+
 def _reduce_statistics(stats: str, mean: torch.Tensor, norm2: torch.Tensor,
                        ctx: CallContext) -> torch.Tensor:
     """The ranks' summed ``[means, squared norms]`` (fp32 ``[2, rows]``), by one small
@@ -329,11 +339,11 @@ def _reduce_statistics(stats: str, mean: torch.Tensor, norm2: torch.Tensor,
     centring), or fp32 mean and norm (8 B)."""
     what = f"{ctx.what} statistics"
     if stats == "bf16":  # 16-bit statistics on the wire, summed in bf16
-        wire = torch.stack([mean, norm2]).to(torch.bfloat16)
+        wire = torch.stack([mean.to(torch.bfloat16), wire_norms16(norm2)])
         ctx.reduce(wire, "sum", what)
         return wire.float()
     if stats == "norm16":  # no centring: only the bf16 norm is sent (2 B)
-        wire = norm2.to(torch.bfloat16)[None]
+        wire = wire_norms16(norm2)[None]
         ctx.reduce(wire, "sum", what)
         return torch.stack([torch.zeros_like(mean), wire[0].float()])
     summed = torch.stack([mean, norm2])
@@ -450,6 +460,8 @@ class DynamiqCall:
         dividing by n for avg on the way; the others divide and centre here and gather later."""
         prep = self.ops
         flat, valid = layout.flat, layout.valid
+        # width 0 only where every rank's row of x / n - mean is +-0 (see _reorder)
+        self.zero_rows_exact = scheme.stats in ("fp32", "norm16")
         split = (prep.stats is not None and prep.center_gather is not None
                  and scheme.stats in ("fp32", "norm16"))
         divisor = self.world_size if ctx.op is ReduceOp.AVG else 1
@@ -614,12 +626,25 @@ class DynamiqCall:
             order_np = np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
                                   kind="stable")
         self.order = torch.from_numpy(order_np).to(device)
+        sorted_widths = widths_np[order_np]
         prep = statistics.ops
+        # Width-0 rows, where every rank's centred values are +-0 (the summed norm is 0 only
+        # where each rank's is: fp32 sums of non-negative norms, or bf16 ones of norms that
+        # wire_norms16 keeps non-zero; and the underflow check leaves a rank's norm 0 only for
+        # a row of +-0): an all-reduce whose last decode is the fused one never reads their
+        # work rows, and restores them as the mean (c + m == m + 0 for c = +-0: where m is -0
+        # every rank's row was all -0, and its centred values +0; without centring m is +0).
+        # Half of a ReLU MLP's gradient.
+        self.unwritten: np.ndarray | None = None
+        if (statistics.centred is None and self.zero_rows_exact and self.deferred is not None
+                and self.ops.restore_mean is not None and bool((sorted_widths == 0).any())):
+            self.unwritten = sorted_widths == 0
         if statistics.centred is None:
             assert prep.center_gather is not None and statistics.flat is not None
             self.work = prep.center_gather(
                 statistics.flat, statistics.mean, layout.valid, self.order,
-                divisor=statistics.divisor, out=_state_buffer(ctx, _WORK_BUFFER, rows, device))
+                divisor=statistics.divisor, out=_state_buffer(ctx, _WORK_BUFFER, rows, device),
+                **({} if self.unwritten is None else {"skip": self.unwritten}))
             self.kernels["center_gather"] = prep.name
         else:
             self.work = statistics.centred[self.order]
@@ -631,7 +656,7 @@ class DynamiqCall:
         # valid coordinates and global index of each sorted row's start (for restore and rng)
         self.valid_sorted = torch.from_numpy(layout.valid.numpy()[order_np])
         self.index_base = torch.from_numpy(layout.row_start.numpy()[order_np]).to(device)
-        return order_np, widths_np[order_np]
+        return order_np, sorted_widths
 
     # -- 6. geometry --------------------------------------------------------------------------
 
@@ -763,11 +788,26 @@ class DynamiqCall:
         if end < rows:
             gaps.append((end, rows))
         self.deferred.clear()
-        restore = self.ops.restore
         for a, b in gaps:  # views, not copies: width-0 rows can be half of a gradient's
-            assert restore is not None
-            restore(self.work[a:b], self.mean_sorted[a:b], self.index_base[a:b],
-                    self.valid_sorted[a:b], out)
+            for c, d, unwritten in self._spans(a, b):
+                if unwritten:  # their work rows were never written (see _reorder)
+                    assert self.ops.restore_mean is not None
+                    self.kernels["restore_mean"] = self.ops.name
+                    self.ops.restore_mean(self.mean_sorted[c:d], self.index_base[c:d],
+                                          self.valid_sorted[c:d], out)
+                else:
+                    assert self.ops.restore is not None
+                    self.ops.restore(self.work[c:d], self.mean_sorted[c:d],
+                                     self.index_base[c:d], self.valid_sorted[c:d], out)
+
+    def _spans(self, a: int, b: int) -> list[tuple[int, int, bool]]:
+        """Rows ``[a, b)`` cut into runs of rows whose work rows were left unwritten and the
+        others: ``(first, end, unwritten)``."""
+        if self.unwritten is None:
+            return [(a, b, False)]
+        flags = self.unwritten[a:b]
+        cuts = [a, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1 + a).tolist(), b]
+        return [(c, d, bool(self.unwritten[c])) for c, d in itertools.pairwise(cuts) if d > c]
 
     def _measure_rho(self) -> None:
         """Target mode: estimate the ranks' correlation from the decoded aggregate (identical on
@@ -922,13 +962,19 @@ class DynamiqCall:
         out.copy_(result.reshape(out.shape))
 
     def finish(self, out: torch.Tensor) -> None:
-        if self.deferred:
+        # (deferred records, or rows left unwritten: an all-zero buffer has neither records nor
+        # written work rows)
+        if self.deferred is not None and (self.deferred or self.unwritten is not None):
             if (self.ops.decode_restore is not None and out.dtype == torch.float32
                     and out.is_contiguous() and out.device == self.work.device):
                 self.kernels["decode_restore"] = self.ops.name
                 self._decode_restore(out.view(-1))
                 return
-            self.kernels["decode"] = self.ops.name
+            if self.unwritten is not None:  # +0 rows restore as m + 0, the mean they stand for
+                self.work[torch.from_numpy(self.unwritten)] = 0.0
+                self.unwritten = None
+            if self.deferred:
+                self.kernels["decode"] = self.ops.name
             for width, a, b, records in self.deferred:  # another output: decode, then restore
                 self.ops.decode(records, width, self.config, out=self.work[a:b])
             self.deferred.clear()
