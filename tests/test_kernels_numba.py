@@ -423,40 +423,6 @@ def test_max_finite_abs_matches_torch() -> None:
         assert dynamiq_numba.max_finite_abs(x) == expected, x[:5]
 
 
-@pytest.mark.parametrize("divisor", [1, 4])
-def test_rows_nonzero_equals_reference(divisor: int) -> None:
-    """The underflow check's compiled test of the zero-norm rows: the reference's answer for
-    all-zero rows (+0 and -0), rows of subnormals that ``x / n`` flushes or keeps, a lone
-    non-zero value past ``valid`` (ignored) or inside it, NaN, and a non-zero mean."""
-    rows = 10
-    x = torch.zeros(rows, SUPER)
-    x[1, ::2] = -0.0
-    x[2, 7] = 1e-45  # the smallest subnormal: x / 4 rounds to 0, x / 1 does not
-    x[3, 100] = 3e-44
-    x[4, 200] = 1e-30  # past valid[4]: padding, not a value
-    x[5, 0] = float("nan")
-    x[6] = 1e-20  # squares underflow; centred by its own mean: zero
-    x[7, 255] = -2e-39
-    x[9] = 5.0
-    valid = torch.full((rows,), SUPER, dtype=torch.int64)
-    valid[4] = 150
-    mean = torch.zeros(rows)
-    mean[6] = 1e-20 / divisor
-    mean[8] = 1e-38
-    mean[9] = 5.0 / divisor
-    idx = torch.arange(rows)
-    expected = codec.rows_nonzero_torch(x, idx, mean, valid, divisor)
-    got = dynamiq_numba.rows_nonzero(x, idx, mean, valid, divisor)
-    assert got.dtype == torch.bool and torch.equal(got, expected)
-    assert expected[[3, 5, 7, 8]].all() and not expected[[0, 1, 4, 6, 9]].any()
-    assert bool(expected[2]) == (divisor == 1)
-    subset = torch.tensor([8, 2, 0])
-    assert torch.equal(dynamiq_numba.rows_nonzero(x, subset, mean, valid, divisor),
-                       codec.rows_nonzero_torch(x, subset, mean, valid, divisor))
-    with pytest.raises(ValueError, match="indices must be in"):
-        dynamiq_numba.rows_nonzero(x, torch.tensor([rows]), mean, valid, divisor)
-
-
 @pytest.mark.parametrize("divisor, centre", [(1, True), (4, True), (4, False)])
 def test_stats_keep_underflowed_equals_the_call_check(divisor: int, centre: bool) -> None:
     """``stats(keep_underflowed=True)``: the norms the call's underflow check makes of the
@@ -486,7 +452,7 @@ def test_stats_keep_underflowed_equals_the_call_check(divisor: int, centre: bool
     else:
         centred, mean_ref, norm_ref = codec.stats_center_rounded_torch(divided, valid,
                                                                        centre=False)
-    expected = _keep_underflowed_rows(norm_ref, divided, centred, mean_ref, valid, 1)
+    expected = _keep_underflowed_rows(norm_ref, centred)
     mean, norm2 = dynamiq_numba.stats(x, valid, divisor=divisor, centre=centre,
                                       keep_underflowed=True)
     assert torch.equal(mean.view(torch.int32), mean_ref.float().view(torch.int32))

@@ -53,7 +53,6 @@ __all__ = [
     "max_finite_abs",
     "restore",
     "restore_mean",
-    "rows_nonzero",
     "stats",
     "stats_center",
     "warm_up",
@@ -340,21 +339,6 @@ def decode_accumulate_encode(
     return result
 
 
-def rows_nonzero(x: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
-                 divisor: int = 1) -> torch.Tensor:
-    """codec.rows_nonzero_torch: whether row ``rows[k]`` of ``x / divisor - mean`` has a
-    non-zero value among its valid coordinates (bool ``[len(rows)]``)."""
-    xs = _rows_f32("x", x)
-    idx = rows.detach().to(torch.int64).reshape(-1).contiguous().numpy()
-    if idx.size and (idx.min() < 0 or idx.max() >= xs.shape[0]):
-        raise ValueError(f"rows: indices must be in [0, {xs.shape[0]})")
-    out = torch.empty(idx.shape[0], dtype=torch.bool)
-    mean_np = mean.detach().float().contiguous().numpy()
-    K.rows_nonzero(xs, xs.view(np.uint32), idx, mean_np, _valid(valid, xs.shape[0]),
-                   _divisor(divisor), out.numpy())
-    return out
-
-
 def max_finite_abs(x: torch.Tensor) -> float:
     """The largest finite ``|x|`` of a contiguous fp32 CPU tensor (0.0 if there is none)."""
     bits = np.asarray(K.max_finite_abs_bits(x.detach().reshape(-1).numpy().view(np.uint32)),
@@ -505,7 +489,6 @@ def warm_up(formats: tuple[Scales, ...] = WARM_FORMATS) -> None:
         center_gather(x, mean, valid, torch.arange(2))
         stats(x, valid, divisor=3)
         stats(x, valid, divisor=3, keep_underflowed=True)
-        rows_nonzero(x, torch.arange(2), mean, valid, 3)
         records = encode(centred, RAW_WIDTH, index, 0, 1, 1, CodecConfig())
         decode_accumulate_encode(records, RAW_WIDTH, centred.clone(), index, 0, 1, 1,
                                  CodecConfig())
@@ -552,6 +535,5 @@ OPS = DynamiqOps(
     center_gather=center_gather,
     decode_restore=decode_restore,
     restore_mean=restore_mean,
-    rows_nonzero=rows_nonzero,
     formats=FORMATS,
 )

@@ -46,10 +46,6 @@ class DynamiqOps:
     # +-0 (out = mean + 0) without reading them, and center_gather's skip= (rows left
     # unwritten): the all-reduce's width-0 rows. None: those rows are centred and restored.
     restore_mean: Callable[..., None] | None = None
-    # rows_nonzero(x, rows, mean, valid, divisor=) -> bool per listed row: any valid value of
-    # x / divisor - mean is non-zero (the underflow check on rows whose norm is 0; reference:
-    # codec.rows_nonzero_torch). None: the reference.
-    rows_nonzero: Callable[..., torch.Tensor] | None = None
     # The widths each scale encoding is implemented for (raw width 16 always is); None: every
     # format (the reference). The scheme runs a call whose widths are not all here on the
     # reference ops.

@@ -309,9 +309,8 @@ class _DynamiqAdapter(_Adapter):
                     flat, self.valid, centre=self.stats_mode == "bf16")
             else:
                 centred, mean, norm2 = self.prep_ops.stats_center(flat, self.valid)
-        if not self.split:  # the split statistics checked their zero norms already
-            norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, self.valid, divisor,
-                                           self.prep_ops)
+        if centred is not None:  # the split statistics checked their zero norms already
+            norm2 = _keep_underflowed_rows(norm2, centred)
         if self.stats_mode == "bf16":
             wire = torch.stack([mean.to(torch.bfloat16), wire_norms16(norm2)])
         elif self.stats_mode == "norm16":

@@ -94,7 +94,6 @@ from .codec import (
     CodecConfig,
     Widths,
     record_nbytes,
-    rows_nonzero_torch,
     stats_center_rounded_torch,
 )
 from .error_model import (
@@ -295,25 +294,16 @@ def _tail_layout(x: torch.Tensor, ctx: CallContext, device: torch.device) -> _La
     return _Layout(flat.view(rows, SUPER), row_start, valid, row_chunk, None)
 
 
-def _keep_underflowed_rows(norm2: torch.Tensor, flat: torch.Tensor,
-                           centred: torch.Tensor | None, mean: torch.Tensor,
-                           valid: torch.Tensor, divisor: int,
-                           ops: DynamiqOps | None = None) -> torch.Tensor:
+def _keep_underflowed_rows(norm2: torch.Tensor, centred: torch.Tensor) -> torch.Tensor:
     """``norm2`` where a row whose squares all underflow fp32 (|x| below ~1e-23) but that is not
     zero gets the smallest normal norm instead of 0, so that it still gets a record (width 0
-    would drop it, and each rank would keep its own centred values). Scans only the zero rows,
-    with ``ops.rows_nonzero`` where the kernels have it: all-zero rows are common (a ReLU
-    layer's dead units give half of an MLP's weight-gradient rows), and the reference's copies
-    of them cost more than the statistics themselves."""
+    would drop it, and each rank would keep its own centred values). Scans only the zero rows
+    (``centred``'s padding is 0). The compiled statistics do the same in their own pass
+    (``stats(keep_underflowed=True)``)."""
     empty = torch.nonzero(norm2 == 0).squeeze(1)
     if not empty.numel():
         return norm2
-    test = (ops.rows_nonzero if ops is not None and ops.rows_nonzero is not None
-            else rows_nonzero_torch)
-    if centred is not None:
-        lost = empty[test(centred, empty, torch.zeros_like(mean), valid)]
-    else:
-        lost = empty[test(flat, empty, mean, valid, divisor)]
+    lost = empty[(centred[empty] != 0).any(dim=1)]
     if not lost.numel():
         return norm2
     norm2 = norm2.clone()
@@ -481,8 +471,8 @@ class DynamiqCall:
         else:
             centred, mean, norm2 = prep.stats_center(flat, valid)
             self.kernels["stats"] = prep.name
-        if not split:  # the split statistics checked their zero norms in the same pass
-            norm2 = _keep_underflowed_rows(norm2, flat, centred, mean, valid, divisor, prep)
+        if centred is not None:  # the split statistics checked their zero norms themselves
+            norm2 = _keep_underflowed_rows(norm2, centred)
         summed = _reduce_statistics(scheme.stats, mean, norm2, ctx)
         return _Statistics(prep, flat, centred, mean, divisor, summed)
 
@@ -636,9 +626,10 @@ class DynamiqCall:
         # every rank's row was all -0, and its centred values +0; without centring m is +0).
         # Half of a ReLU MLP's gradient.
         self.unwritten: np.ndarray | None = None
+        zero = sorted_widths == 0
         if (statistics.centred is None and self.zero_rows_exact and self.deferred is not None
-                and self.ops.restore_mean is not None and bool((sorted_widths == 0).any())):
-            self.unwritten = sorted_widths == 0
+                and self.ops.restore_mean is not None and bool(zero.any())):
+            self.unwritten = zero
         if statistics.centred is None:
             assert prep.center_gather is not None and statistics.flat is not None
             self.work = prep.center_gather(

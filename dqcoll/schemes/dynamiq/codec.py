@@ -89,7 +89,6 @@ __all__ = [
     "pack_codes",
     "record_nbytes",
     "restore_torch",
-    "rows_nonzero_torch",
     "stats_center_torch",
     "tree_sum",
     "unpack_codes",
@@ -246,17 +245,6 @@ def stats_center_torch(
     """
     counts = valid.to(device=x.device, dtype=torch.float32)
     return _centre(x, valid, tree_sum(x) / counts)
-
-
-def rows_nonzero_torch(x: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor,
-                       valid: torch.Tensor, divisor: int = 1) -> torch.Tensor:
-    """Whether row ``rows[k]`` of ``x / divisor - mean`` (fp32, padding past ``valid`` ignored)
-    holds a non-zero value: bool ``[len(rows)]``. The statistics' underflow check asks it of the
-    rows whose squared norm is 0."""
-    selected = x[rows] / divisor if divisor != 1 else x[rows]
-    pad = torch.arange(SUPER, device=x.device)[None, :] >= valid[rows].to(x.device)[:, None]
-    centred = (selected - mean[rows, None]).masked_fill(pad, 0.0)
-    return (centred != 0).any(dim=1)
 
 
 def _centre(
