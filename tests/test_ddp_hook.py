@@ -191,13 +191,14 @@ def test_dynamiq_keeps_replicas_bit_identical(three_ranks: list[dict[str, Any]])
 
 
 def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
-    """The same training with the hook's futures completed by the communicator's worker
-    (async_op=True, the default) and inside the hook (async_op=False)."""
+    """The same training with the hook's futures completed by the lanes' workers (async_op=True,
+    the default: two lanes on CPU), by one worker (lanes=1) and inside the hook
+    (async_op=False)."""
     results: dict[str, Any] = {}
-    for async_op in (True, False):
+    for async_op, lanes in ((True, None), (True, 1), (False, None)):
         model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
         state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=1, algorithm="butterfly",
-                             async_op=async_op)
+                             async_op=async_op, lanes=lanes)
         prepared = state.comm is not None  # made with the state, before any backward
         order: list[list[int]] = []  # per iteration, bucket indices as their futures completed
         pending_at_return: list[bool] = []
@@ -225,10 +226,13 @@ def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
             order.append([])
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
-        results[f"async={async_op}"] = {
+        lane_bytes = [comm.counters["payload_bytes_sent"]
+                      for comm in (state.comm, *state.lane_comms) if comm is not None]
+        results[f"async={async_op} lanes={lanes}"] = {
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "order": order, "pending": pending_at_return, "prepared": prepared,
-            "iteration": state.iteration, "bits": state.bits_history}
+            "iteration": state.iteration, "bits": state.bits_history,
+            "lanes": state.lane_count(), "lane_bytes": lane_bytes}
     return results
 
 
@@ -236,20 +240,28 @@ def test_async_hook_overlaps_and_matches_the_synchronous_one(
         three_ranks: list[dict[str, Any]]) -> None:
     """async_op=True returns futures that are still pending when the hook returns (backward goes
     on), completes each iteration's buckets in bucket order, keeps the end-of-iteration
-    bookkeeping, and trains to bit-identical parameters with the synchronous hook; the
-    communicator exists before the first backward."""
+    bookkeeping, and trains to bit-identical parameters with the synchronous hook, with two
+    lanes (the CPU default: both carried buckets) and with one; the communicators exist before
+    the first backward."""
     for rank, result in enumerate(r["async"] for r in three_ranks):
-        run, sync = result["async=True"], result["async=False"]
-        assert torch.equal(run["params"], sync["params"]), f"rank {rank}"
-        assert run["prepared"] and sync["prepared"]
-        assert run["iteration"] == sync["iteration"] == 6
-        assert run["bits"] == sync["bits"] and len(run["bits"]) == 5
-        # DDP rebuilds its buckets after the first iteration (one bucket, then several); it
-        # calls the hook in bucket order 0, 1, ... and the futures complete in that order
-        assert len(run["order"][-1]) >= 2, run["order"]
-        for done in run["order"]:
-            assert done == sorted(done), (rank, run["order"])
-        assert any(run["pending"][1:]), "every compressed bucket was already done"
+        sync = result["async=False lanes=None"]
+        assert sync["lanes"] == 1 and len(sync["lane_bytes"]) == 1
+        for lanes in (None, 1):
+            run = result[f"async=True lanes={lanes}"]
+            assert torch.equal(run["params"], sync["params"]), f"rank {rank}"
+            assert run["prepared"] and sync["prepared"]
+            assert run["iteration"] == sync["iteration"] == 6
+            assert run["bits"] == sync["bits"] and len(run["bits"]) == 5
+            # DDP rebuilds its buckets after the first iteration (one bucket, then several);
+            # it calls the hook in bucket order 0, 1, ... and the futures complete in that order
+            assert len(run["order"][-1]) >= 2, run["order"]
+            for done in run["order"]:
+                assert done == sorted(done), (rank, lanes, run["order"])
+            assert any(run["pending"][1:]), "every compressed bucket was already done"
+        two = result["async=True lanes=None"]
+        assert two["lanes"] == 2 and len(two["lane_bytes"]) == 2
+        assert all(nbytes > 0 for nbytes in two["lane_bytes"]), two["lane_bytes"]
+        assert result["async=True lanes=1"]["lanes"] == 1
         assert not any(sync["pending"][1:])  # the first (warm-up) bucket is gloo's own
 
 
@@ -335,6 +347,15 @@ def test_state_validates_its_arguments() -> None:
         DynamiqState(scheme="dynamiq", bits=1.0)
     with pytest.raises(InvalidArgumentError, match="warmup_steps"):
         DynamiqState(warmup_steps=-1)
+    for lanes in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="lanes"):
+            DynamiqState(lanes=lanes)  # type: ignore[arg-type]
+    # before the device is known, and for CUDA buckets, one lane; CPU buckets take two
+    assert DynamiqState().lane_count() == 1
+    assert DynamiqState(device="cuda").lane_count() == 1
+    assert DynamiqState(device="cpu").lane_count() == 2
+    assert DynamiqState(device="cpu", lanes=3).lane_count() == 3
+    assert DynamiqState(device="cpu", async_op=False).lane_count() == 1
     for name in schemes.list_schemes():
         state = DynamiqState(scheme=name)
         assert state.should_compress(10) == (name != "none")

@@ -56,31 +56,50 @@ rank, and copies the returned tensor into the gradients):
   ranks mid-training and finishes with 3.
 
 **Overlap.** The compressed path issues ``dqcoll.allreduce(..., async_op=True)`` and returns at
-once a future that the communicator's worker thread completes when the bucket's all-reduce is
+once a future that a communicator's worker thread completes when the bucket's all-reduce is
 done (torch's ``fp16_compress_hook`` does the same with ``dist.all_reduce(async_op=True)``): DDP
-goes on computing the next buckets' gradients while this one is coded and on the wire, and the
-worker runs the buckets in issue order, so every rank's messages match. The bookkeeping of a
-bucket (allocation carried over, bits, the end of the iteration) runs on the worker when its
-all-reduce completes. Monitored iterations (``monitor_every``) run synchronously: their exact
-fp64 all-reduce is a second collective on the same process group, which must not interleave
-with the worker's. ``DynamiqState(async_op=False)`` runs every bucket inside the hook (the same
-bits; a test checks it).
+goes on computing the next buckets' gradients while this one is coded and on the wire. Monitored
+iterations (``monitor_every``) run synchronously: their exact fp64 all-reduce is a second
+collective on the same process group, which must not interleave with the workers'.
+``DynamiqState(async_op=False)`` runs every bucket inside the hook (the same bits; a test checks
+it).
+
+**Lanes** (``lanes=``, default 2 for CPU buckets, 1 for CUDA ones). Bucket ``i`` runs on lane
+``i % lanes``: a communicator with its own worker thread and its own gloo connection (a
+``ProcessGroupGloo`` made from the group's store under a prefix of this state, as the FSDP lanes
+do), so bucket ``i + 1``'s codec runs while bucket ``i``'s bytes are on the wire, and no core
+idles while every rank waits for the link. Within a lane the buckets run in issue order, which
+is the same on every rank, so every lane's messages match; the lanes' messages never share a
+connection. Each bucket's result does not depend on its lane (its random numbers are keyed by
+the iteration's seed and the bucket index; a test trains bit-identically with 1 and 2 lanes).
+The futures complete in bucket order and the bookkeeping of a bucket (allocation carried over,
+bits, the end of the iteration) runs in that order too, on whichever worker finishes the
+bucket that completes the sequence. Measured on 4 ranks sharing 2 cores over an emulated
+1 Gb/s link, the 12.6 M-parameter MLP of docs/benchmarks.md: ~360-390 ms per step with one
+lane, ~330-340 with two (the second bucket's codec runs in the first one's transfer waits).
+CUDA buckets keep one lane: the codec is GPU kernels queued on a stream and the transport is
+NCCL's, which a second gloo connection would not carry.
 
 **Ready before the first backward.** The state creates its communicator (and so compiles or
 loads the CPU kernels, printing a line while a first compilation runs) when it is made, if
 ``torch.distributed`` is initialised, or at :meth:`DynamiqState.prepare`; never inside backward.
 
-Rejected: a hook that builds its own process group (DDP's group is the one whose ranks hold the
-replicas; a second group would double the rendezvous and could order collectives differently),
-and per-parameter compression (DDP's buckets are what is on the wire; any bucket size works
-because dqcoll pads internally).
+Rejected: a hook that runs over a process group of its own instead of DDP's (DDP's group is the
+one whose ranks hold the replicas; the lanes' extra connections join through that group's
+store, among its ranks only), and per-parameter compression (DDP's buckets are what is on the
+wire; any bucket size works because dqcoll pads internally).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import copy
+import dataclasses
+import datetime
 import logging
 import math
+import threading
 from typing import Any
 
 import torch
@@ -126,7 +145,12 @@ class DynamiqState:
             initialised) or at :meth:`prepare`.
         fault_tolerant: on a failed collective (a lost rank), record it in ``failure`` and
             complete the bucket unreduced instead of raising (see the module docstring).
+        lanes: how many buckets may be averaged at once, each lane a communicator with its own
+            worker and gloo connection (see the module docstring); None: 2 for CPU buckets, 1
+            for CUDA ones. Every rank passes the same value.
     """
+
+    _instances = 0  # states made in this process: the prefix of their lanes' connections
 
     def __init__(
         self,
@@ -145,6 +169,7 @@ class DynamiqState:
         async_op: bool = True,
         device: torch.device | str | None = None,
         fault_tolerant: bool = False,
+        lanes: int | None = None,
     ) -> None:
         options = dict(scheme_options or {})
         # "auto" takes dynamiq's options (dqcoll.auto); any other name must be registered
@@ -171,12 +196,23 @@ class DynamiqState:
         for name, value in (("warmup_steps", warmup_steps), ("monitor_every", monitor_every)):
             if not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
+                                  or lanes < 1):
+            raise InvalidArgumentError(f"lanes must be a positive int or None, got {lanes!r}")
 
         # -- where: the group whose ranks hold the replicas, and dqcoll's communicator on it --
         self.process_group = process_group
         self.comm: Communicator | None = None  # made by prepare(), before the first backward
         self.device = None if device is None else torch.device(device)
         self.async_op = bool(async_op)
+        self.lanes = lanes  # None: decided with the device, at prepare()
+        # communicators of lanes 1, 2, ... (lane 0 is self.comm); see lane()
+        self.lane_comms: list[Communicator] = []
+        DynamiqState._instances += 1
+        self._instance = DynamiqState._instances
+        # -- buckets in flight, completed in issue order (see _release_in_order) --
+        self._in_flight: collections.deque[_Bucket] = collections.deque()
+        self._order = threading.Condition()  # guards _in_flight; notified as buckets leave
 
         # -- what goes on the wire --
         self.scheme = scheme
@@ -254,10 +290,64 @@ class DynamiqState:
             # measure the link and the codecs now (collective), not in the first backward
             comm.auto.measure_link(comm.transport, what="DynamiqState.prepare link probe")
             comm.auto.measure_codecs(comm.device, self.bits)
+        self._make_lanes(comm)
         return comm
+
+    def lane_count(self) -> int:
+        """The lanes buckets are spread over (1 until the device is known, and after a
+        shrink: the survivors' communicator alone)."""
+        if self.shrunk or not self.async_op:
+            return 1
+        if self.lanes is not None:
+            return self.lanes
+        return 2 if self.device is not None and self.device.type == "cpu" else 1
+
+    def _make_lanes(self, comm: Communicator) -> None:
+        """Lanes 1, 2, ...: a gloo connection each among the group's ranks (made from the
+        group's store under this state's prefix; every rank makes them at the same point)."""
+        wanted = self.lane_count()
+        if len(self.lane_comms) + 1 >= wanted:
+            return
+        if comm.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"DynamiqState(lanes={wanted}): more than one lane needs CPU buckets (each lane "
+                f"is a gloo connection); buckets on {comm.device} take lanes=1")
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        store = dist.distributed_c10d._get_default_store()
+        timeout_s = comm.transport.timeout_s  # type: ignore[attr-defined]  # a TorchTransport
+        name = getattr(group, "group_name", "world")
+        for lane in range(len(self.lane_comms) + 1, wanted):
+            prefix = f"dqcoll-ddp/{self._instance}/{name}/lane{lane}/"
+            gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), comm.rank,
+                                         comm.world_size, datetime.timedelta(seconds=timeout_s))
+            extra = Communicator(TorchTransport(gloo, timeout_s=timeout_s), seed=self.seed,
+                                 device=comm.device)
+            if self.scheme == "auto":
+                extra.auto = copy.deepcopy(comm.auto)  # the same link, measured once
+            self.lane_comms.append(extra)
+
+    def lane(self, index: int) -> Communicator:
+        """The communicator that averages bucket ``index``."""
+        count = self.lane_count()
+        if count == 1 or index % count == 0:
+            assert self.comm is not None
+            return self.comm
+        return self.lane_comms[index % count - 1]
+
+    def drain(self) -> None:
+        """Wait until no bucket of this state is in flight on any lane (every lane's
+        collectives have run and every bucket was released, in order)."""
+        for comm in (self.comm, *self.lane_comms):
+            if comm is not None:
+                handles.drain(comm)
+        with self._order:
+            # the last releases run in the lanes' done callbacks, just after the collectives
+            self._order.wait_for(lambda: not self._in_flight)
 
     def communicator(self, device: torch.device) -> Communicator:
         if self.comm is None:
+            if self.device is None:
+                self.device = torch.device(device)
             self.comm = Communicator(TorchTransport(self.process_group), seed=self.seed,
                                      device=device)
         elif self.comm.device.type != device.type:
@@ -289,6 +379,11 @@ class DynamiqState:
         """After a lost rank: average over a communicator of the survivors from now on
         (``kwargs`` go to :meth:`dqcoll.Communicator.shrink`); clears ``failure``."""
         comm = self.prepare()
+        for extra in self.lane_comms:  # the survivors average over one lane
+            extra.transport.abort("the group shrank after a lost rank")
+            extra.mark_dead("shrunk after a lost rank: DynamiqState averages over one lane")
+            handles.shutdown(extra)
+        self.lane_comms = []
         self.comm = comm.shrink(**kwargs)
         self.shrunk = True
         self.failure = None
@@ -299,7 +394,7 @@ class DynamiqState:
         return (f"DynamiqState(scheme={self.scheme!r}, bits={self.bits:g}, "
                 f"algorithm={self.algorithm!r}, warmup_steps={self.warmup_steps}, "
                 f"iteration={self.iteration}, error_feedback={self.error_feedback}, "
-                f"monitor_every={self.monitor_every})")
+                f"monitor_every={self.monitor_every}, lanes={self.lane_count()})")
 
 
 def _future_for(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -379,6 +474,54 @@ def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -
         state._bits_sums[1] += numel
 
 
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    """One bucket in flight on a lane, until it is released in issue order."""
+
+    future: torch.futures.Future[torch.Tensor]
+    buf: torch.Tensor
+    index: int
+    iteration: int
+    last: bool
+    finished: bool = False
+    error: BaseException | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    event: Any = None  # CUDA: the event after which the result is ready
+
+
+def _release_in_order(state: DynamiqState) -> None:
+    """Complete the finished buckets at the head of the issue order: bookkeeping, then the
+    future. Runs on a lane's worker; the lock makes the releases of two lanes one sequence, so
+    a bucket's bookkeeping and future never overtake an earlier bucket's."""
+    with state._order:
+        while state._in_flight and state._in_flight[0].finished:
+            _release(state, state._in_flight.popleft())
+        state._order.notify_all()
+
+
+def _release(state: DynamiqState, bucket: _Bucket) -> None:
+    error = bucket.error
+    if error is None:
+        try:
+            _record(state, bucket.info, bucket.index, bucket.buf.numel())
+            if bucket.last:
+                _end_of_iteration(state, bucket.iteration)
+        except BaseException as exc:  # bookkeeping must not lose the bucket's future
+            error = exc
+    if error is not None and state.fault_tolerant and isinstance(error, DqcollError):
+        state.record_failure(bucket.iteration, error)  # the bucket goes back unreduced
+        if bucket.last:
+            _end_of_iteration(state, bucket.iteration)
+        bucket.future.set_result(bucket.buf)
+        return
+    if error is not None:
+        bucket.future.set_exception(error)  # type: ignore[arg-type]  # any exception
+        return
+    if bucket.event is not None:  # CUDA: the result is ready once this stream passes the event
+        torch.cuda.current_stream(bucket.buf.device).wait_event(bucket.event)
+    bucket.future.set_result(bucket.buf)
+
+
 def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iteration: int,
                         last: bool) -> torch.futures.Future[torch.Tensor]:
     comm = state.communicator(buf.device)
@@ -391,37 +534,26 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
     options = _call_options(state)
     seed = state.step_seed(iteration)
     if state.async_op and not state.should_monitor(iteration):
-        future = _future_for(buf)
+        state._make_lanes(comm)  # no-op once made (prepare() makes them before any backward)
+        lane = state.lane(index)
+        bucket = _Bucket(_future_for(buf), buf, index, iteration, last)
+        with state._order:
+            state._in_flight.append(bucket)
         handle = allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
-                           comm=comm, seed=seed, step=index, async_op=True, **options)
+                           comm=lane, seed=seed, step=index, async_op=True, **options)
 
         def done(finished: concurrent.futures.Future[Any]) -> None:
-            # On the worker thread, right after the all-reduce (before its next job).
-            error = finished.exception()
-            if error is None:
-                try:
-                    _record(state, comm.last_info, index, buf.numel())
-                    if last:
-                        _end_of_iteration(state, iteration)
-                except BaseException as exc:  # bookkeeping must not lose the bucket's future
-                    error = exc
-            if error is not None and state.fault_tolerant and isinstance(error, DqcollError):
-                state.record_failure(iteration, error)  # the bucket goes back unreduced
-                if last:
-                    _end_of_iteration(state, iteration)
-                future.set_result(buf)
-                return
-            if error is not None:
-                future.set_exception(error)  # type: ignore[arg-type]  # any exception
-                return
-            event = finished.result()
-            if event is not None:  # CUDA: the result is ready once this stream passes the event
-                torch.cuda.current_stream(buf.device).wait_event(event)
-            future.set_result(buf)
+            # On the lane's worker thread, right after the all-reduce (before its next job).
+            bucket.error = finished.exception()
+            if bucket.error is None:
+                bucket.info = dict(lane.last_info)
+                bucket.event = finished.result()
+            bucket.finished = True
+            _release_in_order(state)
 
         handle.add_done_callback(done)
-        return future
-    handles.drain(comm)  # nothing of this communicator may be in flight beside the exact one
+        return bucket.future
+    state.drain()  # nothing of this state may be in flight beside the exact all-reduce
     exact = None
     if state.should_monitor(iteration):
         exact = buf.double()
