@@ -75,8 +75,8 @@ the iteration's seed and the bucket index; a test trains bit-identically with 1 
 The futures complete in bucket order and the bookkeeping of a bucket (allocation carried over,
 bits, the end of the iteration) runs in that order too, on whichever worker finishes the
 bucket that completes the sequence. Measured on 4 ranks sharing 2 cores over an emulated
-1 Gb/s link, the 12.6 M-parameter MLP of docs/benchmarks.md: ~360-390 ms per step with one
-lane, ~330-340 with two (the second bucket's codec runs in the first one's transfer waits).
+1 Gb/s link, the 12.6 M-parameter MLP of docs/benchmarks.md: 358-400 ms per step with one
+lane, 327-358 with two (docs/ddp.md: the cores idled 23 % of the step, then 8 %).
 CUDA buckets keep one lane: the codec is GPU kernels queued on a stream and the transport is
 NCCL's, which a second gloo connection would not carry.
 
@@ -118,6 +118,12 @@ __all__ = ["DynamiqState", "dynamiq_hook", "resync"]
 log = logging.getLogger("dqcoll.ddp")
 
 _SEED_MASK = (1 << 62) - 1  # dqcoll seeds are compared across ranks as 62-bit integers
+# The tile of a bucket's all-reduce when two or more lanes overlap the buckets (CPU): the other
+# lane's codec fills a bucket's transfer waits, so tiles that overlap a bucket's own codec and
+# transfers cost more CPU (kernel launches, exchanges) than they save. 1 Gb/s, 4 ranks on 2
+# cores, the 12.6 M-parameter MLP, 5 alternating runs each: 4 MiB tiles (2 per chunk) 333-338
+# ms per step, 16 MiB (one per chunk) 322-342 ms (mean 335 against 330); 1 MiB tiles 346-361.
+LANE_TILE_NBYTES = 16 << 20
 
 
 class DynamiqState:
@@ -539,8 +545,10 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         bucket = _Bucket(_future_for(buf), buf, index, iteration, last)
         with state._order:
             state._in_flight.append(bucket)
+        tile = LANE_TILE_NBYTES if state.lane_count() > 1 else None  # None: the API's default
         handle = allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
-                           comm=lane, seed=seed, step=index, async_op=True, **options)
+                           comm=lane, seed=seed, step=index, async_op=True, tile_nbytes=tile,
+                           **options)
 
         def done(finished: concurrent.futures.Future[Any]) -> None:
             # On the lane's worker thread, right after the all-reduce (before its next job).
