@@ -178,7 +178,7 @@ def cost_lookup(scales: Scales) -> torch.Tensor:
     return _cost_table(scales).clone()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=16)  # a few scales
 def _cost_table(scales: Scales) -> torch.Tensor:
     return torch.tensor([0 if w not in ALL_WIDTHS else record_nbytes(w, scales)
                          for w in range(RAW_WIDTH + 1)], dtype=torch.int64)
