@@ -14,6 +14,9 @@ row            what averages the gradients
                warmup_steps=0, monitor_every=0)``
 ``auto``       the same with ``scheme="auto"`` ("not available" where ``DynamiqState``
                rejects it)
+``dynamiq_1``  ``dynamiq`` with ``lanes=1``: one bucket at a time (the default on CPU is two
+               lanes; docs/ddp.md), to show what the lanes change
+``auto_1``     ``auto`` with ``lanes=1``
 ``powersgd``   torch's ``powerSGD_hook`` (rank 2, compressing from the 2nd step); last, because
                it crashes on gloo in some torch versions: the row then reads "crashed: <error>"
 =============  ==================================================================================
@@ -90,12 +93,15 @@ ROWS: dict[str, str] = {
     "fp16_hook": "torch fp16_compress_hook",
     "dynamiq": "dqcoll dynamiq_hook, dynamiq 5 b",
     "auto": "dqcoll dynamiq_hook, auto",
+    "dynamiq_1": "dqcoll dynamiq 5 b, one lane",
+    "auto_1": "dqcoll auto, one lane",
     "powersgd": "torch powerSGD_hook (rank 2)",
 }
 # column names of the markdown summary
 SHORT: dict[str, str] = {"floor": "no comm. (floor)", "ddp": "DDP default",
                          "fp16_hook": "fp16 hook", "dynamiq": "dqcoll dynamiq 5 b",
-                         "auto": "dqcoll auto", "powersgd": "PowerSGD"}
+                         "auto": "dqcoll auto", "dynamiq_1": "dynamiq, 1 lane",
+                         "auto_1": "auto, 1 lane", "powersgd": "PowerSGD"}
 NOMINAL_BITS = {"ddp": 32.0, "fp16_hook": 16.0}  # torch rows: the wire dtype's bits
 BUCKET_CAP_MB = 25
 POWERSGD_RANK = 2
@@ -185,9 +191,11 @@ def _register_hook(row: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
         return state
     from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
 
-    scheme = "dynamiq" if row == "dynamiq" else "auto"
+    scheme = "dynamiq" if row.startswith("dynamiq") else "auto"
+    lanes = 1 if row.endswith("_1") else None
     try:
-        state = DynamiqState(scheme=scheme, bits=5, warmup_steps=0, monitor_every=0)
+        state = DynamiqState(scheme=scheme, bits=5, warmup_steps=0, monitor_every=0,
+                             **({"lanes": lanes} if lanes else {}))
     except Exception as exc:  # the same on every rank: it is the argument check
         raise RowUnavailable(f"DynamiqState(scheme={scheme!r}) rejected: "
                              f"{type(exc).__name__}: {_first_line(exc)}") from None
@@ -217,10 +225,11 @@ def _error_step(ddp: nn.parallel.DistributedDataParallel, state: Any, x: torch.T
                 y: torch.Tensor, world_size: int) -> dict[str, Any]:
     """One untimed step's vNMSE against the exact average, and the dqcoll hook's bits/coord."""
     reference = copy.deepcopy(ddp.module)  # the same weights, no DDP
-    comm = getattr(state, "comm", None)
-    counters = getattr(comm, "counters", None)
-    if counters is not None:
-        counters.reset()
+    # every lane's communicator (DynamiqState.lane_comms: lanes 1, 2, ...), each its own counters
+    comms = [c for c in (getattr(state, "comm", None), *getattr(state, "lane_comms", ()))
+             if getattr(c, "counters", None) is not None]
+    for comm in comms:
+        comm.counters.reset()
     ddp.zero_grad(set_to_none=True)
     nn.functional.mse_loss(ddp(x), y).backward()
     averaged = _flat_grads(ddp.module)
@@ -231,9 +240,10 @@ def _error_step(ddp: nn.parallel.DistributedDataParallel, state: Any, x: torch.T
     norm2 = float(exact.square().sum())
     error2 = float((averaged - exact).square().sum())
     out: dict[str, Any] = {"vnmse": error2 / norm2 if norm2 > 0 else math.nan}
-    if counters is not None:
+    if comms:
         traffic = 2 * (world_size - 1) / world_size * averaged.numel()
-        out["bits_per_coord"] = float(counters["bytes_sent"]) * 8 / traffic
+        sent = sum(float(comm.counters["bytes_sent"]) for comm in comms)
+        out["bits_per_coord"] = sent * 8 / traffic
         out["bits_source"] = "measured (dqcoll counters, one step)"
     last_info = getattr(state, "last_info", None)
     if last_info:
@@ -490,7 +500,8 @@ def render_markdown(paths: Sequence[str]) -> str:
     """One markdown table of step times (ms, and speed-up over DDP's default) per result file,
     then the bits/coord and vNMSE of the compressed rows."""
     results = sorted((json.loads(Path(p).read_text()) for p in paths), key=_order)
-    order = list(ROWS)
+    present = {r["row"] for result in results for r in result["rows"]}
+    order = [r for r in ROWS if not r.endswith("_1") or r in present]  # one-lane rows if run
     time_rows = ["| link | ranks | model | " + " | ".join(SHORT[r] for r in order) + " |",
                  "|---|---:|---|" + "---:|" * len(order)]
     error_rows = ["| link | ranks | model | row | bits/coord | vNMSE |",
@@ -501,7 +512,7 @@ def render_markdown(paths: Sequence[str]) -> str:
         link = prov["link"].split(" (")[0]  # the rate; the topology is in the JSON
         key = f"| {link} | {prov['world_size']} | {prov['model']} |"
         time_rows.append(key + " " + " | ".join(_cell(by_row.get(r)) for r in order) + " |")
-        for name in ("fp16_hook", "dynamiq", "auto", "powersgd"):
+        for name in ("fp16_hook", "dynamiq", "auto", "dynamiq_1", "auto_1", "powersgd"):
             entry = by_row.get(name)
             if entry and "vnmse" in entry:
                 bits = entry.get("bits_per_coord")

@@ -251,6 +251,10 @@ class DynamiqState:
         self.kappa_history: list[tuple[int, float]] = []  # (iteration, kappa after it)
         self.bits_history: list[tuple[int, float]] = []  # (iteration, bits per coordinate sent)
         self._bits_sums = [0.0, 0]  # sum of bits * numel over the iteration's buckets, numel
+        # -- lanes under scheme="auto": spread buckets over the lanes only after an iteration in
+        # which every bucket chose dynamiq (see lane()); [dynamiq buckets, other buckets] --
+        self._spread = scheme != "auto"
+        self._choices = [0, 0]
 
         # -- surviving a lost rank --
         self.fault_tolerant = fault_tolerant
@@ -333,9 +337,14 @@ class DynamiqState:
             self.lane_comms.append(extra)
 
     def lane(self, index: int) -> Communicator:
-        """The communicator that averages bucket ``index``."""
+        """The communicator that averages bucket ``index``: lane ``index % lanes``; with
+        ``scheme="auto"``, lane 0 until an iteration in which every bucket chose dynamiq and
+        again after one in which some did not (the group's own all-reduces that ``none`` and
+        ``bf16`` run gain nothing from running two at once on cores the ranks share: on
+        loopback, 4 ranks on 2 cores, the auto row's step went from 195 to 214 ms). The
+        choices are agreed, so every rank picks the same lane."""
         count = self.lane_count()
-        if count == 1 or index % count == 0:
+        if count == 1 or index % count == 0 or not self._spread:
             assert self.comm is not None
             return self.comm
         return self.lane_comms[index % count - 1]
@@ -471,6 +480,7 @@ def _call_options(state: DynamiqState) -> dict[str, Any]:
 def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -> None:
     """What a completed bucket leaves in the state (runs where its all-reduce completed)."""
     state.last_info = dict(info)
+    state._choices[0 if info.get("scheme") == "dynamiq" else 1] += 1
     u = info.get("u")
     if u is not None:
         state.allocation_u[index] = float(u)
@@ -545,7 +555,8 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         bucket = _Bucket(_future_for(buf), buf, index, iteration, last)
         with state._order:
             state._in_flight.append(bucket)
-        tile = LANE_TILE_NBYTES if state.lane_count() > 1 else None  # None: the API's default
+        spread = state.lane_count() > 1 and state._spread
+        tile = LANE_TILE_NBYTES if spread else None  # None: the API's default
         handle = allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
                            comm=lane, seed=seed, step=index, async_op=True, tile_nbytes=tile,
                            **options)
@@ -608,6 +619,16 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
                      iteration, state.scheme, vnmse)
     state._monitor_sums = [0.0, 0.0, 0.0]
     state._bits_sums = [0.0, 0]
+    if state.scheme == "auto" and sum(state._choices):
+        spread = state._choices[1] == 0  # every compressed bucket chose dynamiq
+        if spread and not state._spread and state.comm is not None:
+            # the idle lanes take lane 0's agreed rates and calibration (identical on every
+            # rank; nothing of theirs is in flight), so they choose as lane 0 has learnt to
+            for extra in state.lane_comms:
+                extra.auto = copy.deepcopy(state.comm.auto)
+                extra.auto.pending = None  # lane 0's last call is calibrated by lane 0
+        state._spread = spread
+    state._choices = [0, 0]
     state.iteration = iteration + 1
 
 
