@@ -619,7 +619,7 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
                      iteration, state.scheme, vnmse)
     state._monitor_sums = [0.0, 0.0, 0.0]
     state._bits_sums = [0.0, 0]
-    if state.scheme == "auto" and sum(state._choices):
+    if state.scheme == "auto" and state._choices[0] + state._choices[1]:
         spread = state._choices[1] == 0  # every compressed bucket chose dynamiq
         if spread and not state._spread and state.comm is not None:
             # the idle lanes take lane 0's agreed rates and calibration (identical on every
