@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import auto as auto_mod
-from . import handles, schemes, validate
+from . import handles, schemes, scratch, validate
 from .auto import AutoChoice
 from .comm import Communicator, get_default_comm
 from .context import call_context
@@ -209,10 +209,19 @@ def _execute(call: PreparedCall, comm: Communicator, shift: int) -> None:
         x = scaled(x, shift)
     ctx = call_context(comm.transport, op, call.seed, call.step, call.collective, call.what,
                        schedule, comm.scheme_state)
-    coded = scheme.begin(x, ctx)
-    run_schedule(schedule, coded, comm.transport, what=call.what, collective=call.collective,
-                 tile_nbytes=call.tile_nbytes, tiles_in_flight=call.tiles_in_flight)
-    _restore(call, comm, coded, shift)
+    try:
+        coded = scheme.begin(x, ctx)
+        run_schedule(schedule, coded, comm.transport, what=call.what,
+                     collective=call.collective, tile_nbytes=call.tile_nbytes,
+                     tiles_in_flight=call.tiles_in_flight)
+        _restore(call, comm, coded, shift)
+    except BaseException:
+        # a receive that failed may still land in its buffer: no later call reuses it
+        scratch.discard(comm.scheme_state)
+        raise
+    release = getattr(coded, "release", None)  # pooled buffers back (dqcoll.scratch)
+    if release is not None:
+        release()
     comm.last_info.update(coded.info)
     if shift:
         comm.last_info["range_shift"] = shift

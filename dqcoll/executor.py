@@ -270,10 +270,16 @@ class _TileRun:
         call = self.call
         device = call.work.device
         payload_of = self._leaf_or_forward if phase == "reduce" else self.final.__getitem__
+        scratch = getattr(call, "scratch", None)  # the call's reused byte buffers, if any
         sends = []
         for peer, chunks in step.sends:
             parts = [payload_of(c) for c in chunks]
-            message = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if len(parts) == 1:
+                message = parts[0]
+            elif scratch is not None:
+                message = torch.cat(parts, out=scratch(sum(p.numel() for p in parts)))
+            else:
+                message = torch.cat(parts)
             if message.numel():
                 sends.append((peer, message))
         recvs = []
@@ -283,7 +289,8 @@ class _TileRun:
                       for c, _ in items]
             sizes = [call.payload_nbytes(self._index(c), count)
                      for (c, _), count in zip(items, counts, strict=True)]
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            buffer = (scratch(sum(sizes)) if scratch is not None
+                      else torch.empty(sum(sizes), dtype=torch.uint8, device=device))
             if buffer.numel():
                 recvs.append((peer, buffer))
             layouts.append((peer, items, sizes, buffer))

@@ -71,6 +71,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ... import scratch
 from ...errors import InvalidArgumentError
 from ...kernels import DynamiqOps, _torch_ops, dynamiq_ops
 from ...types import Collective, ReduceOp
@@ -413,6 +414,8 @@ class DynamiqCall:
         self.ops = dynamiq_ops(x.device)
         if scheme.reference_only and self.ops.name != "torch":
             self.ops = _torch_ops()
+        # payloads and message buffers reused across the communicator's CPU calls (release())
+        self.pool = scratch.pool_for(ctx.state, x.device)
         layout = self._lay_out(scheme, x, ctx)
         statistics = self._statistics(scheme, layout, ctx)
         self._allocate(scheme, layout, statistics.summed, ctx)
@@ -853,10 +856,21 @@ class DynamiqCall:
 
     # -- per-hop operations -------------------------------------------------------------------
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised uint8 buffer for this call's payloads and messages: from the
+        communicator's pool on the CPU (:mod:`dqcoll.scratch`, no page faults), else new."""
+        if self.pool is not None:
+            return self.pool.take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.work.device)
+
+    def release(self) -> None:
+        """The call returned: its pooled buffers go back to the communicator's pool."""
+        if self.pool is not None:
+            self.pool.release()
+
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         self.kernels["encode"] = self.ops.name
-        out = torch.empty(self.payload_nbytes(chunk, count), dtype=torch.uint8,
-                          device=self.work.device)
+        out = self.scratch(self.payload_nbytes(chunk, count))
         for width, a, b, offset in self._segments(chunk, count):
             self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
                             self.world_size, self.key, self.config,
@@ -884,7 +898,7 @@ class DynamiqCall:
         self.kernels["decode_accumulate_encode"] = self.ops.name
         if self._geom:
             return self._hop_widths_step(chunk, payload, count, out_count)
-        out = torch.empty_like(payload)
+        out = self.scratch(payload.numel())
         for width, a, b, offset in self._segments(chunk):
             self.ops.decode_accumulate_encode(
                 self._records(payload, width, a, b, offset), width, self.work[a:b],
@@ -899,8 +913,7 @@ class DynamiqCall:
         """The hop when widths depend on the count: rows whose width stays the same take the
         fused decode-accumulate-encode; where it changes, decode-accumulate at the incoming
         width, then encode at the outgoing one (both tables order the rows alike)."""
-        out = torch.empty(self.payload_nbytes(chunk, out_count), dtype=torch.uint8,
-                          device=self.work.device)
+        out = self.scratch(self.payload_nbytes(chunk, out_count))
         incoming = self._segments(chunk, count)
         outgoing = self._segments(chunk, out_count)
         i = j = 0
