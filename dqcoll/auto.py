@@ -166,6 +166,9 @@ class AutoPolicy:
         self.force = envs.auto_force()  # a candidate to run whatever the model says, or None
         self.history: list[AutoChoice] = []  # the last choices (bounded), for inspection
         self.tried: set[str] = set()  # candidates run at least once (their factor is measured)
+        # no calibration while set: the DDP hook sets it on its lanes while they overlap
+        # buckets (a call's time then counts another lane's work; agreed, as the lanes' spread)
+        self.frozen = False
 
     # -- measurement ------------------------------------------------------------------------------
 
@@ -307,6 +310,8 @@ class AutoPolicy:
             return
         scheme, predicted = self.pending
         self.pending = None
+        if self.frozen:
+            return
         if not predicted > 0:
             return
         ratio = min(max(measured_s / predicted, 1.0 / 16), 16.0)

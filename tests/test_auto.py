@@ -115,6 +115,10 @@ def test_calibration_moves_towards_measurements() -> None:
     assert policy.calibration["none"] == policy.calibration["bf16"] == 1.0
     policy.calibrate(5.0)  # nothing pending: no change
     assert policy.calibration["dynamiq"] == pytest.approx(2.0)
+    policy.frozen = True  # the DDP hook's overlapping lanes: a call's time is not its own
+    policy.choose({"none": 1.0, "bf16": 1.0, "dynamiq": 0.5})
+    policy.calibrate(8.0)
+    assert policy.calibration["dynamiq"] == pytest.approx(2.0) and policy.pending is None
 
 
 def _auto_calls(comm: dqcoll.Communicator, numel: int) -> list[dict]:

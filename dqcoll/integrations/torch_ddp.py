@@ -628,6 +628,13 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
                 extra.auto = copy.deepcopy(state.comm.auto)
                 extra.auto.pending = None  # lane 0's last call is calibrated by lane 0
         state._spread = spread
+        # Overlapping calls take longer each than alone (they share the cores and the link), so
+        # measuring them would raise dynamiq's factor until auto left it for a bf16 that then
+        # ran alone (1 Gb/s: the auto row flipped to bf16 for its last steps, 320 -> 550 ms):
+        # while buckets overlap, the factors stay as the calls run alone measured them.
+        for comm in (state.comm, *state.lane_comms):
+            if comm is not None:
+                comm.auto.frozen = spread and state.lane_count() > 1
     state._choices = [0, 0]
     state.iteration = iteration + 1
 
