@@ -356,6 +356,8 @@ def test_state_validates_its_arguments() -> None:
     assert DynamiqState(device="cpu").lane_count() == 2
     assert DynamiqState(device="cpu", lanes=3).lane_count() == 3
     assert DynamiqState(device="cpu", async_op=False).lane_count() == 1
+    assert DynamiqState(device="cpu", scheme="auto").lane_count() == 1  # calibrated alone
+    assert DynamiqState(device="cpu", scheme="auto", lanes=2).lane_count() == 2
     for name in schemes.list_schemes():
         state = DynamiqState(scheme=name)
         assert state.should_compress(10) == (name != "none")

@@ -305,11 +305,17 @@ class DynamiqState:
 
     def lane_count(self) -> int:
         """The lanes buckets are spread over (1 until the device is known, and after a
-        shrink: the survivors' communicator alone)."""
+        shrink: the survivors' communicator alone). The default is 2 for CPU buckets, except
+        with ``scheme="auto"``: its choice is calibrated by each call's measured time, which
+        overlapping calls inflate (calibrating anyway flipped the 1 Gb/s auto row to bf16;
+        not calibrating while overlapped kept dynamiq at 10 Gb/s, 23 % slower than the fp16
+        hook), so auto runs one bucket at a time unless ``lanes`` says otherwise."""
         if self.shrunk or not self.async_op:
             return 1
         if self.lanes is not None:
             return self.lanes
+        if self.scheme == "auto":
+            return 1
         return 2 if self.device is not None and self.device.type == "cpu" else 1
 
     def _make_lanes(self, comm: Communicator) -> None:
