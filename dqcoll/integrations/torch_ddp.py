@@ -64,7 +64,8 @@ collective on the same process group, which must not interleave with the workers
 ``DynamiqState(async_op=False)`` runs every bucket inside the hook (the same bits; a test checks
 it).
 
-**Lanes** (``lanes=``, default 2 for CPU buckets, 1 for CUDA ones). Bucket ``i`` runs on lane
+**Lanes** (``lanes=``, default 2 for CPU buckets, 1 for CUDA ones and for ``scheme="auto"``:
+see :meth:`DynamiqState.lane_count`). Bucket ``i`` runs on lane
 ``i % lanes``: a communicator with its own worker thread and its own gloo connection (a
 ``ProcessGroupGloo`` made from the group's store under a prefix of this state, as the FSDP lanes
 do), so bucket ``i + 1``'s codec runs while bucket ``i``'s bytes are on the wire, and no core
@@ -153,7 +154,7 @@ class DynamiqState:
             complete the bucket unreduced instead of raising (see the module docstring).
         lanes: how many buckets may be averaged at once, each lane a communicator with its own
             worker and gloo connection (see the module docstring); None: 2 for CPU buckets, 1
-            for CUDA ones. Every rank passes the same value.
+            for CUDA ones and for ``scheme="auto"``. Every rank passes the same value.
     """
 
     _instances = 0  # states made in this process: the prefix of their lanes' connections
