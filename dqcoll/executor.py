@@ -62,7 +62,7 @@ import torch
 
 from .schemes.base import SchemeCall
 from .topology.schedule import Role, Schedule, Step
-from .transports.base import Transport
+from .transports.base import Transport, exchange_framed
 from .types import Collective
 
 __all__ = [
@@ -217,6 +217,14 @@ class _Exchange:
     sends: list[tuple[int, torch.Tensor]]
     recvs: list[tuple[int, torch.Tensor]]
     layouts: list[tuple[int, tuple[tuple[int, Role], ...], list[int], torch.Tensor]]
+    framed: bool = False  # sends and recvs are frames (transports.base.exchange_framed)
+
+    def run(self, transport: Transport) -> None:
+        """Exchange the messages over ``transport`` (blocking)."""
+        if self.framed:
+            exchange_framed(transport, self.sends, self.recvs, what=self.label)
+        else:
+            transport.exchange(self.sends, self.recvs, what=self.label)
 
 
 class _TileRun:
@@ -294,7 +302,16 @@ class _TileRun:
             if buffer.numel():
                 recvs.append((peer, buffer))
             layouts.append((peer, items, sizes, buffer))
-        return _Exchange(f"{self.prefix} {phase} step {index}", sends, recvs, layouts)
+        label = f"{self.prefix} {phase} step {index}"
+        framer = getattr(call, "frame", None)
+        if framer is not None:  # every message in its frame (a pooled buffer's), or none
+            send_frames = [(peer, framer(message)) for peer, message in sends]
+            recv_frames = [(peer, framer(buffer)) for peer, buffer in recvs]
+            if all(f is not None for _, f in (*send_frames, *recv_frames)):
+                return _Exchange(label, [(p, f) for p, f in send_frames if f is not None],
+                                 [(p, f) for p, f in recv_frames if f is not None], layouts,
+                                 framed=True)
+        return _Exchange(label, sends, recvs, layouts)
 
     def complete(self, exchange: _Exchange) -> None:
         call, subtree, rank, n = self.call, self.subtree, self.rank, self.n
@@ -347,7 +364,7 @@ class _InlineDriver:
         self.transport = transport
 
     def submit(self, exchange: _Exchange) -> _Pending:
-        self.transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+        exchange.run(self.transport)
         return _Done()
 
     def close(self) -> None:
@@ -392,7 +409,7 @@ class _ThreadDriver:
                 future.set_exception(self.failed)
                 continue
             try:
-                self.transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+                exchange.run(self.transport)
             except BaseException as exc:  # handed to the waiting thread
                 self.failed = exc
                 future.set_exception(exc)
@@ -429,7 +446,7 @@ class _StreamDriver:
         ready.record(self.compute)
         self.side.wait_event(ready)
         with torch.cuda.stream(self.side):
-            self.transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+            exchange.run(self.transport)
         for _, tensor in (*exchange.sends, *exchange.recvs):
             # allocated on the compute stream, used on the side stream: the allocator must not
             # hand the memory out again before the side stream is done with it
@@ -506,7 +523,7 @@ def run_schedule(
         run.start()
         for position in range(len(run.steps)):
             exchange = run.prepare(position)
-            transport.exchange(exchange.sends, exchange.recvs, what=exchange.label)
+            exchange.run(transport)
             run.complete(exchange)
         return
     view = _tile_view(call, tiling)

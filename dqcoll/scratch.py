@@ -19,6 +19,11 @@ collective at a time (:meth:`~dqcoll.Communicator.in_flight`), and its pool live
 discards the pool (:func:`discard`) rather than releasing it: a receive that timed out may still
 be written by the transport later, and its block must not be handed to another call.
 
+Every buffer is handed out :data:`~dqcoll.types.FRAME_HEADROOM` bytes into its block, and those
+bytes belong to no buffer: :meth:`~ScratchPool.frame` returns a buffer with that room in front, the
+frame a transport sends with its message header in the room (one message per payload, no copy;
+:func:`dqcoll.transports.base.exchange_framed`).
+
 CUDA calls do not use it: torch's caching allocator already reuses device memory.
 """
 
@@ -27,6 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from .types import FRAME_HEADROOM
 
 __all__ = ["ScratchPool", "discard", "pool_for"]
 
@@ -44,19 +51,31 @@ class ScratchPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (like ``torch.empty``) that no other
-        buffer of this call shares."""
-        nbytes = int(nbytes)
+        buffer of this call shares, with FRAME_HEADROOM bytes of its block in front of it."""
+        need = int(nbytes) + FRAME_HEADROOM
         best = -1
         for i, block in enumerate(self._free):
-            if block.numel() >= nbytes and (best < 0 or block.numel() < self._free[best].numel()):
+            if block.numel() >= need and (best < 0 or block.numel() < self._free[best].numel()):
                 best = i
         if best >= 0:
             block = self._free.pop(best)
         else:
-            size = max(MIN_BLOCK_NBYTES, 1 << max(0, nbytes - 1).bit_length())
+            size = max(MIN_BLOCK_NBYTES, 1 << (need - 1).bit_length())
             block = torch.empty(size, dtype=torch.uint8)
         self._used.append(block)
-        return block[:nbytes]
+        return block[FRAME_HEADROOM:need]
+
+    def frame(self, buffer: torch.Tensor) -> torch.Tensor | None:
+        """``buffer`` (the start of a buffer :meth:`take` handed out in this call) with the
+        FRAME_HEADROOM bytes before it: ``frame[FRAME_HEADROOM:]`` is ``buffer``. None for any
+        other tensor."""
+        if buffer.dtype != torch.uint8 or not buffer.is_contiguous():
+            return None
+        start = buffer.data_ptr() - FRAME_HEADROOM
+        for block in self._used:
+            if block.data_ptr() == start and FRAME_HEADROOM + buffer.numel() <= block.numel():
+                return block[: FRAME_HEADROOM + buffer.numel()]
+        return None
 
     def release(self) -> None:
         """The call is over: its blocks are free for the next one; blocks it did not use go."""

@@ -1,10 +1,16 @@
-"""Closed sets used across layers: reduction ops and collective kinds."""
+"""Closed sets used across layers: reduction ops and collective kinds; the frame headroom."""
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["Collective", "ReduceOp"]
+__all__ = ["FRAME_HEADROOM", "Collective", "ReduceOp"]
+
+# Bytes in front of each payload of a framed exchange (transports.base.exchange_framed) that
+# belong to the transport: the gloo transport writes its message header there, so a payload and
+# its header go in one message with no copy. The scratch pool (dqcoll.scratch) leaves this room
+# before every buffer it hands out.
+FRAME_HEADROOM = 16
 
 
 class ReduceOp(enum.Enum):

@@ -74,14 +74,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _kill_mid_call(state: DynamiqState) -> None:
     """Make this rank SIGKILL itself inside its next gradient all-reduce (after a message)."""
     comm = state.communicator(torch.device("cpu"))
-    original = comm.transport.exchange
 
-    def exchange(sends, recvs, *, what):  # type: ignore[no-untyped-def]
-        if "reduce step 1" in what:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(sends, recvs, what=what)
+    def killing(original):  # type: ignore[no-untyped-def]
+        def exchange(sends, recvs, *, what):  # type: ignore[no-untyped-def]
+            if "reduce step 1" in what:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(sends, recvs, what=what)
+        return exchange
 
-    comm.transport.exchange = exchange  # type: ignore[method-assign]
+    # both ways a payload leaves (dynamiq's go in frames over gloo)
+    comm.transport.exchange = killing(comm.transport.exchange)  # type: ignore[method-assign]
+    comm.transport.exchange_framed = killing(  # type: ignore[attr-defined]
+        comm.transport.exchange_framed)  # type: ignore[attr-defined]
 
 
 def worker(args: argparse.Namespace) -> None:

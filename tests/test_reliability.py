@@ -235,14 +235,16 @@ if scenario == "checks":
     report["payload_moved"] = comm.counters["payload_bytes_sent"] - sent
 
 if scenario in ("checks", "stall"):  # "checks" ends with rank 1 exiting mid-collective
-    original = comm.transport.exchange
-    def exchange(sends, recvs, *, what):
-        if rank == 1 and "reduce step 1" in what:
-            if scenario == "checks":
-                os._exit(17)
-            time.sleep(fault_timeout_s * 1.5 + 1)
-        return original(sends, recvs, what=what)
-    comm.transport.exchange = exchange
+    def fault(original):  # both entry points: dynamiq's payloads travel in frames
+        def exchange(sends, recvs, *, what):
+            if rank == 1 and "reduce step 1" in what:
+                if scenario == "checks":
+                    os._exit(17)
+                time.sleep(fault_timeout_s * 1.5 + 1)
+            return original(sends, recvs, what=what)
+        return exchange
+    comm.transport.exchange = fault(comm.transport.exchange)
+    comm.transport.exchange_framed = fault(comm.transport.exchange_framed)
     x = data(rank)
     buf = x.clone()
     torch.distributed.barrier()  # start the faulty collective together, with the short timeout

@@ -38,14 +38,16 @@ def data(r, numel=30000):
 report = {"rank": rank}
 dqcoll.allreduce(data(rank))  # a healthy call first: every connection is up
 if rank == kill_rank:
-    original = comm.transport.exchange
-    def exchange(sends, recvs, *, what):
-        if "reduce step 1" in what:
-            with open(kill_file, "w") as f:
-                f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(sends, recvs, what=what)
-    comm.transport.exchange = exchange
+    def killing(original):  # both entry points: dynamiq's payloads travel in frames
+        def exchange(sends, recvs, *, what):
+            if "reduce step 1" in what:
+                with open(kill_file, "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(sends, recvs, what=what)
+        return exchange
+    comm.transport.exchange = killing(comm.transport.exchange)
+    comm.transport.exchange_framed = killing(comm.transport.exchange_framed)
 start = time.monotonic()
 try:
     dqcoll.allreduce(data(rank), algorithm="ring")

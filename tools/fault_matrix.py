@@ -41,14 +41,21 @@ def data(rank, numel=NUMEL):
 
 
 def on_step(comm, label, action):
-    original = comm.transport.exchange
+    """Run ``action(sends)`` (it may return other sends) at the exchange whose label contains
+    ``label``: plain exchanges and framed ones (dynamiq's payloads over gloo travel in frames
+    whose first bytes the transport fills with the header; cutting or flipping a frame cuts or
+    flips the payload)."""
 
-    def exchange(sends, recvs, *, what):
-        if label in what:
-            sends = action(sends) or sends
-        return original(sends, recvs, what=what)
+    def wrap(original):
+        def exchange(sends, recvs, *, what):
+            if label in what:
+                sends = action(sends) or sends
+            return original(sends, recvs, what=what)
+        return exchange
 
-    comm.transport.exchange = exchange
+    comm.transport.exchange = wrap(comm.transport.exchange)
+    if hasattr(comm.transport, "exchange_framed"):
+        comm.transport.exchange_framed = wrap(comm.transport.exchange_framed)
 
 
 class Died(Exception):

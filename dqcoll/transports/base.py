@@ -24,8 +24,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ALLREDUCE_OPS", "Counters", "Transport", "combine_in_rank_order",
-           "ring_allreduce_nbytes"]
+from ..types import FRAME_HEADROOM
+
+__all__ = ["ALLREDUCE_OPS", "FRAME_HEADROOM", "Counters", "Transport", "combine_in_rank_order",
+           "exchange_framed", "ring_allreduce_nbytes"]
 
 ALLREDUCE_OPS = ("sum", "max", "min")
 
@@ -128,6 +130,26 @@ def check_peers(
         for peer in peers:
             if not 0 <= peer < world_size or peer == rank:
                 raise InvalidArgumentError(f"rank {rank}: cannot {kind} rank {peer}")
+
+
+def exchange_framed(
+    transport: Transport,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    *,
+    what: str,
+) -> None:
+    """``transport.exchange`` of uint8 *frames*: each tensor's first :data:`FRAME_HEADROOM`
+    bytes are the transport's to use, the payload follows; what arrives is the payload (in
+    ``frame[FRAME_HEADROOM:]``), with the same checks and counts as ``exchange`` of the payloads.
+    A transport with an ``exchange_framed`` method of its own uses the room; any other one
+    exchanges the payload views."""
+    own = getattr(transport, "exchange_framed", None)
+    if own is not None:
+        own(sends, recvs, what=what)
+        return
+    transport.exchange([(peer, frame[FRAME_HEADROOM:]) for peer, frame in sends],
+                       [(peer, frame[FRAME_HEADROOM:]) for peer, frame in recvs], what=what)
 
 
 def ring_allreduce_nbytes(nbytes: int, world_size: int) -> int:

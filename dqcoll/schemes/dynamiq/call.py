@@ -863,6 +863,11 @@ class DynamiqCall:
             return self.pool.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.work.device)
 
+    def frame(self, buffer: torch.Tensor) -> torch.Tensor | None:
+        """``buffer`` (from :meth:`scratch`) with the room for a message header before it, for
+        a framed exchange (:meth:`dqcoll.scratch.ScratchPool.frame`); None without a pool."""
+        return self.pool.frame(buffer) if self.pool is not None else None
+
     def release(self) -> None:
         """The call returned: its pooled buffers go back to the communicator's pool."""
         if self.pool is not None:
