@@ -48,39 +48,42 @@ class ScratchPool:
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
         self._used: list[torch.Tensor] = []
+        self._framed: dict[int, torch.Tensor] = {}  # address of a handed-out buffer -> its block
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (like ``torch.empty``) that no other
         buffer of this call shares, with FRAME_HEADROOM bytes of its block in front of it."""
         need = int(nbytes) + FRAME_HEADROOM
-        best = -1
+        best, best_size = -1, 0
         for i, block in enumerate(self._free):
-            if block.numel() >= need and (best < 0 or block.numel() < self._free[best].numel()):
-                best = i
+            size = block.numel()
+            if size >= need and (best < 0 or size < best_size):
+                best, best_size = i, size
         if best >= 0:
             block = self._free.pop(best)
         else:
             size = max(MIN_BLOCK_NBYTES, 1 << (need - 1).bit_length())
             block = torch.empty(size, dtype=torch.uint8)
         self._used.append(block)
-        return block[FRAME_HEADROOM:need]
+        buffer = block[FRAME_HEADROOM:need]
+        self._framed[buffer.data_ptr()] = block
+        return buffer
 
     def frame(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """``buffer`` (the start of a buffer :meth:`take` handed out in this call) with the
         FRAME_HEADROOM bytes before it: ``frame[FRAME_HEADROOM:]`` is ``buffer``. None for any
         other tensor."""
-        if buffer.dtype != torch.uint8 or not buffer.is_contiguous():
+        block = self._framed.get(buffer.data_ptr())
+        if (block is None or buffer.dtype != torch.uint8 or not buffer.is_contiguous()
+                or FRAME_HEADROOM + buffer.numel() > block.numel()):
             return None
-        start = buffer.data_ptr() - FRAME_HEADROOM
-        for block in self._used:
-            if block.data_ptr() == start and FRAME_HEADROOM + buffer.numel() <= block.numel():
-                return block[: FRAME_HEADROOM + buffer.numel()]
-        return None
+        return block[: FRAME_HEADROOM + buffer.numel()]
 
     def release(self) -> None:
         """The call is over: its blocks are free for the next one; blocks it did not use go."""
         self._free = self._used
         self._used = []
+        self._framed.clear()
 
     @property
     def nbytes(self) -> int:

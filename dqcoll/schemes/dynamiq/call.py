@@ -61,6 +61,7 @@ the communicator, or by clearing that dict):
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -665,6 +666,9 @@ class DynamiqCall:
         self.row_offsets: np.ndarray = offsets
         self.runs = _runs(sorted_widths, rows)
         self._geom: dict[int, tuple[np.ndarray, list[tuple[int, int, int]]]] = {}
+        # _segments' memo: (first row, end row, count class) -> segments; each class's run starts
+        self._segment_cache: dict[tuple[int, int, int | None], list[tuple[int, int, int, int]]] = {}
+        self._run_starts: dict[int | None, list[int]] = {}
         if self.hop is None:
             return
         avg = np.zeros(rows + 1, dtype=np.float64)
@@ -832,15 +836,28 @@ class DynamiqCall:
         return self.row_offsets, self.runs
 
     def _segments(self, chunk: int, count: int | None = None) -> list[tuple[int, int, int, int]]:
-        """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk."""
-        row_offsets, runs = self._geometry(count)
+        """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk.
+        Cached per (rows, count): every hop of every tile asks again, and a striped layout has
+        hundreds of runs (the cache is shared by the tile views, whose chunks are other rows)."""
         lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+        key = (lo, hi, count if self._geom else None)
+        cached = self._segment_cache.get(key)
+        if cached is not None:
+            return cached
+        row_offsets, runs = self._geometry(count)
+        starts = self._run_starts.get(key[2])
+        if starts is None:
+            starts = self._run_starts[key[2]] = [start for _, start, _ in runs]
         base = int(row_offsets[lo])
         segments = []
-        for width, start, stop in runs:
+        for i in range(max(0, bisect.bisect_right(starts, lo) - 1), len(runs)):
+            width, start, stop = runs[i]
+            if start >= hi:
+                break
             a, b = max(lo, start), min(hi, stop)
             if a < b:
                 segments.append((width, a, b, int(row_offsets[a]) - base))
+        self._segment_cache[key] = segments
         return segments
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
