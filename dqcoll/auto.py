@@ -31,7 +31,11 @@ The rule (:meth:`AutoPolicy.choose`), in one place:
 2. **Calibrate** with what calls measured: after each call its time (the slowest rank's,
    agreed in the next call's argument check) over its prediction moves that candidate's factor
    (geometric mean, weight :data:`CALIBRATION_RATE`), so the model's errors (Python glue, core
-   sharing, the link under load) are corrected by measurement.
+   sharing, the link under load) are corrected by measurement. Calls that share the machine
+   with other work of the job are left out (``AutoPolicy.unmeasured_steps``: the DDP hook's
+   buckets that run during backward): their time counts that work too, and only the candidate
+   that ran would be charged for it (at 10 Gb/s bf16's factor crept up on every step until
+   ``auto`` switched to ``none``, whose DDP step was 12 % slower than torch's fp16 hook).
 3. **Agree**: every rank puts its predictions into the argument check, which takes the maximum
    over ranks (the slowest rank decides a collective's time); every rank then picks from the
    same numbers, so all run the same scheme (no extra message).
@@ -169,6 +173,9 @@ class AutoPolicy:
         # no calibration while set: the DDP hook sets it on its lanes while they overlap
         # buckets (a call's time then counts another lane's work; agreed, as the lanes' spread)
         self.frozen = False
+        # calls whose ``step`` is in here are not measured: the DDP hook lists its buckets that
+        # run during backward (their time counts backward's work on the shared cores as theirs)
+        self.unmeasured_steps: frozenset[int] = frozenset()
 
     # -- measurement ------------------------------------------------------------------------------
 

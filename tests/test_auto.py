@@ -121,6 +121,30 @@ def test_calibration_moves_towards_measurements() -> None:
     assert policy.calibration["dynamiq"] == pytest.approx(2.0) and policy.pending is None
 
 
+def test_unmeasured_steps_leave_the_factors_alone() -> None:
+    """A call whose ``step`` is in ``unmeasured_steps`` (the DDP hook's buckets that run during
+    backward) moves no factor when the next call reports its time; a measured one does, and
+    every rank keeps the same factors."""
+
+    def fn(comm: dqcoll.Communicator) -> tuple[dict, dict, dict]:
+        policy = comm.auto
+        x = _inputs(comm.rank, 50_000)
+        dqcoll.allreduce(x.clone(), scheme="auto", comm=comm, step=1)  # measures, runs
+        policy.unmeasured_steps = frozenset({0})
+        dqcoll.allreduce(x.clone(), scheme="auto", comm=comm, step=0)  # calibrates step 1's
+        before = dict(policy.calibration)
+        dqcoll.allreduce(x.clone(), scheme="auto", comm=comm, step=1)  # step 0's: not measured
+        after_unmeasured = dict(policy.calibration)
+        dqcoll.allreduce(x.clone(), scheme="auto", comm=comm, step=0)  # step 1's: measured
+        return before, after_unmeasured, dict(policy.calibration)
+
+    results = run_local(2, fn)
+    assert results[0] == results[1]
+    before, after_unmeasured, after = results[0]
+    assert after_unmeasured == before
+    assert after != before
+
+
 def _auto_calls(comm: dqcoll.Communicator, numel: int) -> list[dict]:
     results = []
     for step in range(3):

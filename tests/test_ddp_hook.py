@@ -284,7 +284,9 @@ def _auto_hook(rank: int, world_size: int) -> dict[str, Any]:
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     return {"identical": all(torch.equal(gathered[0], g) for g in gathered), "link": link,
-            "native_cpu_ns": native_cpu_ns, "chosen": chosen}
+            "native_cpu_ns": native_cpu_ns, "chosen": chosen,
+            "buckets": sorted(state.bucket_numel),
+            "unmeasured": sorted(state.comm.auto.unmeasured_steps)}
 
 
 def test_auto_hook_trains_with_the_same_choice_everywhere(
@@ -301,6 +303,9 @@ def test_auto_hook_trains_with_the_same_choice_everywhere(
         assert all(c is not None and c["chosen"] in ("none", "bf16", "dynamiq")
                    for c in result["chosen"])
     assert results[0]["chosen"] == results[1]["chosen"] == results[2]["chosen"]
+    # the buckets that run during backward are not measured: all but the last
+    buckets = results[0]["buckets"]
+    assert len(buckets) > 1 and results[0]["unmeasured"] == buckets[:-1]
 
 
 # -- training: within 1 % of uncompressed ----------------------------------------------------------

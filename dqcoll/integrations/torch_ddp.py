@@ -639,9 +639,14 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
         # measuring them would raise dynamiq's factor until auto left it for a bf16 that then
         # ran alone (1 Gb/s: the auto row flipped to bf16 for its last steps, 320 -> 550 ms):
         # while buckets overlap, the factors stay as the calls run alone measured them.
+        # The buckets before the last run during backward, whose work shares the cores: their
+        # calls' times are not the candidates' own, so only the last bucket's are measured.
+        during_backward = frozenset(i for i in state.bucket_numel
+                                    if i != max(state.bucket_numel))
         for comm in (state.comm, *state.lane_comms):
             if comm is not None:
                 comm.auto.frozen = spread and state.lane_count() > 1
+                comm.auto.unmeasured_steps = during_backward
     state._choices = [0, 0]
     state.iteration = iteration + 1
 
