@@ -298,6 +298,14 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     dist.barrier()
     result: dict[str, Any] = {}
     result["step_ms"] = _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
+    policy = getattr(getattr(state, "comm", None), "auto", None)
+    if row.startswith("auto") and policy is not None:
+        # every choice of the warm-up and timed steps (lane 0, which auto runs alone on):
+        # which candidate each bucket ran, and the agreed predictions that decided it
+        calls = len(getattr(state, "bucket_numel", {}) or {0: 0}) * (args.warmup + args.steps)
+        result["auto_history"] = [[c.scheme, {k: round(v, 1) for k, v in c.predicted_ms.items()}]
+                                  for c in policy.history[-calls:]]
+        result["auto_calibration"] = {k: round(v, 4) for k, v in policy.calibration.items()}
     result.update(_error_step(ddp, state, x, y, world_size))
     if row in NOMINAL_BITS:
         result.update(bits_per_coord=NOMINAL_BITS[row], bits_source="nominal (wire dtype)")
