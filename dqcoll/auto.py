@@ -268,8 +268,10 @@ class AutoPolicy:
             predicted[name] = raw * self.calibration[name]
         return predicted
 
-    def choose(self, agreed_s: dict[str, float]) -> AutoChoice:
-        """The candidate to run from the agreed predictions (see the module docstring)."""
+    def choose(self, agreed_s: dict[str, float], *, measured: bool = True) -> AutoChoice:
+        """The candidate to run from the agreed predictions (see the module docstring).
+        ``measured=False``: the call's time will not be measured (``unmeasured_steps``), so it
+        calibrates nothing and explores nothing (an untried candidate would stay unmeasured)."""
         ms = {name: round(t * 1e3, 3) for name, t in agreed_s.items()}
         if self.force is not None:
             choice = AutoChoice(self.force, ms, f"forced by DQCOLL_AUTO_FORCE={self.force}")
@@ -285,9 +287,11 @@ class AutoPolicy:
                           f"uncompressed (bf16 {ms['bf16']:g}, dynamiq {ms['dynamiq']:g} ms; "
                           f"link {self._link_text()})")
                 choice = AutoChoice("none", ms, reason)
-            choice = self._explore(choice, agreed_s, ms)
-        self.tried.add(choice.scheme)
-        self.pending = (choice.scheme, agreed_s[choice.scheme])
+            if measured:
+                choice = self._explore(choice, agreed_s, ms)
+        if measured:
+            self.tried.add(choice.scheme)
+        self.pending = (choice.scheme, agreed_s[choice.scheme]) if measured else None
         self.history = [*self.history[-63:], choice]
         return choice
 

@@ -121,6 +121,24 @@ def test_calibration_moves_towards_measurements() -> None:
     assert policy.calibration["dynamiq"] == pytest.approx(2.0) and policy.pending is None
 
 
+def test_an_unmeasured_call_neither_calibrates_nor_explores() -> None:
+    """A call chosen with ``measured=False`` leaves nothing to calibrate and does not try an
+    untried close candidate (it would count as tried without ever being measured); the next
+    measured call does."""
+    policy = AutoPolicy()
+    policy.force = None
+    close = {"none": 1.0, "bf16": 0.6, "dynamiq": 0.55}
+    assert policy.choose(close).scheme == "dynamiq"  # the model's choice runs first
+    unmeasured = policy.choose(close, measured=False)
+    assert unmeasured.scheme == "dynamiq" and policy.pending is None
+    assert policy.tried == {"dynamiq"}
+    policy.calibrate(5.0)
+    assert policy.calibration["dynamiq"] == 1.0
+    explored = policy.choose(close)
+    assert explored.scheme == "bf16" and "trying bf16 once" in explored.reason
+    assert policy.pending == ("bf16", 0.6)
+
+
 def test_unmeasured_steps_leave_the_factors_alone() -> None:
     """A call whose ``step`` is in ``unmeasured_steps`` (the DDP hook's buckets that run during
     backward) moves no factor when the next call reports its time; a measured one does, and
