@@ -170,8 +170,9 @@ class AutoPolicy:
         self.force = envs.auto_force()  # a candidate to run whatever the model says, or None
         self.history: list[AutoChoice] = []  # the last choices (bounded), for inspection
         self.tried: set[str] = set()  # candidates run at least once (their factor is measured)
-        # no calibration while set: the DDP hook sets it on its lanes while they overlap
-        # buckets (a call's time then counts another lane's work; agreed, as the lanes' spread)
+        # no calibration (and no exploration) while set: the DDP hook sets it for its first
+        # compressed iteration and on its lanes while they overlap buckets (a call's time then
+        # counts another lane's work; agreed, as the lanes' spread)
         self.frozen = False
         # calls whose ``step`` is in here are not measured: the DDP hook lists its buckets that
         # run during backward (their time counts backward's work on the shared cores as theirs)

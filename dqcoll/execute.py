@@ -113,7 +113,8 @@ def _run_auto(request: Request, comm: Communicator) -> None:
         if not ready:  # the first auto call: measure the link and the codecs, then agree
             start = _measure_and_agree(call, comm, extra)
         choice = policy.choose({c: extra[1 + i] / 1e6 for i, c in enumerate(auto_mod.CANDIDATES)},
-                               measured=call.step not in policy.unmeasured_steps)
+                               measured=not policy.frozen
+                               and call.step not in policy.unmeasured_steps)
         _run_choice(call, comm, request, choice, exponent)
     except BaseException as exc:
         comm.mark_dead(f"{call.what} failed: {type(exc).__name__}: {exc}")

@@ -372,6 +372,10 @@ class DynamiqState:
                 self.device = torch.device(device)
             self.comm = Communicator(TorchTransport(self.process_group), seed=self.seed,
                                      device=device)
+            # auto measures nothing in the first compressed iteration: its calls pay first-use
+            # costs, and DDP rebuilds its buckets after the first backward (the end of that
+            # iteration lifts this; see _end_of_iteration)
+            self.comm.auto.frozen = self.scheme == "auto"
         elif self.comm.device.type != device.type:
             raise InvalidArgumentError(
                 f"DynamiqState: a bucket on {device} but the communicator was prepared for "
