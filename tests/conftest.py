@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 import torch
@@ -70,3 +75,38 @@ def heavy_tailed(rank: int, numel: int, *, seed: int = 0, sigma: float = 2.0) ->
     g = torch.Generator().manual_seed(seed * 7919 + rank + 1)
     values = torch.randn(rows, 256, generator=g) * magnitude[:, None]
     return values.reshape(-1)[:numel].contiguous()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_gloo_script(script: str, world_size: int, *, timeout_s: float,
+                    env: dict[str, str] | None = None) -> dict[int, dict[str, Any]]:
+    """Run ``python -c script`` as ``world_size`` gloo ranks (torchrun's variables on
+    127.0.0.1, one intra-op thread each, ``env`` on top); each rank's report is the JSON of
+    its first stdout line starting with ``REPORT `` (else its stderr's tail), plus its ``exit``
+    code. Processes left running at the end are killed."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                        **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, "-c", script], env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    reports: dict[int, dict[str, Any]] = {}
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout_s)
+            lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
+            reports[rank] = json.loads(lines[0][7:]) if lines else {"stderr": err[-3000:]}
+            reports[rank]["exit"] = p.returncode
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return reports

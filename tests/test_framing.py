@@ -12,14 +12,10 @@ transport (unframed), and one message goes per payload.
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import socket
-import subprocess
-import sys
 from typing import Any
 
 import torch
+from conftest import run_gloo_script
 
 from dqcoll import scratch
 from dqcoll.transports.base import exchange_framed
@@ -108,36 +104,8 @@ print("REPORT " + json.dumps(report), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run_gloo() -> dict[int, dict[str, Any]]:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), DQCOLL_TIMEOUT_S="20", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=240)
-            lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
-            reports[rank] = json.loads(lines[0][7:]) if lines else {"stderr": err[-3000:]}
-            reports[rank]["exit"] = p.returncode
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return reports
-
-
 def test_gloo_framed_and_small_messages_carry_their_header_inside() -> None:
-    reports = _run_gloo()
+    reports = run_gloo_script(_WORKER, 2, timeout_s=240, env={"DQCOLL_TIMEOUT_S": "20"})
     n = 300_001
     for rank, rep in reports.items():
         assert rep["exit"] == 0, rep

@@ -5,17 +5,13 @@ synchronous one. Over the ``local`` transport (threads) and over gloo (processes
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_gloo_script
 
 import dqcoll
 from dqcoll import schemes
@@ -332,33 +328,9 @@ print("REPORT " + json.dumps(report), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_gloo(world_size: int) -> dict[int, dict[str, Any]]:
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DQCOLL_TIMEOUT_S="60",
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _GLOO_WORKER], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=180)
-            lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
-            reports[rank] = json.loads(lines[0][7:]) if lines else {"stderr": err[-3000:]}
-            reports[rank]["exit"] = p.returncode
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return reports
+    return run_gloo_script(_GLOO_WORKER, world_size, timeout_s=180,
+                           env={"DQCOLL_TIMEOUT_S": "60"})
 
 
 def test_gloo_processes_tiled_and_async_match_untiled() -> None:

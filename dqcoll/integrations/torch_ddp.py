@@ -645,8 +645,8 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
         # while buckets overlap, the factors stay as the calls run alone measured them.
         # The buckets before the last run during backward, whose work shares the cores: their
         # calls' times are not the candidates' own, so only the last bucket's are measured.
-        during_backward = frozenset(i for i in state.bucket_numel
-                                    if i != max(state.bucket_numel))
+        last_bucket = max(state.bucket_numel)
+        during_backward = frozenset(i for i in state.bucket_numel if i != last_bucket)
         for comm in (state.comm, *state.lane_comms):
             if comm is not None:
                 comm.auto.frozen = spread and state.lane_count() > 1

@@ -152,11 +152,7 @@ class TorchTransport:
         *,
         what: str,
     ) -> None:
-        self._post(sends, recvs, what)
-        for _, tensor in sends:
-            self.counters.count_send(tensor.numel() * tensor.element_size())
-        for _, buffer in recvs:
-            self.counters.count_recv(buffer.numel() * buffer.element_size())
+        self._exchange(sends, recvs, what, framed=False)
 
     def exchange_framed(
         self,
@@ -168,11 +164,17 @@ class TorchTransport:
         """:meth:`exchange` of uint8 frames (:func:`dqcoll.transports.base.exchange_framed`):
         over gloo each payload's header goes in its frame's first bytes, one message per
         payload instead of two and no copy; the checks are those of :meth:`exchange`."""
-        self._post(sends, recvs, what, framed=True)
-        for _, frame in sends:
-            self.counters.count_send(frame.numel() - HEADER_NBYTES)
-        for _, frame in recvs:
-            self.counters.count_recv(frame.numel() - HEADER_NBYTES)
+        self._exchange(sends, recvs, what, framed=True)
+
+    def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                  recvs: Sequence[tuple[int, torch.Tensor]], what: str, *, framed: bool) -> None:
+        """Post, wait, check, then count the payloads (a frame's room is not payload)."""
+        self._post(sends, recvs, what, framed=framed)
+        room = HEADER_NBYTES if framed else 0
+        for _, tensor in sends:
+            self.counters.count_send(tensor.numel() * tensor.element_size() - room)
+        for _, buffer in recvs:
+            self.counters.count_recv(buffer.numel() * buffer.element_size() - room)
 
     def _post(
         self,
@@ -216,14 +218,17 @@ class TorchTransport:
         # (peer, header bytes, expected payload bytes, frame to copy out of or None, buffer)
         checks: list[tuple[int, torch.Tensor, int, torch.Tensor | None, torch.Tensor]] = []
         for peer, buffer in recvs:
+            # a header slot reads -1 until a message fills it (a message too short to)
             if framed:
+                buffer[:HEADER_NBYTES].fill_(0xFF)
                 posts.append((False, peer, buffer))
                 checks.append((peer, buffer[:HEADER_NBYTES], buffer.numel() - HEADER_NBYTES,
                                None, buffer))
                 continue
             nbytes = buffer.numel() * buffer.element_size()
             if nbytes <= FRAME_COPY_NBYTES:
-                frame = torch.full((HEADER_NBYTES + nbytes,), 0xFF, dtype=torch.uint8)
+                frame = torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
+                frame[:HEADER_NBYTES].fill_(0xFF)
                 posts.append((False, peer, frame))
                 checks.append((peer, frame[:HEADER_NBYTES], nbytes, frame, buffer))
             else:
