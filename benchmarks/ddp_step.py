@@ -23,9 +23,16 @@ row            what averages the gradients
 
 Every rank: ``torch.set_num_threads(1)``, SGD (lr 1e-3), a fixed batch of ``--batch`` (32) per
 rank, ``bucket_cap_mb=25``. Each row builds DDP around a fresh copy of the same initial model,
-runs ``--warmup`` (3) untimed steps and ``--steps`` (10) timed ones; a step's time is the slowest
-rank's (``zero_grad`` to ``optimizer.step``, no barrier between steps, as in training), and the
-row reports the median, p10 and p90 over the steps.
+runs ``--warmup`` (3) untimed steps and ``--steps`` (10) timed ones (``zero_grad`` to
+``optimizer.step``, no barrier between steps, as in training). Each rank times its own steps; the
+row reports the **slowest rank's median** (the largest of the ranks' medians) with that rank's
+p10 and p90, and beside it ``wall_ms_per_step`` (each rank's time for all the timed
+steps, from a barrier, over their number; the slowest rank's) and, as the files before
+2026-11-28 reported it, ``slowest_per_step_median_ms`` (the median over steps of the slowest
+rank's time in each step). That older statistic reads high wherever the ranks drift against each
+other from step to step (a rank whose step ended early waits longer in the next one, so the
+maximum per step is larger than any rank's typical step and than the wall time per step): by
+about 6 % for dqcoll's CPU-bound rows at 1 Gb/s, under 1 % for DDP's wire-bound ones.
 
 After the timed steps, one more (untimed) step measures the error beside the time: the
 gradients DDP left in the model against the exact average (every rank's own gradients from a
@@ -255,32 +262,53 @@ def _error_step(ddp: nn.parallel.DistributedDataParallel, state: Any, x: torch.T
     return out
 
 
-def _slowest_rank(step_s: list[float]) -> list[float]:
-    times = torch.tensor(step_s, dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return [float(t) * 1e3 for t in times]
+def _every_rank(values: list[float]) -> list[list[float]]:
+    """``values`` (this rank's, the same length on every rank) of every rank, in rank order."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [[float(v) for v in t] for t in everyone]
+
+
+def step_statistics(rank_step_ms: Sequence[Sequence[float]],
+                    wall_ms: Sequence[float]) -> dict[str, Any]:
+    """A row's step time from every rank's own step times (ms, ``[rank][step]``) and each
+    rank's wall time for all its timed steps: the slowest rank's median (the row's
+    ``median_ms``) with that rank's p10 and p90, the slowest rank's wall time per step, and
+    the median over steps of the slowest rank in each step (what earlier files reported)."""
+    steps = len(rank_step_ms[0])
+    per_step_max = [max(times[i] for times in rank_step_ms) for i in range(steps)]
+    slowest = max(rank_step_ms, key=lambda times: percentile(times, 50))
+    return {**summarize(slowest), "wall_ms_per_step": max(wall_ms) / steps,
+            "slowest_per_step_median_ms": percentile(per_step_max, 50),
+            "step_ms": per_step_max}
 
 
 def _time_steps(step: Callable[[], None], args: argparse.Namespace,
-                cpu: dict[str, Any] | None = None) -> list[float]:
-    """The slowest rank's time of each timed step (ms). With ``cpu``, also each rank's process
-    CPU time per timed step (every thread: backward, the hook's worker, gloo's threads; ms, in
-    rank order) into ``cpu["cpu_ms_per_rank"]``: what a step costs the cores, which decides
-    the step where ranks share them."""
+                result: dict[str, Any]) -> None:
+    """Time ``args.steps`` steps after ``args.warmup`` untimed ones, from a barrier; into
+    ``result``: every rank's step times (``rank_step_ms``), :func:`step_statistics`, and each
+    rank's process CPU time per timed step (``cpu_ms_per_rank``: every thread, backward, the
+    hook's workers, gloo's; what a step costs the cores, which decides the step where ranks
+    share them)."""
     for _ in range(args.warmup):
         step()
-    step_s = []
+    dist.barrier()
+    step_ms = []
     cpu_start = time.process_time()
+    wall_start = time.perf_counter()
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
-        step_s.append(time.perf_counter() - start)
-    if cpu is not None:
-        mine = torch.zeros(dist.get_world_size(), dtype=torch.float64)
-        mine[dist.get_rank()] = (time.process_time() - cpu_start) * 1e3 / max(args.steps, 1)
-        dist.all_reduce(mine)
-        cpu["cpu_ms_per_rank"] = [round(float(v), 2) for v in mine]
-    return _slowest_rank(step_s)
+        step_ms.append((time.perf_counter() - start) * 1e3)
+    wall_ms = (time.perf_counter() - wall_start) * 1e3
+    cpu_ms = (time.process_time() - cpu_start) * 1e3 / max(args.steps, 1)
+    every = _every_rank([*step_ms, wall_ms, cpu_ms])
+    steps = args.steps
+    rank_step_ms = [row[:steps] for row in every]
+    result["rank_step_ms"] = [[round(t, 2) for t in row] for row in rank_step_ms]
+    result.update(step_statistics(rank_step_ms, [row[steps] for row in every]))
+    result["cpu_ms_per_rank"] = [round(row[steps + 1], 2) for row in every]
 
 
 def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tensor,
@@ -290,14 +318,14 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
         opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
         dist.barrier()
         floor: dict[str, Any] = {}
-        floor["step_ms"] = _time_steps(lambda: _train_step(model, opt, x, y), args, floor)
+        _time_steps(lambda: _train_step(model, opt, x, y), args, floor)
         return floor
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
     state = _register_hook(row, ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE)
     dist.barrier()
     result: dict[str, Any] = {}
-    result["step_ms"] = _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
+    _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
     policy = getattr(getattr(state, "comm", None), "auto", None)
     if row.startswith("auto") and policy is not None:
         # every choice of the warm-up and timed steps (lane 0, which auto runs alone on):
@@ -345,7 +373,10 @@ def provenance(args: argparse.Namespace, world_size: int, numel: int) -> dict[st
         "threads_per_rank": torch.get_num_threads(),
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
-        "step_time": "slowest rank per step; median / p10 / p90 over the timed steps",
+        "step_time": ("median_ms: the slowest rank's median of its own timed steps; p10 / p90 "
+                      "over every rank's steps; wall_ms_per_step: the slowest rank's wall time "
+                      "for the timed steps over their number; slowest_per_step_median_ms: the "
+                      "median over steps of the slowest rank in each step (before 2026-11-28)"),
         "note": args.note,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "python benchmarks/ddp_step.py " + shlex.join(args.argv),
@@ -393,8 +424,6 @@ def run_rank(args: argparse.Namespace) -> int:
                     entry = {"row": row, "label": ROWS[row],
                              "status": f"crashed: {type(exc).__name__}: {_first_line(exc)}"}
         watchdog.cancel()
-        if "step_ms" in entry:
-            entry.update(summarize(entry["step_ms"]))
         rows.append(entry)
         if rank == 0:
             print(_format_row(entry, _baseline(rows)), flush=True)
@@ -529,7 +558,8 @@ def render_markdown(paths: Sequence[str]) -> str:
     commits = sorted({r["provenance"]["commit"] for r in results})
     devices = sorted({r["provenance"]["device"] for r in results})
     notes = sorted({r["provenance"].get("note") or "" for r in results} - {""})
-    footer = (f"\nStep time in ms (median over the timed steps, slowest rank), and speed-up over "
+    footer = (f"\nStep time in ms (the slowest rank's median over the timed steps; files before "
+              f"2026-11-28: the median of the slowest rank per step), and speed-up over "
               f"DDP's default in parentheses. Commit {', '.join(commits)}; {'; '.join(devices)}."
               + (f" Notes: {'; '.join(notes)}." if notes else ""))
     return "\n".join([*time_rows, footer, "", *error_rows])

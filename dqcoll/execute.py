@@ -106,9 +106,10 @@ def _run_auto(request: Request, comm: Communicator) -> None:
     ready = policy.ready()
     predicted = (_predicted_us(call, comm) if ready and call.error is None
                  else [0] * len(auto_mod.CANDIDATES))
-    extra = [int(policy.last_elapsed_s * 1e6), *predicted]
+    extra = [int(policy.last_elapsed_s * 1e6), *predicted, *policy.step_extra()]
     exponent = validate.handshake(call, comm, extra)
     policy.calibrate(extra[0] / 1e6)
+    policy.agree_step(extra[-auto_mod.STEP_SLOTS:])
     try:
         if not ready:  # the first auto call: measure the link and the codecs, then agree
             start = _measure_and_agree(call, comm, extra)
@@ -156,7 +157,7 @@ def _measure_and_agree(call: PreparedCall, comm: Communicator, extra: list[int])
     start = time.perf_counter()
     agreed = torch.tensor(_predicted_us(call, comm), dtype=torch.float64)
     comm.transport.allreduce(agreed, "max", what=f"{call.what} predictions")
-    extra[1:] = [int(v) for v in agreed.tolist()]
+    extra[1 : 1 + len(auto_mod.CANDIDATES)] = [int(v) for v in agreed.tolist()]
     return start
 
 

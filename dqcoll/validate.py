@@ -62,10 +62,11 @@ _MODES = {0: "sync", 1: "async_op"}
 _MODE_STRIDE = 8  # collective field = kind id + _MODE_STRIDE * mode
 _COLLECTIVE_IDS = {Collective.ALLREDUCE: 1, Collective.REDUCE_SCATTER: 2,
                    Collective.ALL_GATHER: 3}
-# the slots for scheme="auto": the previous call's time, then one prediction per candidate.
+# the slots for scheme="auto": the previous call's time, one prediction per candidate, then
+# the DDP hook's step report (dqcoll.auto.STEP_SLOTS).
 # Every call carries them (zeros outside auto), so that a rank calling auto and one calling a
 # scheme by name exchange vectors of one size and see the mismatch.
-EXTRA_SLOTS = 1 + len(auto_mod.CANDIDATES)
+EXTRA_SLOTS = 1 + len(auto_mod.CANDIDATES) + auto_mod.STEP_SLOTS
 
 
 def _crc(text: str) -> int:

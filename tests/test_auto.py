@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dqcoll
-from dqcoll.auto import CANDIDATES, MARGIN, AutoPolicy
+from dqcoll.auto import CANDIDATES, MARGIN, AutoPolicy, StepChooser
 from dqcoll.errors import DqcollError
 from dqcoll.testing import run_local
 
@@ -210,6 +210,90 @@ def test_forced_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert info["scheme"] == "bf16"
         assert "forced" in info["auto"]["reason"]
         assert all(math.isfinite(v) for v in info["auto"]["predicted_ms"].values())
+
+
+# -- rule 6: the DDP hook's step-level choice (StepChooser) ---------------------------------------
+
+
+def _drive(chooser: StepChooser, step_s: dict[str, float], predicted: dict[str, float],
+           iterations: int) -> list[str | None]:
+    """Run ``iterations`` iterations as the DDP hook does: each ends, its time (that of the
+    candidate it ran, the per-call rule's "dynamiq" when unplanned) arrives with the next."""
+    ran: list[str | None] = []
+    for k in range(iterations):
+        ran.append(chooser.choice(k))
+        measured = (k - 1, step_s[ran[k - 1] or "dynamiq"]) if k else None
+        chooser.end_of_iteration(k, measured, predicted)
+    return ran
+
+
+def test_step_chooser_compares_close_candidates_by_their_steps() -> None:
+    """Two candidates predicted within STEP_CLOSE: each runs ``rounds`` iterations, interleaved;
+    the faster step wins and runs ``hold`` iterations; then they are compared again."""
+    chooser = StepChooser(rounds=2, hold=10)
+    predicted = {"none": 0.100, "bf16": 0.105, "dynamiq": 0.300}
+    ran = _drive(chooser, {"none": 0.195, "bf16": 0.180, "dynamiq": 0.3}, predicted, 30)
+    # iteration 0 ends -> the comparison is planned for 1..4; decided at the end of 5
+    assert ran[:7] == [None, "none", "bf16", "none", "bf16", None, "bf16"]
+    assert chooser.history[0][0] == 5 and chooser.history[0][2] == "bf16"
+    assert chooser.history[0][1] == pytest.approx({"none": 0.195, "bf16": 0.180})
+    assert ran[6:15] == ["bf16"] * 9
+    assert ran[15:20] == ["none", "bf16", "none", "bf16", "bf16"]  # compared again
+    assert "fastest training step" in chooser.reason(22) and "bf16 180.0" in chooser.reason(22)
+
+
+def test_step_chooser_leaves_a_clear_choice_to_the_per_call_rule() -> None:
+    """One candidate predicted far ahead (1 Gb/s: dynamiq): no comparison, nothing forced;
+    infinite or unknown predictions never count as close."""
+    chooser = StepChooser()
+    ran = _drive(chooser, {"dynamiq": 0.3}, {"none": 0.9, "bf16": 0.5, "dynamiq": 0.2}, 8)
+    assert ran == [None] * 8 and not chooser.history
+    chooser = StepChooser()
+    assert _drive(chooser, {"dynamiq": 0.3}, {"none": 0.2, "bf16": math.inf}, 6) == [None] * 6
+    assert _drive(StepChooser(), {"dynamiq": 0.3}, {}, 6) == [None] * 6
+
+
+def test_step_chooser_decides_when_a_report_is_lost() -> None:
+    """A planned iteration whose time never arrives (a monitored or failed one): the comparison
+    still ends, from what was measured."""
+    chooser = StepChooser(rounds=1, hold=100)
+    predicted = {"none": 0.1, "bf16": 0.1}
+    chooser.end_of_iteration(0, None, predicted)  # plans 1: none, 2: bf16
+    assert chooser.choice(1) == "none" and chooser.choice(2) == "bf16"
+    assert "comparing training steps of bf16, none" in chooser.reason(1)
+    chooser.end_of_iteration(1, None, predicted)
+    chooser.end_of_iteration(2, (1, 0.2), predicted)  # 2's time is lost
+    for k in range(3, 6):
+        chooser.end_of_iteration(k, None, predicted)
+    assert chooser.choice(6) == "none" and chooser.history[-1][1] == {"none": 0.2}
+    with pytest.raises(ValueError):
+        StepChooser(close=0.9)
+
+
+def _step_reports(comm: dqcoll.Communicator) -> list:
+    """Each rank reports another iteration time; the next auto call agrees the slowest."""
+    agreed = []
+    for k in range(3):
+        comm.auto.step_report = (k, 0.010 * (comm.rank + 1) + k)
+        dqcoll.allreduce(_inputs(comm.rank, 1024), scheme="auto", comm=comm, step=k)
+        agreed.append(comm.auto.agreed_step)
+        comm.auto.agreed_step = None
+        assert comm.auto.step_report is None  # sent once
+    dqcoll.allreduce(_inputs(comm.rank, 1024), scheme="auto", comm=comm, step=9)
+    agreed.append(comm.auto.agreed_step)  # no report rode along
+    comm.auto.step_choice = ("bf16", "rule 6 test")
+    dqcoll.allreduce(_inputs(comm.rank, 1024), scheme="auto", comm=comm, step=10)
+    return [agreed, dict(comm.last_info)]
+
+
+def test_step_reports_are_agreed_and_a_step_choice_runs() -> None:
+    """The step report rides along with one auto call's argument check, which agrees the
+    slowest rank's time (microseconds); a step choice set on the policy runs on every rank."""
+    results = run_local(3, _step_reports)
+    for agreed, info in results:
+        assert agreed[:3] == [(k, pytest.approx(0.030 + k, abs=1e-6)) for k in range(3)]
+        assert agreed[3] is None
+        assert info["scheme"] == "bf16" and info["auto"]["reason"] == "rule 6 test"
 
 
 def test_auto_against_an_explicit_scheme_raises_on_every_rank() -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll import schemes
+from dqcoll.auto import CANDIDATES
 from dqcoll.errors import InvalidArgumentError
 from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
 
@@ -118,7 +119,8 @@ def _three_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"none": _none_vs_plain(rank, world_size),
             "dynamiq": _dynamiq_replicas(rank, world_size),
             "async": _async_vs_sync(rank, world_size),
-            "auto": _auto_hook(rank, world_size)}
+            "auto": _auto_hook(rank, world_size),
+            "auto_steps": _auto_steps(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +312,52 @@ def test_auto_hook_trains_with_the_same_choice_everywhere(
     assert len(buckets) > 1 and results[0]["unmeasured"] == buckets[:-1]
     # the first iteration (first-use costs, DDP's bucket rebuild) is not measured either
     assert results[0]["frozen"] == [True, False, False, False, False]
+
+
+def _auto_steps(rank: int, world_size: int) -> dict[str, Any]:
+    """scheme="auto" with every candidate close (rule 6 of dqcoll.auto): the hook compares them
+    by measured training steps and runs the fastest."""
+    from dqcoll.auto import StepChooser
+
+    model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+    state = DynamiqState(scheme="auto", bits=5, warmup_steps=1)
+    state.step_chooser = StepChooser(close=1e9, rounds=1, hold=3)
+    model.register_comm_hook(state, dynamiq_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ran, reasons = [], []
+    for step in range(12):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        choice = state.last_info.get("auto") if state.should_compress(step) else None
+        ran.append(None if choice is None else choice["chosen"])
+        reasons.append(None if choice is None else choice["reason"])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert state.step_chooser is not None
+    return {"identical": all(torch.equal(gathered[0], g) for g in gathered), "ran": ran,
+            "reasons": reasons, "history": state.step_chooser.history}
+
+
+def test_auto_hook_compares_close_candidates_by_training_steps(
+        three_ranks: list[dict[str, Any]]) -> None:
+    """Rule 6 of dqcoll.auto in the hook: after the warm-up iteration and the first compressed
+    one, every close candidate runs one iteration (every bucket), the measured steps are agreed
+    over the ranks, and the fastest runs until the next comparison; every rank runs the same
+    candidate in every iteration and the replicas stay bit-identical."""
+    results = [r["auto_steps"] for r in three_ranks]
+    first = results[0]
+    assert all(r["ran"] == first["ran"] and r["history"] == first["history"] for r in results)
+    assert all(r["identical"] for r in results)
+    ran, reasons = first["ran"], first["reasons"]
+    assert ran[0] is None  # warm-up: gloo's own all-reduce, outside auto
+    # iteration 2 ends -> 3, 4, 5 compare the three candidates; decided at the end of 6
+    assert ran[3:6] == list(CANDIDATES) and all("comparing" in r for r in reasons[3:6])
+    (decided, means, winner), *_ = first["history"]
+    assert decided == 6 and set(means) == set(CANDIDATES) and winner == min(means, key=means.get)
+    assert ran[7] == winner and "fastest training step" in reasons[7]
 
 
 # -- training: within 1 % of uncompressed ----------------------------------------------------------

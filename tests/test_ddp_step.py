@@ -45,6 +45,21 @@ def test_percentiles_interpolate_like_numpy():
         ddp_step.percentile([], 50)
 
 
+def test_step_statistics_take_the_slowest_ranks_median_not_the_maximum_per_step():
+    """Two ranks that alternate long and short steps (each waits in one step for the other's
+    previous one) run 30 ms per step, which both their medians and their wall times say; the
+    maximum per step (the statistic of the files before 2026-11-28, kept beside it) reads 40."""
+    ranks = [[20.0, 40.0, 20.0, 40.0], [40.0, 20.0, 40.0, 20.0]]
+    stats = ddp_step.step_statistics(ranks, [120.0, 121.0])
+    assert stats["median_ms"] == 30.0
+    assert stats["p10_ms"] == 20.0 and stats["p90_ms"] == 40.0
+    assert stats["wall_ms_per_step"] == 121.0 / 4
+    assert stats["slowest_per_step_median_ms"] == 40.0 and stats["step_ms"] == [40.0] * 4
+    # a rank that is slower in every step decides the row
+    stats = ddp_step.step_statistics([[10.0, 12.0, 11.0], [30.0, 31.0, 29.0]], [33.0, 90.0])
+    assert stats["median_ms"] == 30.0 and stats["wall_ms_per_step"] == 30.0
+
+
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_models_have_the_issue_size(name):
     """Both models have ~12.6 M parameters at the defaults (the MLP exactly 12 x (1024^2 +
@@ -134,6 +149,9 @@ def test_tiny_run_writes_every_row_with_its_error(tmp_path):
         row = rows[name]
         assert row["status"] == "ok", row
         assert len(row["step_ms"]) == 2 and row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+        assert [len(times) for times in row["rank_step_ms"]] == [2, 2]
+        assert row["median_ms"] <= row["slowest_per_step_median_ms"], row
+        assert row["wall_ms_per_step"] > 0
         assert len(row["cpu_ms_per_rank"]) == 2 and min(row["cpu_ms_per_rank"]) > 0, row
     assert rows["ddp"]["vnmse"] < 1e-12 and rows["ddp"]["speedup_vs_ddp"] == 1.0
     assert "speedup_vs_ddp" not in rows["floor"]  # the floor is not a way to average

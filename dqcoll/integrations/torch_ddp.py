@@ -101,11 +101,13 @@ import datetime
 import logging
 import math
 import threading
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import auto as auto_mod
 from .. import handles, schemes
 from ..api import allreduce
 from ..comm import Communicator
@@ -256,6 +258,12 @@ class DynamiqState:
         # which every bucket chose dynamiq (see lane()); [dynamiq buckets, other buckets] --
         self._spread = scheme != "auto"
         self._choices = [0, 0]
+        # -- scheme="auto": the training step decides between close candidates (rule 6 of
+        # dqcoll.auto); the agreed predictions of this iteration's buckets, summed (seconds);
+        # this rank's time at the end of the last compressed iteration --
+        self.step_chooser = auto_mod.StepChooser() if scheme == "auto" else None
+        self._predicted_sums: dict[str, float] = {}
+        self._iteration_end: float | None = None
 
         # -- surviving a lost rank --
         self.fault_tolerant = fault_tolerant
@@ -492,6 +500,10 @@ def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -
     """What a completed bucket leaves in the state (runs where its all-reduce completed)."""
     state.last_info = dict(info)
     state._choices[0 if info.get("scheme") == "dynamiq" else 1] += 1
+    choice = info.get("auto")
+    if isinstance(choice, dict):
+        for name, ms in choice.get("predicted_ms", {}).items():
+            state._predicted_sums[name] = state._predicted_sums.get(name, 0.0) + ms / 1e3
     u = info.get("u")
     if u is not None:
         state.allocation_u[index] = float(u)
@@ -638,6 +650,7 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
             for extra in state.lane_comms:
                 extra.auto = copy.deepcopy(state.comm.auto)
                 extra.auto.pending = None  # lane 0's last call is calibrated by lane 0
+                extra.auto.step_report = extra.auto.agreed_step = None  # lane 0's (rule 6)
         state._spread = spread
         # Overlapping calls take longer each than alone (they share the cores and the link), so
         # measuring them would raise dynamiq's factor until auto left it for a bf16 that then
@@ -651,8 +664,38 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
             if comm is not None:
                 comm.auto.frozen = spread and state.lane_count() > 1
                 comm.auto.unmeasured_steps = during_backward
+    if state.scheme == "auto":
+        _choose_by_steps(state, iteration)
     state._choices = [0, 0]
+    state._predicted_sums = {}
     state.iteration = iteration + 1
+
+
+def _choose_by_steps(state: DynamiqState, iteration: int) -> None:
+    """Rule 6 of :mod:`dqcoll.auto`, between iterations (no bucket in flight on any lane):
+    report this iteration's time (sent in the next iteration's first call on lane 0, whose
+    argument check agrees the slowest rank's), hand the agreed time of the previous one to the
+    :class:`~dqcoll.auto.StepChooser`, and set what every lane's calls run next iteration. The
+    first compressed iteration (compilation, DDP's bucket rebuild) and monitored ones (their
+    exact all-reduce) are not measured; ``DQCOLL_AUTO_FORCE`` turns the rule off."""
+    chooser, comm = state.step_chooser, state.comm
+    if chooser is None or comm is None or comm.auto.force is not None:
+        return
+    now = time.perf_counter()
+    policy = comm.auto
+    measured, policy.agreed_step = policy.agreed_step, None
+    compressed = state.should_compress(iteration)
+    first = iteration == state.warmup_steps
+    if (compressed and not first and state._iteration_end is not None
+            and not state.should_monitor(iteration)):
+        policy.step_report = (iteration, now - state._iteration_end)
+    state._iteration_end = now if compressed else None
+    chooser.end_of_iteration(iteration, measured,
+                             dict(state._predicted_sums) if compressed and not first else {})
+    planned = chooser.choice(iteration + 1)
+    choice = None if planned is None else (planned, chooser.reason(iteration + 1))
+    for lane in (comm, *state.lane_comms):
+        lane.auto.step_choice = choice
 
 
 def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: float) -> None:
