@@ -526,3 +526,93 @@ def test_allreduce_with_zero_and_raw_rows_equals_reference(monkeypatch: pytest.M
         assert torch.equal(a.view(as_int), e.view(as_int))
     assert all(torch.equal(a.view(as_int), actual[0][0].view(as_int)) for a, _ in actual)
     assert (actual[0][0][2 * SUPER : 3 * SUPER].view(as_int) == 0).all()  # -0 rows: +0
+
+
+def _runs_layout(widths: list[int], rows_per_run: int, config: CodecConfig
+                 ) -> tuple[list[tuple[int, int, int, int]], int]:
+    """(width, first row, end row, byte offset) runs of ``rows_per_run`` rows each, one payload."""
+    runs, offset = [], 0
+    for k, width in enumerate(widths):
+        a, b = k * rows_per_run, (k + 1) * rows_per_run
+        runs.append((width, a, b, offset))
+        offset += (b - a) * codec.record_nbytes(width, config.scales)
+    return runs, offset
+
+
+def test_multi_run_launchers_equal_the_single_run_ops() -> None:
+    """encode_runs, decode_accumulate_runs, hop_runs (equal and changing widths) and
+    decode_restore_runs write the bytes and sums that the single-run launchers write run by
+    run (raw width 16 included), and refuse a run outside the rows or the payload."""
+    config = CodecConfig(levels=Levels.TUNED, scales=Scales.HIERARCHICAL4X32)
+    g = torch.Generator().manual_seed(11)
+    per, widths = 5, [2, 5, 8, 16, 3]
+    rows = per * len(widths)
+    x = heavy_tailed(1, rows * SUPER, seed=11).view(rows, SUPER).contiguous()
+    index = torch.randperm(rows, generator=g) * SUPER
+    runs, nbytes = _runs_layout(widths, per, config)
+    one = torch.zeros(nbytes, dtype=torch.uint8)
+    for w, a, b, off in runs:
+        size = codec.record_nbytes(w, config.scales)
+        dynamiq_numba.encode(x[a:b], w, index[a:b], 1, 4, KEY, config,
+                             out=one[off : off + (b - a) * size].view(b - a, size))
+    many = torch.zeros(nbytes, dtype=torch.uint8)
+    dynamiq_numba.encode_runs(x, runs, index, 1, 4, KEY, config, many)
+    assert torch.equal(one, many)
+
+    acc_one, acc_many = x.clone(), x.clone()
+    for w, a, b, off in runs:
+        size = codec.record_nbytes(w, config.scales)
+        dynamiq_numba.decode_accumulate(one[off : off + (b - a) * size].view(b - a, size), w,
+                                        config, acc_one[a:b])
+    dynamiq_numba.decode_accumulate_runs(one, runs, config, acc_many)
+    assert torch.equal(acc_one.view(torch.int32), acc_many.view(torch.int32))
+
+    # a hop: the incoming widths above, outgoing ones that differ for some runs
+    out_widths = [2, 6, 8, 16, 16]
+    out_runs, out_nbytes = _runs_layout(out_widths, per, config)
+    pieces = [(w_in, w_out, a, b, off_in, off_out) for (w_in, a, b, off_in), (w_out, _, _, off_out)
+              in zip(runs, out_runs, strict=True)]
+    acc_one, acc_many = x.clone(), x.clone()
+    hop_one = torch.zeros(out_nbytes, dtype=torch.uint8)
+    for w_in, w_out, a, b, off_in, off_out in pieces:
+        s_in, s_out = codec.record_nbytes(w_in, config.scales), codec.record_nbytes(w_out,
+                                                                                    config.scales)
+        rec = one[off_in : off_in + (b - a) * s_in].view(b - a, s_in)
+        target = hop_one[off_out : off_out + (b - a) * s_out].view(b - a, s_out)
+        if w_in == w_out:
+            dynamiq_numba.decode_accumulate_encode(rec, w_in, acc_one[a:b], index[a:b], 1, 4,
+                                                   KEY, config, keep_sum=False, out=target)
+        else:
+            dynamiq_numba.decode_accumulate(rec, w_in, config, acc_one[a:b])
+            dynamiq_numba.encode(acc_one[a:b], w_out, index[a:b], 1, 4, KEY, config,
+                                 out=target)
+    hop_many = torch.zeros(out_nbytes, dtype=torch.uint8)
+    dynamiq_numba.hop_runs(one, pieces, acc_many, index, 1, 4, KEY, config, hop_many)
+    assert torch.equal(hop_one, hop_many)
+    assert torch.equal(acc_one.view(torch.int32), acc_many.view(torch.int32))
+
+    mean = torch.randn(rows, generator=g)
+    valid = torch.full((rows,), SUPER, dtype=torch.int64)
+    valid[-1] = 100
+    restored_one = torch.full((rows * SUPER,), -3.0)
+    restored_many = torch.full((rows * SUPER,), -3.0)
+    records = []
+    for w, a, b, off in runs:
+        size = codec.record_nbytes(w, config.scales)
+        records.append((one[off : off + (b - a) * size].view(b - a, size), w, a, b))
+        dynamiq_numba.decode_restore(records[-1][0], w, config, mean[a:b], index[a:b],
+                                     valid[a:b], restored_one)
+    dynamiq_numba.decode_restore_runs(records, config, mean, index, valid, restored_many)
+    assert torch.equal(restored_one.view(torch.int32), restored_many.view(torch.int32))
+
+    with pytest.raises(ValueError, match="outside"):
+        dynamiq_numba.encode_runs(x, [(5, 0, rows + 1, 0)], index, 1, 4, KEY, config, many)
+    with pytest.raises(ValueError, match="outside"):
+        dynamiq_numba.decode_accumulate_runs(one, [(8, 0, per, nbytes)], config, acc_many)
+    with pytest.raises(ValueError, match="outside"):
+        dynamiq_numba.hop_runs(one, [(2, 2, 0, per, 0, out_nbytes)], acc_many, index, 1, 4, KEY,
+                               config, hop_many)
+    with pytest.raises(ValueError, match="outside"):
+        dynamiq_numba.decode_restore_runs([(records[0][0], 2, rows - 1, rows - 1 + per)], config,
+                                          mean, index,
+                                          valid, restored_many)

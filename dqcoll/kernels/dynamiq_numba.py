@@ -48,8 +48,12 @@ __all__ = [
     "decode",
     "decode_accumulate",
     "decode_accumulate_encode",
+    "decode_accumulate_runs",
     "decode_restore",
+    "decode_restore_runs",
     "encode",
+    "encode_runs",
+    "hop_runs",
     "max_finite_abs",
     "restore",
     "restore_mean",
@@ -437,6 +441,167 @@ def decode_restore(
              out.detach().numpy())
 
 
+def decode_restore_runs(
+    runs: list[tuple[torch.Tensor, int, int, int]], config: CodecConfig, mean: torch.Tensor,
+    index_base: torch.Tensor, valid: torch.Tensor, out: torch.Tensor,
+) -> None:
+    """:func:`decode_restore` of several runs of one call's rows into the same flat fp32
+    ``out``: ``runs`` holds ``(records, width, first row, end row)``, rows of ``mean``,
+    ``index_base`` and ``valid`` (which cover every row). The same kernels with the same
+    arguments, so the same bits; the views are made and the addresses checked once for all
+    rows instead of once per run (an all-reduce's last decode has one run per width and chunk,
+    ~30 of them)."""
+    if out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu" or (
+            out.dtype != torch.float32):
+        raise ValueError(f"out: expected a flat contiguous fp32 CPU tensor, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    mean_np = mean.detach().to(dtype=torch.float32).reshape(-1).contiguous().numpy()
+    rows = mean_np.shape[0]
+    index = _index(index_base, rows)
+    valid_np = _valid(valid, rows)
+    if rows and (index.min() < 0 or (index + valid_np).max() > out.numel()):
+        raise ValueError(f"index_base/valid address coordinates outside out "
+                         f"({out.numel()} elements)")
+    target = out.detach().numpy()
+    widths = FORMATS.get(config.scales, ())
+    for records, width, a, b in runs:
+        if width not in widths and width != RAW_WIDTH:
+            raise ValueError(f"width must be one of {widths} with {config.scales.value} "
+                             f"scales, got {width}")
+        rec = _records(records, width, config)
+        if not 0 <= a <= b <= rows or rec.shape[0] != b - a:
+            raise ValueError(f"run [{a}, {b}) of {rec.shape[0]} records: outside the {rows} "
+                             f"rows or of another length")
+        if width == RAW_WIDTH:
+            run_rows(K.decode_restore_raw, b - a, rec, mean_np[a:b], index[a:b], valid_np[a:b],
+                     target)
+            continue
+        run_rows(_DECODE_RESTORE[width], b - a, rec, _SCALES[config.scales],
+                 level_tables(width, config.levels).table, mean_np[a:b], index[a:b],
+                 valid_np[a:b], target)
+
+
+def encode_runs(
+    x: torch.Tensor, runs: list[tuple[int, int, int, int]], index_base: torch.Tensor, rank: int,
+    world_size: int, key: int, config: CodecConfig, out: torch.Tensor,
+) -> None:
+    """:func:`encode` of several runs of rows of ``x`` into one flat uint8 payload ``out``:
+    ``runs`` holds ``(width, first row, end row, byte offset)``. The same kernels with the same
+    arguments, so the same bytes; the views are made once per call and the rounding tables
+    once per width, not once per run (a payload has one run per width)."""
+    xs = _rows_f32("x", x)
+    rows = xs.shape[0]
+    index = _index(index_base, rows)
+    if (out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous()
+            or out.device.type != "cpu"):
+        raise ValueError(f"out: expected a flat contiguous uint8 CPU tensor, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    payload = out.detach().numpy()
+    tables: dict[int, tuple[object, ...]] = {}
+    for width, a, b, offset in runs:
+        _check_width(width, config)
+        size = record_nbytes(width, config.scales)
+        if not 0 <= a <= b <= rows or offset < 0 or offset + (b - a) * size > payload.shape[0]:
+            raise ValueError(f"run [{a}, {b}) at byte {offset}: outside the {rows} rows or the "
+                             f"{payload.shape[0]}-byte payload")
+        records = payload[offset : offset + (b - a) * size].reshape(b - a, size)
+        if width == RAW_WIDTH:
+            run_rows(K.encode_raw, b - a, xs[a:b], xs[a:b].view(np.uint32), records)
+            continue
+        if width not in tables:
+            tables[width] = _rounding_args(width, config, key, rank, world_size)
+        run_rows(_ENCODE[width, config.scales], b - a, xs[a:b], index[a:b], records,
+                 *tables[width])
+
+
+def hop_runs(
+    payload: torch.Tensor, pieces: list[tuple[int, int, int, int, int, int]], acc: torch.Tensor,
+    index_base: torch.Tensor, rank: int, world_size: int, key: int, config: CodecConfig,
+    out: torch.Tensor,
+) -> None:
+    """One hop of several runs: ``pieces`` holds ``(incoming width, outgoing width, first row,
+    end row, byte offset in payload, byte offset in out)``; each piece's records are decoded
+    and added into ``acc``'s rows and the sums encoded into ``out`` at the outgoing width: the
+    fused :func:`decode_accumulate_encode` where the widths are equal, else
+    :func:`decode_accumulate` then :func:`encode` (the same kernels and arguments, so the same
+    bits and the same sums in ``acc``). Views and checks once per call."""
+    if not acc.is_contiguous():
+        raise ValueError("acc: expected contiguous rows")
+    _check_inplace("acc", acc, acc.shape[0] if acc.dim() == 2 else -1)
+    target = acc.detach().numpy()
+    rows = target.shape[0]
+    index = _index(index_base, rows)
+    for name, t in (("payload", payload), ("out", out)):
+        if (t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous()
+                or t.device.type != "cpu"):
+            raise ValueError(f"{name}: expected a flat contiguous uint8 CPU tensor, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    src, dst = payload.detach().numpy(), out.detach().numpy()
+    tables: dict[int, tuple[object, ...]] = {}
+    for w_in, w_out, a, b, off_in, off_out in pieces:
+        _check_width(w_in, config)
+        _check_width(w_out, config)
+        size_in, size_out = record_nbytes(w_in, config.scales), record_nbytes(w_out, config.scales)
+        if (not 0 <= a <= b <= rows or off_in < 0 or off_out < 0
+                or off_in + (b - a) * size_in > src.shape[0]
+                or off_out + (b - a) * size_out > dst.shape[0]):
+            raise ValueError(f"piece [{a}, {b}) at bytes {off_in} / {off_out}: outside the "
+                             f"{rows} rows or the payloads")
+        rec = src[off_in : off_in + (b - a) * size_in].reshape(b - a, size_in)
+        result = dst[off_out : off_out + (b - a) * size_out].reshape(b - a, size_out)
+        part = target[a:b]
+        if w_in == w_out:
+            if w_in == RAW_WIDTH:
+                run_rows(K.hop_raw, b - a, rec, part, part.view(np.uint32), result)
+                continue
+            if w_in not in tables:
+                tables[w_in] = _rounding_args(w_in, config, key, rank, world_size)
+            run_rows(_HOP[w_in, config.scales], b - a, rec,
+                     level_tables(w_in, config.levels).table, part, index[a:b], result,
+                     *tables[w_in])
+            continue
+        if w_in == RAW_WIDTH:
+            run_rows(K.decode_raw, b - a, rec, part, True)
+        else:
+            run_rows(_DECODE[w_in], b - a, rec, _SCALES[config.scales],
+                     level_tables(w_in, config.levels).table, part, True)
+        if w_out == RAW_WIDTH:
+            run_rows(K.encode_raw, b - a, part, part.view(np.uint32), result)
+            continue
+        if w_out not in tables:
+            tables[w_out] = _rounding_args(w_out, config, key, rank, world_size)
+        run_rows(_ENCODE[w_out, config.scales], b - a, part, index[a:b], result,
+                 *tables[w_out])
+
+
+def decode_accumulate_runs(payload: torch.Tensor, runs: list[tuple[int, int, int, int]],
+                           config: CodecConfig, acc: torch.Tensor) -> None:
+    """:func:`decode_accumulate` of several runs of one payload into ``acc``'s rows: ``runs``
+    holds ``(width, first row, end row, byte offset)``; views and checks once per call."""
+    if not acc.is_contiguous():
+        raise ValueError("acc: expected contiguous rows")
+    _check_inplace("acc", acc, acc.shape[0] if acc.dim() == 2 else -1)
+    target = acc.detach().numpy()
+    rows = target.shape[0]
+    if (payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous()
+            or payload.device.type != "cpu"):
+        raise ValueError(f"payload: expected a flat contiguous uint8 CPU tensor, got "
+                         f"{payload.dtype} {tuple(payload.shape)} on {payload.device}")
+    src = payload.detach().numpy()
+    for width, a, b, offset in runs:
+        _check_width(width, config)
+        size = record_nbytes(width, config.scales)
+        if not 0 <= a <= b <= rows or offset < 0 or offset + (b - a) * size > src.shape[0]:
+            raise ValueError(f"run [{a}, {b}) at byte {offset}: outside the {rows} rows or the "
+                             f"{src.shape[0]}-byte payload")
+        rec = src[offset : offset + (b - a) * size].reshape(b - a, size)
+        if width == RAW_WIDTH:
+            run_rows(K.decode_raw, b - a, rec, target[a:b], True)
+            continue
+        run_rows(_DECODE[width], b - a, rec, _SCALES[config.scales],
+                 level_tables(width, config.levels).table, target[a:b], True)
+
+
 _warm_lock = threading.Lock()
 _warmed: set[Scales] = set()  # the formats warm_up has compiled or loaded
 
@@ -535,5 +700,9 @@ OPS = DynamiqOps(
     center_gather=center_gather,
     decode_restore=decode_restore,
     restore_mean=restore_mean,
+    decode_restore_runs=decode_restore_runs,
+    encode_runs=encode_runs,
+    hop_runs=hop_runs,
+    decode_accumulate_runs=decode_accumulate_runs,
     formats=FORMATS,
 )

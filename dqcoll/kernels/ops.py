@@ -46,6 +46,19 @@ class DynamiqOps:
     # +-0 (out = mean + 0) without reading them, and center_gather's skip= (rows left
     # unwritten): the all-reduce's width-0 rows. None: those rows are centred and restored.
     restore_mean: Callable[..., None] | None = None
+    # decode_restore_runs(runs, config, mean, index_base, valid, out) and encode_runs(x, runs,
+    # index_base, rank, world_size, key, config, out): decode_restore of (records, width, first
+    # row, end row) runs, and encode of (width, first row, end row, byte offset) runs of x's rows
+    # into one payload, with the views and checks made once for all runs (the same kernels,
+    # the same bits). None: the scheme calls decode_restore / encode once per run.
+    decode_restore_runs: Callable[..., None] | None = None
+    encode_runs: Callable[..., None] | None = None
+    # hop_runs(payload, pieces, acc, index_base, rank, world_size, key, config, out): a hop's
+    # (incoming width, outgoing width, first row, end row, payload offset, out offset) pieces,
+    # fused decode-accumulate-encode where the widths agree; decode_accumulate_runs(payload,
+    # runs, config, acc). None: the scheme calls the single-run ops per piece.
+    hop_runs: Callable[..., None] | None = None
+    decode_accumulate_runs: Callable[..., None] | None = None
     # The widths each scale encoding is implemented for (raw width 16 always is); None: every
     # format (the reference). The scheme runs a call whose widths are not all here on the
     # reference ops.

@@ -775,9 +775,15 @@ class DynamiqCall:
         place); the rows no record covers (width 0) are restored from ``work``."""
         assert self.deferred is not None and self.ops.decode_restore is not None
         rows = self.work.shape[0]
-        for width, a, b, records in self.deferred:
-            self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
-                                    self.index_base[a:b], self.valid_sorted[a:b], out)
+        if self.ops.decode_restore_runs is not None:
+            self.ops.decode_restore_runs([(records, width, a, b)
+                                          for width, a, b, records in self.deferred],
+                                         self.config, self.mean_sorted, self.index_base,
+                                         self.valid_sorted, out)
+        else:
+            for width, a, b, records in self.deferred:
+                self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
+                                        self.index_base[a:b], self.valid_sorted[a:b], out)
         gaps, end = [], 0  # the spans of rows outside every deferred span
         for a, b in sorted((a, b) for _, a, b, _ in self.deferred):
             if a > end:
@@ -893,6 +899,10 @@ class DynamiqCall:
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         self.kernels["encode"] = self.ops.name
         out = self.scratch(self.payload_nbytes(chunk, count))
+        if self.ops.encode_runs is not None:
+            self.ops.encode_runs(self.work, self._segments(chunk, count), self.index_base,
+                                 self.rank, self.world_size, self.key, self.config, out)
+            return out
         for width, a, b, offset in self._segments(chunk, count):
             self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
                             self.world_size, self.key, self.config,
@@ -910,6 +920,10 @@ class DynamiqCall:
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         self.kernels["decode_accumulate"] = self.ops.name
+        if self.ops.decode_accumulate_runs is not None and payload.dim() == 1:
+            self.ops.decode_accumulate_runs(payload, self._segments(chunk, count), self.config,
+                                            self.work)
+            return
         for width, a, b, offset in self._segments(chunk, count):
             self.ops.decode_accumulate(self._records(payload, width, a, b, offset), width,
                                        self.config, self.work[a:b])
@@ -938,12 +952,18 @@ class DynamiqCall:
         out = self.scratch(self.payload_nbytes(chunk, out_count))
         incoming = self._segments(chunk, count)
         outgoing = self._segments(chunk, out_count)
+        fused = self.ops.hop_runs is not None and payload.dim() == 1
+        pieces = []
         i = j = 0
         while i < len(incoming) and j < len(outgoing):
             w_in, a_in, b_in, off_in = incoming[i]
             w_out, a_out, b_out, off_out = outgoing[j]
             a, b = max(a_in, a_out), min(b_in, b_out)
-            if a < b:
+            if a < b and fused:
+                pieces.append((w_in, w_out, a, b,
+                               off_in + (a - a_in) * record_nbytes(w_in, self.config.scales),
+                               off_out + (a - a_out) * record_nbytes(w_out, self.config.scales)))
+            elif a < b:
                 size_in = record_nbytes(w_in, self.config.scales)
                 size_out = record_nbytes(w_out, self.config.scales)
                 records = payload[off_in + (a - a_in) * size_in:
@@ -962,6 +982,10 @@ class DynamiqCall:
                 i += 1
             else:
                 j += 1
+        if fused:
+            assert self.ops.hop_runs is not None
+            self.ops.hop_runs(payload, pieces, self.work, self.index_base, self.rank,
+                              self.world_size, self.key, self.config, out)
         return out
 
     def finish_shard(self, shard: int, out: torch.Tensor) -> None:
