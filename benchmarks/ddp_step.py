@@ -574,14 +574,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(argv: Sequence[str], world_size: int, timeout_s: float) -> int:
-    """``world_size`` ranks as processes on this machine (gloo over loopback)."""
+def spawn(argv: Sequence[str], world_size: int, timeout_s: float,
+          script: str | None = None) -> int:
+    """``world_size`` ranks as processes on this machine (gloo over loopback), each running
+    ``script`` (default: this file) with ``argv`` and ``--launcher env``."""
     from dqcoll import kernels
 
     kernels.warm_up(torch.device("cpu"))  # compile (or load) once here, not in every rank
     port = _free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    child = [sys.executable, str(Path(__file__).resolve()), *argv, "--launcher", "env"]
+    child = [sys.executable, str(Path(script or __file__).resolve()), *argv, "--launcher", "env"]
     try:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),

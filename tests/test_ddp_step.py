@@ -32,6 +32,7 @@ def _load(path: Path, name: str) -> ModuleType:
 
 
 ddp_step = _load(ROOT / "benchmarks" / "ddp_step.py", "ddp_step")
+ddp_timeline = _load(ROOT / "benchmarks" / "ddp_timeline.py", "ddp_timeline")
 matrix = _load(ROOT / "tools" / "ddp_step_matrix.py", "ddp_step_matrix")
 
 
@@ -160,3 +161,35 @@ def test_tiny_run_writes_every_row_with_its_error(tmp_path):
     assert rows["dynamiq"]["vnmse"] < 1e-2
     assert rows["auto"]["status"] == "ok" or rows["auto"]["status"].startswith("not available")
     assert "no communication (no DDP)" in done.stdout  # rank 0's table
+
+
+@pytest.mark.slow
+def test_timeline_records_every_rank_bucket_and_exchange(tmp_path):
+    """``benchmarks/ddp_timeline.py``, 2 ranks, a tiny MLP, dynamiq's hook: every rank's timed
+    steps, each with the step's marks in order, a submitted, released and completed bucket, the
+    call's phases and its exchanges (bytes sent), and CPU per thread; rank 0 prints the
+    median step's timeline."""
+    out = tmp_path / "timeline.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ddp_timeline.py"), "-n", "2", "--width", "64",
+         "--layers", "2", "--steps", "2", "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["row"] == "dynamiq" and len(result["ranks"]) == 2
+    for steps in result["ranks"]:
+        assert len(steps) == 2
+        for step in steps:
+            kinds = [kind for _, _, kind, _ in step["events"]]
+            marks = [k for k in kinds if k in ("forward done", "backward returned",
+                                                 "optimizer done")]
+            assert marks == ["forward done", "backward returned", "optimizer done"]
+            for kind in ("bucket submitted", "bucket released", "prepare", "argument check",
+                         "schedule", "final decode"):
+                assert kind in kinds, (kind, kinds)
+            exchanges = [d for _, _, k, d in step["events"] if k == "exchange"]
+            assert exchanges and all(d["bytes_sent"] > 0 for d in exchanges)
+            assert step["ms"] > 0 and step["thread_cpu_ms"]
+    assert "each rank's median step" in done.stdout and "CPU per rank and step" in done.stdout
+    text = ddp_timeline.render(result["ranks"], 1)  # the file renders as rank 0 printed it
+    assert "-- rank 0, timed step" in text and "-- rank 1" not in text
