@@ -401,12 +401,20 @@ class DynamiqState:
         return dist.get_rank(self.process_group)
 
     def record_failure(self, iteration: int, exc: BaseException) -> None:
-        """Keep the first failure of an iteration for the training loop (fault_tolerant)."""
+        """Keep the first failure of an iteration for the training loop (fault_tolerant), and
+        close every lane's connections at once (the first step of :meth:`shrink`, taken
+        early): a peer still inside this iteration's exchanges with this rank, on any lane,
+        then fails at once instead of waiting out its timeout in a send this rank will never
+        receive (4 ranks, 2 lanes: two survivors sat 60 s in such sends and reached the shrink
+        after the others had closed it)."""
         if self.failure is None:
             self.failure = exc
             log.warning("dqcoll ddp: iteration %d: averaging failed (%s: %s); the bucket is "
                         "returned unreduced: skip this step, then state.shrink()", iteration,
                         type(exc).__name__, exc)
+            for comm in (self.comm, *self.lane_comms):
+                if comm is not None:
+                    comm.transport.abort(f"averaging failed at iteration {iteration}")
         self.failures.append((iteration, f"{type(exc).__name__}: {exc}"))
 
     def shrink(self, **kwargs: Any) -> Communicator:
