@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -85,25 +86,33 @@ def free_port() -> int:
 
 
 def run_gloo_script(script: str, world_size: int, *, timeout_s: float,
-                    env: dict[str, str] | None = None) -> dict[int, dict[str, Any]]:
-    """Run ``python -c script`` as ``world_size`` gloo ranks (torchrun's variables on
-    127.0.0.1, one intra-op thread each, ``env`` on top); each rank's report is the JSON of
-    its first stdout line starting with ``REPORT `` (else its stderr's tail), plus its ``exit``
-    code. Processes left running at the end are killed."""
+                    env: dict[str, str] | None = None,
+                    argv: Sequence[str] = ()) -> dict[int, dict[str, Any]]:
+    """Run ``python -c script *argv`` as ``world_size`` gloo ranks (torchrun's variables on
+    127.0.0.1, one intra-op thread each, ``env`` on top); the reports of
+    :func:`collect_reports`."""
     port = free_port()
     procs = []
     for rank in range(world_size):
         rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                         **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, "-c", script], env=rank_env,
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *argv], env=rank_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return collect_reports(procs, timeout_s=timeout_s)
+
+
+def collect_reports(procs: Sequence[subprocess.Popen[str]], *, timeout_s: float,
+                    wait_for: int | None = None) -> dict[int, dict[str, Any]]:
+    """Each of the first ``wait_for`` (default: all) processes' report: the JSON of its first
+    stdout line starting with ``REPORT `` (else its stderr's tail), plus its ``exit`` code.
+    Processes left running at the end are killed."""
     reports: dict[int, dict[str, Any]] = {}
     try:
-        for rank, p in enumerate(procs):
+        for rank, p in enumerate(procs[:wait_for]):
             out, err = p.communicate(timeout=timeout_s)
             lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
-            reports[rank] = json.loads(lines[0][7:]) if lines else {"stderr": err[-3000:]}
+            reports[rank] = json.loads(lines[0][7:]) if lines else {"stderr": err[-4000:]}
             reports[rank]["exit"] = p.returncode
     finally:
         for p in procs:

@@ -15,7 +15,6 @@ be reported by a timeout that names the step.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import collect_reports
 
 import dqcoll
 from dqcoll import transports
@@ -275,18 +275,7 @@ def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float, b
                          stderr=subprocess.PIPE, text=True)
         for r in range(world_size)
     ]
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        for rank, p in enumerate(procs[:wait_for]):
-            out, err = p.communicate(timeout=540)
-            lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
-            reports[rank] = json.loads(lines[0][7:]) if lines else {"stderr": err[-4000:]}
-            reports[rank]["exit"] = p.returncode
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return reports
+    return collect_reports(procs, timeout_s=540, wait_for=wait_for)
 
 
 def _skip_without_nccl(backend: str) -> None:

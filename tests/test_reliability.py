@@ -17,17 +17,13 @@ processes with a free port and a short ``DQCOLL_TIMEOUT_S``.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_gloo_script
 
 import dqcoll
 from dqcoll import metrics
@@ -259,36 +255,10 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_gloo(scenario: str, world_size: int, timeout_s: float) -> dict[int, dict]:
     """Run the worker on ``world_size`` gloo processes; ``timeout_s`` bounds the faulty call."""
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   DQCOLL_TIMEOUT_S="60", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, scenario, str(timeout_s)],
-                                      env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    reports: dict[int, dict] = {}
-    try:
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=120)
-            lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
-            reports[rank] = json.loads(lines[0][7:]) if lines else {"exit": p.returncode,
-                                                                     "stderr": err[-2000:]}
-            reports[rank]["exit"] = p.returncode
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return reports
+    return run_gloo_script(_WORKER, world_size, timeout_s=120, env={"DQCOLL_TIMEOUT_S": "60"},
+                           argv=[scenario, str(timeout_s)])
 
 
 @pytest.fixture(scope="module")

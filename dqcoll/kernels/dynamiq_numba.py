@@ -415,30 +415,39 @@ def decode_restore(
     each record decoded and its valid coordinates, plus the row's mean, written straight to
     their place in the flat fp32 ``out`` (the all-reduce's last decode, without the work rows
     in between). The widths of ``FORMATS`` and raw 16."""
-    widths = FORMATS.get(config.scales, ())
-    if width not in widths and width != RAW_WIDTH:
-        raise ValueError(f"width must be one of {widths} with {config.scales.value} scales, "
-                         f"got {width}")
-    rec = _records(records, width, config)
-    rows = rec.shape[0]
-    if out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu" or (
-            out.dtype != torch.float32):
-        raise ValueError(f"out: expected a flat contiguous fp32 CPU tensor, got {out.dtype} "
-                         f"{tuple(out.shape)} on {out.device}")
-    mean_np = mean.detach().to(dtype=torch.float32).reshape(-1).contiguous().numpy()
-    index = _index(index_base, rows)
-    valid_np = _valid(valid, rows)
-    if mean_np.shape[0] != rows:
-        raise ValueError(f"mean: expected [{rows}], got {tuple(mean.shape)}")
-    if rows and (index.min() < 0 or (index + valid_np).max() > out.numel()):
-        raise ValueError(f"index_base/valid address coordinates outside out "
-                         f"({out.numel()} elements)")
-    if width == RAW_WIDTH:
-        run_rows(K.decode_restore_raw, rows, rec, mean_np, index, valid_np, out.detach().numpy())
-        return
-    run_rows(_DECODE_RESTORE[width], rows, rec, _SCALES[config.scales],
-             level_tables(width, config.levels).table, mean_np, index, valid_np,
-             out.detach().numpy())
+    rows = mean.numel()
+    if records.dim() != 2 or records.shape[0] != rows:
+        raise ValueError(f"mean: expected one per record ({tuple(records.shape)} records), got "
+                         f"{tuple(mean.shape)}")
+    decode_restore_runs([(records, width, 0, rows)], config, mean, index_base, valid, out)
+
+
+def _flat_bytes(name: str, t: torch.Tensor) -> np.ndarray:
+    """A flat contiguous uint8 CPU tensor's NumPy view (a payload the run launchers address)."""
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a flat contiguous uint8 CPU tensor, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    return t.detach().numpy()
+
+
+def _whole_rows(name: str, acc: torch.Tensor) -> np.ndarray:
+    """Contiguous fp32 ``[rows, 256]`` CPU rows as a writable NumPy view (no copy back needed)."""
+    if not acc.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous rows")
+    _check_inplace(name, acc, acc.shape[0] if acc.dim() == 2 else -1)
+    return acc.detach().numpy()
+
+
+def _run_records(payload: np.ndarray, width: int, config: CodecConfig, a: int, b: int,
+                 offset: int, rows: int) -> np.ndarray:
+    """Records ``[b - a, record_nbytes]`` of rows ``[a, b)`` at byte ``offset`` of a flat
+    payload, after checking that the run lies within the ``rows`` rows and the payload."""
+    _check_width(width, config)
+    size = record_nbytes(width, config.scales)
+    if not 0 <= a <= b <= rows or offset < 0 or offset + (b - a) * size > payload.shape[0]:
+        raise ValueError(f"run [{a}, {b}) at byte {offset}: outside the {rows} rows or the "
+                         f"{payload.shape[0]}-byte payload")
+    return payload[offset : offset + (b - a) * size].reshape(b - a, size)
 
 
 def decode_restore_runs(
@@ -492,19 +501,10 @@ def encode_runs(
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     index = _index(index_base, rows)
-    if (out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous()
-            or out.device.type != "cpu"):
-        raise ValueError(f"out: expected a flat contiguous uint8 CPU tensor, got {out.dtype} "
-                         f"{tuple(out.shape)} on {out.device}")
-    payload = out.detach().numpy()
+    payload = _flat_bytes("out", out)
     tables: dict[int, tuple[object, ...]] = {}
     for width, a, b, offset in runs:
-        _check_width(width, config)
-        size = record_nbytes(width, config.scales)
-        if not 0 <= a <= b <= rows or offset < 0 or offset + (b - a) * size > payload.shape[0]:
-            raise ValueError(f"run [{a}, {b}) at byte {offset}: outside the {rows} rows or the "
-                             f"{payload.shape[0]}-byte payload")
-        records = payload[offset : offset + (b - a) * size].reshape(b - a, size)
+        records = _run_records(payload, width, config, a, b, offset, rows)
         if width == RAW_WIDTH:
             run_rows(K.encode_raw, b - a, xs[a:b], xs[a:b].view(np.uint32), records)
             continue
@@ -525,30 +525,14 @@ def hop_runs(
     fused :func:`decode_accumulate_encode` where the widths are equal, else
     :func:`decode_accumulate` then :func:`encode` (the same kernels and arguments, so the same
     bits and the same sums in ``acc``). Views and checks once per call."""
-    if not acc.is_contiguous():
-        raise ValueError("acc: expected contiguous rows")
-    _check_inplace("acc", acc, acc.shape[0] if acc.dim() == 2 else -1)
-    target = acc.detach().numpy()
+    target = _whole_rows("acc", acc)
     rows = target.shape[0]
     index = _index(index_base, rows)
-    for name, t in (("payload", payload), ("out", out)):
-        if (t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous()
-                or t.device.type != "cpu"):
-            raise ValueError(f"{name}: expected a flat contiguous uint8 CPU tensor, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    src, dst = payload.detach().numpy(), out.detach().numpy()
+    src, dst = _flat_bytes("payload", payload), _flat_bytes("out", out)
     tables: dict[int, tuple[object, ...]] = {}
     for w_in, w_out, a, b, off_in, off_out in pieces:
-        _check_width(w_in, config)
-        _check_width(w_out, config)
-        size_in, size_out = record_nbytes(w_in, config.scales), record_nbytes(w_out, config.scales)
-        if (not 0 <= a <= b <= rows or off_in < 0 or off_out < 0
-                or off_in + (b - a) * size_in > src.shape[0]
-                or off_out + (b - a) * size_out > dst.shape[0]):
-            raise ValueError(f"piece [{a}, {b}) at bytes {off_in} / {off_out}: outside the "
-                             f"{rows} rows or the payloads")
-        rec = src[off_in : off_in + (b - a) * size_in].reshape(b - a, size_in)
-        result = dst[off_out : off_out + (b - a) * size_out].reshape(b - a, size_out)
+        rec = _run_records(src, w_in, config, a, b, off_in, rows)
+        result = _run_records(dst, w_out, config, a, b, off_out, rows)
         part = target[a:b]
         if w_in == w_out:
             if w_in == RAW_WIDTH:
@@ -578,23 +562,11 @@ def decode_accumulate_runs(payload: torch.Tensor, runs: list[tuple[int, int, int
                            config: CodecConfig, acc: torch.Tensor) -> None:
     """:func:`decode_accumulate` of several runs of one payload into ``acc``'s rows: ``runs``
     holds ``(width, first row, end row, byte offset)``; views and checks once per call."""
-    if not acc.is_contiguous():
-        raise ValueError("acc: expected contiguous rows")
-    _check_inplace("acc", acc, acc.shape[0] if acc.dim() == 2 else -1)
-    target = acc.detach().numpy()
+    target = _whole_rows("acc", acc)
     rows = target.shape[0]
-    if (payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous()
-            or payload.device.type != "cpu"):
-        raise ValueError(f"payload: expected a flat contiguous uint8 CPU tensor, got "
-                         f"{payload.dtype} {tuple(payload.shape)} on {payload.device}")
-    src = payload.detach().numpy()
+    src = _flat_bytes("payload", payload)
     for width, a, b, offset in runs:
-        _check_width(width, config)
-        size = record_nbytes(width, config.scales)
-        if not 0 <= a <= b <= rows or offset < 0 or offset + (b - a) * size > src.shape[0]:
-            raise ValueError(f"run [{a}, {b}) at byte {offset}: outside the {rows} rows or the "
-                             f"{src.shape[0]}-byte payload")
-        rec = src[offset : offset + (b - a) * size].reshape(b - a, size)
+        rec = _run_records(src, width, config, a, b, offset, rows)
         if width == RAW_WIDTH:
             run_rows(K.decode_raw, b - a, rec, target[a:b], True)
             continue
