@@ -84,9 +84,11 @@ def _instrument() -> None:
     _wrap(execute, "run_schedule", "schedule")
     _wrap(execute, "_restore", "finish")
     _wrap(torch_dist.TorchTransport, "exchange", "transfer")
-    for op in ("stats", "center_gather", "encode", "decode", "decode_accumulate",
-               "decode_accumulate_encode", "restore", "decode_restore"):
-        fn = getattr(dynamiq_numba.OPS, op)
+    _wrap(dynamiq_numba, "run_rows", "numba launch")  # the compiled body and its dispatch
+    for op in ("stats", "stats_range", "center_gather", "encode", "decode", "decode_accumulate",
+               "decode_accumulate_encode", "restore", "decode_restore", "encode_runs",
+               "decode_accumulate_runs", "hop_runs", "decode_restore_runs"):
+        fn = getattr(dynamiq_numba.OPS, op, None)
         if fn is None:
             continue
 
@@ -165,6 +167,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
         profiler = cProfile.Profile(time.thread_time)  # CPU, not wall: a loaded machine
         profiler.enable()
     threads_before = _thread_cpu()
+    import resource
+
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     process_cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(args.repeats):
         x.copy_(x0)
@@ -172,6 +177,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
             dqcoll.allreduce(x, **kwargs)
     process_cpu = time.process_time() - process_cpu
     wall = time.perf_counter() - wall
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    print(f"rank {rank}: {faults / args.repeats:.0f} minor page faults per call", flush=True)
     threads = {name: cpu - threads_before.get(name, 0.0)
                for name, cpu in _thread_cpu().items()}
     if profiler is not None:

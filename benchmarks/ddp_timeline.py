@@ -185,6 +185,8 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         if step >= args.warmup:
             after = thread_cpu_ms()
             steps.append({"ms": recorder.events[-1][0],
+                          # the machine's monotonic clock: the ranks of one machine compare
+                          "start_s": recorder.start,
                           "events": sorted(recorder.events, key=lambda e: e[0]),
                           "thread_cpu_ms": {k: round(v - before.get(k, 0.0), 1)
                                             for k, v in after.items()}})

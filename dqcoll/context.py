@@ -34,6 +34,7 @@ def call_context(
     what: str,
     schedule: Schedule | None = None,
     state: dict[Any, Any] | None = None,
+    survey: Any = None,
 ) -> CallContext:
     """A call's context whose ``reduce`` is ``transport``'s small all-reduce."""
 
@@ -41,4 +42,5 @@ def call_context(
         transport.allreduce(tensor, op, what=what)
 
     return CallContext(transport.rank, transport.world_size, op, seed, step, collective, what,
-                       reduce, schedule_shape(schedule) if schedule is not None else None, state)
+                       reduce, schedule_shape(schedule) if schedule is not None else None, state,
+                       survey)

@@ -210,7 +210,7 @@ def _execute(call: PreparedCall, comm: Communicator, shift: int) -> None:
     if shift:
         x = scaled(x, shift)
     ctx = call_context(comm.transport, op, call.seed, call.step, call.collective, call.what,
-                       schedule, comm.scheme_state)
+                       schedule, comm.scheme_state, None if shift else call.survey)
     try:
         coded = scheme.begin(x, ctx)
         run_schedule(schedule, coded, comm.transport, what=call.what,

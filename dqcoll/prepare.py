@@ -127,6 +127,8 @@ class PreparedCall:
     schedule: Schedule | None = None
     op: ReduceOp | None = None
     exponent: int = NO_EXPONENT  # binary exponent of the largest finite |value| (frexp)
+    # what the scheme took of the input in the range check's pass (its ``survey``), or None
+    survey: Any = None
     # this rank's local failure, raised by the argument check on every rank together
     error: DqcollError | None = None
     category: str = ""  # "buffer", "dtype", "layout", "scheme", "algorithm", "op" or "other"
@@ -206,7 +208,23 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
     _inspect_input(call, request.buf, comm)
     if call.error is None and envs.validate() and comm.world_size > 1:
         assert call.tensor is not None
+        _range_check(call, comm)
+
+
+def _range_check(call: PreparedCall, comm: Communicator) -> None:
+    """The input's largest binary exponent (agreed by the argument check for the range
+    scaling): from the scheme's ``survey`` where it takes one (DynamiQ's statistics on the CPU,
+    the range check in the same pass over the input, kept for the call), else its own pass.
+    ``scheme="auto"`` takes none: its choice may not be the scheme."""
+    assert call.tensor is not None and call.op is not None
+    survey = None if call.auto else getattr(call.scheme, "survey", None)
+    surveyed = (survey(call.tensor, call.op, comm.world_size, call.collective)
+                if survey is not None else None)
+    if surveyed is None:
         call.exponent = max_exponent(call.tensor)
+        return
+    largest, call.survey = surveyed
+    call.exponent = exponent_of(largest)
 
 
 def _check_numbers(call: PreparedCall, request: Request,
@@ -439,8 +457,7 @@ def max_exponent(tensor: torch.Tensor) -> int:
             and tensor.is_contiguous() and kernels.numba_available() is None):
         from .kernels import dynamiq_numba  # one compiled pass (numba is importable)
 
-        top = dynamiq_numba.max_finite_abs(tensor)
-        return NO_EXPONENT if top == 0.0 else math.frexp(top)[1]
+        return exponent_of(dynamiq_numba.max_finite_abs(tensor))
     low, high = torch.aminmax(tensor.view(-1))
     top = max(abs(float(low)), abs(float(high)))
     if not math.isfinite(top):  # rare: look past the NaN / Inf values
@@ -448,9 +465,12 @@ def max_exponent(tensor: torch.Tensor) -> int:
         finite = torch.where(torch.isfinite(flat), flat, torch.zeros((), dtype=flat.dtype,
                                                                       device=flat.device))
         top = float(finite.abs().max())
-    if top == 0.0:
-        return NO_EXPONENT
-    return math.frexp(top)[1]
+    return exponent_of(top)
+
+
+def exponent_of(largest: float) -> int:
+    """:func:`max_exponent` of a buffer whose largest finite ``|x|`` is ``largest`` (0.0: none)."""
+    return NO_EXPONENT if largest == 0.0 else math.frexp(largest)[1]
 
 
 def shift_for(call: PreparedCall, world_size: int, exponent: int) -> int:

@@ -51,3 +51,61 @@ def test_default_allreduce_bytes_are_pinned(algorithm: str, world_size: int,
     assert all(r == results[0] for r in results[1:])
     digest = hashlib.sha256(results[0]).hexdigest()
     assert digest == PINNED[(algorithm, world_size, numel)], digest
+
+
+def _counting_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The CPU kernels with their statistics passes counted (every rank's thread together)."""
+    import dataclasses
+    import threading
+
+    from dqcoll.kernels import dynamiq_numba
+    from dqcoll.schemes.dynamiq import call
+
+    counts = {"stats": 0, "stats_range": 0}
+    lock = threading.Lock()
+
+    def counted(name: str) -> Any:
+        fn = getattr(dynamiq_numba.OPS, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                counts[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    ops = dataclasses.replace(dynamiq_numba.OPS, stats=counted("stats"),
+                              stats_range=counted("stats_range"))
+    monkeypatch.setattr(call, "dynamiq_ops", lambda device: ops)
+    return counts
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e38])
+def test_statistics_taken_with_the_range_check_change_no_bit(
+        monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
+    """An all-reduce of whole fp32 rows takes its statistics in the range check's pass, before
+    the argument check (DynamiqScheme.survey), instead of a pass of its own after it: the same
+    bytes as the calls that take them apart (no range check: DQCOLL_VALIDATE=0, which skips the
+    survey). Inputs near fp32's largest value are scaled after the argument check, and the call
+    then takes its statistics of the scaled rows itself."""
+    if dqcoll.kernels.numba_available() is not None:
+        pytest.skip("numba is not importable")
+    counts = _counting_ops(monkeypatch)
+
+    def call(comm: Any) -> bytes:
+        x = _inputs(comm.rank, 4 * 1024)
+        if scale != 1.0:  # up to 3e38 (fp32's largest is 3.4e38): sums of 4 overflow
+            x = x.clamp(-3.0, 3.0) * scale
+        dqcoll.allreduce(x, op="avg", bits=5, algorithm="butterfly", seed=7, step=3)
+        assert torch.isfinite(x).all()
+        return x.numpy().tobytes()
+
+    surveyed = run_local(4, call)
+    assert counts == ({"stats": 0, "stats_range": 4} if scale == 1.0
+                      else {"stats": 4, "stats_range": 4})
+    monkeypatch.setenv("DQCOLL_VALIDATE", "0")
+    counts.update(stats=0, stats_range=0)
+    apart = run_local(4, call)
+    assert counts == {"stats": 4, "stats_range": 0}
+    assert all(r == surveyed[0] for r in surveyed[1:])
+    if scale == 1.0:  # without the range check nothing is scaled: the same bytes
+        assert apart == surveyed

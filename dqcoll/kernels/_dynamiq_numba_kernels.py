@@ -1569,7 +1569,7 @@ def restore_add(lo, hi, work, mean, out):
 
 
 @numba.njit(**JIT_OPTIONS)
-def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2):
+def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2, top):
     """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
     reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
     centred rows (they are written later, already in sorted order, by :func:`center_gather`).
@@ -1579,13 +1579,23 @@ def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2):
     whose norm is 0 but which holds a non-zero centred value (its squares underflowed) gets the
     smallest normal norm, as the call's underflow check would give it, tested while the row is
     in cache (no second pass over the zero rows; ``xb`` is ``x``'s bit patterns, so that a row
-    of zeros is one vectorised OR)."""
+    of zeros is one vectorised OR). Where ``top`` has one entry per row, ``top[i]`` is the bit
+    pattern of row ``i``'s largest finite ``|x|`` (of ``x`` itself, before the division; 0 for
+    none), as :func:`max_finite_abs_bits` of the row: the range check in the same pass."""
     t = np.empty(SUPER // 2, np.float32)
     r = np.empty(SUPER, np.float32)
     divide = divisor != _F1
     half = SUPER // 2
+    ranged = top.shape[0] != 0
     for i in range(lo, hi):
         src = x[i]
+        if ranged:
+            bits = xb[i]
+            mx = np.uint32(0)
+            for j in range(SUPER):
+                b = np.uint32(bits[j] & _ABS)
+                mx = max(mx, b if b < _INF_BITS else np.uint32(0))
+            top[i] = mx
         if divide:
             for j in range(SUPER):
                 r[j] = src[j] / divisor

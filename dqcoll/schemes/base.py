@@ -107,6 +107,9 @@ class CallContext:
     schedule: ScheduleShape | None = None  # the schedule the call runs on (error models use it)
     # per-communicator memory a scheme may keep across calls (e.g. calibration); same on all ranks
     state: dict[Any, Any] | None = None
+    # what the scheme's ``survey`` took of this rank's input before the argument check (None:
+    # nothing, or the input was scaled since)
+    survey: Any = None
 
 
 @runtime_checkable

@@ -296,6 +296,50 @@ def _tail_layout(x: torch.Tensor, ctx: CallContext, device: torch.device) -> _La
     return _Layout(flat.view(rows, SUPER), row_start, valid, row_chunk, None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """This rank's statistics of an all-reduce's input, taken in the range check's pass before
+    the argument check (:func:`survey`), for the call to use instead of a pass of its own: the
+    rows are the input itself (whole rows of fp32), so the call's statistics of the same rows,
+    divisor and centring are these, bit for bit."""
+
+    data_ptr: int  # the input's first element
+    rows: int
+    divisor: int  # n for avg, else 1
+    centre: bool
+    mean: torch.Tensor  # fp32 [rows]
+    norm2: torch.Tensor  # fp32 [rows], with the underflow check (keep_underflowed)
+
+    def covers(self, flat: torch.Tensor, divisor: int, centre: bool) -> bool:
+        return (flat.data_ptr() == self.data_ptr and flat.shape[0] == self.rows
+                and divisor == self.divisor and centre == self.centre)
+
+
+def survey(scheme: SchemeSettings, x: torch.Tensor, op: ReduceOp, world_size: int,
+           collective: Collective) -> tuple[float, Survey] | None:
+    """``(largest finite |x|, the statistics of x's rows)`` in one pass where the call would
+    take them with the compiled split statistics from the input itself (an all-reduce of fp32
+    whole rows on the CPU, balanced by rows); None elsewhere (the range check then is a pass
+    of its own, and the call takes its statistics after the argument check). Saves the call a
+    pass over its input (~1 ms per 7.3 M coordinates on one core) and takes the statistics off
+    the path between the argument check and the first transfer."""
+    if (collective is not Collective.ALLREDUCE or scheme.balance is Balance.SHARDS
+            or scheme.reference_only or scheme.stats not in ("fp32", "norm16")
+            or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
+            or x.numel() == 0 or x.numel() % SUPER):
+        return None
+    ops = dynamiq_ops(x.device)
+    if ops.stats_range is None or ops.stats is None or ops.center_gather is None:
+        return None
+    rows = x.numel() // SUPER
+    divisor = world_size if op is ReduceOp.AVG else 1
+    centre = scheme.stats == "fp32"
+    valid = torch.full((rows,), SUPER, dtype=torch.int64)
+    mean, norm2, largest = ops.stats_range(x.view(rows, SUPER), valid, divisor=divisor,
+                                           centre=centre, keep_underflowed=True)
+    return largest, Survey(x.data_ptr(), rows, divisor, centre, mean, norm2)
+
+
 def _keep_underflowed_rows(norm2: torch.Tensor, centred: torch.Tensor) -> torch.Tensor:
     """``norm2`` where a row whose squares all underflow fp32 (|x| below ~1e-23) but that is not
     zero gets the smallest normal norm instead of 0, so that it still gets a record (width 0
@@ -465,8 +509,12 @@ class DynamiqCall:
         if split:
             assert prep.stats is not None
             # norm16: no centring (zero means; center_gather then writes x / divisor itself)
-            mean, norm2 = prep.stats(flat, valid, divisor=divisor,
-                                     centre=scheme.stats == "fp32", keep_underflowed=True)
+            centre = scheme.stats == "fp32"
+            if isinstance(ctx.survey, Survey) and ctx.survey.covers(flat, divisor, centre):
+                mean, norm2 = ctx.survey.mean, ctx.survey.norm2  # taken with the range check
+            else:
+                mean, norm2 = prep.stats(flat, valid, divisor=divisor, centre=centre,
+                                         keep_underflowed=True)
             self.kernels["stats"] = prep.name
         elif scheme.stats in ("bf16", "norm16"):
             centred, mean, norm2 = stats_center_rounded_torch(flat, valid,

@@ -18,7 +18,7 @@ import torch
 from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from .allocation import MEASURED_ERRORS, STATS_BYTES
-from .call import DynamiqCall
+from .call import DynamiqCall, Survey, survey
 from .codec import (
     SUPER,
     CodecConfig,
@@ -145,6 +145,11 @@ class DynamiqScheme:
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> DynamiqCall:
         return DynamiqCall(self, x, ctx)
+
+    def survey(self, x: torch.Tensor, op: ReduceOp, world_size: int,
+               collective: Collective) -> tuple[float, Survey] | None:
+        """The range check's pass with the call's statistics in it (:func:`.call.survey`)."""
+        return survey(self, x, op, world_size, collective)
 
     # -- single-shot codec (one worker, local statistics) -----------------------------------
 
