@@ -61,51 +61,67 @@ def _counting_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     from dqcoll.kernels import dynamiq_numba
     from dqcoll.schemes.dynamiq import call
 
-    counts = {"stats": 0, "stats_range": 0}
+    counts = {"stats": 0, "stats_range": 0, "restore_mean": 0}
     lock = threading.Lock()
 
     def counted(name: str) -> Any:
         fn = getattr(dynamiq_numba.OPS, name)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                counts[name] += 1
+            with lock:  # calls; restore_mean: rows
+                counts[name] += args[0].numel() if name == "restore_mean" else 1
             return fn(*args, **kwargs)
         return run
 
     ops = dataclasses.replace(dynamiq_numba.OPS, stats=counted("stats"),
-                              stats_range=counted("stats_range"))
+                              stats_range=counted("stats_range"),
+                              restore_mean=counted("restore_mean"))
     monkeypatch.setattr(call, "dynamiq_ops", lambda device: ops)
     return counts
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e38])
+@pytest.mark.parametrize("scale", [1.0, 1e38, 0.0])
 def test_statistics_taken_with_the_range_check_change_no_bit(
         monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
     """An all-reduce of whole fp32 rows takes its statistics in the range check's pass, before
     the argument check (DynamiqScheme.survey), instead of a pass of its own after it: the same
     bytes as the calls that take them apart (no range check: DQCOLL_VALIDATE=0, which skips the
     survey). Inputs near fp32's largest value are scaled after the argument check, and the call
-    then takes its statistics of the scaled rows itself."""
+    then takes its statistics of the scaled rows itself. ``scale`` 0: rows of zeros, as a ReLU
+    MLP's gradient has, which the last decode leaves as they are where they were +0 on this
+    rank and are +0 in the result (here: every other row; row 1 is -0 on every rank, and row 3
+    +0 on rank 0 only, both written)."""
     if dqcoll.kernels.numba_available() is not None:
         pytest.skip("numba is not importable")
     counts = _counting_ops(monkeypatch)
 
     def call(comm: Any) -> bytes:
         x = _inputs(comm.rank, 4 * 1024)
-        if scale != 1.0:  # up to 3e38 (fp32's largest is 3.4e38): sums of 4 overflow
+        if scale == 0.0:
+            rows = x.view(-1, 256)
+            rows[::2] = 0.0
+            rows[1] = -0.0
+            if comm.rank == 0:
+                rows[3] = 0.0
+        elif scale != 1.0:  # up to 3e38 (fp32's largest is 3.4e38): sums of 4 overflow
             x = x.clamp(-3.0, 3.0) * scale
         dqcoll.allreduce(x, op="avg", bits=5, algorithm="butterfly", seed=7, step=3)
         assert torch.isfinite(x).all()
         return x.numpy().tobytes()
 
     surveyed = run_local(4, call)
-    assert counts == ({"stats": 0, "stats_range": 4} if scale == 1.0
-                      else {"stats": 4, "stats_range": 4})
+    # width-0 rows written: row 1 (-0) of each rank's 9 (rows 0, 1, 2, 4, ..., 14)
+    zeros = 4 if scale == 0.0 else 0
+    assert counts == ({"stats": 4, "stats_range": 4, "restore_mean": zeros} if scale > 1.0
+                      else {"stats": 0, "stats_range": 4, "restore_mean": zeros})
     monkeypatch.setenv("DQCOLL_VALIDATE", "0")
-    counts.update(stats=0, stats_range=0)
+    counts.update(stats=0, stats_range=0, restore_mean=0)
     apart = run_local(4, call)
-    assert counts == {"stats": 4, "stats_range": 0}
+    assert counts == {"stats": 4, "stats_range": 0, "restore_mean": 9 * zeros}
     assert all(r == surveyed[0] for r in surveyed[1:])
-    if scale == 1.0:  # without the range check nothing is scaled: the same bytes
+    if scale <= 1.0:  # without the range check nothing is scaled: the same bytes
         assert apart == surveyed
+    if scale == 0.0:
+        rows = torch.frombuffer(bytearray(surveyed[0]), dtype=torch.float32).view(-1, 256)
+        assert (rows[::2].view(torch.int32) == 0).all()  # +0, left as they were
+        assert (rows[1].view(torch.int32) == 0).all()  # -0 everywhere: restored as +0

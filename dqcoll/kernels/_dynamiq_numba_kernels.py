@@ -1569,7 +1569,7 @@ def restore_add(lo, hi, work, mean, out):
 
 
 @numba.njit(**JIT_OPTIONS)
-def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2, top):
+def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2, top, plus_zero):
     """The statistics of :func:`stats_center` on ``x / divisor`` (fp32 division, as the
     reference's ``flat / n`` for ``op="avg"``; none when ``divisor`` is 1) without writing the
     centred rows (they are written later, already in sorted order, by :func:`center_gather`).
@@ -1581,7 +1581,9 @@ def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2, top):
     in cache (no second pass over the zero rows; ``xb`` is ``x``'s bit patterns, so that a row
     of zeros is one vectorised OR). Where ``top`` has one entry per row, ``top[i]`` is the bit
     pattern of row ``i``'s largest finite ``|x|`` (of ``x`` itself, before the division; 0 for
-    none), as :func:`max_finite_abs_bits` of the row: the range check in the same pass."""
+    none), as :func:`max_finite_abs_bits` of the row: the range check in the same pass; and
+    ``plus_zero[i]`` whether every bit of the row is 0 (all +0: what a restore of ``+0`` would
+    write there already)."""
     t = np.empty(SUPER // 2, np.float32)
     r = np.empty(SUPER, np.float32)
     divide = divisor != _F1
@@ -1592,10 +1594,13 @@ def stats_only(lo, hi, x, xb, valid, divisor, centre, keep, mean, norm2, top):
         if ranged:
             bits = xb[i]
             mx = np.uint32(0)
+            any_bit = np.uint32(0)
             for j in range(SUPER):
                 b = np.uint32(bits[j] & _ABS)
                 mx = max(mx, b if b < _INF_BITS else np.uint32(0))
+                any_bit |= bits[j]
             top[i] = mx
+            plus_zero[i] = any_bit == 0
         if divide:
             for j in range(SUPER):
                 r[j] = src[j] / divisor

@@ -194,29 +194,33 @@ def stats(x: torch.Tensor, valid: torch.Tensor, *, divisor: int = 1,
     ``keep_underflowed`` the norms are those the call's underflow check makes of them
     (``schemes.dynamiq.call._keep_underflowed_rows``: the smallest normal norm for a row of
     non-zero centred values whose squares all underflowed), found in the same pass."""
-    mean, norm2, _ = _stats(x, valid, divisor, centre, keep_underflowed, False)
+    mean, norm2, _, _ = _stats(x, valid, divisor, centre, keep_underflowed, False)
     return mean, norm2
 
 
 def stats_range(x: torch.Tensor, valid: torch.Tensor, *, divisor: int = 1, centre: bool = True,
-                keep_underflowed: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+                keep_underflowed: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, float, np.ndarray]:
     """:func:`stats` and :func:`max_finite_abs` of ``x`` (the rows, before the division) in
-    one pass: ``(mean, norm2, largest finite |x| or 0.0)``, the same bits as the two apart."""
+    one pass: ``(mean, norm2, largest finite |x| or 0.0, plus_zero)``, the same bits as the
+    two apart; ``plus_zero`` (bool per row) says which rows of ``x`` are all +0."""
     return _stats(x, valid, divisor, centre, keep_underflowed, True)
 
 
 def _stats(x: torch.Tensor, valid: torch.Tensor, divisor: int, centre: bool,
-           keep_underflowed: bool, ranged: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+           keep_underflowed: bool, ranged: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, float, np.ndarray]:
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     valid_np = _valid(valid, rows)
     mean = torch.empty(rows, dtype=torch.float32)
     norm2 = torch.empty(rows, dtype=torch.float32)
     top = np.zeros(rows if ranged else 0, np.uint32)
+    plus_zero = np.zeros(rows if ranged else 0, np.bool_)
     run_rows(K.stats_only, rows, xs, xs.view(np.uint32), valid_np, _divisor(divisor), bool(centre),
-             bool(keep_underflowed), mean.numpy(), norm2.numpy(), top)
+             bool(keep_underflowed), mean.numpy(), norm2.numpy(), top, plus_zero)
     largest = float(top.max().view(np.float32)) if ranged and rows else 0.0
-    return mean, norm2, largest
+    return mean, norm2, largest, plus_zero
 
 
 def _divisor(divisor: int) -> np.float32:

@@ -60,10 +60,11 @@ class DynamiqOps:
     hop_runs: Callable[..., None] | None = None
     decode_accumulate_runs: Callable[..., None] | None = None
     # stats_range(x, valid, divisor=, centre=, keep_underflowed=) -> (mean, norm2, largest
-    # finite |x|): stats and the range check's maximum in one pass, the same bits as the two
-    # apart (the call's statistics taken before the argument check: DynamiqScheme.survey).
+    # finite |x|, plus_zero): stats and the range check's maximum in one pass, the same bits as
+    # the two apart, and which rows of x are all +0 (bool per row) (the call's statistics taken
+    # before the argument check: DynamiqScheme.survey).
     # None: the range check is its own pass and the statistics follow the argument check.
-    stats_range: Callable[..., tuple[torch.Tensor, torch.Tensor, float]] | None = None
+    stats_range: Callable[..., tuple[torch.Tensor, torch.Tensor, float, Any]] | None = None
     # The widths each scale encoding is implemented for (raw width 16 always is); None: every
     # format (the reference). The scheme runs a call whose widths are not all here on the
     # reference ops.
