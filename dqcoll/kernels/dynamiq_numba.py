@@ -38,7 +38,7 @@ from ..schemes.dynamiq.codec import (
 )
 from . import _dynamiq_numba_kernels as K
 from ._params import RoundingParams, level_tables
-from .cpu_runtime import run_rows
+from .cpu_runtime import cpu_threads, run_rows
 from .ops import DynamiqOps, check_format
 
 __all__ = [
@@ -480,6 +480,7 @@ def decode_restore_runs(
     arguments, so the same bits; the views are made and the addresses checked once for all
     rows instead of once per run (an all-reduce's last decode has one run per width and chunk,
     ~30 of them)."""
+    threads = cpu_threads()  # once per call, not per run (an environment look-up)
     if out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu" or (
             out.dtype != torch.float32):
         raise ValueError(f"out: expected a flat contiguous fp32 CPU tensor, got {out.dtype} "
@@ -503,11 +504,11 @@ def decode_restore_runs(
                              f"rows or of another length")
         if width == RAW_WIDTH:
             run_rows(K.decode_restore_raw, b - a, rec, mean_np[a:b], index[a:b], valid_np[a:b],
-                     target)
+                     target, threads=threads)
             continue
         run_rows(_DECODE_RESTORE[width], b - a, rec, _SCALES[config.scales],
                  level_tables(width, config.levels).table, mean_np[a:b], index[a:b],
-                 valid_np[a:b], target)
+                 valid_np[a:b], target, threads=threads)
 
 
 def encode_runs(
@@ -518,6 +519,7 @@ def encode_runs(
     ``runs`` holds ``(width, first row, end row, byte offset)``. The same kernels with the same
     arguments, so the same bytes; the views are made once per call and the rounding tables
     once per width, not once per run (a payload has one run per width)."""
+    threads = cpu_threads()  # once per call, not per run (an environment look-up)
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     index = _index(index_base, rows)
@@ -526,12 +528,13 @@ def encode_runs(
     for width, a, b, offset in runs:
         records = _run_records(payload, width, config, a, b, offset, rows)
         if width == RAW_WIDTH:
-            run_rows(K.encode_raw, b - a, xs[a:b], xs[a:b].view(np.uint32), records)
+            run_rows(K.encode_raw, b - a, xs[a:b], xs[a:b].view(np.uint32), records,
+                     threads=threads)
             continue
         if width not in tables:
             tables[width] = _rounding_args(width, config, key, rank, world_size)
         run_rows(_ENCODE[width, config.scales], b - a, xs[a:b], index[a:b], records,
-                 *tables[width])
+                 *tables[width], threads=threads)
 
 
 def hop_runs(
@@ -545,6 +548,7 @@ def hop_runs(
     fused :func:`decode_accumulate_encode` where the widths are equal, else
     :func:`decode_accumulate` then :func:`encode` (the same kernels and arguments, so the same
     bits and the same sums in ``acc``). Views and checks once per call."""
+    threads = cpu_threads()  # once per call, not per run (an environment look-up)
     target = _whole_rows("acc", acc)
     rows = target.shape[0]
     index = _index(index_base, rows)
@@ -556,42 +560,43 @@ def hop_runs(
         part = target[a:b]
         if w_in == w_out:
             if w_in == RAW_WIDTH:
-                run_rows(K.hop_raw, b - a, rec, part, part.view(np.uint32), result)
+                run_rows(K.hop_raw, b - a, rec, part, part.view(np.uint32), result, threads=threads)
                 continue
             if w_in not in tables:
                 tables[w_in] = _rounding_args(w_in, config, key, rank, world_size)
             run_rows(_HOP[w_in, config.scales], b - a, rec,
                      level_tables(w_in, config.levels).table, part, index[a:b], result,
-                     *tables[w_in])
+                     *tables[w_in], threads=threads)
             continue
         if w_in == RAW_WIDTH:
-            run_rows(K.decode_raw, b - a, rec, part, True)
+            run_rows(K.decode_raw, b - a, rec, part, True, threads=threads)
         else:
             run_rows(_DECODE[w_in], b - a, rec, _SCALES[config.scales],
-                     level_tables(w_in, config.levels).table, part, True)
+                     level_tables(w_in, config.levels).table, part, True, threads=threads)
         if w_out == RAW_WIDTH:
-            run_rows(K.encode_raw, b - a, part, part.view(np.uint32), result)
+            run_rows(K.encode_raw, b - a, part, part.view(np.uint32), result, threads=threads)
             continue
         if w_out not in tables:
             tables[w_out] = _rounding_args(w_out, config, key, rank, world_size)
         run_rows(_ENCODE[w_out, config.scales], b - a, part, index[a:b], result,
-                 *tables[w_out])
+                 *tables[w_out], threads=threads)
 
 
 def decode_accumulate_runs(payload: torch.Tensor, runs: list[tuple[int, int, int, int]],
                            config: CodecConfig, acc: torch.Tensor) -> None:
     """:func:`decode_accumulate` of several runs of one payload into ``acc``'s rows: ``runs``
     holds ``(width, first row, end row, byte offset)``; views and checks once per call."""
+    threads = cpu_threads()  # once per call, not per run (an environment look-up)
     target = _whole_rows("acc", acc)
     rows = target.shape[0]
     src = _flat_bytes("payload", payload)
     for width, a, b, offset in runs:
         rec = _run_records(src, width, config, a, b, offset, rows)
         if width == RAW_WIDTH:
-            run_rows(K.decode_raw, b - a, rec, target[a:b], True)
+            run_rows(K.decode_raw, b - a, rec, target[a:b], True, threads=threads)
             continue
         run_rows(_DECODE[width], b - a, rec, _SCALES[config.scales],
-                 level_tables(width, config.levels).table, target[a:b], True)
+                 level_tables(width, config.levels).table, target[a:b], True, threads=threads)
 
 
 _warm_lock = threading.Lock()
