@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import threading
@@ -167,8 +168,6 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
         profiler = cProfile.Profile(time.thread_time)  # CPU, not wall: a loaded machine
         profiler.enable()
     threads_before = _thread_cpu()
-    import resource
-
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     process_cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(args.repeats):
