@@ -234,7 +234,20 @@ def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "order": order, "pending": pending_at_return, "prepared": prepared,
             "iteration": state.iteration, "bits": state.bits_history,
-            "lanes": state.lane_count(), "lane_bytes": lane_bytes}
+            "lanes": state.lane_count(), "lane_bytes": lane_bytes,
+            "algorithm": state.last_info.get("algorithm")}
+    # algorithm="auto" (the default): CPU buckets of more than 2 ranks take the ring
+    model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+    state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=1)
+    model.register_comm_hook(state, dynamiq_hook)
+    for step in range(3):
+        x, y = _batch(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+    state.drain()
+    results["auto algorithm"] = {"chosen": state.bucket_algorithm(torch.zeros(4)),
+                                 "ran": state.last_info.get("algorithm"),
+                                 "named": DynamiqState(algorithm="direct").bucket_algorithm(
+                                     torch.zeros(4))}
     return results
 
 
@@ -264,6 +277,8 @@ def test_async_hook_overlaps_and_matches_the_synchronous_one(
         assert two["lanes"] == 2 and len(two["lane_bytes"]) == 2
         assert all(nbytes > 0 for nbytes in two["lane_bytes"]), two["lane_bytes"]
         assert result["async=True lanes=1"]["lanes"] == 1
+        assert two["algorithm"] == sync["algorithm"] == "butterfly"  # as named
+        assert result["auto algorithm"] == {"chosen": "ring", "ran": "ring", "named": "direct"}
         assert not any(sync["pending"][1:])  # the first (warm-up) bucket is gloo's own
 
 

@@ -139,7 +139,9 @@ class DynamiqState:
             ``"auto"`` picks per bucket the fastest of the group's own all-reduce, a bf16 one
             and dynamiq at ``bits`` (:mod:`dqcoll.auto`), the same on every rank.
         bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.25).
-        algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct").
+        algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto" is the
+            ring for CPU buckets of more than 2 ranks (:meth:`bucket_algorithm`) and the API's
+            rule for CUDA buckets.
         scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
         warmup_steps: iterations at the start that are averaged uncompressed (with AdamW, a few
             dozen or more: measured in docs/ddp.md, 5 steps cost one seed in four 7 % of loss).
@@ -284,6 +286,27 @@ class DynamiqState:
         """Whether iteration ``iteration`` (default: the current one) is compressed."""
         iteration = self.iteration if iteration is None else iteration
         return self.scheme != "none" and iteration >= self.warmup_steps
+
+    def bucket_algorithm(self, buf: torch.Tensor) -> str:
+        """The algorithm of a bucket's all-reduce: ``algorithm`` when named; for ``"auto"``,
+        the ring for CPU buckets of more than 2 ranks, else the API's rule (``"auto"``: the
+        tuned table or the butterfly, :mod:`dqcoll.topology.tuning`).
+
+        Why the ring for CPU buckets: the ring's steps carry a quarter of a 4-rank bucket each,
+        the butterfly's first step half of it. Where the ranks' codecs share cores with
+        backward (gloo, CPU buckets), a bucket's first bytes then leave after a quarter's
+        encode, each hop waits for a quarter, and the other lane's bucket fills the link
+        between them; the ring's one extra step per phase costs less than that. Measured on
+        4 ranks sharing 2 cores, the MLP of docs/benchmarks.md, steps alternating between the
+        two algorithms in one run (docs/ddp.md): 1 Gb/s 298-306 ms per step with the ring
+        against 310-324 with the butterfly in each of 5 runs, 200 Mb/s 723 against 831, 10 Gb/s
+        262 against 257 (within the runs' spread). Every rank derives the same algorithm (the
+        bucket's device and the group's size)."""
+        if self.algorithm != "auto":
+            return self.algorithm
+        if buf.device.type == "cpu" and self.group_size() > 2:
+            return "ring"
+        return "auto"
 
     def should_monitor(self, iteration: int) -> bool:
         return (self.monitor_every > 0 and self.should_compress(iteration)
@@ -588,7 +611,8 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
             state._in_flight.append(bucket)
         spread = state.lane_count() > 1 and state._spread
         tile = LANE_TILE_NBYTES if spread else None  # None: the API's default
-        handle = allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
+        handle = allreduce(buf, op="avg", scheme=state.scheme,
+                           algorithm=state.bucket_algorithm(buf),
                            comm=lane, seed=seed, step=index, async_op=True, tile_nbytes=tile,
                            **options)
 
@@ -612,7 +636,7 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         else:
             dist.all_reduce(exact, group=state.process_group)
         exact /= state.group_size()
-    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.algorithm,
+    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.bucket_algorithm(buf),
               comm=comm, seed=seed, step=index, **options)
     _record(state, comm.last_info, index, buf.numel())
     if exact is not None:
