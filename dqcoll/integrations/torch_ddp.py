@@ -294,9 +294,11 @@ class DynamiqState:
 
         Why the ring for CPU buckets: the ring's steps carry a quarter of a 4-rank bucket each,
         the butterfly's first step half of it. Where the ranks' codecs share cores with
-        backward (gloo, CPU buckets), a bucket's first bytes then leave after a quarter's
-        encode, each hop waits for a quarter, and the other lane's bucket fills the link
-        between them; the ring's one extra step per phase costs less than that. Measured on
+        backward (gloo, CPU buckets), each hop then waits for a quarter, not a half, and the
+        other lane's bucket fills the link between the steps: the link, busy 142 ms per step
+        for 93 ms of bytes with the butterfly, is busy 134 ms with the ring, and the last
+        exchange ends 10 ms earlier (the first payload leaves about as late: the slowest rank's
+        backward decides that). The ring's one extra step per phase costs less. Measured on
         4 ranks sharing 2 cores, the MLP of docs/benchmarks.md, steps alternating between the
         two algorithms in one run (docs/ddp.md): 1 Gb/s 298-306 ms per step with the ring
         against 310-324 with the butterfly in each of 5 runs, 200 Mb/s 723 against 831, 10 Gb/s
