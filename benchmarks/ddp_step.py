@@ -89,6 +89,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from dqcoll.cli.ports import rendezvous_port  # noqa: E402
 from dqcoll.cli.provenance import device_name, git_commit  # noqa: E402
 
 __all__ = ["ROWS", "build_model", "main", "percentile", "render_markdown", "summarize"]
@@ -569,9 +570,9 @@ def render_markdown(paths: Sequence[str]) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 def spawn(argv: Sequence[str], world_size: int, timeout_s: float,

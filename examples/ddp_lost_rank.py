@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -163,9 +162,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``--world-size`` ranks of this script; the exit status of the survivors."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dqcoll.cli.ports import rendezvous_port
+
+    port = rendezvous_port()  # outside the ephemeral range (see dqcoll/cli/ports.py)
     procs = []
     for rank in range(args.world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.world_size),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -12,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from dqcoll.cli.ports import rendezvous_port
 
 # The suite runs under pytest-xdist on 2 cores: one intra-op thread per worker, no oversubscription.
 torch.set_num_threads(1)
@@ -79,10 +80,9 @@ def heavy_tailed(rank: int, numel: int, *, seed: int = 0, sigma: float = 2.0) ->
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 def run_gloo_script(script: str, world_size: int, *, timeout_s: float,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
-import socket
 import threading
 import time
 from typing import Any, ClassVar
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 import dqcoll
+from dqcoll.cli.ports import rendezvous_port
 from dqcoll.errors import UnsupportedError
 from dqcoll.transports import cupy_nccl, nccl4py, nccl_binding, nccl_common
 
@@ -34,9 +34,9 @@ nccl_core = pytest.importorskip("nccl.core", reason="nccl4py[cu12] is not instal
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 def _doc_signature(obj: Any) -> str:

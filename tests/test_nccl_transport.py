@@ -16,7 +16,6 @@ be reported by a timeout that names the step.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -29,6 +28,7 @@ from conftest import collect_reports
 
 import dqcoll
 from dqcoll import transports
+from dqcoll.cli.ports import rendezvous_port
 from dqcoll.errors import UnsupportedError
 from dqcoll.transports import cupy_nccl
 
@@ -139,9 +139,9 @@ def test_nccl_is_registered_for_cuda() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 def test_torchrun_example_over_gloo() -> None:

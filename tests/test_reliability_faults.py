@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ import torch
 
 import dqcoll
 from dqcoll import metrics, schemes
+from dqcoll.cli.ports import rendezvous_port
 from dqcoll.errors import (
     CollectiveTimeoutError,
     CommAbortedError,
@@ -133,9 +133,9 @@ os._exit(0)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 def _run_gloo(scenario: str, world_size: int, timeout_s: float, *,

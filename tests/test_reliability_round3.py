@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ import torch
 
 import dqcoll
 from dqcoll import envs
+from dqcoll.cli.ports import rendezvous_port
 from dqcoll.errors import (
     CollectiveTimeoutError,
     DqcollError,
@@ -382,9 +382,9 @@ def test_sparse_tensor_and_non_finite_bits_get_clear_messages():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 _INIT_WORKER = r"""

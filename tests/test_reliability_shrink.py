@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from dqcoll.cli.ports import rendezvous_port
 from dqcoll.errors import UnsupportedError
 from dqcoll.testing import run_local
 
@@ -77,9 +77,9 @@ os._exit(0)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 def _run(world_size: int, kill_rank: int, mode: str, tmp_path: pathlib.Path) -> dict[int, dict]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -265,9 +264,11 @@ WORLD_SIZE = {"kill-shrink": 4}  # one of 4 ranks SIGKILLed, as issue 25 asks
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
+    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
+    from dqcoll.cli.ports import rendezvous_port
+
+    return rendezvous_port()
 
 
 def run_gloo(scenario: str, fault_s: float, world_size: int = 3) -> dict[int, dict[str, Any]]:

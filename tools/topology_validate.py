@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -141,9 +140,9 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _launch_loopback(n: int, command: list[str]) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dqcoll.cli.ports import rendezvous_port
+
+    port = rendezvous_port()  # outside the ephemeral range (see dqcoll/cli/ports.py)
     procs = []
     for rank in range(n):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),

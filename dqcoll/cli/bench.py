@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from .ports import rendezvous_port
 from .provenance import device_name, git_commit
 
 __all__ = ["Case", "build_cases", "busbw_factor", "main", "parse_size", "size_sweep"]
@@ -576,9 +577,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return rendezvous_port()
 
 
 def _compile_once() -> None:

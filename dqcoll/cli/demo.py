@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from .ports import rendezvous_port
 
 __all__ = ["gradient_like", "main"]
 
@@ -202,9 +203,7 @@ def _link_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, s
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return rendezvous_port()
 
 
 def _parse_count(text: str) -> int:
