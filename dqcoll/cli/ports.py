@@ -5,8 +5,9 @@ the tests) pick a free port, release it and hand it to the ranks, whose rank 0 b
 moment later. A port that ``bind(0)`` hands out comes from the kernel's ephemeral range, and
 once released it is back in the pool from which every outgoing connection on the machine takes
 its local port: a concurrent job's gloo mesh (dozens of connections per rank) can take it in
-between, and the store then fails to bind (seen as a rare failure of a launcher's test under
-``pytest -n 2``). :func:`rendezvous_port` takes a random free port *below* the ephemeral range,
+between, and the store then fails to bind (the likely cause of a launcher's test failing once
+under ``pytest -n 2`` and passing on every rerun; not reproduced). :func:`rendezvous_port`
+takes a random free port *below* the ephemeral range,
 which outgoing connections never use; where that range cannot be read or leaves no room, it
 falls back to ``bind(0)``.
 """
