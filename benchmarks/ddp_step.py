@@ -569,11 +569,6 @@ def render_markdown(paths: Sequence[str]) -> str:
 # -- launcher --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
-    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
-    return rendezvous_port()
-
 
 def spawn(argv: Sequence[str], world_size: int, timeout_s: float,
           script: str | None = None) -> int:
@@ -582,7 +577,7 @@ def spawn(argv: Sequence[str], world_size: int, timeout_s: float,
     from dqcoll import kernels
 
     kernels.warm_up(torch.device("cpu"))  # compile (or load) once here, not in every rank
-    port = _free_port()
+    port = rendezvous_port()
     procs: list[subprocess.Popen[bytes]] = []
     child = [sys.executable, str(Path(script or __file__).resolve()), *argv, "--launcher", "env"]
     try:

@@ -79,11 +79,6 @@ def heavy_tailed(rank: int, numel: int, *, seed: int = 0, sigma: float = 2.0) ->
     return values.reshape(-1)[:numel].contiguous()
 
 
-def free_port() -> int:
-    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
-    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
-    return rendezvous_port()
-
 
 def run_gloo_script(script: str, world_size: int, *, timeout_s: float,
                     env: dict[str, str] | None = None,
@@ -91,7 +86,7 @@ def run_gloo_script(script: str, world_size: int, *, timeout_s: float,
     """Run ``python -c script *argv`` as ``world_size`` gloo ranks (torchrun's variables on
     127.0.0.1, one intra-op thread each, ``env`` on top); the reports of
     :func:`collect_reports`."""
-    port = free_port()
+    port = rendezvous_port()
     procs = []
     for rank in range(world_size):
         rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),

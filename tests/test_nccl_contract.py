@@ -33,11 +33,6 @@ nccl_core = pytest.importorskip("nccl.core", reason="nccl4py[cu12] is not instal
                                                     "gpu-contract extra of pyproject.toml)")
 
 
-def _free_port() -> int:
-    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
-    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
-    return rendezvous_port()
-
 
 def _doc_signature(obj: Any) -> str:
     """The signature line Cython's embedsignature puts first in the docstring."""
@@ -198,7 +193,7 @@ def test_two_cupy_ranks_hand_the_constructor_the_same_bytes_id(
     monkeypatch.setattr(nccl, "NcclCommunicator", _RecordingCupyComm)
     monkeypatch.setattr(cupy_nccl, "_import_nccl", lambda: nccl)
     _stub_device_selection(monkeypatch)
-    port = _free_port()
+    port = rendezvous_port()
 
     def rank_body(rank: int) -> Any:
         return cupy_nccl.init_transport(rank=rank, world_size=2, master_addr="127.0.0.1",
@@ -311,7 +306,7 @@ def test_two_nccl4py_ranks_init_with_the_same_unique_id(monkeypatch: pytest.Monk
     monkeypatch.setattr(nccl_core, "Communicator", _RecordingCommunicator)
     monkeypatch.setattr(nccl4py, "_import_core", lambda: nccl_core)
     _stub_device_selection(monkeypatch)
-    port = _free_port()
+    port = rendezvous_port()
 
     def rank_body(rank: int) -> Any:
         return nccl4py.init_transport(rank=rank, world_size=2, master_addr="127.0.0.1",
@@ -677,7 +672,7 @@ def test_a_failing_communicator_init_names_the_rank(binding: str,
     with pytest.raises(dqcoll.errors.CommAbortedError,
                        match=r"rank 0 of 1: ncclCommInitRank through (CuPy|nccl4py) on cuda:0"):
         module.init_transport(rank=0, world_size=1, master_addr="127.0.0.1",
-                              master_port=_free_port(), timeout_s=10)
+                              master_port=rendezvous_port(), timeout_s=10)
 
 
 def test_nccl4py_async_error_codes() -> None:

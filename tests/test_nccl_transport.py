@@ -138,18 +138,14 @@ def test_nccl_is_registered_for_cuda() -> None:
         spec.factory(rank=0, world_size=1)
 
 
-def _free_port() -> int:
-    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
-    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
-    return rendezvous_port()
-
 
 def test_torchrun_example_over_gloo() -> None:
     """``torchrun --nproc-per-node 4 examples/torchrun_allreduce.py --backend gloo`` (4 CPU
     processes, tiled: 16 KiB tiles) ends with every rank identical, vNMSE within budget, the
     async_op result equal to the synchronous one, and exit status 0 under --check."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(_free_port()), str(ROOT / "examples" / "torchrun_allreduce.py"),
+           "--master-port", str(rendezvous_port()),
+           str(ROOT / "examples" / "torchrun_allreduce.py"),
            "--backend", "gloo", "--numel", "64K", "--iters", "1", "--tile-nbytes", "16K",
            "--check"]
     env = dict(os.environ, OMP_NUM_THREADS="1", DQCOLL_TIMEOUT_S="120")
@@ -268,7 +264,7 @@ def _run_nccl(scenario: str, world_size: int, out_dir: Path, timeout_s: float, b
               wait_for: int | None = None) -> dict[int, dict[str, Any]]:
     """Start ``world_size`` NCCL ranks on GPU 0; collect the reports of all (or of the first
     ``wait_for``) ranks and kill the rest."""
-    port = _free_port()
+    port = rendezvous_port()
     procs = [
         subprocess.Popen([sys.executable, "-c", _NCCL_WORKER, scenario, str(out_dir), backend],
                          env=_nccl_env(r, world_size, port, timeout_s), stdout=subprocess.PIPE,
@@ -394,7 +390,7 @@ def test_unique_id_travels_over_a_tcp_store() -> None:
     from dqcoll.transports import nccl_common
 
     fake_id = bytes((i * 37) % 256 for i in range(128))
-    port = _free_port()
+    port = rendezvous_port()
     ids: dict[int, bytes] = {}
     stores: list[Any] = []  # rank 0's store serves the others: keep it alive, as the transport does
 
@@ -410,7 +406,7 @@ def test_unique_id_travels_over_a_tcp_store() -> None:
     for t in threads:
         t.join(timeout=60)
     assert ids == {0: fake_id, 1: fake_id, 2: fake_id}
-    store = torch.distributed.TCPStore("127.0.0.1", _free_port(), 1, is_master=True,
+    store = torch.distributed.TCPStore("127.0.0.1", rendezvous_port(), 1, is_master=True,
                                        wait_for_workers=False)
     with pytest.raises(CollectiveTimeoutError, match="dqcoll/nccl/t/missing"):
         nccl_common.exchange_unique_id(lambda: fake_id, store, 1, "dqcoll/nccl/t/missing", 0.5)

@@ -132,17 +132,12 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
-    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
-    return rendezvous_port()
-
 
 def _run_gloo(scenario: str, world_size: int, timeout_s: float, *,
               ranks: list[int] | None = None) -> dict[int, dict]:
     """Run the worker as ``world_size`` gloo processes (only ``ranks``, if given); each process
     is killed after 120 s, and its report says how it ended (``exit``: -6 is SIGABRT)."""
-    port = _free_port()
+    port = rendezvous_port()
     procs = {}
     for rank in ranks if ranks is not None else range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),

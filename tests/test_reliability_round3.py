@@ -381,11 +381,6 @@ def test_sparse_tensor_and_non_finite_bits_get_clear_messages():
         assert all(isinstance(results[r][0], PeerError) for r in (0, 2)), (name, results)
 
 
-def _free_port() -> int:
-    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
-    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
-    return rendezvous_port()
-
 
 _INIT_WORKER = r"""
 import json, os, sys, time
@@ -411,7 +406,7 @@ def test_init_without_rank_0_names_it_without_a_cpp_stack_trace():
     ("Exception raised from ...", "frame #") in the message or on stderr (torch's TCPStore
     client logged one per connection attempt, and the chained exception printed another)."""
     env = dict(os.environ, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+               MASTER_PORT=str(rendezvous_port()), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _INIT_WORKER, "2"], env=env,
                           capture_output=True, text=True, timeout=120)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]

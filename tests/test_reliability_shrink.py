@@ -76,14 +76,9 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    """A free port for a rendezvous on 127.0.0.1, outside the ephemeral range
-    (:func:`dqcoll.cli.ports.rendezvous_port`)."""
-    return rendezvous_port()
-
 
 def _run(world_size: int, kill_rank: int, mode: str, tmp_path: pathlib.Path) -> dict[int, dict]:
-    port = _free_port()
+    port = rendezvous_port()
     procs = {}
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),

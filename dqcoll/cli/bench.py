@@ -576,9 +576,6 @@ def run_rank(args: argparse.Namespace) -> int:
 # -- the launcher ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    return rendezvous_port()
-
 
 def _compile_once() -> None:
     """Compile the CPU kernels (or load them from numba's disk cache, ~2 s) in this process
@@ -598,7 +595,7 @@ def spawn(argv: Sequence[str], world_size: int, *, timeout_s: float | None = Non
 
     grace_s = (envs.timeout_s() if timeout_s is None else timeout_s) + 30.0
     _compile_once()
-    port = _free_port()
+    port = rendezvous_port()
     procs: list[subprocess.Popen[bytes]] = []
     child_argv = [sys.executable, "-m", "dqcoll.cli.bench", *argv, "--launcher", "env"]
     if threads:

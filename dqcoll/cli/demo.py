@@ -202,9 +202,6 @@ def _link_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, s
         return json.loads(rows_json.read_text()), how
 
 
-def _free_port() -> int:
-    return rendezvous_port()
-
 
 def _parse_count(text: str) -> int:
     text = text.strip().upper()
@@ -215,7 +212,7 @@ def _parse_count(text: str) -> int:
 def _run_loopback(args: argparse.Namespace) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = rendezvous_port()
     procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, out))
              for r in range(args.world_size)]
     for p in procs:
