@@ -102,6 +102,52 @@ def test_rootless_runs_this_module_inside_a_user_namespace():
     assert cmd[cut + 5 :] == argv
 
 
+def test_two_level_plan_puts_ranks_of_a_host_in_one_namespace():
+    """``ranks_per_host=G``: one namespace (and one capped port) per host, ranks host-major as
+    torchrun numbers them, every rank of a host on that host's veth, LOCAL_* as torchrun sets
+    them; a world size that G does not divide is refused."""
+    plan = netns.build_plan(6, "1gbit", prefix="dqctest", ranks_per_host=3)
+    assert plan.hosts == 2 and len(plan.namespaces) == len(plan.interfaces) == 2
+    assert [plan.host_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    envs = [plan.rank_env(r) for r in range(6)]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "0", "1", "2"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"3"}
+    assert [e["GLOO_SOCKET_IFNAME"] for e in envs] == [plan.interfaces[0]] * 3 + [
+        plan.interfaces[1]] * 3
+    assert {e["MASTER_ADDR"] for e in envs} == {plan.addresses[0]}
+    tbf = [cmd for cmd in plan.setup if cmd[0] == "tc"]
+    assert len(tbf) == 2 * 2  # both ends of each host's port, nothing per rank
+    assert "2 hosts x 3 ranks" in plan.description
+    with pytest.raises(ValueError, match="divide"):
+        netns.build_plan(5, "1gbit", prefix="dqctest", ranks_per_host=2)
+    with pytest.raises(ValueError, match="rank must be"):
+        plan.host_of(6)
+
+
+def test_hosts_flag_sets_the_world_size(monkeypatch):
+    """``--hosts H --ranks-per-host G`` runs H x G ranks; a contradicting ``-n`` is an error."""
+    plans: list[netns.ClusterPlan] = []
+
+    class NoCluster:
+        def __init__(self, plan: netns.ClusterPlan) -> None:
+            plans.append(plan)
+
+        def __enter__(self) -> netns.ClusterPlan:
+            return plans[-1]
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(netns, "Cluster", NoCluster)
+    monkeypatch.setattr(netns, "run_ranks", lambda plan, command, **kw: 0)
+    assert netns.main(["exec", "--hosts", "2", "--ranks-per-host", "2", "--mode", "root",
+                       "--", "true"]) == 0
+    assert (plans[-1].world_size, plans[-1].hosts, plans[-1].ranks_per_host) == (4, 2, 2)
+    with pytest.raises(SystemExit):
+        netns.main(["exec", "-n", "3", "--hosts", "2", "--ranks-per-host", "2", "--mode",
+                    "root", "--", "true"])
+
+
 def test_prerequisites_name_what_is_missing(monkeypatch):
     """Without ``unshare`` the rootless mode says which package provides it; without root the
     root mode says it needs root."""
@@ -121,7 +167,9 @@ def test_run_cluster_passes_the_command_to_exec(monkeypatch):
     assert netns.run_cluster(3, "200mbit", ["python", "-c", "pass"], mode="rootless",
                              timeout_s=60) == 0
     argv = seen[0]
-    assert argv[:5] == ["exec", "-n", "3", "--rate", "200mbit"]
+    assert argv[:3] == ["exec", "-n", "3"]
+    assert argv[argv.index("--rate") + 1] == "200mbit"
+    assert argv[argv.index("--ranks-per-host") + 1] == "1"
     assert argv[argv.index("--mode") + 1] == "rootless"
     assert argv[argv.index("--") + 1 :] == ["python", "-c", "pass"]
 
@@ -260,4 +308,55 @@ def test_bench_runs_one_rank_per_namespace(tmp_path):
     assert all(r["check_ok"] for r in rows)
     assert all("tbf 1gbit" in r["topology"] and r["world_size"] == 2 for r in rows)
     assert all("link_floor_us" in r for r in rows)
+    assert _leftovers(prefix) == []
+
+
+_TWO_LEVEL_STREAMS = r"""
+import os, socket, sys, time
+rank, nbytes = int(os.environ["RANK"]), int(sys.argv[1])
+host0 = os.environ["MASTER_ADDR"]
+def serve(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host0, port)); s.listen(1)
+    c, _ = s.accept(); got = 0; t = None
+    while got < nbytes:
+        d = c.recv(1 << 20)
+        if not d: break
+        t = t or time.perf_counter(); got += len(d)
+    return got * 8 / (time.perf_counter() - t) / 1e9
+def send(port):
+    for _ in range(200):
+        try:
+            s = socket.create_connection((host0, port)); break
+        except OSError:
+            time.sleep(0.05)
+    buf = b"\0" * (1 << 20); left = nbytes
+    while left > 0:
+        s.sendall(buf[: min(left, len(buf))]); left -= len(buf)
+    s.close()
+if rank == 0:
+    print(f"inside {serve(5301):.3f}", flush=True)
+    print(f"across {serve(5302):.3f}", flush=True)
+elif rank == 1:
+    send(5301)
+elif rank == 2:
+    time.sleep(1.0)
+    send(5302)
+"""
+
+
+@pytest.mark.root
+@needs_root
+def test_two_level_cluster_caps_only_traffic_between_hosts():
+    """2 hosts x 2 ranks at 100 Mbit/s: a TCP stream between the two ranks of host 0 (to host
+    0's own address) runs far above the cap, one from host 1 to host 0 at 50-115 % of it."""
+    prefix = f"dqch{os.getpid() % 10000}"
+    done = _tool("exec", "--hosts", "2", "--ranks-per-host", "2", "--rate", "100mbit",
+                 "--mode", "root", "--prefix", prefix, "--", sys.executable, "-c",
+                 _TWO_LEVEL_STREAMS, "3000000")
+    assert done.returncode == 0, done.stderr
+    rates = {line.split()[0]: float(line.split()[1]) for line in done.stdout.splitlines()
+             if line.startswith(("inside", "across"))}
+    assert 0.05 <= rates["across"] <= 0.115, rates
+    assert rates["inside"] > 5 * rates["across"], rates
     assert _leftovers(prefix) == []

@@ -1,17 +1,22 @@
-"""An emulated cluster on one machine: ``n`` network namespaces joined by rate-limited links.
+"""An emulated cluster on one machine: network namespaces ("hosts") joined by rate-limited links.
 
 What it builds, all of it inside namespaces this module creates::
 
     <prefix>-hub   a bridge ``br0``; the hub ends ``<prefix>-b<i>`` of every link are its ports
-    <prefix>-r<i>  one per rank: ``lo`` and ``<prefix>-v<i>`` with address 10.77.0.<i+1>/24
+    <prefix>-r<i>  one per host: ``lo`` and ``<prefix>-v<i>`` with address 10.77.0.<i+1>/24
 
-Each veth link is capped in *both* directions with ``tc ... tbf``: on the rank end (what the rank
-sends) and on the hub end (what it receives), so every rank has a full-duplex port of ``--rate``,
-like a host on a switch. One rank runs per namespace with the env:// variables set (``RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = rank 0's address, ``MASTER_PORT``) and
-``GLOO_SOCKET_IFNAME`` = its veth, so gloo's traffic crosses the capped links: real bytes through
-a real rate limit in the kernel, not a model. Everything is torn down afterwards (deleting a
-namespace deletes its links), also on Ctrl-C, SIGTERM or a failure.
+Each veth link is capped in *both* directions with ``tc ... tbf``: on the host end (what the host
+sends) and on the hub end (what it receives), so every host has a full-duplex port of ``--rate``,
+like a host on a switch. ``--ranks-per-host G`` ranks run in each host's namespace (default 1:
+one rank per host, ``-n`` hosts) with the env:// variables set as torchrun sets them (``RANK``
+host-major, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` = G, ``MASTER_ADDR`` = host 0's
+address, ``MASTER_PORT``) and ``GLOO_SOCKET_IFNAME`` = the host's veth. Traffic between hosts
+crosses the capped links: real bytes through a real rate limit in the kernel, not a model.
+Traffic between two ranks of one host goes to an address of their own namespace, which the
+kernel routes over that namespace's loopback: uncapped, as between the GPUs or processes of one
+machine. ``--hosts H --ranks-per-host G`` is thus a two-level cluster of ``H x G`` ranks whose
+only slow links are the hosts' ports. Everything is torn down afterwards (deleting a namespace
+deletes its links), also on Ctrl-C, SIGTERM or a failure.
 
 Two modes build the same plan (``--mode``, default ``auto``: ``root`` as root, else
 ``rootless``):
@@ -39,6 +44,7 @@ Usage (from the repository root; ``tools/netns_cluster.py`` is the same command)
     python -m dqcoll.cli.netns bench -n 4 --rate 1gbit -- -b 1M -e 16M -f 4 --json out.json
     python -m dqcoll.cli.netns measure -n 2 --rate 200mbit
     python -m dqcoll.cli.netns exec -n 4 --rate 10gbit -- python my_job.py
+    python -m dqcoll.cli.netns exec --hosts 2 --ranks-per-host 2 --rate 1gbit -- python my_job.py
     python -m dqcoll.cli.netns cleanup          # root mode: remove namespaces of a killed run
 
 Rejected: a bridge in the root namespace (changes the host's networking and needs its own
@@ -112,7 +118,10 @@ def parse_rate_bps(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterPlan:
-    """Names, addresses and the exact commands that build the cluster (plain data)."""
+    """Names, addresses and the exact commands that build the cluster (plain data).
+
+    ``namespaces``, ``interfaces``, ``hub_ports`` and ``addresses`` are per host; rank ``r``
+    runs on host ``r // ranks_per_host`` (host-major, as torchrun numbers ranks)."""
 
     world_size: int
     rate: str
@@ -127,42 +136,71 @@ class ClusterPlan:
     hub_ports: tuple[str, ...]  # hub end of each link
     addresses: tuple[str, ...]  # one per rank, without the /24
     setup: tuple[tuple[str, ...], ...]
+    ranks_per_host: int = 1
+
+    @property
+    def hosts(self) -> int:
+        return len(self.namespaces)
 
     @property
     def master_addr(self) -> str:
         return self.addresses[0]
 
+    def host_of(self, rank: int) -> int:
+        """The host (namespace index) rank ``rank`` runs on."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return rank // self.ranks_per_host
+
     def rank_env(self, rank: int) -> dict[str, str]:
+        host = self.host_of(rank)
         return {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank % self.ranks_per_host),
+            "GROUP_RANK": str(host),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
+            # one rank per host: every rank still shares this machine's cores, which is what
+            # LOCAL_WORLD_SIZE tells dqcoll (ranks per core); with G per host, G, as torchrun
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_host if self.ranks_per_host > 1
+                                    else self.world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(MASTER_PORT),
-            "GLOO_SOCKET_IFNAME": self.interfaces[rank],
+            "GLOO_SOCKET_IFNAME": self.interfaces[host],
         }
 
     @property
     def description(self) -> str:
+        if self.ranks_per_host > 1:
+            return (f"netns: {self.hosts} hosts x {self.ranks_per_host} ranks (loopback inside "
+                    f"a host), veth to a bridge, tbf {self.rate} per host port and direction "
+                    f"(no added delay)")
         return (f"netns: {self.world_size} namespaces, veth to a bridge, tbf {self.rate} "
                 f"per link and direction (no added delay)")
 
 
 def build_plan(world_size: int, rate: str, *, prefix: str | None = None,
-               latency_ms: float = 50.0, delay_us: float = 0.0) -> ClusterPlan:
-    if not 1 <= world_size <= 250:
-        raise ValueError(f"world size must be in [1, 250], got {world_size}")
+               latency_ms: float = 50.0, delay_us: float = 0.0,
+               ranks_per_host: int = 1) -> ClusterPlan:
+    """The plan of ``world_size`` ranks, ``ranks_per_host`` of them in each host namespace
+    (``world_size`` a multiple of it)."""
+    if not 1 <= world_size <= 1000:
+        raise ValueError(f"world size must be in [1, 1000], got {world_size}")
+    if ranks_per_host < 1 or world_size % ranks_per_host:
+        raise ValueError(f"ranks per host must divide the world size {world_size}, "
+                         f"got {ranks_per_host}")
+    hosts = world_size // ranks_per_host
+    if hosts > 250:
+        raise ValueError(f"at most 250 hosts (one /24), got {hosts}")
     rate_bps = parse_rate_bps(rate)
     prefix = prefix or f"dqc{os.getpid() % 100000}"
     if len(prefix) + 5 > 15 or not re.fullmatch(r"[a-z][a-z0-9]*", prefix):
         raise ValueError(f"prefix must be short lowercase alphanumerics (<= 10), got {prefix!r}")
     burst = max(_MIN_BURST_NBYTES, int(rate_bps / 8 * _BURST_S))
     hub = f"{prefix}-hub"
-    namespaces = tuple(f"{prefix}-r{i}" for i in range(world_size))
-    interfaces = tuple(f"{prefix}-v{i}" for i in range(world_size))
-    hub_ports = tuple(f"{prefix}-b{i}" for i in range(world_size))
-    addresses = tuple(f"{SUBNET}.{i + 1}" for i in range(world_size))
+    namespaces = tuple(f"{prefix}-r{i}" for i in range(hosts))
+    interfaces = tuple(f"{prefix}-v{i}" for i in range(hosts))
+    hub_ports = tuple(f"{prefix}-b{i}" for i in range(hosts))
+    addresses = tuple(f"{SUBNET}.{i + 1}" for i in range(hosts))
     tbf = ("tbf", "rate", rate, "burst", str(burst), "latency", f"{latency_ms:g}ms")
     setup: list[tuple[str, ...]] = [
         ("ip", "netns", "add", hub),
@@ -187,7 +225,8 @@ def build_plan(world_size: int, rate: str, *, prefix: str | None = None,
                 setup.append(("tc", "-n", where, "qdisc", "add", "dev", link, "parent", "1:1",
                               "handle", "10:", "netem", "delay", f"{delay_us:g}us"))
     return ClusterPlan(world_size, rate, rate_bps, burst, latency_ms, delay_us, prefix, hub,
-                       namespaces, interfaces, hub_ports, addresses, tuple(setup))
+                       namespaces, interfaces, hub_ports, addresses, tuple(setup),
+                       ranks_per_host)
 
 
 def _run(cmd: Sequence[str]) -> str:
@@ -310,7 +349,8 @@ def run_ranks(plan: ClusterPlan, command: Sequence[str], *, timeout_s: float,
     """
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for rank, ns in enumerate(plan.namespaces):
+        for rank in range(plan.world_size):
+            ns = plan.namespaces[plan.host_of(rank)]
             env = dict(os.environ, **plan.rank_env(rank))
             quiet = quiet_ranks and rank != 0
             procs.append(subprocess.Popen(
@@ -379,12 +419,14 @@ def _bench_command(plan: ClusterPlan, bench_args: Sequence[str]) -> list[str]:
 
 
 def run_cluster(world_size: int, rate: str, command: Sequence[str], *, mode: str = "auto",
-                timeout_s: float = 900.0, quiet_ranks: bool = True) -> int:
+                timeout_s: float = 900.0, quiet_ranks: bool = True,
+                ranks_per_host: int = 1) -> int:
     """Run ``command`` once per rank on an emulated cluster of ``world_size`` ranks with
-    ``rate`` links, built in ``mode``; the worst exit status of the ranks (1 with a message on
-    stderr when the cluster cannot be built). What :func:`main`'s ``exec`` does, for callers
-    such as ``dqcoll demo``."""
-    argv = ["exec", "-n", str(world_size), "--rate", rate, "--mode", mode,
+    ``rate`` links, ``ranks_per_host`` ranks per host namespace, built in ``mode``; the worst
+    exit status of the ranks (1 with a message on stderr when the cluster cannot be built).
+    What :func:`main`'s ``exec`` does, for callers such as ``dqcoll demo``."""
+    argv = ["exec", "-n", str(world_size), "--ranks-per-host", str(ranks_per_host),
+            "--rate", rate, "--mode", mode,
             "--timeout-s", f"{timeout_s:g}", *([] if quiet_ranks else ["--all-output"]),
             "--", *command]
     return main(argv)
@@ -393,7 +435,13 @@ def run_cluster(world_size: int, rate: str, command: Sequence[str], *, mode: str
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="netns_cluster.py", description=__doc__.split("\n")[0])
     parser.add_argument("action", choices=("bench", "measure", "exec", "cleanup"))
-    parser.add_argument("-n", "--world-size", type=int, default=4)
+    parser.add_argument("-n", "--world-size", type=int, default=None,
+                        help="ranks in all (default 4, or hosts x ranks per host)")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="host namespaces, each with one capped port (default: world size "
+                        "/ ranks per host)")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks sharing each host namespace (they talk over its loopback)")
     parser.add_argument("--rate", default="1gbit", help="per link and direction, tc syntax")
     parser.add_argument("--mode", default="auto", choices=("auto", "root", "rootless"),
                         help="auto: root as root, rootless (user namespaces) otherwise")
@@ -418,6 +466,16 @@ def main(argv: list[str] | None = None) -> int:
     own, extra = argv[:cut], argv[cut + 1 :]
     parser = _build_parser()
     args = parser.parse_args(own)
+    if args.ranks_per_host < 1:
+        parser.error(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
+    if args.hosts is not None:
+        world = args.hosts * args.ranks_per_host
+        if args.world_size is not None and args.world_size != world:
+            parser.error(f"-n {args.world_size} disagrees with --hosts {args.hosts} x "
+                         f"--ranks-per-host {args.ranks_per_host} = {world}")
+        args.world_size = world
+    elif args.world_size is None:
+        args.world_size = 4
     mode = Mode.ROOT if inside else choose_mode(args.mode)
     if args.action == "cleanup":
         if mode is Mode.ROOTLESS:
@@ -429,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             _run(("ip", "netns", "del", ns))
         print(f"removed {len(left)} namespaces: {left}")
         return 0
-    if args.action == "measure" and args.world_size < 2:
-        parser.error("measure needs -n 2 or more")
+    if args.action == "measure" and (args.world_size < 2 or args.ranks_per_host > 1):
+        parser.error("measure needs -n 2 or more, one rank per host (it times rank 1 -> 0)")
     if args.action == "exec" and not extra:
         parser.error("exec needs a command after --")
     if mode is Mode.ROOTLESS:
@@ -449,8 +507,12 @@ def main(argv: list[str] | None = None) -> int:
             if child.poll() is None:
                 child.terminate()
                 child.wait()
-    plan = build_plan(args.world_size, args.rate, prefix=args.prefix, latency_ms=args.latency_ms,
-                      delay_us=args.delay_us)
+    try:
+        plan = build_plan(args.world_size, args.rate, prefix=args.prefix,
+                          latency_ms=args.latency_ms, delay_us=args.delay_us,
+                          ranks_per_host=args.ranks_per_host)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.action == "bench":
         command = _bench_command(plan, extra)
     elif args.action == "measure":
@@ -463,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         if inside:
             _private_run_dir()
         with Cluster(plan):
-            print(f"# {plan.description}; burst {plan.burst_nbytes} B, ranks at "
+            print(f"# {plan.description}; burst {plan.burst_nbytes} B, hosts at "
                   f"{', '.join(plan.addresses)}; {how}", flush=True)
             return run_ranks(plan, command, timeout_s=args.timeout_s,
                              quiet_ranks=not args.all_output)
