@@ -24,7 +24,7 @@ def test_table_shows_both_networks_and_speedup_over_none(capsys):
     loop = [_row("none", "ring", 200.0), _row("dynamiq", "ring", 250.0),
             {"scheme": "auto", "algorithm": "ring", "status": "not available (no auto)"}]
     link = [_row("none", "ring", 800.0), _row("dynamiq", "ring", 320.0, chosen="")]
-    demo._print_table(loop, link, "1gbit")
+    demo._print_table(loop, [("1gbit", link)])
     lines = capsys.readouterr().out.splitlines()
     assert "1gbit ms" in lines[0] and "loopback ms" in lines[0]
     dynamiq = next(ln for ln in lines if ln.startswith("dynamiq"))
@@ -36,16 +36,50 @@ def test_table_says_what_auto_chose_on_each_network(capsys):
     """``auto`` rows name the scheme chosen on loopback and over the link (they may differ)."""
     loop = [_row("none", "ring", 200.0), _row("auto", "ring", 201.0, chosen="none")]
     link = [_row("none", "ring", 800.0), _row("auto", "ring", 330.0, chosen="dynamiq")]
-    demo._print_table(loop, link, "1gbit")
+    demo._print_table(loop, [("1gbit", link)])
     auto = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("auto"))
     assert auto.endswith("(chose loopback: none, 1gbit: dynamiq)")
 
 
 def test_table_without_link_has_loopback_columns_only(capsys):
     """Without the link section there is no link column (not an empty one)."""
-    demo._print_table([_row("none", "ring", 200.0)], None, "1gbit")
+    demo._print_table([_row("none", "ring", 200.0)], [])
     out = capsys.readouterr().out
     assert "1gbit" not in out and "loopback ms" in out
+
+
+def test_table_has_a_column_per_network_with_its_own_speedups(capsys):
+    """With the flat link and the two-level cluster, each network has its time and its ratio
+    to ``none`` on that network; ``auto``'s choice is named per network; a row missing on one
+    network reads '-' there."""
+    loop = [_row("none", "ring", 200.0), _row("auto", "ring", 190.0, chosen="bf16")]
+    flat = [_row("none", "ring", 800.0), _row("auto", "ring", 400.0, chosen="dynamiq")]
+    two = [_row("none", "ring", 600.0)]
+    demo._print_table(loop, [("1gbit", flat), ("2x2 1gbit", two)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "1gbit ms" in lines[0] and "2x2 1gbit ms" in lines[0]
+    none = next(ln for ln in lines if ln.startswith("none"))
+    assert none.split()[4:10] == ["200.0", "1.00x", "800.0", "1.00x", "600.0", "1.00x"]
+    auto = next(ln for ln in lines if ln.startswith("auto"))
+    assert auto.split()[6:9] == ["400.0", "2.00x", "-"]
+    assert auto.endswith("(chose loopback: bf16, 1gbit: dynamiq)")
+
+
+def test_hosts_layout_defaults_to_two_hosts_and_checks_the_world_size():
+    """``--hosts-layout auto`` is 2 hosts of half the ranks for an even world of 4 or more, none
+    otherwise; an explicit layout must multiply to the world size."""
+    import pytest
+
+    parser = argparse.ArgumentParser()
+    layout = lambda world, text: demo._parse_layout(  # noqa: E731
+        parser, argparse.Namespace(world_size=world, hosts_layout=text))
+    assert layout(4, "auto") == (2, 2)
+    assert layout(8, "auto") == (2, 4)
+    assert layout(3, "auto") is None and layout(2, "auto") is None
+    assert layout(8, "4x2") == (4, 2)
+    assert layout(4, "off") is None
+    with pytest.raises(SystemExit):
+        layout(4, "3x2")
 
 
 def test_link_section_says_why_it_is_skipped(monkeypatch):

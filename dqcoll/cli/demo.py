@@ -1,20 +1,24 @@
-"""``dqcoll demo``: quantized all-reduce across several ranks on this machine, on loopback and
-over an emulated 1 Gb/s link.
+"""``dqcoll demo``: quantized all-reduce across several ranks on this machine, on loopback, over
+an emulated 1 Gb/s link, and on an emulated two-level cluster (2 hosts x 2 ranks).
 
 Spawns ``--world-size`` processes (default 4) that join a gloo process group, each holding a
 gradient-like buffer (default 16M coordinates) whose super-group magnitudes follow the log-normal
 mixture fitted in the DynamiQ paper (most super-groups around e^-4, a fifth of them around
 e^-16: strongly heavy-tailed). Every rank all-reduces it with ``none`` (fp32), ``bf16``,
-``dynamiq`` and ``auto`` on ring and butterfly, twice:
+``dynamiq`` and ``auto`` on ring and butterfly, three times:
 
 * over **loopback** (the ranks share this machine's cores; the network costs only CPU);
 * over an **emulated 1 Gb/s link** (``--link-rate``): one network namespace per rank, each with a
   veth port to a bridge capped at the rate in both directions by the kernel's ``tc tbf``
   (:mod:`dqcoll.cli.netns`). Real bytes go through a real rate limit: nothing is modelled. As root
   the namespaces are named ones; otherwise they live in one user namespace of this run (rootless;
-  needs unprivileged user namespaces, and without them the demo says why and shows loopback only).
+  needs unprivileged user namespaces, and without them the demo says why and shows loopback only);
+* on an **emulated two-level cluster** (``--hosts-layout``, by default 2 hosts of half the
+  ranks each: 2 x 2): one namespace per host with one port capped at the link rate, the ranks
+  of a host talking over that namespace's loopback, so only traffic between hosts crosses a
+  slow link, as in a cluster of multi-GPU machines.
 
-Rank 0 prints one row per (scheme, algorithm), with the two times side by side:
+Rank 0 prints one row per (scheme, algorithm), with the times side by side:
 
 * ``bits/coord``: the bytes this rank put on the wire (payload, scales, statistics, checks) per
   coordinate, normalised by the all-reduce's 2 (n-1)/n traffic factor, so fp32 reads 32;
@@ -173,8 +177,10 @@ def _env_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _link_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, str]:
-    """The rows over the emulated link, or None and why not; and how the link was emulated."""
+def _link_rows(args: argparse.Namespace, ranks_per_host: int = 1
+               ) -> tuple[list[dict[str, Any]] | None, str]:
+    """The rows over the emulated link (``ranks_per_host`` ranks in each host namespace), or
+    None and why not; and how the link was emulated."""
     from . import netns
 
     mode = netns.choose_mode("auto")
@@ -183,10 +189,16 @@ def _link_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, s
         return None, reason
     where = ("named, as root" if mode is netns.Mode.ROOT
              else "rootless: inside a user namespace of this run")
-    how = (f"{args.world_size} network namespaces ({where}), a veth port per rank to a "
-           f"bridge, each port capped at {args.link_rate} in both directions by tc tbf: "
-           "real bytes through a real rate limit")
-    print(f"# over {args.link_rate}: {how} ...", flush=True)
+    hosts = args.world_size // ranks_per_host
+    if ranks_per_host > 1:
+        how = (f"{hosts} hosts x {ranks_per_host} ranks: a network namespace per host ({where}), "
+               f"its ranks on its loopback, a veth port per host to a bridge capped at "
+               f"{args.link_rate} in both directions by tc tbf")
+    else:
+        how = (f"{args.world_size} network namespaces ({where}), a veth port per rank to a "
+               f"bridge, each port capped at {args.link_rate} in both directions by tc tbf: "
+               "real bytes through a real rate limit")
+    print(f"# over {args.link_rate}, {hosts}x{ranks_per_host}: {how} ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="dqcoll-demo-") as tmp:
         rows_json = Path(tmp) / "rows.json"
         # (c10d warns on every rank that a namespace has no hostname to resolve; errors still show)
@@ -196,7 +208,8 @@ def _link_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, s
                    "--bits", f"{args.bits:g}", "--seed", str(args.seed),
                    "--schemes", *args.schemes, "--algorithms", *args.algorithms,
                    "--link-tile-nbytes", str(args.link_tile_nbytes)]
-        code = netns.run_cluster(args.world_size, args.link_rate, command, timeout_s=900.0)
+        code = netns.run_cluster(args.world_size, args.link_rate, command, timeout_s=900.0,
+                                 ranks_per_host=ranks_per_host)
         if code or not rows_json.exists():
             return None, f"the ranks on the emulated link failed (exit status {code})"
         return json.loads(rows_json.read_text()), how
@@ -236,20 +249,23 @@ def _run_loopback(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _print_table(rows: list[dict[str, Any]], link_rows: list[dict[str, Any]] | None,
-                 link_rate: str) -> None:
+def _print_table(rows: list[dict[str, Any]],
+                 columns: list[tuple[str, list[dict[str, Any]]]]) -> None:
     """One line per (scheme, algorithm): bits and vNMSE (loopback run), and the time on loopback
-    and, where it ran, over the link."""
-    link = {(r["scheme"], r["algorithm"]): r for r in link_rows or []}
-    link_head = f"{link_rate + ' ms':>12}{'x none':>8}" if link_rows is not None else ""
+    and on each emulated network that ran (``columns``: (label, rows)), each with its speed-up
+    over ``none`` on the same algorithm and network."""
+    by_column = [(label, {(r["scheme"], r["algorithm"]): r for r in other})
+                 for label, other in columns]
+    heads = "".join(f"{label + ' ms':>14}{'x none':>8}" for label, _ in columns)
     header = (f"{'scheme':<9}{'algorithm':<11}{'bits/coord':>11}{'vNMSE':>12}"
-              f"{'loopback ms':>13}{'x none':>8}{link_head}  identical")
+              f"{'loopback ms':>13}{'x none':>8}{heads}  identical")
     print(header)
     print("-" * len(header))
     none_ms = {r["algorithm"]: r["time_ms"] for r in rows
                if r["scheme"] == "none" and r["status"] == "ok"}
-    link_none_ms = {r["algorithm"]: r["time_ms"] for r in link.values()
-                    if r["scheme"] == "none" and r["status"] == "ok"}
+    column_none_ms = [{r["algorithm"]: r["time_ms"] for r in other.values()
+                       if r["scheme"] == "none" and r["status"] == "ok"}
+                      for _, other in by_column]
     for row in rows:
         name = f"{row['scheme']:<9}{row['algorithm']:<11}"
         if row["status"] != "ok":
@@ -258,19 +274,37 @@ def _print_table(rows: list[dict[str, Any]], link_rows: list[dict[str, Any]] | N
         line = (f"{name}{row['bits_per_coord']:>11.3f}{row['vnmse']:>12.3e}"
                 f"{row['time_ms']:>13.1f}{_ratio(none_ms.get(row['algorithm']), row):>8}")
         identical = row["identical"]
-        other = link.get((row["scheme"], row["algorithm"]))
-        if link_rows is not None:
-            if other is None or other["status"] != "ok":
-                line += f"{'-':>12}{'':>8}"
-            else:
-                line += (f"{other['time_ms']:>12.1f}"
-                         f"{_ratio(link_none_ms.get(row['algorithm']), other):>8}")
-                identical = identical and other["identical"]
-        chosen = [f"{where}: {r['chosen']}" for where, r in (("loopback", row),
-                                                              (link_rate, other or {}))
-                  if r.get("chosen")]
+        chosen = [f"loopback: {row['chosen']}"] if row.get("chosen") else []
+        for (label, other), other_none in zip(by_column, column_none_ms, strict=True):
+            cell = other.get((row["scheme"], row["algorithm"]))
+            if cell is None or cell["status"] != "ok":
+                line += f"{'-':>14}{'':>8}"
+                continue
+            line += (f"{cell['time_ms']:>14.1f}"
+                     f"{_ratio(other_none.get(row['algorithm']), cell):>8}")
+            identical = identical and cell["identical"]
+            if cell.get("chosen"):
+                chosen.append(f"{label}: {cell['chosen']}")
         print(f"{line}  {'yes' if identical else 'NO'}"
               + (f"  (chose {', '.join(chosen)})" if chosen else ""))
+
+
+def _parse_layout(parser: argparse.ArgumentParser,
+                  args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--hosts-layout`` as (hosts, ranks per host), or None for ``off``."""
+    if args.hosts_layout == "auto":
+        even = args.world_size >= 4 and args.world_size % 2 == 0
+        return (2, args.world_size // 2) if even else None
+    if args.hosts_layout == "off":
+        return None
+    try:
+        hosts, per_host = (int(part) for part in args.hosts_layout.lower().split("x"))
+    except ValueError:
+        parser.error(f"--hosts-layout must look like 2x2 or be 'off', got {args.hosts_layout!r}")
+    if hosts < 2 or per_host < 2 or hosts * per_host != args.world_size:
+        parser.error(f"--hosts-layout {args.hosts_layout}: needs at least 2 hosts of at least 2 "
+                     f"ranks, {args.world_size} (--world-size) in all")
+    return hosts, per_host
 
 
 def _ratio(none_ms: float | None, row: dict[str, Any]) -> str:
@@ -293,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                         "less host time")
     parser.add_argument("--link-rate", default="1gbit",
                         help="rate of the emulated link (tc syntax), or 'off' for loopback only")
+    parser.add_argument("--hosts-layout", default="auto",
+                        help="the two-level cluster, HOSTSxRANKS (HOSTS x RANKS = --world-size), "
+                        "at --link-rate between hosts; auto: 2 hosts where the world size is "
+                        "even and at least 4 (2x2 for the default 4 ranks); off: none")
     parser.add_argument("--link-tile-nbytes", type=_parse_count, default=0,
                         help="pipelining tile over the link; 0: the library's default (4M), "
                         "which slow links need for the overlap of codec and transfer")
@@ -311,20 +349,27 @@ def main(argv: list[str] | None = None) -> int:
         from .. import kernels
 
         kernels.warm_up(torch.device("cpu"))
+    layout = _parse_layout(parser, args)
     rows = _run_loopback(args)
-    link_rows: list[dict[str, Any]] | None = None
+    columns: list[tuple[str, list[dict[str, Any]]]] = []
     if args.link_rate != "off":
-        link_rows, how = _link_rows(args)
-        if link_rows is None:
-            print(f"# no {args.link_rate} section: {how}; showing loopback only", flush=True)
+        for ranks_per_host in (1, *(() if layout is None else (layout[1],))):
+            label = (args.link_rate if ranks_per_host == 1
+                     else f"{args.world_size // ranks_per_host}x{ranks_per_host} {args.link_rate}")
+            link_rows, how = _link_rows(args, ranks_per_host)
+            if link_rows is None:
+                print(f"# no {label} section: {how}", flush=True)
+                continue
+            columns.append((label, link_rows))
     print()
-    _print_table(rows, link_rows, args.link_rate)
-    if link_rows is not None:
-        print(f"\n{args.link_rate}: {args.world_size} network namespaces, one veth port per "
-              f"rank to a bridge, capped at {args.link_rate} per port and direction by tc tbf "
-              f"(dqcoll.cli.netns); library default tiles. x none: speed-up over 'none' on the "
-              "same algorithm and network.")
-    every = [*rows, *(link_rows or [])]
+    _print_table(rows, columns)
+    if columns:
+        print(f"\n{args.link_rate}: one network namespace per rank; HxG {args.link_rate}: H "
+              f"namespaces (hosts) of G ranks that talk over the namespace's loopback. Each "
+              f"namespace has one veth port to a bridge, capped at {args.link_rate} per port "
+              f"and direction by tc tbf (dqcoll.cli.netns); library default tiles. x none: "
+              "speed-up over 'none' on the same algorithm and network.")
+    every = [*rows, *(r for _, column in columns for r in column)]
     return 0 if all(r.get("identical", True) for r in every) else 1
 
 
