@@ -15,6 +15,7 @@ be reported by a timeout that names the step.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -76,22 +77,32 @@ print("ok")
     assert out.stdout.strip() == "ok"
 
 
-def _fake_cupy(monkeypatch: pytest.MonkeyPatch, *, device_count: Any, nccl_available: bool) -> None:
+def _fake_cupy_modules(*, device_count: Any,
+                       nccl_available: bool) -> tuple[Any, Any, Any]:
+    """``cupy``, ``cupy.cuda`` and ``cupy.cuda.nccl`` with what nccl_unavailable_reason reads:
+    ``runtime.getDeviceCount()`` (a count, or raising ``device_count``) and ``nccl.available``
+    (checked against the real CuPy in test_fake_cupy_has_the_real_surface)."""
     cupy = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     runtime = types.SimpleNamespace()
     if isinstance(device_count, Exception):
-        def count() -> int:
+        def getDeviceCount() -> int:
             raise device_count
     else:
-        def count() -> int:
+        def getDeviceCount() -> int:
             return int(device_count)
-    runtime.getDeviceCount = count
+    runtime.getDeviceCount = getDeviceCount
     cuda.runtime = runtime  # type: ignore[attr-defined]
     nccl = types.ModuleType("cupy.cuda.nccl")
     nccl.available = nccl_available  # type: ignore[attr-defined]
     cuda.nccl = nccl  # type: ignore[attr-defined]
     cupy.cuda = cuda  # type: ignore[attr-defined]
+    return cupy, cuda, nccl
+
+
+def _fake_cupy(monkeypatch: pytest.MonkeyPatch, *, device_count: Any, nccl_available: bool) -> None:
+    cupy, cuda, nccl = _fake_cupy_modules(device_count=device_count,
+                                          nccl_available=nccl_available)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
@@ -111,19 +122,65 @@ def test_each_missing_piece_is_named(monkeypatch: pytest.MonkeyPatch, device_cou
                                      nccl_available: bool, expected: str) -> None:
     """CuPy importable but no usable GPU, no visible GPU, or no NCCL library: the reason names
     the missing piece, and init_transport raises UnsupportedError carrying it."""
-    try:  # the fake's surface is the real CuPy's (where CuPy is installed)
-        import cupy as real_cupy
-        from cupy.cuda import nccl as real_nccl
-
-        assert callable(real_cupy.cuda.runtime.getDeviceCount)
-        assert isinstance(real_nccl.available, bool)
-    except ImportError:
-        pass
     _fake_cupy(monkeypatch, device_count=device_count, nccl_available=nccl_available)
     reason = cupy_nccl.nccl_unavailable_reason()
     assert reason is not None and expected in reason, reason
     with pytest.raises(UnsupportedError, match="cannot run here"):
         cupy_nccl.init_transport(rank=0, world_size=1)
+
+
+def test_fake_cupy_has_the_real_surface() -> None:
+    """The fake CuPy above has the real one's surface: ``cupy.cuda.runtime.getDeviceCount()``
+    (no parameter, an ``int``; without a driver the real one raises a RuntimeError subclass
+    whose message starts with the CUDA error name, as the fake's does) and
+    ``cupy.cuda.nccl.available`` (a bool)."""
+    real_cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    real_nccl = pytest.importorskip("cupy.cuda.nccl", reason="CuPy has no NCCL bindings")
+    _, cuda, nccl = _fake_cupy_modules(device_count=1, nccl_available=True)
+    real_count = real_cupy.cuda.runtime.getDeviceCount
+    assert real_count.__doc__.strip().splitlines()[0] == "getDeviceCount() -> int"
+    assert inspect.signature(cuda.runtime.getDeviceCount).parameters == {}
+    assert cuda.runtime.getDeviceCount.__annotations__["return"] == "int"
+    assert type(nccl.available) is type(real_nccl.available) is bool
+    try:
+        count = real_count()
+    except Exception as exc:  # no driver or no GPU here: the error the fake mimics
+        assert isinstance(exc, RuntimeError), type(exc).__mro__
+        assert str(exc).startswith("cudaError"), exc
+    else:
+        assert isinstance(count, int)
+
+
+@pytest.mark.parametrize(("blocked", "reason", "needs", "expected"), [
+    ("nccl", "nccl4py does not import", "cupy.cuda.nccl",
+     ["test_cupy_14_unique_id_is_bytes_and_the_constructor_takes_bytes",
+      "test_cupy_fakes_match_cupy",
+      "test_both_bindings_give_the_local_transports_bits[nccl-cupy]"]),
+    ("cupy", "CuPy's NCCL bindings do not import", "nccl.core",
+     ["test_nccl4py_fakes_match_nccl4py",
+      "test_nccl4py_exchange_resolves_buffers_through_the_real_communicator",
+      "test_both_bindings_give_the_local_transports_bits[nccl4py]"]),
+], ids=["without-nccl4py", "without-cupy"])
+def test_contract_tier_skips_per_package(blocked: str, reason: str, needs: str,
+                                         expected: list[str]) -> None:
+    """tests/test_nccl_contract.py with one package unimportable (a fresh interpreter that blocks
+    it) still runs the other package's tests, and skips only tests that need the blocked one,
+    each saying so (or the CuPy 13 fake's check, which needs CuPy 13)."""
+    pytest.importorskip(needs, reason=f"the other package's tests need {needs}")
+    code = (f"import sys; sys.modules[{blocked!r}] = None; import pytest; "
+            "sys.exit(pytest.main(sys.argv[1:]))")
+    out = subprocess.run(
+        [sys.executable, "-c", code, "-q", "-rA", "-p", "no:cacheprovider",
+         "tests/test_nccl_contract.py"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(os.environ, DQCOLL_TEST_NUMBA_WARMUP="0"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    passed = {ln.split("::", 1)[1].split()[0] for ln in lines if ln.startswith("PASSED")}
+    assert set(expected) <= passed, (expected, sorted(passed))
+    skipped = [ln for ln in lines if ln.startswith("SKIPPED")]
+    assert skipped, out.stdout[-3000:]
+    assert all(reason in ln or "fake is of CuPy 13" in ln for ln in skipped), skipped
 
 
 def test_nccl_is_registered_for_cuda() -> None:

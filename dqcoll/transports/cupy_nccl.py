@@ -4,7 +4,8 @@ For jobs that want dqcoll's quantized collectives on GPUs without a ``torch.dist
 process group (or beside one: the communicators are independent). One process per GPU, as
 torchrun starts them. ``backend="nccl"`` takes nccl4py (:mod:`.nccl4py`) where it is importable
 and this one otherwise; ``backend="nccl-cupy"`` asks for this one. Rendezvous, streams, the small
-all-reduce, the watchdog and the lock are those of :mod:`.nccl_common`.
+all-reduce, the watchdog, the abort and the communicator's states are those of
+:mod:`.nccl_common`.
 
 **CuPy versions.** CuPy 14 (``get_unique_id()`` returns 128 ``bytes``; the constructor is
 ``NcclCommunicator(int ndev, bytes commId, int rank, NcclConfig config=None)``) and CuPy 13 (a

@@ -2,20 +2,25 @@
 
 ``backend="nccl"`` prefers this transport where nccl4py imports and falls back to CuPy's
 (:mod:`.cupy_nccl`); ``backend="nccl4py"`` asks for it. Rendezvous, streams, the deterministic
-small all-reduce, the watchdog with its timeouts and abort, and the one lock around every call
-into the communicator are those of :mod:`.nccl_common`; this module is the binding:
+small all-reduce, the watchdog with its timeouts and abort, and the states that keep every call
+into the communicator off its abort and destroy are those of :mod:`.nccl_common`; this module is
+the binding:
 
 * the id is ``nccl.core.get_unique_id()``; its 128 bytes (``UniqueId.as_bytes``, a *property*)
   travel over the store and ``UniqueId.from_bytes`` rebuilds it on the other ranks;
 * ``Communicator.init(nranks=, rank=, unique_id=)`` under the rank's device;
 * ``send(buf, peer, stream=)`` / ``recv`` take the torch tensor itself (DLPack), viewed as bytes,
   between ``group_start()`` and ``group_end()``; ``stream`` is the raw ``cudaStream_t``;
-* ``get_async_error()`` returns a result code (``ncclSuccess`` = 0, ``ncclInProgress`` = 7 while
-  a non-blocking call is still running), ``abort()`` and ``destroy()`` as in C.
+* ``get_async_error()`` returns the communicator's state as ``nccl.bindings.nccl.Result``, an
+  ``IntEnum`` (its annotation; the low-level ``comm_get_async_error`` it wraps documents a plain
+  ``int``): :meth:`Nccl4pyBinding.check_async_error` reads either through ``int()``, with
+  ``Result.Success`` (0) and ``Result.InProgress`` (7, a non-blocking call still running) no
+  error; ``abort()`` and ``destroy()`` as in C.
 
 Install with ``pip install "nccl4py[cu12]"`` (or ``[cu13]``): plain ``nccl4py`` does not pull
 ``cuda-bindings`` and then fails to import. Contract-tested on CPU against the real package
-(tests/test_nccl_contract.py): signatures, the id round trip, enum values, the no-GPU error.
+(tests/test_nccl_contract.py): signatures, the id round trip, enum values, the no-GPU error, and
+``send``/``recv`` through the real ``Communicator`` and ``NcclBuffer`` down to the C call.
 
 Rejected: ``Communicator.allreduce`` for the statistics (NCCL's reduction order differs from
 the other transports', see :mod:`.nccl_common`), and ``shrink``/``grow`` for fault tolerance
@@ -36,9 +41,21 @@ from .nccl_common import StreamOrderedNcclTransport, exchange_unique_id, plan_re
 
 __all__ = ["Nccl4pyBinding", "Nccl4pyTransport", "init_transport", "nccl4py_unavailable_reason"]
 
-# ncclResult_t values get_async_error may return without an error (nccl.h).
+# ncclResult_t values get_async_error may return without an error (nccl.h; Result.Success and
+# Result.InProgress in nccl.bindings.nccl).
 _NCCL_SUCCESS = 0
 _NCCL_IN_PROGRESS = 7
+
+
+def result_name(code: int) -> str:
+    """The name nccl4py gives the ncclResult_t ``code`` (``RemoteError``), or ``ncclResult <code>``
+    for a code its ``Result`` enum does not list."""
+    try:
+        from nccl.bindings import nccl as bindings
+
+        return str(bindings.Result(code).name)
+    except Exception:  # an unknown code, or no bindings: the number says it
+        return f"ncclResult {code}"
 
 
 def _import_core() -> Any:
@@ -96,15 +113,16 @@ class Nccl4pyBinding:
         self.comm.recv(tensor, peer, stream=stream)
 
     def check_async_error(self) -> None:
-        result = self.comm.get_async_error()
-        code = int(result)
+        """Raise RuntimeError naming the code when the communicator's state is an error; the
+        state is a ``Result`` or a plain ``int`` (see the module docstring)."""
+        code = int(self.comm.get_async_error())
         if code not in (_NCCL_SUCCESS, _NCCL_IN_PROGRESS):
-            name = getattr(result, "name", str(code))
             try:
-                text = self.core.get_error_string(result)
+                text = self.core.get_error_string(code)
             except Exception:  # the description is a courtesy
                 text = ""
-            raise RuntimeError(f"ncclCommGetAsyncError: {name} ({code}) {text}".rstrip())
+            raise RuntimeError(
+                f"ncclCommGetAsyncError: {result_name(code)} ({code}) {text}".rstrip())
 
     def abort(self) -> None:
         self.comm.abort()

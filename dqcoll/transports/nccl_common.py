@@ -24,23 +24,43 @@ each shard, and an all-gather (:func:`~dqcoll.transports.base.reduce_in_rank_ord
 gets the very bits of the ``local`` transport. ``ncclAllReduce`` adds in an order of its own, so
 DynamiQ's bit allocation could differ in the last bit from the ``local`` result.
 
-**Timeouts, aborts and the one lock.** Each posted group records an event; a watchdog thread
-polls the pending events and the binding's asynchronous error. A group that has not completed
-after ``timeout_s`` (or an asynchronous error: a peer died) makes the watchdog abort the
-communicator, which lets the stuck kernels return; the next call, the host wait of the small
-all-reduce, or :meth:`synchronize` then raises :class:`~dqcoll.errors.CollectiveTimeoutError` /
-:class:`~dqcoll.errors.PeerError` naming the step and the peers. Posting (``groupStart`` ..
-``groupEnd``), the asynchronous-error query, ``abort`` and ``destroy`` all run under one lock,
-and a post first checks that the communicator is still usable: the bindings free the
-communicator inside ``abort``/``destroy``, so any of these calls racing another would touch freed
-memory. :meth:`close` stops the watchdog and joins it before it destroys the communicator.
-Limits: the rendezvous and the first exchange with a new peer (NCCL connects lazily inside
-``groupEnd``) block the host with no timeout of their own, and the watchdog cannot abort while a
-post holds the lock.
+**Timeouts and aborts.** Each posted group records an event; a watchdog thread polls the
+pending events and the binding's asynchronous error. A group that has not completed after
+``timeout_s`` (or an asynchronous error: a peer died) makes the watchdog abort the communicator,
+which lets the stuck kernels return; the next call, the host wait of the small all-reduce, or
+:meth:`synchronize` then raises :class:`~dqcoll.errors.CollectiveTimeoutError` /
+:class:`~dqcoll.errors.PeerError` naming the step and the peers.
 
-Rejected: ``ncclAllReduce`` for the small all-reduce (order, above) and a per-message header
+**The communicator's states.** The bindings free the communicator inside ``abort`` and
+``destroy``, so no call into it (posting ``groupStart`` .. ``groupEnd``, the asynchronous-error
+query) may run while either does; and NCCL takes the calls of one group from one thread at a
+time. The transport keeps a state, ``usable`` -> ``aborting`` or ``destroying`` -> ``freed``,
+and one call slot, both under a short lock (a condition) that no call into NCCL holds:
+
+* a post takes the slot while the state is ``usable`` (waiting for another post to leave it),
+  calls into NCCL, and gives it back; the watchdog's asynchronous-error query does the same but
+  waits at most one poll period for the slot (a post stuck in ``groupEnd`` does not stop it from
+  timing out the groups already posted);
+* the first failure moves ``usable`` -> ``aborting`` under the lock and wakes every thread waiting
+  for the slot: they, and every later call, raise at once (the recorded failure, or
+  :class:`~dqcoll.errors.CommAbortedError`) without touching the communicator. A background
+  thread then waits until the call in flight, if any, has returned, and calls ``abort`` holding
+  no lock: a one-sided ``ncclCommAbort`` that blocks (the peer is gone) blocks that thread only.
+  :meth:`abort` and the watchdog return at once;
+* :meth:`close` stops and joins the watchdog, moves ``usable`` -> ``destroying`` the same way and
+  destroys the communicator once no call is in flight (waiting up to ``timeout_s``, after which
+  the destroy is left to the background thread). After an abort it destroys nothing: the abort
+  freed the communicator, and a second free would touch freed memory.
+
+Limits: the rendezvous and the first exchange with a new peer (NCCL connects lazily inside
+``groupEnd``) block the host with no timeout of their own, and an abort waits for such a blocked
+post to return before it frees the communicator (``ncclCommAbort`` could unblock it, but would
+free the communicator under the call).
+
+Rejected: ``ncclAllReduce`` for the small all-reduce (order, above), a per-message header
 (reading it would synchronise the host with the device at every step; sizes are right by
-construction from the argument check of :mod:`dqcoll.validate`).
+construction from the argument check of :mod:`dqcoll.validate`), and one lock held around every
+call including ``abort`` (a blocking abort would hold it, and every thread with it).
 """
 
 from __future__ import annotations
@@ -85,6 +105,12 @@ STORE_PREFIX = "dqcoll/nccl"
 _generation = itertools.count()  # one per communicator this process creates
 # Watchdog poll period: a timeout is noticed within this much of its deadline.
 WATCHDOG_PERIOD_S = 0.05
+
+# The communicator's states (see the module docstring).
+USABLE = "usable"
+ABORTING = "aborting"
+DESTROYING = "destroying"
+FREED = "freed"
 
 
 # -- rendezvous -------------------------------------------------------------------------------
@@ -299,10 +325,12 @@ class StreamOrderedNcclTransport:
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
         self._closed = False
-        # Held around every call into the communicator (posting, async-error query, abort,
-        # destroy): the bindings free the communicator inside abort and destroy.
-        self._comm_lock = threading.RLock()
-        self._usable = True  # False once aborted or destroyed (checked under _comm_lock)
+        # The communicator's state and its one call slot (guarded by _cond, which no call into
+        # NCCL holds), and the thread that aborts or destroys it (see the module docstring).
+        self._cond = threading.Condition()
+        self._state = USABLE
+        self._in_call = False
+        self._retirer: threading.Thread | None = None
         self._stop = threading.Event()
         self._watchdog = threading.Thread(
             target=self._watch, name=f"dqcoll-{name}-watchdog r{rank}", daemon=True
@@ -317,32 +345,88 @@ class StreamOrderedNcclTransport:
         if self._closed:
             raise CommAbortedError(f"rank {self.rank}: the {self.name} communicator is closed")
 
+    @property
+    def state(self) -> str:
+        """``usable``, ``aborting``, ``destroying`` or ``freed`` (see the module docstring)."""
+        with self._cond:
+            return self._state
+
+    def _enter_call(self, wait_s: float | None) -> bool:
+        """Take the call slot while the communicator is usable. False, at once, when it is not
+        (or becomes unusable while this waits), or when another call still holds the slot after
+        ``wait_s`` seconds (None: no bound)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        with self._cond:
+            while self._state == USABLE and self._in_call:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            if self._state != USABLE:
+                return False
+            self._in_call = True
+            return True
+
+    def _leave_call(self) -> None:
+        with self._cond:
+            self._in_call = False
+            self._cond.notify_all()
+
+    def _retire(self, state: str, action: Callable[[], None], what: str) -> threading.Thread | None:
+        """Move ``usable`` -> ``state`` (waking every thread that waits for the call slot) and
+        start the thread that runs ``action`` (the binding's abort or destroy) once no call is
+        in flight, holding no lock, then marks the communicator freed. None when the state had
+        already left ``usable`` (aborted or destroyed once: never twice)."""
+        with self._cond:
+            if self._state != USABLE:
+                return None
+            self._state = state
+            self._cond.notify_all()
+
+        def run() -> None:
+            try:
+                self.streams.bind_thread()
+            except Exception as exc:  # the call below may still work on the current device
+                log.warning("dqcoll: rank %d: cannot select %s before %s: %s", self.rank,
+                            self.device, what, exc)
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._in_call)
+                action()
+            except Exception as exc:
+                log.error("dqcoll: rank %d: %s of the %s communicator failed: %s", self.rank, what,
+                          self.name, exc)
+            finally:
+                with self._cond:
+                    self._state = FREED
+                    self._cond.notify_all()
+
+        thread = threading.Thread(target=run, name=f"dqcoll-{self.name}-{state} r{self.rank}",
+                                  daemon=True)
+        self._retirer = thread
+        thread.start()
+        return thread
+
     def _fail(self, error: BaseException) -> None:
-        """Record the first failure and abort the communicator (stuck kernels then return)."""
+        """Record the first failure and have the communicator aborted (stuck kernels then
+        return); returns at once, whatever the abort does."""
         with self._lock:
             if self._failure is not None:
                 return
             self._failure = error
         log.error("dqcoll: %s; aborting the NCCL communicator", error)
-        with self._comm_lock:
-            if not self._usable:
-                return
-            self._usable = False
-            try:
-                self.binding.abort()
-            except Exception as exc:
-                log.error("dqcoll: ncclCommAbort failed: %s", exc)
+        self._retire(ABORTING, self.binding.abort, "ncclCommAbort")
 
     def _check_async_error(self, label: str) -> None:
-        with self._comm_lock:
-            if not self._usable:
-                return
-            try:
-                self.binding.check_async_error()
-            except Exception as exc:
-                error: BaseException | None = exc
-            else:
-                error = None
+        if not self._enter_call(WATCHDOG_PERIOD_S):  # not usable, or a post holds the slot
+            return
+        error: BaseException | None = None
+        try:
+            self.binding.check_async_error()
+        except Exception as exc:
+            error = exc
+        finally:
+            self._leave_call()
         if error is not None:
             self._fail(PeerError(f"rank {self.rank}: NCCL reported an error at {label} "
                                  f"(a peer died or a link failed): {error}"))
@@ -409,23 +493,28 @@ class StreamOrderedNcclTransport:
                recvs: Sequence[tuple[int, torch.Tensor]], what: str) -> None:
         """Post one group of sends and receives (bytes) on the current stream."""
         stream = self.streams.current_handle()
+        if not self._enter_call(None):  # aborted or closed: raise without touching it
+            self._raise_if_failed()
+            raise CommAbortedError(
+                f"rank {self.rank}: the {self.name} communicator was aborted before "
+                f"{describe(sends, recvs, what)} could be posted")
+        error: Exception | None = None
         try:
-            with self._comm_lock:
-                if not self._usable:
-                    raise CommAbortedError(
-                        f"rank {self.rank}: the {self.name} communicator was aborted before "
-                        f"{describe(sends, recvs, what)} could be posted")
-                with self.streams.scope(), self.binding.group():
-                    for peer, tensor in sends:
-                        self.binding.send(tensor.view(-1).view(torch.uint8), peer, stream)
-                    for peer, buffer in recvs:
-                        self.binding.recv(buffer.view(-1).view(torch.uint8), peer, stream)
-        except Exception as exc:  # invalid usage, or the communicator was aborted
+            with self.streams.scope(), self.binding.group():
+                for peer, tensor in sends:
+                    self.binding.send(tensor.view(-1).view(torch.uint8), peer, stream)
+                for peer, buffer in recvs:
+                    self.binding.recv(buffer.view(-1).view(torch.uint8), peer, stream)
+        except Exception as exc:  # invalid usage, or NCCL failed
+            error = exc
+        finally:
+            self._leave_call()
+        if error is not None:
             self._raise_if_failed()
             self._fail(PeerError(
-                f"rank {self.rank}: posting NCCL {describe(sends, recvs, what)} failed: {exc}"
+                f"rank {self.rank}: posting NCCL {describe(sends, recvs, what)} failed: {error}"
             ))
-            raise self._failure from exc  # type: ignore[misc]
+            raise self._failure from error  # type: ignore[misc]
         self._raise_if_failed()
 
     def exchange(
@@ -491,11 +580,14 @@ class StreamOrderedNcclTransport:
         self._raise_if_failed()
 
     def abort(self, reason: str) -> None:
+        """Fail every later call with CommAbortedError and abort the communicator in the
+        background (see the module docstring); returns at once."""
         self._fail(CommAbortedError(f"rank {self.rank}: communicator aborted: {reason}"))
 
     def close(self) -> None:
         """Wait for what is posted (unless failed), stop and join the watchdog, then destroy
-        the communicator (never while another thread is inside a call on it)."""
+        the communicator once no other thread is inside a call on it (waiting up to
+        ``timeout_s``); after an abort, destroy nothing (the abort frees it)."""
         if self._closed:
             return
         try:
@@ -506,7 +598,10 @@ class StreamOrderedNcclTransport:
             if self._watchdog is not threading.current_thread():
                 self._watchdog.join(timeout=max(1.0, 10 * WATCHDOG_PERIOD_S))
             self._closed = True
-            with self._comm_lock:
-                if self._usable:
-                    self._usable = False
-                    self.binding.destroy()
+            destroyer = self._retire(DESTROYING, self.binding.destroy, "ncclCommDestroy")
+            if destroyer is not None:
+                destroyer.join(timeout=self.timeout_s)
+                if destroyer.is_alive():
+                    log.error("dqcoll: rank %d: destroying the %s communicator took more than "
+                              "%g s; it goes on in the background", self.rank, self.name,
+                              self.timeout_s)
