@@ -258,12 +258,14 @@ def _restore(call: PreparedCall, comm: Communicator, coded: SchemeCall, shift: i
     else:
         assert call.out is not None
         target = call.out.view(-1)
-    # A stream-ordered transport (NCCL) returns before the data moved, and a timed-out or
-    # aborted transfer leaves garbage behind: the host waits (with the timeout) until every
-    # transfer of the call completed before anything is written to the caller's buffers, so a
-    # failure raises here with the buffers untouched (docs/gpu_transport.md). Waiting before
-    # the final decode rather than decoding into scratch first saves a buffer-sized copy.
-    if getattr(comm.transport, "stream_ordered", False):
+    # A stream-ordered transport (NCCL) returns before the data moved. On a CUDA buffer the final
+    # decode is queued on the caller's stream behind the transfers and the call returns without
+    # a host wait, as an NCCL collective does: a transfer that fails later (the watchdog's
+    # timeout, NCCL's asynchronous error) aborts the communicator, the next call raises, and the
+    # buffers hold what the aborted transfers left. A CPU buffer waits (with the timeout) until
+    # every transfer completed before anything is written to it, so a failure raises here with
+    # the buffers untouched (docs/gpu_transport.md).
+    if getattr(comm.transport, "stream_ordered", False) and target.device.type != "cuda":
         comm.transport.synchronize(what=f"{call.what} (last transfers)")  # type: ignore[attr-defined]
     result: torch.Tensor | None = None
     if call.collective is Collective.REDUCE_SCATTER:

@@ -30,6 +30,14 @@ Byte-exactness rules (the reference is fp32 IEEE, round to nearest, one rounding
   magnitudes around the bin and the level count of its start) and corrects by one compare against
   the stored fp32 magnitude, so it equals the reference's ``searchsorted`` exactly;
 * row offsets are int64 (row index times row stride), so buffers above 2**31 elements work.
+* the per-row arrays (``index``, ``mean``, ``valid``) and the restore's scattered output are
+  ``do_not_specialize``: callers pass them as slices at any row offset (``index_base[a:b]``) or
+  as their own tensors, and Triton would otherwise compile one variant per 16-byte alignment of
+  each, mid-training. One value per row, and a store at a loaded offset, gain nothing from the
+  alignment (``benchmarks/kernels_aot.py`` counts the same SASS per coordinate and registers for
+  sm_90 either way). The row tiles (``x``, ``acc``, records) keep their alignment
+  specialisation, and ``dynamiq_triton.warm_up`` compiles both alignments where a caller can
+  pass either.
 
 Rejected: one ``tl.sum`` over 256 coordinates for the statistics (its order is unspecified, so its
 bits could not match the reference), ``tl.where``-free NaN handling through ``tl.maximum`` (NaN
@@ -430,7 +438,7 @@ def _encode_tile(
 # -- kernels -------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["valid_ptr", "n_rows"])
 def _stats_center_kernel(
     x_ptr, x_row_stride, valid_ptr, centred_ptr, mean_ptr, norm2_ptr, n_rows,
     ROWS: tl.constexpr,
@@ -453,7 +461,7 @@ def _stats_center_kernel(
     tl.store(norm2_ptr + rows, norm2, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
+@triton.jit(do_not_specialize=["index_ptr", "jitter_key", "perm_key", "n_rows"])
 def _encode_kernel(
     x_ptr, x_row_stride, index_ptr, out_ptr, out_row_stride, lvl_ptr,
     jitter_key, perm_key, ptab_ptr, inv_n, n_rows,
@@ -500,7 +508,7 @@ def _decode_accumulate_kernel(
     tl.store(acc_at, acc + value, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["jitter_key", "perm_key", "n_rows"])
+@triton.jit(do_not_specialize=["index_ptr", "jitter_key", "perm_key", "n_rows"])
 def _decode_accumulate_encode_kernel(
     rec_ptr, rec_row_stride, table_ptr, acc_ptr, acc_row_stride, index_ptr,
     out_ptr, out_row_stride, lvl_ptr,
@@ -527,7 +535,7 @@ def _decode_accumulate_encode_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["mean_ptr", "index_ptr", "valid_ptr", "out_ptr", "n_rows"])
 def _restore_kernel(
     work_ptr, work_row_stride, mean_ptr, index_ptr, valid_ptr, out_ptr, n_rows,
     ROWS: tl.constexpr,

@@ -4,7 +4,8 @@ Caches (process-wide, bounded; pure functions of their arguments, so they change
 :meth:`RoundingParams.build` keeps the 64 most recently used (key, rank, world size, config):
 the launches of one call share one, and the key changes with every call, so it holds the last
 calls' parameters, each with a 16 KiB permutation column (``rng.PERMUTATION_TABLE`` int32) and
-one copy of it per device it was used on; :func:`level_tables` keeps 16 (width, levels) tables.
+one copy of it per device and stream it was used on; :func:`level_tables` keeps 16 (width,
+levels) tables.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from ..schemes.dynamiq import codec, rng
 from ..schemes.dynamiq.codec import CodecConfig, Levels, RoundingMode, _magnitudes
 
-__all__ = ["LevelTables", "RoundingParams", "level_tables", "permutation_table"]
+__all__ = ["LevelTables", "RoundingParams", "host_to_device", "level_tables",
+           "permutation_table"]
 
 
 def permutation_table(key: int, rank: int, world_size: int) -> np.ndarray:
@@ -32,6 +34,18 @@ def permutation_table(key: int, rank: int, world_size: int) -> np.ndarray:
     K.perm_table(np.uint32(rng.stream_key(key, rng.STREAM_TABLE)), rank, world_size,
                  rng.feistel_half_bits(world_size), out)
     return out
+
+
+def host_to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous ``dtype`` tensor on ``device``. A CPU tensor bound for a CUDA device
+    is staged in pinned memory and copied with ``non_blocking=True``: the copy is queued on the
+    current stream and the host goes on (a copy from pageable memory waits for the stream).
+    torch's caching host allocator keeps the staging block until the copy has run."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        staged = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        staged.copy_(t)
+        return staged.to(device, non_blocking=True)
+    return t.to(device=device, dtype=dtype).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +83,14 @@ class RoundingParams:
             perm_table=table,
         )
 
-    def perm_table_on(self, device: torch.device) -> torch.Tensor:
-        """The permutation table as an int32 tensor on ``device`` (copied once per device)."""
-        name = str(device)
+    def perm_table_on(self, device: torch.device, stream: int = 0) -> torch.Tensor:
+        """The permutation table as an int32 tensor on ``device``, copied once per device and
+        stream (``stream``: the CUDA stream the caller launches on, 0 elsewhere) without a host
+        wait (:func:`host_to_device`): the copy is ordered before that stream's launches only."""
+        name = f"{device}#{stream}"
         found = self._on_device.get(name)
         if found is None:
-            found = torch.from_numpy(self.perm_table.copy()).to(device)
+            found = host_to_device(torch.from_numpy(self.perm_table.copy()), device, torch.int32)
             self._on_device[name] = found
         return found
 

@@ -11,14 +11,19 @@ canonical bf16 NaN). Extensions over the references, all exact: ``stats_center``
 also take bf16/fp16 rows (upcast in registers, equal to the reference on ``x.float()``), and rows
 may be strided (unit stride inside a row).
 
-On CUDA tensors the compiled kernels run. On CPU tensors the same kernels run in Triton's
-interpreter (``TRITON_INTERPRET`` semantics, without the variable): this module loads a second,
-interpreted copy of :mod:`._dynamiq_kernels` on first use, so CPU tests check the very kernel
-source byte for byte against the reference, and nothing leaks into other code that uses Triton.
-The interpreter patches ``triton.language`` globally while it runs, so interpreted launches are
-serialised by a lock (the ``local`` transport runs ranks as threads). Rejected: requiring
-``TRITON_INTERPRET=1`` in the environment (it must be set before Triton is imported and then turns
-*every* kernel in the process into the interpreter, GPU tests included).
+On CUDA tensors the compiled kernels run, queued on the caller's current stream: a launcher
+returns without a host wait, and the small per-row arrays that come from the host (``valid``, the
+permutation table) are copied from pinned memory with ``non_blocking``
+(:func:`._params.host_to_device`). :func:`warm_up` compiles every variant a call can launch.
+
+On CPU tensors the same kernels run in Triton's interpreter (``TRITON_INTERPRET`` semantics,
+without the variable): this module loads a second, interpreted copy of :mod:`._dynamiq_kernels`
+on first use, so CPU tests check the very kernel source byte for byte against the reference, and
+nothing leaks into other code that uses Triton. The interpreter patches ``triton.language``
+globally while it runs, so interpreted launches are serialised by a lock (the ``local`` transport
+runs ranks as threads). Rejected: requiring ``TRITON_INTERPRET=1`` in the environment (it must be
+set before Triton is imported and then turns *every* kernel in the process into the interpreter,
+GPU tests included).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from ..schemes.dynamiq.codec import (
 )
 from . import _dynamiq_kernels as compiled_kernels
 from ._launch import Kernel, LaunchConfig, compile_options, launch_config
-from ._params import RoundingParams, level_tables
+from ._params import RoundingParams, host_to_device, level_tables
 from .ops import DynamiqOps, check_format
 
 __all__ = [
@@ -165,6 +170,9 @@ class LevelParams:
 
 @functools.lru_cache(maxsize=64)
 def _level_params(width: int, levels: Levels, device: torch.device) -> LevelParams:
+    """Made once per device (by the warm-up) and read by every stream afterwards: plain copies,
+    complete when they return, unlike a non-blocking copy, which one stream alone is ordered
+    after."""
     tables = level_tables(width, levels)
     return LevelParams(
         codes=torch.from_numpy(tables.table).to(device),
@@ -245,7 +253,12 @@ def _out_records(out: torch.Tensor | None, rows: int, size: int,
 def _index(index_base: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     if index_base.dim() != 1 or index_base.shape[0] != rows:
         raise ValueError(f"index_base: expected [{rows}], got {tuple(index_base.shape)}")
-    return index_base.to(device=device, dtype=torch.int64).contiguous()
+    return host_to_device(index_base, device, torch.int64)
+
+
+def _stream_id(device: torch.device) -> int:
+    """The stream a launch on ``device`` goes to (Triton takes torch's current stream there)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 # -- operations (signatures of the torch references) ------------------------------------------
@@ -257,7 +270,7 @@ def stats_center(
     """Triton codec.stats_center_torch: ``(centred [S, 256] fp32, mean [S], norm2 [S])``."""
     _check_rows("x", x, FLOAT_INPUTS)
     rows = x.shape[0]
-    valid_dev = valid.to(device=x.device, dtype=torch.int32).reshape(-1).contiguous()
+    valid_dev = host_to_device(valid.reshape(-1), x.device, torch.int32)
     _check_same("valid", valid_dev, rows, x.device)
     centred = torch.empty((rows, SUPER), dtype=torch.float32, device=x.device)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -277,7 +290,7 @@ def _encode_args(width: int, config: CodecConfig, device: torch.device, key: int
     rp = RoundingParams.build(key, rank, world_size, config)
     nb, bs, scales = _tile(config)
     args = (levels.rows, _int32_bits(rp.jitter_key), _int32_bits(rp.perm_key),
-            rp.perm_table_on(device), rp.inv_n)
+            rp.perm_table_on(device, _stream_id(device)), rp.inv_n)
     constexprs = dict(WIDTH=width, NB=nb, BS=bs, SCALES=scales,
                       CORRELATED=rp.correlated, BINS=levels.bins)
     return args, constexprs
@@ -414,9 +427,9 @@ def restore(
                          f"{tuple(out.shape)} strides {out.stride()}")
     if out.device != device:
         raise ValueError(f"out is on {out.device}, expected {device}")
-    mean_dev = mean.to(device=device, dtype=torch.float32).contiguous()
+    mean_dev = host_to_device(mean, device, torch.float32)
     index = _index(index_base, rows, device)
-    valid_dev = valid.to(device=device, dtype=torch.int32).reshape(-1).contiguous()
+    valid_dev = host_to_device(valid.reshape(-1), device, torch.int32)
     _check_same("mean", mean_dev, rows, device)
     _check_same("valid", valid_dev, rows, device)
     if rows:
@@ -441,6 +454,16 @@ def _records_at(offset: int, rows: int, size: int, device: torch.device) -> torc
     return buf[offset:].view(rows, size)
 
 
+def _rows_at(offset: int, x: torch.Tensor) -> torch.Tensor:
+    """A copy of the rows ``x`` viewed at element ``offset`` of a fresh buffer: offset 0 is
+    16-byte aligned, offset 1 is not (a caller's own tensor is its statistics' input, and it may
+    be a view at any element of a larger one)."""
+    buf = torch.zeros(offset + x.numel(), dtype=x.dtype, device=x.device)
+    rows = buf[offset:].view(x.shape)
+    rows.copy_(x)
+    return rows
+
+
 def warm_up(device: torch.device) -> None:
     """Launch every kernel variant a call can hit on ``device`` once, on a few rows, so that
     Triton compiles them (or loads them from its disk cache) now rather than at some step of
@@ -449,9 +472,14 @@ def warm_up(device: torch.device) -> None:
     A variant is a kernel's constexprs (width, rows per program, scales tile, correlated
     rounding, bins, ``WRITE_ACC``), its pointer dtypes (float inputs of ``stats_center`` and
     ``encode``, the output of ``restore``) and Triton's specialisation of the arguments
-    (16-byte alignment of pointers, divisibility by 16 of integers): records at an aligned and an
-    unaligned byte offset, as a chunk payload holds them. Row counts and keys do not specialise
-    (``do_not_specialize``, :func:`_int32_bits`). Once per device per process."""
+    (16-byte alignment of pointers, divisibility by 16 of integers). Alignment is warmed both ways
+    where a caller can pass either: records at an aligned and an unaligned byte offset, as a chunk
+    payload holds them, and the statistics' input rows (the caller's tensor). The per-row arrays
+    (``index``, ``mean``, ``valid``: slices at any row offset) and the restore's output (the
+    caller's tensor) do not specialise, nor do row counts and keys (``do_not_specialize`` in
+    :mod:`._dynamiq_kernels`, :func:`_int32_bits`); the work rows (``x`` of ``encode``, ``acc``,
+    the decode's output: whole rows of 1 KiB from a fresh buffer) are always aligned. Once per
+    device per process."""
     with _warm_lock:
         if str(device) in _warmed:
             return
@@ -460,7 +488,8 @@ def warm_up(device: torch.device) -> None:
         valid = torch.full((rows,), SUPER, dtype=torch.int32, device=device)
         index = torch.arange(rows, dtype=torch.int64, device=device) * SUPER
         for dtype in FLOAT_INPUTS:
-            stats_center(x.to(dtype), valid)
+            for offset in (0, 1):
+                stats_center(_rows_at(offset, x.to(dtype)), valid)
             restore(x, valid.float(), index, valid, torch.empty(rows * SUPER, dtype=dtype,
                                                                  device=device))
         for scales, widths in FORMATS.items():
