@@ -21,9 +21,23 @@ The receiver checks both once the exchange completed and raises on a short messa
 another step, naming the peer.
 Longer messages cannot be caught here (the abort happens inside gloo): the argument check of
 :mod:`dqcoll.validate` makes every rank agree on everything that sets message sizes before any
-payload moves. Header bytes count in ``bytes_sent`` but not in ``payload_bytes_sent``. Over nccl
-no header is sent (reading it would synchronise the host with the device at every step): there,
-sizes are right by construction, from the argument check.
+payload moves. Header bytes count in ``bytes_sent`` but not in ``payload_bytes_sent``.
+
+**CUDA exchanges (nccl).** Headers are decided per exchange, by the tensors' device (an exchange
+is all on the CPU or all on CUDA; a mix raises :class:`~dqcoll.errors.InvalidArgumentError`):
+CPU tensors carry them on any backend, CUDA tensors never do (reading a header would synchronise
+the host with the device at every step; sizes are right by construction, from the argument
+check). A CUDA exchange is posted as one ``batch_isend_irecv`` of its payloads only, so NCCL
+runs it as one group launch in which every rank's sends and receives progress together; this
+holds on a mixed group (``"cpu:gloo,cuda:nccl"``, what ``init_process_group()`` picks on a GPU
+machine) too, where a CPU header in front of a CUDA payload would split the batch into single
+sends and receives, send-then-receive on one NCCL stream on both ranks: a deadlock once a
+payload exceeds NCCL's buffering.
+
+**Works.** A backend without coalescing (gloo) gives one Work per message; one that coalesces
+(NCCL: ``batch_isend_irecv`` runs the batch under ``_coalescing_manager(async_ops=True)``) gives
+one Work for the whole batch. The transport waits on what torch returns, whatever its count: a
+failure of a per-message Work names its peer, one of a batch's Work names every peer of the batch.
 
 **Groups of survivors.** ``group`` may also be a process group built outside
 ``torch.distributed``'s registry (``ProcessGroupGloo(store, rank, size)``, as
@@ -71,6 +85,11 @@ def _write_header(frame: torch.Tensor, nbytes: int, tag: int) -> None:
     frame[:HEADER_NBYTES].copy_(torch.tensor([nbytes, tag], dtype=torch.int64).view(torch.uint8))
 
 
+def _is_cuda(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives in CUDA memory (an exchange of such tensors goes to NCCL)."""
+    return tensor.device.type == "cuda"
+
+
 def backend_devices(backend: str) -> tuple[str, ...]:
     """The device types a group's backend moves: ``"gloo"`` -> cpu, ``"nccl"`` -> cuda, a
     per-device string (``"cpu:gloo,cuda:nccl"``) -> the devices it names; another backend
@@ -114,7 +133,6 @@ class TorchTransport:
         self.timeout_s = envs.timeout_s() if timeout_s is None else timeout_s
         self.gather_nbytes = int(gather_nbytes)  # see allreduce
         self.counters = Counters()
-        self.headers = self.backend != "nccl"  # see the module docstring
         self.devices = backend_devices(self.backend)
         # The device of the small all-reduces and barriers: a CUDA-only group (nccl) takes
         # the current CUDA device (torchrun jobs set it per rank), anything else the CPU.
@@ -124,25 +142,25 @@ class TorchTransport:
         self.store = store if store is not None else _default_store()
         self.store_prefix = store_prefix  # keys of this group's shrinks live under it
 
-    def _wait(self, works: list[tuple[str, int, dist.Work]], what: str) -> None:
+    def _wait(self, works: list[tuple[str, dist.Work]], what: str) -> None:
+        """Wait for every (whom it concerns, e.g. ``"receiving from rank 1"``, Work)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        for kind, peer, work in works:
+        for whom, work in works:
             try:
                 ok = work.wait(timeout)
             except RuntimeError as exc:
                 text = str(exc)
                 if "imed out" in text or "imeout" in text:
                     raise CollectiveTimeoutError(
-                        f"rank {self.rank}: timed out after {self.timeout_s:g} s on {kind} rank "
-                        f"{peer} at {what}: {text.splitlines()[0]}"
+                        f"rank {self.rank}: timed out after {self.timeout_s:g} s on {whom} "
+                        f"at {what}: {text.splitlines()[0]}"
                     ) from exc
                 raise PeerError(
-                    f"rank {self.rank}: {kind} rank {peer} failed at {what}: {text.splitlines()[0]}"
+                    f"rank {self.rank}: {whom} failed at {what}: {text.splitlines()[0]}"
                 ) from exc
             if ok is False:
                 raise CollectiveTimeoutError(
-                    f"rank {self.rank}: timed out after {self.timeout_s:g} s on {kind} rank {peer} "
-                    f"at {what}"
+                    f"rank {self.rank}: timed out after {self.timeout_s:g} s on {whom} at {what}"
                 )
 
     def exchange(
@@ -188,7 +206,15 @@ class TorchTransport:
         :meth:`exchange_framed`)."""
         if not sends and not recvs:
             return
-        if not self.headers:  # nccl: payloads only
+        on_cuda = [_is_cuda(t) for _, t in sends] + [_is_cuda(b) for _, b in recvs]
+        if any(on_cuda):
+            if not all(on_cuda):
+                peers = _batch_peers([(True, p, t) for p, t in sends]
+                                     + [(False, p, b) for p, b in recvs])
+                raise InvalidArgumentError(
+                    f"rank {self.rank}: the exchange at {what} ({peers}) mixes CUDA and CPU "
+                    f"tensors: an exchange is all on one device")
+            # CUDA (nccl): the payloads only, in one batch (see the module docstring)
             skip = HEADER_NBYTES if framed else 0
             self._run([(True, peer, tensor[skip:] if skip else tensor.contiguous())
                        for peer, tensor in sends]
@@ -257,23 +283,33 @@ class TorchTransport:
         self.counters["bytes_recv"] += HEADER_NBYTES * len(recvs)
 
     def _run(self, posts: list[tuple[bool, int, torch.Tensor]], what: str) -> None:
-        """Post every message and wait for all of them."""
+        """Post every message and wait for what torch returns: a Work per message (gloo) or
+        one for the whole batch (a coalescing backend: NCCL)."""
         try:
             works = self._start(posts)
         except RuntimeError as exc:
-            raise PeerError(f"rank {self.rank}: posting messages failed at {what}: {exc}") from exc
-        self._wait([("sending to" if is_send else "receiving from", peer, work)
-                    for (is_send, peer, _), work in zip(posts, works, strict=True)], what)
+            raise PeerError(f"rank {self.rank}: posting messages ({_batch_peers(posts)}) "
+                            f"failed at {what}: {exc}") from exc
+        if len(works) == len(posts):
+            waits = [(f"{'sending to' if is_send else 'receiving from'} rank {peer}", work)
+                     for (is_send, peer, _), work in zip(posts, works, strict=True)
+                     if work is not None]
+        else:
+            whom = f"the batch of {len(posts)} messages ({_batch_peers(posts)})"
+            waits = [(whom, work) for work in works if work is not None]
+        self._wait(waits, what)
 
     def _start(self, posts: list[tuple[bool, int, torch.Tensor]]) -> list[dist.Work]:
-        """Post every (is a send, peer, tensor) in order; the works in the same order.
+        """Post every (is a send, peer, tensor) in order; the Works torch returns for them:
+        one per message, in the same order, or (a backend that coalesces: NCCL) one for all.
 
         gloo has no coalescing, so ``batch_isend_irecv`` posts one ``isend`` / ``irecv`` after
         the other, each through ``torch.distributed``'s argument checks and group look-ups:
-        gloo's messages go straight to the group's ``send`` / ``recv``, in the same order
-        (77 -> 65 us of the calling thread's CPU per exchange of 4 messages, 2 ranks on the
-        2-core dev VM). Other backends (nccl: one group launch) keep ``batch_isend_irecv``."""
-        if self.backend == "gloo":
+        over a gloo group, CPU messages go straight to the group's ``send`` / ``recv``, in the
+        same order (77 -> 65 us of the calling thread's CPU per exchange of 4 messages, 2 ranks
+        on the 2-core dev VM). Everything else keeps ``batch_isend_irecv`` (nccl: one group
+        launch for the whole batch)."""
+        if self.backend == "gloo" and not _is_cuda(posts[0][2]):
             group = self.group
             return [group.send([tensor], peer, 0) if is_send else group.recv([tensor], peer, 0)
                     for is_send, peer, tensor in posts]
@@ -334,7 +370,7 @@ class TorchTransport:
         if self.world_size > 1 and tensor.numel():
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
             assert work is not None
-            self._wait([("all_reduce with", -1, work)], what)
+            self._wait([(f"the all_reduce over the group's {self.world_size} ranks", work)], what)
         self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
 
     def barrier(self, *, what: str = "barrier") -> None:
@@ -363,6 +399,17 @@ class TorchTransport:
 
     def close(self) -> None:
         pass
+
+
+def _batch_peers(posts: list[tuple[bool, int, torch.Tensor]]) -> str:
+    """The peers of a batch of (is a send, peer, tensor): "to ranks 1, 2; from rank 1"."""
+    parts = []
+    for label, sending in (("to", True), ("from", False)):
+        peers = sorted({peer for is_send, peer, _ in posts if is_send == sending})
+        if peers:
+            parts.append(f"{label} rank{'s' if len(peers) > 1 else ''} "
+                         + ", ".join(map(str, peers)))
+    return "; ".join(parts)
 
 
 def _default_store() -> Any:
