@@ -478,6 +478,8 @@ def shift_for(call: PreparedCall, world_size: int, exponent: int) -> int:
     maximum over the ranks that the argument check returned."""
     if exponent == NO_EXPONENT or call.tensor is None or call.scheme is None:
         return 0
+    if not getattr(call.scheme, "range_scaled", True):
+        return 0  # the scheme sums wider and saturates its own results (``none``)
     return range_shift(exponent, dtype=call.tensor.dtype, world_size=world_size,
                        exact_sums=_sums_exact_in_wire_dtype(call.scheme))
 

@@ -1,6 +1,6 @@
-"""The simulator: identical to the executor for dynamiq and none at small n, bounded memory by
-batches that do not change the result, hierarchical plans statistically equivalent, Ctrl-C keeps
-what was computed."""
+"""The simulator: identical to the executor for dynamiq (none: up to fp32 rounding) at small n,
+bounded memory by batches that do not change the result, hierarchical plans statistically
+equivalent, Ctrl-C keeps what was computed."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def _executor_vnmse(source, algorithm, scheme, n, seed, step, op="sum", **option
                               for a, s, n, _, _, o in CASES])
 def test_simulator_matches_executor(algorithm, scheme, n, spec, numel, options):
     """Same seed and step: the simulated all-reduce is the local transport's, bit for bit (the
-    simulator reproduces the executor's bytes), whether the rows come from the source's row
-    access or from the scratch file (noise=torch, gaussian); so is the vNMSE."""
+    simulator reproduces the executor's bytes; ``none``: up to fp32 rounding), whether the rows
+    come from the source's row access or from the scratch file (noise=torch, gaussian); so is
+    the vNMSE."""
     source = make_source(spec, world_size=n, numel=numel, seed=1)
     options = dict(options)
     bits = options.pop("bits", 5.0) if scheme == "dynamiq" else None
@@ -64,7 +65,12 @@ def test_simulator_matches_executor(algorithm, scheme, n, spec, numel, options):
                       step=4, output=out, **options)
     extra = dict(options, **({"bits": bits} if bits is not None else {}))
     expected = _executor(source, algorithm, scheme, n, 9, 4, **extra)
-    assert torch.equal(out, expected)
+    if scheme == "none":
+        # the simulator replays ``none`` in the input dtype on every hop (its cost model's
+        # bytes); the executor sums exactly (fp64 partial sums): the same up to fp32 rounding
+        assert dqcoll.metrics.vnmse(out, expected) < 1e-12
+    else:
+        assert torch.equal(out, expected)
     vnmse = dqcoll.metrics.vnmse(expected, source.exact_sum())
     assert result.complete and result.chunks_done == result.chunks_total == n
     if scheme == "none":

@@ -26,7 +26,11 @@ rank, and copies the returned tensor into the gradients):
   keeps ``m - decode(encode(m))`` of the scheme's single-shot codec as the next residual. This is
   the EF-SGD residual of the rank's own quantization; the hops' re-quantizations inside the
   collective are not attributed to any one rank, so it is an approximation of the collective's
-  error (whose per-rank split does not exist for multi-hop aggregation).
+  error (whose per-rank split does not exist for multi-hop aggregation). The residual restarts
+  at 0 in every coordinate where the message or its quantization is not finite (with dynamiq
+  the whole super-group of 256 around a non-finite value, which its codec decodes as NaN): a
+  step with an inf gradient (AMP's grad scaler then skips it) leaves no non-finite residual
+  behind, and the next steps are finite again.
 * **Error monitor** (optional): every ``monitor_every`` iterations the hook also computes the
   exact average (an uncompressed fp64 all-reduce of the same input) and records the vNMSE of the
   compressed one, summed over the buckets of the iteration (``state.vnmse_history``; logged at
@@ -603,6 +607,9 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         buf.copy_(message)  # what this rank contributes (rounded to the bucket's dtype)
         message = buf.float()
         residual.copy_(message - _local_quantization(state, message))
+        # a coordinate whose message or quantization is not finite (dynamiq: every coordinate
+        # of the super-group of a non-finite value) carries nothing into the next step
+        torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
     options = _call_options(state)
     seed = state.step_seed(iteration)
     if state.async_op and not state.should_monitor(iteration):

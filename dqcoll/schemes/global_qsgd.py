@@ -5,7 +5,9 @@ each rank gets ``L = floor(127 / n)`` levels per sign: step ``delta = G / L``, c
 ``q = floor(x / delta + u) + L`` in ``[0, 2L]`` with ``u`` uniform (stochastic rounding, unbiased:
 ``E[q - L] = x / delta``). The sum of ``n`` codes is at most ``2 n L <= 254``, so every payload is
 one byte per coordinate (int8 on the wire, as the baseline is defined) and partial sums are exact
-integers (:mod:`.integer_sum`); the result is ``(S - n L) * delta``, decoded once.
+integers (:mod:`.integer_sum`); the result is ``(S - n L) * delta``, decoded once. A non-finite
+input makes its super-group of 256 non-finite and leaves ``G`` to the finite rest
+(:func:`.integer_sum.global_statistic`).
 
 The price of exactness: each rank quantizes with ``L`` levels, fewer as ``n`` grows (15 at n=8,
 1 at n=64..127), so the error grows about as ``n**2 / n = n`` relative to per-hop schemes. More
@@ -23,7 +25,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .base import CallContext, SchemeSpec
-from .integer_sum import IntegerSumCodec
+from .integer_sum import IntegerSumCodec, NonFiniteGroups, global_statistic
 
 __all__ = ["GlobalQSGDScheme"]
 
@@ -35,6 +37,13 @@ _STREAM = 0x51534744  # "QSGD"
 class _State:
     levels: int  # L: levels per sign for one rank
     delta: float  # quantization step; NaN when the global max is not finite
+    nonfinite: NonFiniteGroups | None = None  # super-groups with a non-finite input somewhere
+
+
+def _largest(work: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """This rank's ``max |x|`` (1 element, ``inf`` where a value is not finite)."""
+    amax = work.abs().amax().reshape(1) if work.numel() else torch.zeros(1, device=work.device)
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf)), None
 
 
 class GlobalQSGDScheme(IntegerSumCodec):
@@ -62,11 +71,8 @@ class GlobalQSGDScheme(IntegerSumCodec):
                 f"{ctx.what}: global_qsgd gives each rank 127 // n levels of int8; "
                 f"n={n} leaves none"
             )
-        amax = work.abs().amax().reshape(1) if work.numel() else torch.zeros(1, device=work.device)
-        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
-        ctx.reduce(amax, "max", f"{ctx.what} global max")
-        g = float(amax[0])
-        return _State(levels, g / levels if math.isfinite(g) else math.nan)
+        g, _, nonfinite = global_statistic(work, ctx, _largest, f"{ctx.what} global max")
+        return _State(levels, g / levels if math.isfinite(g) else math.nan, nonfinite)
 
     def code_max(self, state: Any) -> int:
         return 2 * (state.levels if state is not None else INT8_MAX)

@@ -21,6 +21,13 @@ final dequantization run as compiled kernels (:mod:`dqcoll.kernels.baselines_num
 same codes and values as :meth:`IntegerSumCodec.quantize` / :meth:`IntegerSumCodec.dequantize`
 on :func:`rank_uniforms`, which stay the spec.
 
+Non-finite inputs (:func:`global_statistic`): the global statistic is ``inf`` where any rank
+holds an inf or a NaN, and every rank then learns which super-groups (``SUPER_GROUP`` = 256
+consecutive coordinates of the padded buffer) hold one on some rank, zeroes them, agrees on the
+statistic of the rest and quantizes that; the result gives those super-groups ``+inf``, ``-inf``
+or NaN (:class:`NonFiniteGroups`) and every other coordinate its usual value. The final values
+are written to the output saturating at its dtype's largest finite value.
+
 Rejected: re-quantizing partial sums per hop (that is what ``int8_block`` does; exactness is the
 point of these schemes) and one shared width for every payload (``ceil(log2(n code_max + 1))``
 bits already at the leaves, where ``log2(code_max + 1)`` suffice).
@@ -29,6 +36,9 @@ bits already at the leaves, where ``log2(code_max + 1)`` suffice).
 from __future__ import annotations
 
 import abc
+import dataclasses
+import math
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -40,8 +50,12 @@ from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .dynamiq import rng
 from .elementwise import BlockLayout
+from .none import copy_saturating
 
-__all__ = ["IntegerSumCall", "IntegerSumCodec", "rank_uniforms"]
+__all__ = ["SUPER_GROUP", "IntegerSumCall", "IntegerSumCodec", "NonFiniteGroups",
+           "global_statistic", "rank_uniforms"]
+
+SUPER_GROUP = 256  # coordinates a non-finite input may affect (DynamiQ's super-group)
 
 
 def rank_uniforms(
@@ -50,6 +64,80 @@ def rank_uniforms(
     """fp32 uniforms on [0, 1) (24 random bits) for ``rank`` at int64 coordinate ``index``."""
     key = rng.rank_key(rng.stream_key(rng.call_key(seed, step), stream), rank)
     return rng.uniform24(rng.coord_hash(key, index))
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteGroups:
+    """The super-groups (``SUPER_GROUP`` consecutive coordinates of the call's padded buffer)
+    where some rank's input is non-finite, and the value each takes in the result: ``+inf``
+    where only ``+inf`` met there, ``-inf`` where only ``-inf``, NaN where a NaN or both
+    infinities did. Every rank holds the same (from one max all-reduce of the flags)."""
+
+    numel: int
+    bad: torch.Tensor  # bool [groups]
+    value: torch.Tensor  # fp32 [groups]: the result's value in a bad group
+
+    @classmethod
+    def reduce(cls, work: torch.Tensor, ctx: CallContext, what: str) -> NonFiniteGroups | None:
+        """Every rank's non-finite super-groups of ``work``, agreed by one max all-reduce of
+        three flags per super-group; None where no rank has any."""
+        numel = work.numel()
+        groups = -(-numel // SUPER_GROUP)
+        padded = torch.zeros(groups * SUPER_GROUP, dtype=work.dtype, device=work.device)
+        padded[:numel] = work
+        rows = padded.view(groups, SUPER_GROUP)
+        flags = torch.cat((torch.isposinf(rows).any(1), torch.isneginf(rows).any(1),
+                           torch.isnan(rows).any(1))).float()
+        ctx.reduce(flags, "max", f"{what}: non-finite super-groups")
+        pos, neg, nan = (flags.view(3, groups) > 0).unbind(0)
+        bad = pos | neg | nan
+        if not bool(bad.any()):
+            return None
+        value = torch.where(nan | (pos & neg), math.nan,
+                            torch.where(pos, math.inf, -math.inf)).float()
+        return cls(numel, bad, value)
+
+    def _coords(self, groups: torch.Tensor) -> torch.Tensor:
+        return groups.repeat_interleave(SUPER_GROUP)[: self.numel]
+
+    def clear(self, work: torch.Tensor) -> None:
+        """Zero the bad super-groups of ``work`` (the codec then sees finite values only)."""
+        work.masked_fill_(self._coords(self.bad), 0.0)
+
+    def restore(self, values: torch.Tensor) -> None:
+        """Give the bad super-groups of the decoded ``values`` their non-finite value."""
+        mask = self._coords(self.bad)
+        values[mask] = self._coords(self.value)[mask]
+
+
+def global_statistic(
+    work: torch.Tensor,
+    ctx: CallContext,
+    local: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
+    what: str,
+) -> tuple[float, Any, NonFiniteGroups | None]:
+    """The max over the ranks of ``local(work)``'s statistic (a 1-element fp32 tensor, ``inf``
+    where ``work`` holds a non-finite value), what ``local`` computed beside it, and the
+    non-finite super-groups.
+
+    Finite inputs take one max all-reduce of 4 bytes, as before. Where the maximum is ``inf``
+    (some rank had a non-finite value), every rank knows it, and two more small all-reduces
+    follow: the flags of :meth:`NonFiniteGroups.reduce` (3 fp32 per super-group), then the
+    statistic of ``work`` with those super-groups zeroed (on every rank), so that one
+    non-finite value costs its super-group and leaves every other coordinate finite and on the
+    grid the finite values set."""
+    stat, extra = local(work)
+    ctx.reduce(stat, "max", what)
+    value = float(stat[0])
+    if math.isfinite(value):
+        return value, extra, None
+    groups = NonFiniteGroups.reduce(work, ctx, what)
+    if groups is None:  # no rank has a non-finite value: the statistic itself overflowed
+        return value, extra, None
+    groups.clear(work)
+    stat, extra = local(work)
+    ctx.reduce(stat, "max", f"{what} (finite super-groups)")
+    return float(stat[0]), extra, groups
 
 
 class IntegerSumCodec(abc.ABC):
@@ -206,7 +294,11 @@ class IntegerSumCall:
         return self.compress(chunk, out_count)
 
     def finish(self, out: torch.Tensor) -> None:
-        result = self.layout.unpad(self.codec.finish_values(self.work, self.state))
+        values = self.codec.finish_values(self.work, self.state)
+        nonfinite: NonFiniteGroups | None = getattr(self.state, "nonfinite", None)
+        if nonfinite is not None:
+            nonfinite.restore(values)
+        result = self.layout.unpad(values)
         if self.op is ReduceOp.AVG:
             result = result / self.world_size
-        out.copy_(result.reshape(out.shape))
+        copy_saturating(out, result)  # finite sums beyond a 16-bit dtype's range saturate

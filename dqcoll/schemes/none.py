@@ -1,8 +1,37 @@
-"""``none``: no compression, over the same schedules as every other scheme.
+"""``none``: no compression, over the same schedules as every other scheme, with exact sums.
 
-Values travel in the input's own dtype (fp32, bf16 or fp16) and are summed in fp32 at each hop,
-as NCCL does; the average divides the final sum. On integer-valued inputs that fit the dtype the
-result is exact, which makes this scheme the executor's and the schedules' correctness check.
+The result is the exact sum of the ranks' inputs rounded once to the input dtype (fp32, bf16 or
+fp16), the same bits on every rank, for every algorithm and collective:
+
+* a leaf's own values (a payload of one rank's contribution) travel in the input dtype, as
+  they are;
+* a partial sum of ``2 .. n-1`` ranks travels as fp64 and is accumulated in fp64 at each hop
+  (in the call's fp64 buffer of sums), so nothing is rounded on the way: the sum of any
+  number of fp16 values that fits ``n <= 2**13`` ranks is exact in fp64 (they are multiples of
+  2**-24 below 2**16), and fp32 / bf16 values are summed exactly where a coordinate's
+  contributions span less than about 2**26 (fp32) or 2**42 (bf16) of dynamic range, otherwise
+  with fp64's rounding (the reference an fp64 sum gives);
+* the sink rounds the sum of all ``n`` once to the input dtype (``op="avg"``: the fp64 sum
+  divided by ``n``, then rounded once) and that payload, in the input dtype, is what every rank
+  decodes (the all-gather forwards it unchanged). A sum beyond the dtype's largest finite value
+  saturates there (fp16 inputs of 30000 on 3 ranks give 65504); a non-finite input stays
+  non-finite in its coordinate (inf, -inf, or NaN where they meet) and touches no other.
+
+Wire bytes (the price of exactness): per coordinate, a payload of one rank's values and the
+final sums cost the input dtype's size, a partial sum of 2..n-1 ranks 8 bytes. A ring
+all-reduce sends, per rank and coordinate, ``(s + 8 (n - 2) + s (n - 1)) / n`` bytes instead of
+``2 s (n - 1) / n`` (``s`` the dtype's size; equal at n = 2; at n = 8, fp32 1.43x and fp16 2.29x
+the bytes of a ring in the input dtype); butterfly sends fp64 on every step but the first; the
+direct (two-shot) algorithm only sends leaves and final sums, so it costs exactly the input
+dtype's bytes. ``comm.last_info["wire_payload_nbytes"]`` reports a call's payload bytes over all
+ranks. No range scaling is applied (:func:`dqcoll.prepare.shift_for`): fp64 holds every sum.
+
+``wire_dtype=`` forces one dtype for every payload (e.g. ``torch.bfloat16``, the bytes of the
+``bf16`` scheme): values are then rounded to it at every hop, summed in fp32, with the
+argument check's overflow shift keeping fp16 partial sums in range; not exact.
+
+On integer-valued inputs that fit the dtype every path gives the exact integers, which makes
+this scheme the executor's and the schedules' correctness check.
 """
 
 from __future__ import annotations
@@ -11,19 +40,40 @@ from typing import Any
 
 import torch
 
+from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
-from .elementwise import BlockCall, BlockCodec
+from .elementwise import BlockCall, BlockCodec, BlockLayout
 
-__all__ = ["NoneScheme"]
+__all__ = ["ExactSumCall", "NoneScheme", "copy_saturating"]
 
-_WIRE_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16,
-                torch.float16: torch.float16}
+_WIDE = torch.float64  # partial sums of 2..n-1 ranks
+
+
+def copy_saturating(out: torch.Tensor, values: torch.Tensor) -> None:
+    """``out.copy_(values)``, where a finite value beyond ``out``'s dtype's largest finite value
+    saturates there (rounding once, as the cast does below it); non-finite values stay."""
+    top = torch.finfo(out.dtype).max
+    if values.numel() and torch.finfo(values.dtype).max > top:
+        low, high = torch.aminmax(values.reshape(-1))
+        if not (float(low) >= -top and float(high) <= top):  # NaN lands here too
+            values = torch.where(torch.isfinite(values), values.clamp(-top, top), values)
+    out.copy_(values.reshape(out.shape))
+
+
+def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A flat uint8 payload as ``dtype`` values (copied first where its offset is unaligned,
+    e.g. a chunk after an odd-length one in a message of several chunks)."""
+    if payload.storage_offset() % dtype.itemsize:
+        payload = payload.clone()
+    return payload.view(dtype)
 
 
 class NoneScheme(BlockCodec):
     spec = SchemeSpec(
         name="none",
-        description="uncompressed pass-through in the input dtype (fp32/bf16/fp16)",
+        description="uncompressed, exact: one rank's values and the final sums in the input "
+        "dtype (fp32/bf16/fp16), partial sums of 2..n-1 ranks as fp64, rounded once "
+        "(saturating) at the sink; wire_dtype= forces one dtype per hop instead (not exact)",
         bits_per_coord=None,
         unbiased=True,
         exact_sums=True,
@@ -35,9 +85,19 @@ class NoneScheme(BlockCodec):
     def __init__(self, wire_dtype: torch.dtype | None = None) -> None:
         self.wire_dtype = wire_dtype
 
-    def begin(self, x: torch.Tensor, ctx: CallContext) -> BlockCall:
+    @property
+    def range_scaled(self) -> bool:
+        """Whether the argument check's range shift applies (only with a forced
+        ``wire_dtype``: the exact path sums in fp64 and saturates its own results)."""
+        return self.wire_dtype is not None
+
+    def begin(  # type: ignore[override]  # the exact path is not a block codec's call
+        self, x: torch.Tensor, ctx: CallContext
+    ) -> BlockCall | ExactSumCall:
+        if self.wire_dtype is None:
+            return ExactSumCall(x, ctx)
         call = super().begin(x, ctx)
-        call.state = self.wire_dtype or _WIRE_DTYPES[x.dtype]
+        call.state = self.wire_dtype
         return call
 
     def single_shot_state(self, padded: torch.Tensor) -> Any:
@@ -53,4 +113,90 @@ class NoneScheme(BlockCodec):
     def decode_values(
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
     ) -> torch.Tensor:
-        return payload.view(ctx).float()
+        return _view(payload, ctx).float()
+
+
+class ExactSumCall:
+    """One collective call of ``none`` without ``wire_dtype``: partial sums accumulate in an
+    fp64 buffer; payloads are in the input dtype for one rank's values and for final sums, fp64
+    for partial sums. ``work`` (fp32, as for every scheme: the executor sizes tiles by it)
+    receives the decoded final sums and gathered shards, which are input-dtype values, exact
+    in fp32."""
+
+    def __init__(self, x: torch.Tensor, ctx: CallContext) -> None:
+        self.numel = x.numel()
+        self.op = ctx.op
+        self.world_size = ctx.world_size
+        self.dtype = x.dtype
+        self.layout = BlockLayout.of(self.numel, 1, ctx)  # blocks of 1: no padding
+        self.sums = torch.empty(self.numel, dtype=_WIDE, device=x.device)
+        self.sums.copy_(x.reshape(-1))
+        self.work = torch.empty(self.numel, dtype=torch.float32, device=x.device)
+        self.chunk_bounds = self.layout.chunk_bounds()
+        self.tile_unit = 1  # the executor may cut chunks into tiles of any length
+        self.info: dict[str, Any] = {}
+        # the dtype a forced ``wire_dtype`` would be: dqcoll.topology.simulator replays ``none``
+        # as a block codec in it (its model of ``none``: the input dtype on every hop)
+        self.state = self.dtype
+        if ctx.schedule is not None:
+            self.info["wire_payload_nbytes"] = self._wire_payload(
+                ctx.schedule.subtree_sizes(), ctx.collective)
+
+    def _wire_dtype(self, count: int) -> torch.dtype:
+        return self.dtype if count in (1, self.world_size) else _WIDE
+
+    def _wire_payload(self, subtree: Any, collective: Collective) -> int:
+        """Payload bytes of the call over every rank: each non-sink rank sends its partial sum
+        of each chunk once, and each chunk's final payload reaches the ``n - 1`` other ranks."""
+        n = self.world_size
+        sizes = [self.chunk_bounds[c + 1] - self.chunk_bounds[c] for c in range(n)]
+        total = 0
+        if collective is not Collective.ALL_GATHER:
+            for row in subtree:
+                for size, count in zip(sizes, row, strict=True):
+                    if count < n:
+                        total += size * self._wire_dtype(count).itemsize
+        if collective is not Collective.REDUCE_SCATTER:
+            total += (n - 1) * sum(sizes) * self.dtype.itemsize
+        return total
+
+    def _bounds(self, chunk: int) -> slice:
+        return slice(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1])
+
+    def payload_nbytes(self, chunk: int, count: int) -> int:
+        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+        return (hi - lo) * self._wire_dtype(count).itemsize
+
+    def compress(self, chunk: int, count: int) -> torch.Tensor:
+        values = self.sums[self._bounds(chunk)]
+        if count == self.world_size:  # the final sum: rounded once, saturating
+            if self.op is ReduceOp.AVG:
+                values = values / self.world_size
+            final = torch.empty(values.shape, dtype=self.dtype, device=values.device)
+            copy_saturating(final, values)
+            return final.view(torch.uint8)
+        if count == 1:  # one rank's own values: exact in the input dtype
+            return values.to(self.dtype).view(torch.uint8)
+        return values.view(torch.uint8)
+
+    def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        # a final sum, or (all-gather) one rank's shard: values of the input dtype
+        self.work[self._bounds(chunk)] = _view(payload, self._wire_dtype(count))
+
+    def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
+        self.sums[self._bounds(chunk)] += _view(payload, self._wire_dtype(count))
+
+    def decompress_accumulate_recompress(
+        self, chunk: int, payload: torch.Tensor, count: int, out_count: int
+    ) -> torch.Tensor:
+        self.decompress_accumulate(chunk, payload, count)
+        return self.compress(chunk, out_count)
+
+    def finish_shard(self, rank: int, out: torch.Tensor) -> None:
+        """Reduce-scatter: this rank's shard (its decoded final sums)."""
+        out.copy_(self.work[self._bounds(rank)].view(out.shape))
+
+    def finish(self, out: torch.Tensor) -> None:
+        """All-reduce and all-gather: every chunk holds a decoded payload of the input dtype (a
+        final sum, or one rank's shard), so the cast is exact."""
+        out.copy_(self.work.view(out.shape))

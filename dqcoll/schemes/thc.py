@@ -7,7 +7,9 @@ Per call, before the collective (every rank alike, from the call's seed and step
    Walsh-Hadamard ``H / sqrt(B)``). After it every coordinate is close to N(0, rms^2) with the
    buffer's RMS, whatever the layout of the gradient; the permutation spreads large super-groups
    over all blocks, so one global range fits every block.
-2. one max all-reduce of each rank's RMS (4 bytes) gives the range ``T = clamp * max_rms``.
+2. one max all-reduce of each rank's RMS (4 bytes) gives the range ``T = clamp * max_rms``
+   (where some rank's input is not finite, its super-groups are zeroed before the rotation and
+   come back non-finite, :func:`.integer_sum.global_statistic`; the rest stays finite).
 
 Each rank then clamps to ``[-T, T]`` and rounds stochastically to 16 uniform levels
 (``delta = 2T / 15``, code ``floor((y + T) / delta + u)`` in ``[0, 15]``): 4 bits per coordinate
@@ -36,7 +38,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..types import Collective
 from .base import CallContext, SchemeSpec
-from .integer_sum import IntegerSumCodec
+from .integer_sum import IntegerSumCodec, NonFiniteGroups, global_statistic
 from .seeds import derived_seed
 
 __all__ = ["LEVELS", "THCScheme", "fwht"]
@@ -66,6 +68,7 @@ class _State:
     signs: torch.Tensor  # fp32 [segment]: shared Rademacher signs
     limit: float  # T: clamp range
     delta: float  # 2 T / 15
+    nonfinite: NonFiniteGroups | None = None  # super-groups with a non-finite input somewhere
 
 
 class THCScheme(IntegerSumCodec):
@@ -115,13 +118,21 @@ class THCScheme(IntegerSumCodec):
         perm = torch.randperm(segment, generator=g).to(work.device)
         signs = (torch.randint(0, 2, (segment,), generator=g) * 2 - 1).float().to(work.device)
         partial = _State(segment, perm, signs, 0.0, 0.0)
-        rotated = self._rotate(work, partial, inverse=False)
-        work.copy_(rotated.reshape(-1))
-        rms = (work.double().square().sum() / max(work.numel(), 1)).sqrt().float().reshape(1)
-        rms = torch.where(torch.isfinite(rms), rms, torch.full_like(rms, math.inf))
-        ctx.reduce(rms, "max", f"{ctx.what} max rms")
-        limit = self.clamp * float(rms[0])
-        return _State(segment, perm, signs, limit, 2.0 * limit / (LEVELS - 1))
+
+        def rotated_rms(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rotated = self._rotate(values, partial, inverse=False).reshape(-1)
+            rms = (rotated.double().square().sum() / max(rotated.numel(), 1)).sqrt()
+            rms = rms.float().reshape(1)
+            rms = torch.where(torch.isfinite(rms), rms, torch.full_like(rms, math.inf))
+            return rms, rotated
+
+        # the rotation is written to ``work`` only once the statistic is agreed: a non-finite
+        # value on some rank zeroes its super-group in the unrotated input first
+        rms, rotated, nonfinite = global_statistic(work, ctx, rotated_rms,
+                                                   f"{ctx.what} max rms")
+        work.copy_(rotated)
+        limit = self.clamp * rms
+        return _State(segment, perm, signs, limit, 2.0 * limit / (LEVELS - 1), nonfinite)
 
     def code_max(self, state: Any) -> int:
         return LEVELS - 1
