@@ -98,7 +98,7 @@ def _train(model: nn.Module, rank: int, steps: int = 3) -> list[float]:
     losses = []
     for step in range(steps):
         x, y = _batch(rank, step)
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(model(x).float(), y)  # bf16 outputs: a float loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -167,7 +167,7 @@ def _fsdp_job(rank: int, world_size: int) -> dict[str, Any]:
         results[name] = shard
         rs.state.close()
     exact_sum = torch.empty(5003)
-    dist.reduce_scatter_single(exact_sum, grads.clone(), op=dist.ReduceOp.SUM)
+    dqfsdp.exact_reduce_scatter(exact_sum, grads.clone(), op=dist.ReduceOp.SUM)
     results["exact_sum"] = exact_sum
     out["ops"] = results
 
@@ -502,7 +502,7 @@ def _two_level_job(rank: int, world_size: int) -> dict[str, Any]:
         summed = grads.clone()
         lane.allreduce(summed, avg=True, rule=policy.allreduce).wait()
         exact_rs = torch.empty(numel)
-        dist.reduce_scatter_single(exact_rs, grads.clone())
+        dqfsdp.exact_reduce_scatter(exact_rs, grads.clone())
         exact_ar = grads.clone()
         dist.all_reduce(exact_ar)
         out[name] = {"rs": shard, "exact_rs": exact_rs, "ag": gathered, "ar": summed,

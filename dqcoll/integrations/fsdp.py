@@ -29,30 +29,36 @@ FSDP2 calls them as it calls its own (``_fsdp_collectives.foreach_all_gather`` a
 * **Reduce-scatter** (``__call__(output_tensor, input_tensor, group, op, async_op)``): FSDP2
   calls it synchronously (no ``async_op``) on its reduce-scatter stream and reads the output
   at once (post-divide, gradient views, accumulation), so the call returns after the result is
-  in ``output_tensor``. ``op`` is SUM, AVG (FSDP2's default for fp32 and bf16), or
+  in ``output_tensor`` (CUDA: after the lane queued its work and FSDP2's current stream was
+  made to wait for it, as with NCCL). ``op`` is SUM, AVG (FSDP2's default for fp32 and bf16), or
   PREMUL_SUM(f) (after ``set_gradient_divide_factor``; the input is multiplied by ``f`` and
   summed). Compressed with the ``gradients`` rule (default ``dynamiq`` at 5 bits); every rank
   holds its own shard, and each shard is decoded from the same bytes wherever it is used.
 * **Exact path**: a role set to ``none``, calls below ``policy.min_nbytes``, other dtypes or ops,
-  and the first ``policy.warmup_steps`` steps run FSDP2's own collectives
-  (``dist.all_gather_single`` / ``dist.reduce_scatter_single`` on FSDP2's group): bit for bit
-  FSDP2 without dqcoll. The step counter advances at each forward of the model passed to
-  :func:`compress` (a forward pre-hook), on every rank alike.
+  and the first ``policy.warmup_steps`` steps run FSDP2's own collectives on FSDP2's group
+  (``dist.all_gather_single`` / ``dist.reduce_scatter_single`` where torch has them, from
+  2.12; ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` before, as FSDP2 of
+  that torch calls): bit for bit FSDP2 without dqcoll. The step counter advances at each
+  forward of the model passed to :func:`compress` (a forward pre-hook), on every rank alike.
 
-The compressed calls of one FSDP2 group run on one :class:`~dqcoll.integrations.lane.Lane`
-(its own gloo connection and worker thread; see there), created at the group's first
-compressed call, when every rank of the group makes the same call. CPU tensors only: CUDA
-tensors take the exact path (logged once).
+The compressed calls of one FSDP2 group run on one :class:`~dqcoll.integrations.lane.Lane` per
+device type (its own connection and worker thread; see there), created at the group's first
+compressed call on that device type, when every rank of the group makes the same call. CPU
+tensors go over a gloo connection; CUDA tensors over an NCCL communicator of dqcoll's own NCCL
+transport, with the codecs' GPU kernels, under the same policy. Where no NCCL transport can run
+(neither nccl4py nor CuPy's NCCL importable, or torch sees no GPU), CUDA calls take the exact
+path and one WARNING says why; every rank of a job is expected to have the same packages, so
+all decide alike.
 
-Rejected: returning from the reduce-scatter before its result is there (to overlap it with the
-rest of backward). FSDP2 reads the output right after the call on CPU, where streams do not
-order anything; a deferred result would be read half-written.
+Rejected: returning from the reduce-scatter on CPU before its result is there (to overlap it
+with the rest of backward). FSDP2 reads the output right after the call, and on CPU no stream
+orders anything; a deferred result would be read half-written.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,12 +68,22 @@ from torch.distributed.fsdp._fully_shard import _fsdp_api
 
 from .. import envs
 from ..errors import InvalidArgumentError
-from .lane import Lane, RoleCounters, exact_nbytes
+from .lane import Lane, RoleCounters, exact_nbytes, nccl_lane_unavailable_reason
 from .policy import CompressionPolicy, Decision, Role
 
-__all__ = ["AllGather", "FsdpCompression", "ReduceScatter", "compress"]
+__all__ = ["AllGather", "FsdpCompression", "ReduceScatter", "compress", "exact_all_gather",
+           "exact_reduce_scatter"]
 
 log = logging.getLogger("dqcoll.fsdp")
+
+
+# The exact collectives FSDP2 itself calls: torch >= 2.12 names them *_single (its older names
+# warn there); older torch has only all_gather_into_tensor / reduce_scatter_tensor. The
+# arguments are the same: (output, input, [op,] group, async_op).
+exact_all_gather: Callable[..., dist.Work | None] = getattr(
+    dist, "all_gather_single", None) or dist.all_gather_into_tensor
+exact_reduce_scatter: Callable[..., dist.Work | None] = getattr(
+    dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _allocate(size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
@@ -84,13 +100,20 @@ def _op_kind(op: Any) -> tuple[str, float]:
         return "avg", 1.0
     if kind == dist.ReduceOp.PREMUL_SUM:
         factor = getattr(op, "factor", None)
+        if factor is None:  # torch < 2.12 has no .factor; its pickled state is (op, factor)
+            try:
+                state = op.__getstate__()
+            except Exception:  # a factor torch does not expose: the exact path
+                state = None
+            factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
         if isinstance(factor, (int, float)):
             return "premul", float(factor)
     return "other", 1.0
 
 
 class FsdpCompression:
-    """What :func:`compress` set up: the policy, the step counter, one lane per group.
+    """What :func:`compress` set up: the policy, the step counter, one lane per group and
+    device type.
 
     ``summary()`` gives the counters of every lane (compressed calls) and of the exact calls.
     """
@@ -103,9 +126,12 @@ class FsdpCompression:
         # -- when: the current step (forwards of the model passed to compress, from 0) --
         self.forwards = 0
         self.step = 0
-        # -- where: one lane per FSDP2 process group, made at its first compressed call --
+        # -- where: one lane per FSDP2 process group and device type, made at its first
+        # compressed call; why CUDA calls cannot have one here (None: they can), asked once --
         self.timeout_s = envs.timeout_s() if timeout_s is None else float(timeout_s)
-        self.lanes: dict[str, Lane] = {}
+        self.lanes: dict[tuple[str, str], Lane] = {}
+        self._cuda_checked = False
+        self._no_cuda_lane: str | None = None
         # the lanes' store prefix: compress() runs in the same order on every rank
         FsdpCompression.instances += 1
         self.instance = FsdpCompression.instances
@@ -119,6 +145,10 @@ class FsdpCompression:
                op_ok: bool = True) -> Decision:
         """``tensor``: the full buffer (all-gather output, reduce-scatter input)."""
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok, step=self.step)
+        if decision.compress and tensor.device.type == "cuda":
+            reason = self.cuda_lane_unavailable()
+            if reason is not None:
+                decision = Decision(False, f"{role.value}: CUDA tensors: {reason}")
         if not decision.compress:
             self.exact_calls[role] += 1
             self.exact_bytes[role] += exact_nbytes(role, tensor.numel() * tensor.element_size(),
@@ -128,15 +158,29 @@ class FsdpCompression:
                 log.info("dqcoll fsdp: exact %s (%s)", role.value, decision.reason)
         return decision
 
-    def lane(self, group: dist.ProcessGroup) -> Lane:
+    def cuda_lane_unavailable(self) -> str | None:
+        """None when CUDA calls can have a lane here, else why not (asked once; the first
+        answer other than None is logged as a WARNING)."""
+        if not self._cuda_checked:
+            self._cuda_checked = True
+            self._no_cuda_lane = nccl_lane_unavailable_reason()
+            if self._no_cuda_lane is not None:
+                log.warning("dqcoll fsdp: CUDA tensors take FSDP2's exact collectives, "
+                            "uncompressed: %s", self._no_cuda_lane)
+        return self._no_cuda_lane
+
+    def lane(self, group: dist.ProcessGroup, device: torch.device | None = None) -> Lane:
+        """The lane of ``group`` for tensors on ``device`` (default: the CPU)."""
+        device = torch.device("cpu") if device is None else device
         name = group.group_name
-        lane = self.lanes.get(name)
+        lane = self.lanes.get((name, device.type))
         if lane is None:
             store = dist.distributed_c10d._get_default_store()
+            suffix = "" if device.type == "cpu" else f"{device.type}/"
             lane = Lane(store, group.rank(), group.size(), policy=self.policy,
                         timeout_s=self.timeout_s, name=f"fsdp {name}",
-                        prefix=f"dqcoll-fsdp/{self.instance}/{name}/")
-            self.lanes[name] = lane
+                        prefix=f"dqcoll-fsdp/{self.instance}/{name}/{suffix}", device=device)
+            self.lanes[(name, device.type)] = lane
         return lane
 
     def summary(self) -> dict[str, Any]:
@@ -169,9 +213,8 @@ class AllGather(_fsdp_api.AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
         if not self.state.decide(Role.WEIGHTS, output_tensor, group).compress:
-            return dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                          async_op=async_op)
-        lane = self.state.lane(group)
+            return exact_all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        lane = self.state.lane(group, output_tensor.device)
         return lane.all_gather(input_tensor, output_tensor, rule=self.state.policy.weights)
 
 
@@ -189,11 +232,11 @@ class ReduceScatter(_fsdp_api.ReduceScatter):
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:
         kind, factor = _op_kind(op)
         if not self.state.decide(Role.GRADIENTS, input_tensor, group, kind != "other").compress:
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
-                                              async_op=async_op)
+            return exact_reduce_scatter(output_tensor, input_tensor, op=op, group=group,
+                                        async_op=async_op)
         if kind == "premul":
             input_tensor.mul_(factor)  # FSDP2's scratch buffer, as NCCL's PreMulSum would
-        lane = self.state.lane(group)
+        lane = self.state.lane(group, input_tensor.device)
         work = lane.reduce_scatter(input_tensor, output_tensor, avg=kind == "avg",
                                    rule=self.state.policy.gradients)
         if async_op:

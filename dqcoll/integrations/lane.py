@@ -3,26 +3,38 @@
 The FSDP2 classes (:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
 (:mod:`dqcoll.integrations.torch_backend`) hand their compressed calls to a :class:`Lane`:
 
-* **Its own gloo connection.** The lane makes a ``ProcessGroupGloo`` from the group's store
-  under a prefix of its own (only the group's ranks join; no ``new_group`` over the world), and
-  dqcoll's ``torch`` transport runs over it. dqcoll's point-to-point messages thus never share a
+* **Its own connection, chosen by the tensors' device.** A lane runs dqcoll over a connection
+  that it makes from the group's store under a prefix of its own (only the group's ranks join;
+  no ``new_group`` over the world), so dqcoll's point-to-point messages never share a
   connection with the exact collectives the caller issues on the wrapped group meanwhile, from
-  another thread.
+  another thread. CPU tensors: a ``ProcessGroupGloo`` with dqcoll's ``torch`` transport over
+  it. CUDA tensors: an NCCL communicator with dqcoll's own NCCL transport (nccl4py where it can
+  run, else CuPy's bindings: :func:`nccl_lane_binding`), whose unique id rank 0 publishes in the
+  store under the lane's prefix (:func:`~dqcoll.transports.nccl_common.exchange_unique_id`, as
+  ``dqcoll.init(backend="nccl")`` does); the codecs then run their GPU kernels (Triton where it
+  runs). :func:`nccl_lane_unavailable_reason` says why a CUDA lane cannot run in this process.
 * **One worker thread, in issue order.** Every call, synchronous or not, is queued on the lane's
   thread, so calls run in the order the caller issued them (the same on every rank, as FSDP2 and
   DDP issue them) and one dqcoll communicator runs one collective at a time. A call returns a
-  ``torch.distributed.Work`` made from a ``torch.futures.Future`` that the thread completes
-  (torch's own Python process groups do the same); a synchronous caller waits on it at once.
-  Errors (a mismatch on one rank, a timeout) surface at ``wait()`` on every rank.
+  ``torch.distributed.Work`` (:class:`LaneWork`) that the thread completes; a synchronous caller
+  waits on it at once. Errors (a mismatch on one rank, a timeout) surface at ``wait()`` on every
+  rank.
+* **Streams (CUDA).** A call records an event on the caller's current stream; the lane's thread
+  makes the lane's own stream wait on it before its kernels read the input, queues the whole
+  collective on that stream, marks the caller's tensors as used there (``record_stream``: the
+  caching allocator keeps their memory until the stream passes) and records an event after the
+  last kernel. ``wait()`` returns once the work is queued and makes the waiting caller's current
+  stream wait on that event, as ``Work.wait()`` of torch's NCCL process group does. The stream
+  and event calls go through :class:`CudaOrder`, which tests replace by a host fake.
 * **One or two levels.** With nodes (:meth:`CompressionPolicy.nodes`), reduce-scatter,
   all-gather and all-reduce run exact (scheme ``none``) among a node's ranks and with the role's
   scheme across nodes, over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the
   same connection; ranks are numbered node-major (rank = node x L + local rank, as torchrun does).
-* **Block codecs in one exchange.** On one level, a block codec whose payload depends on its
-  chunk alone (``int8_block``, ``int4_block``, ``bf16``) runs as one point-to-point exchange
-  after a one-exchange argument check (:meth:`Lane._gather_blocks`,
+* **Block codecs in one exchange.** On one level and on CPU, a block codec whose payload depends
+  on its chunk alone (``int8_block``, ``int4_block``, ``bf16``) runs as one point-to-point
+  exchange after a one-exchange argument check (:meth:`Lane._gather_blocks`,
   :meth:`Lane._scatter_blocks`), with the bytes of dqcoll's own all-gather and direct
-  reduce-scatter; other schemes run dqcoll's schedules.
+  reduce-scatter; other schemes, and every CUDA call, run dqcoll's schedules.
 * **Counters.** Per role: calls, coordinates, bytes this rank put on the wire, and the bytes a
   bandwidth-optimal exact collective of the same tensor would have sent
   (``(n-1)/n x nbytes`` for reduce-scatter and all-gather, twice that for all-reduce).
@@ -39,7 +51,7 @@ import datetime
 import logging
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,13 +59,15 @@ import torch.distributed as dist
 
 from .. import api, schemes
 from ..comm import Communicator
-from ..errors import InvalidArgumentError, MismatchError
+from ..errors import CommAbortedError, InvalidArgumentError, MismatchError, UnsupportedError
 from ..schemes.elementwise import BlockCodec
+from ..transports.nccl_common import exchange_unique_id
 from ..transports.subgroup import SubgroupTransport
 from ..transports.torch_dist import TorchTransport
 from .policy import CompressionPolicy, Role, RoleRule
 
-__all__ = ["Lane", "LaneWork", "RoleCounters", "exact_nbytes"]
+__all__ = ["CudaOrder", "Lane", "LaneWork", "RoleCounters", "exact_nbytes", "nccl_lane_binding",
+           "nccl_lane_unavailable_reason"]
 
 log = logging.getLogger("dqcoll.integrations")
 
@@ -88,6 +102,78 @@ class _GlooTransport(TorchTransport):
         assert (self.rank, self.world_size) == (rank, world_size), (self.rank, rank)
 
 
+def nccl_lane_binding() -> tuple[str | None, str]:
+    """The NCCL binding a CUDA lane uses here: ``("nccl4py", "")`` where nccl4py can run, else
+    ``("nccl-cupy", "")`` where CuPy's NCCL can, else ``(None, why neither can)`` (the order of
+    ``dqcoll.init(backend="nccl")``)."""
+    from ..transports import cupy_nccl, nccl4py
+
+    first = nccl4py.nccl4py_unavailable_reason()
+    if first is None:
+        return "nccl4py", ""
+    second = cupy_nccl.nccl_unavailable_reason()
+    if second is None:
+        return "nccl-cupy", ""
+    return None, f"no NCCL transport can run here (nccl4py: {first}; CuPy: {second})"
+
+
+def nccl_lane_unavailable_reason() -> str | None:
+    """None when a lane for CUDA tensors can run in this process, else why it cannot."""
+    binding, reason = nccl_lane_binding()
+    return None if binding is not None else reason
+
+
+def _nccl_parts(binding: str) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """For ``binding`` (``nccl4py`` or ``nccl-cupy``): dqcoll's transport module, the binding's
+    library, the transport class and the constructor argument that hands it the library."""
+    if binding == "nccl4py":
+        import nccl.core
+
+        from ..transports import nccl4py
+
+        return nccl4py, nccl.core, nccl4py.Nccl4pyTransport, {"core": nccl.core}
+    from cupy.cuda import nccl as cupy_library
+
+    from ..transports import cupy_nccl
+
+    return cupy_nccl, cupy_library, cupy_nccl.NcclTransport, {"nccl_module": cupy_library}
+
+
+class CudaOrder:
+    """The stream and event calls of a CUDA lane on one device (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: Any = None  # the lane's own stream, made on the lane's thread
+
+    def record_caller(self) -> Any:
+        """An event recorded on the caller's current stream: the input is ready after it."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def run_after(self, ready: Any, run: Callable[[], None],
+                  tensors: Sequence[torch.Tensor]) -> Any:
+        """On the lane's thread: the lane's stream waits for ``ready``, ``run()`` queues its
+        work with that stream current, ``tensors`` are marked as used by it; returns an event
+        recorded after the work."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            run()
+        for tensor in tensors:
+            tensor.record_stream(self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def wait(self, done: Any) -> None:
+        """The calling thread's current stream waits for ``done`` (on the device, not the
+        host)."""
+        torch.cuda.current_stream(self.device).wait_event(done)
+
+
 class RoleCounters(dict[str, int]):
     """Per-role totals: ``calls``, ``numel``, ``wire_bytes`` (what this rank sent),
     ``exact_bytes`` (what a bandwidth-optimal exact collective would have sent)."""
@@ -106,22 +192,27 @@ def exact_nbytes(role: Role, tensor_nbytes: int, world_size: int) -> int:
 
 
 class LaneWork(dist.Work):
-    """The Work of one lane call: ``wait()`` blocks until the lane's thread ran the call and
-    raises its error, if any (a Work made by ``_create_work_from_future`` returns True from
-    ``wait()`` even when its future failed, so a failed collective would pass unnoticed);
+    """The Work of one lane call: ``wait()`` blocks until the lane's thread ran the call (on
+    CUDA: queued it) and raises its error, if any (a Work made by ``_create_work_from_future``
+    returns True from ``wait()`` even when its future failed, so a failed collective would pass
+    unnoticed); on CUDA it then makes the current stream wait for the call's last kernel.
     ``get_future()`` gives a ``torch.futures.Future`` for DDP's reducer and other chainers."""
 
-    def __init__(self, done: concurrent.futures.Future[Any], result: Any) -> None:
+    def __init__(self, done: concurrent.futures.Future[Any], result: Any,
+                 order: CudaOrder | None = None) -> None:
         super().__init__()
-        self._done = done
+        self._done = done  # its result: the event after the call's work (CUDA), else None
         self._result = result
+        self._order = order
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout else 0.0
         try:
-            self._done.result(timeout=seconds if seconds > 0 else None)
+            event = self._done.result(timeout=seconds if seconds > 0 else None)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"lane call not finished after {seconds:g} s") from None
+        if self._order is not None and event is not None:
+            self._order.wait(event)
         return True
 
     def is_completed(self) -> bool:
@@ -134,14 +225,21 @@ class LaneWork(dist.Work):
         return self._done.exception() if self._done.done() else None
 
     def get_future(self) -> torch.futures.Future[Any]:
-        future: torch.futures.Future[Any] = torch.futures.Future()
+        order = self._order
+        future: torch.futures.Future[Any] = (
+            torch.futures.Future(devices=[order.device]) if order is not None
+            else torch.futures.Future())
 
         def finish(done: concurrent.futures.Future[Any]) -> None:
             error = done.exception()
             if error is not None:
                 future.set_exception(error)
-            else:
-                future.set_result(self._result)
+                return
+            if order is not None and done.result() is not None:
+                # the future records its own event on this thread's current stream: make that
+                # stream pass the call's work first
+                order.wait(done.result())
+            future.set_result(self._result)
 
         self._done.add_done_callback(finish)
         return future
@@ -151,22 +249,34 @@ class Lane:
     """dqcoll collectives for one group of ranks, run on one thread (see the module docstring).
 
     Args:
-        store: the group's store (``torch.distributed`` key-value store); the lane's gloo
-            connection rendezvouses under ``prefix`` in it, so every rank of the group must
-            create its lane at the same point.
+        store: the group's store (``torch.distributed`` key-value store); the lane's connection
+            rendezvouses under ``prefix`` in it, so every rank of the group must create its
+            lane at the same point.
         rank, world_size: this rank in the group and the group's size.
         policy: schemes per role, nodes.
-        timeout_s: bound of every wait (gloo's own and dqcoll's).
+        timeout_s: bound of every wait (gloo's or NCCL's and dqcoll's).
         name: for the thread and messages.
+        device: the device of the tensors the lane takes: ``cpu`` (a gloo connection) or a
+            CUDA device (an NCCL communicator on it; ``cuda`` alone: the current device).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
-                 timeout_s: float, name: str, prefix: str = "dqcoll-lane/") -> None:
+                 timeout_s: float, name: str, prefix: str = "dqcoll-lane/",
+                 device: torch.device | str = "cpu") -> None:
         self.rank = rank
         self.world_size = world_size
         self.policy = policy
         self.name = name
-        self._connect(store, prefix, timeout_s)
+        self.device = torch.device(device)
+        self.order: CudaOrder | None = None  # CUDA: the lane's stream and events
+        self.gloo: Any = None  # CPU: the lane's gloo process group
+        if self.device.type == "cuda":
+            self._connect_nccl(store, prefix, timeout_s)
+        elif self.device.type == "cpu":
+            self._connect(store, prefix, timeout_s)
+        else:
+            raise InvalidArgumentError(f"rank {rank}: lane {name}: {self.device} tensors have no "
+                                       f"lane (cpu and cuda do)")
         self._split_levels()
         self.counters = {role: RoleCounters() for role in Role}
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -180,8 +290,35 @@ class Lane:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank,
                                           self.world_size, timeout)
-        self.transport = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s)
+        self.transport: Any = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s)
         self.comm = Communicator(self.transport, seed=self.policy.seed)
+
+    def _connect_nccl(self, store: Any, prefix: str, timeout_s: float) -> None:
+        """The lane's own NCCL communicator on its device and the dqcoll communicator over it:
+        rank 0's unique id travels through the store under the lane's prefix."""
+        binding, reason = nccl_lane_binding()
+        if binding is None:
+            raise UnsupportedError(f"rank {self.rank}: lane {self.name} on {self.device}: "
+                                   f"{reason}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        prefixed = dist.PrefixStore(prefix, store)
+        module, library, transport_class, extra = _nccl_parts(binding)
+        unique_id = exchange_unique_id(lambda: module.unique_id_bytes(library), prefixed,
+                                       self.rank, "nccl/unique_id", timeout_s)
+        try:
+            nccl_comm = module.create_communicator(library, self.world_size, unique_id,
+                                                   self.rank, self.device)
+        except Exception as exc:  # NCCL could not start (library, driver, network)
+            raise CommAbortedError(
+                f"rank {self.rank} of {self.world_size}: lane {self.name}: ncclCommInitRank "
+                f"through {binding} on {self.device} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        self.transport = transport_class(nccl_comm, rank=self.rank, world_size=self.world_size,
+                                         device=self.device, timeout_s=timeout_s,
+                                         store=prefixed, **extra)
+        self.comm = Communicator(self.transport, seed=self.policy.seed)
+        self.order = CudaOrder(self.device)
 
     def _split_levels(self) -> None:
         """Communicators of this rank's node and of its peers on other nodes (two levels)."""
@@ -202,26 +339,37 @@ class Lane:
 
     # -- submission ----------------------------------------------------------------------------
 
-    def submit(self, role: Role, tensor_nbytes: int, numel: int,
-               run: Callable[[], Any], result: Any) -> dist.Work:
-        """Queue ``run()`` (one whole collective) on the lane's thread; a Work for its end."""
+    def submit(self, role: Role, tensor_nbytes: int, numel: int, run: Callable[[], Any],
+               result: Any, tensors: Sequence[torch.Tensor] = ()) -> dist.Work:
+        """Queue ``run()`` (one whole collective on ``tensors``) on the lane's thread; a Work for
+        its end. On CUDA, ordered after the caller's current stream (module docstring)."""
         counters = self.counters[role]
+        order = self.order
+        ready = order.record_caller() if order is not None else None
 
-        def job() -> None:
+        def job() -> Any:
             before = self.transport.counters["bytes_sent"]
-            run()  # an error goes to the Work's wait()
+            done = None
+            if order is None:
+                run()  # an error goes to the Work's wait()
+            else:
+                done = order.run_after(ready, run, tensors)
             counters["calls"] += 1
             counters["numel"] += numel
             counters["wire_bytes"] += self.transport.counters["bytes_sent"] - before
             counters["exact_bytes"] += exact_nbytes(role, tensor_nbytes, self.world_size)
+            return done
 
         with self._lock:
             done = self._pool.submit(job)
-        return LaneWork(done, result)
+        return LaneWork(done, result, order)
 
     def close(self) -> None:
-        """End the thread after the calls queued so far."""
+        """End the thread after the calls queued so far; a CUDA lane then closes its NCCL
+        communicator (after the work queued on it)."""
         self._pool.shutdown(wait=True)
+        if self.device.type == "cuda":
+            self.comm.close()
 
     # -- collectives (each queued whole; ``avg`` divides by the world size) --------------------
 
@@ -245,12 +393,12 @@ class Lane:
             # [nodes, local, shard] -> [local, nodes, shard]: part j holds the shards of the
             # ranks with local index j, which the exact intra-node step leaves on local rank j
             by_local = inp.view(nodes, local, shard).transpose(0, 1).contiguous()
-            mine = torch.empty(nodes * shard, dtype=inp.dtype)
+            mine = torch.empty(nodes * shard, dtype=inp.dtype, device=inp.device)
             api.reduce_scatter(by_local.view(-1), mine, op=op, scheme="none", comm=self.intra)
             api.reduce_scatter(mine, out.view(-1), op=op, comm=self.inter, **rule.options())
 
         return self.submit(Role.GRADIENTS, inp.numel() * inp.element_size(), inp.numel(), run,
-                           out)
+                           out, (inp, out))
 
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *,
                    rule: RoleRule) -> dist.Work:
@@ -267,15 +415,17 @@ class Lane:
             local = self.local_world_size
             nodes = self.world_size // local
             numel = shard.numel()
-            across = torch.empty(nodes * numel, dtype=shard.dtype)
+            across = torch.empty(nodes * numel, dtype=shard.dtype, device=shard.device)
             api.all_gather(shard.view(-1), across, comm=self.inter, **rule.options())
-            gathered = torch.empty(local * nodes * numel, dtype=shard.dtype)
+            gathered = torch.empty(local * nodes * numel, dtype=shard.dtype,
+                                   device=shard.device)
             api.all_gather(across, gathered, scheme="none", comm=self.intra)
             # [local, nodes, shard] -> [nodes, local, shard]: rank order
             out.view(nodes, local, numel).copy_(
                 gathered.view(local, nodes, numel).transpose(0, 1))
 
-        return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out)
+        return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out,
+                           (shard, out))
 
     def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat CPU buffer of the lane's own for one purpose of its block collectives, kept
@@ -415,16 +565,16 @@ class Lane:
             local = self.local_world_size
             flat = buf.view(-1)
             shard = -(-flat.numel() // local)
-            padded = torch.zeros(local * shard, dtype=buf.dtype)
+            padded = torch.zeros(local * shard, dtype=buf.dtype, device=buf.device)
             padded[: flat.numel()] = flat
-            mine = torch.empty(shard, dtype=buf.dtype)
+            mine = torch.empty(shard, dtype=buf.dtype, device=buf.device)
             api.reduce_scatter(padded, mine, op=op, scheme="none", comm=self.intra)
             api.allreduce(mine, op=op, comm=self.inter, **rule.options())
             api.all_gather(mine, padded, scheme="none", comm=self.intra)
             flat.copy_(padded[: flat.numel()])
 
         return self.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(), run,
-                           [buf])
+                           [buf], (buf,))
 
     def summary(self) -> dict[str, dict[str, int]]:
         """The counters per role, as plain dicts (for JSON)."""

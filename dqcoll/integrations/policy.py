@@ -215,9 +215,9 @@ class CompressionPolicy:
         if tensor.dtype not in schemes.spec(rule.scheme).dtypes:
             return Decision(False, f"{role.value}: dtype {tensor.dtype} not taken by "
                                    f"{rule.scheme}")
-        if tensor.device.type != "cpu":
+        if tensor.device.type not in ("cpu", "cuda"):
             return Decision(False, f"{role.value}: {tensor.device.type} tensors are not "
-                                   f"compressed by the integrations yet")
+                                   f"compressed by the integrations (cpu and cuda are)")
         if tensor.numel() * tensor.element_size() < self.min_nbytes:
             return Decision(False, f"{role.value}: below min_nbytes={self.min_nbytes}")
         return Decision(True)

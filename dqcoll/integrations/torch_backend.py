@@ -12,17 +12,27 @@ torchft's wrappers are) that wraps a gloo process group and, where torch has CUD
 
 * **Compressed** (lossy), under the policy (:class:`~dqcoll.integrations.policy
   .CompressionPolicy`, from ``DQCOLL_POLICY`` or :func:`set_policy`): ``all_reduce`` with SUM or
-  AVG (role ``allreduce``: DDP's gradient buckets), ``reduce_scatter_tensor`` with SUM, AVG or
-  PREMUL_SUM (role ``gradients``: FSDP2's gradients) and ``all_gather_into_tensor`` (role
-  ``weights``: FSDP2's parameters), of a single floating-point CPU tensor of at least
-  ``min_nbytes`` (default 64 KiB). They run on a :class:`~dqcoll.integrations.lane.Lane` (dqcoll
-  over a second gloo connection, one worker thread) and return a Work made from a future: DDP's
-  reducer and FSDP2 wait on it as on gloo's.
+  AVG (role ``allreduce``: DDP's gradient buckets), the single-tensor reduce-scatter with SUM,
+  AVG or PREMUL_SUM (role ``gradients``: FSDP2's gradients) and the single-tensor all-gather
+  (role ``weights``: FSDP2's parameters), of a single contiguous floating-point tensor of at
+  least ``min_nbytes`` (default 64 KiB), on CPU or CUDA. They run on a
+  :class:`~dqcoll.integrations.lane.Lane` per device type (CPU: dqcoll over a second gloo
+  connection, made with the group; CUDA: dqcoll over an NCCL communicator of dqcoll's own NCCL
+  transport on the tensor's device, made at the first compressed CUDA call; one worker thread
+  each) and return a Work that DDP's reducer and FSDP2 wait on as on gloo's or NCCL's. Where no
+  NCCL transport can run here, CUDA calls are exact and one WARNING says why.
 * **Exact** (the wrapped backend, bit for bit): everything else - integer and small tensors (a
   loss or metric all-reduce), MAX / MIN / PRODUCT and bitwise ops, lists of tensors, broadcast,
-  barrier, send / recv, gather / scatter, all-to-all, the object collectives (they travel as
-  byte tensors), and every CUDA tensor (compression on CUDA through the backend is not built
-  yet; dqcoll's own API and DDP hook compress CUDA tensors).
+  barrier, send / recv, gather / scatter, all-to-all, the coalesced collectives and the object
+  collectives (they travel as byte tensors).
+
+**torch versions.** ``torch.distributed`` calls a Python process group through different method
+names by version: the single-tensor all-gather and reduce-scatter as ``all_gather_single`` /
+``reduce_scatter_single`` from torch 2.12 and as ``_allgather_base`` / ``_reduce_scatter_base``
+before, their coalesced forms as ``all_gather_single_coalesced`` /
+``reduce_scatter_single_coalesced`` or ``allgather_into_tensor_coalesced`` /
+``reduce_scatter_tensor_coalesced``, the all-to-all as ``all_to_all_single`` or
+``alltoall_base``. The class defines every one of these names; each pair runs the same code.
 
 Every rank must issue the same collectives in the same order (as with any backend); the
 decision to compress depends only on what every rank passes alike (size, dtype, op), so all
@@ -56,7 +66,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import envs
-from .lane import Lane
+from .lane import Lane, RoleCounters, nccl_lane_unavailable_reason
 from .policy import CompressionPolicy, Role
 
 __all__ = ["BACKEND_NAME", "DqcollProcessGroup", "set_policy"]
@@ -103,10 +113,15 @@ class DqcollProcessGroup(dist.ProcessGroup):
                                          options)
             self.wrapped._register_backend(torch.device("cuda"),
                                            dist.ProcessGroup.BackendType.NCCL, nccl)
-        # the compressed ones: dqcoll over a connection of their own
-        self.lane = Lane(store, rank, world_size, policy=policy,
-                         timeout_s=timeout.total_seconds(), name="backend",
-                         prefix="dqcoll-lane/")
+        # the compressed ones: dqcoll over a connection of their own, one per device type (the
+        # CUDA one is made at the first compressed CUDA call, on that tensor's device)
+        self._store = store
+        self._timeout_s = timeout.total_seconds()
+        self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
+                         name="backend", prefix="dqcoll-lane/")
+        self.cuda_lane: Lane | None = None
+        self._cuda_checked = False
+        self._no_cuda_lane: str | None = None
         self.exact_calls: dict[str, int] = {}
         self._logged: set[str] = set()
 
@@ -141,14 +156,40 @@ class DqcollProcessGroup(dist.ProcessGroup):
         if not tensor.is_floating_point() or not tensor.is_contiguous():
             return False
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok)
+        if decision.compress and tensor.device.type == "cuda":
+            if not self._cuda_checked:  # asked once; a reason is logged once
+                self._cuda_checked = True
+                self._no_cuda_lane = nccl_lane_unavailable_reason()
+                if self._no_cuda_lane is not None:
+                    log.warning("dqcoll backend: CUDA tensors take the wrapped backend's exact "
+                                "collectives, uncompressed: %s", self._no_cuda_lane)
+            if self._no_cuda_lane is not None:
+                return False
         if not decision.compress and decision.reason not in self._logged:
             self._logged.add(decision.reason)
             log.info("dqcoll backend: exact %s (%s)", role.value, decision.reason)
         return decision.compress
 
+    def _lane(self, tensor: torch.Tensor) -> Lane:
+        """The lane of ``tensor``'s device type (the CUDA one made at its first call)."""
+        if tensor.device.type != "cuda":
+            return self.lane
+        if self.cuda_lane is None:
+            self.cuda_lane = Lane(self._store, self._rank, self._world_size, policy=self.policy,
+                                  timeout_s=self._timeout_s, name="backend cuda",
+                                  prefix="dqcoll-lane/cuda/", device=tensor.device)
+        return self.cuda_lane
+
     def summary(self) -> dict[str, Any]:
-        """Compressed calls' counters per role and the count of exact calls per collective."""
-        return {"policy": str(self.policy), "compressed": self.lane.summary(),
+        """Compressed calls' counters per role (summed over the lanes) and the count of exact
+        calls per collective."""
+        compressed = {role.value: dict(RoleCounters()) for role in Role}
+        for lane in (self.lane, self.cuda_lane):
+            if lane is not None:
+                for role, counters in lane.summary().items():
+                    for key, value in counters.items():
+                        compressed[role][key] += value
+        return {"policy": str(self.policy), "compressed": compressed,
                 "exact_calls": dict(self.exact_calls)}
 
     # -- compressed when the policy says so -----------------------------------------------------
@@ -161,30 +202,43 @@ class DqcollProcessGroup(dist.ProcessGroup):
                                                        kind in ("sum", "avg", "premul")):
             if kind == "premul":
                 tensors[0].mul_(factor)
-            return self.lane.allreduce(tensors[0], avg=kind == "avg",
-                                       rule=self.policy.allreduce)
+            return self._lane(tensors[0]).allreduce(tensors[0], avg=kind == "avg",
+                                                    rule=self.policy.allreduce)
         return self._exact("allreduce").allreduce(tensors, opts)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: ReduceScatterOptions | None = None) -> dist.Work:
+    def _reduce_scatter_base(self, output: torch.Tensor,  # type: ignore[override]
+                             input: torch.Tensor,
+                             opts: ReduceScatterOptions | None = None) -> dist.Work:
+        """The single-tensor reduce-scatter (torch < 2.12 calls it by this name)."""
         opts = opts if opts is not None else ReduceScatterOptions()
         kind, factor = _op_kind(opts.reduceOp)
         if (self._should_compress(Role.GRADIENTS, input, kind in ("sum", "avg", "premul"))
-                and output.is_contiguous()):
+                and output.is_contiguous() and output.device == input.device):
             if kind == "premul":
                 input = input * factor  # the caller's input stays as it was
-            return self.lane.reduce_scatter(input, output, avg=kind == "avg",
-                                            rule=self.policy.gradients)
-        return self._exact("reduce_scatter_single").reduce_scatter_single(
-            output, input, opts)
+            return self._lane(input).reduce_scatter(input, output, avg=kind == "avg",
+                                                    rule=self.policy.gradients)
+        return self._exact("reduce_scatter_single")._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: ReduceScatterOptions | None = None) -> dist.Work:
+        """The single-tensor reduce-scatter (torch >= 2.12 calls it by this name)."""
+        return self._reduce_scatter_base(output, input, opts)
+
+    def _allgather_base(self, output: torch.Tensor,  # type: ignore[override]
+                        input: torch.Tensor,
+                        opts: AllgatherOptions | None = None) -> dist.Work:
+        """The single-tensor all-gather (torch < 2.12 calls it by this name)."""
+        opts = opts if opts is not None else AllgatherOptions()
+        if (self._should_compress(Role.WEIGHTS, output) and input.is_contiguous()
+                and input.dtype == output.dtype and input.device == output.device):
+            return self._lane(output).all_gather(input, output, rule=self.policy.weights)
+        return self._exact("all_gather_single")._allgather_base(output, input, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else AllgatherOptions()
-        if (self._should_compress(Role.WEIGHTS, output) and input.is_contiguous()
-                and input.dtype == output.dtype):
-            return self.lane.all_gather(input, output, rule=self.policy.weights)
-        return self._exact("all_gather_single").all_gather_single(output, input, opts)
+        """The single-tensor all-gather (torch >= 2.12 calls it by this name)."""
+        return self._allgather_base(output, input, opts)
 
     # -- always exact: the wrapped backend ------------------------------------------------------
 
@@ -206,19 +260,33 @@ class DqcollProcessGroup(dist.ProcessGroup):
         return self._exact("allgather_coalesced").allgather_coalesced(
             output_lists, input_list, opts)
 
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: AllgatherOptions | None = None) -> dist.Work:
+        """Coalesced single-tensor all-gathers (torch < 2.12 calls them by this name)."""
+        opts = opts if opts is not None else AllgatherOptions()
+        return self._exact("all_gather_single_coalesced").allgather_into_tensor_coalesced(
+            outputs, inputs, opts)
+
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
                                     inputs: list[torch.Tensor],
                                     opts: AllgatherOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else AllgatherOptions()
-        return self._exact("all_gather_single_coalesced").all_gather_single_coalesced(
+        """Coalesced single-tensor all-gathers (torch >= 2.12 calls them by this name)."""
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: ReduceScatterOptions | None = None) -> dist.Work:
+        """Coalesced single-tensor reduce-scatters (torch < 2.12 calls them by this name)."""
+        opts = opts if opts is not None else ReduceScatterOptions()
+        return self._exact("reduce_scatter_single_coalesced").reduce_scatter_tensor_coalesced(
             outputs, inputs, opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: ReduceScatterOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else ReduceScatterOptions()
-        return self._exact("reduce_scatter_single_coalesced") \
-            .reduce_scatter_single_coalesced(outputs, inputs, opts)
+        """Coalesced single-tensor reduce-scatters (torch >= 2.12 calls them by this name)."""
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]],
@@ -257,12 +325,19 @@ class DqcollProcessGroup(dist.ProcessGroup):
         return self._exact("alltoall").alltoall(output_tensors, input_tensors,
                                                                 opts)
 
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: AllToAllOptions | None = None) -> dist.Work:
+        """The single-tensor all-to-all (torch < 2.12 calls it by this name)."""
+        opts = opts if opts is not None else AllToAllOptions()
+        return self._exact("all_to_all_single").alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, opts)
+
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: AllToAllOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else AllToAllOptions()
-        return self._exact("all_to_all_single").all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, opts)
+        """The single-tensor all-to-all (torch >= 2.12 calls it by this name)."""
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         return self._exact("send").send(tensors, dst, tag)
@@ -277,7 +352,9 @@ class DqcollProcessGroup(dist.ProcessGroup):
 def _create(store: Any, rank: int, world_size: int,
             timeout: datetime.timedelta) -> DqcollProcessGroup:
     policy = _policy if _policy is not None else CompressionPolicy.from_env()
-    if timeout is None:
+    # init_process_group passes torch's default (30 min) when it was given no timeout=: then
+    # DQCOLL_TIMEOUT_S bounds every wait, the lane's included
+    if timeout is None or timeout == dist.constants.default_pg_timeout:
         timeout = datetime.timedelta(seconds=envs.timeout_s())
     return DqcollProcessGroup(store, rank, world_size, timeout, policy)
 
