@@ -162,9 +162,17 @@ class Communicator:
         default where it was the default. ``exclude``: old ranks known to be dead (the
         survivors then need not wait for them); without it each survivor waits up to
         ``wait_s`` (default :data:`~dqcoll.membership.DEFAULT_WAIT_S`) for ranks that may
-        still arrive. The new
-        communicator has this one's seed and device; ``members`` lists its ranks' numbers in
-        the original group. See :mod:`dqcoll.membership` (torch transport over gloo only).
+        still arrive. A rank lost during the shrink itself is found by its stopped heartbeat
+        within ``wait_s`` and the survivors retry at once with fresh keys; a shrink that
+        raised may be called again. The new communicator has this one's seed and device;
+        ``members`` lists its ranks' numbers in the original group.
+
+        A shrink needs evidence of a lost rank: a collective that failed on this communicator
+        (on this rank or on another caller of shrink()), or every rank calling it. On a
+        healthy communicator that its peers go on using, it raises
+        :class:`~dqcoll.errors.InvalidArgumentError` after ``2 x wait_s`` and leaves this
+        communicator (and the peers') usable. See :mod:`dqcoll.membership` (torch transport
+        over gloo only).
         """
         from . import handles, membership
 
@@ -181,11 +189,15 @@ class Communicator:
                     f"communicator (world size {self.world_size})")
         wait = membership.DEFAULT_WAIT_S if wait_s is None else envs.check_timeout_s(
             wait_s, "wait_s")
-        handles.shutdown(self)
-        self.mark_dead("shrunk after a lost rank: use the communicator shrink() returned")
+
+        def leave() -> None:
+            handles.shutdown(self)
+            self.mark_dead("shrunk after a lost rank: use the communicator shrink() returned")
+
+        # evidence of a lost rank: a collective failed on this communicator (or a shrink did)
         transport, members = membership.shrink_torch_transport(
-            self.transport, generation=str(self.shrinks), exclude=exclude or (),
-            wait_s=wait, timeout_s=timeout_s, store=store)
+            self.transport, exclude=exclude or (), wait_s=wait, timeout_s=timeout_s,
+            store=store, evidence=self.dead is not None, leave=leave)
         self.shrinks += 1
         comm = Communicator(transport, seed=self.seed, device=self.device)
         comm.members = [self.members[r] for r in members]
@@ -250,23 +262,78 @@ def _env_int(name: str, value: int | None) -> int:
     return int(os.environ[name])
 
 
-def _port_open(addr: str, port: int, timeout_s: float) -> bool:
-    """Whether something accepts TCP connections at ``addr:port`` within ``timeout_s``."""
+def _probe(addr: str, port: int, timeout_s: float) -> str:
+    """What is at ``addr:port`` within ``timeout_s``: ``"open"`` (something accepts TCP
+    connections), ``"refused"`` (nobody listening, until the end), ``"timed out"`` (connection
+    attempts went unanswered) or the last socket error. Polls while nobody listens yet."""
     deadline = time.monotonic() + timeout_s
+    found = "refused"
     while True:
         remaining = deadline - time.monotonic()
         try:
             with socket.create_connection((addr, port), timeout=max(0.05, min(1.0, remaining))):
-                return True
-        except OSError:
-            pass
+                return "open"
+        except ConnectionRefusedError:
+            found = "refused"
+        except TimeoutError:
+            found = "timed out"
+        except OSError as exc:
+            found = f"{type(exc).__name__}: {exc}"
         if remaining <= 0:
-            return False
+            return found
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
+def _store_client(addr: str, port: int, world_size: int, timeout_s: float,
+                  rank: int) -> Any:
+    """A ``TCPStore`` client of rank 0's store, or an error within ``timeout_s`` saying what
+    was found at ``addr:port``.
+
+    torch's client can wait without end for the first answer of a program that accepts the
+    connection and never replies (a port held by something else): it is created on a thread of
+    its own and given up after the timeout (the thread then ends when that program closes the
+    connection). Checked with a plain socket first: torch's client logs every failed attempt
+    with a C++ stack trace on stderr (c10d's logger, whatever the exception says)."""
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    found = _probe(addr, port, timeout_s)
+    where = f"dqcoll.init: rank {rank} of {world_size}: the store of rank 0 at {addr}:{port}"
+    if found != "open":
+        what = {"refused": "nobody listens there (connection refused)",
+                "timed out": "connection attempts went unanswered"}.get(found, found)
+        raise CollectiveTimeoutError(
+            f"{where} could not be reached within {timeout_s:g} s: {what} (missing rank: 0, "
+            f"or a wrong MASTER_ADDR/MASTER_PORT)")
+    result: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            result["store"] = dist.TCPStore(
+                addr, port, world_size, is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        except Exception as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=connect, name="dqcoll-store-connect", daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s - (time.monotonic() - start)))
+    if "store" in result:
+        return result["store"]
+    if "error" in result:
+        raise CollectiveTimeoutError(
+            f"{where} accepted the connection but the store client failed: "
+            f"{one_line(result['error'])} (a wrong MASTER_PORT, held by another program?)"
+        ) from None
+    raise CollectiveTimeoutError(
+        f"{where}: something accepts connections there but did not answer as a "
+        f"torch.distributed store within {timeout_s:g} s: MASTER_PORT is probably held by "
+        f"another program (choose a free port), or rank 0 is stalled")
+
+
 def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
-    """A TCPStore every rank has joined (rank 0 serves it), or an error naming who is missing.
+    """A TCPStore every rank has joined (rank 0 serves it), or an error naming who is missing
+    (or what holds the port).
 
     torch's own rendezvous raises ``DistStoreError("... 1/2 clients joined")`` without saying
     which ranks are missing; here each rank leaves a key, so a timeout can name them.
@@ -274,23 +341,25 @@ def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: flo
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if rank != 0 and not _port_open(addr, port, timeout_s):
-        # Checked with a plain socket first: torch's TCPStore client logs every failed attempt
-        # with a C++ stack trace on stderr (c10d's logger, whatever the exception says).
-        raise CollectiveTimeoutError(
-            f"dqcoll.init: rank {rank} of {world_size} could not reach the store of rank 0 at "
-            f"{addr}:{port} within {timeout_s:g} s (missing rank: 0, or a wrong "
-            f"MASTER_ADDR/MASTER_PORT)")
-    try:
-        # multi_tenant, as torch's tcp:// rendezvous: the server lives in a per-process registry
-        # until exit, not only as long as the process group (peers may still talk to it).
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False, multi_tenant=True)
-    except Exception as exc:
-        raise CollectiveTimeoutError(
-            f"dqcoll.init: rank {rank} of {world_size} could not reach the store of rank 0 at "
-            f"{addr}:{port} within {timeout_s:g} s (missing rank: 0, or a wrong "
-            f"MASTER_ADDR/MASTER_PORT): {one_line(exc)}") from None
+    if rank != 0:
+        store = _store_client(addr, port, world_size, timeout_s, rank)
+    else:
+        try:
+            # multi_tenant, as torch's tcp:// rendezvous: the server lives in a per-process
+            # registry until exit, not only as long as the process group (peers may still
+            # talk to it).
+            store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False, multi_tenant=True)
+        except Exception as exc:
+            text = str(exc)
+            if "EADDRINUSE" in text or "in use" in text.lower():
+                raise CommAbortedError(
+                    f"dqcoll.init: rank 0 of {world_size} cannot serve the store at "
+                    f"{addr}:{port}: the port is in use by another program (EADDRINUSE); "
+                    f"choose a free MASTER_PORT") from None
+            raise CommAbortedError(
+                f"dqcoll.init: rank 0 of {world_size} cannot serve the store at {addr}:{port}: "
+                f"{one_line(exc)}") from None
     keys = [f"dqcoll/joined/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
     # Poll rather than store.wait(): when the time is up, rank 0 (the store) may exit at once,

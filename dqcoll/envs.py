@@ -36,7 +36,9 @@ __all__ = [
 ENV_VARS: dict[str, tuple[str, str]] = {
     "DQCOLL_TIMEOUT_S": (
         "300",
-        "Seconds any distributed wait may block before raising CollectiveTimeoutError.",
+        "Seconds any distributed wait may block before raising CollectiveTimeoutError: "
+        "collectives, dqcoll.init's store connection and rendezvous, shrink(), and the 'dqcoll' "
+        "backend's waits when init_process_group is given no timeout=.",
     ),
     "DQCOLL_KERNELS": (
         "auto",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import torch
@@ -75,6 +76,14 @@ class RoleRule:
         if self.bits is not None and "bits" not in spec.options:
             raise InvalidArgumentError(
                 f"scheme {self.scheme!r} has a fixed format and takes no bits (got {self.bits})")
+        if self.bits is not None:
+            # refused now, not at the first compressed call: non-finite or negative bits, or
+            # fewer than the scheme can send (dynamiq: 2.25 per coordinate)
+            if not math.isfinite(self.bits) or self.bits <= 0:
+                raise InvalidArgumentError(
+                    f"scheme {self.scheme!r}: bits must be a finite positive number, got "
+                    f"{self.bits}")
+            schemes.get(self.scheme, bits=self.bits)  # the scheme's own range check
 
     @property
     def is_exact(self) -> bool:
@@ -92,7 +101,7 @@ class RoleRule:
         name, _, bits = text.strip().partition(":")
         try:
             return cls(name.strip(), float(bits) if bits else None)
-        except ValueError as exc:
+        except ValueError as exc:  # InvalidArgumentError is a ValueError too
             raise InvalidArgumentError(f"bad role rule {text!r}: {exc}") from None
 
 
@@ -157,8 +166,14 @@ class CompressionPolicy:
             key, value = key.strip(), value.strip()
             if not sep or not value:
                 raise InvalidArgumentError(f"DQCOLL_POLICY: expected key=value, got {item!r}")
+            if key in fields:  # the last one used to win without a word
+                raise InvalidArgumentError(
+                    f"DQCOLL_POLICY {text!r}: key {key!r} given twice")
             if key in ("weights", "gradients", "allreduce"):
-                fields[key] = RoleRule.parse(value)
+                try:
+                    fields[key] = RoleRule.parse(value)
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(f"DQCOLL_POLICY {text!r}: {key}: {exc}") from None
             elif key in ("min_nbytes", "warmup_steps", "seed", "local_world_size"):
                 try:
                     fields[key] = int(value)
@@ -170,7 +185,10 @@ class CompressionPolicy:
             else:
                 known = [f.name for f in dataclasses.fields(cls)]
                 raise InvalidArgumentError(f"DQCOLL_POLICY: unknown key {key!r}; known: {known}")
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"DQCOLL_POLICY {text!r}: {exc}") from None
 
     @classmethod
     def from_env(cls) -> CompressionPolicy:

@@ -275,6 +275,7 @@ class DynamiqState:
         self.fault_tolerant = fault_tolerant
         self.failure: BaseException | None = None  # first failed bucket of this iteration
         self.failures: list[tuple[int, str]] = []  # (iteration, error) of every failed one
+        self.backward_error: BaseException | None = None  # raised at the end of backward
         self.shrunk = False  # True once averaging runs over a communicator of survivors
 
         # -- what the hook saw and did --
@@ -450,6 +451,8 @@ class DynamiqState:
         """After a lost rank: average over a communicator of the survivors from now on
         (``kwargs`` go to :meth:`dqcoll.Communicator.shrink`); clears ``failure``."""
         comm = self.prepare()
+        if self.failure is not None:  # evidence of a lost rank, whichever lane saw it
+            comm.mark_dead(f"averaging failed: {type(self.failure).__name__}: {self.failure}")
         for extra in self.lane_comms:  # the survivors average over one lane
             extra.transport.abort("the group shrank after a lost rank")
             extra.mark_dead("shrunk after a lost rank: DynamiqState averages over one lane")
@@ -591,6 +594,8 @@ def _release(state: DynamiqState, bucket: _Bucket) -> None:
         bucket.future.set_result(bucket.buf)
         return
     if error is not None:
+        if isinstance(error, DqcollError) and state.backward_error is None:
+            state.backward_error = error  # raised with its type by _raise_after_backward
         bucket.future.set_exception(error)  # type: ignore[arg-type]  # any exception
         return
     if bucket.event is not None:  # CUDA: the result is ready once this stream passes the event
@@ -753,6 +758,24 @@ def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: 
                  iteration, measured / predicted, state.kappa)
 
 
+def _raise_after_backward(state: DynamiqState) -> None:
+    """Without ``fault_tolerant``, a failed bucket's DqcollError reaches ``backward()`` with
+    its type: DDP's reducer turns a future set with an exception into ``RuntimeError("Unable to
+    cast ... to Tensor")``, so a callback of the autograd engine (queued here, it runs before
+    the reducer's own) waits for the iteration's buckets and raises the first one's error."""
+
+    def check() -> None:
+        state.drain()
+        error, state.backward_error = state.backward_error, None
+        if error is not None:
+            raise error
+
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(check)
+    except RuntimeError:  # not inside a backward pass (the hook called directly)
+        pass
+
+
 def dynamiq_hook(state: DynamiqState,
                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket averaged over ``state.process_group`` (see the module
@@ -761,6 +784,8 @@ def dynamiq_hook(state: DynamiqState,
     index = bucket.index()
     iteration = state.iteration
     state.bucket_numel[index] = buf.numel()
+    if not state.fault_tolerant and bucket.is_last():
+        _raise_after_backward(state)
     if state.should_compress(iteration):
         try:
             return _compressed_average(state, buf, index, iteration, bucket.is_last())
