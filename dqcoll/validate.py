@@ -29,6 +29,7 @@ from . import auto as auto_mod
 from . import envs
 from .comm import Communicator
 from .errors import InvalidArgumentError, MismatchError, PeerError
+from .kernels._params import host_to_device
 from .prepare import INT_LIMIT, NO_EXPONENT, PreparedCall
 from .types import Collective
 
@@ -169,7 +170,9 @@ def _exchange(call: PreparedCall, comm: Communicator, fields: tuple[int, ...],
     else:
         vector[2 * k + comm.rank] = _ERROR_CODES[call.category]
         vector[-1] = NO_EXPONENT
-    vector = vector.to(comm.device)
+    # to a GPU from pinned memory, queued on the caller's stream (host_to_device): the host
+    # waits only where it reads the result below
+    vector = host_to_device(vector, comm.device, torch.int64)
     try:
         comm.transport.allreduce(vector, "max", what=f"{call.what} argument check")
     except MismatchError:

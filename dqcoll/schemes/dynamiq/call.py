@@ -45,6 +45,13 @@ adds back the summed means (zero without centring) and undoes the reorder.
 Random numbers are keyed by the *original* coordinate index, so chunking, reordering and tiling do
 not change them.
 
+On CUDA tensors the host reads the device once per call, for the planning: the summed statistics
+(the small all-reduce's result, which the transport waits for anyway), from which the widths, the
+reorder and the geometry are computed on the host. The tables that go back to the device (order,
+global row indices, kept rows) are copied from pinned memory, queued on the caller's stream
+(:func:`dqcoll.kernels._params.host_to_device`: a copy from pageable memory would make the host
+wait for the stream); from there on everything is queued without a host wait.
+
 State kept on the communicator between calls (``ctx.state``, ``comm.scheme_state``; freed with
 the communicator, or by clearing that dict):
 
@@ -75,6 +82,7 @@ import torch
 from ... import scratch
 from ...errors import InvalidArgumentError
 from ...kernels import DynamiqOps, _torch_ops, dynamiq_ops
+from ...kernels._params import host_to_device
 from ...types import Collective, ReduceOp
 from ..base import CallContext
 from . import rng
@@ -271,8 +279,11 @@ def _shard_layout(x: torch.Tensor, n: int, device: torch.device
     uneven = bool(numel % n)
     if uneven:  # drop the rows past the end (a row with no valid coordinate)
         exists = valid > 0
+        # the rows kept, picked on the host and gathered on the device (a boolean mask on the
+        # device would make the host wait for its count)
+        kept = host_to_device(torch.nonzero(exists).squeeze(1), device, torch.int64)
         flat, row_start, valid, row_chunk = (
-            flat[exists.to(device)], row_start[exists], valid[exists], row_chunk[exists])
+            flat.index_select(0, kept), row_start[exists], valid[exists], row_chunk[exists])
     layout = _Layout(flat, row_start, valid, row_chunk, -(-lengths // SUPER))
     return layout, (shard, shard_rows), uneven
 
@@ -346,7 +357,11 @@ def _keep_underflowed_rows(norm2: torch.Tensor, centred: torch.Tensor) -> torch.
     zero gets the smallest normal norm instead of 0, so that it still gets a record (width 0
     would drop it, and each rank would keep its own centred values). Scans only the zero rows
     (``centred``'s padding is 0). The compiled statistics do the same in their own pass
-    (``stats(keep_underflowed=True)``)."""
+    (``stats(keep_underflowed=True)``). Off the CPU the same test runs on every row, on the
+    device: finding the zero rows first would make the host wait for their count."""
+    tiny = torch.finfo(torch.float32).tiny
+    if norm2.device.type != "cpu":
+        return torch.where((norm2 == 0) & (centred != 0).any(dim=1), tiny, norm2)
     empty = torch.nonzero(norm2 == 0).squeeze(1)
     if not empty.numel():
         return norm2
@@ -354,7 +369,7 @@ def _keep_underflowed_rows(norm2: torch.Tensor, centred: torch.Tensor) -> torch.
     if not lost.numel():
         return norm2
     norm2 = norm2.clone()
-    norm2[lost] = torch.finfo(torch.float32).tiny
+    norm2[lost] = tiny
     return norm2
 
 
@@ -670,7 +685,10 @@ class DynamiqCall:
             key = layout.row_chunk.numpy() * 32 + widths_np  # widths <= 16 < 32
             order_np = np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
                                   kind="stable")
-        self.order = torch.from_numpy(order_np).to(device)
+        # the tables the device reads come from pinned memory, queued on the caller's stream
+        # (a copy from pageable memory would wait for the stream: host_to_device)
+        self.order_np = order_np
+        self.order = host_to_device(torch.from_numpy(order_np), device, torch.int64)
         sorted_widths = widths_np[order_np]
         prep = statistics.ops
         # Width-0 rows, where every rank's centred values are +-0 (the summed norm is 0 only
@@ -708,7 +726,8 @@ class DynamiqCall:
                             if device.type == "cpu" else summed_means[self.order])
         # valid coordinates and global index of each sorted row's start (for restore and rng)
         self.valid_sorted = torch.from_numpy(layout.valid.numpy()[order_np])
-        self.index_base = torch.from_numpy(layout.row_start.numpy()[order_np]).to(device)
+        self.index_base = host_to_device(torch.from_numpy(layout.row_start.numpy()[order_np]),
+                                         device, torch.int64)
         return order_np, sorted_widths
 
     # -- 6. geometry --------------------------------------------------------------------------
@@ -891,8 +910,8 @@ class DynamiqCall:
         if self.rho_key is None or self.state is None or not self.whole_result:
             return
         moments = row_moments(self.work)
+        order = torch.from_numpy(self.order_np)  # the host's copy: no read of the device's
         if self.rho_source != "error_model":
-            order = self.order.cpu()
             row_rho, rho = estimate_row_rho(self.work, self.summed_norm2.cpu()[order], order,
                                             self.world_size, self.row_error_terms[:, order],
                                             moments[0])
@@ -901,7 +920,7 @@ class DynamiqCall:
                 _RhoEstimates(self.state).put(self.rho_key, rho)
                 self.info["rho_measured"] = rho
         # the crests of what each width carried: the sink's widths of the decoded aggregate
-        crests = measure_crests(self.work, self.allocation.widths[self.order.cpu()], moments)
+        crests = measure_crests(self.work, self.allocation.widths[order], moments)
         if crests:
             _RhoEstimates(self.state, "crests").put(self.rho_key, crests)
             self.info["crests_measured"] = crests
@@ -1077,7 +1096,7 @@ class DynamiqCall:
         self.kernels["restore"] = "torch"
         value = work + mean.to(work.device)[:, None]
         coord = torch.arange(SUPER, device=work.device)
-        keep = coord[None, :] < valid.to(work.device)[:, None]
+        keep = coord[None, :] < host_to_device(valid, work.device, valid.dtype)[:, None]
         target = base.to(work.device)[:, None] + coord[None, :]
         result = torch.zeros(out.numel(), dtype=torch.float32, device=work.device)
         result[target[keep]] = value[keep]
@@ -1110,7 +1129,8 @@ class DynamiqCall:
         if self.uneven:  # rows past the end were dropped: scatter by coordinate index
             value = self.work + self.mean_sorted[:, None]
             coord = torch.arange(SUPER, device=value.device)
-            keep = coord[None, :] < self.valid_sorted.to(value.device)[:, None]
+            keep = coord[None, :] < host_to_device(self.valid_sorted, value.device,
+                                                   self.valid_sorted.dtype)[:, None]
             target = self.index_base[:, None] + coord[None, :]
             result = torch.empty(self.numel, dtype=torch.float32, device=value.device)
             result[target[keep]] = value[keep]

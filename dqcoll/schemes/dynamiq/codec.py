@@ -225,6 +225,17 @@ def bf16_ceil(v: torch.Tensor) -> torch.Tensor:
     return rounded.to(torch.int16).view(torch.bfloat16)
 
 
+def _on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """``t`` (a per-row table, e.g. ``valid``, often on the host) on ``device``: from the host to
+    a GPU through pinned memory, queued on the current stream
+    (:func:`dqcoll.kernels._params.host_to_device`; a copy from pageable memory would make the
+    host wait for the stream)."""
+    from ...kernels._params import host_to_device  # (that module imports this one)
+
+    return host_to_device(t, device, t.dtype if dtype is None else dtype)
+
+
 def tree_sum(v: torch.Tensor) -> torch.Tensor:
     """Sum over the last dimension (a power of two) by a fixed halving tree."""
     width = v.shape[-1]
@@ -243,7 +254,7 @@ def stats_center_torch(
     followed by zero padding. The mean is over the valid coordinates, and padding stays exactly
     zero after centring. Returns ``(centred [S, 256], mean [S], norm2 [S])``.
     """
-    counts = valid.to(device=x.device, dtype=torch.float32)
+    counts = _on_device(valid, x.device, torch.float32)
     return _centre(x, valid, tree_sum(x) / counts)
 
 
@@ -254,7 +265,7 @@ def _centre(
     centred = x - mean[:, None]
     partial = valid < SUPER
     if bool(partial.any()):
-        pad = torch.arange(SUPER, device=x.device)[None, :] >= valid.to(x.device)[:, None]
+        pad = torch.arange(SUPER, device=x.device)[None, :] >= _on_device(valid, x.device)[:, None]
         centred = centred.masked_fill(pad, 0.0)
     norm2 = tree_sum(centred * centred)
     return centred, mean, norm2
@@ -266,7 +277,7 @@ def stats_center_rounded_torch(
     """:func:`stats_center_torch` with the mean rounded to bf16 (nearest even) *before* centring:
     the rounded mean is what this rank sends (16-bit statistics) and what is added back, so the
     centred values plus the mean are the input up to fp32 rounding. Norm is of the centred rows."""
-    counts = valid.to(device=x.device, dtype=torch.float32)
+    counts = _on_device(valid, x.device, torch.float32)
     mean = (tree_sum(x) / counts).to(torch.bfloat16).float()
     if not centre:  # statistics without the mean (prototype "norm16")
         mean = torch.zeros_like(mean)
@@ -525,6 +536,6 @@ def restore_torch(
     flat; the cast to its dtype rounds to nearest even)."""
     value = work + mean[:, None]
     coord = torch.arange(SUPER, device=work.device)
-    keep = coord[None, :] < valid.to(work.device)[:, None]
-    target = index_base.to(work.device)[:, None] + coord[None, :]
+    keep = coord[None, :] < _on_device(valid, work.device)[:, None]
+    target = _on_device(index_base, work.device)[:, None] + coord[None, :]
     out[target[keep]] = value[keep].to(out.dtype)
