@@ -210,6 +210,10 @@ class LaneWork(dist.Work):
         try:
             event = self._done.result(timeout=seconds if seconds > 0 else None)
         except concurrent.futures.TimeoutError:
+            # the call's own error may be a timeout too (CollectiveTimeoutError is a
+            # TimeoutError): raise it as it is; only a call still running is this wait's timeout
+            if self._done.done():
+                raise
             raise TimeoutError(f"lane call not finished after {seconds:g} s") from None
         if self._order is not None and event is not None:
             self._order.wait(event)
