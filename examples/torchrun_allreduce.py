@@ -12,7 +12,9 @@ whether the ranks agree. The last row runs dynamiq with ``async_op=True`` (the h
 it runs) and checks it equals the synchronous call bit for bit.
 
 ``--fake-hosts`` (testing only) gives every rank its own ``NCCL_HOSTID`` and NCCL sockets over
-loopback, so that several NCCL ranks can share one GPU:
+loopback, and sets ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL 2.30 and later refuse several ranks on
+one GPU without it), so that several NCCL ranks can share one GPU
+(:func:`fake_host_env`):
 ``torchrun --nproc-per-node 4 examples/torchrun_allreduce.py --fake-hosts --check``.
 
 With ``--check`` the exit status is 1 when any rank disagrees, the async result differs, or a
@@ -53,6 +55,17 @@ def gradient(rank: int, numel: int, device: torch.device) -> torch.Tensor:
     return (noise * magnitude[:, None]).reshape(-1)[:numel].contiguous().to(device)
 
 
+def fake_host_env(rank: int | str, hostname: str | None = None) -> dict[str, str]:
+    """The NCCL variables that let several ranks share one GPU (``--fake-hosts``): a
+    ``NCCL_HOSTID`` of the rank's own, so NCCL treats each rank as a host of its own and connects
+    them with sockets over loopback; ``NCCL_MULTI_RANK_GPU_ENABLE=1``, without which NCCL 2.30
+    and later refuse two ranks on one device; no InfiniBand, peer-to-peer or shared memory."""
+    host = socket.gethostname() if hostname is None else hostname
+    return {"NCCL_HOSTID": f"{host}-rank{rank}", "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+            "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1",
+            "NCCL_SHM_DISABLE": "1"}
+
+
 def ranks_agree(comm: dqcoll.Communicator, x: torch.Tensor) -> bool:
     """Every rank holds the same bytes: max and min of a CRC over the ranks are equal."""
     crc = zlib.crc32(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -87,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fake_hosts:
         # NCCL refuses two ranks of one host on one GPU; as separate "hosts" they connect with
-        # sockets over loopback
-        os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-rank{os.environ.get('RANK', '0')}"
-        for name, value in (("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1"),
-                            ("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")):
-            os.environ.setdefault(name, value)
+        # sockets over loopback. The rank's host id and the multi-rank switch are set; the
+        # transport choices only where the caller has not chosen
+        for name, value in fake_host_env(os.environ.get("RANK", "0")).items():
+            if name in ("NCCL_HOSTID", "NCCL_MULTI_RANK_GPU_ENABLE"):
+                os.environ[name] = value
+            else:
+                os.environ.setdefault(name, value)
 
     comm = dqcoll.init(backend=args.backend)
     rank, n = comm.rank, comm.world_size

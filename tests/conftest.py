@@ -31,8 +31,13 @@ def pytest_sessionstart(session):  # type: ignore[no-untyped-def]
     """Compile the numba CPU kernels once, in the controlling process, before the xdist workers
     start: they (and the ranks that tests spawn) then load them from numba's disk cache (~1 s)
     instead of compiling them at once in every process (~80 s of CPU each on a fresh clone,
-    docs/kernels.md "Cold compile"; enough to push multi-process tests past their timeouts)."""
+    docs/kernels.md "Cold compile"; enough to push multi-process tests past their timeouts).
+
+    ``DQCOLL_TEST_NUMBA_WARMUP=0`` skips it: a run of GPU tests alone (``tools/gpu_check.sh``)
+    compiles only the CPU kernels its tests call, when they call them."""
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    if os.environ.get("DQCOLL_TEST_NUMBA_WARMUP", "1") == "0":
         return
     try:
         import numba  # noqa: F401

@@ -312,8 +312,9 @@ def _nccl_env(rank: int, world_size: int, port: int, timeout_s: float) -> dict[s
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), DQCOLL_TIMEOUT_S=str(timeout_s),
         # each rank a "host" of its own: NCCL then allows several ranks on one GPU and connects
-        # them with sockets over loopback
-        NCCL_HOSTID=f"dqcoll-test-host-{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1",
+        # them with sockets over loopback; NCCL 2.30 and later also want the multi-rank switch
+        NCCL_HOSTID=f"dqcoll-test-host-{rank}", NCCL_MULTI_RANK_GPU_ENABLE="1",
+        NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1",
         NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_DEBUG=env.get("NCCL_DEBUG", "WARN"),
     )
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)

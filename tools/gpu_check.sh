@@ -1,239 +1,319 @@
 #!/usr/bin/env bash
-# The GPU check of dqcoll, on a machine with one NVIDIA GPU (H100/H200):
+# The GPU check of dqcoll: everything one NVIDIA GPU (H100/H200) can show, in one call of at most
+# 9 minutes, with no internet (docs/kernels.md, "GPU check").
 #
-#   tools/gpu_check.sh                 # env, tests, bench (the default sections, in order)
-#   tools/gpu_check.sh tests bench     # chosen sections only
-#   tools/gpu_check.sh nccl            # the NCCL transports (not default)
-#   tools/gpu_check.sh tune            # launch-config sweep of the fused kernel (not default)
+#   tools/gpu_check.sh                  # every step below, in order
+#   tools/gpu_check.sh --dry-run        # print the plan (steps, budgets, commands); runs nothing
+#   tools/gpu_check.sh nccl ddp         # chosen steps only, in the order given
 #
-# Time limits. A GPU runner stops a command at 10 minutes, and a cold start compiles ~370 Triton
-# variants (~0.5 s each, ~3 min per process). So nothing is kept for the end: each section's log
-# is written straight into $OUT/gpu_check/ (when $OUT is set) and its JSON results are copied
-# there as soon as it ends; each section runs under its own limit (SECTION_LIMIT_S, below); and
-# the script starts a section only while its estimate fits in what is left of GPU_CHECK_BUDGET_S
-# (default 540 s). Sections it did not start are listed with the command that runs them next,
-# so the whole check is a few calls, each under 10 minutes (docs/kernels.md, "GPU check"):
-#   call 1  tools/gpu_check.sh env tests   ~5 min cold (Triton compiles), ~2 min warm
-#   call 2  tools/gpu_check.sh bench       ~3-5 min
-#   call 3  tools/gpu_check.sh nccl        ~5-8 min
-#   call 4  tools/gpu_check.sh nccl_bench  ~3 min
-#   call 5  tools/gpu_check.sh tune        ~5 min
+# Steps, each under its own time limit (its budget, in seconds; the budgets add up to 540):
+#   preflight  nvidia-smi; tools/gpu/preflight.py: torch sees the GPU, the imports (torch, Triton,
+#              CuPy, nccl4py, numba, pytest, dqcoll), a C compiler that compiles against this
+#              Python's headers (Triton builds its launcher with them), libcuda, the NCCL versions
+#   warmup     tools/gpu/warmup.py: dqcoll.kernels.warm_up compiles and launches every Triton
+#              variant (into Triton's disk cache, which every later step then loads from);
+#              then collectives as training calls them (odd lengths and tile offsets, 2 and 3
+#              ranks, 3/5/8 bits, fp32/bf16/fp16) must compile nothing more
+#   kernels    the tests marked `gpu` (kernels byte for byte against the CPU references at
+#              large sizes and offsets above 2**31, the all-reduce on CUDA tensors equal to the
+#              CPU run, CuPy arrays on a CuPy stream), only the modules that hold such tests
+#   nccl       the tests marked `multi_rank_gpu` with 2 ranks on the GPU, over nccl4py and over
+#              CuPy's NCCL: ring, butterfly and direct, tiled and untiled, reduce-scatter,
+#              all-gather, CuPy arrays, async_op, all ranks bit-identical to the local transport;
+#              a stalled rank times out naming the step; then the torchrun example (--fake-hosts)
+#   ddp        tools/gpu/ddp_nccl.py under torchrun: the DDP hook over an NCCL process group,
+#              2 ranks, 3 steps, bit-identical replicas, fewer bytes than fp32
+#   fsdp       tools/gpu/fsdp_cuda.py under torchrun: FSDP2 with compress() on CUDA tensors,
+#              2 ranks, 3 steps; replicas agree, the compressed lane was used (state.summary())
+#   bench      benchmarks/kernels.py at reduced sizes: each kernel's GB/s against the copy
+#              bandwidth measured in the same run; it runs under whatever is left of the budget
 #
-# Sections (each a function `section_<name>` below, run in the order given):
-#   env    the GPU, driver, Python, torch (+CUDA), Triton, CuPy, nccl4py; fails early if torch
-#          sees no GPU
-#   tests  every test marked `gpu` (tests/test_kernels.py: kernels byte for byte against
-#          the CPU reference at large sizes, offsets above 2**31, the full all-reduce on CUDA
-#          tensors over the `local` transport equal to the CPU run)
-#   bench  benchmarks/kernels.py: each kernel at 2^20..2^28 coordinates (step 2^2) and widths
-#          2/4/8, CUDA events after warm-up, GB/s and % of the copy bandwidth measured in the same
-#          run, speed-up vs the torch reference; writes benchmarks/results/kernels-<device>.json;
-#          then benchmarks/kernels.py --aot <arch> (executed SASS per coordinate, the predicted
-#          % of copy bandwidth) into $RESULTS_DIR/kernels-aot-sm<arch>.json beside it
-#   tune   benchmarks/kernels.py --tune at 2^26: rows-per-program x warps of the fused kernel;
-#          copy the winners into dqcoll/kernels/_launch.py with the device and commit
-#   nccl   the NCCL transports (docs/gpu_transport.md), nccl4py and CuPy's each: tests marked
-#          `multi_rank_gpu` (2 and 3 NCCL ranks sharing the one GPU - a distinct NCCL_HOSTID
-#          each, sockets over loopback - run every scheme x algorithm x collective, tiled and
-#          untiled, CuPy arrays, async_op; all ranks bit-identical and equal to the `local`
-#          transport; a stalled rank times out naming the step, and the caller's buffer is left
-#          untouched), then the torchrun example with 4 NCCL ranks on the GPU (--fake-hosts)
-#   nccl_bench  benchmarks/nccl_local.py: 8 ranks on the GPU through the `local` transport,
-#          256 MiB fp32 per rank, dynamiq vs none, untiled and 4 MiB tiles, time and share of the
-#          time in kernels; writes $RESULTS_DIR/nccl_local.json
+# Several NCCL ranks share the one GPU: every rank gets its own NCCL_HOSTID and
+# NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30 and later refuse them otherwise), with sockets over
+# loopback (tools/gpu/common.py, tests/test_nccl_transport.py, examples/torchrun_allreduce.py).
 #
-# To add a check: write `section_<name>() { ...; }` below, return non-zero on failure, give it an
-# estimate in SECTION_ESTIMATE_S, and append <name> to ALL_SECTIONS (and to DEFAULT_SECTIONS if it
-# should run by default). GPU_CHECK_EXTRA=<file> sources more section definitions (the CPU test
-# of this script uses it for stub sections). Logs and results go to $RESULTS_DIR (default
-# benchmarks/results/gpu_check/) and to $OUT/gpu_check/ when $OUT is set (the device runner
-# returns $OUT).
+# Output: $OUT/gpu_check/ when $OUT is set (the device runner returns $OUT), else
+# $GPU_CHECK_DIR (default benchmarks/results/gpu_check/). Written as it goes, so a run killed
+# from outside keeps what it had: each step's log (<step>.log, streamed), its JSON results, and
+# summary.json (rewritten after every step: each step's status pass / fail / skip, exit code,
+# seconds, limit and log). A step is skipped when it does not fit in what is left of the budget,
+# when it reports that it cannot run here (exit 3: e.g. no NCCL binding, no test ran), and after
+# a failed preflight (GPU_CHECK_KEEP_GOING=1 runs the rest anyway).
 #
-# Python: $PYTHON if set, else the first of .venv/bin/python, python3 whose torch sees a GPU. The
-# machine needs torch with CUDA, Triton and pytest installed (`pip install -e ".[cuda12,test]"`).
+# Settings: GPU_CHECK_BUDGET_S (540), STEP_LIMIT_S (caps every step's limit), PYTHON (default: the
+# first of .venv/bin/python, python3 whose torch sees a GPU). GPU_CHECK_EXTRA=<file> sources more
+# step definitions (`step_<name>() { ...; }` plus STEP_BUDGET_S[<name>]=...; the CPU test of this
+# script, tests/test_gpu_check.py, uses it for stub steps). The machine needs torch with CUDA,
+# Triton and pytest (`pip install -e ".[cuda12,test]"` or `.[cuda13,test]`).
 
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_SECTIONS=(env tests bench tune nccl nccl_bench)
-DEFAULT_SECTIONS=(env tests bench)
-# Seconds each section is expected to take (cold Triton cache), and the limit it runs under.
-declare -A SECTION_ESTIMATE_S=([env]=20 [tests]=300 [bench]=300 [tune]=300 [nccl]=480
-                               [nccl_bench]=180)
-SECTION_LIMIT_S="${SECTION_LIMIT_S:-560}"
+STEPS=(preflight warmup kernels nccl ddp fsdp bench)
+# Budgets: estimates until a GPU run measures them (summary.json records each step's seconds)
+declare -A STEP_BUDGET_S=([preflight]=20 [warmup]=210 [kernels]=80 [nccl]=120 [ddp]=40
+                          [fsdp]=40 [bench]=30)
+declare -A STEP_WHAT=(
+    [preflight]="nvidia-smi; tools/gpu/preflight.py (imports, C compiler + Python.h, libcuda, NCCL versions)"
+    [warmup]="tools/gpu/warmup.py (every Triton variant compiled and launched, none after); numba beside it"
+    [kernels]="pytest -m gpu on the modules with gpu tests (kernels byte-equal to the references)"
+    [nccl]="pytest -m multi_rank_gpu, 2 ranks, nccl4py + CuPy; torchrun example --fake-hosts"
+    [ddp]="torchrun -nproc 2 tools/gpu/ddp_nccl.py --steps 3 (DDP hook over an NCCL group)"
+    [fsdp]="torchrun -nproc 2 tools/gpu/fsdp_cuda.py --steps 3 (FSDP2 compress() on CUDA)"
+    [bench]="benchmarks/kernels.py, 2^20..2^24, widths 2/4/8 (GB/s vs copy bandwidth; time left)"
+)
+LAST_STEP_USES_WHAT_IS_LEFT=bench  # "if time is left": this step gets the rest of the budget
+MIN_STEP_S=10                      # ... when at least this much is left
+KILL_AFTER_S=5                     # a step still running this long after its limit is killed
 GPU_CHECK_BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
-RESULTS_DIR="${RESULTS_DIR:-benchmarks/results/gpu_check}"
-mkdir -p "$RESULTS_DIR"
-OUT_DIR=""
+
 if [[ -n "${OUT:-}" ]]; then
     OUT_DIR="$OUT/gpu_check"
-    mkdir -p "$OUT_DIR"
+else
+    OUT_DIR="${GPU_CHECK_DIR:-benchmarks/results/gpu_check}"
 fi
+BEGIN=$SECONDS
+
+# -- the steps ------------------------------------------------------------------------------------
+
+# pytest with a JUnit file beside the log; exit 3 (skip) when no test ran or every test skipped
+pytest_step() {
+    local name=$1
+    shift
+    local xml="$RESULTS_DIR/${name}.junit.xml"
+    "$PY" -m pytest -q -p no:cacheprovider -rs --junitxml="$xml" "$@"
+    local status=$?
+    [[ $status -eq 5 ]] && { echo "no test collected"; return 3; }
+    if [[ $status -eq 0 && -f "$xml" ]]; then
+        local tests skipped
+        tests=$(sed -n 's/.*<testsuite [^>]*tests="\([0-9]*\)".*/\1/p' "$xml" | head -1)
+        skipped=$(sed -n 's/.*<testsuite [^>]*skipped="\([0-9]*\)".*/\1/p' "$xml" | head -1)
+        if [[ -n "$tests" && "$tests" == "${skipped:-0}" ]]; then
+            echo "every test skipped"
+            return 3
+        fi
+    fi
+    return $status
+}
+
+step_preflight() {
+    nvidia-smi || echo "nvidia-smi: not available"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv \
+        2>/dev/null || true
+    "$PY" tools/gpu/preflight.py --out "$RESULTS_DIR/preflight.json"
+}
+
+step_warmup() {
+    # the CPU kernels (numba, single-threaded compile) beside the Triton ones, into numba's disk
+    # cache: the CPU references of the later steps' tests then load instead of compiling
+    "$PY" -c "from dqcoll.kernels import dynamiq_numba; dynamiq_numba.warm_up()
+print('numba kernels: compiled or loaded')" &
+    local numba_pid=$! status=0
+    "$PY" tools/gpu/warmup.py --out "$RESULTS_DIR/warmup.json" || status=$?
+    wait "$numba_pid" || echo "numba warm-up failed: the CPU references compile at first use"
+    return $status
+}
+
+step_kernels() {
+    local files
+    # only the modules that hold `gpu` tests: the others are not imported at all
+    mapfile -t files < <(grep -lE '(mark\.gpu\b|pytestmark.*\bgpu\b)' tests/test_*.py)
+    echo "modules: ${files[*]}"
+    pytest_step kernels -m gpu "${files[@]}"
+}
+
+step_nccl() {
+    local status=0
+    # 2 ranks only (the 3-rank cases would double the time); both bindings; the stalled rank
+    pytest_step nccl -m multi_rank_gpu -k "not [3-" tests/test_nccl_transport.py || status=$?
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        examples/torchrun_allreduce.py --fake-hosts --numel 1M --iters 1 --check || status=1
+    return $status
+}
+
+step_ddp() {
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 tools/gpu/ddp_nccl.py \
+        --steps 3 --out "$RESULTS_DIR/ddp_nccl.json"
+}
+
+step_fsdp() {
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 tools/gpu/fsdp_cuda.py \
+        --steps 3 --out "$RESULTS_DIR/fsdp_cuda.json"
+}
+
+step_bench() {
+    "$PY" benchmarks/kernels.py --min-log2 20 --max-log2 24 --step 2 --widths 2 4 8 \
+        --max-iters 20 --min-time-s 0.05 --torch-max-log2 22 \
+        --out "$RESULTS_DIR/kernels-bench.json"
+}
+
+# more steps, or stubs of these (sourced after them, so its definitions win)
 if [[ -n "${GPU_CHECK_EXTRA:-}" ]]; then
     # shellcheck source=/dev/null
     source "$GPU_CHECK_EXTRA"
 fi
 
-has_cuda_torch() {
-    "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null
+# -- the plan -------------------------------------------------------------------------------------
+
+print_plan() {
+    local total=0 i=0 name
+    echo "gpu_check plan: ${#@} steps, budget ${GPU_CHECK_BUDGET_S} s, output ${OUT_DIR}/"
+    for name in "$@"; do
+        i=$((i + 1))
+        local budget="${STEP_BUDGET_S[$name]:-60}"
+        total=$((total + budget))
+        printf '  %d. %-10s %4d s  %s\n' "$i" "$name" "$budget" "${STEP_WHAT[$name]:-step_$name}"
+    done
+    echo "total: ${total} s of budgets (limit ${GPU_CHECK_BUDGET_S} s)"
+    if [[ $total -gt $GPU_CHECK_BUDGET_S ]]; then
+        echo "over the limit: the steps that do not fit in what is left will be skipped"
+    fi
 }
+
+# -- running --------------------------------------------------------------------------------------
+
+json_escape() {
+    local s=${1//\\/\\\\}
+    s=${s//\"/\\\"}
+    printf '%s' "${s//$'\n'/ }"
+}
+
+SUMMARY_ROWS=()
+write_summary() {  # $1: finished (true/false); rewritten after every step
+    local rows="" row
+    for row in "${SUMMARY_ROWS[@]}"; do
+        rows+="${rows:+,}"$'\n    '"$row"
+    done
+    local commit
+    commit="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    cat > "$OUT_DIR/summary.json.tmp" <<EOF
+{
+  "finished": $1,
+  "budget_s": ${GPU_CHECK_BUDGET_S},
+  "elapsed_s": $((SECONDS - BEGIN)),
+  "commit": "$(json_escape "$commit")",
+  "python": "$(json_escape "$PY")",
+  "steps": [${rows}
+  ]
+}
+EOF
+    mv "$OUT_DIR/summary.json.tmp" "$OUT_DIR/summary.json"
+}
+
+record() {  # name status exit elapsed limit note
+    SUMMARY_ROWS+=("{\"name\": \"$1\", \"status\": \"$2\", \"exit\": $3, \"elapsed_s\": $4, \
+\"limit_s\": $5, \"budget_s\": ${STEP_BUDGET_S[$1]:-60}, \"log\": \"$1.log\", \
+\"note\": \"$(json_escape "$6")\"}")
+    echo "=== gpu_check: $1: $2 (exit $3, $4 s of $5 s)${6:+: $6} ===" | tee -a "$OUT_DIR/$1.log"
+    write_summary false
+}
+
+run_steps() {
+    local name status left limit budget start preflight_failed=0
+    local failed=() skipped=()
+    for name in "$@"; do
+        left=$((GPU_CHECK_BUDGET_S - (SECONDS - BEGIN)))
+        budget="${STEP_BUDGET_S[$name]:-60}"
+        # a step runs under its budget, when that fits in what is left; the last step ("if time
+        # is left") under all that is left, when that is at least MIN_STEP_S
+        limit=$budget
+        fits=$((budget <= left))
+        if [[ $name == "$LAST_STEP_USES_WHAT_IS_LEFT" ]]; then
+            limit=$((left - KILL_AFTER_S))  # its kill, too, within the budget
+            fits=$((limit >= MIN_STEP_S))
+        fi
+        [[ -n "${STEP_LIMIT_S:-}" && $limit -gt $STEP_LIMIT_S ]] && limit=$STEP_LIMIT_S
+        if [[ $preflight_failed -eq 1 && "${GPU_CHECK_KEEP_GOING:-0}" != 1 ]]; then
+            skipped+=("$name"); record "$name" skip 0 0 0 "preflight failed"; continue
+        fi
+        if [[ $fits -eq 0 ]]; then
+            skipped+=("$name")
+            record "$name" skip 0 0 0 "does not fit: ${left} s of the budget left"
+            continue
+        fi
+        echo "=== gpu_check: ${name} (limit ${limit} s, ${left} s of the budget left) ===" \
+            | tee "$OUT_DIR/${name}.log"
+        start=$SECONDS
+        export -f "step_${name}"
+        # streamed into the log as it runs: a run killed from outside keeps it
+        timeout --kill-after="$KILL_AFTER_S" "$limit" bash -c "step_${name}" 2>&1 \
+            | tee -a "$OUT_DIR/${name}.log"
+        status=${PIPESTATUS[0]}
+        local elapsed=$((SECONDS - start))
+        if [[ $status -eq 0 ]]; then
+            record "$name" pass 0 "$elapsed" "$limit" ""
+        elif [[ $status -eq 3 ]]; then
+            skipped+=("$name"); record "$name" skip 3 "$elapsed" "$limit" "cannot run here"
+        elif [[ $status -eq 124 || $status -eq 137 ]]; then
+            failed+=("$name")
+            record "$name" fail "$status" "$elapsed" "$limit" "stopped at its limit of ${limit} s"
+        else
+            failed+=("$name"); record "$name" fail "$status" "$elapsed" "$limit" ""
+        fi
+        [[ $name == preflight && $status -ne 0 && $status -ne 3 ]] && preflight_failed=1
+    done
+    write_summary true
+    [[ ${#skipped[@]} -gt 0 ]] && echo "gpu_check: skipped: ${skipped[*]}"
+    if [[ ${#failed[@]} -gt 0 ]]; then
+        echo "gpu_check: FAILED: ${failed[*]} (logs and summary.json in ${OUT_DIR}/)"
+        return 1
+    fi
+    echo "gpu_check: no step failed ($*); logs and summary.json in ${OUT_DIR}/"
+}
+
 pick_python() {
     if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
     local candidate
     for candidate in .venv/bin/python python3; do
-        if command -v "$candidate" >/dev/null && has_cuda_torch "$candidate"; then
+        if command -v "$candidate" >/dev/null \
+            && "$candidate" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+                2>/dev/null; then
             echo "$candidate"; return
         fi
     done
-    # No CUDA torch anywhere: use the project's environment so the env section says why.
+    # no CUDA torch anywhere: the preflight then says why
     if [[ -x .venv/bin/python ]]; then echo ".venv/bin/python"; else echo "python3"; fi
 }
-PY="$(pick_python)"
-unset DQCOLL_KERNELS  # automatic dispatch: Triton for CUDA tensors
 
-section_env() {
-    nvidia-smi || echo "nvidia-smi not available"
-    "$PY" - <<'EOF'
-import sys
-import torch
-print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
-try:
-    import triton
-    print("triton", triton.__version__)
-except Exception as exc:
-    print("triton: not importable:", exc)
-    sys.exit(1)
-for name in ("cupy", "nccl.core"):
-    try:
-        module = __import__(name, fromlist=["_"])
-        print(name, getattr(module, "__version__", "(no version)"))
-    except Exception as exc:
-        print(f"{name}: not importable: {exc}")
-if not torch.cuda.is_available():
-    print("torch sees no CUDA device: install a CUDA build of torch")
-    sys.exit(1)
-print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
-EOF
-}
-
-section_tests() {
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
-}
-
-section_bench() {
-    "$PY" benchmarks/kernels.py --min-log2 20 --max-log2 28 --step 2 || return 1
-    # The compile-only prediction of the same commit beside the measurement (issue 15): executed
-    # SASS per coordinate and the implied % of copy bandwidth, for the fused hop's measured GB/s.
-    local arch
-    arch="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(10 * m + n)')"
-    "$PY" benchmarks/kernels.py --aot "$arch" --json "$RESULTS_DIR/kernels-aot-sm${arch}.json"
-}
-
-section_tune() {
-    local device
-    device="$("$PY" -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')"
-    "$PY" benchmarks/kernels.py --tune --min-log2 26 --max-log2 26 \
-        --kernels decode_accumulate_encode --out "benchmarks/results/kernels-${device}-tune.json"
-}
-
-section_nccl() {
-    local status=0
-    # the repo on the path of every process (dqcoll need not be installed on the GPU machine)
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    # CuPy links libnccl.so.2 dynamically: let it find the pip wheel's copy (nvidia-nccl-cu1x)
-    local nccl_lib
-    nccl_lib="$("$PY" -c 'import os, nvidia.nccl as m; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null)"
-    if [[ -n "$nccl_lib" && -d "$nccl_lib" ]]; then
-        export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-        echo "NCCL library directory: $nccl_lib"
+dry_run=0
+chosen=()
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) dry_run=1 ;;
+        -h|--help) sed -n '2,/^$/{s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+        *) chosen+=("$arg") ;;
+    esac
+done
+[[ ${#chosen[@]} -eq 0 ]] && chosen=("${STEPS[@]}")
+for name in "${chosen[@]}"; do
+    if ! declare -F "step_${name}" >/dev/null; then
+        echo "unknown step '${name}'; steps: ${STEPS[*]}" >&2
+        exit 2
     fi
-    "$PY" - <<'EOF' || return 1
-import sys
-from dqcoll.transports.cupy_nccl import nccl_unavailable_reason
-from dqcoll.transports.nccl4py import nccl4py_unavailable_reason
-reasons = {"nccl-cupy": nccl_unavailable_reason(), "nccl4py": nccl4py_unavailable_reason()}
-for binding, reason in reasons.items():
-    print(f"{binding}: {'available' if reason is None else 'cannot run here: ' + reason}")
-if reasons["nccl-cupy"] is None:
-    from cupy.cuda import nccl
-    print("CuPy's NCCL version", nccl.get_version())
-if reasons["nccl4py"] is None:
-    import nccl.core
-    print("nccl4py's NCCL version", nccl.core.get_version())
-sys.exit(0 if None in reasons.values() else 1)
-EOF
-    # tests/test_nccl_transport.py runs its NCCL cases over nccl4py and over CuPy's bindings
-    "$PY" -m pytest -q -p no:cacheprovider -m "multi_rank_gpu or gpu" -rs \
-        tests/test_nccl_transport.py tests/test_nccl_contract.py tests/test_pipelining.py \
-        || status=1
-    "$PY" -m torch.distributed.run --nproc-per-node 4 examples/torchrun_allreduce.py \
-        --fake-hosts --numel 16M --iters 3 --check || status=1
-    return $status
-}
-
-section_nccl_bench() {
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    "$PY" benchmarks/nccl_local.py --world-size 8 --size 256M --schemes none,dynamiq \
-        --tile-nbytes 0,4M --iters 3 --out "${RESULTS_DIR}/nccl_local.json"
-}
-
-copy_results() {
-    # every result file so far, into $RESULTS_DIR and $OUT (cheap: a few small files)
-    cp benchmarks/results/kernels-*.json "$RESULTS_DIR"/ 2>/dev/null || true
-    if [[ -n "$OUT_DIR" ]]; then
-        cp -r "$RESULTS_DIR"/. "$OUT_DIR"/ 2>/dev/null || true
-    fi
-}
-
-run_sections() {
-    local failed=() skipped=() name status estimate left
-    for name in "$@"; do
-        if ! declare -F "section_${name}" >/dev/null; then
-            echo "unknown section '${name}'; sections: ${ALL_SECTIONS[*]}" >&2
-            return 2
-        fi
-    done
-    local begin=$SECONDS
-    for name in "$@"; do
-        estimate="${SECTION_ESTIMATE_S[$name]:-60}"
-        left=$((GPU_CHECK_BUDGET_S - (SECONDS - begin)))
-        if [[ ${#skipped[@]} -gt 0 || $estimate -gt $left ]]; then
-            skipped+=("$name")
-            continue
-        fi
-        echo "=== gpu_check: ${name} (estimate ${estimate} s, ${left} s of the budget left) ==="
-        local start=$SECONDS limit=$SECTION_LIMIT_S
-        [[ $limit -gt $left ]] && limit=$left
-        local logs=("${RESULTS_DIR}/${name}.log")
-        [[ -n "$OUT_DIR" ]] && logs+=("${OUT_DIR}/${name}.log")  # streamed: kept if killed
-        export -f "section_${name}"
-        timeout --kill-after=10 "$limit" bash -c "section_${name}" 2>&1 | tee "${logs[@]}"
-        status=${PIPESTATUS[0]}
-        if [[ $status -eq 124 || $status -eq 137 ]]; then
-            echo "=== gpu_check: ${name}: stopped at its limit of ${limit} s ===" \
-                | tee -a "${logs[@]}"
-        fi
-        echo "=== gpu_check: ${name}: exit ${status} after $((SECONDS - start)) s ===" \
-            | tee -a "${logs[@]}"
-        [[ $status -eq 0 ]] || failed+=("$name")
-        copy_results
-    done
-    copy_results
-    if [[ ${#skipped[@]} -gt 0 ]]; then
-        echo "gpu_check: not started (would not fit in ${GPU_CHECK_BUDGET_S} s): ${skipped[*]}"
-        echo "gpu_check: next call: tools/gpu_check.sh ${skipped[*]}"
-    fi
-    if [[ ${#failed[@]} -gt 0 ]]; then
-        echo "gpu_check: FAILED sections: ${failed[*]}"
-        return 1
-    fi
-    [[ ${#skipped[@]} -gt 0 ]] && return 3
-    echo "gpu_check: all sections passed ($*)"
-}
-
-export PY RESULTS_DIR
-if [[ $# -eq 0 ]]; then
-    run_sections "${DEFAULT_SECTIONS[@]}"
-else
-    run_sections "$@"
+done
+if [[ $dry_run -eq 1 ]]; then
+    print_plan "${chosen[@]}"
+    exit 0
 fi
+
+mkdir -p "$OUT_DIR"
+RESULTS_DIR="$OUT_DIR"
+PY="$(pick_python)"
+# every process: the repo on the path (dqcoll need not be installed), automatic kernel dispatch
+# (Triton for CUDA tensors), no numba warm-up of the whole suite in pytest (tests/conftest.py)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DQCOLL_TEST_NUMBA_WARMUP=0
+unset DQCOLL_KERNELS
+# CuPy loads libnccl.so.2 by name: let it find the NCCL wheels' copies
+nccl_libs="$("$PY" -c 'import glob, os, site
+dirs = sorted({os.path.dirname(p) for s in site.getsitepackages()
+               for p in glob.glob(os.path.join(s, "nvidia", "**", "libnccl.so*"), recursive=True)})
+print(":".join(dirs))' 2>/dev/null)"
+if [[ -n "$nccl_libs" ]]; then
+    export LD_LIBRARY_PATH="$nccl_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export PY RESULTS_DIR
+export -f pytest_step
+print_plan "${chosen[@]}"
+write_summary false
+run_steps "${chosen[@]}"
