@@ -66,10 +66,12 @@ PIPES: dict[str, frozenset[str]] = {
                       "IMAD32I", "IDP", "IDP4A", "HFMA2", "HADD2", "HMUL2"}),
     # XU: conversions and transcendentals.
     "xu": frozenset({"MUFU", "I2F", "F2I", "F2F", "I2I", "FRND", "I2FP", "F2IP"}),
-    # Memory, shared-memory and shuffle instructions (issued to the MIO).
-    "lsu": frozenset({"LDG", "STG", "LD", "ST", "LDS", "STS", "LDSM", "LDL", "STL", "LDC", "SHFL",
-                      "ATOM", "ATOMG", "ATOMS", "RED", "REDG", "MATCH", "LDGSTS", "LDGDEPBAR",
-                      "DEPBAR", "CCTL", "MEMBAR", "FENCE", "ERRBAR"}),
+    # Memory, shared-memory and shuffle instructions (issued to the MIO). LDSM / STSM load and
+    # store matrix fragments from / to shared memory, shared-memory accesses as LDS / STS are
+    # (Triton 3.6 emits STSM.16.M88.4 in the encoding kernels).
+    "lsu": frozenset({"LDG", "STG", "LD", "ST", "LDS", "STS", "LDSM", "STSM", "LDL", "STL", "LDC",
+                      "SHFL", "ATOM", "ATOMG", "ATOMS", "RED", "REDG", "MATCH", "LDGSTS",
+                      "LDGDEPBAR", "DEPBAR", "CCTL", "MEMBAR", "FENCE", "ERRBAR"}),
     # Uniform datapath: every ``U*`` opcode (ULDC, UIADD3, ULOP3, UMOV, USHF, ...; see pipe_of)
     # and the moves into uniform registers.
     "uniform": frozenset({"R2UR"}),

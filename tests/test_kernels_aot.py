@@ -89,6 +89,13 @@ _k:
     assert len(counts.warnings) == 1 and "0x0" in counts.warnings[0]
 
 
+def test_shared_memory_matrix_opcodes_count_on_the_lsu() -> None:
+    """LDSM and STSM (matrix fragments from / to shared memory; Triton 3.6 emits STSM.16.M88.4 in
+    the encoding kernels) count on the LSU pipe, as LDS and STS do, whatever their modifiers."""
+    for opcode in ("LDS.128", "STS.64", "LDSM.16.M88.4", "STSM.16.M88.4", "STSM.16.MT88.2"):
+        assert sass.pipe_of(opcode) == "lsu", opcode
+
+
 def _nvidia_backend_usable() -> str | None:
     try:
         import kernels_aot
