@@ -15,6 +15,8 @@ COMMANDS = {
     "bench": ("dqcoll.cli.bench", "all-reduce benchmark (nccl-tests style) vs torch and DDP hooks"),
     "eval": ("dqcoll.cli.eval", "vNMSE of every scheme on the same gradients (table, CSV, PNG)"),
     "tune": ("dqcoll.cli.tune", "auto-tune algorithm x scheme x bits x tiles for a topology"),
+    "plan": ("dqcoll.cli.plan",
+             "the topology this job found and the planner's plan per size, with alternatives"),
     "simulate": ("dqcoll.cli.simulate", "predicted time and vNMSE of a configuration at any scale"),
 }
 

@@ -1,0 +1,523 @@
+"""The planner: how a collective runs, decided from the job's own topology and measured rates.
+
+Inputs, all of them the same on every rank:
+
+* **The job** (:class:`JobTopology`, :func:`discover_job`): which ranks share a *host* (a network
+  namespace of a machine: they talk over its loopback or fabric) and which share a *machine*
+  (CPU ranks of one machine share its cores). Each rank contributes two identities - its host
+  name with its network namespace, its host name with the kernel's boot id - in one small
+  all-reduce when the planner is first used; nothing is read from launcher variables, so a job
+  whose ranks sit in network namespaces of one machine (the emulated cluster) is seen as the
+  hosts it really has.
+* **Measured rates** (:class:`MeasuredRates`, :func:`measure_rates`): the intra-host link (every
+  rank sends to the next rank of its host at once), the inter-host port (every rank sends to the
+  rank of the same local index on the next host at once: the port carries all of a host's flows,
+  as a two-level plan loads it), and the kernels of each candidate scheme on this device (thread
+  CPU time on CPUs, so ranks sharing cores are added up by the cost model rather than measured
+  twice). The slowest rank's figures are agreed.
+* **The call** (collective, bytes, dtype, device) and **the caller's policy** (a scheme and bits,
+  or ``"auto"``: ``none``, ``bf16`` or ``dynamiq``).
+
+Output: a :class:`Plan` - plain data: flat (one algorithm and scheme over all ranks) or two
+levels (a :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`: a scheme and algorithm inside
+hosts, another across them), the predicted time of every alternative, and the reason.
+
+**One cost model** (:mod:`dqcoll.topology.cost`) prices every candidate, flat and two-level, on
+a :class:`~dqcoll.topology.graph.Topology` built from the job and its measured rates. Where it
+errs (Python glue, core sharing it does not see, a loaded link), measurement corrects it: each
+call's measured time, agreed over the ranks by the caller, updates that candidate's factor
+(:meth:`Planner.observe`), and a candidate never run whose prediction is within
+:data:`EXPLORE_WITHIN` of the chosen one runs once so that its factor is measured, not assumed.
+Plans are cached per (collective, size class, dtype, device, policy) and made again when a factor
+moves. Every input is agreed, so every rank computes the same plan without a message.
+
+Rejected: fitted constants for what the job can measure (an overlap share, a call-over-codec
+ratio, link speeds read from ``/sys``): they hold on the machine they were fitted on. Rejected
+too: a table per cluster shape as the only source; tuned tables (:mod:`dqcoll.topology.tuning`)
+describe a topology the job may not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import socket
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .errors import InvalidArgumentError
+from .topology.cost import (
+    DTYPE_NBYTES,
+    CostParams,
+    KernelRates,
+    price_allreduce,
+    price_hierarchical,
+)
+from .topology.graph import Link, LinkKind, Topology
+from .topology.hierarchical import HierarchicalPlan, LevelSpec
+
+__all__ = [
+    "AUTO_SCHEMES",
+    "JobTopology",
+    "MeasuredRates",
+    "Plan",
+    "Planner",
+    "discover_job",
+    "measure_rates",
+]
+
+# The schemes ``auto`` chooses between.
+AUTO_SCHEMES = ("none", "bf16", "dynamiq")
+FLAT_ALGORITHMS = ("ring", "butterfly")
+# A candidate never run, predicted within this factor of the chosen one, runs once instead.
+EXPLORE_WITHIN = 1.25
+# Weight of one measured call in a candidate's factor (geometric mean).
+CALIBRATION_RATE = 0.5
+# Link probes: bytes per flow, best of two after one of an eighth.
+PROBE_NBYTES = 4 << 20
+# Kernel probe: coordinates per measurement, best of three after one.
+KERNEL_PROBE_NUMEL = 1 << 20
+# Size classes: plans are made per power of two of the uncompressed bytes.
+_SIZE_CLASS_BASE = 2.0
+
+
+# -- the job ---------------------------------------------------------------------------------
+
+
+def _key63(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def host_identity() -> tuple[int, int]:
+    """(host key, machine key) of this process: host = host name + network namespace (ranks
+    that share it reach each other over loopback), machine = host name + boot id (ranks that
+    share it share the cores)."""
+    name = socket.gethostname()
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = ""
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    return _key63(f"{name}/{netns}"), _key63(f"{name}/{boot}")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobTopology:
+    """Which ranks share a host and which share a machine (see the module docstring)."""
+
+    hosts: tuple[tuple[int, ...], ...]  # ranks of each host, hosts ordered by their first rank
+    machines: tuple[int, ...]  # machines[rank]: index of the machine the rank runs on
+    device_kind: str = "cpu"  # "cpu", or the GPU kind of the cost model ("h100", "h200")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.machines)
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def ranks_per_host(self) -> int | None:
+        sizes = {len(h) for h in self.hosts}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def host_of(self, rank: int) -> int:
+        return next(i for i, ranks in enumerate(self.hosts) if rank in ranks)
+
+    @property
+    def two_level(self) -> bool:
+        """Whether two-level plans apply: more than one host, the same number (> 1) of ranks on
+        each."""
+        g = self.ranks_per_host
+        return self.num_hosts > 1 and g is not None and g > 1
+
+    def describe(self) -> str:
+        sizes = [len(h) for h in self.hosts]
+        shape = (f"{self.num_hosts} hosts x {self.ranks_per_host} ranks"
+                 if self.ranks_per_host else f"{self.num_hosts} hosts of {sizes} ranks")
+        return (f"{self.world_size} ranks: {shape}, {len(set(self.machines))} machine(s), "
+                f"{self.device_kind}")
+
+
+def discover_job(transport: Any, device: torch.device | None = None, *,
+                 identity: tuple[int, int] | None = None) -> JobTopology:
+    """The job's hosts and machines from every rank's :func:`host_identity` (``identity``
+    instead, where given: ranks in one process), in one all-reduce of 2 n int64. Collective:
+    every rank calls it at the same point."""
+    n, rank = transport.world_size, transport.rank
+    host, machine = identity if identity is not None else host_identity()
+    slots = torch.zeros(2 * n, dtype=torch.int64, device=getattr(transport, "device", None)
+                        or torch.device("cpu"))
+    slots[2 * rank], slots[2 * rank + 1] = host, machine
+    if n > 1:
+        transport.allreduce(slots, "sum", what="planner: hosts")
+    keys = slots.cpu().tolist()
+    host_keys, machine_keys = keys[0::2], keys[1::2]
+    order: dict[int, list[int]] = {}
+    for r, key in enumerate(host_keys):
+        order.setdefault(key, []).append(r)
+    machine_index: dict[int, int] = {}
+    machines = tuple(machine_index.setdefault(k, len(machine_index)) for k in machine_keys)
+    kind = "cpu"
+    if device is not None and device.type == "cuda":
+        kind = _gpu_kind(device)
+    return JobTopology(tuple(tuple(r) for r in order.values()), machines, kind)
+
+
+def _gpu_kind(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device).lower()
+    return "h200" if "h200" in name else "h100"
+
+
+# -- measured rates ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredRates:
+    """What the job measured on its own links and kernels, agreed over ranks (the slowest)."""
+
+    intra_gbps: float | None  # one flow between two ranks of a host (None: no host has two)
+    inter_gbps: float | None  # a host's port, all its flows together (None: one host)
+    kernels: tuple[tuple[str, KernelRates], ...]  # per scheme, per rank (one core / one GPU)
+    cores_per_machine: int = 1
+
+    def kernel(self, scheme: str) -> KernelRates:
+        table = dict(self.kernels)
+        return table.get(scheme, table["dynamiq"])
+
+
+def _probe_s(transport: Any, peer_to: int | None, peer_from: int | None, what: str,
+             device: torch.device) -> float:
+    """Best time of an exchange of :data:`PROBE_NBYTES` (posted by every rank at once)."""
+    send = torch.zeros(PROBE_NBYTES, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    best = math.inf
+    for size in (PROBE_NBYTES // 8, PROBE_NBYTES, PROBE_NBYTES):
+        sends = [] if peer_to is None else [(peer_to, send[:size])]
+        recvs = [] if peer_from is None else [(peer_from, recv[:size])]
+        start = time.perf_counter()
+        transport.exchange(sends, recvs, what=f"{what} ({size} B)")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if size == PROBE_NBYTES and (sends or recvs):
+            best = min(best, time.perf_counter() - start)
+    return best if math.isfinite(best) else 0.0
+
+
+def _kernel_ns(device: torch.device, bits: float) -> dict[str, KernelRates]:
+    """Nanoseconds per coordinate of each scheme's kernels on this rank (thread CPU time on
+    CPUs: one core's work, whoever else shares it)."""
+    from . import schemes
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(KERNEL_PROBE_NUMEL, generator=g).to(device)
+    y = torch.randn(KERNEL_PROBE_NUMEL, generator=g).to(device)
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+
+    def best(fn: Any) -> float:
+        fn()
+        elapsed = math.inf
+        for _ in range(3):
+            start = clock()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = min(elapsed, clock() - start)
+        return elapsed * 1e9 / KERNEL_PROBE_NUMEL
+
+    dynamiq = schemes.get("dynamiq", bits=bits)
+    encoded = dynamiq.encode(x)
+    add_ns = best(lambda: x.add(y))
+    cast_ns = best(lambda: x.to(torch.bfloat16).add_(y.to(torch.bfloat16)).float())
+    encode_ns = best(lambda: dynamiq.encode(x))
+    decode_ns = best(lambda: dynamiq.decode(encoded))
+    return {
+        "none": KernelRates(compress_ns=add_ns / 2, decompress_ns=add_ns),
+        "bf16": KernelRates(compress_ns=cast_ns / 2, decompress_ns=cast_ns),
+        # statistics before and restore after: a pass over the input each, priced as a decode
+        "dynamiq": KernelRates(compress_ns=encode_ns, decompress_ns=decode_ns,
+                               stats_ns=2 * decode_ns),
+    }
+
+
+def measure_rates(transport: Any, job: JobTopology, *, device: torch.device | None = None,
+                  bits: float = 5.0, what: str = "planner probe") -> MeasuredRates:
+    """Measure the job's links and this rank's kernels, and agree the slowest rank's figures.
+    Collective: every rank calls it at the same point."""
+    device = device or getattr(transport, "device", None) or torch.device("cpu")
+    rank = transport.rank
+    host = job.hosts[job.host_of(rank)]
+    local = host.index(rank)
+    intra_s = inter_s = 0.0
+    if max(len(h) for h in job.hosts) > 1:
+        if len(host) > 1:
+            intra_s = _probe_s(transport, host[(local + 1) % len(host)],
+                               host[(local - 1) % len(host)], f"{what} (intra-host)", device)
+        else:
+            _probe_s(transport, None, None, f"{what} (intra-host)", device)
+    flows = 0
+    if job.num_hosts > 1:
+        h, hosts = job.host_of(rank), job.hosts
+        nxt, prv = hosts[(h + 1) % len(hosts)], hosts[(h - 1) % len(hosts)]
+        common = min(len(x) for x in hosts)
+        flows = common
+        to = nxt[local] if local < common else None
+        frm = prv[local] if local < common else None
+        inter_s = _probe_s(transport, to, frm, f"{what} (inter-host)", device)
+    kernels = _kernel_ns(device, bits)
+    names = list(AUTO_SCHEMES)
+    fields = [intra_s, inter_s] + [getattr(kernels[s], f) for s in names
+                                   for f in ("compress_ns", "decompress_ns", "stats_ns")]
+    agreed = torch.tensor(fields, dtype=torch.float64, device=device)
+    if transport.world_size > 1:
+        transport.allreduce(agreed, "max", what=f"{what} (agree)")
+    values = agreed.cpu().tolist()
+    intra = PROBE_NBYTES * 8 / values[0] / 1e9 if values[0] > 0 else None
+    inter = flows * PROBE_NBYTES * 8 / values[1] / 1e9 if values[1] > 0 else None
+    table = []
+    for i, name in enumerate(names):
+        c, d, s = values[2 + 3 * i: 5 + 3 * i]
+        table.append((name, KernelRates(c, d, s)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return MeasuredRates(intra, inter, tuple(table), int(cores or 1))
+
+
+# -- plans -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one collective runs (plain data, the same on every rank)."""
+
+    collective: str  # "allreduce", "reduce_scatter", "all_gather"
+    scheme: str  # the flat scheme, or the scheme across hosts of a two-level plan
+    algorithm: str  # the flat algorithm, or "two-level"
+    bits: float | None
+    levels: HierarchicalPlan | None = None  # set for two-level plans
+    predicted_us: float = 0.0
+    reason: str = ""
+    alternatives: tuple[tuple[str, float], ...] = ()  # (label, predicted us), best first
+
+    @property
+    def label(self) -> str:
+        return _label(self.scheme, self.algorithm, self.bits, self.levels)
+
+    @property
+    def is_two_level(self) -> bool:
+        return self.levels is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"collective": self.collective, "label": self.label,
+                               "scheme": self.scheme, "algorithm": self.algorithm,
+                               "bits": self.bits, "predicted_us": round(self.predicted_us, 1),
+                               "reason": self.reason}
+        if self.levels is not None:
+            out["levels"] = {
+                "hosts": [list(h) for h in self.levels.host_ranks],
+                "intra": {"scheme": self.levels.intra.scheme, "bits": self.levels.intra.bits,
+                          "algorithm": self.levels.intra.algorithm},
+                "inter": {"scheme": self.levels.inter.scheme, "bits": self.levels.inter.bits,
+                          "algorithm": self.levels.inter.algorithm}}
+        out["alternatives"] = [[label, round(us, 1)] for label, us in self.alternatives]
+        return out
+
+
+def _label(scheme: str, algorithm: str, bits: float | None,
+           levels: HierarchicalPlan | None) -> str:
+    from . import schemes
+
+    def one(s: str, b: float | None) -> str:
+        takes_bits = "bits" in schemes.spec(s).options
+        return s + (f"{b:g}" if takes_bits and b is not None else "")
+
+    if levels is not None:
+        return (f"two-level[{levels.intra.algorithm}/{one(levels.intra.scheme, levels.intra.bits)}"
+                f" + {levels.inter.algorithm}/{one(levels.inter.scheme, levels.inter.bits)}]")
+    return f"{algorithm}/{one(scheme, bits)}"
+
+
+class Planner:
+    """Plans for one communicator's calls (see the module docstring). ``job`` and ``rates``
+    must be the same on every rank (:func:`discover_job`, :func:`measure_rates`)."""
+
+    def __init__(self, job: JobTopology, rates: MeasuredRates, *,
+                 tile_nbytes: int | None = None) -> None:
+        self.job = job
+        self.rates = rates
+        self.tile_nbytes = tile_nbytes if tile_nbytes is not None else (
+            4 << 20 if job.device_kind == "cpu" else 64 << 20)
+        self.graph = self._graph()
+        self.params = CostParams(kernel_rates=tuple(
+            ((job.device_kind, name), self._device_rates(name))
+            for name, _ in rates.kernels))
+        # -- corrected by measured calls (agreed by the caller): label -> measured / predicted
+        self.factors: dict[str, float] = {}
+        self.tried: set[str] = set()
+        self._cache: dict[tuple[Any, ...], Plan] = {}
+
+    # -- the cost model's inputs ------------------------------------------------------------
+
+    def _device_rates(self, scheme: str) -> KernelRates:
+        """Per compute device: a machine's cores serve its CPU ranks together (the cost model
+        adds up the ranks sharing a device); a GPU is one device per rank."""
+        k = self.rates.kernel(scheme)
+        if self.job.device_kind != "cpu":
+            return k
+        cores = max(1, self.rates.cores_per_machine)
+        return KernelRates(k.compress_ns / cores, k.decompress_ns / cores, k.stats_ns / cores)
+
+    def _graph(self) -> Topology:
+        """The job as the cost model's graph: a port per rank into its host at the measured
+        intra-host rate, a port per host at the measured inter-host rate."""
+        job, rates = self.job, self.rates
+        intra = rates.intra_gbps or 1e4
+        inter = rates.inter_gbps or 1e4
+        links: list[Link] = []
+        nics: list[int] = []
+        hosts = [0] * job.world_size
+        ports = [0] * job.world_size
+        for h, ranks in enumerate(job.hosts):
+            nics.append(len(links))
+            links.append(Link(f"port{h}", LinkKind.NETWORK, inter, 20.0))
+            for r in ranks:
+                hosts[r] = h
+                ports[r] = len(links)
+                links.append(Link(f"local{h}.{r}", LinkKind.LOOPBACK, intra, 20.0))
+        devices = (tuple(job.machines) if job.device_kind == "cpu"
+                   else tuple(range(job.world_size)))
+        return Topology("job", tuple(hosts), tuple(ports), tuple(nics), tuple(links), devices,
+                        device_kind=job.device_kind)
+
+    # -- candidates and prices ----------------------------------------------------------------
+
+    def candidates(self, collective: str, scheme: str, bits: float | None
+                   ) -> list[tuple[str, str, float | None, HierarchicalPlan | None]]:
+        """(scheme, algorithm, bits, levels) of every plan considered for ``scheme`` (a name, or
+        ``"auto"``)."""
+        if collective == "all_gather" and scheme == "auto":
+            raise InvalidArgumentError("scheme='auto' is for allreduce and reduce_scatter")
+        names = AUTO_SCHEMES if scheme == "auto" else (scheme,)
+        out: list[tuple[str, str, float | None, HierarchicalPlan | None]] = []
+        n = self.job.world_size
+        algorithms = FLAT_ALGORITHMS if n > 2 else ("ring",)
+        for name in names:
+            b = (5.0 if bits is None else float(bits)) if name == "dynamiq" else None
+            out += [(name, algorithm, b, None) for algorithm in algorithms]
+        if self.job.two_level:
+            hosts = self.job.hosts
+            inner = ("none", "bf16") if scheme == "auto" else ("none",)
+            outer = ("dynamiq",) if scheme == "auto" else (scheme,)
+            inter_algorithms = FLAT_ALGORITHMS if len(hosts) > 2 else ("ring",)
+            for lo in inner:
+                for hi in outer:
+                    for algorithm in inter_algorithms:
+                        hi_bits = (5.0 if bits is None else float(bits)) if hi == "dynamiq" \
+                            else None
+                        levels = HierarchicalPlan(
+                            hosts, LevelSpec(lo, algorithm="ring"),
+                            LevelSpec(hi, 5.0 if hi_bits is None else float(hi_bits), algorithm))
+                        out.append((hi, "two-level", hi_bits, levels))
+        return out
+
+    def predict_us(self, collective: str, scheme: str, algorithm: str, bits: float | None,
+                   levels: HierarchicalPlan | None, nbytes: int, dtype: str) -> float:
+        """The cost model's time of one candidate (uncalibrated). Reduce-scatter and all-gather
+        are priced as half of the all-reduce (its reduce or its gather phase)."""
+        dtype = dtype if dtype in DTYPE_NBYTES else "float32"
+        tiles = max(1, -(-nbytes // self.tile_nbytes))
+        if levels is not None:
+            total = price_hierarchical(levels, self.graph, nbytes, dtype=dtype, tiles=tiles,
+                                       params=self.params).total_us
+        else:
+            total = price_allreduce(algorithm, self.graph, nbytes, scheme=scheme, bits=bits,
+                                    dtype=dtype, tiles=tiles, params=self.params).total_us
+        return total if collective == "allreduce" else total / 2
+
+    def plan(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
+             bits: float | None = None, algorithm: str = "auto") -> Plan:
+        """The plan of a call: the least calibrated prediction among the candidates (a named
+        ``algorithm`` keeps that flat algorithm), or a close candidate never run (explored
+        once). The same on every rank where the planner's inputs are."""
+        size_class = 0 if nbytes <= 0 else int(math.log(nbytes, _SIZE_CLASS_BASE))
+        key = (collective, size_class, dtype, scheme, bits, algorithm)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        options = self.candidates(collective, scheme, bits)
+        if algorithm != "auto":
+            options = [c for c in options if c[1] == algorithm]
+            if not options:
+                raise InvalidArgumentError(f"no {collective} plan with algorithm {algorithm!r}")
+        typical = int(_SIZE_CLASS_BASE ** (size_class + 0.5)) if nbytes > 0 else 0
+        priced = []
+        for cand in options:
+            label = _label(cand[0], cand[1], cand[2], cand[3])
+            raw = self.predict_us(collective, *cand, typical, dtype)
+            priced.append((raw * self.factors.get(label, 1.0), label, cand))
+        priced.sort(key=lambda p: (p[0], p[1]))
+        best_us, best_label, best = priced[0]
+        reason = f"least predicted time ({best_us / 1e3:.2f} ms)"
+        for us, label, cand in priced[1:]:
+            close = us <= EXPLORE_WITHIN * best_us
+            if close and label not in self.tried and best_label in self.tried:
+                best_us, best_label, best = us, label, cand
+                reason = (f"explored once: predicted within {EXPLORE_WITHIN:g}x of the best and "
+                          f"never measured")
+                break
+        plan = Plan(collective, best[0], best[1], best[2], best[3], best_us, reason,
+                    tuple((label, us) for us, label, _ in priced))
+        self._cache[key] = plan
+        return plan
+
+    def observe(self, plan: Plan, measured_us: float) -> None:
+        """A call ran ``plan`` in ``measured_us`` (the slowest rank's, agreed by the caller):
+        move that candidate's factor toward measured / predicted and drop cached plans."""
+        if plan.predicted_us <= 0 or measured_us <= 0:
+            return
+        label = plan.label
+        old = self.factors.get(label, 1.0)
+        raw = plan.predicted_us / old
+        ratio = measured_us / raw
+        self.factors[label] = (old ** (1 - CALIBRATION_RATE)) * (ratio ** CALIBRATION_RATE) \
+            if label in self.tried else ratio
+        self.tried.add(label)
+        self._cache.clear()
+
+    def describe(self) -> str:
+        r = self.rates
+        links = []
+        if r.intra_gbps is not None:
+            links.append(f"intra-host {r.intra_gbps:.2f} Gb/s per flow")
+        if r.inter_gbps is not None:
+            links.append(f"inter-host {r.inter_gbps:.2f} Gb/s per host port")
+        kernels = ", ".join(f"{name} {k.compress_ns:.2f}/{k.decompress_ns:.2f} ns"
+                            for name, k in r.kernels)
+        return (f"{self.job.describe()}; measured: {', '.join(links) or 'no links'}; kernels "
+                f"(encode/decode per coordinate, one core): {kernels}; "
+                f"{r.cores_per_machine} cores per machine")
+
+
+def fingerprint(plan: Plan) -> int:
+    """A 31-bit digest of a plan's decision (for checks that every rank made the same)."""
+    return zlib.crc32(repr((plan.collective, plan.label)).encode()) & 0x7FFFFFFF
+
+
+def plans_for_sizes(planner: Planner, sizes: Sequence[int], *, collective: str = "allreduce",
+                    dtype: str = "float32", scheme: str = "auto",
+                    bits: float | None = None) -> list[Plan]:
+    return [planner.plan(collective, n, dtype, scheme=scheme, bits=bits) for n in sizes]

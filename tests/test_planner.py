@@ -1,0 +1,120 @@
+"""The planner (:mod:`dqcoll.planner`): the job's hosts from every rank's identity, measured
+rates agreed over ranks, plans the same on every rank, calibration from measured calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from dqcoll import planner
+from dqcoll.errors import InvalidArgumentError
+from dqcoll.testing import run_local
+from dqcoll.topology.cost import KernelRates
+
+
+def _rates(intra: float | None = 10.0, inter: float | None = 1.0) -> planner.MeasuredRates:
+    kernels = (("none", KernelRates(0.1, 0.2)), ("bf16", KernelRates(0.3, 0.6)),
+               ("dynamiq", KernelRates(4.0, 0.8, 1.6)))
+    return planner.MeasuredRates(intra, inter, kernels, cores_per_machine=2)
+
+
+def _job(hosts: tuple[tuple[int, ...], ...]) -> planner.JobTopology:
+    n = sum(len(h) for h in hosts)
+    return planner.JobTopology(hosts, (0,) * n)
+
+
+def test_discovery_groups_ranks_by_host_and_agrees_everywhere():
+    """Ranks that report the same host identity form one host (in rank order of first
+    appearance); every rank builds the same job and, from the agreed rates, the same plans."""
+
+    def fn(comm):
+        identity = (100 + comm.rank % 2, 7)  # hosts {0, 2} and {1, 3}
+        job = planner.discover_job(comm.transport, identity=identity)
+        rates = planner.measure_rates(comm.transport, job)
+        plans = planner.Planner(job, rates)
+        made = [plans.plan("allreduce", n, "float32") for n in (1 << 16, 1 << 24)]
+        return job, rates, [p.as_dict() for p in made]
+
+    out = run_local(4, fn)
+    job, rates, plans = out[0]
+    assert job.hosts == ((0, 2), (1, 3)) and job.machines == (0, 0, 0, 0)
+    assert job.two_level and job.ranks_per_host == 2
+    assert rates.intra_gbps is not None and rates.inter_gbps is not None
+    assert all(o[0] == job and o[1] == rates and o[2] == plans for o in out)
+
+
+def test_one_host_has_no_two_level_candidates():
+    """A job on one host (or with one rank per host) is planned flat only; with hosts of equal
+    size > 1, two-level candidates appear with an exact or 16-bit intra level."""
+    flat = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
+    assert all(c[3] is None for c in flat.candidates("allreduce", "auto", 5.0))
+    two = planner.Planner(_job(((0, 1), (2, 3))), _rates())
+    levels = [c[3] for c in two.candidates("allreduce", "auto", 5.0) if c[3] is not None]
+    assert levels and {lv.intra.scheme for lv in levels} == {"none", "bf16"}
+    assert {lv.inter.scheme for lv in levels} == {"dynamiq"}
+    named = two.candidates("allreduce", "int8_block", None)
+    assert {c[0] for c in named} == {"int8_block"}
+
+
+def test_slow_ports_make_two_levels_win_and_fast_ones_do_not():
+    """On 2 x 2 with a slow inter-host port and fast local links, the planner picks a two-level
+    plan for large buffers; where the local links are the slow ones (the exact intra level
+    would cross them with 32 bits per coordinate), a flat one."""
+    slow = planner.Planner(_job(((0, 1), (2, 3))), _rates(intra=40.0, inter=0.5))
+    assert slow.plan("allreduce", 64 << 20, "float32").is_two_level
+    fast = planner.Planner(_job(((0, 1), (2, 3))), _rates(intra=0.5, inter=80.0))
+    assert not fast.plan("allreduce", 64 << 20, "float32", scheme="dynamiq").is_two_level
+
+
+def test_plan_lists_every_alternative_best_first_and_honours_a_named_algorithm():
+    """The plan's alternatives are every candidate with its predicted time, best first, the
+    chosen one first; algorithm='butterfly' keeps the flat butterfly; all-gather refuses auto."""
+    p = planner.Planner(_job(((0, 1), (2, 3))), _rates())
+    plan = p.plan("allreduce", 8 << 20, "float32")
+    times = [us for _, us in plan.alternatives]
+    assert times == sorted(times) and plan.alternatives[0][0] == plan.label
+    assert len(plan.alternatives) == len(p.candidates("allreduce", "auto", None))
+    named = p.plan("allreduce", 8 << 20, "float32", scheme="dynamiq", algorithm="butterfly")
+    assert named.algorithm == "butterfly" and not named.is_two_level
+    with pytest.raises(InvalidArgumentError, match="auto"):
+        p.plan("all_gather", 1 << 20, "float32")
+
+
+def test_measured_calls_recalibrate_and_close_candidates_are_explored_once():
+    """A measured call slower than predicted raises that candidate's factor until another
+    plan wins; a never-run candidate within the exploration margin runs once after the chosen
+    one was measured, then the faster measured one is kept."""
+    p = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
+    first = p.plan("allreduce", 16 << 20, "float32", scheme="dynamiq")
+    p.observe(first, first.predicted_us * 10)  # ten times slower than predicted
+    second = p.plan("allreduce", 16 << 20, "float32", scheme="dynamiq")
+    assert second.label != first.label
+    assert p.factors[first.label] == pytest.approx(10.0)
+    p.observe(second, second.predicted_us)  # as predicted
+    third = p.plan("allreduce", 16 << 20, "float32", scheme="dynamiq")
+    assert third.label == second.label and "least predicted" in third.reason
+
+
+def test_size_classes_share_plans():
+    """Sizes in one power-of-two class get the same (cached) plan object."""
+    p = planner.Planner(_job(((0, 1), (2, 3))), _rates())
+    a = p.plan("allreduce", (1 << 20) + 1, "float32")
+    assert p.plan("allreduce", (1 << 20) + 1000, "float32") is a
+
+
+def test_plan_command_prints_the_topology_and_agreed_plans(tmp_path):
+    """``dqcoll plan -g 2`` starts two ranks on loopback, prints the topology it found (one
+    host), the plan per size with every alternative's predicted time, and says the ranks agree."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "-m", "dqcoll.cli.plan", "-g", "2", "-b", "64K",
+                           "-e", "256K", "-f", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "topology: 2 ranks: 1 hosts x 2 ranks" in done.stdout
+    assert "plans identical on every rank: yes" in done.stdout
+    report = json.loads(out.read_text())
+    assert [p["nbytes"] for p in report["plans"]] == [64 << 10, 256 << 10]
+    assert all(p["alternatives"][0][0] == p["label"] for p in report["plans"])
