@@ -133,8 +133,11 @@ if rank == 0:
                                          [(p, torch.empty(10)) for p in peers],
                                          what="lonely step"))
     store.set("lonely done", "1")
+    # rank 0 hosts the store: it leaves only after every other rank has read the key
+    store.wait([f"lonely seen {p}" for p in peers])
 else:
     store.wait(["lonely done"])
+    store.set(f"lonely seen {rank}", "1")
 print("REPORT " + json.dumps(report), flush=True)
 os._exit(0)  # rank 0's timed-out receives closed its connections: no teardown
 """
