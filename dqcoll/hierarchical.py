@@ -1,14 +1,52 @@
-"""Runs a :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`: one all-reduce as three
-ordinary collectives, each level with its own scheme.
+"""Runs a :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`: all-reduce, reduce-scatter and
+all-gather in two levels, each level with its own scheme. The package's one two-level
+implementation: the FSDP2 lanes' two-level paths call it too.
 
 The plan is data (:mod:`dqcoll.topology.hierarchical`, which only plans); this module runs it,
-beside the executor: a reduce-scatter inside each host, an all-reduce across hosts among the
-ranks of the same local index, an all-gather inside each host, each over a
-:class:`~dqcoll.transports.subgroup.SubgroupTransport` view of the caller's transport.
+beside the executor. Each level is one ordinary collective (a
+:class:`~dqcoll.prepare.Request` handed to :func:`dqcoll.execute.launch`, as the public functions
+do; only the package's front, the integrations, the command line and the evaluation import
+:mod:`dqcoll.api`) over a :class:`~dqcoll.transports.subgroup.SubgroupTransport` view of the
+caller's transport: the ranks of one host (``intra``), or the ranks with the same local index on
+every host, in host order (``inter``).
 
-Each level is one ordinary collective handed to :func:`dqcoll.execute.launch`, as the public
-functions do (only the package's front, the integrations, the command line and the evaluation
-import :mod:`dqcoll.api`).
+**Layout.** Over ``H`` hosts of ``G`` ranks (``n = H x G``), the buffer of ``n`` equal shards
+(the reduce-scatter's input, the all-gather's output, the all-reduce's buffer padded with zeros
+to ``n`` equal shards) is arranged local-major: part ``j`` of ``G`` holds, in host order, the
+shards of the ranks with local index ``j`` (:attr:`HierarchicalPlan.local_major_ranks`). Then
+
+* **reduce-scatter**: a reduce-scatter inside each host leaves local rank ``j`` with the host's
+  sum of part ``j``; a reduce-scatter of that part among the ranks of local index ``j`` leaves
+  the rank on host ``h`` with piece ``h``, the sum of its own shard;
+* **all-reduce**: the same reduce-scatter inside each host, an all-reduce of the part across
+  hosts, an all-gather inside each host;
+* **all-gather**: an all-gather across hosts (part ``j`` on every rank of local index ``j``),
+  then one inside each host. Across first, so each shard crosses the network once, coded by its
+  owner; inside first would send every host's ``G`` shards from each of its ranks.
+
+The copy into local-major order (and back) is one row gather of the buffer; it is skipped when
+the ranks are numbered local-major already (``host_ranks[h][j] == j x H + h``) and the buffer
+needs no padding: the levels then read and write the caller's buffers.
+
+**What follows.** With an exact intra level (``none``), a rank's reduce-scatter output is, bit
+for bit, its shard of the all-reduce of the same buffer with the same plan, seed and step, when
+the inter scheme's all-reduce uses its reduce-scatter layout (``dynamiq``: ``balance="shards"``;
+exact schemes always): both run the same intra reduce-scatter, and a flat reduce-scatter is its
+shard of the flat all-reduce on that layout (tests/test_rs_ag.py). With a compressed intra level
+the all-reduce's result is that shard coded once more by the intra all-gather.
+
+**Calls.** Every rank of ``comm`` calls with the same plan, sizes and dtype. The call takes one
+step of ``comm``'s call counter (``step`` defaults to it) and every level runs with that step
+and a seed of its phase derived from the call's seed (0: intra reduce-scatter, 1: across hosts,
+2: intra all-gather), the same on every rank. ``op="avg"`` averages at each level, the global
+average since every host holds the same number of ranks. Local argument errors (a plan for
+another world size, buffer sizes, dtypes) raise on the rank that has them before anything moves;
+the levels check the ranks against each other. A level that fails leaves ``comm`` dead
+(:class:`~dqcoll.comm.Communicator`): another host may be in another level of the call.
+``comm.last_info`` names the plan, the collective and each level's call.
+
+The subgroup communicators are made once per communicator and group and kept while the
+communicator lives (their schemes' state and scratch buffers with them).
 
 Rejected: running the plan from :mod:`dqcoll.topology` (it was there): planning then imported the
 public API, and ``api -> topology.tuning -> topology.hierarchical -> api`` was a circle.
@@ -16,6 +54,9 @@ public API, and ``api -> topology.tuning -> topology.hierarchical -> api`` was a
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -23,13 +64,20 @@ import torch
 from .comm import Communicator, get_default_comm
 from .errors import InvalidArgumentError
 from .execute import launch
-from .interop import as_torch_view
-from .prepare import Request
-from .topology.hierarchical import HierarchicalPlan
+from .prepare import Request, inspect_buffer
+from .topology.hierarchical import HierarchicalPlan, LevelSpec
 from .transports.subgroup import SubgroupTransport
 from .types import Collective
 
-__all__ = ["hierarchical_allreduce"]
+__all__ = [
+    "hierarchical_all_gather",
+    "hierarchical_allreduce",
+    "hierarchical_reduce_scatter",
+    "run_hierarchical",
+]
+
+# Phases (their seeds): the intra reduce-scatter, the level across hosts, the intra all-gather.
+INTRA_REDUCE, ACROSS, INTRA_GATHER = 0, 1, 2
 
 
 def _phase_seed(seed: int, phase: int) -> int:
@@ -37,68 +85,223 @@ def _phase_seed(seed: int, phase: int) -> int:
     return (seed ^ (0x9E3779B97F4A7C15 * phase)) & ((1 << 62) - 1)
 
 
-def hierarchical_allreduce(
-    buf: Any,
-    plan: HierarchicalPlan,
-    *,
-    op: str = "sum",
-    comm: Any = None,
-    seed: int | None = None,
-    step: int | None = None,
-) -> Any:
-    """All-reduce ``buf`` in place along ``plan``, each level with its own scheme; returns ``buf``.
+def hierarchical_allreduce(buf: Any, plan: HierarchicalPlan, *, op: str = "sum",
+                           comm: Communicator | None = None, seed: int | None = None,
+                           step: int | None = None) -> Any:
+    """All-reduce ``buf`` in place along ``plan``, each level with its own scheme; returns
+    ``buf``. Any length; see the module docstring."""
+    return run_hierarchical(Collective.ALLREDUCE, buf, None, plan, op=op, comm=comm, seed=seed,
+                            step=step)
+
+
+def hierarchical_reduce_scatter(buf: Any, out: Any, plan: HierarchicalPlan, *, op: str = "sum",
+                                comm: Communicator | None = None, seed: int | None = None,
+                                step: int | None = None) -> Any:
+    """``out`` = this rank's shard (global rank order) of the sum or average of every rank's
+    ``buf`` (``n x out.numel()`` elements); returns ``out``."""
+    return run_hierarchical(Collective.REDUCE_SCATTER, buf, out, plan, op=op, comm=comm,
+                            seed=seed, step=step)
+
+
+def hierarchical_all_gather(shard: Any, out: Any, plan: HierarchicalPlan, *,
+                            comm: Communicator | None = None, seed: int | None = None,
+                            step: int | None = None) -> Any:
+    """``out`` = every rank's ``shard`` in global rank order, the same on every rank; returns
+    ``out``."""
+    return run_hierarchical(Collective.ALL_GATHER, shard, out, plan, comm=comm, seed=seed,
+                            step=step)
+
+
+def run_hierarchical(collective: Collective | str, buf: Any, out: Any, plan: HierarchicalPlan,
+                     *, op: str = "sum", comm: Communicator | None = None,
+                     seed: int | None = None, step: int | None = None) -> Any:
+    """Run ``collective`` (``allreduce``: ``out`` is None, ``buf`` is reduced in place;
+    ``reduce_scatter``; ``all_gather``) along ``plan``; returns ``buf`` or ``out``.
 
     ``comm`` is the caller's :class:`~dqcoll.comm.Communicator` (default: the current one); every
-    rank of it must call this with the same plan. ``op="avg"`` averages at each level, which
-    gives the global average since every host holds the same number of ranks.
-    """
+    rank of it must call this with the same collective, plan and sizes (module docstring)."""
     comm = comm or get_default_comm()
-    with comm.in_flight("hierarchical allreduce"):
-        return _run_levels(buf, plan, comm, op=op, seed=seed, step=step)
-
-
-def _run_levels(buf: Any, plan: HierarchicalPlan, comm: Communicator, *, op: str,
-                seed: int | None, step: int | None) -> Any:
-    if comm.world_size != plan.world_size:
-        raise InvalidArgumentError(
-            f"plan is for {plan.world_size} ranks, communicator has {comm.world_size}")
-    call_step = comm.next_step()
-    step = call_step if step is None else int(step)
-    seed = comm.seed if seed is None else int(seed)
-    tensor = as_torch_view(buf)
-    flat = tensor.view(-1)
-    g = plan.gpus_per_node
-    numel = flat.numel()
-    if numel == 0 or comm.world_size == 1:
-        return buf
-    shard_numel = -(-numel // g)
-    padded = torch.zeros(g * shard_numel, dtype=flat.dtype, device=flat.device)
-    padded[:numel] = flat
-    intra = Communicator(SubgroupTransport(comm.transport, plan.intra_group(comm.rank)),
-                         device=comm.device)
-    inter = Communicator(SubgroupTransport(comm.transport, plan.inter_group(comm.rank)),
-                         device=comm.device)
-    shard = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
     try:
-        _levels(padded, shard, plan, intra, inter, op=op, seed=seed, step=step)
-    except BaseException as exc:  # a level failed after data moved: see Communicator
-        comm.mark_dead(f"hierarchical allreduce#{call_step} failed: {type(exc).__name__}: {exc}")
-        raise
-    flat.copy_(padded[:numel])
-    comm.last_info = {"algorithm": plan.name, "intra": dict(intra.last_info),
-                      "inter": dict(inter.last_info)}
-    return buf
+        kind = Collective(collective)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"rank {comm.rank}: collective must be one of {[c.value for c in Collective]}, got "
+            f"{collective!r}") from None
+    with comm.in_flight(f"hierarchical {kind.value}"):
+        call_step = comm.next_step()
+        what = f"hierarchical {kind.value}#{call_step}"
+        tensor, target = _check(kind, buf, out, plan, comm, what)
+        run = _Run(plan, comm, seed=comm.seed if seed is None else int(seed),
+                   step=call_step if step is None else int(step), op=op)
+        try:
+            if kind is Collective.ALLREDUCE:
+                run.allreduce(tensor.view(-1))
+            elif kind is Collective.REDUCE_SCATTER:
+                assert target is not None
+                run.reduce_scatter(tensor.view(-1), target.view(-1))
+            else:
+                assert target is not None
+                run.all_gather(tensor.view(-1), target.view(-1))
+        except BaseException as exc:  # a level failed, another host may be in another level
+            comm.mark_dead(f"{what} failed: {type(exc).__name__}: {exc}")
+            raise
+        comm.last_info = run.info(kind)
+    return buf if kind is Collective.ALLREDUCE else out
 
 
-def _levels(padded: torch.Tensor, shard: torch.Tensor, plan: HierarchicalPlan,
-            intra: Communicator, inter: Communicator, *, op: str, seed: int, step: int) -> None:
-    lo, hi = plan.intra, plan.inter
-    launch(Request(Collective.REDUCE_SCATTER, padded, shard, op=op, scheme=lo.scheme,
-                   bits=lo.bits, algorithm=lo.algorithm, comm=intra, seed=_phase_seed(seed, 0),
-                   step=step, scheme_options=dict(lo.options)))
-    launch(Request(Collective.ALLREDUCE, shard, None, op=op, scheme=hi.scheme, bits=hi.bits,
-                   algorithm=hi.algorithm, comm=inter, seed=_phase_seed(seed, 1), step=step,
-                   scheme_options=dict(hi.options)))
-    launch(Request(Collective.ALL_GATHER, shard, padded, scheme=lo.scheme, bits=lo.bits,
-                   algorithm=lo.algorithm, comm=intra, seed=_phase_seed(seed, 2), step=step,
-                   scheme_options=dict(lo.options)))
+def _check(kind: Collective, buf: Any, out: Any, plan: HierarchicalPlan, comm: Communicator,
+           what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's arguments as torch views; raises :class:`InvalidArgumentError` naming the
+    rank and the call."""
+    n = comm.world_size
+    if n != plan.world_size:
+        raise InvalidArgumentError(
+            f"rank {comm.rank}: {what}: the plan is for {plan.world_size} ranks "
+            f"({plan.nodes} hosts x {plan.gpus_per_node}), the communicator has {n}")
+    tensor = inspect_buffer(buf, "buf", comm)
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError(f"rank {comm.rank}: {what}: buf is not contiguous (strides "
+                                   f"{tensor.stride()})")
+    if kind is Collective.ALLREDUCE:
+        if out is not None:
+            raise InvalidArgumentError(f"rank {comm.rank}: {what}: an all-reduce is in place; "
+                                       f"out must be None")
+        return tensor, None
+    target = inspect_buffer(out, "out", comm)
+    if kind is Collective.REDUCE_SCATTER:
+        expected, rule = n * target.numel(), "buf.numel() == world_size x out.numel()"
+        got = tensor.numel()
+    else:
+        expected, rule = n * tensor.numel(), "out.numel() == world_size x shard.numel()"
+        got = target.numel()
+    problem = None
+    if got != expected:
+        problem = (f"needs {rule}: buf has {tensor.numel()} elements, out {target.numel()}, "
+                   f"world size {n}")
+    elif target.dtype != tensor.dtype or target.device != tensor.device:
+        problem = (f"out ({target.dtype}, {target.device}) differs from buf ({tensor.dtype}, "
+                   f"{tensor.device})")
+    elif not target.is_contiguous():
+        problem = f"out is not contiguous (strides {target.stride()})"
+    if problem is not None:
+        raise InvalidArgumentError(f"rank {comm.rank}: {what}: {problem}")
+    return tensor, target
+
+
+# -- the subgroup communicators, kept per communicator -------------------------------------------
+
+_groups: weakref.WeakKeyDictionary[Communicator, dict[tuple[int, ...], Communicator]] = (
+    weakref.WeakKeyDictionary())
+_groups_lock = threading.Lock()
+
+
+def _subgroup(comm: Communicator, ranks: tuple[int, ...]) -> Communicator:
+    """The communicator of ``ranks`` (this rank among them) over ``comm``'s transport. Every
+    member issues the same calls on it in the same order (those of the plans that contain the
+    group), so its call counters agree."""
+    with _groups_lock:
+        kept = _groups.setdefault(comm, {})
+        sub = kept.get(ranks)
+        if sub is None or sub.dead is not None or sub.closed:
+            sub = kept[ranks] = Communicator(SubgroupTransport(comm.transport, ranks),
+                                             seed=comm.seed, device=comm.device)
+        return sub
+
+
+@functools.lru_cache(maxsize=64)
+def _order_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``order`` as an index tensor on ``device``, made once (read only by the row gathers)."""
+    return torch.tensor(order, dtype=torch.int64).to(device)
+
+
+class _Run:
+    """One call of a plan on one rank: its levels' communicators, seeds and calls."""
+
+    def __init__(self, plan: HierarchicalPlan, comm: Communicator, *, seed: int, step: int,
+                 op: str) -> None:
+        self.plan, self.seed, self.step, self.op = plan, seed, step, op
+        self.n, self.hosts = plan.world_size, plan.nodes
+        self.intra = _subgroup(comm, plan.intra_group(comm.rank))
+        self.inter = _subgroup(comm, plan.inter_group(comm.rank))
+        order = plan.local_major_ranks
+        self.order = None if order == tuple(range(self.n)) else order  # None: no reordering
+        self.phases: list[dict[str, Any]] = []
+
+    def _level(self, collective: Collective, buf: torch.Tensor, out: torch.Tensor | None,
+               spec: LevelSpec, level: str, phase: int) -> None:
+        """One level's collective, an ordinary request over the level's communicator."""
+        options = dict(spec.options)
+        bits = None if "target_vnmse" in options else spec.bits
+        comm = self.intra if level == "intra" else self.inter
+        launch(Request(collective, buf, out, op=self.op, scheme=spec.scheme, bits=bits,
+                       algorithm=spec.algorithm, comm=comm, seed=_phase_seed(self.seed, phase),
+                       step=self.step, scheme_options=options))
+        self.phases.append({**comm.last_info, "level": level, "collective": collective.value})
+
+    def _index(self, like: torch.Tensor) -> torch.Tensor:
+        assert self.order is not None
+        return _order_index(self.order, like.device)
+
+    def _to_local_major(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
+        """``flat`` (at most ``n x shard`` elements, global rank order) as a new buffer of
+        ``n x shard`` in local-major order, zero-padded; ``flat`` itself where nothing moves."""
+        total = self.n * shard
+        if flat.numel() == total and self.order is None:
+            return flat
+        if flat.numel() == total:
+            padded = flat
+        else:
+            padded = torch.empty(total, dtype=flat.dtype, device=flat.device)
+            padded[: flat.numel()] = flat
+            padded[flat.numel():] = 0
+        if self.order is None:
+            return padded
+        return padded.view(self.n, shard).index_select(0, self._index(flat)).view(-1)
+
+    def _from_local_major(self, work: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
+        """Write ``work`` (local-major, ``n x shard``) into ``flat`` in global rank order, its
+        first ``flat.numel()`` elements."""
+        if work is flat:
+            return
+        if self.order is not None:
+            rows = work.view(self.n, shard)
+            if flat.numel() == work.numel():
+                flat.view(self.n, shard).index_copy_(0, self._index(flat), rows)
+                return
+            work = torch.empty_like(rows).index_copy_(0, self._index(flat), rows).view(-1)
+        flat.copy_(work[: flat.numel()])
+
+    def allreduce(self, flat: torch.Tensor) -> None:
+        shard = -(-flat.numel() // self.n)
+        work = self._to_local_major(flat, shard)
+        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
+        plan = self.plan
+        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
+        self._level(Collective.ALLREDUCE, part, None, plan.inter, "inter", ACROSS)
+        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
+        self._from_local_major(work, flat, shard)
+
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        shard = out.numel()
+        work = self._to_local_major(flat, shard)
+        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
+        plan = self.plan
+        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
+        self._level(Collective.REDUCE_SCATTER, part, out, plan.inter, "inter", ACROSS)
+
+    def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        shard = flat.numel()
+        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
+        work = out if self.order is None else torch.empty_like(out)
+        plan = self.plan
+        self._level(Collective.ALL_GATHER, flat, part, plan.inter, "inter", ACROSS)
+        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
+        self._from_local_major(work, out, shard)
+
+    def info(self, kind: Collective) -> dict[str, Any]:
+        """``comm.last_info`` of the call: the plan's name, the collective, each level's first
+        call (``intra``, ``inter``) and every phase in order (``phases``)."""
+        first = {level: next(p for p in self.phases if p["level"] == level)
+                 for level in ("intra", "inter")}
+        return {"algorithm": self.plan.name, "collective": kind.value, "hierarchical": True,
+                **first, "phases": list(self.phases)}

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from dqcoll import metrics
+from dqcoll import hierarchical, metrics
 from dqcoll.errors import InvalidArgumentError
 from dqcoll.integrations import fsdp as dqfsdp
 from dqcoll.integrations.policy import CompressionPolicy, Role, RoleRule
@@ -501,12 +501,27 @@ def _two_level_job(rank: int, world_size: int) -> dict[str, Any]:
         lane.all_gather(mine, gathered, rule=policy.weights).wait()
         summed = grads.clone()
         lane.allreduce(summed, avg=True, rule=policy.allreduce).wait()
+        # the same calls straight through dqcoll.hierarchical, with the lane's plans, seed and
+        # the steps the lane's calls took (its communicator's call counter: 0, 1, 2)
+        direct_rs = torch.full((numel,), float("nan"))
+        hierarchical.hierarchical_reduce_scatter(
+            grads.clone(), direct_rs, lane.two_level_plan(policy.gradients), op="sum",
+            comm=lane.comm, seed=policy.seed, step=0)
+        direct_ag = torch.full((world_size * numel,), float("nan"))
+        hierarchical.hierarchical_all_gather(
+            mine.clone(), direct_ag, lane.two_level_plan(policy.weights), comm=lane.comm,
+            seed=policy.seed, step=1)
+        direct_ar = grads.clone()
+        hierarchical.hierarchical_allreduce(
+            direct_ar, lane.two_level_plan(policy.allreduce), op="avg", comm=lane.comm,
+            seed=policy.seed, step=2)
         exact_rs = torch.empty(numel)
         dqfsdp.exact_reduce_scatter(exact_rs, grads.clone())
         exact_ar = grads.clone()
         dist.all_reduce(exact_ar)
         out[name] = {"rs": shard, "exact_rs": exact_rs, "ag": gathered, "ar": summed,
-                     "exact_ar": exact_ar / world_size, "levels": lane.local_world_size}
+                     "exact_ar": exact_ar / world_size, "levels": lane.local_world_size,
+                     "direct": (direct_rs, direct_ag, direct_ar)}
         lane.close()
     return out
 
@@ -515,7 +530,8 @@ def test_two_levels(tmp_path: pathlib.Path) -> None:
     """With 2 nodes of 2 ranks, reduce-scatter, all-gather and all-reduce run exact inside a
     node and with the role's scheme across nodes: with scheme none they equal gloo's exact
     collectives bit for bit (integer inputs), shards land at their rank; with dynamiq they are
-    close and every rank holds the same all-reduce and all-gather."""
+    close and every rank holds the same all-reduce and all-gather. Each lane call's result is
+    bit for bit that of dqcoll.hierarchical run directly with the lane's plan, seed and step."""
     mp.spawn(_worker, args=(4, str(tmp_path / "store"), str(tmp_path), "gloo", _two_level_job),
              nprocs=4, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
@@ -532,3 +548,6 @@ def test_two_levels(tmp_path: pathlib.Path) -> None:
         assert metrics.vnmse(quant["ag"], expected) < 1e-3
         assert torch.equal(quant["ar"], results[0]["dynamiq"]["ar"])
         assert torch.equal(quant["ag"], results[0]["dynamiq"]["ag"])
+        for got in (exact, quant):
+            for key, direct in zip(("rs", "ag", "ar"), got["direct"], strict=True):
+                assert torch.equal(got[key], direct), key

@@ -28,8 +28,10 @@ The FSDP2 classes (:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
   and event calls go through :class:`CudaOrder`, which tests replace by a host fake.
 * **One or two levels.** With nodes (:meth:`CompressionPolicy.nodes`), reduce-scatter,
   all-gather and all-reduce run exact (scheme ``none``) among a node's ranks and with the role's
-  scheme across nodes, over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the
-  same connection; ranks are numbered node-major (rank = node x L + local rank, as torchrun does).
+  scheme across nodes: the lane hands a :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`
+  (:meth:`Lane.two_level_plan`) to :func:`dqcoll.hierarchical.run_hierarchical`, the package's
+  two-level implementation, on the lane's communicator; ranks are numbered node-major (rank =
+  node x L + local rank, as torchrun does).
 * **Block codecs in one exchange.** On one level and on CPU, a block codec whose payload depends
   on its chunk alone (``int8_block``, ``int4_block``, ``bf16``) runs as one point-to-point
   exchange after a one-exchange argument check (:meth:`Lane._gather_blocks`,
@@ -57,12 +59,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import api, schemes
+from .. import api, hierarchical, schemes
 from ..comm import Communicator
 from ..errors import CommAbortedError, InvalidArgumentError, MismatchError, UnsupportedError
+from ..prepare import DEFAULT_BITS
 from ..schemes.elementwise import BlockCodec
+from ..topology.hierarchical import HierarchicalPlan, LevelSpec
 from ..transports.nccl_common import exchange_unique_id
-from ..transports.subgroup import SubgroupTransport
 from ..transports.torch_dist import TorchTransport
 from .policy import CompressionPolicy, Role, RoleRule
 
@@ -325,21 +328,28 @@ class Lane:
         self.order = CudaOrder(self.device)
 
     def _split_levels(self) -> None:
-        """Communicators of this rank's node and of its peers on other nodes (two levels)."""
+        """The nodes' ranks for the two-level path (node-major), or None for one level."""
         local = self.policy.nodes(self.world_size)
         self.local_world_size = local
-        self.intra: Communicator | None = None
-        self.inter: Communicator | None = None
-        if not local:
-            return
-        node, index = divmod(self.rank, local)
-        nodes = self.world_size // local
-        self.intra = Communicator(
-            SubgroupTransport(self.transport, [node * local + j for j in range(local)]),
-            seed=self.policy.seed)
-        self.inter = Communicator(
-            SubgroupTransport(self.transport, [k * local + index for k in range(nodes)]),
-            seed=self.policy.seed)
+        self.host_ranks: tuple[tuple[int, ...], ...] | None = None
+        self._plans: dict[RoleRule, HierarchicalPlan] = {}
+        if local:
+            self.host_ranks = tuple(tuple(range(node * local, (node + 1) * local))
+                                    for node in range(self.world_size // local))
+
+    def two_level_plan(self, rule: RoleRule) -> HierarchicalPlan | None:
+        """The plan the lane runs a role's call with on two levels (exact inside a node,
+        ``rule``'s scheme across nodes, each level's algorithm chosen by its call), or None
+        on one level."""
+        if self.host_ranks is None:
+            return None
+        plan = self._plans.get(rule)
+        if plan is None:
+            bits = DEFAULT_BITS if rule.bits is None else float(rule.bits)
+            plan = self._plans[rule] = HierarchicalPlan(
+                self.host_ranks, LevelSpec("none", algorithm="auto"),
+                LevelSpec(rule.scheme, bits, algorithm="auto"))
+        return plan
 
     # -- submission ----------------------------------------------------------------------------
 
@@ -382,24 +392,18 @@ class Lane:
         """``out`` = shard ``rank`` of the sum (or average) of every rank's ``inp``."""
         op = "avg" if avg else "sum"
         codec = _plain_block_codec(rule)
+        plan = self.two_level_plan(rule)
 
         def run() -> None:
-            if self.intra is None or self.inter is None:
+            if plan is None:
                 if codec is not None and inp.device.type == "cpu":
                     self._scatter_blocks(inp.reshape(-1), out.view(-1), codec, avg)
                     return
                 api.reduce_scatter(inp.view(-1), out.view(-1), op=op, comm=self.comm,
                                    **rule.options())
                 return
-            local = self.local_world_size
-            nodes = self.world_size // local
-            shard = out.numel()
-            # [nodes, local, shard] -> [local, nodes, shard]: part j holds the shards of the
-            # ranks with local index j, which the exact intra-node step leaves on local rank j
-            by_local = inp.view(nodes, local, shard).transpose(0, 1).contiguous()
-            mine = torch.empty(nodes * shard, dtype=inp.dtype, device=inp.device)
-            api.reduce_scatter(by_local.view(-1), mine, op=op, scheme="none", comm=self.intra)
-            api.reduce_scatter(mine, out.view(-1), op=op, comm=self.inter, **rule.options())
+            hierarchical.hierarchical_reduce_scatter(inp.view(-1), out.view(-1), plan, op=op,
+                                                     comm=self.comm)
 
         return self.submit(Role.GRADIENTS, inp.numel() * inp.element_size(), inp.numel(), run,
                            out, (inp, out))
@@ -408,25 +412,17 @@ class Lane:
                    rule: RoleRule) -> dist.Work:
         """``out`` = every rank's ``shard`` in rank order, decoded alike on every rank."""
         codec = _plain_block_codec(rule)
+        plan = self.two_level_plan(rule)
 
         def run() -> None:
-            if self.intra is None or self.inter is None:
+            if plan is None:
                 if codec is not None and shard.device.type == "cpu":
                     self._gather_blocks(shard.reshape(-1), out.view(-1), codec)
                     return
                 api.all_gather(shard.view(-1), out.view(-1), comm=self.comm, **rule.options())
                 return
-            local = self.local_world_size
-            nodes = self.world_size // local
-            numel = shard.numel()
-            across = torch.empty(nodes * numel, dtype=shard.dtype, device=shard.device)
-            api.all_gather(shard.view(-1), across, comm=self.inter, **rule.options())
-            gathered = torch.empty(local * nodes * numel, dtype=shard.dtype,
-                                   device=shard.device)
-            api.all_gather(across, gathered, scheme="none", comm=self.intra)
-            # [local, nodes, shard] -> [nodes, local, shard]: rank order
-            out.view(nodes, local, numel).copy_(
-                gathered.view(local, nodes, numel).transpose(0, 1))
+            hierarchical.hierarchical_all_gather(shard.view(-1), out.view(-1), plan,
+                                                 comm=self.comm)
 
         return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out,
                            (shard, out))
@@ -561,21 +557,13 @@ class Lane:
     def allreduce(self, buf: torch.Tensor, *, avg: bool, rule: RoleRule) -> dist.Work:
         """``buf`` = the sum (or average) of every rank's ``buf``, in place."""
         op = "avg" if avg else "sum"
+        plan = self.two_level_plan(rule)
 
         def run() -> None:
-            if self.intra is None or self.inter is None:
+            if plan is None:
                 api.allreduce(buf.view(-1), op=op, comm=self.comm, **rule.options())
                 return
-            local = self.local_world_size
-            flat = buf.view(-1)
-            shard = -(-flat.numel() // local)
-            padded = torch.zeros(local * shard, dtype=buf.dtype, device=buf.device)
-            padded[: flat.numel()] = flat
-            mine = torch.empty(shard, dtype=buf.dtype, device=buf.device)
-            api.reduce_scatter(padded, mine, op=op, scheme="none", comm=self.intra)
-            api.allreduce(mine, op=op, comm=self.inter, **rule.options())
-            api.all_gather(mine, padded, scheme="none", comm=self.intra)
-            flat.copy_(padded[: flat.numel()])
+            hierarchical.hierarchical_allreduce(buf.view(-1), plan, op=op, comm=self.comm)
 
         return self.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(), run,
                            [buf], (buf,))

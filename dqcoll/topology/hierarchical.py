@@ -1,29 +1,38 @@
-"""Hierarchical all-reduce: a scheme and a bit budget per level of the topology.
+"""Hierarchical collectives: a scheme and a bit budget per level of the topology.
 
-Over ``H`` hosts of ``G`` ranks each (rank ``(h, j)`` = local rank ``j`` of host ``h``):
+Over ``H`` hosts of ``G`` ranks each (rank ``(h, j)`` = local rank ``j`` of host ``h``), the
+all-reduce runs as
 
 1. **intra reduce-scatter**: inside each host, over the ``intra`` algorithm, local rank ``j``
-   ends with the host's sum of shard ``j`` (shard = 1/G of the buffer);
+   ends with the host's sum of part ``j`` (part = 1/G of the buffer);
 2. **inter all-reduce**: the ``G`` groups of same-local-rank peers (one rank per host) all-reduce
-   their shard over the ``inter`` algorithm, so every byte on the network is the inter scheme's;
-3. **intra all-gather**: inside each host the reduced shards are gathered back.
+   their part over the ``inter`` algorithm, so every byte on the network is the inter scheme's;
+3. **intra all-gather**: inside each host the reduced parts are gathered back.
+
+The reduce-scatter is steps 1 and 2 with a reduce-scatter across hosts (each rank keeps its own
+shard), the all-gather is an all-gather across hosts then one inside each host (each shard
+crosses the network once). Part ``j`` holds the shards of the ranks with local index ``j``, in
+host order (:attr:`HierarchicalPlan.local_major_ranks`); :mod:`dqcoll.hierarchical` says how the
+buffers are laid out for that.
 
 Each level has its own :class:`LevelSpec` (scheme, bits, algorithm), e.g. uncompressed over NVLink
 and ``dynamiq`` at 4 bits across nodes. :class:`HierarchicalPlan` is the plan as data; it has two
 readings that agree:
 
-* :meth:`HierarchicalPlan.flat_schedule` - one :class:`~.schedule.Schedule` over all ``n`` ranks
-  (chunk ``(h', j)`` reduced in-host onto ``(h, j)`` then across hosts onto its sink
-  ``(h', j)``), which :func:`~.checker.check_schedule` proves correct and which the executor runs
-  as is when both levels use one scheme. :meth:`HierarchicalPlan.step_levels` tells which level
-  each of its steps belongs to, for the cost model. The :class:`~.schedule.Schedule` IR is
-  unchanged.
-* :func:`dqcoll.hierarchical.hierarchical_allreduce` - the per-level execution, beside the
-  executor (this package only plans: it never calls back up into the public API): three ordinary
-  collectives over :class:`~dqcoll.transports.subgroup.SubgroupTransport` views of the caller's
-  transport, so each level runs with its own scheme call.
+* :meth:`HierarchicalPlan.flat_schedule` - the all-reduce as one :class:`~.schedule.Schedule`
+  over all ``n`` ranks (chunk ``(h', j)`` reduced in-host onto ``(h, j)`` then across hosts onto
+  its sink ``(h', j)``), which :func:`~.checker.check_schedule` proves correct and which the
+  executor runs as is when both levels use one scheme. :meth:`HierarchicalPlan.step_levels`
+  tells which level each of its steps belongs to, for the cost model. The
+  :class:`~.schedule.Schedule` IR is unchanged.
+* :func:`dqcoll.hierarchical.run_hierarchical` - the per-level execution of all three
+  collectives, beside the executor (this package only plans: it never calls back up into the
+  public API): ordinary collectives over :class:`~dqcoll.transports.subgroup.SubgroupTransport`
+  views of the caller's transport, so each level runs with its own scheme call.
 
-Ranks of a host need not be numbered contiguously: the plan lists each host's ranks.
+Ranks of a host need not be numbered contiguously: the plan lists each host's ranks. A level's
+algorithm may be ``"auto"`` (the level's call chooses, as a flat call does); such a plan runs,
+but has no :meth:`~HierarchicalPlan.flat_schedule` to price.
 
 Rejected: a Schedule IR with a scheme per transfer. A partial sum would then change format in
 the middle of a tree, which no scheme call can do; levels as separate collectives keep each
@@ -61,7 +70,7 @@ class LevelSpec:
 
     scheme: str = "none"
     bits: float = 5.0  # ignored by schemes without a ``bits`` option (none)
-    algorithm: str = "ring"
+    algorithm: str = "ring"  # or "auto": chosen by the level's call
     # further scheme options, e.g. (("levels", "uniform"),)
     options: tuple[tuple[str, Any], ...] = ()
 
@@ -111,6 +120,14 @@ class HierarchicalPlan:
             if rank in ranks:
                 return h, ranks.index(rank)
         raise InvalidArgumentError(f"rank {rank} is not in the plan")
+
+    @functools.cached_property
+    def local_major_ranks(self) -> tuple[int, ...]:
+        """The global ranks in local-major order: position ``j * H + h`` holds
+        ``host_ranks[h][j]``. Part ``j`` of a two-level collective's buffer holds the shards of
+        the ranks at positions ``j * H .. j * H + H - 1``, the order of local rank ``j``'s
+        :meth:`inter_group`."""
+        return tuple(ranks[j] for j in range(self.gpus_per_node) for ranks in self.host_ranks)
 
     def intra_group(self, rank: int) -> tuple[int, ...]:
         return self.host_ranks[self.position(rank)[0]]
