@@ -23,6 +23,7 @@ import torch
 
 from . import envs, kernels
 from .auto import AutoPolicy
+from .call_metrics import CallMetrics
 from .errors import (
     CollectiveTimeoutError,
     CommAbortedError,
@@ -77,6 +78,8 @@ class Communicator:
             kernels.warm_up(self.device)
         self._calls = 0
         self.last_info: dict[str, Any] = {}
+        # every call's record and running totals, exportable (dqcoll.call_metrics)
+        self.metrics = CallMetrics.for_transport(transport)
         # scheme="auto": the measured link and codec rates and the calibration (dqcoll.auto)
         self.auto = AutoPolicy()
         # what schemes remember across calls (calibration); every rank updates it identically
@@ -220,6 +223,7 @@ class Communicator:
         if not handles.drain(self, timeout_s=timeout):
             self.transport.abort(f"close(): async collectives still running after {timeout:g} s")
         self.closed = True
+        self.metrics.close()
         cpu_runtime.release_local_ranks(self)
         handles.shutdown(self)
         self.transport.close()

@@ -26,6 +26,8 @@ __all__ = [
     "kernels",
     "local_world_size",
     "log_level",
+    "metrics_jsonl",
+    "metrics_records",
     "policy",
     "timeout_s",
     "tuning_dir",
@@ -75,6 +77,18 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "",
         "none | bf16 | dynamiq: what scheme='auto' runs on every call, whatever its model "
         "predicts (last_info['auto'] still reports the predictions). Empty: the model decides.",
+    ),
+    "DQCOLL_METRICS_RECORDS": (
+        "10000",
+        "Call records each communicator keeps in comm.metrics (the most recent; 0 keeps none). "
+        "The running totals per collective, scheme, algorithm and size class count every call "
+        "whatever this is (docs/metrics.md).",
+    ),
+    "DQCOLL_METRICS_JSONL": (
+        "",
+        "Path each rank appends every call's record to as it completes, one NCCL Inspector JSON "
+        "line per call: '{rank}' in it is replaced by the rank, else '.rank<r>' is appended. "
+        "Empty: no file.",
     ),
 }
 
@@ -184,3 +198,21 @@ def local_world_size() -> int | None:
     :meth:`dqcoll.integrations.policy.CompressionPolicy.nodes` when the policy gives none."""
     text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else None
+
+def metrics_records() -> int:
+    """The DQCOLL_METRICS_RECORDS setting (see ENV_VARS)."""
+    value = _get("DQCOLL_METRICS_RECORDS").strip()
+    try:
+        records = int(value)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"DQCOLL_METRICS_RECORDS must be a non-negative integer, got {value!r}") from None
+    if records < 0:
+        raise InvalidArgumentError(
+            f"DQCOLL_METRICS_RECORDS must be a non-negative integer, got {value!r}")
+    return records
+
+
+def metrics_jsonl() -> str:
+    """The DQCOLL_METRICS_JSONL path, or empty for none (see ENV_VARS)."""
+    return _get("DQCOLL_METRICS_JSONL").strip()

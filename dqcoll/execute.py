@@ -24,6 +24,10 @@ all-reduce (:func:`_native_allreduce`) instead of a schedule.
 
 A failure after the argument check (data moved, or may have) leaves the communicator dead: peers
 may be anywhere in the call and its messages may still be in flight (NCCL's rule after an error).
+
+:func:`run` records every call it runs, whatever its outcome, in ``comm.metrics``
+(:func:`dqcoll.call_metrics.recording`: the plan from ``comm.last_info``, the wall time, the bytes
+sent).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from . import auto as auto_mod
 from . import handles, schemes, scratch, validate
 from .auto import AutoChoice
+from .call_metrics import recording
 from .comm import Communicator, get_default_comm
 from .context import call_context
 from .executor import run_schedule
@@ -75,7 +80,10 @@ def launch(request: Request) -> Any:
 
 def run(request: Request, comm: Communicator) -> None:
     """Prepare, check and run one collective on ``comm``, in the calling thread."""
-    with comm.in_flight(request.collective.value):
+    with comm.in_flight(request.collective.value), recording(
+            comm, request.collective, request.buf, scheme=request.scheme,
+            algorithm=request.algorithm, bits=request.bits,
+            target=request.scheme_options.get("target_vnmse") is not None):
         if request.is_auto:
             _run_auto(request, comm)
         else:

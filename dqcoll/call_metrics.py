@@ -1,0 +1,602 @@
+"""What each collective did: one :class:`CallRecord` per call, kept in ``comm.metrics``.
+
+Every collective that runs through :func:`dqcoll.execute.run` is recorded by
+:func:`recording` when it ends, successfully or not: the collective, its size, the scheme and
+algorithm that actually ran, the plan as ``comm.last_info`` describes it (flat, or the levels of a
+two-level plan; ``scheme="auto"``'s choice with its predicted times), the predicted and the
+measured time, the bytes this rank put on the wire and what the uncompressed ring would have
+sent. :class:`CallMetrics` (``comm.metrics``) keeps the most recent records in a bounded ring
+(``DQCOLL_METRICS_RECORDS``, default :data:`DEFAULT_RECORDS`) and running totals per
+(collective, scheme, algorithm, size class), which never lose a call when the ring wraps. It
+exports the records as JSON lines in NCCL Inspector's per-collective shape
+(:meth:`CallMetrics.to_jsonl`) and the totals as Prometheus text
+(:meth:`CallMetrics.prometheus_text`); ``DQCOLL_METRICS_JSONL=path`` appends each record to a
+per-rank file as the call completes. docs/metrics.md shows both outputs.
+
+Recording is host-side bookkeeping only: a few attribute reads of the caller's buffer (no tensor
+operation, no device synchronisation), two reads of the transport's byte counter and one of the
+wall clock. It never raises into the call: a record that cannot be built, or a JSONL file that
+cannot be written, logs one warning per communicator and is dropped.
+
+``measured_us`` is the host's wall time of the call on this rank. A call on CUDA buffers over a
+stream-ordered transport (NCCL) returns once its work is queued, as an NCCL collective does, so
+there it is the time to queue the call, not to run it (``coll_timing_source``:
+``"collective_cpu"``, NCCL Inspector's name for host-side timing).
+
+Calls refused before they start (a closed, dead or busy communicator) are not recorded: nothing
+ran. The levels of a two-level plan run on per-call sub-communicators; their own records stay
+there (a subgroup view writes no JSONL file) and the parent records the call as a whole, its plan
+naming the levels.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import IO, Any, TextIO
+
+import torch
+
+from . import envs
+from .types import Collective
+
+__all__ = [
+    "DEFAULT_RECORDS",
+    "CallMetrics",
+    "CallRecord",
+    "Totals",
+    "exact_wire_nbytes",
+    "plan_of",
+    "recording",
+    "size_class",
+]
+
+log = logging.getLogger("dqcoll")
+
+DEFAULT_RECORDS = 10000
+# the ``bits`` a call of these schemes runs at when the caller gives none (dqcoll.prepare)
+_BITS_SCHEMES = ("dynamiq", "auto")
+_DEFAULT_BITS = 5.0
+# NCCL's names of the collectives (NCCL Inspector's ``coll``)
+_NCCL_NAMES = {"allreduce": "AllReduce", "reduce_scatter": "ReduceScatter",
+               "all_gather": "AllGather"}
+_FORMAT_VERSION = "dqcoll-1"
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One collective call on one rank, as it ran.
+
+    ``numel`` and ``nbytes`` are the whole buffer the collective reduces or gathers (all-reduce:
+    the buffer; reduce-scatter: the input of ``world_size`` shards; all-gather: the output).
+    ``bits_requested``: the caller's ``bits`` (dqcoll's default for ``dynamiq`` / ``auto`` when
+    none was given; None where the scheme takes none or a target error was given).
+    ``bits_wire``: the bits per coordinate the wire carried, measured: ``wire_bytes`` against the
+    uncompressed ring's ``exact_wire_bytes`` (so ``8 * itemsize`` for an uncompressed call over a
+    bandwidth-optimal schedule). ``wire_bytes``: what this rank sent during the call, from the
+    transport's ``bytes_sent`` counter (payload, statistics, argument check, headers).
+    ``exact_wire_bytes``: what this rank sends in an uncompressed ring, ``2 (n-1)/n * nbytes``
+    for all-reduce, ``(n-1)/n * nbytes`` for reduce-scatter and all-gather. ``plan``: see
+    :func:`plan_of`. ``status``: ``"ok"`` or the exception's type name.
+    """
+
+    collective: str
+    seq: int
+    rank: int
+    world_size: int
+    numel: int
+    dtype: str
+    device: str
+    nbytes: int
+    scheme: str
+    algorithm: str
+    bits_requested: float | None
+    bits_wire: float | None
+    plan: dict[str, Any]
+    predicted_us: float | None
+    measured_us: float
+    wire_bytes: int
+    exact_wire_bytes: int
+    status: str
+    start_us: int = 0  # the wall clock (Unix time, microseconds) when the call started
+
+    @property
+    def size_class(self) -> str:
+        return size_class(self.nbytes)
+
+    @property
+    def msg_size_bytes(self) -> int:
+        """NCCL's message size: the buffer for all-reduce, one rank's shard for reduce-scatter
+        and all-gather (NCCL's ``recvcount`` / ``sendcount`` times the element size)."""
+        if self.collective == Collective.ALLREDUCE.value or self.world_size < 1:
+            return self.nbytes
+        return self.nbytes // self.world_size
+
+    def bandwidths_gbs(self) -> tuple[float, float]:
+        """(algorithm bandwidth, bus bandwidth) in GB/s, as NCCL Inspector and nccl-tests define
+        them: ``nbytes / time``, times ``2 (n-1)/n`` (all-reduce) or ``(n-1)/n`` for the bus."""
+        if self.measured_us <= 0:
+            return 0.0, 0.0
+        algo = self.nbytes / (self.measured_us * 1e3)
+        n = max(self.world_size, 1)
+        factor = 2 * (n - 1) / n if self.collective == Collective.ALLREDUCE.value else (n - 1) / n
+        return algo, algo * factor
+
+    def to_inspector(self, header: Mapping[str, Any] | None = None,
+                     metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The record as one NCCL Inspector line: ``header``, ``metadata`` and ``coll_perf``
+        (Inspector's fields where they mean the same, then dqcoll's own)."""
+        algo_bw, bus_bw = self.bandwidths_gbs()
+        perf: dict[str, Any] = {
+            "coll": _NCCL_NAMES.get(self.collective, self.collective),
+            "coll_sn": self.seq,
+            "coll_msg_size_bytes": self.msg_size_bytes,
+            "coll_exec_time_us": round(self.measured_us, 3),
+            "coll_timing_source": "collective_cpu",
+            "coll_algobw_gbs": round(algo_bw, 6),
+            "coll_busbw_gbs": round(bus_bw, 6),
+            "collective": self.collective,
+            "status": self.status,
+            "numel": self.numel,
+            "dtype": self.dtype,
+            "device": self.device,
+            "nbytes": self.nbytes,
+            "scheme": self.scheme,
+            "algorithm": self.algorithm,
+            "bits_requested": self.bits_requested,
+            "bits_wire": None if self.bits_wire is None else round(self.bits_wire, 4),
+            "wire_bytes": self.wire_bytes,
+            "exact_wire_bytes": self.exact_wire_bytes,
+            "predicted_us": None if self.predicted_us is None else round(self.predicted_us, 3),
+            "plan": _plain(self.plan),
+            "start_us": self.start_us,
+        }
+        return {
+            "header": dict(header) if header is not None else
+            {"rank": self.rank, "n_ranks": self.world_size},
+            "metadata": dict(metadata) if metadata is not None else {},
+            "coll_perf": perf,
+        }
+
+
+@dataclasses.dataclass
+class Totals:
+    """Running sums of one (collective, scheme, algorithm, size class): every call counted,
+    whether or not its record is still in the ring."""
+
+    calls: int = 0
+    errors: int = 0
+    nbytes: int = 0
+    wire_bytes: int = 0
+    exact_wire_bytes: int = 0
+    seconds: float = 0.0
+    predicted_calls: int = 0  # calls that came with a predicted time
+    predicted_seconds: float = 0.0  # their predicted times
+    predicted_measured_seconds: float = 0.0  # their measured times
+
+    def add(self, record: CallRecord) -> None:
+        self.calls += 1
+        self.errors += record.status != "ok"
+        self.nbytes += record.nbytes
+        self.wire_bytes += record.wire_bytes
+        self.exact_wire_bytes += record.exact_wire_bytes
+        self.seconds += record.measured_us * 1e-6
+        if record.predicted_us is not None:
+            self.predicted_calls += 1
+            self.predicted_seconds += record.predicted_us * 1e-6
+            self.predicted_measured_seconds += record.measured_us * 1e-6
+
+
+TotalsKey = tuple[str, str, str, str]  # (collective, scheme, algorithm, size class)
+
+# Prometheus counters: name -> (Totals field, help text)
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("dqcoll_calls_total", "calls", "Collective calls run on this rank (any status)."),
+    ("dqcoll_call_errors_total", "errors", "Collective calls that raised on this rank."),
+    ("dqcoll_bytes_total", "nbytes",
+     "Uncompressed bytes of the buffers the calls reduced or gathered."),
+    ("dqcoll_wire_bytes_total", "wire_bytes",
+     "Bytes this rank sent during the calls (payload, statistics, checks, headers)."),
+    ("dqcoll_exact_wire_bytes_total", "exact_wire_bytes",
+     "Bytes this rank would send in an uncompressed ring for the same calls."),
+    ("dqcoll_call_seconds_total", "seconds", "Wall time of the calls on this rank."),
+    ("dqcoll_predicted_calls_total", "predicted_calls", "Calls that came with a predicted time."),
+    ("dqcoll_predicted_seconds_total", "predicted_seconds",
+     "Predicted time of the calls that came with one."),
+    ("dqcoll_predicted_call_seconds_total", "predicted_measured_seconds",
+     "Measured wall time of the calls that came with a predicted time."),
+)
+
+
+def size_class(nbytes: int) -> str:
+    """The power of two at or above ``nbytes``, as a label: ``"0B"``, ``"512B"``, ``"4KiB"``,
+    ``"64MiB"``, ``"2GiB"`` (a size class holds the sizes above half of it)."""
+    if nbytes <= 0:
+        return "0B"
+    exponent = (int(nbytes) - 1).bit_length()
+    return _SIZE_CLASSES[exponent] if exponent < len(_SIZE_CLASSES) else _size_label(exponent)
+
+
+def _size_label(exponent: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if exponent >= shift:
+            return f"{1 << (exponent - shift)}{unit}"
+    return f"{1 << exponent}B"
+
+
+_SIZE_CLASSES = tuple(_size_label(e) for e in range(64))
+
+
+def exact_wire_nbytes(collective: str, nbytes: int, world_size: int) -> int:
+    """What one rank sends in an uncompressed bandwidth-optimal ring: ``2 (n-1)/n * nbytes``
+    for all-reduce, ``(n-1)/n * nbytes`` for reduce-scatter and all-gather (rounded down)."""
+    n = world_size
+    if n <= 1 or nbytes <= 0:
+        return 0
+    hops = 2 * (n - 1) if collective == Collective.ALLREDUCE.value else n - 1
+    return hops * nbytes // n
+
+
+def _level(info: Mapping[str, Any]) -> dict[str, Any]:
+    return {"scheme": info.get("scheme"), "algorithm": info.get("algorithm"),
+            "bits": info.get("bits")}
+
+
+def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan a call ran, as plain data, from its ``comm.last_info``.
+
+    ``info["plan"]`` where the call put one; else a two-level plan where ``info`` has the levels
+    (``"intra"`` and ``"inter"``: ``{"kind": "two_level", "algorithm", "levels": [...]}``, each
+    level with its scheme, algorithm and bits); else ``{"kind": "flat", "scheme", "algorithm",
+    "bits"}``, with ``scheme="auto"``'s choice (``"auto"``: chosen, reason, predicted time of each
+    candidate in microseconds) where it decided. ``bits``: the scheme's own figure where it
+    reports one (dynamiq: the bits per coordinate its allocation used)."""
+    given = info.get("plan")
+    if isinstance(given, Mapping):
+        return dict(given)
+    intra, inter = info.get("intra"), info.get("inter")
+    if isinstance(intra, Mapping) and isinstance(inter, Mapping):
+        return {"kind": "two_level", "algorithm": info.get("algorithm"),
+                "levels": [{"level": "intra", **_level(intra)},
+                           {"level": "inter", **_level(inter)}]}
+    plan: dict[str, Any] = {"kind": "flat", **_level(info)}
+    auto = info.get("auto")
+    if isinstance(auto, Mapping):
+        predicted = auto.get("predicted_ms") or {}
+        plan["auto"] = {"chosen": auto.get("chosen"), "reason": auto.get("reason"),
+                        "predicted_us": {k: v * 1e3 for k, v in predicted.items()}}
+    return plan
+
+
+def _predicted_us(info: Mapping[str, Any]) -> float | None:
+    """The predicted time of what ran: ``info["predicted_us"]``, or ``auto``'s prediction for
+    its choice; None where nothing predicted it (or the prediction is not finite)."""
+    value = info.get("predicted_us")
+    if value is None:
+        auto = info.get("auto")
+        if isinstance(auto, Mapping):
+            ms = (auto.get("predicted_ms") or {}).get(auto.get("chosen"))
+            value = None if ms is None else ms * 1e3
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can write it: non-finite floats become None, unknown types text."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    try:
+        number = float(value)  # numpy scalars
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else None
+
+
+def _buffer_facts(buf: Any) -> tuple[int, int, str, str]:
+    """(elements, bytes per element, dtype name, device type) of a torch tensor, NumPy or CuPy
+    array, from its attributes only."""
+    if isinstance(buf, torch.Tensor):
+        return (buf.numel(), buf.element_size(), str(buf.dtype).removeprefix("torch."),
+                buf.device.type)
+    dtype = getattr(buf, "dtype", None)
+    device = "cuda" if type(buf).__module__.startswith("cupy") else "cpu"
+    return int(getattr(buf, "size", 0)), int(getattr(dtype, "itemsize", 0)), str(dtype), device
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _format_number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))
+
+
+class CallMetrics:
+    """One communicator's call records (the most recent ``capacity``) and running totals.
+
+    Thread-safe: an ``async_op`` call records from the communicator's worker thread while the
+    caller may export. ``capacity=None`` reads ``DQCOLL_METRICS_RECORDS``; ``jsonl``: the path
+    every record is appended to as it arrives (``None``: no file; see :meth:`for_transport`).
+    """
+
+    def __init__(self, rank: int, world_size: int, *, capacity: int | None = None,
+                 jsonl: str | None = None) -> None:
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.capacity = envs.metrics_records() if capacity is None else int(capacity)
+        self._records: collections.deque[CallRecord] = collections.deque(maxlen=self.capacity)
+        self._totals: dict[TotalsKey, Totals] = {}
+        self._calls = 0  # records ever added (the ring keeps the last ``capacity``)
+        self._lock = threading.Lock()
+        self.jsonl_path = jsonl
+        self._jsonl: TextIO | None = None
+        self._warned = False
+        self._header = {"rank": self.rank, "n_ranks": self.world_size}
+        self._metadata = {"inspector_output_format_version": _FORMAT_VERSION,
+                          "hostname": socket.gethostname(), "pid": os.getpid()}
+
+    @classmethod
+    def for_transport(cls, transport: Any) -> CallMetrics:
+        """The metrics of a communicator over ``transport``: ``DQCOLL_METRICS_RECORDS`` records,
+        and with ``DQCOLL_METRICS_JSONL`` set a JSONL file for this rank (its ``{rank}`` replaced
+        by the rank, else ``.rank{r}`` appended). A subgroup view (the levels of a two-level
+        call) writes no file: its parent records the call."""
+        path = envs.metrics_jsonl()
+        if path and getattr(transport, "parent", None) is None:
+            rank = str(transport.rank)
+            path = path.replace("{rank}", rank) if "{rank}" in path else f"{path}.rank{rank}"
+        else:
+            path = ""
+        return cls(transport.rank, transport.world_size, jsonl=path or None)
+
+    # -- recording ------------------------------------------------------------------------------
+
+    def record(self, record: CallRecord) -> None:
+        """Keep ``record`` (the ring drops the oldest past ``capacity``; the totals keep all)."""
+        key = (record.collective, record.scheme, record.algorithm, record.size_class)
+        with self._lock:
+            self._records.append(record)
+            self._calls += 1
+            totals = self._totals.get(key)
+            if totals is None:
+                totals = self._totals[key] = Totals()
+            totals.add(record)
+            if self.jsonl_path is not None:
+                self._append_jsonl(record)
+
+    def record_call(self, collective: str | Collective, buf: Any, *, seq: int,
+                    measured_s: float, wire_bytes: int, info: Mapping[str, Any] | None = None,
+                    scheme: str = "", algorithm: str = "", bits: float | None = None,
+                    target: bool = False, error: BaseException | None = None,
+                    start_s: float | None = None) -> CallRecord | None:
+        """Build and keep the record of one call; returns it, or None where it could not be built
+        (logged once). ``buf``: the caller's input buffer (all-gather: this rank's shard);
+        ``info``: the call's ``comm.last_info`` (None when the call wrote none, e.g. it failed
+        before it ran); ``scheme`` / ``algorithm``: what the caller asked for, used where
+        ``info`` does not say what ran; ``bits``: the caller's ``bits`` argument; ``target``: the
+        caller gave a target error instead (no bits requested)."""
+        try:
+            record = self._build(collective, buf, seq=seq, measured_s=measured_s,
+                                 wire_bytes=wire_bytes, info=info or {}, scheme=scheme,
+                                 algorithm=algorithm, bits=bits, target=target, error=error,
+                                 start_s=start_s)
+            self.record(record)
+            return record
+        except Exception as exc:  # never into the call
+            self._warn_once(f"a call's metrics record was dropped: {type(exc).__name__}: {exc}")
+            return None
+
+    def _build(self, collective: str | Collective, buf: Any, *, seq: int, measured_s: float,
+               wire_bytes: int, info: Mapping[str, Any], scheme: str, algorithm: str,
+               bits: float | None, target: bool, error: BaseException | None,
+               start_s: float | None) -> CallRecord:
+        name = collective if isinstance(collective, str) else collective.value
+        n = self.world_size
+        numel, itemsize, dtype, device = _buffer_facts(buf)
+        if name == Collective.ALL_GATHER.value:
+            numel *= n
+        nbytes = numel * itemsize
+        exact = exact_wire_nbytes(name, nbytes, n)
+        requested = None if bits is None else float(bits)
+        if requested is None and scheme in _BITS_SCHEMES and not target:
+            requested = _DEFAULT_BITS
+        return CallRecord(
+            collective=name, seq=int(seq), rank=self.rank, world_size=n, numel=numel,
+            dtype=dtype, device=device, nbytes=nbytes,
+            scheme=str(info.get("scheme") or scheme), algorithm=str(info.get("algorithm")
+                                                                    or algorithm),
+            bits_requested=requested,
+            bits_wire=8.0 * itemsize * wire_bytes / exact if exact else None,
+            plan=plan_of(info) if info else {}, predicted_us=_predicted_us(info),
+            measured_us=measured_s * 1e6, wire_bytes=int(wire_bytes), exact_wire_bytes=exact,
+            status="ok" if error is None else type(error).__name__,
+            start_us=int((time.time() if start_s is None else start_s) * 1e6))
+
+    # -- reading --------------------------------------------------------------------------------
+
+    @property
+    def records(self) -> list[CallRecord]:
+        """The records still in the ring, oldest first."""
+        with self._lock:
+            return list(self._records)
+
+    @property
+    def calls(self) -> int:
+        """Calls recorded since the communicator was made (the ring may hold fewer)."""
+        return self._calls
+
+    def totals(self) -> dict[TotalsKey, Totals]:
+        """A copy of the running totals per (collective, scheme, algorithm, size class)."""
+        with self._lock:
+            return {key: dataclasses.replace(t) for key, t in self._totals.items()}
+
+    def __iter__(self) -> Iterator[CallRecord]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def last(self) -> CallRecord | None:
+        """The most recent record, or None."""
+        with self._lock:
+            return self._records[-1] if self._records else None
+
+    # -- exporting ------------------------------------------------------------------------------
+
+    def inspector_line(self, record: CallRecord) -> str:
+        """``record`` as one NCCL Inspector JSON line (no newline)."""
+        metadata = {**self._metadata, "dump_timestamp_us": int(time.time() * 1e6)}
+        return json.dumps(record.to_inspector(self._header, metadata), allow_nan=False)
+
+    def to_jsonl(self, target: str | os.PathLike[str] | IO[str]) -> int:
+        """Write the records in the ring, one NCCL Inspector JSON object per line, to a path
+        (appended) or an open text file; returns the number of lines written."""
+        lines = [self.inspector_line(r) for r in self.records]
+        text = "".join(line + "\n" for line in lines)
+        if isinstance(target, (str, os.PathLike)):
+            with open(target, "a", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            target.write(text)
+        return len(lines)
+
+    def prometheus_text(self) -> str:
+        """The running totals in the Prometheus text exposition format: one counter family per
+        quantity (``# HELP`` / ``# TYPE`` lines), one sample per (collective, scheme, algorithm,
+        size class) labelled with this rank; plus the ring's size and the records it dropped."""
+        totals = self.totals()
+        keys = sorted(totals)
+        out: list[str] = []
+        for name, field, text in _COUNTERS:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} counter")
+            for key in keys:
+                labels = self._labels(key)
+                out.append(f"{name}{{{labels}}} {_format_number(getattr(totals[key], field))}")
+        with self._lock:
+            held, calls = len(self._records), self._calls
+        rank = f'rank="{self.rank}"'
+        out += ["# HELP dqcoll_metrics_records Call records held in the ring (comm.metrics).",
+                "# TYPE dqcoll_metrics_records gauge",
+                f"dqcoll_metrics_records{{{rank}}} {held}",
+                "# HELP dqcoll_metrics_records_dropped_total Call records the ring dropped "
+                "(their calls stay in the totals).",
+                "# TYPE dqcoll_metrics_records_dropped_total counter",
+                f"dqcoll_metrics_records_dropped_total{{{rank}}} {calls - held}"]
+        return "\n".join(out) + "\n"
+
+    def _labels(self, key: TotalsKey) -> str:
+        collective, scheme, algorithm, size = key
+        pairs = (("collective", collective), ("scheme", scheme), ("algorithm", algorithm),
+                 ("size_class", size), ("rank", str(self.rank)))
+        return ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+
+    # -- the JSONL file -------------------------------------------------------------------------
+
+    def _append_jsonl(self, record: CallRecord) -> None:
+        """Append one line for ``record`` to the JSONL file (under the lock); a failure logs once
+        and stops the file."""
+        try:
+            if self._jsonl is None:
+                assert self.jsonl_path is not None
+                self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+            self._jsonl.write(self.inspector_line(record) + "\n")
+            self._jsonl.flush()
+        except Exception as exc:
+            path, self.jsonl_path = self.jsonl_path, None
+            self._warn_once(f"DQCOLL_METRICS_JSONL: cannot append to {path!r}, no more records "
+                            f"are written there: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Close the JSONL file, if one is open (later records open it again)."""
+        with self._lock:
+            if self._jsonl is not None:
+                try:
+                    self._jsonl.close()
+                except Exception as exc:
+                    self._warn_once(f"DQCOLL_METRICS_JSONL: closing failed: {exc}")
+                self._jsonl = None
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("rank %d: metrics: %s", self.rank, message)
+
+
+class recording:  # lower case: a context manager used as a function
+    """Record one collective on ``comm`` (``comm.metrics``) around the code it wraps::
+
+        with comm.in_flight(what), recording(comm, collective, buf, scheme=..., algorithm=...):
+            ...  # run the call
+
+    On exit it reads the wall time, the delta of ``comm.counters["bytes_sent"]`` and, where
+    the call wrote a new ``comm.last_info``, what ran; an exception is recorded with its type
+    and passes on unchanged. ``bits`` / ``target``: the caller's ``bits`` and whether it gave a
+    target error instead. ``seq``: the call's number (default: the communicator's call counter
+    as the call starts, the ``#N`` of its ``what``)."""
+
+    __slots__ = ("_algorithm", "_bits", "_buf", "_collective", "_comm", "_info", "_scheme",
+                 "_sent", "_seq", "_start", "_target", "_wall")
+
+    def __init__(self, comm: Any, collective: str | Collective, buf: Any, *,
+                 scheme: Any = "", algorithm: str = "", bits: float | None = None,
+                 target: bool = False, seq: int | None = None) -> None:
+        self._comm = comm
+        self._collective = collective
+        self._buf = buf
+        self._scheme = scheme if isinstance(scheme, str) else _scheme_name(scheme)
+        self._algorithm = algorithm
+        self._bits = bits
+        self._target = target
+        self._seq = seq
+
+    def __enter__(self) -> recording:
+        comm = self._comm
+        if self._seq is None:
+            self._seq = getattr(comm, "_calls", 0)  # what prepare_call's next_step() returns
+        self._info = comm.last_info
+        self._sent = comm.counters["bytes_sent"]
+        self._wall = time.time()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        elapsed = time.perf_counter() - self._start
+        comm = self._comm
+        metrics = getattr(comm, "metrics", None)
+        if metrics is None:
+            return
+        try:
+            info = comm.last_info
+            wire = comm.counters["bytes_sent"] - self._sent
+        except Exception:
+            info, wire = None, 0
+        metrics.record_call(
+            self._collective, self._buf, seq=int(self._seq or 0), measured_s=elapsed,
+            wire_bytes=wire, info=None if info is self._info else info, scheme=self._scheme,
+            algorithm=self._algorithm, bits=self._bits, target=self._target, error=exc,
+            start_s=self._wall)
+
+
+def _scheme_name(scheme: Any) -> str:
+    spec = getattr(scheme, "spec", None)
+    return str(getattr(spec, "name", None) or type(scheme).__name__)
