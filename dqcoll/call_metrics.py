@@ -255,7 +255,8 @@ def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
 
     ``info["plan"]`` where the call put one; else a two-level plan where ``info`` has the levels
     (``"intra"`` and ``"inter"``: ``{"kind": "two_level", "algorithm", "levels": [...]}``, each
-    level with its scheme, algorithm and bits); else ``{"kind": "flat", "scheme", "algorithm",
+    level with its scheme, algorithm and bits, and ``"phases"``, each level's call in order,
+    where ``info`` lists them); else ``{"kind": "flat", "scheme", "algorithm",
     "bits"}``, with ``scheme="auto"``'s choice (``"auto"``: chosen, reason, predicted time of each
     candidate in microseconds) where it decided. ``bits``: the scheme's own figure where it
     reports one (dynamiq: the bits per coordinate its allocation used)."""
@@ -264,9 +265,14 @@ def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
         return dict(given)
     intra, inter = info.get("intra"), info.get("inter")
     if isinstance(intra, Mapping) and isinstance(inter, Mapping):
-        return {"kind": "two_level", "algorithm": info.get("algorithm"),
-                "levels": [{"level": "intra", **_level(intra)},
-                           {"level": "inter", **_level(inter)}]}
+        levels: dict[str, Any] = {
+            "kind": "two_level", "algorithm": info.get("algorithm"),
+            "levels": [{"level": "intra", **_level(intra)}, {"level": "inter", **_level(inter)}]}
+        phases = info.get("phases")
+        if isinstance(phases, (list, tuple)):
+            levels["phases"] = [{"level": p.get("level"), "collective": p.get("collective"),
+                                 **_level(p)} for p in phases if isinstance(p, Mapping)]
+        return levels
     plan: dict[str, Any] = {"kind": "flat", **_level(info)}
     auto = info.get("auto")
     if isinstance(auto, Mapping):

@@ -371,8 +371,9 @@ def test_record_call_never_raises(caplog: pytest.LogCaptureFixture) -> None:
 def test_two_level_plan_recorded() -> None:
     """A two-level all-reduce recorded with :func:`~dqcoll.call_metrics.recording` (what its
     entry point calls) has the plan of both levels, each with the scheme and algorithm that
-    ran, wire bytes equal to the counters' delta over the whole call; the levels'
-    sub-communicators write no JSONL file of their own."""
+    ran, and its phases in order (reduce-scatter inside the host, all-reduce across,
+    all-gather inside), wire bytes equal to the counters' delta over the whole call; the
+    levels' sub-communicators write no JSONL file of their own."""
     from dqcoll.call_metrics import recording
     from dqcoll.hierarchical import hierarchical_allreduce
     from dqcoll.topology.hierarchical import HierarchicalPlan, LevelSpec
@@ -399,6 +400,9 @@ def test_two_level_plan_recorded() -> None:
         assert (intra["level"], intra["scheme"], intra["algorithm"]) == ("intra", "none", "ring")
         assert (inter["level"], inter["scheme"], inter["algorithm"]) == (
             "inter", "dynamiq", "ring")
+        assert [(p["level"], p["collective"], p["scheme"]) for p in record.plan["phases"]] == [
+            ("intra", "reduce_scatter", "none"), ("inter", "allreduce", "dynamiq"),
+            ("intra", "all_gather", "none")]
         assert sub_path is None
 
 
