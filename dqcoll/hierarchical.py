@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from .call_metrics import recording
 from .comm import Communicator, get_default_comm
 from .errors import InvalidArgumentError
 from .execute import launch
@@ -127,7 +128,8 @@ def run_hierarchical(collective: Collective | str, buf: Any, out: Any, plan: Hie
         raise InvalidArgumentError(
             f"rank {comm.rank}: collective must be one of {[c.value for c in Collective]}, got "
             f"{collective!r}") from None
-    with comm.in_flight(f"hierarchical {kind.value}"):
+    with comm.in_flight(f"hierarchical {kind.value}"), recording(
+            comm, kind, buf, scheme="hierarchical", algorithm=plan.name):
         call_step = comm.next_step()
         what = f"hierarchical {kind.value}#{call_step}"
         tensor, target = _check(kind, buf, out, plan, comm, what)

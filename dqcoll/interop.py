@@ -23,6 +23,7 @@ __all__ = [
     "buffer_kind",
     "caller_stream",
     "current_stream",
+    "host_to_device",
     "stream_scope",
 ]
 
@@ -124,3 +125,15 @@ def stream_scope(buf: Any) -> Iterator[None]:
         return
     with torch.cuda.stream(stream):
         yield
+
+
+def host_to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous ``dtype`` tensor on ``device``. A CPU tensor bound for a CUDA device
+    is staged in pinned memory and copied with ``non_blocking=True``: the copy is queued on the
+    current stream and the host goes on (a copy from pageable memory waits for the stream).
+    torch's caching host allocator keeps the staging block until the copy has run."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        staged = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        staged.copy_(t)
+        return staged.to(device, non_blocking=True)
+    return t.to(device=device, dtype=dtype).contiguous()

@@ -29,7 +29,7 @@ from . import auto as auto_mod
 from . import envs
 from .comm import Communicator
 from .errors import InvalidArgumentError, MismatchError, PeerError
-from .kernels._params import host_to_device
+from .interop import host_to_device
 from .prepare import INT_LIMIT, NO_EXPONENT, PreparedCall
 from .types import Collective
 

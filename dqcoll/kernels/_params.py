@@ -16,10 +16,11 @@ import functools
 import numpy as np
 import torch
 
+from ..interop import host_to_device
 from ..schemes.dynamiq import codec, rng
 from ..schemes.dynamiq.codec import CodecConfig, Levels, RoundingMode, _magnitudes
 
-__all__ = ["LevelTables", "RoundingParams", "host_to_device", "level_tables",
+__all__ = ["LevelTables", "RoundingParams", "level_tables",
            "permutation_table"]
 
 
@@ -34,18 +35,6 @@ def permutation_table(key: int, rank: int, world_size: int) -> np.ndarray:
     K.perm_table(np.uint32(rng.stream_key(key, rng.STREAM_TABLE)), rank, world_size,
                  rng.feistel_half_bits(world_size), out)
     return out
-
-
-def host_to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` as a contiguous ``dtype`` tensor on ``device``. A CPU tensor bound for a CUDA device
-    is staged in pinned memory and copied with ``non_blocking=True``: the copy is queued on the
-    current stream and the host goes on (a copy from pageable memory waits for the stream).
-    torch's caching host allocator keeps the staging block until the copy has run."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        staged = torch.empty(t.shape, dtype=dtype, pin_memory=True)
-        staged.copy_(t)
-        return staged.to(device, non_blocking=True)
-    return t.to(device=device, dtype=dtype).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +75,8 @@ class RoundingParams:
     def perm_table_on(self, device: torch.device, stream: int = 0) -> torch.Tensor:
         """The permutation table as an int32 tensor on ``device``, copied once per device and
         stream (``stream``: the CUDA stream the caller launches on, 0 elsewhere) without a host
-        wait (:func:`host_to_device`): the copy is ordered before that stream's launches only."""
+        wait (:func:`dqcoll.interop.host_to_device`): the copy is ordered before that stream's
+        launches only."""
         name = f"{device}#{stream}"
         found = self._on_device.get(name)
         if found is None:

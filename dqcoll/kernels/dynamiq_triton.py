@@ -14,7 +14,7 @@ may be strided (unit stride inside a row).
 On CUDA tensors the compiled kernels run, queued on the caller's current stream: a launcher
 returns without a host wait, and the small per-row arrays that come from the host (``valid``, the
 permutation table) are copied from pinned memory with ``non_blocking``
-(:func:`._params.host_to_device`). :func:`warm_up` compiles every variant a call can launch.
+(:func:`dqcoll.interop.host_to_device`). :func:`warm_up` compiles every variant a call can launch.
 
 On CPU tensors the same kernels run in Triton's interpreter (``TRITON_INTERPRET`` semantics,
 without the variable): this module loads a second, interpreted copy of :mod:`._dynamiq_kernels`
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..interop import host_to_device
 from ..schemes.dynamiq import codec
 from ..schemes.dynamiq.codec import (
     FINE_WIDTHS,
@@ -55,7 +56,7 @@ from ..schemes.dynamiq.codec import (
 )
 from . import _dynamiq_kernels as compiled_kernels
 from ._launch import Kernel, LaunchConfig, compile_options, launch_config
-from ._params import RoundingParams, host_to_device, level_tables
+from ._params import RoundingParams, level_tables
 from .ops import DynamiqOps, check_format
 
 __all__ = [

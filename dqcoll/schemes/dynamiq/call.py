@@ -49,7 +49,7 @@ On CUDA tensors the host reads the device once per call, for the planning: the s
 (the small all-reduce's result, which the transport waits for anyway), from which the widths, the
 reorder and the geometry are computed on the host. The tables that go back to the device (order,
 global row indices, kept rows) are copied from pinned memory, queued on the caller's stream
-(:func:`dqcoll.kernels._params.host_to_device`: a copy from pageable memory would make the host
+(:func:`dqcoll.interop.host_to_device`: a copy from pageable memory would make the host
 wait for the stream); from there on everything is queued without a host wait.
 
 State kept on the communicator between calls (``ctx.state``, ``comm.scheme_state``; freed with
@@ -81,8 +81,8 @@ import torch
 
 from ... import scratch
 from ...errors import InvalidArgumentError
+from ...interop import host_to_device
 from ...kernels import DynamiqOps, _torch_ops, dynamiq_ops
-from ...kernels._params import host_to_device
 from ...types import Collective, ReduceOp
 from ..base import CallContext
 from . import rng

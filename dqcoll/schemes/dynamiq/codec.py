@@ -59,6 +59,7 @@ import functools
 
 import torch
 
+from ...interop import host_to_device
 from . import rng
 
 __all__ = [
@@ -229,10 +230,8 @@ def _on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None 
                ) -> torch.Tensor:
     """``t`` (a per-row table, e.g. ``valid``, often on the host) on ``device``: from the host to
     a GPU through pinned memory, queued on the current stream
-    (:func:`dqcoll.kernels._params.host_to_device`; a copy from pageable memory would make the
-    host wait for the stream)."""
-    from ...kernels._params import host_to_device  # (that module imports this one)
-
+    (:func:`dqcoll.interop.host_to_device`; a copy from pageable memory would make the host
+    wait for the stream)."""
     return host_to_device(t, device, t.dtype if dtype is None else dtype)
 
 
