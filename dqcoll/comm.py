@@ -16,12 +16,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import envs, kernels
+from . import agreement, envs, kernels
 from .auto import AutoPolicy
 from .call_metrics import CallMetrics
 from .errors import (
@@ -52,6 +52,12 @@ class Communicator:
     messages may still be in flight, and over gloo the connection to the failed peer is closed,
     so every later call raises :class:`~dqcoll.errors.CommAbortedError` at once; create a new
     communicator. After :meth:`close` every call raises.
+
+    Creating one over a transport that spans processes is one small exchange: its ranks agree
+    on the settings that change the messages (``DQCOLL_VALIDATE``, ``DQCOLL_AUTO_FORCE``, the
+    seed, and an integration's ``settings``), or every rank raises
+    :class:`~dqcoll.errors.MismatchError` naming each differing setting and each rank's value
+    (:mod:`dqcoll.agreement`). The communicator keeps the values it agreed.
     """
 
     def __init__(
@@ -60,12 +66,20 @@ class Communicator:
         *,
         seed: int = 0,
         device: torch.device | str | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         self.transport = transport
         self.seed = int(seed)
         if device is None:  # the transport's own device (an NCCL group's GPU), else the CPU
             device = getattr(transport, "device", None) or torch.device("cpu")
         self.device = torch.device(device)
+        # the settings that change the messages, read once and agreed by every rank before any
+        # payload moves (dqcoll.agreement); ``settings``: more of them (an integration's policy)
+        self.validate = envs.validate()  # DQCOLL_VALIDATE, as agreed
+        self.settings = {**agreement.wire_settings(self.seed), **(settings or {})}
+        self.agreement_skipped = agreement.agree_over(
+            transport, self.settings,
+            what=f"creating a communicator of {transport.world_size} ranks")
         if self.device.type == "cpu":
             # Ranks sharing this machine share its cores: the compiled CPU kernels divide them.
             local_ranks = transport.world_size if transport.name == "local" else 1

@@ -4,9 +4,13 @@ Nothing else in dqcoll reads ``os.environ`` for its own settings (the torchrun v
 ``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`;
 torchrun's ``LOCAL_WORLD_SIZE`` for the integrations' node layout through
 :func:`local_world_size`).
-Values are read at call time, so tests can monkeypatch them. Every value is validated when read:
-a malformed one raises :class:`~dqcoll.errors.InvalidArgumentError` naming the variable and the
-value (``DQCOLL_TIMEOUT_S=nan`` used to be accepted, and a missing rank then waited forever).
+Values are read at call time, so tests can monkeypatch them; those that change the messages
+(``DQCOLL_VALIDATE``, ``DQCOLL_AUTO_FORCE``) are read when a communicator is created, and its
+ranks agree on them then (:mod:`dqcoll.agreement`: different values raise
+:class:`~dqcoll.errors.MismatchError` on every rank, naming each rank's value).
+Every value is validated when read: a malformed one raises
+:class:`~dqcoll.errors.InvalidArgumentError` naming the variable and the value
+(``DQCOLL_TIMEOUT_S=nan`` used to be accepted, and a missing rank then waited forever).
 Rejected: validating once at import (tests and launchers set variables after ``import dqcoll``).
 """
 
@@ -58,7 +62,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "1",
         "1: every collective first checks, with one tiny all-reduce, that all ranks passed "
         "matching arguments (length, dtype, scheme, ...) and valid inputs. 0 skips it (saves one "
-        "latency).",
+        "latency). Read when a communicator is created; its ranks must agree (checked then).",
     ),
     "DQCOLL_LOG_LEVEL": ("WARNING", "Log level of the 'dqcoll' logger."),
     "DQCOLL_POLICY": (
@@ -67,7 +71,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "backend (dqcoll.integrations.policy): comma-separated key=value, e.g. "
         "'weights=int8_block,gradients=dynamiq:5,allreduce=dynamiq:5,min_nbytes=65536,"
         "warmup_steps=0,intra_node=exact'. A role set to 'none' runs the wrapped process "
-        "group's own exact collective. Empty: the documented defaults.",
+        "group's own exact collective. Empty: the documented defaults. The ranks of a group "
+        "agree on the policy when the backend's process group, or FSDP2's first collective "
+        "of the group, is created (different policies raise MismatchError on every rank).",
     ),
     "DQCOLL_TUNING_DIR": (
         "",
@@ -76,7 +82,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "DQCOLL_AUTO_FORCE": (
         "",
         "none | bf16 | dynamiq: what scheme='auto' runs on every call, whatever its model "
-        "predicts (last_info['auto'] still reports the predictions). Empty: the model decides.",
+        "predicts (last_info['auto'] still reports the predictions). Empty: the model decides. "
+        "Read when a communicator is created; its ranks must agree (checked then).",
     ),
     "DQCOLL_METRICS_RECORDS": (
         "10000",
@@ -198,6 +205,7 @@ def local_world_size() -> int | None:
     :meth:`dqcoll.integrations.policy.CompressionPolicy.nodes` when the policy gives none."""
     text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else None
+
 
 def metrics_records() -> int:
     """The DQCOLL_METRICS_RECORDS setting (see ENV_VARS)."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import envs, kernels, schemes
+from . import kernels, schemes
 from .comm import Communicator
 from .errors import DqcollError, InvalidArgumentError
 from .executor import DEFAULT_TILES_IN_FLIGHT, default_tile_nbytes
@@ -206,7 +206,7 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
         call.fail("algorithm", exc)
         return
     _inspect_input(call, request.buf, comm)
-    if call.error is None and envs.validate() and comm.world_size > 1:
+    if call.error is None and comm.validate and comm.world_size > 1:
         assert call.tensor is not None
         _range_check(call, comm)
 

@@ -11,7 +11,9 @@ its own error, the others a :class:`~dqcoll.errors.PeerError` or
 
 ``DQCOLL_VALIDATE=0`` skips the handshake (local errors still raise, but a peer may then wait
 until its timeout), except for ``scheme="auto"``, whose ranks agree on their predicted times in
-the same exchange (:data:`EXTRA_SLOTS`).
+the same exchange (:data:`EXTRA_SLOTS`). The setting is the communicator's
+(:attr:`~dqcoll.comm.Communicator.validate`): read when it was created and agreed by its ranks
+then (:mod:`dqcoll.agreement`), so a rank that skips the check never meets one that runs it.
 
 Rejected: raising a local error at once. The peers would enter the collective and wait for the
 faulty rank until their timeout, and a size disagreement over gloo is not an error but a SIGABRT
@@ -26,7 +28,6 @@ import zlib
 import torch
 
 from . import auto as auto_mod
-from . import envs
 from .comm import Communicator
 from .errors import InvalidArgumentError, MismatchError, PeerError
 from .interop import host_to_device
@@ -116,7 +117,7 @@ def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = 
     """
     fields = _fingerprint_or_error(call, comm)
     n = comm.world_size
-    if (not envs.validate() and extra is None) or n == 1:
+    if (not comm.validate and extra is None) or n == 1:
         if call.error is not None:
             raise call.error
         return NO_EXPONENT

@@ -40,6 +40,13 @@ FSDP2 calls them as it calls its own (``_fsdp_collectives.foreach_all_gather`` a
   2.12; ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` before, as FSDP2 of
   that torch calls): bit for bit FSDP2 without dqcoll. The step counter advances at each
   forward of the model passed to :func:`compress` (a forward pre-hook), on every rank alike.
+* **Agreed inputs**: which path a call takes depends on the policy (``min_nbytes``,
+  ``warmup_steps``, the roles' schemes), the node layout and, for CUDA tensors, whether a CUDA
+  lane can run here; the ranks of a group agree on them through the job's store at the group's
+  first call (:meth:`FsdpCompression.agree`), or all raise
+  :class:`~dqcoll.errors.MismatchError` naming each rank's value, instead of taking different
+  paths and waiting for each other until the timeout. The step counts forwards, each of which
+  runs FSDP2's all-gathers on every rank of the group.
 
 The compressed calls of one FSDP2 group run on one :class:`~dqcoll.integrations.lane.Lane` per
 device type (its own connection and worker thread; see there), created at the group's first
@@ -66,9 +73,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_api
 
-from .. import envs
+from .. import agreement, envs
 from ..errors import InvalidArgumentError
-from .lane import Lane, RoleCounters, exact_nbytes, nccl_lane_unavailable_reason
+from .lane import (
+    Lane,
+    RoleCounters,
+    exact_nbytes,
+    nccl_lane_unavailable_reason,
+    policy_settings,
+)
 from .policy import CompressionPolicy, Decision, Role
 
 __all__ = ["AllGather", "FsdpCompression", "ReduceScatter", "compress", "exact_all_gather",
@@ -140,10 +153,14 @@ class FsdpCompression:
         self.exact_calls = {role: 0 for role in Role}
         self.exact_bytes = {role: 0 for role in Role}
         self._logged: set[str] = set()
+        self._agreed: set[tuple[str, str]] = set()  # (group, device type) whose ranks agreed
 
     def decide(self, role: Role, tensor: torch.Tensor, group: dist.ProcessGroup,
                op_ok: bool = True) -> Decision:
-        """``tensor``: the full buffer (all-gather output, reduce-scatter input)."""
+        """``tensor``: the full buffer (all-gather output, reduce-scatter input). The first
+        call of a group on a device type first agrees the decision's inputs (:meth:`agree`)."""
+        if (group.group_name, tensor.device.type) not in self._agreed:
+            self.agree(group, tensor.device)
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok, step=self.step)
         if decision.compress and tensor.device.type == "cuda":
             reason = self.cuda_lane_unavailable()
@@ -157,6 +174,31 @@ class FsdpCompression:
                 self._logged.add(decision.reason)
                 log.info("dqcoll fsdp: exact %s (%s)", role.value, decision.reason)
         return decision
+
+    def agree(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """Every rank of ``group`` holds the same policy (its text: schemes, ``min_nbytes``,
+        ``warmup_steps``, seed, ...; the node layout) and, for CUDA tensors, the same answer to
+        whether a CUDA lane can run, or all raise :class:`~dqcoll.errors.MismatchError` naming
+        each differing setting and each rank's value: these decide, call by call, between
+        FSDP2's own collective and a lane, and ranks that decide differently would wait for
+        each other until the timeout. Through the job's store (a lane may never be made), once
+        per group and device type, at the group's first call, which every rank makes at the
+        same point."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):  # no default group: no job to agree with
+            log.info("dqcoll fsdp: no default process group: settings not agreed")
+            self._agreed.add((group.group_name, device.type))
+            return
+        settings = policy_settings(self.policy, group.size())
+        if device.type == "cuda":
+            settings["CUDA lane"] = ("available" if self.cuda_lane_unavailable() is None
+                                     else "unavailable")
+        agreement.agree_through_store(
+            store, f"dqcoll-fsdp/{self.instance}/{group.group_name}/{device.type}/settings/",
+            group.rank(), group.size(), settings, timeout_s=self.timeout_s,
+            what=f"dqcoll fsdp: the compression settings of group {group.group_name}")
+        self._agreed.add((group.group_name, device.type))
 
     def cuda_lane_unavailable(self) -> str | None:
         """None when CUDA calls can have a lane here, else why not (asked once; the first

@@ -36,7 +36,13 @@ The FSDP2 classes (:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
   on its chunk alone (``int8_block``, ``int4_block``, ``bf16``) runs as one point-to-point
   exchange after a one-exchange argument check (:meth:`Lane._gather_blocks`,
   :meth:`Lane._scatter_blocks`), with the bytes of dqcoll's own all-gather and direct
-  reduce-scatter; other schemes, and every CUDA call, run dqcoll's schedules.
+  reduce-scatter, the range scaling included (finite inputs give finite results, saturated
+  where a sum leaves the dtype's range) and an output dtype other than the input's refused on
+  every rank, as there; other schemes, and every CUDA call, run dqcoll's schedules.
+* **Agreed settings.** The lane's communicator is created after its ranks agreed on the policy
+  (:func:`policy_settings`), the messages' settings and the caller's ``settings``
+  (:mod:`dqcoll.agreement`): ranks that differ all raise
+  :class:`~dqcoll.errors.MismatchError` naming each rank's value.
 * **Counters.** Per role: calls, coordinates, bytes this rank put on the wire, and the bytes a
   bandwidth-optimal exact collective of the same tensor would have sent
   (``(n-1)/n x nbytes`` for reduce-scatter and all-gather, twice that for all-reduce).
@@ -53,7 +59,7 @@ import datetime
 import logging
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,8 +67,22 @@ import torch.distributed as dist
 
 from .. import api, hierarchical, schemes
 from ..comm import Communicator
-from ..errors import CommAbortedError, InvalidArgumentError, MismatchError, UnsupportedError
-from ..prepare import DEFAULT_BITS
+from ..errors import (
+    CommAbortedError,
+    DqcollError,
+    InvalidArgumentError,
+    MismatchError,
+    PeerError,
+    UnsupportedError,
+)
+from ..prepare import (
+    DEFAULT_BITS,
+    NO_EXPONENT,
+    max_exponent,
+    range_shift,
+    scaled,
+    unscale_into,
+)
 from ..schemes.elementwise import BlockCodec
 from ..topology.hierarchical import HierarchicalPlan, LevelSpec
 from ..transports.nccl_common import exchange_unique_id
@@ -70,7 +90,7 @@ from ..transports.torch_dist import TorchTransport
 from .policy import CompressionPolicy, Role, RoleRule
 
 __all__ = ["CudaOrder", "Lane", "LaneWork", "RoleCounters", "exact_nbytes", "nccl_lane_binding",
-           "nccl_lane_unavailable_reason"]
+           "nccl_lane_unavailable_reason", "policy_settings"]
 
 log = logging.getLogger("dqcoll.integrations")
 
@@ -83,6 +103,17 @@ log = logging.getLogger("dqcoll.integrations")
 LANE_GATHER_NBYTES = 256 * 1024
 _GATHER_FIELDS = ("numel", "output numel", "dtype", "output dtype", "scheme")
 _SCATTER_FIELDS = ("numel", "input numel", "dtype", "output dtype", "scheme", "op")
+
+
+def policy_settings(policy: CompressionPolicy, world_size: int) -> dict[str, str]:
+    """What of ``policy`` the ranks of a group of ``world_size`` must share: each key of its
+    canonical text (every role's scheme and bits, ``min_nbytes``, ``warmup_steps``, the seed,
+    ...; ``DQCOLL_POLICY``'s keys) and the node layout it gives there (from
+    ``LOCAL_WORLD_SIZE`` where the policy names none)."""
+    settings = {f"policy {key}": value for key, _, value in
+                (item.partition("=") for item in str(policy).split(","))}
+    settings["policy's ranks per node (0: one level)"] = str(policy.nodes(world_size))
+    return settings
 
 
 def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
@@ -265,14 +296,21 @@ class Lane:
         name: for the thread and messages.
         device: the device of the tensors the lane takes: ``cpu`` (a gloo connection) or a
             CUDA device (an NCCL communicator on it; ``cuda`` alone: the current device).
+        settings: more settings the ranks must share (beside the policy's text and node
+            layout, :func:`policy_settings`), agreed when the lane's communicator is created:
+            ranks that differ all raise :class:`MismatchError` naming them.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
                  timeout_s: float, name: str, prefix: str = "dqcoll-lane/",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 settings: Mapping[str, str] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.policy = policy
+        # agreed by the ranks when the lane's communicator is created (dqcoll.agreement): the
+        # policy decides which calls come here, so ranks with different policies raise now
+        self.settings = {**policy_settings(policy, world_size), **(settings or {})}
         self.name = name
         self.device = torch.device(device)
         self.order: CudaOrder | None = None  # CUDA: the lane's stream and events
@@ -298,7 +336,8 @@ class Lane:
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank,
                                           self.world_size, timeout)
         self.transport: Any = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s)
-        self.comm = Communicator(self.transport, seed=self.policy.seed)
+        self.comm = Communicator(self.transport, seed=self.policy.seed,
+                                 settings=self.settings)
 
     def _connect_nccl(self, store: Any, prefix: str, timeout_s: float) -> None:
         """The lane's own NCCL communicator on its device and the dqcoll communicator over it:
@@ -324,7 +363,8 @@ class Lane:
         self.transport = transport_class(nccl_comm, rank=self.rank, world_size=self.world_size,
                                          device=self.device, timeout_s=timeout_s,
                                          store=prefixed, **extra)
-        self.comm = Communicator(self.transport, seed=self.policy.seed)
+        self.comm = Communicator(self.transport, seed=self.policy.seed,
+                                 settings=self.settings)
         self.order = CudaOrder(self.device)
 
     def _split_levels(self) -> None:
@@ -439,31 +479,63 @@ class Lane:
         return buf[:numel]
 
     def _begin(self, kind: str, names: tuple[str, ...], shard: torch.Tensor, full: torch.Tensor,
-               source: torch.Tensor, codec: BlockCodec, *extra: int) -> str:
+               source: torch.Tensor, codec: BlockCodec, *extra: int) -> tuple[str, int]:
         """The label of one block collective, its argument check over the ranks (sizes of
         ``shard`` and of the n-shard ``full``, the dtypes of ``source`` and of the other, the
-        codec, ``extra``) and this rank's size check; returns the label."""
+        codec, ``extra``; this rank's refusal of an output whose dtype is not the input's, as
+        ``dqcoll``'s own collectives refuse it, raised on every rank) and this rank's size
+        check. Returns the label and the range scaling the ranks agreed in the same check: the
+        power of two ``s`` every rank divides its input by (:func:`dqcoll.prepare.range_shift`
+        of the largest binary exponent of ``source`` over the ranks, as the API path's check
+        gives it), 0 for none."""
         self._calls += 1
         what = f"lane {self.name} {kind}#{self._calls}"
         target = full if source is shard else shard
         fields = (shard.numel(), full.numel(), zlib.crc32(str(source.dtype).encode()),
                   zlib.crc32(str(target.dtype).encode()), zlib.crc32(repr(codec).encode()), *extra)
-        self._check(what, fields, names)
+        error = None
+        if target.dtype != source.dtype:
+            error = InvalidArgumentError(
+                f"rank {self.rank}: {what}: out dtype {target.dtype} differs from input "
+                f"{source.dtype}")
+        exponent = max_exponent(source) if error is None else NO_EXPONENT
+        exponent = self._check(what, fields, names, exponent, error)
         if full.numel() != self.world_size * shard.numel():
             raise InvalidArgumentError(f"rank {self.rank}: {what}: {full.numel()} elements for "
                                        f"{self.world_size} shards of {shard.numel()}")
-        return what
+        if exponent == NO_EXPONENT or not getattr(codec, "range_scaled", True):
+            return what, 0
+        return what, range_shift(exponent, dtype=source.dtype, world_size=self.world_size,
+                                 exact_sums=False)
 
-    def _check(self, what: str, fields: tuple[int, ...], names: tuple[str, ...]) -> None:
-        """The argument check of the lane's own collectives: one small all-reduce of ``fields``
-        (and their negatives); ranks that disagree on any all raise :class:`MismatchError`."""
-        check = torch.tensor([*fields, *(-f for f in fields)], dtype=torch.int64)
+    def _check(self, what: str, fields: tuple[int, ...], names: tuple[str, ...],
+               exponent: int = NO_EXPONENT, error: DqcollError | None = None) -> int:
+        """The argument check of the lane's own collectives: one small all-reduce (max) of
+        ``fields`` and their negatives, one slot per rank (1 where that rank's ``error`` is
+        set) and ``exponent``. A rank with an error raises it and the others
+        :class:`PeerError` naming it; otherwise ranks that disagree on any field all raise
+        :class:`MismatchError`. Returns the largest ``exponent`` over the ranks."""
+        n, k = self.world_size, len(fields)
+        check = torch.zeros(2 * k + n + 1, dtype=torch.int64)
+        if error is None:
+            check[:k] = torch.tensor(fields, dtype=torch.int64)
+            check[k : 2 * k] = -check[:k]
+        else:
+            check[2 * k + self.rank] = 1
+        check[-1] = exponent
         self.transport.allreduce(check, "max", what=f"{what} argument check")
-        high, low = check[: len(fields)].tolist(), [-v for v in check[len(fields):].tolist()]
+        if error is not None:
+            raise error
+        failed = [r for r, code in enumerate(check[2 * k : 2 * k + n].tolist()) if code]
+        if failed:
+            raise PeerError(f"rank {self.rank}: {what} not run: invalid arguments on rank"
+                            f"{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}")
+        high, low = check[:k].tolist(), [-v for v in check[k : 2 * k].tolist()]
         differ = [name for name, lo, hi in zip(names, low, high, strict=True) if lo != hi]
         if differ:
             raise MismatchError(f"rank {self.rank}: {what}: ranks disagree on {', '.join(differ)} "
                                 f"(this rank: {dict(zip(names, fields, strict=True))})")
+        return int(check[-1])
 
     def _scatter_blocks(self, inp: torch.Tensor, out: torch.Tensor, codec: BlockCodec,
                         avg: bool) -> None:
@@ -474,9 +546,18 @@ class Lane:
         contributions to its own exact one in rank order. The result is bit for bit that of
         ``dqcoll.reduce_scatter`` with the same scheme and ``algorithm="direct"`` (tested): the
         last contribution is added by the fused decode-accumulate-encode and the shard is
-        decoded from those bytes, as there."""
+        decoded from those bytes, as there.
+
+        Range scaling as there: inputs whose sum could leave the dtype's range (fp16 30000 on
+        3 ranks) or whose magnitude would take the codec's scales out of fp32's range (fp32
+        2e38) are divided by the power of two the ranks agreed in the argument check, and the
+        result is multiplied back, saturating at the output dtype's largest finite value:
+        finite inputs give finite results."""
         n, rank, numel = self.world_size, self.rank, out.numel()
-        what = self._begin("reduce_scatter", _SCATTER_FIELDS, out, inp, inp, codec, int(avg))
+        what, shift = self._begin("reduce_scatter", _SCATTER_FIELDS, out, inp, inp, codec,
+                                  int(avg))
+        if shift:
+            inp = scaled(inp, shift)  # in the input's dtype, as the API path scales
         padded = -(-numel // codec.block) * codec.block
         if padded == numel and inp.dtype == torch.float32:
             values = inp.view(n, numel)
@@ -512,7 +593,10 @@ class Lane:
         result = acc[:numel]
         if avg and codec.avg_mode == "post":
             result = result / n
-        out.copy_(result)
+        if shift:  # rounded to the output's dtype, then multiplied back (saturating)
+            unscale_into(result.to(out.dtype), shift, out)
+        else:
+            out.copy_(result)
 
     def _gather_blocks(self, shard: torch.Tensor, out: torch.Tensor, codec: BlockCodec) -> None:
         """The all-gather of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s qwZ)
@@ -520,8 +604,11 @@ class Lane:
         other rank at once (one synchronisation), and every rank decodes all ``n``, its own too,
         from the same bytes (so every replica holds the same weights). The bytes are those of
         ``dqcoll.all_gather`` with the same scheme (the shard padded with zeros to whole
-        blocks, one payload per shard), without its range scaling (nothing is summed) and
-        without its zero-filled full-size input, padded copy and copy-out: on a machine whose
+        blocks, one payload per shard, range-scaled alike: magnitudes that would take the
+        codec's scales out of fp32's range, or round up past the dtype's largest value, are
+        divided by a power of two agreed in the argument check and multiplied back,
+        saturating), without its zero-filled full-size input, padded copy and copy-out: on a
+        machine whose
         ranks share cores those passes over the output, and the ring's ``n - 1`` steps, cost
         more than the codec. The argument check (sizes, dtypes, the codec) is one small
         all-reduce of a vector, in one exchange; ranks that disagree all raise
@@ -529,7 +616,9 @@ class Lane:
         left processes that sometimes aborted in gloo's teardown at exit, and the messages'
         headers check lengths and step labels."""
         n, numel = self.world_size, shard.numel()
-        what = self._begin("all_gather", _GATHER_FIELDS, shard, out, shard, codec)
+        what, shift = self._begin("all_gather", _GATHER_FIELDS, shard, out, shard, codec)
+        if shift:
+            shard = scaled(shard, shift)
         padded = -(-numel // codec.block) * codec.block
         if padded == numel and shard.dtype == torch.float32:
             values = shard.contiguous()
@@ -551,7 +640,9 @@ class Lane:
             assert target is not None
             if not codec.decode_into(rows[r], target, 1, None, False):
                 target.copy_(codec.decode_values(rows[r], padded, 1, None))
-            if not in_place:
+            if shift:  # in the output's dtype, then multiplied back (saturating)
+                unscale_into(target[:numel].to(out.dtype), shift, dst[r])
+            elif not in_place:
                 dst[r].copy_(target[:numel])
 
     def allreduce(self, buf: torch.Tensor, *, avg: bool, rule: RoleRule) -> dist.Work:

@@ -35,9 +35,15 @@ before, their coalesced forms as ``all_gather_single_coalesced`` /
 ``alltoall_base``. The class defines every one of these names; each pair runs the same code.
 
 Every rank must issue the same collectives in the same order (as with any backend); the
-decision to compress depends only on what every rank passes alike (size, dtype, op), so all
-ranks take the same path. Ranks that pass different sizes to a compressed call all raise
-(dqcoll's argument check), instead of hanging.
+decision to compress depends only on the policy and on what every rank passes alike (size,
+dtype, op), so all ranks take the same path. The policy (its text: schemes, ``min_nbytes``,
+seed, ...), the node layout and whether a CUDA lane can run are agreed when the process group is
+created, with ``DQCOLL_VALIDATE`` and ``DQCOLL_AUTO_FORCE`` (:mod:`dqcoll.agreement`): ranks that
+differ all raise :class:`~dqcoll.errors.MismatchError` from ``init_process_group``, naming each
+rank's value. Ranks that pass different sizes to a compressed call all raise (dqcoll's argument
+check), instead of hanging; sizes on both sides of ``min_nbytes`` put the ranks on different
+connections (one compressed, one exact), where nothing can compare them without an exchange per
+call: that mistake waits for the timeout, as it would with any backend.
 
 Rejected: a C++ ``Backend`` extension (a compiled plugin per torch version; the codec here is
 host-driven Python and numba anyway) and ``extended_api`` creator arguments (the four-argument
@@ -117,11 +123,19 @@ class DqcollProcessGroup(dist.ProcessGroup):
         # CUDA one is made at the first compressed CUDA call, on that tensor's device)
         self._store = store
         self._timeout_s = timeout.total_seconds()
-        self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
-                         name="backend", prefix="dqcoll-lane/")
         self.cuda_lane: Lane | None = None
+        # whether CUDA calls can have a lane here: asked now where torch has CUDA, so that the
+        # ranks agree on it with the policy when the CPU lane is made (below)
         self._cuda_checked = False
         self._no_cuda_lane: str | None = None
+        cuda = "torch has no CUDA"
+        if torch.cuda.is_available():
+            cuda = "available" if self._cuda_lane_reason() is None else "unavailable"
+        # the policy decides, call by call, between the wrapped group and a lane: its ranks
+        # agree on it (and on the CUDA lane) here, or all raise MismatchError naming each
+        # rank's value (dqcoll.agreement)
+        self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
+                         name="backend", prefix="dqcoll-lane/", settings={"CUDA lane": cuda})
         self.exact_calls: dict[str, int] = {}
         self._logged: set[str] = set()
 
@@ -157,18 +171,23 @@ class DqcollProcessGroup(dist.ProcessGroup):
             return False
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok)
         if decision.compress and tensor.device.type == "cuda":
-            if not self._cuda_checked:  # asked once; a reason is logged once
-                self._cuda_checked = True
-                self._no_cuda_lane = nccl_lane_unavailable_reason()
-                if self._no_cuda_lane is not None:
-                    log.warning("dqcoll backend: CUDA tensors take the wrapped backend's exact "
-                                "collectives, uncompressed: %s", self._no_cuda_lane)
-            if self._no_cuda_lane is not None:
+            if self._cuda_lane_reason() is not None:
                 return False
         if not decision.compress and decision.reason not in self._logged:
             self._logged.add(decision.reason)
             log.info("dqcoll backend: exact %s (%s)", role.value, decision.reason)
         return decision.compress
+
+    def _cuda_lane_reason(self) -> str | None:
+        """None when CUDA calls can have a lane here, else why not (asked once; a reason is
+        logged once)."""
+        if not self._cuda_checked:
+            self._cuda_checked = True
+            self._no_cuda_lane = nccl_lane_unavailable_reason()
+            if self._no_cuda_lane is not None:
+                log.warning("dqcoll backend: CUDA tensors take the wrapped backend's exact "
+                            "collectives, uncompressed: %s", self._no_cuda_lane)
+        return self._no_cuda_lane
 
     def _lane(self, tensor: torch.Tensor) -> Lane:
         """The lane of ``tensor``'s device type (the CUDA one made at its first call)."""

@@ -1,0 +1,186 @@
+"""Settings every rank must share, agreed once where ranks start to talk: never per call.
+
+Some settings change which messages a collective sends, or their sizes: ``DQCOLL_VALIDATE`` (the
+argument check is one exchange more, and its vector a message of its own), ``DQCOLL_AUTO_FORCE``
+(``scheme="auto"`` runs the group's own all-reduce or dqcoll's schedule), the communicator's seed
+(the random rounding; the argument check compares it per call, but not under
+``DQCOLL_VALIDATE=0``), and for the integrations the compression policy (which calls are
+compressed, on which connection). Ranks that differ on one of them do not fail cleanly later:
+over gloo a longer message than expected aborts the process (SIGABRT inside gloo), and ranks
+that take different paths (exact and compressed) wait for each other until the timeout.
+
+So they are agreed before any payload moves, in one small exchange:
+
+* :func:`agree_over` at the creation of a :class:`~dqcoll.comm.Communicator` whose transport
+  spans processes (``torch``: gloo or a torch process group, ``nccl4py``, ``nccl-cupy``): a
+  fixed-size vector of hashes, all-reduced (max of the hashes and of their negatives); only
+  when they differ, a second exchange carries every rank's text, so the
+  :class:`~dqcoll.errors.MismatchError` that every rank raises names each differing setting
+  and each rank's value. ``dqcoll.init()``, the DDP hook's communicators, the integrations'
+  lanes and :meth:`~dqcoll.comm.Communicator.shrink` all create one.
+  Skipped (with the reason in :data:`SKIPPED`): the ``local`` transport (its ranks are threads
+  of one process: one environment) and ``subgroup`` views (views of a transport whose ranks
+  already agreed; hierarchical all-reduce makes them per call).
+* :func:`agree_through_store` where the ranks have a key-value store but not yet a common
+  connection, or will take different connections depending on the settings (the FSDP2
+  classes: the policy decides between FSDP2's own collectives and a lane): every rank writes
+  its text under its own key and reads the others'.
+
+The communicator keeps what it agreed (:attr:`~dqcoll.comm.Communicator.validate`,
+``auto.force``): a later change of the environment on one rank does not reach the wire.
+
+Not agreed here: ``DQCOLL_TUNING_DIR`` (``algorithm="auto"``'s tables may differ by machine
+through the detected topology anyway; the argument check compares the algorithm of every
+call), ``DQCOLL_KERNELS`` and ``DQCOLL_CPU_THREADS`` (results do not depend on them),
+``DQCOLL_TIMEOUT_S`` and ``DQCOLL_LOG_LEVEL`` (no message changes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import envs
+from .errors import CollectiveTimeoutError, MismatchError
+
+__all__ = ["AGREED_TRANSPORTS", "SKIPPED", "agree_over", "agree_through_store",
+           "wire_settings"]
+
+# transports whose ranks are processes of their own: a communicator over one agrees at creation
+AGREED_TRANSPORTS = ("torch", "nccl4py", "nccl-cupy")
+SKIPPED = {
+    "local": "in-process ranks share one environment",
+    "subgroup": "a view of a transport whose ranks agreed when its communicator was created",
+}
+SLOTS = 32  # settings per agreement (the vector has a fixed size whatever the settings)
+TEXT_NBYTES = 2048  # each rank's text in the second exchange (longer texts are cut)
+_LIMIT = (1 << 62) - 1
+
+
+def wire_settings(seed: int) -> dict[str, str]:
+    """The settings of this process that every rank of a communicator must share (canonical
+    text: a parsed value, not the variable's spelling)."""
+    return {
+        "DQCOLL_VALIDATE": "1" if envs.validate() else "0",
+        "DQCOLL_AUTO_FORCE": envs.auto_force() or "",
+        "seed": str(int(seed)),
+    }
+
+
+def _hash(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _LIMIT
+
+
+def _text(settings: Mapping[str, str]) -> str:
+    return "\n".join(f"{name}={settings[name]}" for name in sorted(settings))
+
+
+def _parse(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition("=")
+        if sep:
+            out[name] = value
+    return out
+
+
+def agree_over(transport: Any, settings: Mapping[str, str], *, what: str) -> str | None:
+    """Raise :class:`MismatchError` on every rank of ``transport`` unless all hold the same
+    ``settings`` (at most :data:`SLOTS`); one small all-reduce, two where they differ.
+    ``what`` labels the exchange: the same text on every rank. Returns why nothing was
+    exchanged (one rank, or a transport in :data:`SKIPPED`), else
+    None."""
+    name = getattr(transport, "name", "")
+    if transport.world_size == 1:
+        return "one rank"
+    if name not in AGREED_TRANSPORTS:
+        return SKIPPED.get(name, f"transport {name!r} is not one of {AGREED_TRANSPORTS}")
+    if len(settings) > SLOTS:
+        raise ValueError(f"at most {SLOTS} settings are agreed, got {len(settings)}")
+    names = sorted(settings)
+    hashes = [_hash(" ".join(names)), *(_hash(f"{k}={settings[k]}") for k in names)]
+    hashes += [0] * (1 + SLOTS - len(hashes))
+    values = torch.tensor(hashes, dtype=torch.int64)
+    # on the transport's device: an NCCL group's small all-reduces take its GPU's tensors
+    device = getattr(transport, "device", None) or torch.device("cpu")
+    vector = torch.cat([values, -values]).to(device)
+    transport.allreduce(vector, "max", what=f"{what}: settings agreement")
+    vector = vector.cpu()
+    k = 1 + SLOTS
+    if torch.equal(vector[:k], -vector[k:]):
+        return None
+    # they differ: every rank's text, so that each rank's message names every value
+    rows = TEXT_NBYTES // 8
+    texts = torch.zeros(transport.world_size, rows, dtype=torch.int64)
+    mine = _text(settings).encode()[:TEXT_NBYTES]
+    if mine:
+        texts[transport.rank].view(torch.uint8)[: len(mine)] = torch.frombuffer(
+            bytearray(mine), dtype=torch.uint8)
+    texts = texts.to(device)
+    transport.allreduce(texts, "sum", what=f"{what}: settings of every rank")
+    texts = texts.cpu()
+    found = [_parse(bytes(row.view(torch.uint8).tolist()).rstrip(b"\0").decode(
+        errors="replace")) for row in texts]
+    raise MismatchError(_describe(transport.rank, what, found))
+
+
+def agree_through_store(store: Any, prefix: str, rank: int, world_size: int,
+                        settings: Mapping[str, str], *, timeout_s: float,
+                        what: str) -> None:
+    """:func:`agree_over` through a key-value store: rank ``r`` writes its settings under
+    ``prefix + str(r)`` and reads every other rank's (waiting at most ``timeout_s`` for them
+    to be written; a rank still missing then is named in a
+    :class:`~dqcoll.errors.CollectiveTimeoutError`)."""
+    if world_size == 1:
+        return
+    keys = [f"{prefix}{r}" for r in range(world_size)]
+    store.set(keys[rank], _text(settings))
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise CollectiveTimeoutError(
+                f"rank {rank}: {what}: ranks {missing} did not publish their settings within "
+                f"{timeout_s:g} s (every rank of the group must reach this point)")
+        time.sleep(pause)
+        pause = min(0.05, 2 * pause)
+    found = [_parse(bytes(store.get(key)).decode(errors="replace")) for key in keys]
+    # every rank has read before any goes on: a rank that raises may exit at once, and with it
+    # the store it serves (rank 0 of a torchrun job) while its peers still read
+    done = [f"{prefix}read/{r}" for r in range(world_size)]
+    store.set(done[rank], "1")
+    try:
+        while not store.check(done) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    except Exception:  # the store went away once everyone had read: this rank has its answer
+        pass
+    if any(other != found[rank] for other in found):
+        raise MismatchError(_describe(rank, what, found))
+
+
+def _describe(rank: int, what: str, found: list[dict[str, str]]) -> str:
+    """Every setting on which the ranks differ, with each rank's value."""
+    parts = []
+    for name in sorted(set().union(*found)):
+        groups: dict[str, list[int]] = {}
+        for r, settings in enumerate(found):
+            groups.setdefault(settings.get(name, "<not set>"), []).append(r)
+        if len(groups) > 1:
+            parts.append(f"{name} (" + "; ".join(
+                f"{_ranks(ranks)}: {value!r}" for value, ranks in groups.items()) + ")")
+    return (f"rank {rank}: {what}: ranks disagree on {', '.join(parts) or 'their settings'}; "
+            f"these settings change the messages (or which connection a call takes), so every "
+            f"rank must have the same (this rank: {found[rank]})")
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)"
+                                              if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
