@@ -202,6 +202,21 @@ def batch(ops):
     return real_batch(ops)
 dist.batch_isend_irecv = batch
 
+private = []  # per message posted on the transport's own gloo connection: as for batches
+class Recording:
+    def __init__(self, group):
+        self.group = group
+    def send(self, tensors, peer, tag):
+        private.append([True, tensors[0].numel() * tensors[0].element_size(), "cpu"])
+        return self.group.send(tensors, peer, tag)
+    def recv(self, tensors, peer, tag):
+        private.append([False, tensors[0].numel() * tensors[0].element_size(), "cpu"])
+        return self.group.recv(tensors, peer, tag)
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+report["private_prefix"] = t.private_prefix
+t.cpu_group = Recording(t.cpu_group)
+
 def outcome(key, fn):
     try:
         fn()
@@ -222,6 +237,7 @@ def exchange(key, mark, framed=False):
                               for x in (small_in, large_in))
     tensors = [mark(x) for x in (small, large, small_in, large_in)]
     batches.clear()
+    private.clear()
     post = t.exchange_framed if framed else t.exchange
     outcome(key, lambda: post([(peer, tensors[0]), (peer, tensors[1])],
                               [(peer, tensors[2]), (peer, tensors[3])], what=key))
@@ -233,6 +249,7 @@ def exchange(key, mark, framed=False):
                                    and torch.equal(got_large, payload(peer, 200_000,
                                                                       torch.float32)))
     report[key + "_batches"] = batches[:]
+    report[key + "_private"] = private[:]
 
 exchange("cuda", cuda)
 exchange("cuda_framed", cuda, framed=True)
@@ -251,7 +268,8 @@ def test_mixed_group_posts_cuda_payloads_as_one_batch_without_headers() -> None:
     """On a ``"cpu:gloo,cuda:nccl"`` group, an exchange of CUDA tensors is posted as one
     ``batch_isend_irecv`` of its payloads only (no CPU header message, no header bytes; framed
     buffers lose their room), so NCCL gets it as one group launch; an exchange of CPU tensors
-    keeps gloo's headers; both deliver the data. An exchange mixing CUDA and CPU tensors raises
+    keeps gloo's headers and goes to the transport's own gloo connection (nothing of it on the
+    caller's group); both deliver the data. An exchange mixing CUDA and CPU tensors raises
     InvalidArgumentError naming the rank and the step, before anything is posted."""
     reports = run_gloo_script(_MIXED_WORKER, 2, timeout_s=240, env={"DQCOLL_TIMEOUT_S": "30"})
     for rank, rep in reports.items():
@@ -263,11 +281,14 @@ def test_mixed_group_posts_cuda_payloads_as_one_batch_without_headers() -> None:
             assert rep[key + "_batches"] == [[[True, 8000, "cuda"], [True, 800_000, "cuda"],
                                               [False, 8000, "cuda"], [False, 800_000, "cuda"]]], \
                 rep[key + "_batches"]
+            assert rep[key + "_private"] == [], rep
         assert rep["cpu"] == "ok" and rep["cpu_values"], rep
+        assert rep["private_prefix"].startswith("dqcoll-private/"), rep
         h = torch_dist.HEADER_NBYTES
-        assert rep["cpu_batches"] == [[[True, h + 8000, "cpu"], [True, h, "cpu"],
-                                       [True, 800_000, "cpu"], [False, h + 8000, "cpu"],
-                                       [False, h, "cpu"], [False, 800_000, "cpu"]]], rep
+        assert rep["cpu_batches"] == [], rep
+        assert rep["cpu_private"] == [[True, h + 8000, "cpu"], [True, h, "cpu"],
+                                      [True, 800_000, "cpu"], [False, h + 8000, "cpu"],
+                                      [False, h, "cpu"], [False, 800_000, "cpu"]], rep
         mixed = rep["mixed"]
         assert mixed.startswith(f"InvalidArgumentError: rank {rank}:"), mixed
         assert "mixed step" in mixed and "CUDA and CPU" in mixed, mixed

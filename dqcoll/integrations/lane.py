@@ -86,7 +86,7 @@ from ..prepare import (
 from ..schemes.elementwise import BlockCodec
 from ..topology.hierarchical import HierarchicalPlan, LevelSpec
 from ..transports.nccl_common import exchange_unique_id
-from ..transports.torch_dist import TorchTransport
+from ..transports.torch_dist import TorchTransport, open_private_group
 from .policy import CompressionPolicy, Role, RoleRule
 
 __all__ = ["CudaOrder", "Lane", "LaneWork", "RoleCounters", "exact_nbytes", "nccl_lane_binding",
@@ -332,9 +332,7 @@ class Lane:
 
     def _connect(self, store: Any, prefix: str, timeout_s: float) -> None:
         """The lane's own gloo connection and the dqcoll communicator over it."""
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank,
-                                          self.world_size, timeout)
+        self.gloo = open_private_group(store, prefix, self.rank, self.world_size, timeout_s)
         self.transport: Any = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s)
         self.comm = Communicator(self.transport, seed=self.policy.seed,
                                  settings=self.settings)

@@ -15,7 +15,8 @@ rank, and copies the returned tensor into the gradients):
   own ``all_reduce`` of the bucket divided by the world size, exactly what DDP does without a hook
   (``default_hooks.allreduce_hook``), asynchronously (the returned future is the all-reduce's).
 * **Compressed**: ``dqcoll.allreduce(bucket, op="avg", scheme=..., bits=...)`` over a dqcoll
-  communicator wrapping the same process group (the ``torch`` transport: gloo or NCCL). The random
+  communicator among the same process group's ranks (the ``torch`` transport: CPU buckets on a
+  gloo connection of its own, CUDA buckets on the group's NCCL). The random
   rounding is keyed by a per-iteration seed (``derived_seed(seed, "ddp", iteration)``) and the
   bucket index, so every step draws fresh numbers and a rerun with the same seed is identical.
   Every rank ends with bit-identical averages (dqcoll's invariant), so the replicas never drift.
@@ -101,7 +102,6 @@ import collections
 import concurrent.futures
 import copy
 import dataclasses
-import datetime
 import logging
 import math
 import threading
@@ -118,7 +118,7 @@ from ..comm import Communicator
 from ..errors import DqcollError, InvalidArgumentError
 from ..schemes.dynamiq.error_model import ErrorModel
 from ..schemes.seeds import derived_seed
-from ..transports.torch_dist import TorchTransport
+from ..transports.torch_dist import TorchTransport, open_private_group
 
 __all__ = ["DynamiqState", "dynamiq_hook", "resync"]
 
@@ -373,8 +373,7 @@ class DynamiqState:
         name = getattr(group, "group_name", "world")
         for lane in range(len(self.lane_comms) + 1, wanted):
             prefix = f"dqcoll-ddp/{self._instance}/{name}/lane{lane}/"
-            gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), comm.rank,
-                                         comm.world_size, datetime.timedelta(seconds=timeout_s))
+            gloo = open_private_group(store, prefix, comm.rank, comm.world_size, timeout_s)
             extra = Communicator(TorchTransport(gloo, timeout_s=timeout_s), seed=self.seed,
                                  device=comm.device)
             if self.scheme == "auto":

@@ -1,11 +1,29 @@
 """The ``torch`` transport: any ``torch.distributed`` process group (gloo on CPU, nccl on GPU).
 
-This is how dqcoll drops into a job launched by torchrun: the job's own process group carries
-dqcoll's grouped point-to-point messages (``batch_isend_irecv``) and small all-reduces. Every wait
-goes through ``Work.wait(timeout)``; a timeout or a broken connection becomes a
-:class:`~dqcoll.errors.CollectiveTimeoutError` / :class:`~dqcoll.errors.PeerError` that names the
-peer and the step. The group's own timeout (``init_process_group(timeout=...)``) still bounds
-gloo's internals.
+This is how dqcoll drops into a job launched by torchrun: dqcoll runs among the ranks of the
+job's process group, its grouped point-to-point messages and small all-reduces on a connection
+of its own (below). Every wait goes through ``Work.wait(timeout)``; a timeout or a broken
+connection becomes a :class:`~dqcoll.errors.CollectiveTimeoutError` /
+:class:`~dqcoll.errors.PeerError` that names the peer and the step. The group's own timeout
+(``init_process_group(timeout=...)``) still bounds gloo's internals.
+
+**A private connection for CPU traffic.** Over a registered group whose CPU backend is gloo
+(``"gloo"``, or a per-device ``"cpu:gloo,cuda:nccl"``) the transport opens, when it is made, a
+``ProcessGroupGloo`` of its own among the group's ranks (:func:`open_private_group`, from the
+group's store under a prefix of its own: :func:`private_prefix`), and every CPU message goes
+there: point-to-point exchanges, the small all-reduces and :meth:`TorchTransport.native_allreduce`
+(gloo's all-reduce on that connection). gloo matches a point-to-point message by (peer, tag)
+and a collective by the order in which a process issues them on a group; a caller that sends,
+receives or all-reduces on its own group while a dqcoll call runs on a worker thread (an
+``async_op`` call, the DDP hook's buckets beside DDP's reducer with
+``find_unused_parameters=True``) would otherwise have its messages matched with dqcoll's, in
+orders that differ between ranks, and gloo aborts a process on a message longer than the
+receive it landed in (SIGABRT, no error). Opening it is collective: every rank of the group
+makes its transports over that group in the same order (as ``dqcoll.init()``, the DDP hook and
+the integrations do). CUDA tensors keep the caller's group (NCCL; see below). A group given as a
+bare ``ProcessGroupGloo`` (a lane's connection, the survivors of a shrink) is already dqcoll's
+own and carries everything itself; so does a group of another backend (its CPU messages take
+``batch_isend_irecv`` on it).
 
 **Message headers (gloo).** gloo accepts a message *shorter* than the receive buffer without a
 word (the tail keeps whatever it held) and aborts the process on a *longer* one. So every payload
@@ -43,13 +61,15 @@ failure of a per-message Work names its peer, one of a batch's Work names every 
 ``torch.distributed``'s registry (``ProcessGroupGloo(store, rank, size)``, as
 :mod:`dqcoll.membership` builds for the survivors of a lost rank, since ``new_group`` would need
 the dead rank too): rank and size then come from the group itself. ``store`` (the job's
-key-value store, by default the default group's) is kept for that shrink; :meth:`abort` aborts a
-gloo group, closing its connections so that peers blocked on this rank fail at once.
+key-value store, by default the default group's) is kept for that shrink; :meth:`abort` closes
+the connections of the gloo group dqcoll's CPU messages travel on, so that peers blocked on this
+rank fail at once.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -58,11 +78,18 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError, PeerError
+from ..errors import (
+    CollectiveTimeoutError,
+    CommAbortedError,
+    InvalidArgumentError,
+    MismatchError,
+    PeerError,
+    one_line,
+)
 from ..types import FRAME_HEADROOM
 from .base import ALLREDUCE_OPS, Counters, combine_in_rank_order, reduce_in_rank_order
 
-__all__ = ["TorchTransport", "backend_devices"]
+__all__ = ["TorchTransport", "backend_devices", "open_private_group", "private_prefix"]
 
 HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
 HEADER_NBYTES = 8 * HEADER_NUMEL
@@ -78,6 +105,49 @@ FRAME_COPY_NBYTES = 1 << 16
 # counts for them (sending every copy to every rank costs n / 2 times as many).
 GATHERED_ALLREDUCE_NBYTES = 4096
 _ABORT_TAG = 0x7A5E  # a tag no message uses: abort()'s receives never complete
+# private connections opened so far in this process, per group name (see private_prefix)
+_private_counts: dict[str, int] = {}
+_private_lock = threading.Lock()
+
+
+def private_prefix(group_name: str) -> str:
+    """The store prefix of the next private connection over the group named ``group_name``:
+    ``dqcoll-private/<group name>/<k>/`` for the ``k``-th one this process opens over that
+    group. Every rank opens its connections over a group in the same order, so the ``k``-th
+    has the same prefix on every rank (as FSDP2's lanes count their instances)."""
+    with _private_lock:
+        count = _private_counts.get(group_name, 0) + 1
+        _private_counts[group_name] = count
+    return f"dqcoll-private/{group_name}/{count}/"
+
+
+def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
+                       timeout_s: float) -> Any:
+    """A ``ProcessGroupGloo`` of dqcoll's own among ``world_size`` ranks (this one ``rank``),
+    rendezvoused in ``store`` under ``prefix`` (the same on every rank; only these ranks
+    join). Nothing but dqcoll posts on it, so none of its messages can match a message of the
+    caller's. Collective: blocks until every rank opened it, at most ``timeout_s``; a failure
+    raises :class:`~dqcoll.errors.CollectiveTimeoutError` (a rank did not come) or
+    :class:`~dqcoll.errors.CommAbortedError`, naming the rank and the prefix. Every private
+    gloo connection of dqcoll (the torch transport's, the lanes', the DDP hook's) is opened
+    here."""
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
+                                     datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        text = one_line(exc)
+        kind = CollectiveTimeoutError if "imeout" in text or "imed out" in text \
+            else CommAbortedError
+        raise kind(f"rank {rank} of {world_size}: opening dqcoll's gloo connection under "
+                   f"{prefix!r} failed (every rank of the group opens it at the same point, "
+                   f"within {timeout_s:g} s): {text}") from None
+
+
+def _cpu_is_gloo(backend: str) -> bool:
+    """Whether a group of ``backend`` moves CPU tensors with gloo (``"gloo"``, or a per-device
+    string naming ``cpu:gloo``)."""
+    name = backend.lower().replace(" ", "")
+    return name == "gloo" or "cpu:gloo" in name.split(",")
 
 
 def _write_header(frame: torch.Tensor, nbytes: int, tag: int) -> None:
@@ -141,6 +211,18 @@ class TorchTransport:
         # -- what a shrink after a lost rank needs (dqcoll.membership) --
         self.store = store if store is not None else _default_store()
         self.store_prefix = store_prefix  # keys of this group's shrinks live under it
+        # The gloo group that carries CPU messages with gloo's own send / recv / allreduce: a
+        # bare ProcessGroupGloo itself; over a registered group whose CPU backend is gloo, a
+        # private connection (module docstring); otherwise None (batch_isend_irecv on the group)
+        self.cpu_group: Any = None
+        self.private_prefix: str | None = None
+        if standalone:
+            self.cpu_group = self.group if self.backend == "gloo" else None
+        elif _cpu_is_gloo(self.backend) and self.world_size > 1:
+            self.private_prefix = private_prefix(str(getattr(self.group, "group_name", "")))
+            self.cpu_group = open_private_group(
+                dist.distributed_c10d._get_process_group_store(self.group),
+                self.private_prefix, self.rank, self.world_size, self.timeout_s)
 
     def _wait(self, works: list[tuple[str, dist.Work]], what: str) -> None:
         """Wait for every (whom it concerns, e.g. ``"receiving from rank 1"``, Work)."""
@@ -308,9 +390,10 @@ class TorchTransport:
         over a gloo group, CPU messages go straight to the group's ``send`` / ``recv``, in the
         same order (77 -> 65 us of the calling thread's CPU per exchange of 4 messages, 2 ranks
         on the 2-core dev VM). Everything else keeps ``batch_isend_irecv`` (nccl: one group
-        launch for the whole batch)."""
-        if self.backend == "gloo" and not _is_cuda(posts[0][2]):
-            group = self.group
+        launch for the whole batch). CPU messages go to :attr:`cpu_group` where there is one
+        (dqcoll's own gloo connection)."""
+        if self.cpu_group is not None and not _is_cuda(posts[0][2]):
+            group = self.cpu_group
             return [group.send([tensor], peer, 0) if is_send else group.recv([tensor], peer, 0)
                     for is_send, peer, tensor in posts]
         ops = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._global[peer],
@@ -321,7 +404,7 @@ class TorchTransport:
         """Small all-reduce in rank order, not gloo's or NCCL's own all-reduce: the same bits as
         every other dqcoll transport (see :func:`~dqcoll.transports.base.reduce_in_rank_order`).
 
-        Over gloo, a tensor whose ``n`` copies fit ``gather_nbytes`` (by default
+        Over gloo (a CPU tensor), a tensor whose ``n`` copies fit ``gather_nbytes`` (by default
         :data:`GATHERED_ALLREDUCE_NBYTES`: the argument check's vector of every call) goes to
         every rank in one grouped exchange and every rank combines the ``n`` copies in rank
         order itself (:meth:`_gathered_allreduce`): one synchronisation of the ranks instead
@@ -333,7 +416,8 @@ class TorchTransport:
         nbytes = tensor.numel() * tensor.element_size()
         if self.world_size > 1 and tensor.numel():
             flat = tensor.detach().contiguous().reshape(-1)
-            if self.backend == "gloo" and self.world_size * nbytes <= self.gather_nbytes:
+            if (self.cpu_group is not None and not _is_cuda(flat)
+                    and self.world_size * nbytes <= self.gather_nbytes):
                 self._gathered_allreduce(flat, op, what)
                 tensor.copy_(flat.view(tensor.shape))
                 return
@@ -363,12 +447,18 @@ class TorchTransport:
         self.counters["allreduces"] += 1
 
     def native_allreduce(self, tensor: torch.Tensor, *, what: str) -> None:
-        """Sum ``tensor`` in place with the group's own all-reduce (gloo's or NCCL's: what DDP
-        runs without a hook; its result is the same on every rank), waiting at most the
-        transport's timeout. For large buffers where no compression pays (``scheme="auto"``);
-        the small all-reduces keep :meth:`allreduce`'s rank order."""
+        """Sum ``tensor`` in place with gloo's or NCCL's own all-reduce (what DDP runs without
+        a hook; its result is the same on every rank), waiting at most the transport's
+        timeout. For large buffers where no compression pays (``scheme="auto"``); the small
+        all-reduces keep :meth:`allreduce`'s rank order. A CPU tensor is all-reduced on
+        :attr:`cpu_group` where there is one (dqcoll's own gloo connection: a caller's
+        all-reduce on its group meanwhile, from another thread, cannot take its place), a CUDA
+        tensor on the caller's group."""
         if self.world_size > 1 and tensor.numel():
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            if self.cpu_group is not None and not _is_cuda(tensor):
+                work = self.cpu_group.allreduce([tensor])
+            else:
+                work = dist.all_reduce(tensor, group=self.group, async_op=True)
             assert work is not None
             self._wait([(f"the all_reduce over the group's {self.world_size} ranks", work)], what)
         self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
@@ -377,22 +467,23 @@ class TorchTransport:
         self.allreduce(torch.zeros(1, device=self.device), "sum", what=what)
 
     def abort(self, reason: str) -> None:
-        """Close a gloo group's connections, so that peers blocked on this rank fail at once
-        (they would otherwise wait for their timeout). Other backends: nothing (peers learn of
-        it through their timeouts).
+        """Close the connections of :attr:`cpu_group` (where dqcoll's CPU messages travel), so
+        that peers blocked on this rank fail at once (they would otherwise wait for their
+        timeout). Without one: nothing (peers learn of it through their timeouts). The
+        caller's own group is left as it is.
 
         gloo has no call for it (``ProcessGroup.abort()`` and ``shutdown()`` leave the sockets
         open: a peer blocked in a receive from this rank failed only when this process exited,
         9 s later in a probe), but a timed-out wait closes its connection ("Application timeout
         caused pair closure", and the peer sees "Connection closed by peer"): so post, to each
         peer, a receive under a tag nobody sends and let it time out after 1 ms."""
-        if self.backend != "gloo":
+        if self.cpu_group is None:
             return
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
             try:
-                work = self.group.recv([torch.empty(1)], peer, _ABORT_TAG)
+                work = self.cpu_group.recv([torch.empty(1)], peer, _ABORT_TAG)
                 work.wait(datetime.timedelta(milliseconds=1))
             except Exception:  # the expected timeout, or the connection was already closed
                 pass
