@@ -139,7 +139,8 @@ def test_stdlib_lm_word_vocabulary_source() -> None:
 
 def test_eval_command_outputs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """`dqcoll eval` prints a table and writes CSV, JSON and a PNG; bit budgets expand schemes
-    that take bits; every rank agrees; the exact scheme has zero error and the wire bits of its exact sums."""
+    that take bits; every rank agrees; the exact scheme has zero error and the wire bits of its
+    exact sums."""
     csv_path, json_path, png = tmp_path / "r.csv", tmp_path / "r.json", tmp_path / "r.png"
     code = dqcoll_main([
         "eval", "--source", "gaussian", "--numel", "3000", "--world-sizes", "2,3",
