@@ -1,8 +1,9 @@
 """``dqcoll demo``'s table and its link section's fallback (nothing is timed here).
 
 The table puts the loopback and the emulated-link times of each (scheme, algorithm) side by side
-with the speed-up over ``none`` on the same network; a row that is not available says so; where
-the emulated cluster cannot be built, the demo reports why and shows loopback only.
+with the speed-up over the ``torch`` row (the group's own fp32 all-reduce) on the same network;
+a row that is not available says so; where the emulated cluster cannot be built, the demo
+reports why and shows loopback only.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ def _row(scheme: str, algorithm: str, time_ms: float, **extra: object) -> dict:
             "identical": True, **extra}
 
 
-def test_table_shows_both_networks_and_speedup_over_none(capsys):
-    """Each line has the loopback time and the link time, each with its ratio to ``none`` on
-    the same algorithm and network; unavailable rows print their reason."""
-    loop = [_row("none", "ring", 200.0), _row("dynamiq", "ring", 250.0),
+def test_table_shows_both_networks_and_speedup_over_fp32(capsys):
+    """Each line has the loopback time and the link time, each with its ratio to the ``torch``
+    row (the group's own fp32 all-reduce) on the same network; unavailable rows print their
+    reason."""
+    loop = [_row("torch", "all_reduce", 200.0), _row("dynamiq", "ring", 250.0),
             {"scheme": "auto", "algorithm": "ring", "status": "not available (no auto)"}]
-    link = [_row("none", "ring", 800.0), _row("dynamiq", "ring", 320.0, chosen="")]
+    link = [_row("torch", "all_reduce", 800.0), _row("dynamiq", "ring", 320.0, chosen="")]
     demo._print_table(loop, [("1gbit", link)])
     lines = capsys.readouterr().out.splitlines()
     assert "1gbit ms" in lines[0] and "loopback ms" in lines[0]
@@ -34,8 +36,8 @@ def test_table_shows_both_networks_and_speedup_over_none(capsys):
 
 def test_table_says_what_auto_chose_on_each_network(capsys):
     """``auto`` rows name the scheme chosen on loopback and over the link (they may differ)."""
-    loop = [_row("none", "ring", 200.0), _row("auto", "ring", 201.0, chosen="none")]
-    link = [_row("none", "ring", 800.0), _row("auto", "ring", 330.0, chosen="dynamiq")]
+    loop = [_row("torch", "all_reduce", 200.0), _row("auto", "ring", 201.0, chosen="none")]
+    link = [_row("torch", "all_reduce", 800.0), _row("auto", "ring", 330.0, chosen="dynamiq")]
     demo._print_table(loop, [("1gbit", link)])
     auto = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("auto"))
     assert auto.endswith("(chose loopback: none, 1gbit: dynamiq)")
@@ -50,15 +52,15 @@ def test_table_without_link_has_loopback_columns_only(capsys):
 
 def test_table_has_a_column_per_network_with_its_own_speedups(capsys):
     """With the flat link and the two-level cluster, each network has its time and its ratio
-    to ``none`` on that network; ``auto``'s choice is named per network; a row missing on one
-    network reads '-' there."""
-    loop = [_row("none", "ring", 200.0), _row("auto", "ring", 190.0, chosen="bf16")]
-    flat = [_row("none", "ring", 800.0), _row("auto", "ring", 400.0, chosen="dynamiq")]
-    two = [_row("none", "ring", 600.0)]
+    to the ``torch`` row on that network; ``auto``'s choice is named per network; a row missing
+    on one network reads '-' there."""
+    loop = [_row("torch", "all_reduce", 200.0), _row("auto", "ring", 190.0, chosen="bf16")]
+    flat = [_row("torch", "all_reduce", 800.0), _row("auto", "ring", 400.0, chosen="dynamiq")]
+    two = [_row("torch", "all_reduce", 600.0)]
     demo._print_table(loop, [("1gbit", flat), ("2x2 1gbit", two)])
     lines = capsys.readouterr().out.splitlines()
     assert "1gbit ms" in lines[0] and "2x2 1gbit ms" in lines[0]
-    none = next(ln for ln in lines if ln.startswith("none"))
+    none = next(ln for ln in lines if ln.startswith("torch"))
     assert none.split()[4:10] == ["200.0", "1.00x", "800.0", "1.00x", "600.0", "1.00x"]
     auto = next(ln for ln in lines if ln.startswith("auto"))
     assert auto.split()[6:9] == ["400.0", "2.00x", "-"]

@@ -4,8 +4,10 @@ an emulated 1 Gb/s link, and on an emulated two-level cluster (2 hosts x 2 ranks
 Spawns ``--world-size`` processes (default 4) that join a gloo process group, each holding a
 gradient-like buffer (default 16M coordinates) whose super-group magnitudes follow the log-normal
 mixture fitted in the DynamiQ paper (most super-groups around e^-4, a fifth of them around
-e^-16: strongly heavy-tailed). Every rank all-reduces it with ``none`` (fp32), ``bf16``,
-``dynamiq`` and ``auto`` on ring and butterfly, three times:
+e^-16: strongly heavy-tailed). Every rank all-reduces it with the process group's own fp32
+all-reduce (``torch``: gloo's, what DDP runs without a hook, the baseline of every speed-up),
+and with dqcoll's ``none`` (exact sums), ``bf16``, ``dynamiq`` and ``auto`` on ring and
+butterfly, three times:
 
 * over **loopback** (the ranks share this machine's cores; the network costs only CPU);
 * over an **emulated 1 Gb/s link** (``--link-rate``): one network namespace per rank, each with a
@@ -25,6 +27,8 @@ Rank 0 prints one row per (scheme, algorithm), with the times side by side:
 * ``vNMSE`` against the exact sum computed in float64;
 * ``time`` (median of 3 calls after an untimed one) and ``algbw`` (uncompressed bytes / time,
   as nccl-tests reports it);
+* ``x fp32``: the ``torch`` row's time on the same network over the row's (>1: faster than
+  the fp32 all-reduce a user would otherwise run);
 * ``identical``: whether every rank ended with the same bits.
 
 A row whose scheme this dqcoll does not have (``auto`` before it exists) reads "not available".
@@ -76,6 +80,10 @@ def gradient_like(rank: int, numel: int, *, seed: int = 0) -> torch.Tensor:
 
 
 TIMED_CALLS = 3
+# The row every speed-up is relative to: the process group's own fp32 all-reduce (gloo's), what
+# DDP runs without a hook and what a user runs without dqcoll.
+BASELINE = "torch"
+BASELINE_ALGORITHM = "all_reduce"
 # On loopback a link costs only CPU, so the fewer tile-steps (each ~0.5 ms of host time on the dev
 # VM) the better, for every scheme alike: measured 4 ranks x 16M coordinates, none / dynamiq ring
 # 233 / 262 ms at 4 MiB tiles and 200-220 / 196-204 ms at 16 MiB (dqcoll.executor's comment has
@@ -101,13 +109,21 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
         for r in range(world_size):
             exact += gradient_like(r, args.numel, seed=args.seed).double()
     rows: list[dict[str, Any]] = []
+
+    def run(x: torch.Tensor, scheme: str, algorithm: str) -> None:
+        if scheme == BASELINE:  # the process group's own fp32 all-reduce: what DDP runs
+            comm.transport.native_allreduce(x, what="demo torch all_reduce")
+            comm.last_info = {"scheme": BASELINE}
+            return
+        dqcoll.allreduce(x, scheme=scheme, algorithm=algorithm, bits=args.bits,
+                         tile_nbytes=tile_nbytes)
+
     for scheme in args.schemes:
-        for algorithm in args.algorithms:
+        for algorithm in (BASELINE_ALGORITHM,) if scheme == BASELINE else args.algorithms:
             # One untimed call (one-time costs), then the median of TIMED_CALLS calls, each from
             # the same input (a call is in place) and ended by a barrier on every rank.
             try:
-                dqcoll.allreduce(base.clone(), scheme=scheme, algorithm=algorithm,
-                                 bits=args.bits, tile_nbytes=tile_nbytes)
+                run(base.clone(), scheme, algorithm)
             except InvalidArgumentError as exc:  # the same on every rank: argument check
                 if rank == 0:
                     reason = str(exc).split(";")[0].splitlines()[0][:70]
@@ -120,8 +136,7 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
                 comm.barrier()
                 comm.counters.reset()
                 start = time.perf_counter()
-                dqcoll.allreduce(x, scheme=scheme, algorithm=algorithm, bits=args.bits,
-                                 tile_nbytes=tile_nbytes)
+                run(x, scheme, algorithm)
                 comm.barrier()
                 times.append(time.perf_counter() - start)
             chosen = comm.last_info.get("scheme")
@@ -256,23 +271,20 @@ def _print_table(rows: list[dict[str, Any]],
     over ``none`` on the same algorithm and network."""
     by_column = [(label, {(r["scheme"], r["algorithm"]): r for r in other})
                  for label, other in columns]
-    heads = "".join(f"{label + ' ms':>14}{'x none':>8}" for label, _ in columns)
+    heads = "".join(f"{label + ' ms':>14}{'x fp32':>8}" for label, _ in columns)
     header = (f"{'scheme':<9}{'algorithm':<11}{'bits/coord':>11}{'vNMSE':>12}"
-              f"{'loopback ms':>13}{'x none':>8}{heads}  identical")
+              f"{'loopback ms':>13}{'x fp32':>8}{heads}  identical")
     print(header)
     print("-" * len(header))
-    none_ms = {r["algorithm"]: r["time_ms"] for r in rows
-               if r["scheme"] == "none" and r["status"] == "ok"}
-    column_none_ms = [{r["algorithm"]: r["time_ms"] for r in other.values()
-                       if r["scheme"] == "none" and r["status"] == "ok"}
-                      for _, other in by_column]
+    none_ms = _baseline_ms(rows)
+    column_none_ms = [_baseline_ms(list(other.values())) for _, other in by_column]
     for row in rows:
         name = f"{row['scheme']:<9}{row['algorithm']:<11}"
         if row["status"] != "ok":
             print(name + row["status"])
             continue
         line = (f"{name}{row['bits_per_coord']:>11.3f}{row['vnmse']:>12.3e}"
-                f"{row['time_ms']:>13.1f}{_ratio(none_ms.get(row['algorithm']), row):>8}")
+                f"{row['time_ms']:>13.1f}{_ratio(none_ms, row):>8}")
         identical = row["identical"]
         chosen = [f"loopback: {row['chosen']}"] if row.get("chosen") else []
         for (label, other), other_none in zip(by_column, column_none_ms, strict=True):
@@ -281,7 +293,7 @@ def _print_table(rows: list[dict[str, Any]],
                 line += f"{'-':>14}{'':>8}"
                 continue
             line += (f"{cell['time_ms']:>14.1f}"
-                     f"{_ratio(other_none.get(row['algorithm']), cell):>8}")
+                     f"{_ratio(other_none, cell):>8}")
             identical = identical and cell["identical"]
             if cell.get("chosen"):
                 chosen.append(f"{label}: {cell['chosen']}")
@@ -307,8 +319,14 @@ def _parse_layout(parser: argparse.ArgumentParser,
     return hosts, per_host
 
 
+def _baseline_ms(rows: list[dict[str, Any]]) -> float | None:
+    """The time of the network's :data:`BASELINE` row (the group's own fp32 all-reduce)."""
+    return next((r["time_ms"] for r in rows if r["scheme"] == BASELINE and r["status"] == "ok"),
+                None)
+
+
 def _ratio(none_ms: float | None, row: dict[str, Any]) -> str:
-    """Speed-up over ``none`` on the same algorithm and network (>1: faster than fp32)."""
+    """Speed-up over the baseline row on the same network (>1: faster than torch's fp32)."""
     return f"{none_ms / row['time_ms']:.2f}x" if none_ms else "-"
 
 
@@ -319,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="coordinates per rank (suffix K/M/G), default 16M")
     parser.add_argument("--bits", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--schemes", nargs="+", default=["none", "bf16", "dynamiq", "auto"])
+    parser.add_argument("--schemes", nargs="+",
+                        default=[BASELINE, "none", "bf16", "dynamiq", "auto"],
+                        help=f"'{BASELINE}': the process group's own fp32 all-reduce, the "
+                        "baseline of the x fp32 columns; the others are dqcoll schemes")
     parser.add_argument("--algorithms", nargs="+", default=["ring", "butterfly"])
     parser.add_argument("--tile-nbytes", type=_parse_count, default=LOOPBACK_TILE_NBYTES,
                         help="pipelining tile on loopback (fp32 bytes per chunk tile) for every "
@@ -367,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{args.link_rate}: one network namespace per rank; HxG {args.link_rate}: H "
               f"namespaces (hosts) of G ranks that talk over the namespace's loopback. Each "
               f"namespace has one veth port to a bridge, capped at {args.link_rate} per port "
-              f"and direction by tc tbf (dqcoll.cli.netns); library default tiles. x none: "
-              "speed-up over 'none' on the same algorithm and network.")
+              f"and direction by tc tbf (dqcoll.cli.netns); library default tiles. x fp32: "
+              f"speed-up over the '{BASELINE}' row (the process group's own fp32 all-reduce, "
+              "gloo's) on the same network.")
     every = [*rows, *(r for _, column in columns for r in column)]
     return 0 if all(r.get("identical", True) for r in every) else 1
 
