@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..types import Collective, ReduceOp
@@ -47,6 +48,27 @@ from .elementwise import BlockCall, BlockCodec, BlockLayout
 __all__ = ["ExactSumCall", "NoneScheme", "copy_saturating"]
 
 _WIDE = torch.float64  # partial sums of 2..n-1 ranks
+
+
+def _widen_into(acc: torch.Tensor, values: torch.Tensor, *, add: bool) -> None:
+    """``acc`` (fp64) ``+=`` (or ``=``, ``add=False``) ``values``: each value widened to fp64
+    exactly, then one IEEE add - torch's result. On the CPU through NumPy, whose mixed-dtype
+    loops are ~5x faster than torch's widening add (4M coordinates, one thread: 4.3 ms against
+    23 ms); bf16, which NumPy lacks, is widened to fp32 first (exact)."""
+    if acc.device.type != "cpu":
+        if add:
+            acc += values
+        else:
+            acc.copy_(values)
+        return
+    if values.dtype == torch.bfloat16:
+        values = values.float()
+    out, src = acc.numpy(), values.reshape(-1).numpy()
+    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: NaN, as torch gives
+        if add:
+            np.add(out, src, out=out)
+        else:
+            np.copyto(out, src)
 
 
 def copy_saturating(out: torch.Tensor, values: torch.Tensor) -> None:
@@ -130,7 +152,8 @@ class ExactSumCall:
         self.dtype = x.dtype
         self.layout = BlockLayout.of(self.numel, 1, ctx)  # blocks of 1: no padding
         self.sums = torch.empty(self.numel, dtype=_WIDE, device=x.device)
-        self.sums.copy_(x.reshape(-1))
+        self.values = x.reshape(-1)  # this rank's own values, sent as they are
+        _widen_into(self.sums, self.values, add=False)
         self.work = torch.empty(self.numel, dtype=torch.float32, device=x.device)
         self.chunk_bounds = self.layout.chunk_bounds()
         self.tile_unit = 1  # the executor may cut chunks into tiles of any length
@@ -175,8 +198,8 @@ class ExactSumCall:
             final = torch.empty(values.shape, dtype=self.dtype, device=values.device)
             copy_saturating(final, values)
             return final.view(torch.uint8)
-        if count == 1:  # one rank's own values: exact in the input dtype
-            return values.to(self.dtype).view(torch.uint8)
+        if count == 1:  # one rank's own values, as they are
+            return self.values[self._bounds(chunk)].clone().view(torch.uint8)
         return values.view(torch.uint8)
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
@@ -184,7 +207,8 @@ class ExactSumCall:
         self.work[self._bounds(chunk)] = _view(payload, self._wire_dtype(count))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        self.sums[self._bounds(chunk)] += _view(payload, self._wire_dtype(count))
+        _widen_into(self.sums[self._bounds(chunk)], _view(payload, self._wire_dtype(count)),
+                    add=True)
 
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
