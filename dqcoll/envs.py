@@ -10,7 +10,7 @@ ranks agree on them then (:mod:`dqcoll.agreement`: different values raise
 :class:`~dqcoll.errors.MismatchError` on every rank, naming each rank's value).
 Every value is validated when read: a malformed one raises
 :class:`~dqcoll.errors.InvalidArgumentError` naming the variable and the value
-(``DQCOLL_TIMEOUT_S=nan`` used to be accepted, and a missing rank then waited forever).
+(``DQCOLL_TIMEOUT_S=nan`` would make every wait endless).
 Rejected: validating once at import (tests and launchers set variables after ``import dqcoll``).
 """
 

@@ -35,8 +35,8 @@ or by the caller, starts from fresh keys.
    every rank of the communicator has checked in, proposes all of them (agreement). When
    neither happens within ``2 x wait_s`` of the last arrival it closes the attempt as
    ``refused`` and raises :class:`~dqcoll.errors.InvalidArgumentError` without having touched
-   its communicator, which stays usable, as do its peers' (a ``shrink()`` called by one rank
-   of a healthy group used to go on as a world of 1 and leave its peers' communicators dead).
+   its communicator, which stays usable, as do its peers' (a lone ``shrink()`` on a healthy
+   group would otherwise go on as a world of 1 and leave its peers' communicators dead).
 5. **New group, committed.** Each member builds a gloo process group of the members
    (``ProcessGroupGloo`` over a ``PrefixStore`` of ``<base>E/pg/``, ranks renumbered in the old
    order) on a thread of its own, with its own store client (a blocking wait inside gloo's

@@ -166,7 +166,7 @@ class CompressionPolicy:
             key, value = key.strip(), value.strip()
             if not sep or not value:
                 raise InvalidArgumentError(f"DQCOLL_POLICY: expected key=value, got {item!r}")
-            if key in fields:  # the last one used to win without a word
+            if key in fields:  # a repeated key is refused, never silently overridden
                 raise InvalidArgumentError(
                     f"DQCOLL_POLICY {text!r}: key {key!r} given twice")
             if key in ("weights", "gradients", "allreduce"):
