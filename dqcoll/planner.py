@@ -83,6 +83,9 @@ CALIBRATION_RATE = 0.5
 PROBE_NBYTES = 4 << 20
 # Kernel probe: coordinates per measurement, best of three after one.
 KERNEL_PROBE_NUMEL = 1 << 20
+# Latency of every link of the job's graph: not probed (the 4 MiB probes measure bandwidth);
+# a per-message figure of TCP over loopback and Ethernet, which measured calls calibrate.
+LINK_LATENCY_US = 20.0
 # Size classes: plans are made per power of two of the uncompressed bytes.
 _SIZE_CLASS_BASE = 2.0
 
@@ -249,7 +252,8 @@ def _kernel_ns(device: torch.device, bits: float) -> dict[str, KernelRates]:
     return {
         "none": KernelRates(compress_ns=add_ns / 2, decompress_ns=add_ns),
         "bf16": KernelRates(compress_ns=cast_ns / 2, decompress_ns=cast_ns),
-        # statistics before and restore after: a pass over the input each, priced as a decode
+        # statistics before and restore after: not probed on their own; priced as a decode
+        # each (two passes over the buffer), an estimate that measured calls calibrate
         "dynamiq": KernelRates(compress_ns=encode_ns, decompress_ns=decode_ns,
                                stats_ns=2 * decode_ns),
     }
@@ -393,11 +397,12 @@ class Planner:
         ports = [0] * job.world_size
         for h, ranks in enumerate(job.hosts):
             nics.append(len(links))
-            links.append(Link(f"port{h}", LinkKind.NETWORK, inter, 20.0))
+            links.append(Link(f"port{h}", LinkKind.NETWORK, inter, LINK_LATENCY_US))
             for r in ranks:
                 hosts[r] = h
                 ports[r] = len(links)
-                links.append(Link(f"local{h}.{r}", LinkKind.LOOPBACK, intra, 20.0))
+                links.append(Link(f"local{h}.{r}", LinkKind.LOOPBACK, intra,
+                                  LINK_LATENCY_US))
         devices = (tuple(job.machines) if job.device_kind == "cpu"
                    else tuple(range(job.world_size)))
         return Topology("job", tuple(hosts), tuple(ports), tuple(nics), tuple(links), devices,

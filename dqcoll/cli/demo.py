@@ -50,9 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from .ports import rendezvous_port
+from .local import parse_count, run_local_ranks
 
 __all__ = ["gradient_like", "main"]
 
@@ -231,36 +230,8 @@ def _link_rows(args: argparse.Namespace, ranks_per_host: int = 1
 
 
 
-def _parse_count(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
 def _run_loopback(args: argparse.Namespace) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = rendezvous_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, out))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    rows = None
-    try:
-        while rows is None:
-            try:
-                rows = out.get(timeout=5)
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(
-                        "a demo rank failed: exit codes "
-                        f"{[p.exitcode for p in procs]}"
-                    ) from None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
+    rows: list[dict[str, Any]] = run_local_ranks(_worker, args.world_size, args, what="demo")
     return rows
 
 
@@ -268,7 +239,7 @@ def _print_table(rows: list[dict[str, Any]],
                  columns: list[tuple[str, list[dict[str, Any]]]]) -> None:
     """One line per (scheme, algorithm): bits and vNMSE (loopback run), and the time on loopback
     and on each emulated network that ran (``columns``: (label, rows)), each with its speed-up
-    over ``none`` on the same algorithm and network."""
+    over that network's :data:`BASELINE` row."""
     by_column = [(label, {(r["scheme"], r["algorithm"]): r for r in other})
                  for label, other in columns]
     heads = "".join(f"{label + ' ms':>14}{'x fp32':>8}" for label, _ in columns)
@@ -333,7 +304,7 @@ def _ratio(none_ms: float | None, row: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dqcoll demo", description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", "-g", type=int, default=4)
-    parser.add_argument("--numel", type=_parse_count, default=16 * 2**20,
+    parser.add_argument("--numel", type=parse_count, default=16 * 2**20,
                         help="coordinates per rank (suffix K/M/G), default 16M")
     parser.add_argument("--bits", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -342,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"'{BASELINE}': the process group's own fp32 all-reduce, the "
                         "baseline of the x fp32 columns; the others are dqcoll schemes")
     parser.add_argument("--algorithms", nargs="+", default=["ring", "butterfly"])
-    parser.add_argument("--tile-nbytes", type=_parse_count, default=LOOPBACK_TILE_NBYTES,
+    parser.add_argument("--tile-nbytes", type=parse_count, default=LOOPBACK_TILE_NBYTES,
                         help="pipelining tile on loopback (fp32 bytes per chunk tile) for every "
                         "row; default 16M: on loopback the link is free, so fewer tiles cost "
                         "less host time")
@@ -352,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the two-level cluster, HOSTSxRANKS (HOSTS x RANKS = --world-size), "
                         "at --link-rate between hosts; auto: 2 hosts where the world size is "
                         "even and at least 4 (2x2 for the default 4 ranks); off: none")
-    parser.add_argument("--link-tile-nbytes", type=_parse_count, default=0,
+    parser.add_argument("--link-tile-nbytes", type=parse_count, default=0,
                         help="pipelining tile over the link; 0: the library's default (4M), "
                         "which slow links need for the overlap of codec and transfer")
     parser.add_argument("--rank-from-env", action="store_true", help=argparse.SUPPRESS)

@@ -20,17 +20,10 @@ import sys
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from .ports import rendezvous_port
+from .local import parse_count, run_local_ranks
 
 __all__ = ["main"]
-
-
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
@@ -93,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dqcoll plan", description=__doc__.split("\n")[0])
     parser.add_argument("-g", "--world-size", type=int, default=4,
                         help="ranks to start on this machine (without a launcher)")
-    parser.add_argument("-b", "--begin", type=_parse_size, default=1 << 20)
-    parser.add_argument("-e", "--end", type=_parse_size, default=64 << 20)
+    parser.add_argument("-b", "--begin", type=parse_count, default=1 << 20)
+    parser.add_argument("-e", "--end", type=parse_count, default=64 << 20)
     parser.add_argument("-f", "--factor", type=int, default=8)
     parser.add_argument("--collective", default="allreduce",
                         choices=("allreduce", "reduce_scatter", "all_gather"))
@@ -112,16 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         report = _plan_on(comm, args)
         comm.barrier()
     else:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        port = rendezvous_port()
-        procs = [ctx.Process(target=_local_rank, args=(r, args.world_size, port, args, out))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        report = out.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
+        report = run_local_ranks(_local_rank, args.world_size, args, what="plan")
     if report is None:
         return 0
     _print(report)

@@ -3,12 +3,15 @@
 Several NCCL ranks on one GPU: :func:`fake_host_env` gives each rank a ``NCCL_HOSTID`` of its own
 (NCCL then treats every rank as a host of its own and connects them with sockets over loopback)
 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL 2.30 and later refuse two ranks on one device without
-it). :func:`crc` and :func:`agreed` compare bytes across ranks; :func:`write_report` prints a
+it). :func:`add_common_args` and :func:`start_group` are the scripts' shared command line and
+start-up. :func:`crc` and :func:`agreed` compare bytes across ranks; :func:`write_report` prints a
 ``REPORT`` line and, on rank 0, writes the JSON the check keeps.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import socket
@@ -63,3 +66,26 @@ def write_report(report: dict[str, Any], out: Path | None) -> None:
     if out is not None and report.get("rank", 0) == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The options every script takes: steps, bits, backend, the report's path."""
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bits", type=float, default=5.0)
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                        help="nccl: every rank on GPU 0; gloo: CPU processes")
+    parser.add_argument("--out", type=Path, default=None, help="rank 0's JSON report")
+
+
+def start_group(backend: str) -> tuple[int, torch.device, int]:
+    """This torchrun rank's NCCL variables (:func:`apply_fake_host_env`), its device (GPU 0 for
+    every rank under NCCL, else the CPU) and the default process group; (rank, device, world
+    size)."""
+    rank = apply_fake_host_env()
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # every rank on the one GPU
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    return rank, device, dist.get_world_size()

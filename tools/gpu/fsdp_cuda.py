@@ -23,7 +23,6 @@ Exit status 0 when all hold; rank 0 writes the report (the summary included) to 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,28 +34,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import agreed, apply_fake_host_env, crc, write_report
+from common import add_common_args, agreed, crc, start_group, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--bits", type=float, default=5.0)
+    add_common_args(parser)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=3)
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                        help="nccl: every rank on GPU 0; gloo: CPU processes")
-    parser.add_argument("--out", type=Path, default=None, help="rank 0's JSON report")
     args = parser.parse_args(argv)
 
-    rank = apply_fake_host_env()
-    if args.backend == "nccl":
-        torch.cuda.set_device(0)  # every rank on the one GPU
-        device = torch.device("cuda", 0)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=120))
-    world_size = dist.get_world_size()
+    rank, device, world_size = start_group(args.backend)
 
     from dqcoll.integrations import fsdp as dqfsdp
     from dqcoll.integrations.policy import CompressionPolicy, RoleRule
