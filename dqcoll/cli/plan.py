@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _print(report)
     if args.json:
+        from .provenance import device_name, git_commit
+
+        report["provenance"] = {"commit": git_commit(), "device": device_name("cpu"),
+                                "command": " ".join(sys.argv)}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
     return 0 if report["identical_on_every_rank"] else 1
