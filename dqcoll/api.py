@@ -56,12 +56,14 @@ def allreduce(
 
     ``buf``: torch tensor, NumPy or CuPy array, contiguous, fp32/bf16/fp16, any length.
     ``op``: "sum" or "avg". ``scheme``: a registered name (see ``dqcoll.schemes.list_schemes()``),
-    a scheme object, or "auto" (:mod:`dqcoll.auto`: ``none``, ``bf16`` or ``dynamiq``, whichever
-    is predicted fastest); ``bits`` and ``scheme_options`` (e.g. ``levels="uniform"``) configure
+    a scheme object, or "auto" (:mod:`dqcoll.planner`: ``none``, ``bf16`` or ``dynamiq``,
+    whichever the planner predicts fastest on the job's measured links, calibrated by measured
+    calls); ``bits`` and ``scheme_options`` (e.g. ``levels="uniform"``) configure
     it. ``bits``: bits per coordinate on the wire for the schemes that take it (dynamiq); None
     (the default) means 5, the default of :data:`dqcoll.prepare.DEFAULT_BITS`.
-    ``algorithm``: "ring", "butterfly", "direct" or "auto". ``seed``/``step`` key the random
-    rounding (default: the communicator's seed and call counter).
+    ``algorithm``: "ring", "butterfly", "direct" or "auto" (the planner's: a flat algorithm or
+    two levels, inside and across hosts; ``comm.last_info["planned"]`` says which and why).
+    ``seed``/``step`` key the random rounding (default: the communicator's seed and call counter).
     ``target_vnmse=`` (a scheme option, dynamiq only, instead of ``bits``: giving both raises)
     chooses per call the fewest bits whose predicted vNMSE meets the target (see
     :mod:`dqcoll.schemes.dynamiq.error_model`); ``comm.last_info`` reports the bits used and

@@ -3,7 +3,7 @@
 Every collective that runs through :func:`dqcoll.execute.run` is recorded by
 :func:`recording` when it ends, successfully or not: the collective, its size, the scheme and
 algorithm that actually ran, the plan as ``comm.last_info`` describes it (flat, or the levels of a
-two-level plan; ``scheme="auto"``'s choice with its predicted times), the predicted and the
+two-level plan; the planner's decision with its predicted times), the predicted and the
 measured time, the bytes this rank put on the wire and what the uncompressed ring would have
 sent. :class:`CallMetrics` (``comm.metrics``) keeps the most recent records in a bounded ring
 (``DQCOLL_METRICS_RECORDS``, default :data:`DEFAULT_RECORDS`) and running totals per
@@ -257,9 +257,10 @@ def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
     (``"intra"`` and ``"inter"``: ``{"kind": "two_level", "algorithm", "levels": [...]}``, each
     level with its scheme, algorithm and bits, and ``"phases"``, each level's call in order,
     where ``info`` lists them); else ``{"kind": "flat", "scheme", "algorithm",
-    "bits"}``, with ``scheme="auto"``'s choice (``"auto"``: chosen, reason, predicted time of each
-    candidate in microseconds) where it decided. ``bits``: the scheme's own figure where it
-    reports one (dynamiq: the bits per coordinate its allocation used)."""
+    "bits"}``. Where the planner decided (``info["planned"]``), ``"planner"`` adds its plan's
+    label, reason, predicted time and every alternative with its predicted time (microseconds).
+    ``bits``: the scheme's own figure where it reports one (dynamiq: the bits per coordinate its
+    allocation used)."""
     given = info.get("plan")
     if isinstance(given, Mapping):
         return dict(given)
@@ -272,25 +273,20 @@ def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(phases, (list, tuple)):
             levels["phases"] = [{"level": p.get("level"), "collective": p.get("collective"),
                                  **_level(p)} for p in phases if isinstance(p, Mapping)]
-        return levels
-    plan: dict[str, Any] = {"kind": "flat", **_level(info)}
-    auto = info.get("auto")
-    if isinstance(auto, Mapping):
-        predicted = auto.get("predicted_ms") or {}
-        plan["auto"] = {"chosen": auto.get("chosen"), "reason": auto.get("reason"),
-                        "predicted_us": {k: v * 1e3 for k, v in predicted.items()}}
-    return plan
+    else:
+        levels = {"kind": "flat", **_level(info)}
+    planned = info.get("planned")
+    if isinstance(planned, Mapping):  # the planner's decision: label, reason, alternatives
+        levels["planner"] = {"label": planned.get("label"), "reason": planned.get("reason"),
+                             "predicted_us": planned.get("predicted_us"),
+                             "alternatives": planned.get("alternatives")}
+    return levels
 
 
 def _predicted_us(info: Mapping[str, Any]) -> float | None:
-    """The predicted time of what ran: ``info["predicted_us"]``, or ``auto``'s prediction for
-    its choice; None where nothing predicted it (or the prediction is not finite)."""
+    """The predicted time of what ran: ``info["predicted_us"]`` (the planner's, calibrated);
+    None where nothing predicted it (or the prediction is not finite)."""
     value = info.get("predicted_us")
-    if value is None:
-        auto = info.get("auto")
-        if isinstance(auto, Mapping):
-            ms = (auto.get("predicted_ms") or {}).get(auto.get("chosen"))
-            value = None if ms is None else ms * 1e3
     if value is None:
         return None
     value = float(value)
@@ -554,7 +550,9 @@ class recording:  # lower case: a context manager used as a function
         with comm.in_flight(what), recording(comm, collective, buf, scheme=..., algorithm=...):
             ...  # run the call
 
-    On exit it reads the wall time, the delta of ``comm.counters["bytes_sent"]`` and, where
+    On exit it reads the wall time (less the planner's probes where the call made the planner:
+    ``last_info["planner_probe"]``; the counters leave their bytes out), the delta of
+    ``comm.counters["bytes_sent"]`` and, where
     the call wrote a new ``comm.last_info``, what ran; an exception is recorded with its type
     and passes on unchanged. ``bits`` / ``target``: the caller's ``bits`` and whether it gave a
     target error instead. ``seq``: the call's number (default: the communicator's call counter
@@ -594,6 +592,9 @@ class recording:  # lower case: a context manager used as a function
         try:
             info = comm.last_info
             wire = comm.counters["bytes_sent"] - self._sent
+            probe = info.get("planner_probe") if info is not self._info else None
+            if probe:  # the planner, made in this call: its probes' time is not the call's
+                elapsed -= float(probe["s"])
         except Exception:
             info, wire = None, 0
         metrics.record_call(

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from . import agreement, envs, kernels
-from .auto import AutoPolicy
 from .call_metrics import CallMetrics
 from .errors import (
     CollectiveTimeoutError,
@@ -94,8 +93,13 @@ class Communicator:
         self.last_info: dict[str, Any] = {}
         # every call's record and running totals, exportable (dqcoll.call_metrics)
         self.metrics = CallMetrics.for_transport(transport)
-        # scheme="auto": the measured link and codec rates and the calibration (dqcoll.auto)
-        self.auto = AutoPolicy()
+        # how planned calls run (scheme="auto", algorithm="auto"): the job's topology, its
+        # measured rates and the calibration (dqcoll.planner), made at the first planned call;
+        # the last planned call's plan and this rank's time of it (agreed at the next one)
+        self.planner: Any = None
+        self.auto_force = envs.auto_force()
+        self.last_plan: Any = None
+        self.last_plan_us = 0
         # what schemes remember across calls (calibration); every rank updates it identically
         self.scheme_state: dict[Any, Any] = {}
         self.closed = False

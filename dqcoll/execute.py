@@ -18,9 +18,11 @@ the steps of the call path in order:
    on them, so they are part of the argument check). The result is written into the caller's
    buffer last, so an error leaves the input untouched.
 
-``scheme="auto"`` (:func:`_run_auto`, rule in :mod:`dqcoll.auto`) takes the same steps, with the
-ranks' predicted times agreed in the argument check, and may run the process group's own
-all-reduce (:func:`_native_allreduce`) instead of a schedule.
+A call with ``scheme="auto"`` or ``algorithm="auto"`` (:func:`_run_planned`) takes the same steps
+and then runs what :mod:`dqcoll.planner` decides for it: a flat schedule, two levels
+(:mod:`dqcoll.hierarchical`), or, for ``none`` / ``bf16`` under ``auto`` over a torch process
+group, the group's own all-reduce (:func:`_native_allreduce`). Its time is agreed at the
+communicator's next planned call (it rides in the argument check) and calibrates the planner.
 
 A failure after the argument check (data moved, or may have) leaves the communicator dead: peers
 may be anywhere in the call and its messages may still be in flight (NCCL's rule after an error).
@@ -32,24 +34,23 @@ sent).
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
-from . import auto as auto_mod
 from . import handles, schemes, scratch, validate
-from .auto import AutoChoice
+from . import planner as planner_mod
 from .call_metrics import recording
 from .comm import Communicator, get_default_comm
 from .context import call_context
 from .executor import run_schedule
 from .interop import stream_scope
+from .levels import run_levels
 from .prepare import (
     PreparedCall,
     Request,
-    choose_algorithm,
     prepare_call,
     scaled,
     shift_for,
@@ -60,9 +61,6 @@ from .topology import algorithms
 from .types import Collective, ReduceOp
 
 __all__ = ["launch", "run"]
-
-_MAX_US = 1 << 50  # an "infinite" prediction in the argument check's int64 fields
-
 
 def launch(request: Request) -> Any:
     """Run one collective now (in the caller's stream scope) or, with ``async_op``, on the
@@ -84,8 +82,8 @@ def run(request: Request, comm: Communicator) -> None:
             comm, request.collective, request.buf, scheme=request.scheme,
             algorithm=request.algorithm, bits=request.bits,
             target=request.scheme_options.get("target_vnmse") is not None):
-        if request.is_auto:
-            _run_auto(request, comm)
+        if request.is_planned:
+            _run_planned(request, comm)
         else:
             _run_checked(request, comm)
 
@@ -104,88 +102,94 @@ def _run_checked(request: Request, comm: Communicator) -> None:
         raise
 
 
-def _run_auto(request: Request, comm: Communicator) -> None:
-    """``scheme="auto"`` (see :mod:`dqcoll.auto`): the arguments are checked as for
-    ``dynamiq`` with its options, the ranks agree on the candidates' predicted times in the same
-    check, and every rank runs the candidate the rule picks from those agreed numbers."""
-    start = time.perf_counter()
+def _run_planned(request: Request, comm: Communicator) -> None:
+    """A call the planner decides (``scheme="auto"`` or ``algorithm="auto"``): prepare, argument
+    check (with this rank's time of the communicator's previous planned call riding along, its
+    maximum over ranks calibrating the planner), plan, run the plan."""
     call = prepare_call(request, comm)
-    policy = comm.auto
-    ready = policy.ready()
-    predicted = (_predicted_us(call, comm) if ready and call.error is None
-                 else [0] * len(auto_mod.CANDIDATES))
-    extra = [int(policy.last_elapsed_s * 1e6), *predicted, *policy.step_extra()]
+    extra = [comm.last_plan_us] if comm.validate else None  # DQCOLL_VALIDATE=0: uncalibrated
     exponent = validate.handshake(call, comm, extra)
-    policy.calibrate(extra[0] / 1e6)
-    policy.agree_step(extra[-auto_mod.STEP_SLOTS:])
     try:
-        if not ready:  # the first auto call: measure the link and the codecs, then agree
-            start = _measure_and_agree(call, comm, extra)
-        choice = policy.choose({c: extra[1 + i] / 1e6 for i, c in enumerate(auto_mod.CANDIDATES)},
-                               measured=not policy.frozen
-                               and call.step not in policy.unmeasured_steps)
-        _run_choice(call, comm, request, choice, exponent)
+        made = comm.planner is None
+        probe_start = time.perf_counter()
+        plan = _plan(call, comm, request, extra[0] if extra else 0)
+        start = time.perf_counter()
+        _run_plan(call, comm, plan, exponent)
     except BaseException as exc:
         comm.mark_dead(f"{call.what} failed: {type(exc).__name__}: {exc}")
         raise
-    policy.last_elapsed_s = time.perf_counter() - start
-    comm.last_info["scheme"] = choice.scheme
-    comm.last_info["auto"] = choice.as_info()
+    if made and comm.planner is not None:  # made in this call: its probes are not the call's
+        comm.last_info["planner_probe"] = {"bytes": comm.planner.probe_nbytes,
+                                           "s": start - probe_start}
+    if plan is not None:
+        comm.last_plan, comm.last_plan_us = plan, int((time.perf_counter() - start) * 1e6)
+        comm.last_info["planned"] = plan.as_dict()
+        comm.last_info["predicted_us"] = plan.predicted_us
 
 
-def _budget_bits(call: PreparedCall) -> float:
-    """The bits per coordinate ``auto`` prices dynamiq at: ``bits``, or ~8 under a target."""
-    return float(call.bits) if call.target is None else auto_mod.TARGET_BITS
+def _plan(call: PreparedCall, comm: Communicator, request: Request, previous_us: int
+          ) -> planner_mod.Plan | None:
+    """The planner's plan of ``call``, or None where there is nothing to decide (nothing
+    moves, or a named scheme over two ranks: one algorithm, no two levels). The planner is made
+    at the communicator's first planned call (collective: every rank is here, the argument
+    check passed), and first calibrated with the previous planned call's agreed time."""
+    tensor, scheme = call.tensor, call.scheme
+    assert tensor is not None and scheme is not None
+    n = comm.world_size
+    if tensor.numel() == 0 or n == 1 or (not call.auto and n <= 2):
+        return None
+    planner = comm.planner
+    if planner is None:
+        planner = comm.planner = planner_mod.build_planner(
+            comm.transport, comm.device, what=f"{call.what} planner")
+    elif comm.last_plan is not None and previous_us > 0:
+        planner.observe(comm.last_plan, float(previous_us))
+    nbytes = tensor.numel() * tensor.element_size()
+    if call.collective is Collective.ALL_GATHER:
+        nbytes *= n  # priced on the gathered buffer
+    return planner.plan(
+        call.collective.value, nbytes, str(tensor.dtype).replace("torch.", ""),
+        scheme="auto" if call.auto else scheme.spec.name,
+        bits=planner_mod.TARGET_BITS if call.target is not None else float(call.bits),
+        algorithm=request.algorithm,
+        native=(call.collective is Collective.ALLREDUCE
+                and hasattr(comm.transport, "native_allreduce")),
+        force=comm.auto_force if call.auto else None)
 
 
-def _predicted_us(call: PreparedCall, comm: Communicator) -> list[int]:
-    """This rank's predicted time of each candidate (microseconds, capped), in
-    :data:`dqcoll.auto.CANDIDATES` order. The codec rates were measured with every rank of the
-    machine measuring at once, so they include the sharing of its cores."""
-    tensor = call.tensor
-    numel = tensor.numel() if tensor is not None else 0
-    element_nbytes = tensor.element_size() if tensor is not None else 4
-    traffic = 2 if call.collective is Collective.ALLREDUCE else 1  # reduce-scatter: half
-    native = (call.collective is Collective.ALLREDUCE
-              and hasattr(comm.transport, "native_allreduce"))  # as _run_choice decides
-    predicted = comm.auto.predict_s(numel * traffic // 2, element_nbytes, comm.world_size,
-                                    _budget_bits(call), 1.0, native=native)
-    if element_nbytes == 2:  # a 16-bit buffer: bf16 saves nothing
-        predicted["bf16"] = math.inf
-    return [min(int(predicted[c] * 1e6), _MAX_US) for c in auto_mod.CANDIDATES]
-
-
-def _measure_and_agree(call: PreparedCall, comm: Communicator, extra: list[int]) -> float:
-    """The first ``auto`` call of a communicator: measure the link and this rank's codecs, then
-    agree on the predictions (the slowest rank's, into ``extra``). Returns the time the call's
-    own work starts (the calibration leaves the probe out)."""
-    policy = comm.auto
-    policy.measure_link(comm.transport, what=f"{call.what} link probe")
-    policy.measure_codecs(comm.device, _budget_bits(call))
-    start = time.perf_counter()
-    agreed = torch.tensor(_predicted_us(call, comm), dtype=torch.float64)
-    comm.transport.allreduce(agreed, "max", what=f"{call.what} predictions")
-    extra[1 : 1 + len(auto_mod.CANDIDATES)] = [int(v) for v in agreed.tolist()]
-    return start
-
-
-def _run_choice(call: PreparedCall, comm: Communicator, request: Request, choice: AutoChoice,
-                exponent: int) -> None:
-    """Run ``auto``'s choice: ``none`` / ``bf16`` all-reduces over a torch process group as its
-    own all-reduce; otherwise the chosen scheme over a schedule (re-chosen for it when the
-    caller left ``algorithm="auto"``)."""
-    assert call.tensor is not None
-    native = (choice.scheme != "dynamiq" and call.collective is Collective.ALLREDUCE
-              and hasattr(comm.transport, "native_allreduce") and call.tensor.numel() > 0)
-    if native:
-        _native_allreduce(call, comm, choice.scheme)
+def _run_plan(call: PreparedCall, comm: Communicator, plan: planner_mod.Plan | None,
+              exponent: int) -> None:
+    """Run ``plan`` (None: the one flat algorithm): the process group's own all-reduce, two
+    levels (:mod:`dqcoll.hierarchical`), or a flat schedule of the planned scheme."""
+    n = comm.world_size
+    if plan is None:
+        call.schedule = algorithms.build_schedule(planner_mod.flat_algorithms(n)[0], n)
+    elif plan.algorithm == planner_mod.NATIVE:
+        _native_allreduce(call, comm, plan.scheme)
         return
-    if choice.scheme != "dynamiq":
-        call.scheme = schemes.get(choice.scheme)
-    if request.algorithm == "auto":
-        call.schedule = algorithms.build_schedule(
-            choose_algorithm("auto", comm.world_size, request.buf, call.scheme), comm.world_size)
-    _execute(call, comm, shift_for(call, comm.world_size, exponent))
+    elif plan.levels is not None:
+        _run_two_level(call, comm, plan.levels)
+        return
+    else:
+        if call.auto and plan.scheme != "dynamiq":
+            call.scheme = schemes.get(plan.scheme)
+        call.schedule = algorithms.build_schedule(plan.algorithm, n)
+    _execute(call, comm, shift_for(call, n, exponent))
+
+
+def _run_two_level(call: PreparedCall, comm: Communicator, levels: Any) -> None:
+    """A two-level plan over the caller's checked buffers; the level across hosts takes the
+    call's scheme options (bits or target) where it runs the call's scheme."""
+    assert call.tensor is not None and call.op is not None and call.scheme is not None
+    inter = levels.inter
+    if inter.scheme == call.scheme.spec.name:
+        options = tuple(sorted((k, v) for k, v in call.options.items() if k != "bits"))
+        inter = dataclasses.replace(inter, options=options,
+                                    bits=float(call.bits) if call.target is None else inter.bits)
+        levels = dataclasses.replace(levels, inter=inter)
+    comm.last_info = run_levels(
+        call.collective, call.tensor, call.out, levels, comm, seed=int(call.seed),
+        step=int(call.step), op=call.op.value, launch=launch)
 
 
 def _native_allreduce(call: PreparedCall, comm: Communicator, scheme: str) -> None:

@@ -1,6 +1,7 @@
-"""Runs a :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`: all-reduce, reduce-scatter and
-all-gather in two levels, each level with its own scheme. The package's one two-level
-implementation: the FSDP2 lanes' two-level paths call it too.
+"""Two-level collectives for a plan the caller gives: all-reduce, reduce-scatter and all-gather in
+two levels, each level with its own scheme. They run through :func:`dqcoll.levels.run_levels`,
+the package's one two-level implementation, which the executor runs for the planner's two-level
+plans too.
 
 The plan is data (:mod:`dqcoll.topology.hierarchical`, which only plans); this module runs it,
 beside the executor. Each level is one ordinary collective (a
@@ -54,9 +55,6 @@ public API, and ``api -> topology.tuning -> topology.hierarchical -> api`` was a
 
 from __future__ import annotations
 
-import functools
-import threading
-import weakref
 from typing import Any
 
 import torch
@@ -65,9 +63,9 @@ from .call_metrics import recording
 from .comm import Communicator, get_default_comm
 from .errors import InvalidArgumentError
 from .execute import launch
-from .prepare import Request, inspect_buffer
-from .topology.hierarchical import HierarchicalPlan, LevelSpec
-from .transports.subgroup import SubgroupTransport
+from .levels import run_levels
+from .prepare import inspect_buffer
+from .topology.hierarchical import HierarchicalPlan
 from .types import Collective
 
 __all__ = [
@@ -76,15 +74,6 @@ __all__ = [
     "hierarchical_reduce_scatter",
     "run_hierarchical",
 ]
-
-# Phases (their seeds): the intra reduce-scatter, the level across hosts, the intra all-gather.
-INTRA_REDUCE, ACROSS, INTRA_GATHER = 0, 1, 2
-
-
-def _phase_seed(seed: int, phase: int) -> int:
-    # Separate random streams for the three phases; 62 bits like the API's fingerprint.
-    return (seed ^ (0x9E3779B97F4A7C15 * phase)) & ((1 << 62) - 1)
-
 
 def hierarchical_allreduce(buf: Any, plan: HierarchicalPlan, *, op: str = "sum",
                            comm: Communicator | None = None, seed: int | None = None,
@@ -133,21 +122,14 @@ def run_hierarchical(collective: Collective | str, buf: Any, out: Any, plan: Hie
         call_step = comm.next_step()
         what = f"hierarchical {kind.value}#{call_step}"
         tensor, target = _check(kind, buf, out, plan, comm, what)
-        run = _Run(plan, comm, seed=comm.seed if seed is None else int(seed),
-                   step=call_step if step is None else int(step), op=op)
         try:
-            if kind is Collective.ALLREDUCE:
-                run.allreduce(tensor.view(-1))
-            elif kind is Collective.REDUCE_SCATTER:
-                assert target is not None
-                run.reduce_scatter(tensor.view(-1), target.view(-1))
-            else:
-                assert target is not None
-                run.all_gather(tensor.view(-1), target.view(-1))
+            comm.last_info = run_levels(kind, tensor, target, plan, comm,
+                                        seed=comm.seed if seed is None else int(seed),
+                                        step=call_step if step is None else int(step), op=op,
+                                        launch=launch)
         except BaseException as exc:  # a level failed, another host may be in another level
             comm.mark_dead(f"{what} failed: {type(exc).__name__}: {exc}")
             raise
-        comm.last_info = run.info(kind)
     return buf if kind is Collective.ALLREDUCE else out
 
 
@@ -190,120 +172,3 @@ def _check(kind: Collective, buf: Any, out: Any, plan: HierarchicalPlan, comm: C
     return tensor, target
 
 
-# -- the subgroup communicators, kept per communicator -------------------------------------------
-
-_groups: weakref.WeakKeyDictionary[Communicator, dict[tuple[int, ...], Communicator]] = (
-    weakref.WeakKeyDictionary())
-_groups_lock = threading.Lock()
-
-
-def _subgroup(comm: Communicator, ranks: tuple[int, ...]) -> Communicator:
-    """The communicator of ``ranks`` (this rank among them) over ``comm``'s transport. Every
-    member issues the same calls on it in the same order (those of the plans that contain the
-    group), so its call counters agree."""
-    with _groups_lock:
-        kept = _groups.setdefault(comm, {})
-        sub = kept.get(ranks)
-        if sub is None or sub.dead is not None or sub.closed:
-            sub = kept[ranks] = Communicator(SubgroupTransport(comm.transport, ranks),
-                                             seed=comm.seed, device=comm.device)
-        return sub
-
-
-@functools.lru_cache(maxsize=64)
-def _order_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``order`` as an index tensor on ``device``, made once (read only by the row gathers)."""
-    return torch.tensor(order, dtype=torch.int64).to(device)
-
-
-class _Run:
-    """One call of a plan on one rank: its levels' communicators, seeds and calls."""
-
-    def __init__(self, plan: HierarchicalPlan, comm: Communicator, *, seed: int, step: int,
-                 op: str) -> None:
-        self.plan, self.seed, self.step, self.op = plan, seed, step, op
-        self.n, self.hosts = plan.world_size, plan.nodes
-        self.intra = _subgroup(comm, plan.intra_group(comm.rank))
-        self.inter = _subgroup(comm, plan.inter_group(comm.rank))
-        order = plan.local_major_ranks
-        self.order = None if order == tuple(range(self.n)) else order  # None: no reordering
-        self.phases: list[dict[str, Any]] = []
-
-    def _level(self, collective: Collective, buf: torch.Tensor, out: torch.Tensor | None,
-               spec: LevelSpec, level: str, phase: int) -> None:
-        """One level's collective, an ordinary request over the level's communicator."""
-        options = dict(spec.options)
-        bits = None if "target_vnmse" in options else spec.bits
-        comm = self.intra if level == "intra" else self.inter
-        launch(Request(collective, buf, out, op=self.op, scheme=spec.scheme, bits=bits,
-                       algorithm=spec.algorithm, comm=comm, seed=_phase_seed(self.seed, phase),
-                       step=self.step, scheme_options=options))
-        self.phases.append({**comm.last_info, "level": level, "collective": collective.value})
-
-    def _index(self, like: torch.Tensor) -> torch.Tensor:
-        assert self.order is not None
-        return _order_index(self.order, like.device)
-
-    def _to_local_major(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
-        """``flat`` (at most ``n x shard`` elements, global rank order) as a new buffer of
-        ``n x shard`` in local-major order, zero-padded; ``flat`` itself where nothing moves."""
-        total = self.n * shard
-        if flat.numel() == total and self.order is None:
-            return flat
-        if flat.numel() == total:
-            padded = flat
-        else:
-            padded = torch.empty(total, dtype=flat.dtype, device=flat.device)
-            padded[: flat.numel()] = flat
-            padded[flat.numel():] = 0
-        if self.order is None:
-            return padded
-        return padded.view(self.n, shard).index_select(0, self._index(flat)).view(-1)
-
-    def _from_local_major(self, work: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
-        """Write ``work`` (local-major, ``n x shard``) into ``flat`` in global rank order, its
-        first ``flat.numel()`` elements."""
-        if work is flat:
-            return
-        if self.order is not None:
-            rows = work.view(self.n, shard)
-            if flat.numel() == work.numel():
-                flat.view(self.n, shard).index_copy_(0, self._index(flat), rows)
-                return
-            work = torch.empty_like(rows).index_copy_(0, self._index(flat), rows).view(-1)
-        flat.copy_(work[: flat.numel()])
-
-    def allreduce(self, flat: torch.Tensor) -> None:
-        shard = -(-flat.numel() // self.n)
-        work = self._to_local_major(flat, shard)
-        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
-        plan = self.plan
-        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
-        self._level(Collective.ALLREDUCE, part, None, plan.inter, "inter", ACROSS)
-        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
-        self._from_local_major(work, flat, shard)
-
-    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> None:
-        shard = out.numel()
-        work = self._to_local_major(flat, shard)
-        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
-        plan = self.plan
-        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
-        self._level(Collective.REDUCE_SCATTER, part, out, plan.inter, "inter", ACROSS)
-
-    def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
-        shard = flat.numel()
-        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
-        work = out if self.order is None else torch.empty_like(out)
-        plan = self.plan
-        self._level(Collective.ALL_GATHER, flat, part, plan.inter, "inter", ACROSS)
-        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
-        self._from_local_major(work, out, shard)
-
-    def info(self, kind: Collective) -> dict[str, Any]:
-        """``comm.last_info`` of the call: the plan's name, the collective, each level's first
-        call (``intra``, ``inter``) and every phase in order (``phases``)."""
-        first = {level: next(p for p in self.phases if p["level"] == level)
-                 for level in ("intra", "inter")}
-        return {"algorithm": self.plan.name, "collective": kind.value, "hierarchical": True,
-                **first, "phases": list(self.phases)}

@@ -44,6 +44,7 @@ import hashlib
 import math
 import os
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -68,13 +69,20 @@ __all__ = [
     "MeasuredRates",
     "Plan",
     "Planner",
+    "build_planner",
     "discover_job",
+    "flat_algorithms",
     "measure_rates",
 ]
 
 # The schemes ``auto`` chooses between.
 AUTO_SCHEMES = ("none", "bf16", "dynamiq")
 FLAT_ALGORITHMS = ("ring", "butterfly")
+# The algorithm of a plan that runs the process group's own all-reduce (``none``, ``bf16``
+# under ``scheme="auto"`` over a torch process group: what DDP runs without a hook).
+NATIVE = "native"
+# Bits ``auto`` prices dynamiq at under an error target (its allocation lands near 8).
+TARGET_BITS = 8.0
 # A candidate never run, predicted within this factor of the chosen one, runs once instead.
 EXPLORE_WITHIN = 1.25
 # Weight of one measured call in a candidate's factor (geometric mean).
@@ -222,9 +230,21 @@ def _probe_s(transport: Any, peer_to: int | None, peer_from: int | None, what: s
     return best if math.isfinite(best) else 0.0
 
 
+_KERNELS: dict[tuple[str, float], dict[str, KernelRates]] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
 def _kernel_ns(device: torch.device, bits: float) -> dict[str, KernelRates]:
     """Nanoseconds per coordinate of each scheme's kernels on this rank (thread CPU time on
-    CPUs: one core's work, whoever else shares it)."""
+    CPUs: one core's work, whoever else shares it), measured once per process and device."""
+    key = (str(device), float(bits))
+    with _KERNELS_LOCK:
+        if key not in _KERNELS:
+            _KERNELS[key] = _probe_kernels(device, bits)
+        return _KERNELS[key]
+
+
+def _probe_kernels(device: torch.device, bits: float) -> dict[str, KernelRates]:
     from . import schemes
 
     g = torch.Generator().manual_seed(0)
@@ -373,6 +393,8 @@ class Planner:
         self.factors: dict[str, float] = {}
         self.tried: set[str] = set()
         self._cache: dict[tuple[Any, ...], Plan] = {}
+        self._table_key: str | None = None
+        self.probe_nbytes = 0  # what this rank sent to measure the links (build_planner)
 
     # -- the cost model's inputs ------------------------------------------------------------
 
@@ -410,19 +432,27 @@ class Planner:
 
     # -- candidates and prices ----------------------------------------------------------------
 
-    def candidates(self, collective: str, scheme: str, bits: float | None
+    def candidates(self, collective: str, scheme: str, bits: float | None, *,
+                   native: bool = False, force: str | None = None
                    ) -> list[tuple[str, str, float | None, HierarchicalPlan | None]]:
         """(scheme, algorithm, bits, levels) of every plan considered for ``scheme`` (a name, or
-        ``"auto"``)."""
+        ``"auto"``). ``native``: the transport has the process group's own all-reduce, which
+        ``auto`` runs for ``none`` and ``bf16`` all-reduces (instead of dqcoll's schedules);
+        ``force``: ``auto`` considers that scheme only (``DQCOLL_AUTO_FORCE``)."""
         if collective == "all_gather" and scheme == "auto":
             raise InvalidArgumentError("scheme='auto' is for allreduce and reduce_scatter")
-        names = AUTO_SCHEMES if scheme == "auto" else (scheme,)
+        names = (AUTO_SCHEMES if force is None else (force,)) if scheme == "auto" else (scheme,)
         out: list[tuple[str, str, float | None, HierarchicalPlan | None]] = []
-        n = self.job.world_size
-        algorithms = FLAT_ALGORITHMS if n > 2 else ("ring",)
+        algorithms = flat_algorithms(self.job.world_size)
         for name in names:
             b = (5.0 if bits is None else float(bits)) if name == "dynamiq" else None
+            if (scheme == "auto" and native and name != "dynamiq"
+                    and collective == "allreduce"):
+                out.append((name, NATIVE, b, None))
+                continue
             out += [(name, algorithm, b, None) for algorithm in algorithms]
+        if scheme == "auto" and force is not None and force != "dynamiq":
+            return out
         if self.job.two_level:
             hosts = self.job.hosts
             inner = ("none", "bf16") if scheme == "auto" else ("none",)
@@ -445,6 +475,8 @@ class Planner:
         are priced as half of the all-reduce (its reduce or its gather phase)."""
         dtype = dtype if dtype in DTYPE_NBYTES else "float32"
         tiles = max(1, -(-nbytes // self.tile_nbytes))
+        if algorithm == NATIVE:  # the group's own all-reduce: a ring, untiled
+            algorithm, tiles = "ring" if self.job.world_size > 2 else "direct", 1
         if levels is not None:
             total = price_hierarchical(levels, self.graph, nbytes, dtype=dtype, tiles=tiles,
                                        params=self.params).total_us
@@ -454,16 +486,25 @@ class Planner:
         return total if collective == "allreduce" else total / 2
 
     def plan(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
-             bits: float | None = None, algorithm: str = "auto") -> Plan:
+             bits: float | None = None, algorithm: str = "auto", native: bool = False,
+             force: str | None = None) -> Plan:
         """The plan of a call: the least calibrated prediction among the candidates (a named
-        ``algorithm`` keeps that flat algorithm), or a close candidate never run (explored
-        once). The same on every rank where the planner's inputs are."""
+        ``algorithm`` keeps that flat algorithm; a stored table for this job fixes the flat
+        algorithm of a named scheme), or a close candidate never run (explored once). The same
+        on every rank where the planner's inputs are."""
         size_class = 0 if nbytes <= 0 else int(math.log(nbytes, _SIZE_CLASS_BASE))
-        key = (collective, size_class, dtype, scheme, bits, algorithm)
+        key = (collective, size_class, dtype, scheme, bits, algorithm, native, force)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        options = self.candidates(collective, scheme, bits)
+        options = self.candidates(collective, scheme, bits, native=native, force=force)
+        stored = None
+        if algorithm == "auto" and scheme != "auto":
+            stored = self.stored_algorithm(nbytes, dtype, scheme)
+            if stored is not None:  # the table's flat algorithm, priced against two levels
+                flat = {(c[0], c[2]) for c in options if c[3] is None}
+                options = [(name, stored, b, None) for name, b in sorted(flat, key=str)] + [
+                    c for c in options if c[3] is not None]
         if algorithm != "auto":
             options = [c for c in options if c[1] == algorithm]
             if not options:
@@ -477,6 +518,8 @@ class Planner:
         priced.sort(key=lambda p: (p[0], p[1]))
         best_us, best_label, best = priced[0]
         reason = f"least predicted time ({best_us / 1e3:.2f} ms)"
+        if stored is not None and best[1] == stored:
+            reason += f"; flat algorithm from the stored table {self.table_key}"
         for us, label, cand in priced[1:]:
             close = us <= EXPLORE_WITHIN * best_us
             if close and label not in self.tried and best_label in self.tried:
@@ -488,6 +531,35 @@ class Planner:
                     tuple((label, us) for us, label, _ in priced))
         self._cache[key] = plan
         return plan
+
+    def stored_algorithm(self, nbytes: int, dtype: str, scheme: str) -> str | None:
+        """The flat algorithm a tuned table stored for this job (its world size, dtype and
+        detected topology key; :mod:`dqcoll.topology.tuning`) gives ``scheme`` at this size, or
+        None (no table, no entry)."""
+        from .topology import tuning
+
+        if self.job.world_size <= 2:
+            return None
+        table = tuning.find_table(self.job.world_size, dtype, self.table_key)
+        entry = table.lookup(nbytes) if table is not None else None
+        algorithm = dict(entry.flat_by_scheme).get(scheme) if entry is not None else None
+        return algorithm if algorithm in ("ring", "butterfly", "direct") else None
+
+    @property
+    def table_key(self) -> str:
+        if self._table_key is None:
+            from .topology import tuning
+
+            self._table_key = tuning.detected_key(self.job.world_size)
+        return self._table_key
+
+    def fork(self) -> Planner:
+        """A planner with this one's job and measured rates and its own calibration: for a
+        communicator whose calls interleave with this one's in an order that differs between
+        ranks (a lane of the DDP hook), so each calibrates from its own calls only."""
+        twin = Planner(self.job, self.rates, tile_nbytes=self.tile_nbytes)
+        twin.factors, twin.tried = dict(self.factors), set(self.tried)
+        return twin
 
     def observe(self, plan: Plan, measured_us: float) -> None:
         """A call ran ``plan`` in ``measured_us`` (the slowest rank's, agreed by the caller):
@@ -515,6 +587,30 @@ class Planner:
         return (f"{self.job.describe()}; measured: {', '.join(links) or 'no links'}; kernels "
                 f"(encode/decode per coordinate, one core): {kernels}; "
                 f"{r.cores_per_machine} cores per machine")
+
+
+def flat_algorithms(world_size: int) -> tuple[str, ...]:
+    """The flat algorithms plans choose between: two ranks have one (``direct``: each sends
+    the other its half)."""
+    return FLAT_ALGORITHMS if world_size > 2 else ("direct",)
+
+
+def build_planner(transport: Any, device: torch.device | None = None, *,
+                  bits: float = 5.0, what: str = "planner") -> Planner:
+    """Discover the job and measure its links and kernels (:func:`discover_job`,
+    :func:`measure_rates`): the planner of a communicator over ``transport``. Collective:
+    every rank calls it at the same point (a communicator's first planned call). The probes'
+    traffic is left out of the transport's counters (it is the planner's, not a call's) and
+    kept in :attr:`Planner.probe_nbytes`."""
+    counters = getattr(transport, "counters", None)
+    before = dict(counters) if counters is not None else None
+    job = discover_job(transport, device)
+    rates = measure_rates(transport, job, device=device, bits=bits, what=f"{what} probe")
+    planner = Planner(job, rates)
+    if counters is not None and before is not None:
+        planner.probe_nbytes = counters["bytes_sent"] - before["bytes_sent"]
+        counters.update(before)
+    return planner
 
 
 def fingerprint(plan: Plan) -> int:

@@ -2,11 +2,12 @@
 
 :func:`prepare_call` turns a :class:`Request` (the arguments as the caller gave them) into a
 :class:`PreparedCall`: the call's identity (the communicator's call counter, seed, step, name),
-the scheme object with its options (``bits`` resolved), the schedule (``algorithm="auto"`` from
-the tuned table), a torch view of each buffer, and the largest binary exponent of the input for
-the range scaling. Nothing here raises for a bad argument: every local failure is recorded in
-the prepared call (an error and its category) and raised by :mod:`dqcoll.validate` on every rank
-together, so that no rank waits for a peer that already gave up.
+the scheme object with its options (``bits`` resolved), the schedule (a named algorithm's;
+``algorithm="auto"`` leaves it to :mod:`dqcoll.planner`), a torch view of each buffer, and
+the largest binary exponent of the input for the range scaling. Nothing here raises for a bad
+argument: every local failure is recorded in the prepared call (an error and its category) and
+raised by :mod:`dqcoll.validate` on every rank together, so that no rank waits for a peer
+that already gave up.
 
 Also here, because they are decided while preparing and applied by :mod:`dqcoll.execute`: the
 range scaling (an exact power-of-two shift for inputs outside [2**-48, 2**48), see
@@ -43,7 +44,6 @@ __all__ = [
     "PreparedCall",
     "Request",
     "buffer_device",
-    "choose_algorithm",
     "inspect_buffer",
     "max_exponent",
     "prepare_call",
@@ -98,6 +98,12 @@ class Request:
     @property
     def is_auto(self) -> bool:
         return isinstance(self.scheme, str) and self.scheme == "auto"
+
+    @property
+    def is_planned(self) -> bool:
+        """Whether :mod:`dqcoll.planner` decides how the call runs (``scheme="auto"`` or
+        ``algorithm="auto"``)."""
+        return self.is_auto or self.algorithm == "auto"
 
 
 @dataclasses.dataclass
@@ -199,9 +205,9 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
     except DqcollError as exc:
         call.fail("scheme", exc)
         return
-    try:
-        name = choose_algorithm(request.algorithm, comm.world_size, request.buf, call.scheme)
-        call.schedule = algorithms.build_schedule(name, comm.world_size)
+    try:  # algorithm="auto": the planner builds the schedule after the argument check
+        if request.algorithm != "auto":
+            call.schedule = algorithms.build_schedule(request.algorithm, comm.world_size)
     except DqcollError as exc:
         call.fail("algorithm", exc)
         return
@@ -301,20 +307,6 @@ def _inspect_input(call: PreparedCall, buf: Any, comm: Communicator) -> None:
             f"with strides {tensor.stride()}"))
     else:
         call.tensor = tensor
-
-
-def choose_algorithm(name: str, world_size: int, buf: Any = None, scheme: Any = None) -> str:
-    """``name``, or for ``"auto"`` the tuned table's choice for this size (nearest smaller size
-    bucket), else the documented fallback rule; see :mod:`dqcoll.topology.tuning`."""
-    if name != "auto":
-        return name
-    from .topology import tuning
-
-    scheme_name = scheme if isinstance(scheme, str) else getattr(
-        getattr(scheme, "spec", None), "name", "dynamiq")
-    return tuning.choose(world_size=world_size, nbytes=int(getattr(buf, "nbytes", 0) or 0),
-                         scheme=scheme_name,
-                         dtype=str(getattr(buf, "dtype", "float32")).replace("torch.", ""))
 
 
 def _refuse_auto_all_gather(call: PreparedCall, comm: Communicator) -> None:

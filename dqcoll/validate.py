@@ -9,11 +9,13 @@ rank is invalid or the ranks disagree, *every* rank raises before any data moves
 its own error, the others a :class:`~dqcoll.errors.PeerError` or
 :class:`~dqcoll.errors.MismatchError` naming the ranks and values.
 
+A planned call (``scheme="auto"`` or ``algorithm="auto"``) adds this rank's time of the
+communicator's previous planned call (:data:`EXTRA_SLOTS`); the maximum calibrates the planner.
 ``DQCOLL_VALIDATE=0`` skips the handshake (local errors still raise, but a peer may then wait
-until its timeout), except for ``scheme="auto"``, whose ranks agree on their predicted times in
-the same exchange (:data:`EXTRA_SLOTS`). The setting is the communicator's
-(:attr:`~dqcoll.comm.Communicator.validate`): read when it was created and agreed by its ranks
-then (:mod:`dqcoll.agreement`), so a rank that skips the check never meets one that runs it.
+until its timeout; the planner is then not calibrated by measured calls). The setting is the
+communicator's (:attr:`~dqcoll.comm.Communicator.validate`): read when it was created and agreed
+by its ranks then (:mod:`dqcoll.agreement`), so a rank that skips the check never meets one
+that runs it.
 
 Rejected: raising a local error at once. The peers would enter the collective and wait for the
 faulty rank until their timeout, and a size disagreement over gloo is not an error but a SIGABRT
@@ -27,7 +29,6 @@ import zlib
 
 import torch
 
-from . import auto as auto_mod
 from .comm import Communicator
 from .errors import InvalidArgumentError, MismatchError, PeerError
 from .interop import host_to_device
@@ -64,11 +65,11 @@ _MODES = {0: "sync", 1: "async_op"}
 _MODE_STRIDE = 8  # collective field = kind id + _MODE_STRIDE * mode
 _COLLECTIVE_IDS = {Collective.ALLREDUCE: 1, Collective.REDUCE_SCATTER: 2,
                    Collective.ALL_GATHER: 3}
-# the slots for scheme="auto": the previous call's time, one prediction per candidate, then
-# the DDP hook's step report (dqcoll.auto.STEP_SLOTS).
-# Every call carries them (zeros outside auto), so that a rank calling auto and one calling a
-# scheme by name exchange vectors of one size and see the mismatch.
-EXTRA_SLOTS = 1 + len(auto_mod.CANDIDATES) + auto_mod.STEP_SLOTS
+# the slot of planned calls (scheme="auto", algorithm="auto"): this rank's time of the
+# communicator's previous planned call, whose maximum calibrates the planner. Every call carries
+# it (zero otherwise), so that a planned call and another exchange vectors of one size and see
+# the mismatch.
+EXTRA_SLOTS = 1
 
 
 def _crc(text: str) -> int:
@@ -88,14 +89,15 @@ def fingerprint(call: PreparedCall) -> tuple[int, ...]:
     another calling dynamiq disagree); ``step`` is hashed with the call counter, and the
     collective kind is coded with the mode."""
     tensor, scheme, schedule, op = call.tensor, call.scheme, call.schedule, call.op
-    assert tensor is not None and scheme is not None and schedule is not None and op is not None
+    assert tensor is not None and scheme is not None and op is not None
     name = "auto" if call.auto else scheme.spec.name
+    algorithm = "auto" if schedule is None else schedule.algorithm  # None: the planner's
     kind = _COLLECTIVE_IDS[call.collective] + _MODE_STRIDE * (1 if call.async_op else 0)
     return (
         tensor.numel(),
         _DTYPE_IDS[tensor.dtype],
         _crc(name + repr(scheme)),
-        _crc(schedule.algorithm),
+        _crc(algorithm),
         _crc(op.value),
         _hash62(int(call.seed)),
         _hash62(f"{int(call.step)}/{call.call}"),
@@ -112,8 +114,7 @@ def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = 
     Returns the largest binary exponent of a finite input value over all ranks (the range
     check of :func:`dqcoll.prepare.range_shift`); :data:`~dqcoll.prepare.NO_EXPONENT` without
     a check. ``extra`` (:data:`EXTRA_SLOTS` integers) rides along and is replaced in place by its
-    maximum over ranks (``scheme="auto"``'s agreement, so an ``auto`` call runs the exchange even
-    with ``DQCOLL_VALIDATE=0``).
+    maximum over ranks (a given ``extra`` runs the exchange even with ``DQCOLL_VALIDATE=0``).
     """
     fields = _fingerprint_or_error(call, comm)
     n = comm.world_size

@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, float, float, float, float, bool]] = []
     failures: list[str] = []
     sync_dynamiq: torch.Tensor | None = None
+    sync_algorithm = args.algorithm  # the async row runs the plan the synchronous one ran
     for scheme in [s for s in args.schemes.split(",") if s] + ["dynamiq (async)"]:
         name = scheme.split()[0]
         is_async = scheme.endswith("(async)")
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             synchronize(comm)
             sent = comm.counters["bytes_sent"]
             start = time.perf_counter()
-            kwargs = dict(scheme=name, bits=args.bits, algorithm=args.algorithm, seed=7,
+            algorithm = sync_algorithm if is_async else args.algorithm
+            kwargs = dict(scheme=name, bits=args.bits, algorithm=algorithm, seed=7,
                           step=iteration, tile_nbytes=tile_nbytes)
             if is_async:
                 handle = dqcoll.allreduce(x, async_op=True, **kwargs)
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         agree = ranks_agree(comm, x)
         if name == "dynamiq" and not is_async:
             sync_dynamiq = x.clone()
+            sync_algorithm = str(comm.last_info.get("algorithm", args.algorithm))
         if is_async and sync_dynamiq is not None:
             same = bool(torch.equal(x, sync_dynamiq))
             if not same:

@@ -23,7 +23,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll import schemes
-from dqcoll.auto import CANDIDATES
 from dqcoll.errors import InvalidArgumentError
 from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
 
@@ -119,8 +118,7 @@ def _three_ranks(rank: int, world_size: int) -> dict[str, Any]:
     return {"none": _none_vs_plain(rank, world_size),
             "dynamiq": _dynamiq_replicas(rank, world_size),
             "async": _async_vs_sync(rank, world_size),
-            "auto": _auto_hook(rank, world_size),
-            "auto_steps": _auto_steps(rank, world_size)}
+            "auto": _auto_hook(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -236,16 +234,18 @@ def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
             "iteration": state.iteration, "bits": state.bits_history,
             "lanes": state.lane_count(), "lane_bytes": lane_bytes,
             "algorithm": state.last_info.get("algorithm")}
-    # algorithm="auto" (the default): CPU buckets of more than 2 ranks take the ring
+    # algorithm="auto" (the default): the planner's choice, made when the state was made
     model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=1)
+    made = state.comm is not None and state.comm.planner is not None
     model.register_comm_hook(state, dynamiq_hook)
     for step in range(3):
         x, y = _batch(rank, step)
         nn.functional.mse_loss(model(x), y).backward()
     state.drain()
-    results["auto algorithm"] = {"chosen": state.bucket_algorithm(torch.zeros(4)),
+    results["auto algorithm"] = {"planner made by the state": made,
                                  "ran": state.last_info.get("algorithm"),
+                                 "planned": state.last_info.get("planned", {}).get("algorithm"),
                                  "named": DynamiqState(algorithm="direct").bucket_algorithm(
                                      torch.zeros(4))}
     return results
@@ -278,101 +278,56 @@ def test_async_hook_overlaps_and_matches_the_synchronous_one(
         assert all(nbytes > 0 for nbytes in two["lane_bytes"]), two["lane_bytes"]
         assert result["async=True lanes=1"]["lanes"] == 1
         assert two["algorithm"] == sync["algorithm"] == "butterfly"  # as named
-        assert result["auto algorithm"] == {"chosen": "ring", "ran": "ring", "named": "direct"}
+        auto = result["auto algorithm"]
+        assert auto["planner made by the state"] and auto["named"] == "direct"
+        assert auto["ran"] == auto["planned"] and auto["ran"] in ("ring", "butterfly")
         assert not any(sync["pending"][1:])  # the first (warm-up) bucket is gloo's own
 
 
 def _auto_hook(rank: int, world_size: int) -> dict[str, Any]:
     model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     state = DynamiqState(scheme="auto", bits=5, warmup_steps=0)
-    assert state.comm is not None
-    link = state.comm.auto.link_bytes_per_s  # measured when the state was made
-    native_cpu_ns = dict(state.comm.auto.native_cpu_ns)  # gloo's own all-reduce, with it
-    frozen = [state.comm.auto.frozen]  # nothing measured in the first iteration
+    assert state.comm is not None and state.comm.planner is not None  # made with the state
+    rates = state.comm.planner.rates
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    chosen = []
+    planned = []
     for step in range(4):
         x, y = _batch(rank, step)
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-        chosen.append(state.last_info.get("auto"))
-        frozen.append(state.comm.auto.frozen)
+        state.drain()
+        planned.append([comm.last_info.get("planned") for comm in (state.comm,
+                                                                   *state.lane_comms)])
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
-    return {"identical": all(torch.equal(gathered[0], g) for g in gathered), "link": link,
-            "native_cpu_ns": native_cpu_ns, "chosen": chosen,
-            "buckets": sorted(state.bucket_numel),
-            "unmeasured": sorted(state.comm.auto.unmeasured_steps), "frozen": frozen}
+    return {"identical": all(torch.equal(gathered[0], g) for g in gathered),
+            "intra_gbps": rates.intra_gbps, "kernels": dict(rates.kernels), "planned": planned,
+            "lanes": state.lane_count()}
 
 
-def test_auto_hook_trains_with_the_same_choice_everywhere(
+def test_auto_hook_trains_with_the_same_plan_everywhere(
         three_ranks: list[dict[str, Any]]) -> None:
-    """DynamiqState(scheme="auto") measures the link and the CPU of gloo's own fp32 and bf16
-    all-reduce when it is made, every rank records the same choice and predictions for every
-    bucket, and the replicas stay bit-identical."""
+    """DynamiqState(scheme="auto") makes the planner when it is made (the link and the kernels
+    measured then), every rank's lanes run the same plan for every bucket (the group's own
+    all-reduce for none and bf16, dqcoll's schedule for dynamiq), and the replicas stay
+    bit-identical."""
     results = [r["auto"] for r in three_ranks]
     for result in results:
         assert result["identical"]
-        assert result["link"] is not None and result["link"] > 0
-        assert set(result["native_cpu_ns"]) == {"none", "bf16"}
-        assert all(v > 0 for v in result["native_cpu_ns"].values()), result["native_cpu_ns"]
-        assert all(c is not None and c["chosen"] in ("none", "bf16", "dynamiq")
-                   for c in result["chosen"])
-    assert results[0]["chosen"] == results[1]["chosen"] == results[2]["chosen"]
-    # the buckets that run during backward are not measured: all but the last
-    buckets = results[0]["buckets"]
-    assert len(buckets) > 1 and results[0]["unmeasured"] == buckets[:-1]
-    # the first iteration (first-use costs, DDP's bucket rebuild) is not measured either
-    assert results[0]["frozen"] == [True, False, False, False, False]
-
-
-def _auto_steps(rank: int, world_size: int) -> dict[str, Any]:
-    """scheme="auto" with every candidate close (rule 6 of dqcoll.auto): the hook compares them
-    by measured training steps and runs the fastest."""
-    from dqcoll.auto import StepChooser
-
-    model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-    state = DynamiqState(scheme="auto", bits=5, warmup_steps=1)
-    state.step_chooser = StepChooser(close=1e9, rounds=1, hold=3)
-    model.register_comm_hook(state, dynamiq_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    ran, reasons = [], []
-    for step in range(12):
-        x, y = _batch(rank, step)
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        choice = state.last_info.get("auto") if state.should_compress(step) else None
-        ran.append(None if choice is None else choice["chosen"])
-        reasons.append(None if choice is None else choice["reason"])
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(gathered, flat)
-    assert state.step_chooser is not None
-    return {"identical": all(torch.equal(gathered[0], g) for g in gathered), "ran": ran,
-            "reasons": reasons, "history": state.step_chooser.history}
-
-
-def test_auto_hook_compares_close_candidates_by_training_steps(
-        three_ranks: list[dict[str, Any]]) -> None:
-    """Rule 6 of dqcoll.auto in the hook: after the warm-up iteration and the first compressed
-    one, every close candidate runs one iteration (every bucket), the measured steps are agreed
-    over the ranks, and the fastest runs until the next comparison; every rank runs the same
-    candidate in every iteration and the replicas stay bit-identical."""
-    results = [r["auto_steps"] for r in three_ranks]
-    first = results[0]
-    assert all(r["ran"] == first["ran"] and r["history"] == first["history"] for r in results)
-    assert all(r["identical"] for r in results)
-    ran, reasons = first["ran"], first["reasons"]
-    assert ran[0] is None  # warm-up: gloo's own all-reduce, outside auto
-    # iteration 2 ends -> 3, 4, 5 compare the three candidates; decided at the end of 6
-    assert ran[3:6] == list(CANDIDATES) and all("comparing" in r for r in reasons[3:6])
-    (decided, means, winner), *_ = first["history"]
-    assert decided == 6 and set(means) == set(CANDIDATES) and winner == min(means, key=means.get)
-    assert ran[7] == winner and "fastest training step" in reasons[7]
+        assert result["intra_gbps"] is not None and result["intra_gbps"] > 0
+        assert set(result["kernels"]) == {"none", "bf16", "dynamiq"}
+        assert result["lanes"] == 2
+        for step, plans in enumerate(result["planned"]):
+            for lane, plan in enumerate(plans):
+                if plan is None:  # DDP's first iteration has one bucket: lane 0's
+                    assert step == 0 and lane > 0
+                    continue
+                assert plan["scheme"] in ("none", "bf16", "dynamiq")
+                assert (plan["algorithm"] == "native") == (plan["scheme"] != "dynamiq")
+    assert results[0]["planned"] == results[1]["planned"] == results[2]["planned"]
 
 
 # -- training: within 1 % of uncompressed ----------------------------------------------------------
@@ -428,8 +383,8 @@ def test_state_validates_its_arguments() -> None:
     assert DynamiqState(device="cpu").lane_count() == 2
     assert DynamiqState(device="cpu", lanes=3).lane_count() == 3
     assert DynamiqState(device="cpu", async_op=False).lane_count() == 1
-    assert DynamiqState(device="cpu", scheme="auto").lane_count() == 1  # calibrated alone
-    assert DynamiqState(device="cpu", scheme="auto", lanes=2).lane_count() == 2
+    assert DynamiqState(device="cpu", scheme="auto").lane_count() == 2
+    assert DynamiqState(device="cpu", scheme="auto", lanes=1).lane_count() == 1
     for name in schemes.list_schemes():
         state = DynamiqState(scheme=name)
         assert state.should_compress(10) == (name != "none")

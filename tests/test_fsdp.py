@@ -470,9 +470,12 @@ def test_policy_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not policy.decide(Role.ALLREDUCE, torch.zeros(1024, dtype=torch.int64),
                              step=2).compress
     assert not CompressionPolicy.exact().decide(Role.WEIGHTS, big).compress
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert policy.nodes(8) == 2 and policy.nodes(2) == 0 and policy.nodes(5) == 0
-    assert CompressionPolicy(intra_node="flat").nodes(8) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's: the planner finds the hosts
+    assert policy.nodes(8) == 0
+    assert CompressionPolicy(local_world_size=2).nodes(8) == 2
+    assert CompressionPolicy(local_world_size=2).nodes(2) == 0
+    assert CompressionPolicy(local_world_size=2).nodes(5) == 0
+    assert CompressionPolicy(intra_node="flat", local_world_size=4).nodes(8) == 0
     assert CompressionPolicy(local_world_size=4).nodes(8) == 4
 
 

@@ -227,13 +227,14 @@ def test_failed_level_marks_the_communicator_dead() -> None:
 
 
 def test_one_two_level_implementation() -> None:
-    """dqcoll.hierarchical is the package's only two-level implementation: no other module
-    (the transports package, which defines them, aside) makes a SubgroupTransport."""
+    """dqcoll.levels is the package's only two-level implementation: no other module (the
+    transports package, which defines them, aside) makes a SubgroupTransport; the caller-given
+    plans (dqcoll.hierarchical) and the planner's (dqcoll.execute) both run through it."""
     root = pathlib.Path(dqcoll.__file__).parent
     makers = []
     for path in root.rglob("*.py"):
         relative = path.relative_to(root).as_posix()
-        if relative == "hierarchical.py" or relative.startswith("transports/"):
+        if relative == "levels.py" or relative.startswith("transports/"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
@@ -242,6 +243,8 @@ def test_one_two_level_implementation() -> None:
                 if name == "SubgroupTransport":
                     makers.append(f"{relative}:{node.lineno}")
     assert makers == []
+    for module in ("hierarchical.py", "execute.py"):
+        assert "run_levels(" in (root / module).read_text()
     lane = (root / "integrations" / "lane.py").read_text()
     assert "hierarchical.hierarchical_reduce_scatter" in lane
     assert "hierarchical.hierarchical_all_gather" in lane

@@ -205,27 +205,30 @@ def test_async_op_returns_handles_that_match_sync_calls() -> None:
     """async_op=True returns a handle at once; wait() gives back the buffer with exactly the
     synchronous result (same seed and step), is_completed() is then True, and a synchronous call
     issued while asynchronous ones are pending runs after them (same results, no mixed-up
-    messages), for all three collectives."""
+    messages), for all three collectives (a named algorithm: a planned call may run another
+    plan than an earlier one of the same size)."""
 
     def body(comm: Any) -> list[torch.Tensor]:
         n, rank = comm.world_size, comm.rank
         a, b, c = _data(rank, 6000), _data(rank + 10, 6000), _data(rank + 20, 3000)
         rs_out, ag_out = torch.empty(6000 // n), torch.empty(n * 3000)
-        h1 = dqcoll.allreduce(a, async_op=True, seed=1, step=1, tile_nbytes=1024)
-        h2 = dqcoll.reduce_scatter(b, rs_out, async_op=True, seed=1, step=2)
+        h1 = dqcoll.allreduce(a, async_op=True, seed=1, step=1, tile_nbytes=1024,
+                              algorithm="ring")
+        h2 = dqcoll.reduce_scatter(b, rs_out, async_op=True, seed=1, step=2, algorithm="ring")
         sync = _data(rank + 30, 6000)
-        dqcoll.allreduce(sync, seed=1, step=3, scheme="none")  # waits for h1, h2 first
-        h3 = dqcoll.all_gather(c, ag_out, async_op=True, seed=1, step=4)
+        # waits for h1, h2 first
+        dqcoll.allreduce(sync, seed=1, step=3, scheme="none", algorithm="ring")
+        h3 = dqcoll.all_gather(c, ag_out, async_op=True, seed=1, step=4, algorithm="ring")
         assert h3.wait() is ag_out and h1.wait() is a and h2.wait() is rs_out
         assert h1.is_completed() and h2.is_completed() and h3.is_completed()
         # the same calls, synchronously
         a2, b2, c2 = _data(rank, 6000), _data(rank + 10, 6000), _data(rank + 20, 3000)
         rs2, ag2 = torch.empty(6000 // n), torch.empty(n * 3000)
-        dqcoll.allreduce(a2, seed=1, step=1, tile_nbytes=0)
-        dqcoll.reduce_scatter(b2, rs2, seed=1, step=2)
+        dqcoll.allreduce(a2, seed=1, step=1, tile_nbytes=0, algorithm="ring")
+        dqcoll.reduce_scatter(b2, rs2, seed=1, step=2, algorithm="ring")
         sync2 = _data(rank + 30, 6000)
-        dqcoll.allreduce(sync2, seed=1, step=3, scheme="none")
-        dqcoll.all_gather(c2, ag2, seed=1, step=4)
+        dqcoll.allreduce(sync2, seed=1, step=3, scheme="none", algorithm="ring")
+        dqcoll.all_gather(c2, ag2, seed=1, step=4, algorithm="ring")
         return [a - a2, rs_out - rs2, ag_out - ag2, sync - sync2,
                 torch.tensor([float(torch.equal(a, a2) and torch.equal(rs_out, rs2)
                                     and torch.equal(ag_out, ag2) and torch.equal(sync, sync2))])]

@@ -58,7 +58,8 @@ def test_allreduce_results_do_not_depend_on_the_pool():
         for numel in sizes:
             g = torch.Generator().manual_seed(1000 * comm.rank + numel)
             x = torch.randn(numel, generator=g)
-            dqcoll.allreduce(x, op="avg", scheme="dynamiq", bits=5, comm=comm, seed=7, step=0)
+            dqcoll.allreduce(x, op="avg", scheme="dynamiq", bits=5, comm=comm, seed=7, step=0,
+                             algorithm="butterfly")
             out.append(x)
         pool = scratch.pool_for(comm.scheme_state, torch.device("cpu"))
         assert pool is not None
@@ -69,7 +70,8 @@ def test_allreduce_results_do_not_depend_on_the_pool():
         def fresh(comm: dqcoll.Communicator, numel: int = numel) -> torch.Tensor:
             g = torch.Generator().manual_seed(1000 * comm.rank + numel)
             x = torch.randn(numel, generator=g)
-            dqcoll.allreduce(x, op="avg", scheme="dynamiq", bits=5, comm=comm, seed=7, step=0)
+            dqcoll.allreduce(x, op="avg", scheme="dynamiq", bits=5, comm=comm, seed=7, step=0,
+                             algorithm="butterfly")
             return x
         for rank, x in enumerate(run_local(4, fresh)):
             assert torch.equal(x, reused[rank][0][i]), (rank, numel)

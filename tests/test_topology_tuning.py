@@ -12,9 +12,8 @@ from dqcoll.cli import simulate as simulate_cli
 from dqcoll.cli import tune as tune_cli
 from dqcoll.eval.sources import make_source
 from dqcoll.testing import run_local
-from dqcoll.topology import tuning
 from dqcoll.topology.graph import Topology
-from dqcoll.topology.tuning import Candidate, TunedEntry, TunedTable, choose, tune
+from dqcoll.topology.tuning import Candidate, TunedEntry, TunedTable, tune
 
 SOURCE = "lognormal-mixture:supergroups=48"
 CANDIDATES = [
@@ -79,21 +78,31 @@ def _table(topology_key: str, world_size: int, algorithm: str) -> TunedTable:
     return TunedTable(topology_key, world_size, "float32", 0.01, (entry,), ())
 
 
-def test_choose_reads_table_and_falls_back(tmp_path, monkeypatch):
-    """choose() returns the table's flat algorithm for the scheme; without a table, the
-    documented fallback (direct for n <= 2, else butterfly)."""
+def test_planner_reads_a_stored_table_for_the_job(tmp_path, monkeypatch):
+    """A table is the planner's stored result for a topology: for a named scheme it fixes the
+    flat algorithm of the job whose detected key and world size it names; another key or no
+    entry leaves the planner to price the flat algorithms."""
+    from dqcoll import planner
+    from dqcoll.topology.cost import KernelRates
+
     monkeypatch.setenv("DQCOLL_TUNING_DIR", str(tmp_path))
     _table("mine", 6, "ring").save(str(tmp_path))
-    assert choose(world_size=6, nbytes=1 << 20, scheme="dynamiq", topology_key="mine") == "ring"
-    assert choose(world_size=6, nbytes=1 << 20, scheme="dynamiq",
-                  topology_key="other") == "butterfly"
-    assert choose(world_size=2, nbytes=1 << 20, scheme="none", topology_key="x") == "direct"
-    assert tuning.fallback_algorithm(7) == "butterfly"
+    kernels = (("none", KernelRates(0.1, 0.2)), ("bf16", KernelRates(0.3, 0.6)),
+               ("dynamiq", KernelRates(4.0, 0.8, 1.6)))
+    p = planner.Planner(planner.JobTopology(((0, 1, 2, 3, 4, 5),), (0,) * 6),
+                        planner.MeasuredRates(10.0, None, kernels, 2))
+    p._table_key = "mine"
+    assert p.stored_algorithm(1 << 20, "float32", "dynamiq") == "ring"
+    plan = p.plan("allreduce", 1 << 20, "float32", scheme="dynamiq")
+    assert plan.algorithm == "ring" and "stored table mine" in plan.reason
+    assert p.stored_algorithm(1 << 20, "float32", "int8_block") is None
+    p._table_key = "other"
+    assert p.stored_algorithm(1 << 20, "float32", "dynamiq") is None
 
 
 def test_allreduce_auto_uses_the_table(tmp_path, monkeypatch):
-    """allreduce(algorithm='auto') runs the algorithm of the tuned table of the detected
-    topology (4 CPU ranks on this host -> host4-loopback)."""
+    """allreduce(algorithm='auto') runs the flat algorithm the tuned table of the detected
+    topology stores (4 CPU ranks on this host -> host4-loopback) for the call's scheme."""
     monkeypatch.setenv("DQCOLL_TUNING_DIR", str(tmp_path))
     _table("host4-loopback", 4, "direct").save(str(tmp_path))
 

@@ -6,8 +6,10 @@ gradient-like buffer (default 16M coordinates) whose super-group magnitudes foll
 mixture fitted in the DynamiQ paper (most super-groups around e^-4, a fifth of them around
 e^-16: strongly heavy-tailed). Every rank all-reduces it with the process group's own fp32
 all-reduce (``torch``: gloo's, what DDP runs without a hook, the baseline of every speed-up),
-and with dqcoll's ``none`` (exact sums), ``bf16``, ``dynamiq`` and ``auto`` on ring and
-butterfly, three times:
+with dqcoll's ``none`` (exact sums), ``bf16`` and ``dynamiq`` on ring and butterfly, ``dynamiq``
+in two levels (exact inside hosts, dynamiq across; where there are hosts of several ranks), and
+with the defaults (``scheme="auto"``, ``algorithm="auto"``: the planner's plan, named in the
+row), three times:
 
 * over **loopback** (the ranks share this machine's cores; the network costs only CPU);
 * over an **emulated 1 Gb/s link** (``--link-rate``): one network namespace per rank, each with a
@@ -25,13 +27,14 @@ Rank 0 prints one row per (scheme, algorithm), with the times side by side:
 * ``bits/coord``: the bytes this rank put on the wire (payload, scales, statistics, checks) per
   coordinate, normalised by the all-reduce's 2 (n-1)/n traffic factor, so fp32 reads 32;
 * ``vNMSE`` against the exact sum computed in float64;
-* ``time`` (median of 3 calls after an untimed one) and ``algbw`` (uncompressed bytes / time,
+* ``time`` (median of 3 calls after an untimed one; the planned row after 6 untimed calls: the
+  planner's probes and its first measured calls) and ``algbw`` (uncompressed bytes / time,
   as nccl-tests reports it);
 * ``x fp32``: the ``torch`` row's time on the same network over the row's (>1: faster than
   the fp32 all-reduce a user would otherwise run);
 * ``identical``: whether every rank ended with the same bits.
 
-A row whose scheme this dqcoll does not have (``auto`` before it exists) reads "not available".
+A row that cannot run (two levels on one host) reads "not available".
 
 Rejected: a cost model for the link section (the point is to show what a user would measure), and
 shaping ``lo`` (all ranks would share one qdisc: one link, not a port per rank).
@@ -79,6 +82,11 @@ def gradient_like(rank: int, numel: int, *, seed: int = 0) -> torch.Tensor:
 
 
 TIMED_CALLS = 3
+# Untimed calls of a planned row (scheme="auto", algorithm="auto") before the timed ones: the
+# first makes the planner (probes), the next are measured and calibrate it, as the first steps of
+# a training job do.
+PLANNED_WARMUP_CALLS = 6
+TWO_LEVEL = "two-level"
 # The row every speed-up is relative to: the process group's own fp32 all-reduce (gloo's), what
 # DDP runs without a hook and what a user runs without dqcoll.
 BASELINE = "torch"
@@ -99,7 +107,10 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
     """Every (scheme, algorithm) row, run by every rank; the rows on rank 0 (empty elsewhere)."""
     import dqcoll
     from dqcoll.errors import InvalidArgumentError
+    from dqcoll.hierarchical import hierarchical_allreduce
     from dqcoll.metrics import vnmse
+    from dqcoll.planner import discover_job
+    from dqcoll.topology.hierarchical import HierarchicalPlan, LevelSpec
 
     base = gradient_like(rank, args.numel, seed=args.seed)
     exact = None
@@ -108,21 +119,32 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
         for r in range(world_size):
             exact += gradient_like(r, args.numel, seed=args.seed).double()
     rows: list[dict[str, Any]] = []
+    job = discover_job(comm.transport)  # the hosts, for the explicit two-level rows
 
     def run(x: torch.Tensor, scheme: str, algorithm: str) -> None:
         if scheme == BASELINE:  # the process group's own fp32 all-reduce: what DDP runs
             comm.transport.native_allreduce(x, what="demo torch all_reduce")
             comm.last_info = {"scheme": BASELINE}
             return
+        if algorithm == TWO_LEVEL:  # exact inside hosts, the scheme across them
+            if not job.two_level:
+                raise InvalidArgumentError(f"{job.describe()}: no two levels")
+            plan = HierarchicalPlan(job.hosts, LevelSpec("none", algorithm="ring"),
+                                    LevelSpec(scheme, args.bits, "ring"))
+            hierarchical_allreduce(x, plan)
+            return
         dqcoll.allreduce(x, scheme=scheme, algorithm=algorithm, bits=args.bits,
                          tile_nbytes=tile_nbytes)
 
     for scheme in args.schemes:
-        for algorithm in (BASELINE_ALGORITHM,) if scheme == BASELINE else args.algorithms:
-            # One untimed call (one-time costs), then the median of TIMED_CALLS calls, each from
-            # the same input (a call is in place) and ended by a barrier on every rank.
+        for algorithm in _algorithms(scheme, args):
+            # Untimed calls first (one-time costs; a planned row: the planner's probes and its
+            # first measured calls, as in the first steps of a job), then the median of
+            # TIMED_CALLS calls, each from the same input (a call is in place) and ended by a
+            # barrier on every rank.
             try:
-                run(base.clone(), scheme, algorithm)
+                for _ in range(PLANNED_WARMUP_CALLS if algorithm == "auto" else 1):
+                    run(base.clone(), scheme, algorithm)
             except InvalidArgumentError as exc:  # the same on every rank: argument check
                 if rank == 0:
                     reason = str(exc).split(";")[0].splitlines()[0][:70]
@@ -138,7 +160,8 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
                 run(x, scheme, algorithm)
                 comm.barrier()
                 times.append(time.perf_counter() - start)
-            chosen = comm.last_info.get("scheme")
+            planned = comm.last_info.get("planned")
+            chosen = planned["label"] if isinstance(planned, dict) else ""
             elapsed_s = sorted(times)[len(times) // 2]
             stats = torch.tensor([elapsed_s, comm.counters["bytes_sent"], 0.0], dtype=torch.float64)
             digest = _digest(x)
@@ -152,7 +175,7 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
                     "scheme": scheme,
                     "algorithm": algorithm,
                     "status": "ok",
-                    "chosen": chosen if isinstance(chosen, str) and chosen != scheme else "",
+                    "chosen": chosen if scheme == "auto" else "",
                     "bits_per_coord": float(stats[1]) * 8 / traffic,
                     "vnmse": vnmse(x, exact),
                     "time_ms": float(stats[0]) * 1e3,
@@ -160,6 +183,17 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
                     "identical": int(check[0]) == -int(check[1]),
                 })
     return rows
+
+
+def _algorithms(scheme: str, args: argparse.Namespace) -> list[str]:
+    """The rows of ``scheme``: the baseline's one; ``auto`` with ``algorithm="auto"`` too (the
+    defaults, the planner's choice); the others on each of ``--algorithms``, and ``dynamiq`` in
+    two levels as well (exact inside hosts, dynamiq across; where the cluster has them)."""
+    if scheme == BASELINE:
+        return [BASELINE_ALGORITHM]
+    if scheme == "auto":
+        return ["auto"]
+    return list(args.algorithms) + ([TWO_LEVEL] if scheme == "dynamiq" else [])
 
 
 def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: Any) -> None:

@@ -26,9 +26,11 @@ The FSDP2 classes (:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
   last kernel. ``wait()`` returns once the work is queued and makes the waiting caller's current
   stream wait on that event, as ``Work.wait()`` of torch's NCCL process group does. The stream
   and event calls go through :class:`CudaOrder`, which tests replace by a host fake.
-* **One or two levels.** With nodes (:meth:`CompressionPolicy.nodes`), reduce-scatter,
-  all-gather and all-reduce run exact (scheme ``none``) among a node's ranks and with the role's
-  scheme across nodes: the lane hands a :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`
+* **One or two levels.** The planner decides (every call with ``algorithm="auto"``,
+  :mod:`dqcoll.planner`), unless the policy fixes nodes (:meth:`CompressionPolicy.nodes`):
+  then reduce-scatter, all-gather and all-reduce run exact (scheme ``none``) among a node's
+  ranks and with the role's scheme across nodes: the lane hands a
+  :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`
   (:meth:`Lane.two_level_plan`) to :func:`dqcoll.hierarchical.run_hierarchical`, the package's
   two-level implementation, on the lane's communicator; ranks are numbered node-major (rank =
   node x L + local rank, as torchrun does).
@@ -86,7 +88,7 @@ from ..prepare import (
 from ..schemes.elementwise import BlockCodec
 from ..topology.hierarchical import HierarchicalPlan, LevelSpec
 from ..transports.nccl_common import exchange_unique_id
-from ..transports.torch_dist import TorchTransport, open_private_group
+from ..transports.torch_dist import TorchTransport, open_private_group, release_private_group
 from .policy import CompressionPolicy, Role, RoleRule
 
 __all__ = ["CudaOrder", "Lane", "LaneWork", "RoleCounters", "exact_nbytes", "nccl_lane_binding",
@@ -422,6 +424,8 @@ class Lane:
         self._pool.shutdown(wait=True)
         if self.device.type == "cuda":
             self.comm.close()
+        if self.gloo is not None:
+            release_private_group(self.gloo)
 
     # -- collectives (each queued whole; ``avg`` divides by the world size) --------------------
 

@@ -18,10 +18,11 @@ bit for bit what torch does without dqcoll. Whatever the role, a call is exact w
 smaller than ``min_nbytes``, not floating point, reduced with an op other than SUM / AVG /
 PREMUL_SUM, or in the first ``warmup_steps`` steps (see :meth:`CompressionPolicy.decide`).
 
-Nodes: with ``intra_node="exact"`` and a local world size ``L`` with ``1 < L < world size`` (from
-``local_world_size`` or torchrun's ``LOCAL_WORLD_SIZE``), collectives run in two levels, exact
-among the ranks of a node and with the role's scheme across nodes only (the shape of hpZ and
-qgZ: one quantization per slow hop). ``intra_node="flat"`` ignores nodes.
+Levels: how a compressed call runs over the ranks (flat, or two levels inside and across hosts)
+is the planner's decision (:mod:`dqcoll.planner`: hosts found from the ranks themselves, priced on
+their measured links). ``local_world_size=L`` (``1 < L < world size``) with
+``intra_node="exact"`` fixes two levels instead: exact among the ``L`` ranks of a node and with
+the role's scheme across nodes (the shape of hpZ and qgZ: one quantization per slow hop).
 
 Text form (``DQCOLL_POLICY``, :meth:`CompressionPolicy.parse`): comma-separated ``key=value``;
 a role's value is ``scheme`` or ``scheme:bits``, e.g.
@@ -122,8 +123,8 @@ class CompressionPolicy:
     allreduce: RoleRule = RoleRule("dynamiq", 5.0)
     min_nbytes: int = DEFAULT_MIN_NBYTES  # smaller tensors take the exact path
     warmup_steps: int = 0  # the first steps are exact (the integrations count the steps)
-    intra_node: str = "exact"  # "exact": two levels where there are nodes; "flat": one level
-    local_world_size: int | None = None  # None: LOCAL_WORLD_SIZE if set, else no nodes
+    intra_node: str = "exact"  # "exact": two levels where local_world_size says; "flat": not
+    local_world_size: int | None = None  # None: the planner decides the levels
     seed: int = 0  # keys the random rounding (each call draws fresh numbers from its counter)
 
     def __post_init__(self) -> None:
@@ -209,12 +210,10 @@ class CompressionPolicy:
         return getattr(self, role.value)
 
     def nodes(self, world_size: int) -> int:
-        """Ranks per node for the two-level path, or 0 for one level (flat)."""
+        """Ranks per node of a fixed two-level path, or 0 (the planner decides)."""
         if self.intra_node == "flat":
             return 0
         local = self.local_world_size
-        if local is None:
-            local = envs.local_world_size()  # torchrun's LOCAL_WORLD_SIZE
         if local is None or not 1 < local < world_size or world_size % local:
             return 0
         return local

@@ -69,7 +69,7 @@ collective on the same process group, which must not interleave with the workers
 ``DynamiqState(async_op=False)`` runs every bucket inside the hook (the same bits; a test checks
 it).
 
-**Lanes** (``lanes=``, default 2 for CPU buckets, 1 for CUDA ones and for ``scheme="auto"``:
+**Lanes** (``lanes=``, default 2 for CPU buckets, 1 for CUDA ones:
 see :meth:`DynamiqState.lane_count`). Bucket ``i`` runs on lane
 ``i % lanes``: a communicator with its own worker thread and its own gloo connection (a
 ``ProcessGroupGloo`` made from the group's store under a prefix of this state, as the FSDP lanes
@@ -100,22 +100,20 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import copy
 import dataclasses
 import logging
 import math
 import threading
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import auto as auto_mod
 from .. import handles, schemes
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import DqcollError, InvalidArgumentError
+from ..planner import build_planner
 from ..schemes.dynamiq.error_model import ErrorModel
 from ..schemes.seeds import derived_seed
 from ..transports.torch_dist import TorchTransport, open_private_group
@@ -140,12 +138,11 @@ class DynamiqState:
         process_group: the group DDP reduces over (None: the default group).
         scheme: a registered dqcoll scheme name (``dqcoll.schemes.list_schemes()``); ``"none"``
             averages with the process group's own all-reduce, exactly like DDP without a hook;
-            ``"auto"`` picks per bucket the fastest of the group's own all-reduce, a bf16 one
-            and dynamiq at ``bits`` (:mod:`dqcoll.auto`), the same on every rank.
+            ``"auto"``: the planner picks per bucket among the group's own all-reduce, a bf16
+            one and dynamiq at ``bits`` (:mod:`dqcoll.planner`), the same on every rank.
         bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.25).
-        algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto" is the
-            ring for CPU buckets of more than 2 ranks (:meth:`bucket_algorithm`) and the API's
-            rule for CUDA buckets.
+        algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto": the
+            planner's choice per bucket (flat or two levels, :mod:`dqcoll.planner`).
         scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
         warmup_steps: iterations at the start that are averaged uncompressed (with AdamW, a few
             dozen or more: measured in docs/ddp.md, 5 steps cost one seed in four 7 % of loss).
@@ -162,7 +159,7 @@ class DynamiqState:
             complete the bucket unreduced instead of raising (see the module docstring).
         lanes: how many buckets may be averaged at once, each lane a communicator with its own
             worker and gloo connection (see the module docstring); None: 2 for CPU buckets, 1
-            for CUDA ones and for ``scheme="auto"``. Every rank passes the same value.
+            for CUDA ones. Every rank passes the same value.
     """
 
     _instances = 0  # states made in this process: the prefix of their lanes' connections
@@ -187,7 +184,7 @@ class DynamiqState:
         lanes: int | None = None,
     ) -> None:
         options = dict(scheme_options or {})
-        # "auto" takes dynamiq's options (dqcoll.auto); any other name must be registered
+        # "auto" takes dynamiq's options (dqcoll.planner); any other name must be registered
         spec = schemes.spec("dynamiq" if scheme == "auto" else scheme)
         if target_vnmse is not None:
             if "target_vnmse" not in spec.options:
@@ -260,17 +257,6 @@ class DynamiqState:
         self.kappa_history: list[tuple[int, float]] = []  # (iteration, kappa after it)
         self.bits_history: list[tuple[int, float]] = []  # (iteration, bits per coordinate sent)
         self._bits_sums = [0.0, 0]  # sum of bits * numel over the iteration's buckets, numel
-        # -- lanes under scheme="auto": spread buckets over the lanes only after an iteration in
-        # which every bucket chose dynamiq (see lane()); [dynamiq buckets, other buckets] --
-        self._spread = scheme != "auto"
-        self._choices = [0, 0]
-        # -- scheme="auto": the training step decides between close candidates (rule 6 of
-        # dqcoll.auto); the agreed predictions of this iteration's buckets, summed (seconds);
-        # this rank's time at the end of the last compressed iteration --
-        self.step_chooser = auto_mod.StepChooser() if scheme == "auto" else None
-        self._predicted_sums: dict[str, float] = {}
-        self._iteration_end: float | None = None
-
         # -- surviving a lost rank --
         self.fault_tolerant = fault_tolerant
         self.failure: BaseException | None = None  # first failed bucket of this iteration
@@ -293,27 +279,9 @@ class DynamiqState:
         return self.scheme != "none" and iteration >= self.warmup_steps
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
-        """The algorithm of a bucket's all-reduce: ``algorithm`` when named; for ``"auto"``,
-        the ring for CPU buckets of more than 2 ranks, else the API's rule (``"auto"``: the
-        tuned table or the butterfly, :mod:`dqcoll.topology.tuning`).
-
-        Why the ring for CPU buckets: the ring's steps carry a quarter of a 4-rank bucket each,
-        the butterfly's first step half of it. Where the ranks' codecs share cores with
-        backward (gloo, CPU buckets), each hop then waits for a quarter, not a half, and the
-        other lane's bucket fills the link between the steps: the link, busy 142 ms per step
-        for 93 ms of bytes with the butterfly, is busy 134 ms with the ring, and the last
-        exchange ends 10 ms earlier (the first payload leaves about as late: the slowest rank's
-        backward decides that). The ring's one extra step per phase costs less. Measured on
-        4 ranks sharing 2 cores, the MLP of docs/benchmarks.md, steps alternating between the
-        two algorithms in one run (docs/ddp.md): 1 Gb/s 298-306 ms per step with the ring
-        against 310-324 with the butterfly in each of 5 runs, 200 Mb/s 723 against 831, 10 Gb/s
-        262 against 257 (within the runs' spread). Every rank derives the same algorithm (the
-        bucket's device and the group's size)."""
-        if self.algorithm != "auto":
-            return self.algorithm
-        if buf.device.type == "cpu" and self.group_size() > 2:
-            return "ring"
-        return "auto"
+        """The algorithm of a bucket's all-reduce: ``algorithm``; ``"auto"`` is the planner's
+        choice for the bucket (:mod:`dqcoll.planner`), the same on every rank."""
+        return self.algorithm
 
     def should_monitor(self, iteration: int) -> bool:
         return (self.monitor_every > 0 and self.should_compress(iteration)
@@ -326,8 +294,8 @@ class DynamiqState:
     def prepare(self, device: torch.device | str | None = None) -> Communicator:
         """Create the communicator on ``device`` (default: the state's): compiles or loads the
         kernels now (a first compilation prints a line and takes minutes once per machine),
-        not inside the first backward. Every rank of the group calls it (it is collective
-        with ``scheme="auto"``, which measures the link here)."""
+        not inside the first backward. Every rank of the group calls it (it is collective:
+        the planner of ``"auto"`` discovers the job and measures its links here)."""
         if device is not None:
             self.device = torch.device(device)
         if self.device is None:
@@ -335,26 +303,24 @@ class DynamiqState:
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if "nccl" in backend else torch.device("cpu"))
         comm = self.communicator(self.device)
-        if self.scheme == "auto" and not comm.auto.ready():
-            # measure the link and the codecs now (collective), not in the first backward
-            comm.auto.measure_link(comm.transport, what="DynamiqState.prepare link probe")
-            comm.auto.measure_codecs(comm.device, self.bits)
+        planned = self.scheme == "auto" or (self.algorithm == "auto" and comm.world_size > 2)
+        if planned and comm.planner is None and comm.world_size > 1:
+            # discover the job and measure its links and kernels now (collective), not in the
+            # first backward
+            comm.planner = build_planner(comm.transport, comm.device,
+                                         what="DynamiqState.prepare planner")
         self._make_lanes(comm)
         return comm
 
     def lane_count(self) -> int:
         """The lanes buckets are spread over (1 until the device is known, and after a
-        shrink: the survivors' communicator alone). The default is 2 for CPU buckets, except
-        with ``scheme="auto"``: its choice is calibrated by each call's measured time, which
-        overlapping calls inflate (calibrating anyway flipped the 1 Gb/s auto row to bf16;
-        not calibrating while overlapped kept dynamiq at 10 Gb/s, 23 % slower than the fp16
-        hook), so auto runs one bucket at a time unless ``lanes`` says otherwise."""
+        shrink: the survivors' communicator alone). The default is 2 for CPU buckets (each
+        lane's planner calibrates from that lane's calls, which run beside the other lane's:
+        the times the job sees)."""
         if self.shrunk or not self.async_op:
             return 1
         if self.lanes is not None:
             return self.lanes
-        if self.scheme == "auto":
-            return 1
         return 2 if self.device is not None and self.device.type == "cpu" else 1
 
     def _make_lanes(self, comm: Communicator) -> None:
@@ -376,19 +342,14 @@ class DynamiqState:
             gloo = open_private_group(store, prefix, comm.rank, comm.world_size, timeout_s)
             extra = Communicator(TorchTransport(gloo, timeout_s=timeout_s), seed=self.seed,
                                  device=comm.device)
-            if self.scheme == "auto":
-                extra.auto = copy.deepcopy(comm.auto)  # the same link, measured once
+            if comm.planner is not None:  # the same job and rates, its own calibration
+                extra.planner = comm.planner.fork()
             self.lane_comms.append(extra)
 
     def lane(self, index: int) -> Communicator:
-        """The communicator that averages bucket ``index``: lane ``index % lanes``; with
-        ``scheme="auto"``, lane 0 until an iteration in which every bucket chose dynamiq and
-        again after one in which some did not (the group's own all-reduces that ``none`` and
-        ``bf16`` run gain nothing from running two at once on cores the ranks share: on
-        loopback, 4 ranks on 2 cores, the auto row's step went from 195 to 214 ms). The
-        choices are agreed, so every rank picks the same lane."""
+        """The communicator that averages bucket ``index``: lane ``index % lanes``."""
         count = self.lane_count()
-        if count == 1 or index % count == 0 or not self._spread:
+        if count == 1 or index % count == 0:
             assert self.comm is not None
             return self.comm
         return self.lane_comms[index % count - 1]
@@ -409,10 +370,6 @@ class DynamiqState:
                 self.device = torch.device(device)
             self.comm = Communicator(TorchTransport(self.process_group), seed=self.seed,
                                      device=device)
-            # auto measures nothing in the first compressed iteration: its calls pay first-use
-            # costs, and DDP rebuilds its buckets after the first backward (the end of that
-            # iteration lifts this; see _end_of_iteration)
-            self.comm.auto.frozen = self.scheme == "auto"
         elif self.comm.device.type != device.type:
             raise InvalidArgumentError(
                 f"DynamiqState: a bucket on {device} but the communicator was prepared for "
@@ -538,11 +495,6 @@ def _call_options(state: DynamiqState) -> dict[str, Any]:
 def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -> None:
     """What a completed bucket leaves in the state (runs where its all-reduce completed)."""
     state.last_info = dict(info)
-    state._choices[0 if info.get("scheme") == "dynamiq" else 1] += 1
-    choice = info.get("auto")
-    if isinstance(choice, dict):
-        for name, ms in choice.get("predicted_ms", {}).items():
-            state._predicted_sums[name] = state._predicted_sums.get(name, 0.0) + ms / 1e3
     u = info.get("u")
     if u is not None:
         state.allocation_u[index] = float(u)
@@ -622,7 +574,7 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         bucket = _Bucket(_future_for(buf), buf, index, iteration, last)
         with state._order:
             state._in_flight.append(bucket)
-        spread = state.lane_count() > 1 and state._spread
+        spread = state.lane_count() > 1
         tile = LANE_TILE_NBYTES if spread else None  # None: the API's default
         handle = allreduce(buf, op="avg", scheme=state.scheme,
                            algorithm=state.bucket_algorithm(buf),
@@ -687,60 +639,7 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
                      iteration, state.scheme, vnmse)
     state._monitor_sums = [0.0, 0.0, 0.0]
     state._bits_sums = [0.0, 0]
-    if state.scheme == "auto" and state._choices[0] + state._choices[1]:
-        spread = state._choices[1] == 0  # every compressed bucket chose dynamiq
-        if spread and not state._spread and state.comm is not None:
-            # the idle lanes take lane 0's agreed rates and calibration (identical on every
-            # rank; nothing of theirs is in flight), so they choose as lane 0 has learnt to
-            for extra in state.lane_comms:
-                extra.auto = copy.deepcopy(state.comm.auto)
-                extra.auto.pending = None  # lane 0's last call is calibrated by lane 0
-                extra.auto.step_report = extra.auto.agreed_step = None  # lane 0's (rule 6)
-        state._spread = spread
-        # Overlapping calls take longer each than alone (they share the cores and the link), so
-        # measuring them would raise dynamiq's factor until auto left it for a bf16 that then
-        # ran alone (1 Gb/s: the auto row flipped to bf16 for its last steps, 320 -> 550 ms):
-        # while buckets overlap, the factors stay as the calls run alone measured them.
-        # The buckets before the last run during backward, whose work shares the cores: their
-        # calls' times are not the candidates' own, so only the last bucket's are measured.
-        last_bucket = max(state.bucket_numel)
-        during_backward = frozenset(i for i in state.bucket_numel if i != last_bucket)
-        for comm in (state.comm, *state.lane_comms):
-            if comm is not None:
-                comm.auto.frozen = spread and state.lane_count() > 1
-                comm.auto.unmeasured_steps = during_backward
-    if state.scheme == "auto":
-        _choose_by_steps(state, iteration)
-    state._choices = [0, 0]
-    state._predicted_sums = {}
     state.iteration = iteration + 1
-
-
-def _choose_by_steps(state: DynamiqState, iteration: int) -> None:
-    """Rule 6 of :mod:`dqcoll.auto`, between iterations (no bucket in flight on any lane):
-    report this iteration's time (sent in the next iteration's first call on lane 0, whose
-    argument check agrees the slowest rank's), hand the agreed time of the previous one to the
-    :class:`~dqcoll.auto.StepChooser`, and set what every lane's calls run next iteration. The
-    first compressed iteration (compilation, DDP's bucket rebuild) and monitored ones (their
-    exact all-reduce) are not measured; ``DQCOLL_AUTO_FORCE`` turns the rule off."""
-    chooser, comm = state.step_chooser, state.comm
-    if chooser is None or comm is None or comm.auto.force is not None:
-        return
-    now = time.perf_counter()
-    policy = comm.auto
-    measured, policy.agreed_step = policy.agreed_step, None
-    compressed = state.should_compress(iteration)
-    first = iteration == state.warmup_steps
-    if (compressed and not first and state._iteration_end is not None
-            and not state.should_monitor(iteration)):
-        policy.step_report = (iteration, now - state._iteration_end)
-    state._iteration_end = now if compressed else None
-    chooser.end_of_iteration(iteration, measured,
-                             dict(state._predicted_sums) if compressed and not first else {})
-    planned = chooser.choice(iteration + 1)
-    choice = None if planned is None else (planned, chooser.reason(iteration + 1))
-    for lane in (comm, *state.lane_comms):
-        lane.auto.step_choice = choice
 
 
 def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: float) -> None:

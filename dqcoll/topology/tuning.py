@@ -9,22 +9,14 @@ is within the budget. The result is a :class:`TunedTable`, stored as JSON named 
 (``<topology>-w<world size>-<dtype>.json``, vLLM's convention for tuned configs) in
 ``dqcoll/topology/tuned/`` or in ``DQCOLL_TUNING_DIR``.
 
-``allreduce(..., algorithm="auto")`` calls :func:`choose`: it looks for a table for the world size
-and dtype (the detected topology's first, then any table of that world size), takes the entry of
-the nearest smaller size bucket (the smallest bucket below it), and returns the best *flat*
-algorithm recorded for the caller's scheme - the executor runs flat schedules; hierarchical plans
-run through :func:`dqcoll.hierarchical.hierarchical_allreduce`. Without a table it falls back to
-:data:`FALLBACK_RULE` and logs why once:
+A table is the planner's stored result for a topology (:mod:`dqcoll.planner`): where a table
+exists for the job's world size, dtype and detected topology (:func:`detected_key`), a call
+with a named scheme and ``algorithm="auto"`` runs the flat algorithm of the table's entry for the
+nearest smaller size bucket (two-level plans are still priced against it); without one the
+planner prices the flat algorithms on the job's measured links.
 
-* ``world_size <= 2``: ``direct`` (every algorithm is the same single exchange; direct has one
-  step each way);
-* otherwise ``butterfly``: the ring's bytes in ``ceil(log2 n)`` steps per phase instead of
-  ``n - 1``, with a log-depth reduction tree, so lower latency and lower error than the ring.
-  (On multi-host topologies the ring moves fewer bytes across NICs; a tuned table says so.)
-
-Rejected: tuning at run time (the first calls of a job timing every algorithm, as NCCL's tuner
-plugins can). The choice must be identical on every rank without communication, and a table
-computed once, checked in and reviewed, gives that.
+A table is computed offline by the simulator and the cost model for a preset topology; the
+planner, which measures the job it runs in, is what decides where no table matches.
 """
 
 from __future__ import annotations
@@ -53,13 +45,12 @@ if TYPE_CHECKING:
     from .simulator import RankData
 
 __all__ = [
-    "FALLBACK_RULE",
     "TUNED_DIR",
     "Candidate",
     "TunedEntry",
     "TunedTable",
-    "choose",
     "default_candidates",
+    "detected_key",
     "find_table",
     "size_buckets",
     "tune",
@@ -68,7 +59,6 @@ __all__ = [
 log = logging.getLogger("dqcoll")
 
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
-FALLBACK_RULE = "direct for world_size <= 2, else butterfly"
 FLAT_ALGORITHMS = ("ring", "butterfly", "direct")
 HIER_PREFIX = "hier"
 
@@ -385,50 +375,9 @@ def find_table(world_size: int, dtype: str, topology_key: str | None = None) -> 
 
 
 @functools.lru_cache(maxsize=16)
-def _detected_key(world_size: int) -> str:
+def detected_key(world_size: int) -> str:
     """The detected topology's key, detected once per process and world size (16 kept): the
     machine does not change under a running job."""
     from .detect import detect_topology
 
     return detect_topology(world_size=world_size).key
-
-
-_logged: set[str] = set()  # messages already logged: one per (table, scheme) asked, for good
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
-
-
-def fallback_algorithm(world_size: int) -> str:
-    """:data:`FALLBACK_RULE`."""
-    return "direct" if world_size <= 2 else "butterfly"
-
-
-def choose(
-    *,
-    world_size: int,
-    nbytes: int,
-    scheme: str,
-    dtype: str = "float32",
-    topology_key: str | None = None,
-) -> str:
-    """The flat algorithm ``algorithm="auto"`` runs: from the tuned table of this topology
-    (default: the detected one, cached per process) or the fallback rule. Identical on every
-    rank given the same files and the same detected topology."""
-    key = topology_key if topology_key is not None else _detected_key(world_size)
-    table = find_table(world_size, dtype, key)
-    if table is not None:
-        entry = table.lookup(nbytes)
-        if entry is not None:
-            algorithm = dict(entry.flat_by_scheme).get(scheme)
-            if algorithm is not None:
-                return algorithm
-            _log_once(f"dqcoll: tuned table {table.key} has no entry for scheme {scheme!r}; "
-                      f"algorithm='auto' uses the fallback ({FALLBACK_RULE})")
-    else:
-        _log_once(f"dqcoll: no tuned table {table_key(key, world_size, dtype)}; "
-                  f"algorithm='auto' uses the fallback ({FALLBACK_RULE})")
-    return fallback_algorithm(world_size)

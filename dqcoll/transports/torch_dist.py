@@ -68,6 +68,7 @@ rank fail at once.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 import zlib
@@ -89,7 +90,13 @@ from ..errors import (
 from ..types import FRAME_HEADROOM
 from .base import ALLREDUCE_OPS, Counters, combine_in_rank_order, reduce_in_rank_order
 
-__all__ = ["TorchTransport", "backend_devices", "open_private_group", "private_prefix"]
+__all__ = [
+    "TorchTransport",
+    "backend_devices",
+    "open_private_group",
+    "private_prefix",
+    "release_private_group",
+]
 
 HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
 HEADER_NBYTES = 8 * HEADER_NUMEL
@@ -132,8 +139,8 @@ def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
     gloo connection of dqcoll (the torch transport's, the lanes', the DDP hook's) is opened
     here."""
     try:
-        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
-                                     datetime.timedelta(seconds=timeout_s))
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
+                                      datetime.timedelta(seconds=timeout_s))
     except Exception as exc:
         text = one_line(exc)
         kind = CollectiveTimeoutError if "imeout" in text or "imed out" in text \
@@ -141,6 +148,38 @@ def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
         raise kind(f"rank {rank} of {world_size}: opening dqcoll's gloo connection under "
                    f"{prefix!r} failed (every rank of the group opens it at the same point, "
                    f"within {timeout_s:g} s): {text}") from None
+    with _PRIVATE_LOCK:
+        _PRIVATE.append(group)
+    return group
+
+
+# Every private connection still open. A ProcessGroupGloo destroyed while the interpreter
+# finalises (no one released it) can end the process in std::terminate ("terminate called
+# without an active exception", SIGABRT) after the program finished; so each is shut down when
+# its owner closes (release_private_group) or, at the latest, at exit, newest first.
+_PRIVATE: list[Any] = []
+_PRIVATE_LOCK = threading.Lock()
+
+
+def release_private_group(group: Any) -> None:
+    """Shut down a connection :func:`open_private_group` opened (once; errors of a connection
+    that a lost peer already broke are ignored: nothing is sent on it any more)."""
+    with _PRIVATE_LOCK:
+        if not any(g is group for g in _PRIVATE):
+            return
+        _PRIVATE[:] = [g for g in _PRIVATE if g is not group]
+    try:
+        group.shutdown()
+    except Exception:  # already broken by a lost peer, or shut down by torch
+        pass
+
+
+@atexit.register
+def _release_all_private_groups() -> None:
+    with _PRIVATE_LOCK:
+        groups = list(reversed(_PRIVATE))
+    for group in groups:
+        release_private_group(group)
 
 
 def _cpu_is_gloo(backend: str) -> bool:
@@ -489,7 +528,10 @@ class TorchTransport:
                 pass
 
     def close(self) -> None:
-        pass
+        """Shut down the private connection this transport carries its CPU messages on (one
+        that :func:`open_private_group` opened; a group of the caller's stays open)."""
+        if self.cpu_group is not None:
+            release_private_group(self.cpu_group)
 
 
 def _batch_peers(posts: list[tuple[bool, int, torch.Tensor]]) -> str:

@@ -1,0 +1,174 @@
+"""The levels of a two-level plan, run on checked buffers: the package's one two-level
+implementation (:func:`run_levels`), which :mod:`dqcoll.execute` runs for the planner's two-level
+plans and :mod:`dqcoll.hierarchical` for the plans callers give. The layout, the phases and
+their seeds are described in :mod:`dqcoll.hierarchical`.
+
+Each level is one ordinary collective (a :class:`~dqcoll.prepare.Request`) over a
+:class:`~dqcoll.transports.subgroup.SubgroupTransport` view of the caller's transport, handed to
+the ``launch`` the caller passes (:func:`dqcoll.execute.launch`): this module imports neither
+the executor nor the public API, so both can import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .comm import Communicator
+from .prepare import Request
+from .topology.hierarchical import HierarchicalPlan, LevelSpec
+from .transports.subgroup import SubgroupTransport
+from .types import Collective
+
+__all__ = ["ACROSS", "INTRA_GATHER", "INTRA_REDUCE", "run_levels"]
+
+# Phases (their seeds): the intra reduce-scatter, the level across hosts, the intra all-gather.
+INTRA_REDUCE, ACROSS, INTRA_GATHER = 0, 1, 2
+
+
+def _phase_seed(seed: int, phase: int) -> int:
+    # Separate random streams for the three phases; 62 bits like the API's fingerprint.
+    return (seed ^ (0x9E3779B97F4A7C15 * phase)) & ((1 << 62) - 1)
+
+
+def run_levels(kind: Collective, tensor: torch.Tensor, target: torch.Tensor | None,
+               plan: HierarchicalPlan, comm: Communicator, *, seed: int, step: int,
+               op: str, launch: Callable[[Request], Any]) -> dict[str, Any]:
+    """Run ``plan``'s levels on checked buffers (``target``: the output of a reduce-scatter or
+    all-gather); returns the call's ``last_info``. ``launch`` runs each level's request
+    (:func:`dqcoll.execute.launch`)."""
+    run = _Run(plan, comm, seed=seed, step=step, op=op, launch=launch)
+    if kind is Collective.ALLREDUCE:
+        run.allreduce(tensor.view(-1))
+    elif kind is Collective.REDUCE_SCATTER:
+        assert target is not None
+        run.reduce_scatter(tensor.view(-1), target.view(-1))
+    else:
+        assert target is not None
+        run.all_gather(tensor.view(-1), target.view(-1))
+    return run.info(kind)
+
+
+# -- the subgroup communicators, kept per communicator -------------------------------------------
+
+_groups: weakref.WeakKeyDictionary[Communicator, dict[tuple[int, ...], Communicator]] = (
+    weakref.WeakKeyDictionary())
+_groups_lock = threading.Lock()
+
+
+def _subgroup(comm: Communicator, ranks: tuple[int, ...]) -> Communicator:
+    """The communicator of ``ranks`` (this rank among them) over ``comm``'s transport. Every
+    member issues the same calls on it in the same order (those of the plans that contain the
+    group), so its call counters agree."""
+    with _groups_lock:
+        kept = _groups.setdefault(comm, {})
+        sub = kept.get(ranks)
+        if sub is None or sub.dead is not None or sub.closed:
+            sub = kept[ranks] = Communicator(SubgroupTransport(comm.transport, ranks),
+                                             seed=comm.seed, device=comm.device)
+        return sub
+
+
+@functools.lru_cache(maxsize=64)
+def _order_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``order`` as an index tensor on ``device``, made once (read only by the row gathers)."""
+    return torch.tensor(order, dtype=torch.int64).to(device)
+
+
+class _Run:
+    """One call of a plan on one rank: its levels' communicators, seeds and calls."""
+
+    def __init__(self, plan: HierarchicalPlan, comm: Communicator, *, seed: int, step: int,
+                 op: str, launch: Callable[[Request], Any]) -> None:
+        self.plan, self.seed, self.step, self.op = plan, seed, step, op
+        self.launch = launch
+        self.n, self.hosts = plan.world_size, plan.nodes
+        self.intra = _subgroup(comm, plan.intra_group(comm.rank))
+        self.inter = _subgroup(comm, plan.inter_group(comm.rank))
+        order = plan.local_major_ranks
+        self.order = None if order == tuple(range(self.n)) else order  # None: no reordering
+        self.phases: list[dict[str, Any]] = []
+
+    def _level(self, collective: Collective, buf: torch.Tensor, out: torch.Tensor | None,
+               spec: LevelSpec, level: str, phase: int) -> None:
+        """One level's collective, an ordinary request over the level's communicator."""
+        options = dict(spec.options)
+        bits = None if "target_vnmse" in options else spec.bits
+        comm = self.intra if level == "intra" else self.inter
+        self.launch(Request(collective, buf, out, op=self.op, scheme=spec.scheme, bits=bits,
+                       algorithm=spec.algorithm, comm=comm, seed=_phase_seed(self.seed, phase),
+                       step=self.step, scheme_options=options))
+        self.phases.append({**comm.last_info, "level": level, "collective": collective.value})
+
+    def _index(self, like: torch.Tensor) -> torch.Tensor:
+        assert self.order is not None
+        return _order_index(self.order, like.device)
+
+    def _to_local_major(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
+        """``flat`` (at most ``n x shard`` elements, global rank order) as a new buffer of
+        ``n x shard`` in local-major order, zero-padded; ``flat`` itself where nothing moves."""
+        total = self.n * shard
+        if flat.numel() == total and self.order is None:
+            return flat
+        if flat.numel() == total:
+            padded = flat
+        else:
+            padded = torch.empty(total, dtype=flat.dtype, device=flat.device)
+            padded[: flat.numel()] = flat
+            padded[flat.numel():] = 0
+        if self.order is None:
+            return padded
+        return padded.view(self.n, shard).index_select(0, self._index(flat)).view(-1)
+
+    def _from_local_major(self, work: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
+        """Write ``work`` (local-major, ``n x shard``) into ``flat`` in global rank order, its
+        first ``flat.numel()`` elements."""
+        if work is flat:
+            return
+        if self.order is not None:
+            rows = work.view(self.n, shard)
+            if flat.numel() == work.numel():
+                flat.view(self.n, shard).index_copy_(0, self._index(flat), rows)
+                return
+            work = torch.empty_like(rows).index_copy_(0, self._index(flat), rows).view(-1)
+        flat.copy_(work[: flat.numel()])
+
+    def allreduce(self, flat: torch.Tensor) -> None:
+        shard = -(-flat.numel() // self.n)
+        work = self._to_local_major(flat, shard)
+        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
+        plan = self.plan
+        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
+        self._level(Collective.ALLREDUCE, part, None, plan.inter, "inter", ACROSS)
+        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
+        self._from_local_major(work, flat, shard)
+
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        shard = out.numel()
+        work = self._to_local_major(flat, shard)
+        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
+        plan = self.plan
+        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
+        self._level(Collective.REDUCE_SCATTER, part, out, plan.inter, "inter", ACROSS)
+
+    def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        shard = flat.numel()
+        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
+        work = out if self.order is None else torch.empty_like(out)
+        plan = self.plan
+        self._level(Collective.ALL_GATHER, flat, part, plan.inter, "inter", ACROSS)
+        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
+        self._from_local_major(work, out, shard)
+
+    def info(self, kind: Collective) -> dict[str, Any]:
+        """``comm.last_info`` of the call: the plan's name, the collective, each level's first
+        call (``intra``, ``inter``) and every phase in order (``phases``)."""
+        first = {level: next(p for p in self.phases if p["level"] == level)
+                 for level in ("intra", "inter")}
+        return {"algorithm": self.plan.name, "collective": kind.value, "hierarchical": True,
+                **first, "phases": list(self.phases)}
