@@ -31,7 +31,7 @@ from . import kernels, schemes
 from .comm import Communicator
 from .errors import DqcollError, InvalidArgumentError
 from .executor import DEFAULT_TILES_IN_FLIGHT, default_tile_nbytes
-from .interop import as_torch_view
+from .interop import as_torch_view, buffer_device
 from .schemes.base import Scheme
 from .topology import algorithms
 from .topology.schedule import Schedule
@@ -43,7 +43,6 @@ __all__ = [
     "NO_EXPONENT",
     "PreparedCall",
     "Request",
-    "buffer_device",
     "inspect_buffer",
     "max_exponent",
     "prepare_call",
@@ -170,8 +169,9 @@ def _identify(request: Request, comm: Communicator) -> PreparedCall:
     """The call's identity and options: what every collective settles before its checks (the
     call counter advances here, once per call, valid or not)."""
     tile_nbytes = request.tile_nbytes
-    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs)
-        tile_nbytes = default_tile_nbytes(buffer_device(request.buf, comm.device))
+    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs); the
+        # communicator's for a buffer of unknown kind, which the argument check then reports
+        tile_nbytes = default_tile_nbytes(buffer_device(request.buf) or comm.device)
     call_step = comm.next_step()
     bits = DEFAULT_BITS if request.bits is None else request.bits
     options = dict(request.scheme_options)
@@ -410,15 +410,6 @@ def _transport_label(comm: Communicator) -> str:
     """The transport's name, with its torch.distributed backend where it has one."""
     backend = getattr(comm.transport, "backend", None)
     return f"{comm.transport.name}/{backend}" if backend else str(comm.transport.name)
-
-
-def buffer_device(buf: Any, default: torch.device) -> torch.device:
-    """The device of ``buf``'s memory, or ``default`` where it cannot be told (the argument
-    check then reports the buffer)."""
-    try:
-        return as_torch_view(buf, name="buf").device
-    except Exception:
-        return default
 
 
 def _schemes_with(option: str) -> list[str]:

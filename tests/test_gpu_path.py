@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -217,14 +218,20 @@ def test_gloo_backend_refuses_an_existing_nccl_group(
 
 
 def test_tile_size_follows_the_tensor() -> None:
-    """The default tile size comes from the tensor's device (4 MiB on CPU), also on a
-    communicator created for another device."""
+    """The default tile size comes from the tensor's device (smaller on CPU than on a GPU), and
+    the device is read from the buffer itself without wrapping it: a read-only NumPy array is on
+    the CPU, a tensor on ``cuda:1`` on cuda:1, an object of unknown kind on no device (the call
+    then takes the communicator's)."""
     assert executor.default_tile_nbytes(torch.device("cpu")) < executor.default_tile_nbytes(
         torch.device("cuda", 0))
-    from dqcoll.prepare import buffer_device
+    from dqcoll.interop import buffer_device
 
-    assert buffer_device(torch.zeros(4), torch.device("cuda", 0)) == torch.device("cpu")
-    assert buffer_device(object(), torch.device("cuda", 0)) == torch.device("cuda", 0)
+    read_only = np.zeros(4, dtype=np.float32)
+    read_only.flags.writeable = False
+    assert buffer_device(torch.zeros(4)) == torch.device("cpu")
+    assert buffer_device(read_only) == torch.device("cpu")
+    assert buffer_device(torch.zeros(4).as_subclass(_CudaLooking)) == torch.device("cuda", 1)
+    assert buffer_device(object()) is None
 
 
 # -- issue 29, item 1: Triton launches under the tensors' device ----------------------------------
