@@ -96,20 +96,6 @@ def test_without_numba_the_call_says_torch_and_warns_once(
     assert warnings[0].levelno == logging.WARNING
 
 
-def test_u_hint_is_not_a_scheme_option() -> None:
-    """The dynamiq scheme takes no allocation hint (each call computes its allocation afresh):
-    ``u_hint=`` raises ``InvalidArgumentError`` on every rank, naming the option, instead of
-    being ignored."""
-
-    def body(comm: Any) -> None:
-        dqcoll.allreduce(_data(comm.rank, 4096), u_hint=0.5)
-
-    errors = run_local(2, body, return_exceptions=True)
-    for error in errors:
-        assert isinstance(error, InvalidArgumentError), error
-        assert "u_hint" in str(error), error
-
-
 # -- reduce-scatter ---------------------------------------------------------------------------
 
 

@@ -96,17 +96,15 @@ def test_dynamiq_odd_shards_match_balance_shards(world_size: int, shard: int) ->
         assert torch.equal(rs, part), f"rank {rank}"
 
 
-def _allreduce_vs_exact(comm: dqcoll.Communicator, numel: int, balance: str,
-                        hint: float | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def _allreduce_vs_exact(comm: dqcoll.Communicator, numel: int,
+                        balance: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     x = heavy_tailed(comm.rank, numel, seed=9)
     exact = torch.zeros(numel, dtype=torch.float64)
     for r in range(comm.world_size):
         exact += heavy_tailed(r, numel, seed=9).double()
     # the two layouts with the same allocation (the shard layout has no hop widths)
-    options: dict[str, Any] = {"balance": balance, "hop_widths": False}
-    if hint is not None:
-        options["u_hint"] = hint
-    dqcoll.allreduce(x, scheme="dynamiq", algorithm="ring", seed=SEED, step=STEP, **options)
+    dqcoll.allreduce(x, scheme="dynamiq", algorithm="ring", seed=SEED, step=STEP,
+                     balance=balance, hop_widths=False)
     return x, exact, dict(comm.last_info)
 
 
@@ -121,7 +119,7 @@ def test_dynamiq_balance_shards_allreduce(numel: int, ratio: float | None) -> No
     n = 3
     errors = {}
     for balance in ("bytes", "shards"):
-        results = run_local(n, _allreduce_vs_exact, numel, balance, None)
+        results = run_local(n, _allreduce_vs_exact, numel, balance)
         first, exact, info = results[0]
         for rank, (x, _, _) in enumerate(results):
             assert torch.equal(x, first), f"{balance}: rank {rank} differs from rank 0"
