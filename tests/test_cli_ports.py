@@ -47,10 +47,42 @@ def test_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_falls_back_to_the_kernels_pick(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No room below the ephemeral range (or an unreadable one): bind(0)'s port."""
+    """With no room below the ephemeral range, the port is ``bind(0)``'s without a random draw:
+    a free port inside the kernel's ephemeral range."""
+    low, high = ports.ephemeral_range()  # the machine's range, where bind(0) picks
+
+    class NoDraws:
+        def randrange(self, low: int, high: int) -> int:
+            raise AssertionError(f"drew from [{low}, {high}) with no room below the range")
+
+    monkeypatch.setattr(ports.random, "SystemRandom", NoDraws)
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.LOWEST_PORT + 10, 60999))
     port = ports.rendezvous_port()
-    assert 0 < port < 65536 and _free_now(port)
-    monkeypatch.undo()
+    assert low <= port <= high and _free_now(port), (port, low, high)
+
+
+def test_falls_back_when_every_candidate_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When all ``attempts`` candidates below the range are taken, the port is ``bind(0)``'s: a
+    free port inside the kernel's ephemeral range, not the taken one."""
+    low, high = ports.ephemeral_range()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        draws = []
+
+        class AlwaysBusy:
+            def randrange(self, low: int, high: int) -> int:
+                draws.append(busy)
+                return busy
+
+        monkeypatch.setattr(ports.random, "SystemRandom", AlwaysBusy)
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.LOWEST_PORT + 1024, 60999))
+        port = ports.rendezvous_port(attempts=5)
+        assert len(draws) == 5
+        assert port != busy and low <= port <= high and _free_now(port), (port, busy, low, high)
+
+
+def test_unreadable_range_reads_as_linux_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unreadable range file gives Linux's default range."""
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", "/nonexistent/ip_local_port_range")
     assert ports.ephemeral_range() == (32768, 60999)
