@@ -48,9 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dqcoll.cli.provenance import device_name, git_commit  # noqa: E402
+from dqcoll.kernels import codec  # noqa: E402
 from dqcoll.kernels import dynamiq_numba as fast  # noqa: E402
-from dqcoll.schemes.dynamiq import codec  # noqa: E402
-from dqcoll.schemes.dynamiq.codec import (  # noqa: E402
+from dqcoll.kernels.codec import (  # noqa: E402
     FINE_WIDTHS,
     SUPER,
     WIDTHS,

@@ -60,9 +60,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dqcoll.cli.provenance import git_commit  # noqa: E402
-from dqcoll.kernels import _launch, dynamiq_triton  # noqa: E402
-from dqcoll.schemes.dynamiq import codec  # noqa: E402
-from dqcoll.schemes.dynamiq.codec import (  # noqa: E402
+from dqcoll.kernels import (  # noqa: E402
+    _launch,
+    codec,
+    dynamiq_triton,
+)
+from dqcoll.kernels.codec import (  # noqa: E402
     SUPER,
     WIDTHS,
     CodecConfig,

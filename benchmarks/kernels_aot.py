@@ -37,7 +37,7 @@ to a 16-byte-aligned allocation (CUDA's caching allocator aligns to 512 bytes).
 
 **Loop passes.** Format 2 of the codec has no data-dependent loop in any kernel (format 1's
 cycle-walking ``while`` of the correlated-rounding permutation moved into a per-call table,
-:func:`dqcoll.schemes.dynamiq.rng.permutation_table`). A kernel whose SASS still has a loop is
+:func:`dqcoll.kernels.rng.permutation_table`). A kernel whose SASS still has a loop is
 counted with the loop body once per program and reported in ``loops`` and ``warnings``; pass
 ``loop_passes`` (``{"mean": ..., "p_any": ...}``) to weight it by measured passes instead.
 
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from dqcoll.kernels import _dynamiq_kernels, dynamiq_triton
-from dqcoll.schemes.dynamiq.codec import (
+from dqcoll.kernels.codec import (
     SUPER,
     WIDTHS,
     CodecConfig,

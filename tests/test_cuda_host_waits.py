@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 import dqcoll
 from dqcoll import execute
 from dqcoll.comm import Communicator
-from dqcoll.schemes.dynamiq.codec import SUPER, CodecConfig, Scales, record_nbytes
+from dqcoll.kernels.codec import SUPER, CodecConfig, Scales, record_nbytes
 from dqcoll.transports.local import LocalHub, LocalTransport
 from dqcoll.types import Collective
 

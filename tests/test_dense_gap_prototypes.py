@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dqcoll
+from dqcoll.kernels import codec
 from dqcoll.metrics import vnmse
-from dqcoll.schemes.dynamiq import codec
 from dqcoll.schemes.dynamiq.allocation import count_classes, hull_offsets
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from dqcoll.errors import InvalidArgumentError
+from dqcoll.kernels import codec as C
+from dqcoll.kernels import rng
 from dqcoll.schemes import get
-from dqcoll.schemes.dynamiq import codec as C
-from dqcoll.schemes.dynamiq import min_bits, rng
+from dqcoll.schemes.dynamiq import min_bits
 from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER, fixed_widths
 from dqcoll.schemes.dynamiq.allocation_paper import allocate_widths_paper
 

@@ -8,8 +8,8 @@ import torch
 import dqcoll
 from dqcoll.errors import InvalidArgumentError
 from dqcoll.eval.sources import make_source
+from dqcoll.kernels import codec as C
 from dqcoll.metrics import vnmse
-from dqcoll.schemes.dynamiq import codec as C
 from dqcoll.schemes.dynamiq.error_model import (
     CREST_GAUSSIAN,
     EPSILON,

@@ -26,9 +26,8 @@ import torch
 from conftest import has_cuda, heavy_tailed
 
 import dqcoll
-from dqcoll.kernels import dynamiq_ops
-from dqcoll.schemes.dynamiq import codec
-from dqcoll.schemes.dynamiq.codec import (
+from dqcoll.kernels import codec, dynamiq_ops
+from dqcoll.kernels.codec import (
     FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,

@@ -120,7 +120,7 @@ def test_fused_kernel_record_is_sane() -> None:
             pytest.skip(f"no usable Triton NVIDIA backend: {reason}")
         import kernels_aot
 
-        from dqcoll.schemes.dynamiq.codec import CodecConfig, RoundingMode, record_nbytes
+        from dqcoll.kernels.codec import CodecConfig, RoundingMode, record_nbytes
 
         try:
             rec = kernels_aot.count_kernel("decode_accumulate_encode", 4,

@@ -12,10 +12,9 @@ import torch
 
 from dqcoll import schemes
 from dqcoll.errors import UnsupportedError
-from dqcoll.kernels import baselines
+from dqcoll.kernels import baselines, rng
 from dqcoll.kernels.cpu_runtime import numba_available
 from dqcoll.schemes.bitpack import pack_bits_torch, unpack_bits_torch
-from dqcoll.schemes.dynamiq import rng
 from dqcoll.schemes.global_qsgd import GlobalQSGDScheme
 from dqcoll.schemes.global_qsgd import _State as QSGDState
 from dqcoll.schemes.int_block import int_block_decode_torch, int_block_encode_torch

@@ -17,9 +17,8 @@ pytest.importorskip("numba")
 
 from dqcoll.comm import Communicator
 from dqcoll.errors import UnsupportedError
-from dqcoll.kernels import cpu_runtime, dynamiq_numba, dynamiq_ops
-from dqcoll.schemes.dynamiq import codec
-from dqcoll.schemes.dynamiq.codec import (
+from dqcoll.kernels import codec, cpu_runtime, dynamiq_numba, dynamiq_ops
+from dqcoll.kernels.codec import (
     FINE_WIDTHS,
     SUPER,
     WIDTHS,

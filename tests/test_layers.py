@@ -3,8 +3,12 @@
 * Planning (``dqcoll/topology``) never calls back up into the public API or the runners; codecs
   (``dqcoll/schemes``) never import a transport, a schedule or the executor - they say what they
   need reduced (``ctx.reduce``) and the call's runner does the exchange; kernels
-  (``dqcoll/kernels``) are fast paths of the codecs and know nothing of communicators,
-  transports or plans; transports (``dqcoll/transports``) move bytes and know no codec.
+  (``dqcoll/kernels``) are the codecs' arithmetic (the DynamiQ record format with its torch
+  reference and random numbers, the MX element tables, the compiled fast paths) and know nothing
+  of schemes, communicators, transports or plans; transports (``dqcoll/transports``) move bytes
+  and know no codec.
+* Schemes use the kernels through their public names only: no ``dqcoll.kernels._private``
+  module or ``_private`` name (:func:`test_schemes_use_public_kernel_names`).
 * Evaluation (``dqcoll/eval``: gradient sources, the tiny LM, the accuracy measurement) and the
   command line (``dqcoll/cli``) sit beside the library: they may import anything, and no runtime
   module imports them, so ``import dqcoll`` and the integrations load none of it.
@@ -33,7 +37,7 @@ FORBIDDEN = {
     "schemes": ("api", "comm", "executor", "context", "transports", "topology", "hierarchical",
                 "integrations"),
     "kernels": ("api", "comm", "executor", "context", "handles", "hierarchical", "transports",
-                "topology", "integrations"),
+                "topology", "integrations", "schemes"),
     "transports": ("api", "comm", "executor", "context", "handles", "hierarchical", "schemes",
                    "kernels", "topology", "integrations"),
 }
@@ -233,6 +237,30 @@ def test_lower_layers_do_not_import_upper_ones(package):
         for name in _imports(path):
             if _within(name, FORBIDDEN[package]):
                 offenders.append(f"{path.relative_to(ROOT)} imports dqcoll.{name}")
+    assert not offenders, offenders
+
+
+def _private(name: str) -> bool:
+    """Whether a dotted name has a ``_private`` part (a dunder such as ``__all__`` is not one)."""
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
+def test_private_name_rule() -> None:
+    """The rule :func:`test_schemes_use_public_kernel_names` applies, on the names it sees."""
+    assert _private("kernels._torch_ops") and _private("kernels._params.level_tables")
+    assert _private("kernels.codec._magnitudes")
+    assert not _private("kernels.codec.encode_torch") and not _private("kernels.rng.__all__")
+
+
+def test_schemes_use_public_kernel_names() -> None:
+    """No module of ``dqcoll/schemes`` imports (even lazily) a private module of
+    ``dqcoll/kernels`` or a private name from one of its modules: the kernels' ``_``-prefixed
+    parts can change without a scheme noticing, so the dependency stays one-way through a
+    public surface."""
+    offenders = []
+    for path in sorted((ROOT / "schemes").rglob("*.py")):
+        offenders += [f"{path.relative_to(ROOT)} imports dqcoll.{name}"
+                      for name in _imports(path) if _within(name, ("kernels",)) and _private(name)]
     assert not offenders, offenders
 
 

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from dqcoll.eval.sources import make_source
-from dqcoll.kernels import noise_numba
+from dqcoll.kernels import codec, noise_numba
 from dqcoll.kernels.simulate_numba import RankTables, decode_raw, encode_ranked, encode_raw
-from dqcoll.schemes.dynamiq import codec
 from dqcoll.schemes.dynamiq.allocation import count_classes
 from dqcoll.topology.algorithms import build_schedule
 

@@ -16,7 +16,7 @@ import torch
 
 import dqcoll
 from dqcoll.eval.sources import make_source
-from dqcoll.schemes.dynamiq.codec import (
+from dqcoll.kernels.codec import (
     CodecConfig,
     Levels,
     Scales,

@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 import dqcoll
 from dqcoll import metrics, schemes
+from dqcoll.kernels.codec import SUPER, Scales, record_nbytes
 from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER
-from dqcoll.schemes.dynamiq.codec import SUPER, Scales, record_nbytes
 from dqcoll.topology import algorithms
 from dqcoll.transports.base import ring_allreduce_nbytes
 

@@ -35,7 +35,7 @@ from dqcoll.errors import (
     MismatchError,
     PeerError,
 )
-from dqcoll.schemes.dynamiq.codec import SUPER
+from dqcoll.kernels.codec import SUPER
 from dqcoll.testing import run_local
 
 ALGORITHMS = ("ring", "butterfly", "direct")

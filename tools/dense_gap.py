@@ -100,7 +100,7 @@ VARIANTS["C = B, norm only, 4-bit codes per 32"] = {**HOP, "stats": "norm16",
 
 
 def run(options: dict, seed: int = 0) -> list[float]:
-    from dqcoll.schemes.dynamiq import rng
+    from dqcoll.kernels import rng
 
     options = dict(options)
     run_len = options.pop("_permutation_run", 16)

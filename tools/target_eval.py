@@ -104,7 +104,7 @@ def crest_family(name: str, rows: int, g: torch.Generator) -> torch.Tensor:
 
 
 def crest_fit(rows: int = 2048) -> dict[str, Any]:
-    from dqcoll.schemes.dynamiq.codec import decode_torch, encode_torch
+    from dqcoll.kernels.codec import decode_torch, encode_torch
     from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
 
     config = DynamiqScheme().config
@@ -137,7 +137,7 @@ def crest_fit(rows: int = 2048) -> dict[str, Any]:
 def source_shape(source) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """Rank 0's centred super-groups: crest and single-shot error per width relative to
     ``EPSILON`` (reference codec, independent rounding), i.e. what the crest term corrects."""
-    from dqcoll.schemes.dynamiq.codec import SUPER, decode_torch, encode_torch, stats_center_torch
+    from dqcoll.kernels.codec import SUPER, decode_torch, encode_torch, stats_center_torch
     from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
 
     config = DynamiqScheme().config

@@ -63,8 +63,7 @@ def calibrate(numel: int = 1 << 18, clock: str = "thread") -> list[dict[str, obj
     """Kernel rates. ``clock="thread"``: per *host* (single-thread CPU time / cores: the ranks
     share the host's cores). ``clock="wall"``: per *rank* (single-process wall time under the
     current load, each rank being one more process competing for the cores)."""
-    from dqcoll.kernels import dynamiq_ops
-    from dqcoll.schemes.dynamiq import codec
+    from dqcoll.kernels import codec, dynamiq_ops
 
     torch.set_num_threads(1)
     os.environ["DQCOLL_CPU_THREADS"] = "1"

@@ -1,7 +1,13 @@
-"""Fast paths, chosen per device; the torch references in :mod:`dqcoll.schemes` define the bytes.
+"""The codecs' arithmetic, chosen per device: the torch reference defines the bytes, the compiled
+kernels match it.
+
+The DynamiQ record format and its random numbers are :mod:`.codec` and :mod:`.rng` (the torch
+reference); the MX element tables are :mod:`.mx_elements`. The schemes (:mod:`dqcoll.schemes`)
+import this package and never the other way round.
 
 :func:`dynamiq_ops` returns the set of DynamiQ operations to use for tensors on ``device``:
-Triton kernels for CUDA tensors when Triton is importable, the torch reference otherwise.
+Triton kernels for CUDA tensors when Triton is importable, numba kernels for CPU tensors when
+numba is, the torch reference (:func:`torch_ops`) otherwise.
 ``DQCOLL_KERNELS=torch|triton`` forces one; forcing Triton where it cannot run raises.
 Triton is imported lazily, so ``import dqcoll`` works without it.
 """
@@ -19,11 +25,12 @@ import torch
 
 from .. import envs
 from ..errors import UnsupportedError
+from . import codec
 from .cpu_runtime import numba_available
 from .ops import DynamiqOps, check_format
 
-__all__ = ["DynamiqOps", "check_format", "dynamiq_ops", "numba_available", "triton_available",
-           "warm_up"]
+__all__ = ["DynamiqOps", "check_format", "dynamiq_ops", "numba_available", "torch_ops",
+           "triton_available", "warm_up"]
 
 log = logging.getLogger("dqcoll")
 
@@ -39,9 +46,8 @@ def triton_available() -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_ops() -> DynamiqOps:
-    from ..schemes.dynamiq import codec
-
+def torch_ops() -> DynamiqOps:
+    """The torch reference's DynamiQ operations (any device; the definition of the bytes)."""
     return DynamiqOps(
         name="torch",
         stats_center=codec.stats_center_torch,
@@ -50,6 +56,9 @@ def _torch_ops() -> DynamiqOps:
         decode_accumulate=codec.decode_accumulate_torch,
         decode_accumulate_encode=codec.decode_accumulate_encode_torch,
     )
+
+
+_torch_ops = torch_ops  # the name dqcoll.schemes.dynamiq.call still imports
 
 
 def _triton_ops() -> DynamiqOps:
@@ -71,13 +80,13 @@ def _fallback(why: str, device: torch.device) -> DynamiqOps:
     if why not in _logged:
         _logged.add(why)
         log.warning("dqcoll: using the torch reference for %s tensors: %s", device.type, why)
-    return _torch_ops()
+    return torch_ops()
 
 
 def dynamiq_ops(device: torch.device) -> DynamiqOps:
     choice = envs.kernels()
     if choice == "torch":
-        return _torch_ops()
+        return torch_ops()
     if choice == "numba" or (choice == "auto" and device.type == "cpu"):
         reason = numba_available()
         if choice == "numba":
@@ -92,7 +101,7 @@ def dynamiq_ops(device: torch.device) -> DynamiqOps:
             return _fallback(reason, device)
         return _numba_ops()
     if choice == "auto" and device.type != "cuda":
-        return _torch_ops()
+        return torch_ops()
     reason = triton_available()
     if choice == "triton":
         if reason is not None:

@@ -1,4 +1,4 @@
-"""Triton kernels of the DynamiQ codec: the same bytes as :mod:`dqcoll.schemes.dynamiq.codec`.
+"""Triton kernels of the DynamiQ codec: the same bytes as :mod:`dqcoll.kernels.codec`.
 
 Every kernel here is a pure ``@triton.jit`` function with no policy: block sizes, warps, dtype
 checks and allocation live in :mod:`.dynamiq_triton` (launchers) and :mod:`._launch` (heuristics).
@@ -24,7 +24,7 @@ Byte-exactness rules (the reference is fp32 IEEE, round to nearest, one rounding
 * ``max |x|`` is an integer ``max`` of the bit patterns with the sign cleared: for non-negative
   floats the order of the patterns is the order of the values, and every NaN pattern sorts above
   ``+inf``, so NaN propagates exactly as ``torch.amax`` does (``tl.max`` leaves NaN undefined);
-* the random numbers are the uint32 hash of :mod:`dqcoll.schemes.dynamiq.rng`, in uint32
+* the random numbers are the uint32 hash of :mod:`dqcoll.kernels.rng`, in uint32
   arithmetic (wrapping multiplies, logical shifts);
 * the level search reads one 16-byte row of a table over equal bins of ``[0, 1]`` (the
   magnitudes around the bin and the level count of its start) and corrects by one compare against
@@ -53,7 +53,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..schemes.dynamiq import rng
+from . import rng
 
 # Constants of the hash, taken from the reference (a kernel reads module globals only as
 # constexprs). The shift amounts are written out in _mix32, as in rng.mix32.

@@ -1,5 +1,5 @@
 """Compiled CPU kernels of the DynamiQ codec (numba): the same bytes as
-:mod:`dqcoll.schemes.dynamiq.codec`, ~20x faster than the torch reference on one core.
+:mod:`dqcoll.kernels.codec`, ~20x faster than the torch reference on one core.
 
 Every kernel is a top-level ``@njit`` function over rows ``[lo, hi)`` of whole NumPy arrays (views
 of the caller's torch tensors), with no policy: checks, allocation, thread split and the per-call
@@ -37,7 +37,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from ..schemes.dynamiq import rng
+from . import rng
 from .cpu_runtime import JIT_OPTIONS
 
 SUPER = 256

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ..interop import host_to_device
-from ..schemes.dynamiq import codec, rng
-from ..schemes.dynamiq.codec import CodecConfig, Levels, RoundingMode, _magnitudes
+from . import codec, rng
+from .codec import CodecConfig, Levels, RoundingMode, _magnitudes
 
 __all__ = ["LevelTables", "RoundingParams", "level_tables",
            "permutation_table"]

@@ -14,12 +14,12 @@ How the bytes stay identical (docs/design.md §3.4, docs/kernels.md):
 * every fp32 operation of the reference is one fp32 operation here, in the same order (no
   fastmath, no FMA: :data:`~dqcoll.kernels.cpu_runtime.JIT_OPTIONS`); multiplications by powers
   of two come from an exact table built by the reference's own
-  :func:`~dqcoll.schemes.mx_elements.pow2`;
+  :func:`~dqcoll.kernels.mx_elements.pow2`;
 * ``floor(log2 |x|)`` and the block absmax are read from the fp32 bit pattern (the integer max of
   ``bits & 0x7FFFFFFF`` orders finite values like their magnitudes and puts Inf, then NaN, above
   them: exactly when torch's ``amax`` is non-finite);
 * round-half-to-even is ``np.rint`` (LLVM ``rint`` in the default rounding mode);
-* the 32-bit hash of :mod:`dqcoll.schemes.dynamiq.rng` runs in uint64 masked to 32 bits after
+* the 32-bit hash of :mod:`dqcoll.kernels.rng` runs in uint64 masked to 32 bits after
   each multiply (numba types uint32 * uint32 as uint64 anyway).
 
 Every kernel is a top-level ``@njit(**JIT_OPTIONS)`` function over rows ``[lo, hi)`` (a row is a
@@ -41,8 +41,8 @@ import numba
 import numpy as np
 import torch
 
-from ..schemes.mx_elements import FORMATS, decode_table, pow2
 from .cpu_runtime import JIT_OPTIONS, run_rows
+from .mx_elements import FORMATS, decode_table, pow2
 
 __all__ = [
     "int_block_decode",
@@ -65,7 +65,7 @@ _POW2_MIN = -149  # _pow2_table()[e - _POW2_MIN] == 2**e for e in [-149, 127]
 _ABS = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
 _MASK32 = np.uint64(0xFFFFFFFF)
-_M1 = np.uint64(0x21F0AAAD)  # mix32 multipliers (dqcoll.schemes.dynamiq.rng)
+_M1 = np.uint64(0x21F0AAAD)  # mix32 multipliers (dqcoll.kernels.rng)
 _M2 = np.uint64(0x735A2D97)
 _NAN32 = np.float32(np.nan)
 _TWO_M24 = np.float32(2.0**-24)
@@ -603,7 +603,7 @@ def unpack_accumulate(sums: torch.Tensor, payload: torch.Tensor, width: int) -> 
 
 @numba.njit(**JIT_OPTIONS)
 def _mix32(x):  # type: ignore[no-untyped-def]
-    """``mix32`` of :mod:`dqcoll.schemes.dynamiq.rng` on a uint64 holding 32 bits."""
+    """``mix32`` of :mod:`dqcoll.kernels.rng` on a uint64 holding 32 bits."""
     x ^= x >> np.uint64(16)
     x = (x * _M1) & _MASK32
     x ^= x >> np.uint64(15)

@@ -1,7 +1,7 @@
 """Launchers of the compiled CPU DynamiQ kernels: check, allocate, split rows over threads.
 ``OPS`` is what :func:`dqcoll.kernels.dynamiq_ops` hands out for CPU tensors.
 
-Each launcher has the signature of its torch reference in :mod:`dqcoll.schemes.dynamiq.codec`
+Each launcher has the signature of its torch reference in :mod:`dqcoll.kernels.codec`
 (plus ``out=``, to write records or rows straight into the caller's buffer) and returns the same
 bytes and the same fp32 values, raw width 16 (fp16 values relative to a bf16 unit) included: it
 was the reference's torch passes until real gradients showed what it costs (a ReLU MLP's dead
@@ -26,7 +26,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..schemes.dynamiq.codec import (
+from . import _dynamiq_numba_kernels as K
+from ._params import RoundingParams, level_tables
+from .codec import (
     FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
@@ -36,8 +38,6 @@ from ..schemes.dynamiq.codec import (
     Scales,
     record_nbytes,
 )
-from . import _dynamiq_numba_kernels as K
-from ._params import RoundingParams, level_tables
 from .cpu_runtime import cpu_threads, run_rows
 from .ops import DynamiqOps, check_format
 

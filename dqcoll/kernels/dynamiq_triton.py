@@ -4,7 +4,7 @@
 Width 16 (raw fp16 records: no random numbers, a few vectorised passes) runs the torch reference
 on the tensors' own device, so every width the scheme can choose works on every path.
 
-Each launcher has the signature of its torch reference in :mod:`dqcoll.schemes.dynamiq.codec`
+Each launcher has the signature of its torch reference in :mod:`dqcoll.kernels.codec`
 and returns the same bytes (codes, scales) and the same fp32 values (statistics, decoded and
 accumulated rows; NaN payloads aside, which no record carries: a non-finite scale is stored as the
 canonical bf16 NaN). Extensions over the references, all exact: ``stats_center`` and ``encode``
@@ -42,8 +42,11 @@ from typing import Any
 import torch
 
 from ..interop import host_to_device
-from ..schemes.dynamiq import codec
-from ..schemes.dynamiq.codec import (
+from . import _dynamiq_kernels as compiled_kernels
+from . import codec
+from ._launch import Kernel, LaunchConfig, compile_options, launch_config
+from ._params import RoundingParams, level_tables
+from .codec import (
     FINE_WIDTHS,
     RAW_WIDTH,
     SUPER,
@@ -54,9 +57,6 @@ from ..schemes.dynamiq.codec import (
     record_nbytes,
     restore_torch,
 )
-from . import _dynamiq_kernels as compiled_kernels
-from ._launch import Kernel, LaunchConfig, compile_options, launch_config
-from ._params import RoundingParams, level_tables
 from .ops import DynamiqOps, check_format
 
 __all__ = [

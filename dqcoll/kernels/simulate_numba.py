@@ -5,7 +5,7 @@ of rows that belong to different ranks, in one launch.
 rounding parameters (:class:`._params.RoundingParams` per rank: the jitter key and the
 permutation column, ``n x 4096`` int32, 128 MiB at n = 8192); :func:`encode_ranked` encodes
 row ``i`` with the parameters of rank ``ranks[i]``, the bytes of
-:func:`dqcoll.schemes.dynamiq.codec.encode_torch` called by that rank. Decodes do not depend on
+:func:`dqcoll.kernels.codec.encode_torch` called by that rank. Decodes do not depend on
 the rank: the simulator calls :mod:`.dynamiq_numba`'s directly.
 
 Where numba is not usable, or the kernels do not implement a (width, scales) pair, the rows
@@ -20,9 +20,9 @@ import functools
 import numpy as np
 import torch
 
-from ..schemes.dynamiq import codec, rng
-from ..schemes.dynamiq.codec import RAW_WIDTH, CodecConfig, RoundingMode, Scales
+from . import codec, rng
 from ._params import level_tables
+from .codec import RAW_WIDTH, CodecConfig, RoundingMode, Scales
 from .cpu_runtime import numba_available, run_rows
 
 __all__ = ["RankTables", "decode_raw", "encode_ranked", "encode_raw"]

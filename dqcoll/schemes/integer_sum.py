@@ -10,7 +10,7 @@ same integers, so the result is exactly ``dequantize(sum of every rank's codes)`
 schedule: ring, butterfly and direct give bit-identical answers.
 
 Random numbers: one 24-bit uniform per (rank, coordinate) from the counter-based hash of
-:mod:`dqcoll.schemes.dynamiq.rng`, keyed by the call's seed and step, a per-scheme stream and the
+:mod:`dqcoll.kernels.rng`, keyed by the call's seed and step, a per-scheme stream and the
 coordinate's index in the (padded, possibly rotated) buffer, so any transport and any chunking
 give the same codes.
 
@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
+from ..kernels import rng
 from ..kernels.baselines import cpu_kernels
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .dynamiq import rng
 from .elementwise import BlockLayout
 from .none import copy_saturating
 

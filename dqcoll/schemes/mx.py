@@ -54,10 +54,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..kernels.baselines import cpu_kernels
+from ..kernels.mx_elements import FORMATS, ElementFormat, decode_table, pow2
 from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits_torch, packed_nbytes, unpack_bits_torch
 from .elementwise import BlockCall, BlockCodec
-from .mx_elements import FORMATS, ElementFormat, decode_table, pow2
 
 __all__ = [
     "FORMATS",

@@ -71,8 +71,8 @@ import torch
 
 from .. import schemes
 from ..errors import InvalidArgumentError, UnsupportedError
+from ..kernels.codec import RAW_WIDTH, SUPER, record_nbytes, stats_center_rounded_torch
 from ..schemes.base import CallContext, ScheduleShape
-from ..schemes.dynamiq.codec import RAW_WIDTH, SUPER, record_nbytes, stats_center_rounded_torch
 from ..types import Collective, ReduceOp
 from .hierarchical import HierarchicalPlan
 from .schedule import Schedule
@@ -282,9 +282,9 @@ class _DynamiqAdapter(_Adapter):
 
         self.prep_ops = dynamiq_ops(torch.device("cpu"))
         if getattr(scheme, "reference_only", False):
-            from ..kernels import _torch_ops
+            from ..kernels import torch_ops
 
-            self.prep_ops = _torch_ops()
+            self.prep_ops = torch_ops()
         self.split = (self.prep_ops.stats is not None and self.stats_mode in ("fp32", "norm16"))
         self._summed: torch.Tensor | None = None
 

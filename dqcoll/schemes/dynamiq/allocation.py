@@ -43,7 +43,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codec import ALL_WIDTHS, FINE_WIDTHS, RAW_WIDTH, Levels, ProtoScales, Scales, record_nbytes
+from ...kernels.codec import (
+    ALL_WIDTHS,
+    FINE_WIDTHS,
+    RAW_WIDTH,
+    Levels,
+    ProtoScales,
+    Scales,
+    record_nbytes,
+)
 from .error_model import EPSILON, predicted_vnmse
 
 __all__ = [

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...kernels.codec import RAW_WIDTH, Scales
 from .allocation import (
     BISECTION_STEPS,
     STATS_BYTES,
@@ -43,7 +44,6 @@ from .allocation import (
     smallest_u_meeting,
     target_energy,
 )
-from .codec import RAW_WIDTH, Scales
 from .error_model import predicted_vnmse
 
 __all__ = ["C_SLOPE", "allocate_for_target_paper", "allocate_widths_paper"]

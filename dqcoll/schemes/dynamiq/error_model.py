@@ -70,8 +70,8 @@ import math
 
 import torch
 
+from ...kernels.codec import CodecConfig, Levels, RoundingMode, Scales
 from ..base import ScheduleShape
-from .codec import CodecConfig, Levels, RoundingMode, Scales
 
 __all__ = [
     "CALIBRATION",

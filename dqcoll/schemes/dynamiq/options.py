@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgumentError
+from ...kernels.codec import FINE_WIDTHS, RAW_WIDTH, WIDTHS, Levels, ProtoScales, Scales, Widths
 from .allocation import MEASURED_ERRORS, STATS_BYTES, min_bits
-from .codec import FINE_WIDTHS, RAW_WIDTH, WIDTHS, Levels, ProtoScales, Scales, Widths
 from .error_model import EPSILON
 
 __all__ = [
@@ -50,8 +50,9 @@ class DynamiqFormat:
     """What a format preset fixes: the codec's levels, scales and widths, and the allocation's
     rule. Field by field (docs/dense_gap.md measures each departure from the paper's):
 
-    * ``levels``, ``scales``: the codec (:class:`~.codec.CodecConfig`); ``scales`` may be a
-      prototype encoding (:class:`~.codec.ProtoScales`, torch reference only);
+    * ``levels``, ``scales``: the codec (:class:`~dqcoll.kernels.codec.CodecConfig`); ``scales``
+      may be a prototype encoding (:class:`~dqcoll.kernels.codec.ProtoScales`, torch reference
+      only);
     * ``widths``: ``VARIABLE`` (one width per super-group) or ``FIXED`` (4 bits everywhere);
     * ``width_set``: ``"fine"``, widths {2, ..., 8}, or ``"paper"``, {2, 4, 8};
     * ``thresholds``: ``"measured"`` (the lower convex hull of the codec's own single-shot

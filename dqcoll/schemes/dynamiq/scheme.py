@@ -4,8 +4,8 @@
 preset plus ``bits`` / ``target_vnmse``, ``rounding``, ``seed``, ``energy_exponent``,
 ``balance``; research knobs override the preset). Each collective call plans itself in a
 :class:`~.call.DynamiqCall` (statistics, allocation, reorder, geometry; the per-hop operations);
-the codec's format is :mod:`.codec`, the allocation rules :mod:`.allocation` (dqcoll's format) and
-:mod:`.allocation_paper` (the paper's).
+the codec's format is :mod:`dqcoll.kernels.codec`, the allocation rules :mod:`.allocation`
+(dqcoll's format) and :mod:`.allocation_paper` (the paper's).
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ from typing import Any
 
 import torch
 
-from ...types import Collective, ReduceOp
-from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
-from .allocation import MEASURED_ERRORS, STATS_BYTES
-from .call import DynamiqCall, Survey, survey
-from .codec import (
+from ...kernels.codec import (
     SUPER,
     CodecConfig,
     ProtoScales,
@@ -27,6 +23,10 @@ from .codec import (
     Widths,
     record_nbytes,
 )
+from ...types import Collective, ReduceOp
+from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
+from .allocation import MEASURED_ERRORS, STATS_BYTES
+from .call import DynamiqCall, Survey, survey
 from .error_model import ErrorModel
 from .options import (
     RESEARCH_OPTIONS,

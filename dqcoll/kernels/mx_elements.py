@@ -1,16 +1,15 @@
 """The element formats of the MX schemes and the exact tables built from them.
 
 :class:`ElementFormat` (sign, exponent and mantissa bits, bias, largest finite value) and
-:data:`FORMATS` name the OCP MX v1.0 element types that :mod:`.mx` specifies (its docstring has the
-table); :func:`pow2` is the exact fp32 power of two every MX encoder scales by, and
-:func:`decode_table` the fp32 value of every element code.
+:data:`FORMATS` name the OCP MX v1.0 element types that :mod:`dqcoll.schemes.mx` specifies (its
+docstring has the table); :func:`pow2` is the exact fp32 power of two every MX encoder scales by,
+and :func:`decode_table` the fp32 value of every element code.
 
-They live apart from the scheme so that the compiled CPU kernels
-(:mod:`dqcoll.kernels.baselines_numba`) build their tables from the reference's own functions
-without importing the scheme module, which itself picks those kernels
-(:func:`dqcoll.kernels.baselines.cpu_kernels`): with both in :mod:`.mx` the two imported each
-other. Rejected: a numpy copy of the tables inside the kernels (a second definition of the
-format to keep identical).
+They live with the kernels, below the scheme: the compiled CPU kernels
+(:mod:`dqcoll.kernels.baselines_numba`) build their tables from these functions, and the scheme
+(:mod:`dqcoll.schemes.mx`) imports them and picks those kernels
+(:func:`dqcoll.kernels.baselines.cpu_kernels`), so the dependency runs one way. Rejected: a numpy
+copy of the tables inside the kernels (a second definition of the format to keep identical).
 
 Cache: :func:`_table_cpu` keeps one small table per format name (at most 16 entries of at most 256
 floats; :data:`FORMATS` has 5), for the life of the process; it is a pure function of the name.
