@@ -1,4 +1,5 @@
-"""Issue 14 prototypes: finer widths, 4-bit group codes, hull thresholds, hop widths."""
+"""DynamiQ's departures from the paper (docs/dense_gap.md): finer widths, 4-bit group codes,
+hull thresholds, hop widths, and the prototype encodings measured beside them."""
 
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ class _HalfZero:
 def test_every_bit_of_the_budget_buys_accuracy(algorithm: str) -> None:
     """With many all-zero super-groups, budgets 5 < 6 < 7 < 8.5 give strictly decreasing vNMSE
     and spend what they are given (raw 16 under a budget); the paper's configuration, capped at 8
-    bits, stops improving (issue 14)."""
+    bits, stops improving."""
     data, schedule = _HalfZero(), build_schedule(algorithm, 4)
     errors, bits = [], []
     for budget in (5.0, 6.0, 7.0, 8.5):

@@ -15,8 +15,8 @@ import torch
 import dqcoll
 from dqcoll.testing import run_local
 
-# sha256 of rank 0's result bytes (every rank holds the same), computed at a3b8f68 (main before
-# issue 22's planning changes) with the numba kernels and with DQCOLL_KERNELS=torch alike.
+# sha256 of rank 0's result bytes (every rank holds the same), the same with the numba kernels
+# and with DQCOLL_KERNELS=torch.
 PINNED = {
     ("ring", 4, 300_007):
         "c76e1ba64fa536abdd3259dc6db372783ea03c4177be32dccb07f99562b7eec0",

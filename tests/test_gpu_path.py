@@ -1,7 +1,7 @@
 """The GPU path's logic, tested on a CPU machine: device routing, what kernels ran, the
-reduce-scatter's shard-only decode, and the defects of issue 29 (Triton launch device, the torch
-backend over NCCL, close() while async calls run, a stream-ordered transport's late failure,
-subgroups over NCCL, the GPU check's time limits).
+reduce-scatter's shard-only decode, the Triton launch device, the torch backend over NCCL,
+close() while async calls run, a stream-ordered transport's late failure, subgroups over NCCL and
+the GPU check's time limits.
 
 Where a GPU would be needed, the piece that needs it is replaced by a recorder checked against
 the real library's signature (``torch.cuda.device``, ``torch.distributed.get_backend``); the rest
@@ -220,7 +220,7 @@ def test_tile_size_follows_the_tensor() -> None:
     assert buffer_device(object()) is None
 
 
-# -- issue 29, item 1: Triton launches under the tensors' device ----------------------------------
+# -- Triton launches under the tensors' device ----------------------------------------------------
 
 
 def test_triton_launch_runs_under_the_tensors_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,7 +262,7 @@ def test_triton_launch_runs_under_the_tensors_device(monkeypatch: pytest.MonkeyP
     assert launched == [1] and entered == [1]
 
 
-# -- issue 29, item 3: close() waits for pending async calls ------------------------------------
+# -- close() waits for pending async calls ------------------------------------------------------
 
 
 def test_close_waits_for_pending_async_calls() -> None:
@@ -294,7 +294,7 @@ def test_close_waits_for_pending_async_calls() -> None:
     assert run_local(2, body) == [(True, True)] * 2
 
 
-# -- issue 29, item 5: a late failure of a stream-ordered transport --------------------------------
+# -- a late failure of a stream-ordered transport --------------------------------------------------
 
 
 class _LateFailingTransport:
@@ -379,7 +379,7 @@ def test_late_transport_failure_leaves_the_buffer_untouched(collective: str) -> 
         assert "reduce" in result[3], result
 
 
-# -- issue 29, item 7: subgroups keep the parent's stream ordering --------------------------------
+# -- subgroups keep the parent's stream ordering --------------------------------------------------
 
 
 def test_subgroup_of_a_stream_ordered_transport_is_stream_ordered(
@@ -410,7 +410,7 @@ def test_subgroup_of_a_stream_ordered_transport_is_stream_ordered(
 def test_ranks_on_the_second_gpu_launch_there() -> None:
     """(Two GPUs.) Ranks whose communicator and tensors are on cuda:1, while every thread's
     current device is 0, get exactly the CPU run's bits: their warm-up and every kernel launch on
-    cuda:1, where the data is (issue 29, item 1)."""
+    cuda:1, where the data is."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
     torch.cuda.set_device(0)

@@ -1,8 +1,8 @@
 """``none`` is exact: the fp64 sum of the ranks' inputs rounded once to the input dtype.
 
-Issue 43, finding 6: beside a huge value, ``none`` used to scale every input by the overflow
-shift (small fp16 values lost bits or flushed to zero) and rounded every partial sum to the
-input dtype at each hop. The inputs here put the issue's values (fp16 30000 beside 1e-4 and 1e-6,
+Beside a huge value, scaling every input by the overflow shift would lose small fp16 values'
+bits or flush them to zero, and rounding every partial sum to the input dtype at each hop would
+lose more. The inputs here put huge and tiny values together (fp16 30000 beside 1e-4 and 1e-6,
 bf16 1e38 beside 1e-37, fp32 1e38 beside 1e-8) beside per-coordinate scaled N(0,1) values whose
 sums fp64 holds exactly, and cancellations that a narrower accumulator would lose.
 """

@@ -1,9 +1,10 @@
 """Non-finite inputs stay where they were; finite inputs give finite outputs.
 
-Issue 43, finding 7: one inf on one rank made every coordinate of ``thc`` and ``global_qsgd``
-non-finite (their global statistic became inf), and in ``all_gather`` the other ranks' finite
-shards came back NaN. Finding 4: with error feedback in the DDP hook, one inf gradient left its
-super-group non-finite on every rank at every later step (the residual carried it).
+One inf on one rank makes at most its own super-group non-finite, with every scheme (``thc``
+and ``global_qsgd`` included, whose global statistic it must not reach) and in ``all_gather``
+(the other ranks' finite shards stay finite). With error feedback in the DDP hook, the steps
+after one inf gradient are finite on every rank (the residual of a non-finite coordinate is
+not carried).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def test_finite_extremes_give_finite_outputs_with_every_scheme(collective: str,
                 assert torch.isfinite(out).all(), (scheme, algorithm, rank)
 
 
-# -- finding 4: error feedback in the DDP hook -------------------------------------------------
+# -- error feedback in the DDP hook ------------------------------------------------------------
 
 
 def _ef_training(rank: int, world_size: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""No process aborts from message mix-ups (issue 43, findings 1 and 2): dqcoll's traffic over a
-torch gloo group never shares message matching with the caller's own calls on that group.
+"""No process aborts from message mix-ups: dqcoll's traffic over a torch gloo group never
+shares message matching with the caller's own calls on that group.
 
 * ``scheme="auto"``'s native choice (the group's own all-reduce) runs on dqcoll's worker
   thread; the caller (or DDP's reducer, which all-reduces its unused-parameter map with
@@ -8,8 +8,8 @@ torch gloo group never shares message matching with the caller's own calls on th
 * dqcoll's point-to-point messages travel while the caller sends and receives its own, with
   the same tag, on the same group.
 
-Both used to abort a rank inside gloo (``op.preamble.length <= op.nbytes``, SIGABRT): no error,
-no cleanup. Every rank must now complete with the right results. Multi-process tests run gloo
+Shared matching would abort a rank inside gloo (``op.preamble.length <= op.nbytes``, SIGABRT): no
+error, no cleanup. Every rank must complete with the right results. Multi-process tests run gloo
 ranks on 127.0.0.1 (:func:`conftest.run_gloo_script`); each worker prints one ``REPORT {json}``
 line and leaves with ``os._exit``.
 """
@@ -45,7 +45,7 @@ def _assert_clean(reports: dict[int, dict], world_size: int) -> None:
         assert "error" not in rep, (rank, rep)
 
 
-# -- finding 1: auto's native all-reduce beside the caller's all-reduce --------------------------
+# -- auto's native all-reduce beside the caller's all-reduce -------------------------------------
 
 _AUTO_BESIDE_ALLREDUCE = _HEADER + r"""
 comm = dqcoll.init(backend="gloo")
@@ -93,7 +93,7 @@ def test_async_auto_beside_a_user_allreduce_completes():
         assert "wrong_user_allreduce" not in rep, (rank, rep)
 
 
-# -- finding 1: the DDP hook with scheme="auto" and find_unused_parameters=True --------------------
+# -- the DDP hook with scheme="auto" and find_unused_parameters=True -------------------------------
 
 _DDP_AUTO_UNUSED = _HEADER + r"""
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -165,7 +165,7 @@ def test_ddp_auto_with_unused_parameters_trains_identical_replicas():
     assert reports[1]["params"] == reports[0]["params"] == reports[2]["params"], reports
 
 
-# -- finding 2: dqcoll's messages beside the caller's send / recv ---------------------------------
+# -- dqcoll's messages beside the caller's send / recv --------------------------------------------
 
 _BESIDE_SEND_RECV = _HEADER + r"""
 comm = dqcoll.init(backend=sys.argv[1])

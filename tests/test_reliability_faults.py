@@ -1,17 +1,16 @@
-"""Reliability, round 2 (issue 17): no garbage accepted, no rank left behind, no process aborted.
+"""Bad messages, mismatched calls and unusable buffers: no garbage accepted, no rank left
+behind, no process aborted.
 
-Each test guards one failure found by trying dqcoll as an adversarial user would:
-
-* a peer's short message over gloo is refused on every rank (it was summed in as data);
-* different collectives on different ranks raise MismatchError everywhere before data moves (gloo
-  aborted the process; the local transport waited for the full timeout);
+* a peer's short message over gloo is refused on every rank, not summed in as data;
+* different collectives on different ranks raise MismatchError everywhere before data moves
+  (rather than a gloo abort, or the local transport waiting for the full timeout);
 * an unusable buffer on one rank (negative NumPy stride, ``meta`` tensor) is reported through the
-  argument check on every rank (the others waited for the timeout);
+  argument check on every rank (the others do not wait for the timeout);
 * a buffer that cannot be written in place (autograd leaf, inference tensor) is refused on every
-  rank before data moves (ranks ended with different buffers);
+  rank before data moves, so no rank ends with a different buffer;
 * finite inputs up to the dtype's largest value give finite outputs for every scheme (DynamiQ
-  returned NaN from ~6e37, THC from ~1e37);
-* the ``async_op`` worker thread ends with its communicator (it leaked one thread per group);
+  near 6e37, THC near 1e37 included);
+* the ``async_op`` worker thread ends with its communicator (no thread left per group);
 * a communicator is refused once dead (after a failed collective), closed, or busy in another
   thread; non-numeric options are refused; ``dqcoll.init`` names the ranks that never joined.
 

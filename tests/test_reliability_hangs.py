@@ -1,4 +1,4 @@
-"""Hangs and lost error types (issue 43, findings 8, 9, 11 and 12): a rank lost during
+"""Hangs and lost error types: a rank lost during
 ``shrink()``, a store port held by a program that never answers, the ``dqcoll`` backend's
 timeout, a ``shrink()`` on a healthy communicator, DDP's error type without fault tolerance, the
 native all-reduce's peer, and ``DQCOLL_POLICY`` values that only failed at call time.
@@ -28,7 +28,7 @@ def data(r, numel=30000):
     return torch.randn(numel, generator=torch.Generator().manual_seed(70 + r))
 """
 
-# -- finding 8: a rank lost during shrink() ------------------------------------------------------
+# -- a rank lost during shrink() -----------------------------------------------------------------
 
 _SHRINK_LOSS = _DATA + r"""
 import json, os, signal, sys, time
@@ -97,7 +97,7 @@ def test_rank_lost_during_shrink_leaves_a_working_group_within_seconds(mode, tmp
         assert rep["max_abs_err"] < 1e-5, rep
 
 
-# -- finding 12: shrink() on a healthy communicator ----------------------------------------------
+# -- shrink() on a healthy communicator ----------------------------------------------------------
 
 _SHRINK_ALONE = _DATA + r"""
 import json, os, time
@@ -144,7 +144,7 @@ def test_shrink_on_a_healthy_communicator_is_refused_and_harms_nobody():
         assert isinstance(rep["after"], float) and rep["after"] < 1e-5, (rank, rep)
 
 
-# -- finding 9: a store port held by a listener that never answers --------------------------------
+# -- a store port held by a listener that never answers -------------------------------------------
 
 _INIT = r"""
 import json, os, time
@@ -200,7 +200,7 @@ def test_init_with_the_port_held_by_a_mute_listener_raises_within_the_timeout():
     assert "did not answer" in reports[1]["message"], reports[1]
 
 
-# -- finding 11: the dqcoll backend's timeout ------------------------------------------------------
+# -- the dqcoll backend's timeout ------------------------------------------------------------------
 
 _BACKEND = r"""
 import json, os, time, torch
@@ -235,7 +235,7 @@ def test_backend_waits_honour_dqcoll_timeout():
     assert rep["s"] < 7.0, rep
 
 
-# -- finding 12: the native all-reduce names no "rank -1" -----------------------------------------
+# -- the native all-reduce names no "rank -1" -----------------------------------------------------
 
 _NATIVE = r"""
 import json, os, time, torch
@@ -266,7 +266,7 @@ def test_native_allreduce_failure_names_no_rank_minus_one():
     assert rep["message"].startswith("rank 0"), rep
 
 
-# -- finding 12: DDP without fault tolerance keeps the DqcollError type ---------------------------
+# -- DDP without fault tolerance keeps the DqcollError type ---------------------------------------
 
 _DDP = r"""
 import json, os, signal, sys, time, torch
@@ -318,7 +318,7 @@ def test_ddp_without_fault_tolerance_raises_a_dqcoll_error():
         assert "Unable to cast" not in rep["message"] and f"rank {rank}" in rep["message"], rep
 
 
-# -- finding 12: DQCOLL_POLICY values -------------------------------------------------------------
+# -- DQCOLL_POLICY values -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text", ["allreduce=dynamiq:nan", "allreduce=dynamiq:inf",
                                   "gradients=dynamiq:-3", "allreduce=dynamiq:1",

@@ -1,14 +1,13 @@
-"""Settings that differ between ranks, and the lane's block codecs at the ends of the range
-(issue 43, findings 3, 5 and 10).
+"""Settings that differ between ranks, and the lane's block codecs at the ends of the range.
 
-* Finding 3: ``DQCOLL_VALIDATE=0`` on one rank only used to abort the others inside gloo
-  (SIGABRT: a message longer than its receive buffer). Creating a communicator now agrees on the
-  settings that change the messages (:mod:`dqcoll.agreement`).
-* Finding 5: the lane's one-exchange block codecs (``int8_block``, ``int4_block``, ``bf16``)
-  skipped the range scaling of the API path: fp32 2e38 on 3 ranks came back NaN, fp16 30000
-  inf; a bf16 output for an fp32 input was accepted.
-* Finding 10: per-rank policies (``warmup_steps``, ``min_nbytes``) and ``DQCOLL_AUTO_FORCE``
-  that differ used to wait for the timeout, then raise raw errors.
+* ``DQCOLL_VALIDATE=0`` on one rank only: creating a communicator agrees on the settings that
+  change the messages (:mod:`dqcoll.agreement`) and refuses the difference on every rank, instead
+  of gloo aborting the others (SIGABRT: a message longer than its receive buffer).
+* The lane's one-exchange block codecs (``int8_block``, ``int4_block``, ``bf16``) apply the API
+  path's range scaling: fp32 2e38 on 3 ranks and fp16 30000 come back finite; a bf16 output for
+  an fp32 input is refused.
+* Per-rank policies (``warmup_steps``, ``min_nbytes``) and a ``DQCOLL_AUTO_FORCE`` that differ
+  raise dqcoll's errors at once, not raw errors after the timeout.
 
 Multi-process tests run gloo ranks on 127.0.0.1 (:func:`conftest.run_gloo_script`); each
 worker prints one ``REPORT {json}`` line and leaves with ``os._exit``. The per-rank setting is
@@ -24,7 +23,7 @@ from conftest import run_gloo_script
 from dqcoll.errors import MismatchError
 from dqcoll.testing import run_local
 
-# -- finding 3: DQCOLL_VALIDATE=0 on one rank -------------------------------------------------
+# -- DQCOLL_VALIDATE=0 on one rank ------------------------------------------------------------
 
 _ENV_ON_ONE_RANK = r"""
 import json, os, sys, time
@@ -95,7 +94,7 @@ def test_store_agreement_names_every_rank_value() -> None:
                                       timeout_s=5, what="test")
 
 
-# -- finding 5: the lane's block codecs at the ends of the range ------------------------------
+# -- the lane's block codecs at the ends of the range -----------------------------------------
 
 _BLOCK_RANGE = r"""
 import json, os, sys
@@ -188,7 +187,7 @@ def test_block_codecs_saturate_and_refuse_a_dtype_mix(gradients: str) -> None:
         assert report["after"] == 3.0
 
 
-# -- finding 10: per-rank policies -------------------------------------------------------------
+# -- per-rank policies -------------------------------------------------------------------------
 
 _FSDP_POLICY_ON_ONE_RANK = r"""
 import json, os, sys, time

@@ -1,4 +1,4 @@
-"""Surviving a lost rank (issue 25): ``Communicator.shrink()`` over gloo, and DDP training that
+"""Surviving a lost rank: ``Communicator.shrink()`` over gloo, and DDP training that
 goes on with the survivors.
 
 Four gloo processes; one SIGKILLs itself in the middle of an all-reduce (after its first reduce
