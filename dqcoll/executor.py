@@ -79,26 +79,23 @@ __all__ = [
 ]
 
 # Per-chunk fp32 work bytes of one tile on CPUs: 4 MiB is 4096 DynamiQ super-groups, ~0.66 MiB on
-# the wire at 5 bits. The fixed cost of a tile-step (the executor's Python, the launchers'
-# checks, one grouped exchange) measured ~0.5 ms of CPU on the 2-core dev VM, ~20 % of a 4 MiB
-# tile's compiled codec, so where the link costs nothing (loopback) bigger tiles are faster: 4
-# ranks x 64 MiB, loopback, ring 247 -> 201 ms and butterfly 228 -> 196 ms from 4 to 16 MiB. But
-# on slow links the overlap of one tile's codec with another's transfer is worth more: from 4 to
-# 16 MiB, 2 ranks at 200 Mb/s went 516 -> 767 ms and at 1 Gb/s 154 -> 192 ms (8 MiB: 680 / 178),
-# 4 ranks at 200 Mb/s 892 -> 965 ms. dqcoll is for slow links, so the default stays 4 MiB; the
-# tuner sets the tile per message size and link, and `dqcoll demo` (loopback) passes 16 MiB.
+# the wire at 5 bits. A tile-step has a fixed host cost (the executor's Python, the launchers'
+# checks, one grouped exchange), so where the link costs nothing (loopback) bigger tiles are
+# faster; on slow links the overlap of one tile's codec with another's transfer is worth more,
+# and smaller tiles win. dqcoll is for slow links, so the default is 4 MiB; the tuner sets the
+# tile per message size and link, and `dqcoll demo` (loopback) passes 16 MiB. The measurements
+# behind this choice: benchmarks/results/history-benchmarks.md (tile sizes).
 DEFAULT_TILE_NBYTES = 4 << 20
 DEFAULT_TILES_IN_FLIGHT = 2
 # On CUDA devices the codec of a tile is a few microseconds of GPU work (the fused hop is
 # memory-bound: 4 MiB of fp32 is 1 M coordinates, ~5 B each at ~3 TB/s, ~2 us) against the host
 # side of a tile-step -- the executor's Python, the launchers' checks, a grouped exchange --
-# measured at ~0.5 ms of CPU per tile-step on the 2-core dev VM (an all-reduce of 16 M
-# coordinates over 4 ranks: ~24 ms of Python over 42 tile-steps, thread CPU time), perhaps
-# ~0.15 ms on a GPU host's faster cores. At 4 MiB a GPU rank would be host-bound ~50x over; at
-# 64 MiB a tile-step carries ~30 us of kernels and, at 10-100 Gb/s, 1-10 ms of transfer, which is
-# what the host time must hide behind. So CUDA tensors default to 64 MiB tiles (a chunk of up
-# to 64 MiB goes in one tile; bigger chunks still pipeline). To be re-measured on a GPU
-# (docs/gpu_transport.md); the tuner sets the tile per message size.
+# which is a fraction of a millisecond of CPU. At 4 MiB a GPU rank would be host-bound many
+# times over; at 64 MiB a tile-step carries tens of microseconds of kernels and, on a datacenter
+# link, milliseconds of transfer, which is what the host time must hide behind. So CUDA tensors
+# default to 64 MiB tiles (a chunk of up to 64 MiB goes in one tile; bigger chunks still
+# pipeline); docs/gpu_transport.md says how to measure it on a GPU, and the tuner sets the tile
+# per message size.
 DEFAULT_CUDA_TILE_NBYTES = 64 << 20
 
 

@@ -2,12 +2,11 @@
 
 A DynamiQ call on the CPU allocates its compressed payloads, the buffers its messages arrive in
 and the concatenations it sends (about 18 MB per rank for an all-reduce of 7.3 M coordinates
-over 4 ranks). torch's CPU allocator has no cache: each of those ``torch.empty`` calls went to
+over 4 ranks). torch's CPU allocator has no cache: each of those ``torch.empty`` calls goes to
 glibc, which hands blocks of that size out as fresh ``mmap`` pages and returns them at ``free``,
-so every call paid a page fault and the zeroing of a page per 4 KiB touched: 5-11 thousand
-faults per DDP step on each rank of the 1 Gb/s benchmark (12.6 M parameters, 4 ranks on 2
-cores), against 4 with torch's fp16 hook, and the step took 311-325 ms against 286-305 ms with
-glibc told to keep its memory (``mallopt``), in alternating runs.
+so every call would pay a page fault and the zeroing of a page per 4 KiB touched: thousands of
+faults per DDP step on each rank, enough to lengthen the step measurably
+(benchmarks/results/history-benchmarks.md, "two lanes, no page faults").
 
 :class:`ScratchPool` keeps the blocks instead. Within one call every :meth:`~ScratchPool.take`
 gets a block of its own (the smallest free one that fits, else a new one of the next power of

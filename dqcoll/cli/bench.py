@@ -720,9 +720,9 @@ if __name__ == "__main__":
     code = main()
     # The ranks (``python -m dqcoll.cli.bench --launcher env``, as spawn() and
     # tools/netns_cluster.py start them) leave without the interpreter's teardown: after
-    # destroy_process_group, gloo's C++ teardown at exit aborted a finished rank ("terminate
-    # called without an active exception", exit 6) in about 1 of 10 runs on the loaded 2-core
-    # VM, at this session's base commit as well, after every result had been written.
+    # destroy_process_group, gloo's C++ teardown at exit can abort a finished rank ("terminate
+    # called without an active exception", exit 6) after every result has been written, on a
+    # loaded machine.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -11,7 +11,7 @@ The model is a GPT-style decoder: token embeddings plus learned positions, ``lay
 pre-LayerNorm blocks of causal multi-head attention and a 4x GELU MLP, a final LayerNorm and an
 output head tied to the embedding. At the defaults (width 64, 2 layers, context 64, bytes) it has
 about 0.1 M parameters and trains at a few milliseconds a step on a
-2-core CPU, which keeps a multi-scheme convergence run within minutes.
+small CPU, which keeps a multi-scheme convergence run within minutes.
 
 Tokens: bytes by default (``vocab=256``). With ``vocab > 256``, :func:`stdlib_tokens` adds the
 ``vocab - 256`` most frequent words of the training text itself (identifiers, numbers, runs of
@@ -62,9 +62,8 @@ VOCAB = 256  # bytes
 def torch_threads(count: int) -> Iterator[None]:
     """Run the block with ``count`` intra-op threads, then restore the previous setting.
 
-    A model this small is faster on one thread: measured on the 2-core VM with another process
-    busy, one AdamW step at batch 16 took 34 ms on 1 thread and 585 ms on 2 (threads fighting for
-    the cores).
+    A model this small is faster on one thread: with other processes busy, more intra-op
+    threads than free cores fight for them, and a step gets an order of magnitude slower.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(count)

@@ -51,8 +51,8 @@ __all__ = ["CompressionPolicy", "Decision", "Role", "RoleRule"]
 
 # A DDP bucket is 25 MiB by default and its first bucket 1 MiB; a loss or metric all-reduce is a
 # few bytes. 64 KiB = 16 Ki fp32 coordinates: below it the argument check and the statistics
-# all-reduce (two round trips) cost more than the bytes saved on a 1 Gb/s link (64 KiB take
-# 0.5 ms there; one gloo round trip on the dev VM takes ~0.2 ms).
+# all-reduce (two round trips, a few tenths of a millisecond each over gloo) cost more than the
+# bytes saved on a 1 Gb/s link, where 64 KiB take 0.5 ms.
 DEFAULT_MIN_NBYTES = 64 * 1024
 INTRA_NODE_CHOICES = ("exact", "flat")
 

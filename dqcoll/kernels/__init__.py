@@ -115,8 +115,8 @@ def dynamiq_ops(device: torch.device) -> DynamiqOps:
         return _fallback(f"Triton kernels are not available ({exc})", device)
 
 
-# A warm-up that takes longer than this is compiling (loading the cached kernels takes ~0.5 s
-# on the dev VM): it says so once, and how long it took when done.
+# A warm-up that takes longer than this is compiling (loading the cached kernels takes well under
+# a second): it says so once, and how long it took when done.
 COMPILE_NOTICE_S = 3.0
 
 
@@ -130,8 +130,8 @@ def _compile_notice(what: str, where: str) -> Iterator[None]:
 
     def notice() -> None:
         fired.set()
-        log.warning("dqcoll: compiling the %s (first use on this machine, a few minutes on 2 "
-                    "cores; cached afterwards in %s) ...", what, where)
+        log.warning("dqcoll: compiling the %s (first use on this machine, can take minutes; "
+                    "cached afterwards in %s) ...", what, where)
 
     timer = threading.Timer(COMPILE_NOTICE_S, notice)
     timer.daemon = True

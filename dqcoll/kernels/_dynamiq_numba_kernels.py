@@ -141,10 +141,9 @@ def _prefetch_row_write(out, index_base, valid, i, hi):
 def _prefer_wide_vectors(typingctx):  # type: ignore[no-untyped-def]
     """Mark the calling kernel ``"prefer-vector-width"="512"``: LLVM's X86 tuning for these
     cores (``rocketlake``, Sapphire Rapids) vectorises with 256-bit registers unless a function
-    asks for more. A hint: on CPUs without 512-bit registers it changes nothing. Format 3's
-    encode, one thread, 2**22 coordinates, dev VM: 5 bits 2.37 -> 2.09, 6 bits 2.95 -> 2.52 ns
-    per coordinate. (llvmlite accepts only a fixed list of attribute names, so the string
-    attribute goes into the set directly.)"""
+    asks for more. A hint: on CPUs without 512-bit registers it changes nothing; on CPUs with
+    them format 3's encode runs ~12-15 % faster. (llvmlite accepts only a fixed list of
+    attribute names, so the string attribute goes into the set directly.)"""
     sig = types.void()
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -159,12 +158,11 @@ def _always_inline(typingctx):  # type: ignore[no-untyped-def]
     """Mark the calling function ``alwaysinline`` for LLVM (:func:`_window_level`). A scalar
     step of the row loop compiled once per width as a plain call and inlined by LLVM gives the
     same machine code as numba's inlining (``inline="always"``), whose passes re-run on the
-    inlined body in every entry point: the default format's cold compile took 59 s instead of
-    90 s (dev VM). Without the attribute LLVM's cost model left the large step a call per
+    inlined body in every entry point, so the cold compile is about a third shorter. Without the
+    attribute LLVM's cost model left the large step a call per
     coordinate. Steps that take arrays stay numba-inlined: as plain calls each call costs an
     NRT incref/decref pair per array argument unless the function calls nothing, and their
-    loops were vectorised apart from the row loop's context (2-bit encode ~860 -> ~580 M
-    coordinates/s with both)."""
+    loops would be vectorised apart from the row loop's context (a third slower at 2 bits)."""
     sig = types.void()
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -549,9 +547,8 @@ def _decode_row(
     else:
         # Bitstream widths: ``table`` is indexed by code; 8 codes per w-byte word, 2 per group,
         # each word read as one unaligned 8-byte load (the bytes past its w are the next word's
-        # or the record's scale bytes, >= 5 of them: read, never used) instead of w byte loads:
-        # decode-and-restore at 6 bits 4.76 -> 4.21 ms, decode-accumulate 3.81 -> 3.57 ms per
-        # 12.6 M coordinates in random row order (one thread, 2-core Xeon VM, loaded).
+        # or the record's scale bytes, >= 5 of them: read, never used) instead of w byte loads,
+        # which makes the decodes ~5-10 % faster.
         mask = np.uint64((1 << width) - 1)
         for g in range(GROUPS):
             scale = d[g]
@@ -585,9 +582,9 @@ def _encode_scratch():
 
 
 # -- format 3 (HIERARCHICAL4X32): the row codec written for LLVM's loop vectorizer -----------------
-# Measured on the dev VM (numba 0.68 / LLVM 22, 2-core Xeon with AVX-512; 2**22 coordinates, one
-# thread), the generic row codec above spent, at 5 bits and 3.9 ns per coordinate, 1.2 ns in the
-# scales, 1.7 ns in the level chain and ~0.7 ns in per-row overhead. What brought it to ~1.4 ns:
+# The generic row codec above spends its time in the scales, the level chain and per-row
+# overhead (NRT reference counting); this one is written so that LLVM vectorises each of them,
+# about 2.5x faster at 5 bits (docs/kernels.md, "CPU kernels (numba)", has the rates):
 #
 # * one function holds the row loop (:func:`_q_rows`, inlined into each entry point with the
 #   width as a literal), and no array view is made per row (``x[i]``, ``out[i][a:]``,
@@ -1502,8 +1499,8 @@ def stats_center(lo, hi, x, valid, centred, mean, norm2):
 @numba.njit(**JIT_OPTIONS)
 def max_finite_abs_bits(xb):
     """The bit pattern of the largest finite ``|x|`` of fp32 values given as uint32 patterns
-    (0 when none is finite and non-zero): the API's range check, one vectorised pass (25 MB of
-    fp32 in ~1 ms on one core of the dev VM, against 6.8 ms for ``torch.aminmax`` there)."""
+    (0 when none is finite and non-zero): the API's range check, one vectorised pass (several
+    times faster than ``torch.aminmax``)."""
     m = np.uint32(0)
     for j in range(xb.shape[0]):
         b = np.uint32(xb[j] & _ABS)

@@ -3,18 +3,17 @@
 the search of format 3's hull rule with hop widths
 (:func:`dqcoll.schemes.dynamiq.allocation.allocate_widths_by_count`, :func:`hull_by_count`:
 the same counting by binary searches in the sorted keys as the reference's ``_HullCost``, with
-the search on the predicate itself, and the per-class widths in one pass; ~7 -> ~2 ms per call
-at 49152 super-groups with 4 count classes, 2-core VM). The paper's, in detail:
+the search on the predicate itself, and the per-class widths in one pass). The paper's, in
+detail:
 
 The reference bisects ``u`` with torch ops over the active super-groups (those whose width still
 differs between the ends of the bracket). Even compiled, that evaluates ~5 S rows over the
-64 halvings (3.3 ms at 2^16 super-groups, 2^24 coordinates, on the 2-core dev VM) and the torch
-passes around it (``isposinf``, ``isfinite``, min/max, three width tables and their costs) took
-as long again: ~6 ms of a rank's host time per call. Here:
+64 halvings, and the torch passes around it (``isposinf``, ``isfinite``, min/max, three width
+tables and their costs) cost as much again. Here:
 
 * one pass adjusts ``log2 F`` as the reference does (+inf -> 128, times the energy exponent),
-  counts zero and NaN rows and copies the other values out; NumPy sorts them (0.2 ms for 2^16
-  values, its vectorised sort; numba's ``np.sort`` took 6 ms);
+  counts zero and NaN rows and copies the other values out; NumPy sorts them (its vectorised
+  sort, many times faster than numba's ``np.sort``);
 * every bisection step counts the rows at or above each width threshold with a binary search
   in the sorted values: for a fixed ``u`` the width rule ``fl(fl(c * log_f) + u)`` compared
   with 4, 8 and 16 is monotone in ``log_f`` (``c > 0``; rounding is monotone), so the rows at
@@ -24,8 +23,8 @@ as long again: ~6 ms of a rank's host time per call. Here:
 
 The midpoints ``0.5 * (u_lo + u_hi)``, the per-row width rule (``v = c * log2 F + u``, two
 roundings, no FMA) and the feasibility test are the reference's, so ``u`` and the widths are bit
-for bit the reference's (tested); ~0.5 ms per call in all, ``log2`` (torch's) included.
-``log2`` itself stays torch's: a libm ``log2`` may differ from it in the last bit.
+for bit the reference's (tested). ``log2`` itself stays torch's: a libm ``log2`` may differ from
+it in the last bit.
 """
 
 from __future__ import annotations

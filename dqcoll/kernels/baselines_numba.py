@@ -5,9 +5,9 @@ Same bytes and decoded values as the torch references in :mod:`dqcoll.schemes` (
 ``int_block``, ``bitpack``, ``thc``, ``global_qsgd``), which define the formats; the tests hold
 them together bit for bit. The references are vectorised torch, which costs one pass over the
 buffer per elementwise op: the MX encoder makes ~40 passes, many in int64, and packs 6-bit codes
-through a 6-bytes-per-code bit-plane expansion (3.6 M coords/s for mxfp8, 2.2 for mxfp6 on one
-core of the dev VM, against 34 for ``int8_block``). Here one loop per block of 32 (or 128)
-coordinates keeps the block in registers/L1 from load to packed bytes.
+through a 6-bytes-per-code bit-plane expansion, an order of magnitude slower than
+``int8_block``'s (benchmarks/results/codec-rates-baselines-cpu.json). Here one loop per block of
+32 (or 128) coordinates keeps the block in registers/L1 from load to packed bytes.
 
 How the bytes stay identical (docs/design.md §3.4, docs/kernels.md):
 

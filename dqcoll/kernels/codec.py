@@ -114,8 +114,8 @@ EPSILON = {2: 0.23, 3: 0.35, 4: 0.18, 5: 0.15, 6: 0.10, 7: 0.07, 8: 0.10}
 EPSILON_TUNED = {2: 0.23, 3: 0.35, 4: 0.23, 5: 0.15, 6: 0.10, 7: 0.07, 8: 0.04}
 GROUP_CODE_LEVELS = 16  # scales="hierarchical4": 4-bit group codes
 # Rows of super-groups the reference processes at once. Its int64 hash temporaries (8 B per
-# coordinate) then stay in cache: on the 2-core dev VM, single-threaded, correlated encode ran at
-# 1.8 M coordinates/s with 4096 rows and 3.6-4.2 M/s with 128-256 rows. Results do not depend on it.
+# coordinate) then stay in cache: 128-256 rows encode about twice as fast as 4096. Results do not
+# depend on it.
 _ROWS_PER_BLOCK = 256
 
 
@@ -135,7 +135,7 @@ class Scales(enum.Enum):
 
 
 class ProtoScales(enum.Enum):
-    """Prototype scale encodings (issue 14), kept out of :class:`Scales` so that the compiled
+    """Prototype scale encodings, kept out of :class:`Scales` so that the compiled
     kernels, which iterate over :class:`Scales`, never see them (the scheme runs them on the
     torch reference)."""
 

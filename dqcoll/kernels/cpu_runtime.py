@@ -6,7 +6,7 @@ cut a call into contiguous row ranges and run them on a process-wide thread pool
 computed on its own (no reduction crosses rows), so the bytes do not depend on the number of
 threads or on where the ranges are cut.
 
-Why these options (measured on the 2-core dev VM, numba 0.68, see docs/design.md §7):
+Why these options (docs/design.md §7):
 
 * ``nogil=True``: the executor's communication thread (gloo's waits) and the ranks of the
   ``local`` transport run beside a kernel only if it releases the GIL;

@@ -612,8 +612,8 @@ WARM_FORMATS = (_Q,)
 @contextlib.contextmanager
 def _machine_lock() -> Iterator[None]:
     """Held while a process warms up: the ranks of one machine start together, and without it
-    every one of them compiles every kernel at once on cores they share (4 ranks on 2 cores: 4x
-    the work, each finishing at the end). With it the first compiles and writes numba's cache,
+    every one of them compiles every kernel at once on cores they share (n ranks: n times the
+    work, each finishing at the end). With it the first compiles and writes numba's cache,
     and the others load from it (~0.5 s). Advisory (``fcntl.flock``), per user; where it cannot
     be taken, nothing is serialised."""
     try:

@@ -23,9 +23,9 @@ Definition (all arithmetic mod 2**64):
   own words only. The tables are computed at import from the layer count, ``r`` and the layer
   area (:func:`ziggurat_tables`).
 
-Cost on one core of the dev VM: ~3 ns per coordinate (the fast path is one hash, one table
-lookup, one compare), against ~40 ns for Box-Muller (a log, a square root and a sine/cosine per
-pair) and ~8 ns for a rational inverse CDF.
+Cost: the fast path is one hash, one table lookup and one compare per coordinate, an order of
+magnitude less than Box-Muller (a log, a square root and a sine/cosine per pair) and a few times
+less than a rational inverse CDF.
 
 Rejected: ``torch.Generator`` streams per rank (the source's first version: a Mersenne Twister
 cannot jump to a super-group, so a slice of a rank's gradient cost the whole gradient) and

@@ -37,9 +37,8 @@ At every hop the receiver decodes, adds its own values in fp32 and re-encodes wi
 round-to-nearest re-rounds the partial sum each hop (biased, not exact).
 
 The ``*_torch`` functions are the spec. On CPU tensors the scheme runs the compiled kernels of
-:mod:`dqcoll.kernels.baselines_numba` instead (same bytes; one fused loop per block of 32: on one
-core of the dev VM at 2**24 coordinates, mxfp8 encode 3.5 -> 196 M coords/s and the fused hop
-3.5 -> 169, ``benchmarks/results/codec-rates-baselines-cpu.json``), chosen by
+:mod:`dqcoll.kernels.baselines_numba` instead (same bytes; one fused loop per block of 32, rates
+in ``benchmarks/results/codec-rates-baselines-cpu.json``), chosen by
 :func:`dqcoll.kernels.baselines.cpu_kernels`.
 """
 

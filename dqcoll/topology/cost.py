@@ -27,8 +27,8 @@ adds the API's argument handshake (one tiny all-reduce). :class:`CostBreakdown` 
 
 Kernel rates (:data:`DEFAULT_KERNEL_RATES`) per (device kind, scheme): GPU figures are the bytes
 a memory-bound kernel must move over 1.7 TB/s (H100) / 2.4 TB/s (H200), i.e. ~60 % of HBM, the
-target of the Triton kernels; CPU figures were measured with the torch reference on this 2-core VM
-(docs/topology.md) and are per *host* (the ranks of a host share its cores).
+target of the Triton kernels; CPU figures are the compiled (numba) kernels' measured rates and are
+per *host* (the ranks of a host share its cores; docs/topology.md).
 :func:`load_kernel_rates` overrides them from benchmark JSON files.
 
 Rejected: LogGP-style per-byte gap parameters per message. With grouped point-to-point (all of a
@@ -99,11 +99,9 @@ _GPU_GBPS = {"h100": 1700.0, "h200": 2400.0}
 DEFAULT_KERNEL_RATES: dict[tuple[str, str], KernelRates] = {
     **{(dev, scheme): _gpu(*b, gbps) for dev, gbps in _GPU_GBPS.items()
        for scheme, b in _GPU_BYTES.items()},
-    # This 2-core AMD EPYC VM, compiled (numba) kernels, one thread per rank, thread CPU time,
-    # 256K coordinates, 4-bit records (`tools/topology_validate.py calibrate`, 2026-11-24):
-    # encode 2.4 ns, decode-accumulate 0.52 ns, statistics + restore 3.1 ns per coordinate
-    # single-threaded; the host's two cores serve all its ranks, so per host: half of that.
-    # none: copy 0.080 ns, add 0.082 ns. (The torch reference: encode 216 ns, decode 32 ns.)
+    # Per host of two cores: the single-threaded rates halved (the host's cores serve all its
+    # ranks). Measured by `tools/topology_validate.py calibrate`, which writes
+    # benchmarks/results/topology-kernel-rates-cpu.json; load_kernel_rates reads such a file.
     ("cpu", "dynamiq"): KernelRates(compress_ns=1.2, decompress_ns=0.26, stats_ns=1.54),
     ("cpu", "none"): KernelRates(compress_ns=0.040, decompress_ns=0.041, stats_ns=0.0),
 }

@@ -9,7 +9,7 @@ shared by a node's GPUs - is *one* link in :attr:`Topology.links`, so the cost m
 bytes of every rank that crosses it. Links are full duplex: sending and receiving are separate
 resources of the same bandwidth.
 
-Each rank also names its compute *device*; ranks that share one (4 CPU ranks on one 2-core host)
+Each rank also names its compute *device*; ranks that share one (several CPU ranks on one host)
 share its throughput in the cost model the way they share a NIC.
 
 Presets (:meth:`Topology.cluster`, :meth:`Topology.single_host`, :meth:`Topology.flat`) cover the
@@ -20,7 +20,7 @@ usual shapes; :mod:`.detect` builds one for the machine it runs on, and its
 Default link figures (per direction, :data:`LINK_DEFAULTS`) are round numbers near what NCCL
 reaches, not peaks: NVLink 4 on H100 SXM 450 GB/s nominal, ~360 GB/s measured busbw -> 2880 Gb/s;
 PCIe 4.0 x16 ~25 GB/s -> 200 Gb/s shared per node; network latency ~5 us (NIC + switch + verbs).
-``loopback`` is this 2-core VM's gloo-over-TCP loopback, calibrated in docs/topology.md.
+``loopback`` is gloo over TCP through one host's loopback, calibrated as docs/topology.md says.
 
 Rejected: a general graph with shortest-path routing (networkx-style). Every cluster dqcoll
 targets is "hosts with an internal fabric behind one NIC each", and a fixed two-level route keeps
@@ -65,8 +65,7 @@ class LinkSpec:
 LINK_DEFAULTS: dict[LinkKind, LinkSpec] = {
     LinkKind.NVLINK: LinkSpec(bandwidth_gbps=2880.0, latency_us=3.0, shared_per_host=False),
     LinkKind.PCIE: LinkSpec(bandwidth_gbps=200.0, latency_us=5.0, shared_per_host=True),
-    # Calibrated on this 2-core VM with gloo (docs/topology.md): ~4.5 Gb/s per direction through
-    # the host's loopback, ~60 us per message round.
+    # gloo through one host's loopback, per direction and per message round (docs/topology.md).
     LinkKind.LOOPBACK: LinkSpec(bandwidth_gbps=4.5, latency_us=60.0, shared_per_host=True),
     LinkKind.NETWORK: LinkSpec(bandwidth_gbps=100.0, latency_us=5.0, shared_per_host=True),
 }

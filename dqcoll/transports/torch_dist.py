@@ -427,10 +427,9 @@ class TorchTransport:
         gloo has no coalescing, so ``batch_isend_irecv`` posts one ``isend`` / ``irecv`` after
         the other, each through ``torch.distributed``'s argument checks and group look-ups:
         over a gloo group, CPU messages go straight to the group's ``send`` / ``recv``, in the
-        same order (77 -> 65 us of the calling thread's CPU per exchange of 4 messages, 2 ranks
-        on the 2-core dev VM). Everything else keeps ``batch_isend_irecv`` (nccl: one group
-        launch for the whole batch). CPU messages go to :attr:`cpu_group` where there is one
-        (dqcoll's own gloo connection)."""
+        same order, which saves that per-message overhead of the calling thread. Everything
+        else keeps ``batch_isend_irecv`` (nccl: one group launch for the whole batch). CPU
+        messages go to :attr:`cpu_group` where there is one (dqcoll's own gloo connection)."""
         if self.cpu_group is not None and not _is_cuda(posts[0][2]):
             group = self.cpu_group
             return [group.send([tensor], peer, 0) if is_send else group.recv([tensor], peer, 0)

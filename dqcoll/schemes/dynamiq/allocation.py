@@ -554,8 +554,7 @@ def _by_count_compiled(rows: _Rows, shifts: dict[int, float],
                        stats: int, budget: int) -> tuple[dict[int, torch.Tensor], Allocation]:
     """:func:`allocate_widths_by_count`'s bisection and per-class widths, compiled
     (:func:`dqcoll.kernels.allocation_numba.hull_by_count`): bit for bit the same ``u``, widths
-    and payload (tested), ~1.5 ms instead of ~7 ms of Python per call at 49152 super-groups
-    (12.6 M coordinates, 4 count classes; 2-core dev VM)."""
+    and payload (tested), several times faster than the Python search."""
     import numpy as np
 
     from ...kernels.allocation_numba import hull_by_count

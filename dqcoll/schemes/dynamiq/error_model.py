@@ -90,8 +90,8 @@ __all__ = [
 ]
 
 # Relative error of one compress/decompress per (levels, scales) and width: i.i.d. N(0,1)
-# coordinates, 2048 super-groups, centred, independent rounding, measured on the dev VM with the
-# reference codec (tests/test_error_model.py re-measures them and fails on a 10 % drift).
+# coordinates, 2048 super-groups, centred, independent rounding, measured with the reference
+# codec (tests/test_error_model.py re-measures them and fails on a 10 % drift).
 EPSILON: dict[tuple[Levels, Scales], dict[int, float]] = {
     (Levels.NONUNIFORM, Scales.HIERARCHICAL): {2: 7.031e-01, 4: 1.323e-02, 8: 7.867e-05,
                                                16: 4.14e-08},
@@ -226,8 +226,8 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``rows`` (fp32 ``[S, 256]``): ``(||row||^2, sum 16 max_g^2 over its groups of
     16)``, float64 on the CPU. One fp32 pass over the rows (squares of values beyond ~1.8e19
     overflow to inf, and such rows then read as non-finite); only the per-group results are
-    widened, so a call's decoded buffer is not copied to float64 (16.8 M coordinates: ~0.3 s
-    with float64 copies, 2 cores)."""
+    widened, so a call's decoded buffer is not copied to float64 (a copy that would cost more
+    than the pass itself)."""
     groups = rows.detach().reshape(rows.shape[0], -1, CREST_GROUP)
     energy = groups.square().sum(-1).double().sum(-1)
     peak = groups.abs().amax(-1).square().double().sum(-1) * CREST_GROUP
