@@ -257,9 +257,9 @@ def _error_step(ddp: nn.parallel.DistributedDataParallel, state: Any, x: torch.T
     if last_info:
         out["last_info"] = {k: v for k, v in last_info.items()
                             if isinstance(v, (str, int, float, bool))}
-        choice = last_info.get("auto")  # what scheme="auto" chose for the last bucket, and why
-        if isinstance(choice, dict):
-            out["auto_choice"] = json.loads(json.dumps(choice, default=str))
+        planned = last_info.get("planned")  # the planner's plan of the last bucket, and why
+        if isinstance(planned, dict):
+            out["planned"] = json.loads(json.dumps(planned, default=str))
     return out
 
 
@@ -327,14 +327,14 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     dist.barrier()
     result: dict[str, Any] = {}
     _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
-    policy = getattr(getattr(state, "comm", None), "auto", None)
-    if row.startswith("auto") and policy is not None:
-        # every choice of the warm-up and timed steps (lane 0, which auto runs alone on):
-        # which candidate each bucket ran, and the agreed predictions that decided it
-        calls = len(getattr(state, "bucket_numel", {}) or {0: 0}) * (args.warmup + args.steps)
-        result["auto_history"] = [[c.scheme, {k: round(v, 1) for k, v in c.predicted_ms.items()}]
-                                  for c in policy.history[-calls:]]
-        result["auto_calibration"] = {k: round(v, 4) for k, v in policy.calibration.items()}
+    lanes = [getattr(state, "comm", None), *getattr(state, "lane_comms", [])]
+    planners = [getattr(c, "planner", None) for c in lanes if c is not None]
+    if any(p is not None for p in planners):
+        # each lane's planner after the timed steps: its last plan and what it measured
+        result["plans"] = [((c.last_info.get("planned") or {}).get("label"),
+                            {k: round(v, 3) for k, v in (p.factors if p else {}).items()})
+                           for c, p in zip([c for c in lanes if c is not None], planners,
+                                           strict=True)]
     result.update(_error_step(ddp, state, x, y, world_size))
     if row in NOMINAL_BITS:
         result.update(bits_per_coord=NOMINAL_BITS[row], bits_source="nominal (wire dtype)")
@@ -509,11 +509,11 @@ def _format_row(entry: dict[str, Any], baseline: float | None) -> str:
     speedup = f"{baseline / entry['median_ms']:.2f}x" if baseline else "-"
     bits = entry.get("bits_per_coord")
     vnmse = entry.get("vnmse")
-    chosen = entry.get("auto_choice", {}).get("chosen")
+    chosen = entry.get("planned", {}).get("label")
     return (f"{label}{entry['median_ms']:>9.1f}{entry['p10_ms']:>8.1f}{entry['p90_ms']:>8.1f}"
             f"{speedup:>8}{'-' if bits is None else f'{bits:.2f}':>11}"
             f"{'-' if vnmse is None else f'{vnmse:.2e}':>11}"
-            + (f"  (chose {chosen} for the last bucket)" if chosen else ""))
+            + (f"  (planned {chosen} for the last bucket)" if chosen else ""))
 
 
 def _cell(entry: dict[str, Any] | None) -> str:

@@ -100,6 +100,7 @@ class Communicator:
         self.auto_force = envs.auto_force()
         self.last_plan: Any = None
         self.last_plan_us = 0
+        self.last_plan_nbytes = 0
         # what schemes remember across calls (calibration); every rank updates it identically
         self.scheme_state: dict[Any, Any] = {}
         self.closed = False

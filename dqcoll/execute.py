@@ -143,10 +143,11 @@ def _plan(call: PreparedCall, comm: Communicator, request: Request, previous_us:
         planner = comm.planner = planner_mod.build_planner(
             comm.transport, comm.device, what=f"{call.what} planner")
     elif comm.last_plan is not None and previous_us > 0:
-        planner.observe(comm.last_plan, float(previous_us))
+        planner.observe(comm.last_plan, float(previous_us), comm.last_plan_nbytes)
     nbytes = tensor.numel() * tensor.element_size()
     if call.collective is Collective.ALL_GATHER:
         nbytes *= n  # priced on the gathered buffer
+    comm.last_plan_nbytes = nbytes
     return planner.plan(
         call.collective.value, nbytes, str(tensor.dtype).replace("torch.", ""),
         scheme="auto" if call.auto else scheme.spec.name,

@@ -26,8 +26,10 @@ hosts, another across them), the predicted time of every alternative, and the re
 a :class:`~dqcoll.topology.graph.Topology` built from the job and its measured rates. Where it
 errs (Python glue, core sharing it does not see, a loaded link), measurement corrects it: each
 call's measured time, agreed over the ranks by the caller, updates that candidate's factor
-(:meth:`Planner.observe`), and a candidate never run whose prediction is within
-:data:`EXPLORE_WITHIN` of the chosen one runs once so that its factor is measured, not assumed.
+(:meth:`Planner.observe`); a candidate never run is predicted with the geometric mean of the
+measured candidates' factors (what the model gets wrong for one it likely gets wrong for all),
+and one within :data:`EXPLORE_WITHIN` of the chosen one runs once so that its factor is
+measured, not assumed.
 Plans are cached per (collective, size class, dtype, device, policy) and made again when a factor
 moves. Every input is agreed, so every rank computes the same plan without a message.
 
@@ -83,8 +85,11 @@ FLAT_ALGORITHMS = ("ring", "butterfly")
 NATIVE = "native"
 # Bits ``auto`` prices dynamiq at under an error target (its allocation lands near 8).
 TARGET_BITS = 8.0
-# A candidate never run, predicted within this factor of the chosen one, runs once instead.
-EXPLORE_WITHIN = 1.25
+# A candidate never run, predicted within this factor of the chosen one, runs once instead. Its
+# prediction carries the calibration of the candidates measured so far (their geometric mean),
+# so what the cost model gets wrong for all of them (a probe slower than the group's own
+# all-reduce, cores shared with other work) does not keep a candidate from being tried.
+EXPLORE_WITHIN = 2.0
 # Weight of one measured call in a candidate's factor (geometric mean).
 CALIBRATION_RATE = 0.5
 # Link probes: bytes per flow, best of two after one of an eighth.
@@ -336,6 +341,7 @@ class Plan:
     predicted_us: float = 0.0
     reason: str = ""
     alternatives: tuple[tuple[str, float], ...] = ()  # (label, predicted us), best first
+    dtype: str = "float32"
 
     @property
     def label(self) -> str:
@@ -514,7 +520,7 @@ class Planner:
         for cand in options:
             label = _label(cand[0], cand[1], cand[2], cand[3])
             raw = self.predict_us(collective, *cand, typical, dtype)
-            priced.append((raw * self.factors.get(label, 1.0), label, cand))
+            priced.append((raw * self.factor(label), label, cand))
         priced.sort(key=lambda p: (p[0], p[1]))
         best_us, best_label, best = priced[0]
         reason = f"least predicted time ({best_us / 1e3:.2f} ms)"
@@ -528,7 +534,7 @@ class Planner:
                           f"never measured")
                 break
         plan = Plan(collective, best[0], best[1], best[2], best[3], best_us, reason,
-                    tuple((label, us) for us, label, _ in priced))
+                    tuple((label, us) for us, label, _ in priced), dtype)
         self._cache[key] = plan
         return plan
 
@@ -561,17 +567,34 @@ class Planner:
         twin.factors, twin.tried = dict(self.factors), set(self.tried)
         return twin
 
-    def observe(self, plan: Plan, measured_us: float) -> None:
-        """A call ran ``plan`` in ``measured_us`` (the slowest rank's, agreed by the caller):
-        move that candidate's factor toward measured / predicted and drop cached plans."""
+    def factor(self, label: str) -> float:
+        """Measured / predicted of a candidate: its own where it ran, else the geometric mean
+        of those that ran (1 before any did)."""
+        own = self.factors.get(label)
+        if own is not None:
+            return own
+        if not self.factors:
+            return 1.0
+        return math.exp(sum(math.log(f) for f in self.factors.values()) / len(self.factors))
+
+    def observe(self, plan: Plan, measured_us: float, nbytes: int | None = None) -> None:
+        """A call of ``nbytes`` (default: its size class's typical size) ran ``plan`` in
+        ``measured_us`` (the slowest rank's, agreed by the caller): move that candidate's factor
+        toward measured / predicted and drop cached plans."""
         if plan.predicted_us <= 0 or measured_us <= 0:
             return
         label = plan.label
-        old = self.factors.get(label, 1.0)
-        raw = plan.predicted_us / old
+        if nbytes is None:
+            raw = plan.predicted_us / self.factor(label)
+        else:
+            raw = self.predict_us(plan.collective, plan.scheme, plan.algorithm, plan.bits,
+                                  plan.levels, int(nbytes), plan.dtype)
+        if raw <= 0:
+            return
         ratio = measured_us / raw
+        old = self.factors.get(label)
         self.factors[label] = (old ** (1 - CALIBRATION_RATE)) * (ratio ** CALIBRATION_RATE) \
-            if label in self.tried else ratio
+            if old is not None else ratio
         self.tried.add(label)
         self._cache.clear()
 

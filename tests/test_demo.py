@@ -93,3 +93,16 @@ def test_link_section_says_why_it_is_skipped(monkeypatch):
     args = argparse.Namespace(world_size=4, link_rate="1gbit")
     rows, reason = demo._link_rows(args)
     assert rows is None and reason == "user namespaces are off"
+
+
+def test_row_missing_on_loopback_shows_where_it_ran(capsys):
+    """The two-level row cannot run on loopback (one host) but runs on the 2 x 2 cluster: its
+    line has '-' on loopback and the cluster's time, bits and ratio."""
+    loop = [_row("torch", "all_reduce", 200.0),
+            {"scheme": "dynamiq", "algorithm": "two-level",
+             "status": "not available (one host)"}]
+    two = [_row("torch", "all_reduce", 600.0),
+           _row("dynamiq", "two-level", 300.0, bits_per_coord=12.5)]
+    demo._print_table(loop, [("2x2 1gbit", two)])
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "two-level" in ln)
+    assert line.split()[2:7] == ["12.500", "1.000e-15", "-", "300.0", "2.00x"]

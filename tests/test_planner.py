@@ -80,16 +80,20 @@ def test_plan_lists_every_alternative_best_first_and_honours_a_named_algorithm()
 
 
 def test_measured_calls_recalibrate_and_close_candidates_are_explored_once():
-    """A measured call slower than predicted raises that candidate's factor until another
-    plan wins; a never-run candidate within the exploration margin runs once after the chosen
-    one was measured, then the faster measured one is kept."""
+    """A measured call slower than predicted raises that candidate's factor; a never-run
+    candidate, predicted with the measured candidates' mean factor, runs once when within the
+    exploration margin, and then the faster measured one is kept."""
     p = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
     first = p.plan("allreduce", 16 << 20, "float32", scheme="dynamiq")
     p.observe(first, first.predicted_us * 10)  # ten times slower than predicted
     second = p.plan("allreduce", 16 << 20, "float32", scheme="dynamiq")
     assert second.label != first.label
     assert p.factors[first.label] == pytest.approx(10.0)
-    p.observe(second, second.predicted_us)  # as predicted
+    # never run, the second was predicted with the measured one's factor (the mean of those
+    # that ran)
+    assert p.factor(second.label) == pytest.approx(10.0) and "explored" in second.reason
+    p.observe(second, second.predicted_us / 10)  # as the uncorrected model predicted
+    assert p.factors[second.label] == pytest.approx(1.0)
     third = p.plan("allreduce", 16 << 20, "float32", scheme="dynamiq")
     assert third.label == second.label and "least predicted" in third.reason
 

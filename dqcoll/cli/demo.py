@@ -103,7 +103,7 @@ def _digest(x: torch.Tensor) -> int:
 
 
 def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
-             tile_nbytes: int) -> list[dict[str, Any]]:
+             tile_nbytes: int | None) -> list[dict[str, Any]]:
     """Every (scheme, algorithm) row, run by every rank; the rows on rank 0 (empty elsewhere)."""
     import dqcoll
     from dqcoll.errors import InvalidArgumentError
@@ -218,7 +218,8 @@ def _env_rank(args: argparse.Namespace) -> int:
     import dqcoll
 
     comm = dqcoll.init("gloo")
-    rows = _measure(comm, comm.rank, comm.world_size, args, args.link_tile_nbytes)
+    # 0: the library's default tile (None to the API, where 0 would mean untiled)
+    rows = _measure(comm, comm.rank, comm.world_size, args, args.link_tile_nbytes or None)
     if comm.rank == 0:
         Path(args.rows_json).write_text(json.dumps(rows))
     comm.barrier()
@@ -285,13 +286,19 @@ def _print_table(rows: list[dict[str, Any]],
     column_none_ms = [_baseline_ms(list(other.values())) for _, other in by_column]
     for row in rows:
         name = f"{row['scheme']:<9}{row['algorithm']:<11}"
-        if row["status"] != "ok":
+        key = (row["scheme"], row["algorithm"])
+        elsewhere = [other[key] for _, other in by_column
+                     if key in other and other[key]["status"] == "ok"]
+        if row["status"] != "ok" and not elsewhere:
             print(name + row["status"])
             continue
-        line = (f"{name}{row['bits_per_coord']:>11.3f}{row['vnmse']:>12.3e}"
-                f"{row['time_ms']:>13.1f}{_ratio(none_ms, row):>8}")
-        identical = row["identical"]
-        chosen = [f"loopback: {row['chosen']}"] if row.get("chosen") else []
+        ok = row["status"] == "ok"
+        ref = row if ok else elsewhere[0]  # bits and error where it ran (two levels: hosts)
+        line = (f"{name}{ref['bits_per_coord']:>11.3f}{ref['vnmse']:>12.3e}"
+                + (f"{row['time_ms']:>13.1f}{_ratio(none_ms, row):>8}" if ok
+                   else f"{'-':>13}{'':>8}"))
+        identical = ref["identical"]
+        chosen = [f"loopback: {row['chosen']}"] if ok and row.get("chosen") else []
         for (label, other), other_none in zip(by_column, column_none_ms, strict=True):
             cell = other.get((row["scheme"], row["algorithm"]))
             if cell is None or cell["status"] != "ok":

@@ -136,10 +136,11 @@ class DynamiqState:
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
-        scheme: a registered dqcoll scheme name (``dqcoll.schemes.list_schemes()``); ``"none"``
-            averages with the process group's own all-reduce, exactly like DDP without a hook;
-            ``"auto"``: the planner picks per bucket among the group's own all-reduce, a bf16
-            one and dynamiq at ``bits`` (:mod:`dqcoll.planner`), the same on every rank.
+        scheme: ``"auto"`` (the default): the planner picks per bucket among the group's own
+            all-reduce, a bf16 one and dynamiq at ``bits``, flat or in two levels
+            (:mod:`dqcoll.planner`), the same on every rank; or a registered dqcoll scheme name
+            (``dqcoll.schemes.list_schemes()``; error feedback takes one); ``"none"`` averages
+            with the process group's own all-reduce, exactly like DDP without a hook.
         bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.25).
         algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto": the
             planner's choice per bucket (flat or two levels, :mod:`dqcoll.planner`).
@@ -168,7 +169,7 @@ class DynamiqState:
         self,
         process_group: dist.ProcessGroup | None = None,
         *,
-        scheme: str = "dynamiq",
+        scheme: str = "auto",
         bits: float = 5.0,
         algorithm: str = "auto",
         scheme_options: dict[str, Any] | None = None,
