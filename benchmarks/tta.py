@@ -37,8 +37,7 @@ Reported per hook and seed (``runs`` in the JSON) and per hook over the seeds (`
   step, on ``--eval-windows`` fixed windows of the held-out text (evenly spaced, the same for
   every hook and seed), split over the ranks and all-reduced;
 * **wall-clock**: the training time up to each evaluation, measured between barriers, without
-  the evaluations (the slowest rank's: the barriers wait for it); the evaluation pauses are also
-  hidden from ``scheme="auto"``'s timing of training steps;
+  the evaluations (the slowest rank's: the barriers wait for it);
 * **step time**: every rank times its steps (batch to optimiser step); the slowest rank's median
   with its p10 and p90, and the slowest rank of every step;
 * **target**: within 1 % of the ``ddp`` run's final held-out loss with the same seed
@@ -290,13 +289,6 @@ def _comms(state: Any) -> list[Any]:
             if getattr(c, "counters", None) is not None]
 
 
-def _hide_pause(state: Any, seconds: float) -> None:
-    """Move ``scheme="auto"``'s end-of-last-iteration mark past an evaluation pause, so that
-    its timing of training steps (dqcoll.auto's rule 6) does not count the evaluation."""
-    if getattr(state, "_iteration_end", None) is not None:
-        state._iteration_end += seconds
-
-
 def bucket_nbytes(ddp: nn.parallel.DistributedDataParallel) -> list[int]:
     """DDP's bucket sizes in bytes (fp32 gradients), as its logging data reports them after
     the first iteration's rebuild; the parameters' sizes where it does not."""
@@ -383,7 +375,6 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
             dist.barrier()
             segment = time.perf_counter()
             eval_s += segment - pause
-            _hide_pause(state, segment - pause)
     # bytes: dqcoll's counters (compressed steps) + warm-up and torch hooks from bucket sizes
     world_bytes = sum(ring_allreduce_nbytes(b, world_size) for b in bucket_nbytes(ddp))
     counted = float(sum(c.counters["bytes_sent"] for c in _comms(state)))
@@ -414,9 +405,9 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
     x, y = train_batch(corpus, seed, steps, rank, args.batch, args.seq_len)
     out["vnmse"] = gradient_vnmse(ddp, x, y, world_size)
     info = getattr(state, "last_info", None) or {}
-    choice = info.get("auto")
-    if isinstance(choice, dict) and choice.get("chosen"):
-        out["auto_chose"] = str(choice["chosen"])  # for the last bucket of the vNMSE step
+    planned = info.get("planned")
+    if isinstance(planned, dict) and planned.get("label"):
+        out["planned"] = str(planned["label"])  # the last bucket's plan in the vNMSE step
     if state is not None:
         from dqcoll import handles
 

@@ -80,9 +80,7 @@ connection. Each bucket's result does not depend on its lane (its random numbers
 the iteration's seed and the bucket index; a test trains bit-identically with 1 and 2 lanes).
 The futures complete in bucket order and the bookkeeping of a bucket (allocation carried over,
 bits, the end of the iteration) runs in that order too, on whichever worker finishes the
-bucket that completes the sequence. Measured on 4 ranks sharing 2 cores over an emulated
-1 Gb/s link, the 12.6 M-parameter MLP of docs/benchmarks.md: 358-400 ms per step with one
-lane, 327-358 with two (docs/ddp.md: the cores idled 23 % of the step, then 8 %).
+bucket that completes the sequence. What two lanes buy on CPU ranks: docs/ddp.md ("Lanes").
 CUDA buckets keep one lane: the codec is GPU kernels queued on a stream and the transport is
 NCCL's, which a second gloo connection would not carry.
 
@@ -125,9 +123,8 @@ log = logging.getLogger("dqcoll.ddp")
 _SEED_MASK = (1 << 62) - 1  # dqcoll seeds are compared across ranks as 62-bit integers
 # The tile of a bucket's all-reduce when two or more lanes overlap the buckets (CPU): the other
 # lane's codec fills a bucket's transfer waits, so tiles that overlap a bucket's own codec and
-# transfers cost more CPU (kernel launches, exchanges) than they save. 1 Gb/s, 4 ranks on 2
-# cores, the 12.6 M-parameter MLP, 5 alternating runs each: 4 MiB tiles (2 per chunk) 333-338
-# ms per step, 16 MiB (one per chunk) 322-342 ms (mean 335 against 330); 1 MiB tiles 346-361.
+# transfers cost more CPU (kernel launches, exchanges) than they save (the runs behind the size:
+# benchmarks/results/history-benchmarks.md).
 LANE_TILE_NBYTES = 16 << 20
 
 
