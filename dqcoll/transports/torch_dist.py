@@ -194,6 +194,61 @@ def _write_header(frame: torch.Tensor, nbytes: int, tag: int) -> None:
     frame[:HEADER_NBYTES].copy_(torch.tensor([nbytes, tag], dtype=torch.int64).view(torch.uint8))
 
 
+# (peer, header bytes, expected payload bytes, frame to copy out of or None, buffer)
+_Check = tuple[int, torch.Tensor, int, torch.Tensor | None, torch.Tensor]
+
+
+def _send_posts(sends: Sequence[tuple[int, torch.Tensor]], framed: bool,
+                tag: int) -> list[tuple[bool, int, torch.Tensor]]:
+    """The messages of ``sends`` over gloo: a header travels in its payload's frame or, for a
+    large unframed payload, as a message just before it."""
+    posts: list[tuple[bool, int, torch.Tensor]] = []
+    for peer, tensor in sends:
+        if framed:
+            _write_header(tensor, tensor.numel() - HEADER_NBYTES, tag)
+            posts.append((True, peer, tensor))
+            continue
+        payload = tensor.contiguous()
+        nbytes = payload.numel() * payload.element_size()
+        if nbytes <= FRAME_COPY_NBYTES:  # one message: header and a copy
+            frame = torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
+            frame[HEADER_NBYTES:].copy_(payload.reshape(-1).view(torch.uint8))
+            _write_header(frame, nbytes, tag)
+            posts.append((True, peer, frame))
+        else:
+            header = torch.empty(HEADER_NBYTES, dtype=torch.uint8)
+            _write_header(header, nbytes, tag)
+            posts += [(True, peer, header), (True, peer, payload)]
+    return posts
+
+
+def _recv_posts(recvs: Sequence[tuple[int, torch.Tensor]], framed: bool
+                ) -> tuple[list[tuple[bool, int, torch.Tensor]], list[_Check]]:
+    """The messages of ``recvs`` over gloo (as :func:`_send_posts` sends them) and what to
+    check of each header once they arrived."""
+    posts: list[tuple[bool, int, torch.Tensor]] = []
+    checks: list[_Check] = []
+    for peer, buffer in recvs:
+        # a header slot reads -1 until a message fills it (a message too short to)
+        if framed:
+            buffer[:HEADER_NBYTES].fill_(0xFF)
+            posts.append((False, peer, buffer))
+            checks.append((peer, buffer[:HEADER_NBYTES], buffer.numel() - HEADER_NBYTES,
+                           None, buffer))
+            continue
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes <= FRAME_COPY_NBYTES:
+            frame = torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
+            frame[:HEADER_NBYTES].fill_(0xFF)
+            posts.append((False, peer, frame))
+            checks.append((peer, frame[:HEADER_NBYTES], nbytes, frame, buffer))
+        else:
+            header = torch.full((HEADER_NBYTES,), 0xFF, dtype=torch.uint8)
+            posts += [(False, peer, header), (False, peer, buffer)]
+            checks.append((peer, header, nbytes, None, buffer))
+    return posts, checks
+
+
 def _is_cuda(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lives in CUDA memory (an exchange of such tensors goes to NCCL)."""
     return tensor.device.type == "cuda"
@@ -342,47 +397,21 @@ class TorchTransport:
                       + [(False, peer, buffer[skip:] if skip else buffer)
                          for peer, buffer in recvs], what)
             return
-        # (is a send, peer, tensor) in posting order: sends first; a header travels in its
-        # payload's frame or, for a large unframed payload, as a message just before it
-        posts: list[tuple[bool, int, torch.Tensor]] = []
+        # (is a send, peer, tensor) in posting order: sends first
         tag = zlib.crc32(what.encode())
-        for peer, tensor in sends:
-            if framed:
-                _write_header(tensor, tensor.numel() - HEADER_NBYTES, tag)
-                posts.append((True, peer, tensor))
-                continue
-            payload = tensor.contiguous()
-            nbytes = payload.numel() * payload.element_size()
-            if nbytes <= FRAME_COPY_NBYTES:  # one message: header and a copy
-                frame = torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
-                frame[HEADER_NBYTES:].copy_(payload.reshape(-1).view(torch.uint8))
-                _write_header(frame, nbytes, tag)
-                posts.append((True, peer, frame))
-            else:
-                header = torch.empty(HEADER_NBYTES, dtype=torch.uint8)
-                _write_header(header, nbytes, tag)
-                posts += [(True, peer, header), (True, peer, payload)]
-        # (peer, header bytes, expected payload bytes, frame to copy out of or None, buffer)
-        checks: list[tuple[int, torch.Tensor, int, torch.Tensor | None, torch.Tensor]] = []
-        for peer, buffer in recvs:
-            # a header slot reads -1 until a message fills it (a message too short to)
-            if framed:
-                buffer[:HEADER_NBYTES].fill_(0xFF)
-                posts.append((False, peer, buffer))
-                checks.append((peer, buffer[:HEADER_NBYTES], buffer.numel() - HEADER_NBYTES,
-                               None, buffer))
-                continue
-            nbytes = buffer.numel() * buffer.element_size()
-            if nbytes <= FRAME_COPY_NBYTES:
-                frame = torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
-                frame[:HEADER_NBYTES].fill_(0xFF)
-                posts.append((False, peer, frame))
-                checks.append((peer, frame[:HEADER_NBYTES], nbytes, frame, buffer))
-            else:
-                header = torch.full((HEADER_NBYTES,), 0xFF, dtype=torch.uint8)
-                posts += [(False, peer, header), (False, peer, buffer)]
-                checks.append((peer, header, nbytes, None, buffer))
-        self._run(posts, what)
+        posts = _send_posts(sends, framed, tag)
+        recv_posts, checks = _recv_posts(recvs, framed)
+        self._run(posts + recv_posts, what)
+        self._check_headers(checks, tag, what)
+        for _, _, _, copied, buffer in checks:
+            if copied is not None:
+                buffer.reshape(-1).view(torch.uint8).copy_(copied[HEADER_NBYTES:])
+        self.counters["bytes_sent"] += HEADER_NBYTES * len(sends)
+        self.counters["bytes_recv"] += HEADER_NBYTES * len(recvs)
+
+    def _check_headers(self, checks: list[_Check], tag: int, what: str) -> None:
+        """Every received header carries this exchange's tag and the size the receiver
+        expects."""
         headers = (torch.stack([h for _, h, _, _, _ in checks]).view(torch.int64).tolist()
                    if checks else [])
         for (peer, _, expected, _, _), (got, their_tag) in zip(checks, headers,
@@ -397,11 +426,6 @@ class TorchTransport:
                     f"rank {self.rank}: rank {peer} sent {got} bytes at {what}, {expected} "
                     f"expected; the message is refused (gloo would have kept the buffer's stale "
                     f"tail as data)")
-        for _, _, _, copied, buffer in checks:
-            if copied is not None:
-                buffer.reshape(-1).view(torch.uint8).copy_(copied[HEADER_NBYTES:])
-        self.counters["bytes_sent"] += HEADER_NBYTES * len(sends)
-        self.counters["bytes_recv"] += HEADER_NBYTES * len(recvs)
 
     def _run(self, posts: list[tuple[bool, int, torch.Tensor]], what: str) -> None:
         """Post every message and wait for what torch returns: a Work per message (gloo) or
