@@ -213,8 +213,15 @@ class MeasuredRates:
     cores_per_machine: int = 1
 
     def kernel(self, scheme: str) -> KernelRates:
+        """The rates of ``scheme``'s kernels (``native-none`` / ``native-bf16``: the process
+        group's own all-reduce, falling back to dqcoll's codec of that scheme; another scheme:
+        dynamiq's)."""
         table = dict(self.kernels)
-        return table.get(scheme, table["dynamiq"])
+        if scheme in table:
+            return table[scheme]
+        if scheme.startswith(NATIVE + "-"):
+            return self.kernel(scheme[len(NATIVE) + 1:])
+        return table["dynamiq"]
 
 
 def _probe_s(transport: Any, peer_to: int | None, peer_from: int | None, what: str,
@@ -268,20 +275,26 @@ def _probe_kernels(device: torch.device, bits: float) -> dict[str, KernelRates]:
             elapsed = min(elapsed, clock() - start)
         return elapsed * 1e9 / KERNEL_PROBE_NUMEL
 
-    dynamiq = schemes.get("dynamiq", bits=bits)
-    encoded = dynamiq.encode(x)
     add_ns = best(lambda: x.add(y))
     cast_ns = best(lambda: x.to(torch.bfloat16).add_(y.to(torch.bfloat16)).float())
-    encode_ns = best(lambda: dynamiq.encode(x))
-    decode_ns = best(lambda: dynamiq.decode(encoded))
-    return {
-        "none": KernelRates(compress_ns=add_ns / 2, decompress_ns=add_ns),
-        "bf16": KernelRates(compress_ns=cast_ns / 2, decompress_ns=cast_ns),
-        # statistics before and restore after: not probed on their own; priced as a decode
-        # each (two passes over the buffer), an estimate that measured calls calibrate
-        "dynamiq": KernelRates(compress_ns=encode_ns, decompress_ns=decode_ns,
-                               stats_ns=2 * decode_ns),
+    rates = {
+        # the process group's own all-reduce: gloo's / NCCL's sum, and bf16's casts around it
+        NATIVE + "-none": KernelRates(compress_ns=add_ns / 2, decompress_ns=add_ns),
+        NATIVE + "-bf16": KernelRates(compress_ns=cast_ns / 2, decompress_ns=cast_ns),
     }
+    for name in AUTO_SCHEMES:  # dqcoll's codecs, as its schedules run them
+        codec = schemes.get(name, **({"bits": bits} if name == "dynamiq" else {}))
+        encoded = codec.encode(x)
+        encode_ns = best(lambda codec=codec: codec.encode(x))
+        decode_ns = best(lambda codec=codec, encoded=encoded: codec.decode(encoded))
+        # a hop decodes and accumulates (none: in float64, as its encode converts)
+        hop_ns = max(decode_ns, encode_ns if name == "none" else 0.0) + add_ns
+        # dynamiq's statistics before and restore after: not probed on their own; priced as
+        # a decode each (two passes over the buffer), an estimate measured calls calibrate
+        stats_ns = 2 * decode_ns if name == "dynamiq" else 0.0
+        rates[name] = KernelRates(compress_ns=encode_ns, decompress_ns=hop_ns,
+                                  stats_ns=stats_ns)
+    return rates
 
 
 def measure_rates(transport: Any, job: JobTopology, *, device: torch.device | None = None,
@@ -309,7 +322,7 @@ def measure_rates(transport: Any, job: JobTopology, *, device: torch.device | No
         frm = prv[local] if local < common else None
         inter_s = _probe_s(transport, to, frm, f"{what} (inter-host)", device)
     kernels = _kernel_ns(device, bits)
-    names = list(AUTO_SCHEMES)
+    names = sorted(kernels)
     fields = [intra_s, inter_s] + [getattr(kernels[s], f) for s in names
                                    for f in ("compress_ns", "decompress_ns", "stats_ns")]
     agreed = torch.tensor(fields, dtype=torch.float64, device=device)
@@ -394,7 +407,11 @@ class Planner:
         self.graph = self._graph()
         self.params = CostParams(kernel_rates=tuple(
             ((job.device_kind, name), self._device_rates(name))
-            for name, _ in rates.kernels))
+            for name in AUTO_SCHEMES))
+        # the group's own all-reduce: none and bf16 at the native kernels' rates
+        self.native_params = CostParams(kernel_rates=tuple(
+            ((job.device_kind, name), self._device_rates(f"{NATIVE}-{name}"))
+            for name in ("none", "bf16")))
         # -- corrected by measured calls (agreed by the caller): label -> measured / predicted
         self.factors: dict[str, float] = {}
         self.tried: set[str] = set()
@@ -481,14 +498,16 @@ class Planner:
         are priced as half of the all-reduce (its reduce or its gather phase)."""
         dtype = dtype if dtype in DTYPE_NBYTES else "float32"
         tiles = max(1, -(-nbytes // self.tile_nbytes))
+        params = self.params
         if algorithm == NATIVE:  # the group's own all-reduce: a ring, untiled
             algorithm, tiles = "ring" if self.job.world_size > 2 else "direct", 1
+            params = self.native_params
         if levels is not None:
             total = price_hierarchical(levels, self.graph, nbytes, dtype=dtype, tiles=tiles,
-                                       params=self.params).total_us
+                                       params=params).total_us
         else:
             total = price_allreduce(algorithm, self.graph, nbytes, scheme=scheme, bits=bits,
-                                    dtype=dtype, tiles=tiles, params=self.params).total_us
+                                    dtype=dtype, tiles=tiles, params=params).total_us
         return total if collective == "allreduce" else total / 2
 
     def plan(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
