@@ -28,14 +28,14 @@ configuration in brackets):
    the device's kernels do not implement runs the codec on the torch reference (the same bytes).
 5. **Reorder** (:meth:`DynamiqCall._reorder`): super-groups are sorted by width (stable, a local
    permutation); the centred rows are written once, in that order, into the work rows.
-6. **Geometry** (:meth:`DynamiqCall._byte_geometry`, :meth:`DynamiqCall._chunk_bounds`): record
-   offsets, runs of equal width, and the ``n`` chunks: of equal *bytes* (one multi-segment pass
-   through the schedule, not one pass per width), which keeps every rank's traffic at
-   ``2 (n-1)/n`` of the total to within one record per transfer, so that the byte budget holds per
-   rank. With hop widths the sorted rows are striped over the chunks instead, so that every chunk
-   holds the same mix at every count; in the shard layout chunk ``c`` is shard ``c`` (its result
-   is bit for bit the reduce-scatter's followed by the all-gather of its bytes, at the price of
-   per-rank traffic that follows how the widths fall across shards).
+6. **Geometry** (:class:`.geometry.Geometry`): record offsets, runs of equal width, and the
+   ``n`` chunks: of equal *bytes* (one multi-segment pass through the schedule, not one pass per
+   width), which keeps every rank's traffic at ``2 (n-1)/n`` of the total to within one record
+   per transfer, so that the byte budget holds per rank. With hop widths the sorted rows are
+   striped over the chunks instead, so that every chunk holds the same mix at every count; in the
+   shard layout chunk ``c`` is shard ``c`` (its result is bit for bit the reduce-scatter's
+   followed by the all-gather of its bytes, at the price of per-rank traffic that follows how the
+   widths fall across shards).
 7. **Info** (:meth:`DynamiqCall._describe`): what the call chose, for ``comm.last_info``.
 
 At every hop the executor calls the fused decompress-accumulate-recompress on each run (where a
@@ -68,7 +68,6 @@ the communicator, or by clearing that dict):
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import itertools
@@ -82,30 +81,29 @@ import torch
 from ... import scratch
 from ...errors import InvalidArgumentError
 from ...interop import host_to_device
-from ...kernels import DynamiqOps, _torch_ops, dynamiq_ops
+from ...kernels import DynamiqOps, dynamiq_ops, rng, torch_ops
+from ...kernels.codec import (
+    ALL_WIDTHS,
+    RAW_WIDTH,
+    SUPER,
+    CodecConfig,
+    Scales,
+    Widths,
+    record_nbytes,
+    stats_center_rounded_torch,
+)
 from ...types import Collective, ReduceOp
 from ..base import CallContext
-from . import rng
 from .allocation import (
     Allocation,
     allocate_for_target,
     allocate_for_target_by_count,
     allocate_widths,
     allocate_widths_by_count,
-    cost_lookup,
     count_classes,
     fixed_widths,
 )
 from .allocation_paper import allocate_for_target_paper, allocate_widths_paper
-from .codec import (
-    ALL_WIDTHS,
-    RAW_WIDTH,
-    SUPER,
-    CodecConfig,
-    Widths,
-    record_nbytes,
-    stats_center_rounded_torch,
-)
 from .error_model import (
     ErrorModel,
     estimate_row_rho,
@@ -113,6 +111,7 @@ from .error_model import (
     row_error_terms,
     row_moments,
 )
+from .geometry import Geometry, Segments
 from .options import Balance, DynamiqFormat
 
 __all__ = ["RHO_ENTRIES", "DynamiqCall", "SchemeSettings"]
@@ -383,36 +382,55 @@ def wire_norms16(norm2: torch.Tensor) -> torch.Tensor:
     return torch.where((norm2 > 0) & (norm2 < tiny), tiny, norm2).to(torch.bfloat16)
 
 
+def local_statistics(ops: DynamiqOps, stats: str, flat: torch.Tensor, valid: torch.Tensor,
+                     divisor: int, split: bool, surveyed: Survey | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, str]:
+    """This rank's statistics of its rows (original order): ``(rows, centred rows or None,
+    means, squared norms, the kernels that ran)``. With ``split`` (the compiled split statistics,
+    ``stats`` fp32 or norm16) the rows come back as they are (the gather divides by ``divisor``
+    and centres; ``surveyed``, where given, holds these statistics already); else they are
+    divided by ``divisor`` (a new buffer: ``flat`` may be the caller's tensor) and centred
+    here."""
+    if split:
+        assert ops.stats is not None
+        if surveyed is not None:  # taken with the range check
+            return flat, None, surveyed.mean, surveyed.norm2, ops.name
+        # norm16: no centring (zero means; center_gather then writes x / divisor itself)
+        mean, norm2 = ops.stats(flat, valid, divisor=divisor, centre=stats == "fp32",
+                                keep_underflowed=True)
+        return flat, None, mean, norm2, ops.name
+    if divisor != 1:
+        flat = flat / divisor
+    if stats in ("bf16", "norm16"):
+        centred, mean, norm2 = stats_center_rounded_torch(flat, valid, centre=stats == "bf16")
+        kernel = "torch"
+    else:
+        centred, mean, norm2 = ops.stats_center(flat, valid)
+        kernel = ops.name
+    # (the split statistics check their zero norms themselves)
+    return flat, centred, mean, _keep_underflowed_rows(norm2, centred), kernel
+
+
+def statistics_wire(stats: str, mean: torch.Tensor, norm2: torch.Tensor) -> torch.Tensor:
+    """What the ``stats`` option sends of a rank's statistics: bf16 mean and norm (4 B per
+    super-group, summed in bf16), the bf16 norm alone (2 B; the means are zero without
+    centring), or fp32 mean and norm (8 B)."""
+    if stats == "bf16":
+        return torch.stack([mean.to(torch.bfloat16), wire_norms16(norm2)])
+    if stats == "norm16":
+        return wire_norms16(norm2)[None]
+    return torch.stack([mean, norm2])
+
+
 def _reduce_statistics(stats: str, mean: torch.Tensor, norm2: torch.Tensor,
                        ctx: CallContext) -> torch.Tensor:
     """The ranks' summed ``[means, squared norms]`` (fp32 ``[2, rows]``), by one small
-    uncompressed all-reduce of what the ``stats`` option sends: bf16 mean and norm (4 B per
-    super-group, summed in bf16), the bf16 norm alone (2 B; the means are zero without
-    centring), or fp32 mean and norm (8 B)."""
-    what = f"{ctx.what} statistics"
-    if stats == "bf16":  # 16-bit statistics on the wire, summed in bf16
-        wire = torch.stack([mean.to(torch.bfloat16), wire_norms16(norm2)])
-        ctx.reduce(wire, "sum", what)
-        return wire.float()
-    if stats == "norm16":  # no centring: only the bf16 norm is sent (2 B)
-        wire = wire_norms16(norm2)[None]
-        ctx.reduce(wire, "sum", what)
+    uncompressed all-reduce of :func:`statistics_wire`."""
+    wire = statistics_wire(stats, mean, norm2)
+    ctx.reduce(wire, "sum", f"{ctx.what} statistics")
+    if stats == "norm16":
         return torch.stack([torch.zeros_like(mean), wire[0].float()])
-    summed = torch.stack([mean, norm2])
-    ctx.reduce(summed, "sum", what)
-    return summed
-
-
-def _runs(sorted_widths: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
-    """Maximal runs (width, first row, end row) of equal non-zero width (width-0 rows have no
-    records)."""
-    runs = []
-    change = np.flatnonzero(sorted_widths[1:] != sorted_widths[:-1]) + 1
-    for a, b in itertools.pairwise([0, *change.tolist(), rows]):
-        width = int(sorted_widths[a]) if b > a else 0
-        if width:
-            runs.append((width, a, b))
-    return runs
+    return wire.float() if stats == "bf16" else wire
 
 
 def _used_widths(widths: torch.Tensor) -> set[int]:
@@ -459,6 +477,252 @@ def _allocate_target(scheme: SchemeSettings, summed: torch.Tensor, valid: torch.
                                fixed=fmt.widths is Widths.FIXED, **common)
 
 
+@dataclasses.dataclass
+class _TargetRecord:
+    """Target mode's inputs of the error model for one call, and what its decoded aggregate
+    teaches the next call of the same key (:meth:`measure`)."""
+
+    key: tuple[Any, ...]  # (numel, collective, algorithm)
+    source: str  # "error_model", "earlier call" or "default"
+    rho: float
+    crests: dict[int, float] | None
+    row_error_terms: torch.Tensor  # each row's expected error (the estimate's reference)
+    summed_norm2: torch.Tensor
+    state: dict[Any, Any] | None  # the communicator's state, where the estimates go
+    whole_result: bool  # all-reduce: every row is decoded (a reduce-scatter decodes one shard)
+
+    def measure(self, work: torch.Tensor, order_np: np.ndarray, widths: torch.Tensor,
+                world_size: int, info: dict[str, Any]) -> None:
+        """Estimate the ranks' correlation from the decoded aggregate (identical on every rank,
+        so every rank stores the same estimate) for the next call."""
+        if self.state is None or not self.whole_result:
+            return
+        moments = row_moments(work)
+        order = torch.from_numpy(order_np)  # the host's copy: no read of the device's
+        if self.source != "error_model":
+            row_rho, rho = estimate_row_rho(work, self.summed_norm2.cpu()[order], order,
+                                            world_size, self.row_error_terms[:, order],
+                                            moments[0])
+            _RhoEstimates(self.state, "row_rho").put(self.key, row_rho)
+            if rho is not None:
+                _RhoEstimates(self.state).put(self.key, rho)
+                info["rho_measured"] = rho
+        # the crests of what each width carried: the sink's widths of the decoded aggregate
+        crests = measure_crests(work, widths[order], moments)
+        if crests:
+            _RhoEstimates(self.state, "crests").put(self.key, crests)
+            info["crests_measured"] = crests
+
+
+Classes = dict[int, tuple[float, float]]  # count class -> (weight, share of the transfers)
+
+
+def _allocate_for_budget(scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
+                         numel: int, classes: Classes
+                         ) -> tuple[dict[int, torch.Tensor] | None, Allocation]:
+    """Widths under ``scheme.bits``: ``(per-class widths or None, the allocation)``."""
+    # A short tail (e.g. 1026 = 4 * 256 + 2) costs a whole record. In a small buffer that
+    # starved every other super-group (2 ranks, 5 bits, 1026 coordinates: vNMSE 0.56), so
+    # below 64 super-groups the tail's padding is budgeted too (at most 255 * bits / 8
+    # bytes over; info["over_budget"] then says so). From 64 super-groups on, the tail is
+    # under 2 % of the budget and the budget is exact.
+    rows = layout.rows
+    budget_numel = (numel if rows >= _EXACT_BUDGET_ROWS
+                    else min(rows * SUPER, numel + SUPER - 1))
+    if not classes:
+        return None, _allocate_budget(scheme, summed[1], budget_numel)
+    return allocate_widths_by_count(
+        summed[1], budget_numel, scheme.bits, classes,
+        scales=scheme.config.scales,
+        width_set=scheme.format.width_choices, errors=scheme.measured_errors,
+        stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
+        energy_exponent=scheme.energy_exponent)
+
+
+def _allocate_for_target(scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
+                         numel: int, ctx: CallContext, classes: Classes
+                         ) -> tuple[dict[int, torch.Tensor] | None, Allocation, _TargetRecord]:
+    """The cheapest widths whose predicted error meets ``target_vnmse``, with the estimates the
+    previous call of this size measured (rho 0 and the Gaussian's crests at first)."""
+    assert scheme.target_vnmse is not None
+    schedule, model, n = ctx.schedule, scheme.error_model, ctx.world_size
+    rho = model.rho
+    source = "error_model"
+    key = (numel, ctx.collective.value, schedule.algorithm if schedule is not None else "")
+    row_rho = None
+    if rho is None:
+        recalled = _RhoEstimates(ctx.state).get(key)
+        rho = 0.0 if recalled is None else float(recalled)
+        source = "default" if recalled is None else "earlier call"
+        row_rho = _RhoEstimates(ctx.state, "row_rho").get(key)
+    crests = model.crests
+    if crests is None:
+        crests = _RhoEstimates(ctx.state, "crests").get(key)
+    # the allocation meets the target with the prediction's upper bound (model.spread)
+    target = scheme.target_vnmse / model.spread
+    hop: dict[int, torch.Tensor] | None = None
+    if classes:
+        assert schedule is not None
+        table = model.unit_error(schedule, scheme.config, crests)
+        hop, allocation = allocate_for_target_by_count(
+            summed[1], summed[0], layout.valid, target, classes,
+            world_size=n, rho=rho, unit_error=table, scales=scheme.config.scales,
+            width_set=scheme.format.width_choices, errors=scheme.measured_errors,
+            stats_bytes=scheme.stats_bytes, max_width=scheme.max_width, row_rho=row_rho)
+    else:
+        table = model.error_per_energy(schedule, scheme.config, rho, crests)
+        allocation = _allocate_target(scheme, summed, layout.valid, n, rho, table, target)
+    # each row's expected error, taken off its decoded energy when rho is measured
+    terms = row_error_terms(summed[1], hop or {0: allocation.widths}, classes or None, table, n)
+    # after a reduce-scatter only this rank's shard is decoded: nothing to measure
+    record = _TargetRecord(key, source, rho, crests, terms, summed[1], ctx.state,
+                           ctx.collective is Collective.ALLREDUCE)
+    return hop, allocation, record
+
+
+def _sort_order(widths: np.ndarray, hop: dict[int, torch.Tensor] | None,
+                row_chunk: torch.Tensor, n: int) -> np.ndarray:
+    """The rows' order: by width within each chunk (shard), or with hop widths by the sum of
+    the class widths, striped over the ``n`` chunks. A stable argsort of 16-bit keys is a radix
+    sort (0.2 ms at 2^16 rows, torch's stable argsort 1.4 ms)."""
+    rows = widths.shape[0]
+    if hop is None:
+        key = row_chunk.numpy() * 32 + widths  # widths <= 16 < 32
+        return np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
+                          kind="stable")
+    # Every class's widths are monotone in F: sorted by their sum, rows are sorted for every
+    # class. Striped over the n chunks (sorted row i -> chunk i mod n, sorted again within each
+    # chunk) so that every chunk holds the same mix of widths at every count and each rank's
+    # traffic meets the budget whichever (chunk, count) pairs it sends.
+    hop_key = torch.stack(list(hop.values())).sum(0).numpy()
+    # a sum of at most 16 per class: 16-bit keys take NumPy's radix sort (0.36 ms at 49152 rows
+    # against 1.5 ms for int64 keys); the same stable order
+    if hop_key.size and int(hop_key.max()) < 1 << 16:
+        hop_key = hop_key.astype(np.uint16)
+    by_key = np.argsort(hop_key, kind="stable")
+    # the stable sort by stripe (i mod n), written out: stripe c = rows c, c + n, ...
+    return by_key[np.concatenate([np.arange(c, rows, n) for c in range(n)])]
+
+
+def _compiled_restore(ops: DynamiqOps, kernels: dict[str, str], work: torch.Tensor,
+                      mean: torch.Tensor, base: torch.Tensor, valid: torch.Tensor,
+                      out: torch.Tensor) -> bool:
+    """Restore sorted rows into the flat ``out`` with ``ops.restore`` where it applies (a
+    contiguous ``out`` on the rows' device); False where the torch restore must run. Records
+    which ran in ``kernels``."""
+    if ops.restore is not None and out.is_contiguous() and out.device == work.device:
+        kernels["restore"] = ops.name
+        ops.restore(work, mean, base, valid, out.view(-1))
+        return True
+    kernels["restore"] = "torch"
+    return False
+
+
+def _scatter_restore(work: torch.Tensor, mean: torch.Tensor, base: torch.Tensor,
+                     valid: torch.Tensor, out: torch.Tensor) -> None:
+    """The torch restore by coordinate index: each sorted row's valid values plus its mean, at
+    ``base + j`` of ``out`` (for layouts whose rows are not the output's rows in order)."""
+    device = work.device
+    value = work + mean.to(device)[:, None]
+    coord = torch.arange(SUPER, device=device)
+    keep = coord[None, :] < host_to_device(valid, device, valid.dtype)[:, None]
+    target = base.to(device)[:, None] + coord[None, :]
+    result = torch.zeros(out.numel(), dtype=torch.float32, device=device)
+    result[target[keep]] = value[keep]
+    out.copy_(result.reshape(out.shape))
+
+
+def _overlaps(incoming: Segments, outgoing: Segments,
+              scales: Scales) -> list[tuple[int, int, int, int, int, int]]:
+    """The pieces of a chunk where an incoming and an outgoing segment (width, first row, end
+    row, byte offset) overlap, in row order: ``(incoming width, outgoing width, first row, end
+    row, incoming byte offset, outgoing byte offset)`` (both tables order the rows alike)."""
+    pieces = []
+    i = j = 0
+    while i < len(incoming) and j < len(outgoing):
+        w_in, a_in, b_in, off_in = incoming[i]
+        w_out, a_out, b_out, off_out = outgoing[j]
+        a, b = max(a_in, a_out), min(b_in, b_out)
+        if a < b:
+            pieces.append((w_in, w_out, a, b, off_in + (a - a_in) * record_nbytes(w_in, scales),
+                           off_out + (a - a_out) * record_nbytes(w_out, scales)))
+        if b_in <= b_out:
+            i += 1
+        else:
+            j += 1
+    return pieces
+
+
+def _uncovered(covered: list[tuple[int, int]], rows: int, unwritten: np.ndarray | None
+               ) -> list[tuple[int, int, bool]]:
+    """Rows ``[0, rows)`` outside every ``covered`` span, cut into runs of rows whose work rows
+    were left unwritten (``unwritten``) and the others: ``(first, end, unwritten)``."""
+    gaps, end = [], 0
+    for a, b in sorted(covered):
+        if a > end:
+            gaps.append((end, a))
+        end = max(end, b)
+    if end < rows:
+        gaps.append((end, rows))
+    if unwritten is None:
+        return [(a, b, False) for a, b in gaps]
+    spans = []
+    for a, b in gaps:
+        flags = unwritten[a:b]
+        cuts = [a, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1 + a).tolist(), b]
+        spans += [(c, d, bool(unwritten[c])) for c, d in itertools.pairwise(cuts) if d > c]
+    return spans
+
+
+def _call_info(scheme: SchemeSettings, ctx: CallContext, numel: int, allocation: Allocation,
+               target: _TargetRecord | None, wire_payload: int | None,
+               kernels: dict[str, str]) -> dict[str, Any]:
+    """What the call chose (``comm.last_info``). ``wire_payload``: with hop widths, what the
+    all-reduce sends in all, over every rank (:meth:`.geometry.Geometry.hop_wire_payload`)."""
+    n = ctx.world_size
+    crests = target.crests if target is not None else None
+    histogram = np.bincount(allocation.widths.numpy(), minlength=RAW_WIDTH + 1)
+    bits_used = 8.0 * allocation.total_nbytes / max(numel, 1)
+    if wire_payload is not None:
+        # Each non-sink rank sends its partial sum of a chunk once (count = its subtree), the
+        # sink's encoding (count n) is forwarded n - 1 times. Per rank it is 2 (n - 1) / n of
+        # the records, as without hop widths, and the statistics come on top.
+        bits_used = 8.0 * (wire_payload / (2 * (n - 1)) + allocation.stats_nbytes) \
+            / max(numel, 1)
+    return {
+        "bits": bits_used,
+        # the all-reduce's payload bytes over all ranks (hop widths; else 2 (n - 1) times
+        # the records of "widths")
+        "wire_payload_nbytes": wire_payload,
+        "u": allocation.u,
+        "over_budget": allocation.total_nbytes > math.floor(scheme.bits * numel / 8)
+        if scheme.target_vnmse is None else False,
+        "predicted_vnmse": allocation.predicted_vnmse,
+        # target mode: the prediction's upper bound (predicted times ErrorModel.spread)
+        "predicted_vnmse_upper": allocation.predicted_vnmse * scheme.error_model.spread
+        if scheme.target_vnmse is not None else float("nan"),
+        "rho": target.rho if target is not None else None,
+        # target mode: the per-width crests the model used (None: the Gaussian's, i.e. not
+        # measured yet)
+        "crests": crests,
+        # target mode: where rho came from ("error_model": fixed by ErrorModel.rho,
+        # "earlier call": measured by the last call of this size, "default": 0, none yet)
+        "rho_source": target.source if target is not None else None,
+        # target mode: True only when the upper bound meets the target with the data's
+        # crests known (measured by an earlier call or given); False on a first call
+        "target_met": (allocation.target_met and crests is not None)
+        if allocation.target_met is not None else None,
+        "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
+        "kernels": kernels,  # the same dict: the codec steps add themselves as they run
+        # the bit allocation (host code): "numba" where the compiled bisection ran (the
+        # paper's rule; the hull rule with hop widths, the all-reduce's default), "torch"
+        # for the hull rule without hop widths and target mode
+        "allocation_impl": allocation.kernel,
+        # CPU buffers the communicator keeps for dynamiq after this call (_state_buffer)
+        "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),
+    }
+
+
 class DynamiqCall:
     """One collective call: statistics, allocation, reorder, and the per-hop operations."""
 
@@ -474,7 +738,7 @@ class DynamiqCall:
         self.kernels: dict[str, str] = {}
         self.ops = dynamiq_ops(x.device)
         if scheme.reference_only and self.ops.name != "torch":
-            self.ops = _torch_ops()
+            self.ops = torch_ops()
         # payloads and message buffers reused across the communicator's CPU calls (release())
         self.pool = scratch.pool_for(ctx.state, x.device)
         layout = self._lay_out(scheme, x, ctx)
@@ -513,36 +777,16 @@ class DynamiqCall:
         stats_center write the centred rows only once, already in the sorted order (step 5),
         dividing by n for avg on the way; the others divide and centre here and gather later."""
         prep = self.ops
-        flat, valid = layout.flat, layout.valid
-        self.surveyed: Survey | None = None  # the statistics the range check's pass took
         # width 0 only where every rank's row of x / n - mean is +-0 (see _reorder)
         self.zero_rows_exact = scheme.stats in ("fp32", "norm16")
-        split = (prep.stats is not None and prep.center_gather is not None
-                 and scheme.stats in ("fp32", "norm16"))
+        split = prep.stats is not None and prep.center_gather is not None and self.zero_rows_exact
         divisor = self.world_size if ctx.op is ReduceOp.AVG else 1
-        if divisor != 1 and not split:
-            flat = flat / self.world_size  # a new buffer: flat may be the caller's tensor
-        centred: torch.Tensor | None = None
-        if split:
-            assert prep.stats is not None
-            # norm16: no centring (zero means; center_gather then writes x / divisor itself)
-            centre = scheme.stats == "fp32"
-            if isinstance(ctx.survey, Survey) and ctx.survey.covers(flat, divisor, centre):
-                mean, norm2 = ctx.survey.mean, ctx.survey.norm2  # taken with the range check
-                self.surveyed = ctx.survey
-            else:
-                mean, norm2 = prep.stats(flat, valid, divisor=divisor, centre=centre,
-                                         keep_underflowed=True)
-            self.kernels["stats"] = prep.name
-        elif scheme.stats in ("bf16", "norm16"):
-            centred, mean, norm2 = stats_center_rounded_torch(flat, valid,
-                                                              centre=scheme.stats == "bf16")
-            self.kernels["stats"] = "torch"
-        else:
-            centred, mean, norm2 = prep.stats_center(flat, valid)
-            self.kernels["stats"] = prep.name
-        if centred is not None:  # the split statistics checked their zero norms themselves
-            norm2 = _keep_underflowed_rows(norm2, centred)
+        # the statistics the range check's pass took, where they are this call's
+        self.surveyed = (ctx.survey if split and isinstance(ctx.survey, Survey)
+                         and ctx.survey.covers(layout.flat, divisor, scheme.stats == "fp32")
+                         else None)
+        flat, centred, mean, norm2, self.kernels["stats"] = local_statistics(
+            prep, scheme.stats, layout.flat, layout.valid, divisor, split, self.surveyed)
         summed = _reduce_statistics(scheme.stats, mean, norm2, ctx)
         return _Statistics(prep, flat, centred, mean, divisor, summed)
 
@@ -552,89 +796,20 @@ class DynamiqCall:
                   ctx: CallContext) -> None:
         """Widths from the summed norms (identical on every rank): under the bit budget, or the
         cheapest whose predicted error meets ``target_vnmse``; per count class with hop widths.
-        Sets ``allocation``, ``hop`` (class -> widths, or None) and ``hop_tau`` (class -> its
-        share of the transfers)."""
-        self.rho_key: tuple[Any, ...] | None = None
-        self.rho_source: str | None = None
-        self.info_rho: float | None = None
-        self.info_crests: dict[int, float] | None = None
-        self.state: dict[Any, Any] | None = None
-        self.hop: dict[int, torch.Tensor] | None = None
-        self.hop_tau: dict[int, float] = {}
+        Sets ``allocation``, ``hop`` (class -> widths, or None), ``hop_tau`` (class -> its
+        share of the transfers) and ``target`` (target mode's record, or None)."""
+        self.target: _TargetRecord | None = None
         hop_widths = (scheme.hop_widths and not self.sharded and ctx.schedule is not None
                       and scheme.widths_mode is Widths.VARIABLE)
         classes = (count_classes(ctx.schedule.subtree_sizes())
                    if hop_widths and ctx.schedule is not None else {})
         if scheme.target_vnmse is not None:
-            self._allocate_for_target(scheme, layout, summed, ctx, classes)
+            self.hop, self.allocation, self.target = _allocate_for_target(
+                scheme, layout, summed, self.numel, ctx, classes)
         else:
-            self._allocate_for_budget(scheme, layout, summed, classes)
-        if self.hop is not None:
-            self.hop_tau = {c: t for c, (_, t) in classes.items()}
-
-    def _allocate_for_budget(self, scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
-                             classes: dict[int, tuple[float, float]]) -> None:
-        # A short tail (e.g. 1026 = 4 * 256 + 2) costs a whole record. In a small buffer that
-        # starved every other super-group (2 ranks, 5 bits, 1026 coordinates: vNMSE 0.56), so
-        # below 64 super-groups the tail's padding is budgeted too (at most 255 * bits / 8
-        # bytes over; info["over_budget"] then says so). From 64 super-groups on, the tail is
-        # under 2 % of the budget and the budget is exact.
-        numel, rows = self.numel, layout.rows
-        budget_numel = (numel if rows >= _EXACT_BUDGET_ROWS
-                        else min(rows * SUPER, numel + SUPER - 1))
-        if not classes:
-            self.allocation = _allocate_budget(scheme, summed[1], budget_numel)
-            return
-        self.hop, self.allocation = allocate_widths_by_count(
-            summed[1], budget_numel, scheme.bits, classes,
-            scales=self.config.scales,
-            width_set=scheme.format.width_choices, errors=scheme.measured_errors,
-            stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
-            energy_exponent=scheme.energy_exponent)
-
-    def _allocate_for_target(self, scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
-                             ctx: CallContext, classes: dict[int, tuple[float, float]]) -> None:
-        assert scheme.target_vnmse is not None
-        schedule = ctx.schedule
-        model = scheme.error_model
-        rho = model.rho
-        self.rho_source = "error_model"
-        # the estimates the previous call of this size measured (rho 0, Gaussian crests at first)
-        self.rho_key = (self.numel, ctx.collective.value,
-                        schedule.algorithm if schedule is not None else "")
-        row_rho = None
-        if rho is None:
-            recalled = _RhoEstimates(ctx.state).get(self.rho_key)
-            rho = 0.0 if recalled is None else float(recalled)
-            self.rho_source = "default" if recalled is None else "earlier call"
-            row_rho = _RhoEstimates(ctx.state, "row_rho").get(self.rho_key)
-        crests = model.crests
-        if crests is None:
-            crests = _RhoEstimates(ctx.state, "crests").get(self.rho_key)
-        self.info_crests = crests
-        # the allocation meets the target with the prediction's upper bound (model.spread)
-        target = scheme.target_vnmse / model.spread
-        if classes:
-            assert schedule is not None
-            table = model.unit_error(schedule, self.config, crests)
-            self.hop, self.allocation = allocate_for_target_by_count(
-                summed[1], summed[0], layout.valid, target, classes,
-                world_size=self.world_size, rho=rho, unit_error=table,
-                scales=self.config.scales,
-                width_set=scheme.format.width_choices, errors=scheme.measured_errors,
-                stats_bytes=scheme.stats_bytes, max_width=scheme.max_width, row_rho=row_rho)
-        else:
-            table = model.error_per_energy(schedule, self.config, rho, crests)
-            self.allocation = _allocate_target(scheme, summed, layout.valid, self.world_size, rho,
-                                               table, target)
-        # each row's expected error, taken off its decoded energy when rho is measured
-        self.row_error_terms = row_error_terms(summed[1], self.hop or {0: self.allocation.widths},
-                                               classes or None, table, self.world_size)
-        self.summed_norm2 = summed[1]
-        self.state = ctx.state
-        self.info_rho = rho
-        # after a reduce-scatter only this rank's shard is decoded: nothing to measure
-        self.whole_result = ctx.collective is Collective.ALLREDUCE
+            self.hop, self.allocation = _allocate_for_budget(scheme, layout, summed,
+                                                             self.numel, classes)
+        self.hop_tau = {c: t for c, (_, t) in classes.items()} if self.hop is not None else {}
 
     # -- 4. kernel choice ---------------------------------------------------------------------
 
@@ -651,7 +826,7 @@ class DynamiqCall:
             _warn_once(f"dynamiq: the {self.ops.name} kernels do not implement widths "
                        f"{sorted(used)} with {self.config.scales.value} scales; such calls run "
                        f"the torch reference (the same bytes, slower)")
-            self.ops = _torch_ops()
+            self.ops = torch_ops()
         self.deferred: list[tuple[int, int, int, torch.Tensor]] | None = (
             [] if (ctx.collective is Collective.ALLREDUCE and self.ops.decode_restore is not None
                    and scheme.target_vnmse is None) else None)
@@ -663,28 +838,11 @@ class DynamiqCall:
         """Sort the rows by width (within each shard when sharded; with hop widths striped over
         the chunks) and write the work rows, means, valid counts and global indices in that
         order. Returns the order and the sorted widths (host). The row tables are built in NumPy
-        on the host: a stable argsort of 16-bit keys is a radix sort (0.2 ms at 2^16 rows,
-        torch's stable argsort 1.4 ms), and the per-row indexing and scans around it cost ~3 ms
-        per call in torch ops on the 2-core dev VM."""
-        rows, n, device = layout.rows, self.world_size, layout.flat.device
+        on the host (:func:`_sort_order`): the per-row indexing and scans around the sort cost
+        ~3 ms per call in torch ops on the 2-core dev VM."""
+        rows, device = layout.rows, layout.flat.device
         widths_np = self.allocation.widths.numpy()
-        if self.hop is not None:
-            # Every class's widths are monotone in F: sorted by their sum, rows are sorted for
-            # every class. Striped over the n chunks (sorted row i -> chunk i mod n, sorted again
-            # within each chunk) so that every chunk holds the same mix of widths at every count
-            # and each rank's traffic meets the budget whichever (chunk, count) pairs it sends.
-            hop_key = torch.stack(list(self.hop.values())).sum(0).numpy()
-            # a sum of at most 16 per class: 16-bit keys take NumPy's radix sort (0.36 ms at
-            # 49152 rows against 1.5 ms for int64 keys); the same stable order
-            if hop_key.size and int(hop_key.max()) < 1 << 16:
-                hop_key = hop_key.astype(np.uint16)
-            by_key = np.argsort(hop_key, kind="stable")
-            # the stable sort by stripe (i mod n), written out: stripe c = rows c, c + n, ...
-            order_np = by_key[np.concatenate([np.arange(c, rows, n) for c in range(n)])]
-        else:
-            key = layout.row_chunk.numpy() * 32 + widths_np  # widths <= 16 < 32
-            order_np = np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
-                                  kind="stable")
+        order_np = _sort_order(widths_np, self.hop, layout.row_chunk, self.world_size)
         # the tables the device reads come from pinned memory, queued on the caller's stream
         # (a copy from pageable memory would wait for the stream: host_to_device)
         self.order_np = order_np
@@ -733,119 +891,26 @@ class DynamiqCall:
     # -- 6. geometry --------------------------------------------------------------------------
 
     def _byte_geometry(self, sorted_widths: np.ndarray, order: np.ndarray) -> None:
-        """Byte offset of each sorted row's record (``row_offsets``) and the runs of equal width
-        (``runs``); with hop widths, per count class (``_geom``), and ``row_offsets`` the
-        traffic-weighted average that the chunk geometry follows."""
-        rows = sorted_widths.shape[0]
-        sizes = cost_lookup(self.config.scales).numpy()
-        offsets = np.zeros(rows + 1, dtype=np.int64)
-        np.cumsum(sizes[sorted_widths], out=offsets[1:])
-        self.row_offsets: np.ndarray = offsets
-        self.runs = _runs(sorted_widths, rows)
-        self._geom: dict[int, tuple[np.ndarray, list[tuple[int, int, int]]]] = {}
-        # _segments' memo: (first row, end row, count class) -> segments; each class's run starts
-        self._segment_cache: dict[tuple[int, int, int | None], list[tuple[int, int, int, int]]] = {}
-        self._run_starts: dict[int | None, list[int]] = {}
-        if self.hop is None:
-            return
-        avg = np.zeros(rows + 1, dtype=np.float64)
-        for c, class_widths in self.hop.items():
-            class_sorted = class_widths.numpy()[order]
-            class_offsets = np.zeros(rows + 1, dtype=np.int64)
-            np.cumsum(sizes[class_sorted], out=class_offsets[1:])
-            avg += self.hop_tau[c] * class_offsets.astype(np.float64)
-            self._geom[c] = (class_offsets, _runs(class_sorted, rows))
-        self.row_offsets = avg
+        """The records' offsets and runs (:class:`.geometry.Geometry`)."""
+        self.geometry = Geometry(sorted_widths, order, self.config.scales, self.hop,
+                                 self.hop_tau)
 
     def _chunk_bounds(self, layout: _Layout) -> list[int]:
-        """The first sorted row of each of the ``n`` chunks, and the end: striped with hop widths
-        (as many rows per chunk as the stripes give it), the shards in the shard layout, else
-        ``n`` chunks of (nearly) equal bytes."""
-        rows, n = layout.rows, self.world_size
-        if self.hop is not None:  # chunk c: sorted rows c, c + n, ... (stripe c of _reorder)
-            return [0, *np.cumsum([rows // n + (c < rows % n) for c in range(n)]).tolist()]
-        if self.sharded:
-            assert layout.shard_row_counts is not None
-            return [0, *torch.cumsum(layout.shard_row_counts, 0).tolist()]
-        offsets = self.row_offsets  # the records' own offsets (no hop widths)
-        total = int(offsets[-1])
-        bounds = [0]
-        for c in range(1, n):
-            target = (c * total + n // 2) // n
-            bounds.append(max(bounds[-1], int(np.searchsorted(offsets, target))))
-        bounds.append(rows)
-        return bounds
+        """The first sorted row of each of the ``n`` chunks, and the end
+        (:meth:`.geometry.Geometry.chunk_bounds`)."""
+        return self.geometry.chunk_bounds(self.world_size, layout.shard_row_counts)
 
     # -- 7. info ------------------------------------------------------------------------------
 
     def _describe(self, scheme: SchemeSettings, ctx: CallContext) -> dict[str, Any]:
-        """What the call chose (``comm.last_info``)."""
-        numel, n = self.numel, self.world_size
-        histogram = np.bincount(self.allocation.widths.numpy(), minlength=RAW_WIDTH + 1)
-        bits_used = 8.0 * self.allocation.total_nbytes / max(numel, 1)
+        """What the call chose (``comm.last_info``: :func:`_call_info`)."""
         wire_payload = None
         if self.hop is not None:
-            # What the all-reduce sends in all, over every rank: each non-sink rank sends its
-            # partial sum of a chunk once (count = its subtree), the sink's encoding (count n) is
-            # forwarded n - 1 times. Per rank it is 2 (n - 1) / n of the records, as without hop
-            # widths, and the statistics come on top.
             assert ctx.schedule is not None
-            wire_payload = self._hop_wire_payload(np.asarray(ctx.schedule.subtree_sizes()))
-            bits_used = 8.0 * (wire_payload / (2 * (n - 1)) + self.allocation.stats_nbytes) \
-                / max(numel, 1)
-        return {
-            "bits": bits_used,
-            # the all-reduce's payload bytes over all ranks (hop widths; else 2 (n - 1) times
-            # the records of "widths")
-            "wire_payload_nbytes": wire_payload,
-            "u": self.allocation.u,
-            "over_budget": self.allocation.total_nbytes > math.floor(scheme.bits * numel / 8)
-            if scheme.target_vnmse is None else False,
-            "predicted_vnmse": self.allocation.predicted_vnmse,
-            # target mode: the prediction's upper bound (predicted times ErrorModel.spread)
-            "predicted_vnmse_upper": self.allocation.predicted_vnmse * scheme.error_model.spread
-            if scheme.target_vnmse is not None else float("nan"),
-            "rho": self.info_rho,
-            # target mode: the per-width crests the model used (None: the Gaussian's, i.e. not
-            # measured yet)
-            "crests": self.info_crests,
-            # target mode: where rho came from ("error_model": fixed by ErrorModel.rho,
-            # "earlier call": measured by the last call of this size, "default": 0, none yet)
-            "rho_source": self.rho_source,
-            # target mode: True only when the upper bound meets the target with the data's
-            # crests known (measured by an earlier call or given); False on a first call
-            "target_met": (self.allocation.target_met and self.info_crests is not None)
-            if self.allocation.target_met is not None else None,
-            "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
-            "kernels": self.kernels,  # the same dict: the codec steps add themselves as they run
-            # the bit allocation (host code): "numba" where the compiled bisection ran (the
-            # paper's rule; the hull rule with hop widths, the all-reduce's default), "torch"
-            # for the hull rule without hop widths and target mode
-            "allocation_impl": self.allocation.kernel,
-            # CPU buffers the communicator keeps for dynamiq after this call (_state_buffer)
-            "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),
-        }
-
-    def _hop_wire_payload(self, subtree: np.ndarray) -> int:
-        """``sum over (rank, chunk) with subtree < n of payload_nbytes(chunk, subtree)`` plus
-        ``(n - 1) payload_nbytes(chunk, n)`` per chunk, vectorised (exact integers): a matrix of
-        payload bytes per (count class, chunk), summed over the ranks a block at a time."""
-        n = self.world_size
-        bounds = np.asarray(self.chunk_bounds, dtype=np.int64)
-        classes = sorted(self._geom)
-        class_of = np.zeros(n + 1, np.int64)
-        class_of[classes] = np.arange(len(classes))
-        payload = np.stack([offsets[bounds[1:]] - offsets[bounds[:-1]]
-                            for offsets, _ in (self._geom[c] for c in classes)])
-        chunks = np.arange(n, dtype=np.int64)[None, :]
-        total = int(((n - 1) * payload[class_of[n]]).sum())
-        block = max(1, (1 << 22) // max(n, 1))
-        for r0 in range(0, n, block):
-            sizes = subtree[r0 : r0 + block].astype(np.int64)
-            sent = sizes < n
-            total += int(np.where(sent, payload[class_of[np.where(sent, sizes, n)], chunks],
-                                  0).sum())
-        return total
+            wire_payload = self.geometry.hop_wire_payload(
+                self.chunk_bounds, np.asarray(ctx.schedule.subtree_sizes()), self.world_size)
+        return _call_info(scheme, ctx, self.numel, self.allocation, self.target, wire_payload,
+                          self.kernels)
 
     def _decode_restore(self, out: torch.Tensor) -> None:
         """Decode every deferred record straight into ``out`` (plus its mean, at its original
@@ -861,22 +926,15 @@ class DynamiqCall:
             for width, a, b, records in self.deferred:
                 self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
                                         self.index_base[a:b], self.valid_sorted[a:b], out)
-        gaps, end = [], 0  # the spans of rows outside every deferred span
-        for a, b in sorted((a, b) for _, a, b, _ in self.deferred):
-            if a > end:
-                gaps.append((end, a))
-            end = max(end, b)
-        if end < rows:
-            gaps.append((end, rows))
+        spans = _uncovered([(a, b) for _, a, b, _ in self.deferred], rows, self.unwritten)
         self.deferred.clear()
-        for a, b in gaps:  # views, not copies: width-0 rows can be half of a gradient's
-            for c, d, unwritten in self._spans(a, b):
-                if unwritten:  # their work rows were never written (see _reorder)
-                    self._restore_means(c, d, out)
-                else:
-                    assert self.ops.restore is not None
-                    self.ops.restore(self.work[c:d], self.mean_sorted[c:d],
-                                     self.index_base[c:d], self.valid_sorted[c:d], out)
+        for c, d, unwritten in spans:  # views, not copies: width-0 rows can be half of a gradient's
+            if unwritten:  # their work rows were never written (see _reorder)
+                self._restore_means(c, d, out)
+            else:
+                assert self.ops.restore is not None
+                self.ops.restore(self.work[c:d], self.mean_sorted[c:d], self.index_base[c:d],
+                                 self.valid_sorted[c:d], out)
 
     def _restore_means(self, a: int, b: int, out: torch.Tensor) -> None:
         """Width-0 rows ``[a, b)`` restored as their means (``m + 0``) into the flat ``out``,
@@ -895,72 +953,17 @@ class DynamiqCall:
         self.kernels["restore_mean"] = self.ops.name
         self.ops.restore_mean(mean, base, valid, out)
 
-    def _spans(self, a: int, b: int) -> list[tuple[int, int, bool]]:
-        """Rows ``[a, b)`` cut into runs of rows whose work rows were left unwritten and the
-        others: ``(first, end, unwritten)``."""
-        if self.unwritten is None:
-            return [(a, b, False)]
-        flags = self.unwritten[a:b]
-        cuts = [a, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1 + a).tolist(), b]
-        return [(c, d, bool(self.unwritten[c])) for c, d in itertools.pairwise(cuts) if d > c]
-
-    def _measure_rho(self) -> None:
-        """Target mode: estimate the ranks' correlation from the decoded aggregate (identical on
-        every rank, so every rank stores the same estimate) for the next call."""
-        if self.rho_key is None or self.state is None or not self.whole_result:
-            return
-        moments = row_moments(self.work)
-        order = torch.from_numpy(self.order_np)  # the host's copy: no read of the device's
-        if self.rho_source != "error_model":
-            row_rho, rho = estimate_row_rho(self.work, self.summed_norm2.cpu()[order], order,
-                                            self.world_size, self.row_error_terms[:, order],
-                                            moments[0])
-            _RhoEstimates(self.state, "row_rho").put(self.rho_key, row_rho)
-            if rho is not None:
-                _RhoEstimates(self.state).put(self.rho_key, rho)
-                self.info["rho_measured"] = rho
-        # the crests of what each width carried: the sink's widths of the decoded aggregate
-        crests = measure_crests(self.work, self.allocation.widths[order], moments)
-        if crests:
-            _RhoEstimates(self.state, "crests").put(self.rho_key, crests)
-            self.info["crests_measured"] = crests
-
     # -- chunk geometry -----------------------------------------------------------------------
 
-    def _geometry(self, count: int | None) -> tuple[Any, list[tuple[int, int, int]]]:
-        if self._geom and count is not None:
-            return self._geom[count]
-        return self.row_offsets, self.runs
-
-    def _segments(self, chunk: int, count: int | None = None) -> list[tuple[int, int, int, int]]:
-        """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk.
-        Cached per (rows, count): every hop of every tile asks again, and a striped layout has
-        hundreds of runs (the cache is shared by the tile views, whose chunks are other rows)."""
-        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        key = (lo, hi, count if self._geom else None)
-        cached = self._segment_cache.get(key)
-        if cached is not None:
-            return cached
-        row_offsets, runs = self._geometry(count)
-        starts = self._run_starts.get(key[2])
-        if starts is None:
-            starts = self._run_starts[key[2]] = [start for _, start, _ in runs]
-        base = int(row_offsets[lo])
-        segments = []
-        for i in range(max(0, bisect.bisect_right(starts, lo) - 1), len(runs)):
-            width, start, stop = runs[i]
-            if start >= hi:
-                break
-            a, b = max(lo, start), min(hi, stop)
-            if a < b:
-                segments.append((width, a, b, int(row_offsets[a]) - base))
-        self._segment_cache[key] = segments
-        return segments
+    def _segments(self, chunk: int, count: int | None = None) -> Segments:
+        """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk
+        (of this view's ``chunk_bounds``; the geometry's memo is shared by the tile views)."""
+        return self.geometry.segments(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1],
+                                      count)
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
-        row_offsets, _ = self._geometry(count)
-        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        return int(row_offsets[hi] - row_offsets[lo])
+        return self.geometry.payload_nbytes(self.chunk_bounds[chunk],
+                                            self.chunk_bounds[chunk + 1], count)
 
     def _records(
         self, payload: torch.Tensor, width: int, a: int, b: int, offset: int
@@ -1023,7 +1026,7 @@ class DynamiqCall:
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
     ) -> torch.Tensor:
         self.kernels["decode_accumulate_encode"] = self.ops.name
-        if self._geom:
+        if self.geometry.by_count:
             return self._hop_widths_step(chunk, payload, count, out_count)
         out = self.scratch(payload.numel())
         for width, a, b, offset in self._segments(chunk):
@@ -1041,42 +1044,25 @@ class DynamiqCall:
         fused decode-accumulate-encode; where it changes, decode-accumulate at the incoming
         width, then encode at the outgoing one (both tables order the rows alike)."""
         out = self.scratch(self.payload_nbytes(chunk, out_count))
-        incoming = self._segments(chunk, count)
-        outgoing = self._segments(chunk, out_count)
-        fused = self.ops.hop_runs is not None and payload.dim() == 1
-        pieces = []
-        i = j = 0
-        while i < len(incoming) and j < len(outgoing):
-            w_in, a_in, b_in, off_in = incoming[i]
-            w_out, a_out, b_out, off_out = outgoing[j]
-            a, b = max(a_in, a_out), min(b_in, b_out)
-            if a < b and fused:
-                pieces.append((w_in, w_out, a, b,
-                               off_in + (a - a_in) * record_nbytes(w_in, self.config.scales),
-                               off_out + (a - a_out) * record_nbytes(w_out, self.config.scales)))
-            elif a < b:
-                size_in = record_nbytes(w_in, self.config.scales)
-                size_out = record_nbytes(w_out, self.config.scales)
-                records = payload[off_in + (a - a_in) * size_in:
-                                  off_in + (b - a_in) * size_in].view(b - a, size_in)
-                target = out[off_out + (a - a_out) * size_out:
-                             off_out + (b - a_out) * size_out].view(b - a, size_out)
-                if w_in == w_out:
-                    self.ops.decode_accumulate_encode(
-                        records, w_in, self.work[a:b], self.index_base[a:b], self.rank,
-                        self.world_size, self.key, self.config, keep_sum=False, out=target)
-                else:
-                    self.ops.decode_accumulate(records, w_in, self.config, self.work[a:b])
-                    self.ops.encode(self.work[a:b], w_out, self.index_base[a:b], self.rank,
-                                    self.world_size, self.key, self.config, out=target)
-            if b_in <= b_out:
-                i += 1
-            else:
-                j += 1
-        if fused:
-            assert self.ops.hop_runs is not None
+        pieces = _overlaps(self._segments(chunk, count), self._segments(chunk, out_count),
+                           self.config.scales)
+        if self.ops.hop_runs is not None and payload.dim() == 1:
             self.ops.hop_runs(payload, pieces, self.work, self.index_base, self.rank,
                               self.world_size, self.key, self.config, out)
+            return out
+        for w_in, w_out, a, b, off_in, off_out in pieces:
+            size_in = record_nbytes(w_in, self.config.scales)
+            size_out = record_nbytes(w_out, self.config.scales)
+            records = payload[off_in : off_in + (b - a) * size_in].view(b - a, size_in)
+            target = out[off_out : off_out + (b - a) * size_out].view(b - a, size_out)
+            if w_in == w_out:
+                self.ops.decode_accumulate_encode(
+                    records, w_in, self.work[a:b], self.index_base[a:b], self.rank,
+                    self.world_size, self.key, self.config, keep_sum=False, out=target)
+            else:
+                self.ops.decode_accumulate(records, w_in, self.config, self.work[a:b])
+                self.ops.encode(self.work[a:b], w_out, self.index_base[a:b], self.rank,
+                                self.world_size, self.key, self.config, out=target)
         return out
 
     def finish_shard(self, shard: int, out: torch.Tensor) -> None:
@@ -1089,18 +1075,8 @@ class DynamiqCall:
         work, mean = self.work[a:b], self.mean_sorted[a:b]
         base = self.index_base[a:b] - shard * size  # coordinates within the shard
         valid = self.valid_sorted[a:b]
-        if self.ops.restore is not None and out.is_contiguous() and out.device == work.device:
-            self.kernels["restore"] = self.ops.name
-            self.ops.restore(work, mean, base, valid, out.view(-1))
-            return
-        self.kernels["restore"] = "torch"
-        value = work + mean.to(work.device)[:, None]
-        coord = torch.arange(SUPER, device=work.device)
-        keep = coord[None, :] < host_to_device(valid, work.device, valid.dtype)[:, None]
-        target = base.to(work.device)[:, None] + coord[None, :]
-        result = torch.zeros(out.numel(), dtype=torch.float32, device=work.device)
-        result[target[keep]] = value[keep]
-        out.copy_(result.reshape(out.shape))
+        if not _compiled_restore(self.ops, self.kernels, work, mean, base, valid, out):
+            _scatter_restore(work, mean, base, valid, out)
 
     def finish(self, out: torch.Tensor) -> None:
         # (deferred records, or rows left unwritten: an all-zero buffer has neither records nor
@@ -1119,22 +1095,14 @@ class DynamiqCall:
             for width, a, b, records in self.deferred:  # another output: decode, then restore
                 self.ops.decode(records, width, self.config, out=self.work[a:b])
             self.deferred.clear()
-        self._measure_rho()
-        if self.ops.restore is not None and out.is_contiguous() and out.device == self.work.device:
-            self.kernels["restore"] = self.ops.name
-            self.ops.restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted,
-                             out.view(-1))
+        if self.target is not None:
+            self.target.measure(self.work, self.order_np, self.allocation.widths,
+                                self.world_size, self.info)
+        if _compiled_restore(self.ops, self.kernels, self.work, self.mean_sorted, self.index_base,
+                             self.valid_sorted, out):
             return
-        self.kernels["restore"] = "torch"
         if self.uneven:  # rows past the end were dropped: scatter by coordinate index
-            value = self.work + self.mean_sorted[:, None]
-            coord = torch.arange(SUPER, device=value.device)
-            keep = coord[None, :] < host_to_device(self.valid_sorted, value.device,
-                                                   self.valid_sorted.dtype)[:, None]
-            target = self.index_base[:, None] + coord[None, :]
-            result = torch.empty(self.numel, dtype=torch.float32, device=value.device)
-            result[target[keep]] = value[keep]
-            out.copy_(result.reshape(out.shape))
+            _scatter_restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted, out)
             return
         restored = torch.empty_like(self.work)
         restored[self.order] = self.work + self.mean_sorted[:, None]

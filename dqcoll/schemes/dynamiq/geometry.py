@@ -1,0 +1,142 @@
+"""Where one ``dynamiq`` call's records lie (step 6 of :mod:`.call`): byte offsets, runs of equal
+width, the ``n`` chunks, and each chunk's segments.
+
+The rows are in the call's sorted order (by width; with hop widths striped over the chunks). A
+record of width ``w`` takes :func:`.codec.record_nbytes` bytes; width-0 rows have none. With hop
+widths a row's width depends on the count of its partial sum, so the offsets and runs are kept per
+count class, and the chunk geometry follows their traffic-weighted average.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+import numpy as np
+import torch
+
+from ...kernels.codec import Scales
+from .allocation import cost_lookup
+
+__all__ = ["Geometry"]
+
+Runs = list[tuple[int, int, int]]  # (width, first row, end row) of equal non-zero width
+Segments = list[tuple[int, int, int, int]]  # (width, first row, end row, byte offset in chunk)
+
+
+def _runs(sorted_widths: np.ndarray, rows: int) -> Runs:
+    """Maximal runs (width, first row, end row) of equal non-zero width (width-0 rows have no
+    records)."""
+    runs = []
+    change = np.flatnonzero(sorted_widths[1:] != sorted_widths[:-1]) + 1
+    for a, b in itertools.pairwise([0, *change.tolist(), rows]):
+        width = int(sorted_widths[a]) if b > a else 0
+        if width:
+            runs.append((width, a, b))
+    return runs
+
+
+class Geometry:
+    """Byte offset of each sorted row's record (``row_offsets``) and the runs of equal width
+    (``runs``); with hop widths, per count class (``by_count``), and ``row_offsets`` the
+    traffic-weighted average that the chunk geometry follows. Shared by a call's tile views (the
+    executor's shallow copies), which ask for other rows: :meth:`segments` is memoised per rows
+    and count class."""
+
+    def __init__(self, sorted_widths: np.ndarray, order: np.ndarray, scales: Scales,
+                 hop: dict[int, torch.Tensor] | None, hop_tau: dict[int, float]) -> None:
+        rows = sorted_widths.shape[0]
+        self.rows = rows
+        self.striped = hop is not None  # chunk c holds sorted rows c, c + n, ...
+        sizes = cost_lookup(scales).numpy()
+        offsets = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(sizes[sorted_widths], out=offsets[1:])
+        self.row_offsets: np.ndarray = offsets
+        self.runs = _runs(sorted_widths, rows)
+        self.by_count: dict[int, tuple[np.ndarray, Runs]] = {}
+        # segments' memo: (first row, end row, count class) -> segments; each class's run starts
+        self._segment_cache: dict[tuple[int, int, int | None], Segments] = {}
+        self._run_starts: dict[int | None, list[int]] = {}
+        if hop is None:
+            return
+        avg = np.zeros(rows + 1, dtype=np.float64)
+        for c, class_widths in hop.items():
+            class_sorted = class_widths.numpy()[order]
+            class_offsets = np.zeros(rows + 1, dtype=np.int64)
+            np.cumsum(sizes[class_sorted], out=class_offsets[1:])
+            avg += hop_tau[c] * class_offsets.astype(np.float64)
+            self.by_count[c] = (class_offsets, _runs(class_sorted, rows))
+        self.row_offsets = avg
+
+    def chunk_bounds(self, n: int, shard_row_counts: torch.Tensor | None) -> list[int]:
+        """The first sorted row of each of the ``n`` chunks, and the end: striped with hop widths
+        (as many rows per chunk as the stripes give it), the shards in the shard layout (given
+        its rows per shard), else ``n`` chunks of (nearly) equal bytes."""
+        rows = self.rows
+        if self.striped:  # chunk c: sorted rows c, c + n, ... (the call's stripe c)
+            return [0, *np.cumsum([rows // n + (c < rows % n) for c in range(n)]).tolist()]
+        if shard_row_counts is not None:
+            return [0, *torch.cumsum(shard_row_counts, 0).tolist()]
+        offsets = self.row_offsets  # the records' own offsets (no hop widths)
+        total = int(offsets[-1])
+        bounds = [0]
+        for c in range(1, n):
+            target = (c * total + n // 2) // n
+            bounds.append(max(bounds[-1], int(np.searchsorted(offsets, target))))
+        bounds.append(rows)
+        return bounds
+
+    def _tables(self, count: int | None) -> tuple[np.ndarray, Runs]:
+        if self.by_count and count is not None:
+            return self.by_count[count]
+        return self.row_offsets, self.runs
+
+    def segments(self, lo: int, hi: int, count: int | None = None) -> Segments:
+        """(width, first row, end row, byte offset in the chunk payload) of each run in sorted
+        rows ``[lo, hi)``. Cached per (rows, count): every hop of every tile asks again, and a
+        striped layout has hundreds of runs."""
+        key = (lo, hi, count if self.by_count else None)
+        cached = self._segment_cache.get(key)
+        if cached is not None:
+            return cached
+        row_offsets, runs = self._tables(count)
+        starts = self._run_starts.get(key[2])
+        if starts is None:
+            starts = self._run_starts[key[2]] = [start for _, start, _ in runs]
+        base = int(row_offsets[lo])
+        segments = []
+        for i in range(max(0, bisect.bisect_right(starts, lo) - 1), len(runs)):
+            width, start, stop = runs[i]
+            if start >= hi:
+                break
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                segments.append((width, a, b, int(row_offsets[a]) - base))
+        self._segment_cache[key] = segments
+        return segments
+
+    def payload_nbytes(self, lo: int, hi: int, count: int) -> int:
+        """Bytes of the records of sorted rows ``[lo, hi)`` at partial-sum size ``count``."""
+        row_offsets, _ = self._tables(count)
+        return int(row_offsets[hi] - row_offsets[lo])
+
+    def hop_wire_payload(self, chunk_bounds: list[int], subtree: np.ndarray, n: int) -> int:
+        """With hop widths, what the all-reduce sends in all over every rank: ``sum over (rank,
+        chunk) with subtree < n of payload_nbytes(chunk, subtree)`` plus ``(n - 1)
+        payload_nbytes(chunk, n)`` per chunk, vectorised (exact integers): a matrix of payload
+        bytes per (count class, chunk), summed over the ranks a block at a time."""
+        bounds = np.asarray(chunk_bounds, dtype=np.int64)
+        classes = sorted(self.by_count)
+        class_of = np.zeros(n + 1, np.int64)
+        class_of[classes] = np.arange(len(classes))
+        payload = np.stack([offsets[bounds[1:]] - offsets[bounds[:-1]]
+                            for offsets, _ in (self.by_count[c] for c in classes)])
+        chunks = np.arange(n, dtype=np.int64)[None, :]
+        total = int(((n - 1) * payload[class_of[n]]).sum())
+        block = max(1, (1 << 22) // max(n, 1))
+        for r0 in range(0, n, block):
+            sizes = subtree[r0 : r0 + block].astype(np.int64)
+            sent = sizes < n
+            total += int(np.where(sent, payload[class_of[np.where(sent, sizes, n)], chunks],
+                                  0).sum())
+        return total
