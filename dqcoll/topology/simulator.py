@@ -291,32 +291,13 @@ class _DynamiqAdapter(_Adapter):
     def pass1(self, rank: int, x: torch.Tensor) -> None:
         """DynamiqCall._statistics of this rank (the same kernels and the same roundings), then
         its share of the statistics all-reduce, summed in rank order in the wire's dtype."""
-        from ..schemes.dynamiq.call import _keep_underflowed_rows, wire_norms16
+        from ..schemes.dynamiq.call import local_statistics, statistics_wire
 
-        flat = x.view(self.rows, SUPER)
         divisor = self.n if self.op is ReduceOp.AVG else 1
-        centred: torch.Tensor | None = None
-        if self.split:
-            assert self.prep_ops.stats is not None
-            mean, norm2 = self.prep_ops.stats(flat, self.valid, divisor=divisor,
-                                              centre=self.stats_mode == "fp32",
-                                              keep_underflowed=True)
-        else:
-            if divisor != 1:
-                flat = flat / self.n
-            if self.stats_mode in ("bf16", "norm16"):
-                centred, mean, norm2 = stats_center_rounded_torch(
-                    flat, self.valid, centre=self.stats_mode == "bf16")
-            else:
-                centred, mean, norm2 = self.prep_ops.stats_center(flat, self.valid)
-        if centred is not None:  # the split statistics checked their zero norms already
-            norm2 = _keep_underflowed_rows(norm2, centred)
-        if self.stats_mode == "bf16":
-            wire = torch.stack([mean.to(torch.bfloat16), wire_norms16(norm2)])
-        elif self.stats_mode == "norm16":
-            wire = wire_norms16(norm2)[None]
-        else:
-            wire = torch.stack([mean, norm2])
+        _, _, mean, norm2, _ = local_statistics(self.prep_ops, self.stats_mode,
+                                                x.view(self.rows, SUPER), self.valid, divisor,
+                                                self.split)
+        wire = statistics_wire(self.stats_mode, mean, norm2)
         if self._summed is None:
             self._summed = wire.clone()
         else:
