@@ -58,9 +58,6 @@ def torch_ops() -> DynamiqOps:
     )
 
 
-_torch_ops = torch_ops  # the name dqcoll.schemes.dynamiq.call still imports
-
-
 def _triton_ops() -> DynamiqOps:
     from . import dynamiq_triton  # type: ignore[attr-defined]
 
