@@ -318,7 +318,7 @@ def test_auto_hook_trains_with_the_same_plan_everywhere(
     for result in results:
         assert result["identical"]
         assert result["intra_gbps"] is not None and result["intra_gbps"] > 0
-        assert set(result["kernels"]) == {"none", "bf16", "dynamiq"}
+        assert set(result["kernels"]) == {"none", "bf16", "dynamiq", "native-none", "native-bf16"}
         assert result["lanes"] == 2
         for step, plans in enumerate(result["planned"]):
             for lane, plan in enumerate(plans):
