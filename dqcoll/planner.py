@@ -90,6 +90,10 @@ TARGET_BITS = 8.0
 # so what the cost model gets wrong for all of them (a probe slower than the group's own
 # all-reduce, cores shared with other work) does not keep a candidate from being tried.
 EXPLORE_WITHIN = 2.0
+# A measured plan in use is kept unless another measured one is predicted faster by more than
+# this share: calls measured beside other work (the DDP hook's buckets during backward) scatter,
+# and switching between two close plans on every scattered measurement costs more than either.
+SWITCH_MARGIN = 0.05
 # Weight of one measured call in a candidate's factor (geometric mean).
 CALIBRATION_RATE = 0.5
 # Link probes: bytes per flow, best of two after one of an eighth.
@@ -417,6 +421,7 @@ class Planner:
         self.tried: set[str] = set()
         self._cache: dict[tuple[Any, ...], Plan] = {}
         self._table_key: str | None = None
+        self._incumbent: dict[tuple[Any, ...], str] = {}  # the plan in use per cache key
         self.probe_nbytes = 0  # what this rank sent to measure the links (build_planner)
 
     # -- the cost model's inputs ------------------------------------------------------------
@@ -543,6 +548,14 @@ class Planner:
         priced.sort(key=lambda p: (p[0], p[1]))
         best_us, best_label, best = priced[0]
         reason = f"least predicted time ({best_us / 1e3:.2f} ms)"
+        held = self._incumbent.get(key)
+        for us, label, cand in priced[1:]:
+            if label == held and label in self.tried and best_label in self.tried \
+                    and us * (1 - SWITCH_MARGIN) <= best_us:
+                best_us, best_label, best = us, label, cand
+                reason = (f"kept: predicted within {SWITCH_MARGIN:.0%} of the best "
+                          f"({priced[0][1]})")
+                break
         if stored is not None and best[1] == stored:
             reason += f"; flat algorithm from the stored table {self.table_key}"
         for us, label, cand in priced[1:]:
@@ -554,6 +567,8 @@ class Planner:
                 break
         plan = Plan(collective, best[0], best[1], best[2], best[3], best_us, reason,
                     tuple((label, us) for us, label, _ in priced), dtype)
+        if best_label in self.tried or not reason.startswith("explored"):
+            self._incumbent[key] = best_label
         self._cache[key] = plan
         return plan
 

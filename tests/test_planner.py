@@ -3,6 +3,8 @@ rates agreed over ranks, plans the same on every rank, calibration from measured
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dqcoll import planner
@@ -122,3 +124,31 @@ def test_plan_command_prints_the_topology_and_agreed_plans(tmp_path):
     report = json.loads(out.read_text())
     assert [p["nbytes"] for p in report["plans"]] == [64 << 10, 256 << 10]
     assert all(p["alternatives"][0][0] == p["label"] for p in report["plans"])
+
+
+def test_a_plan_in_use_is_kept_unless_another_is_clearly_faster():
+    """Once two plans were measured, the one in use stays while the other is predicted faster
+    by less than SWITCH_MARGIN (scattered measurements do not flip the choice), and is left once
+    the other is clearly faster."""
+    p = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
+    size = 16 << 20
+    first = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    p.observe(first, first.predicted_us)
+    second = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    assert second.label != first.label and "explored" in second.reason
+    p.observe(second, second.predicted_us * 3)  # much slower: the first stays in use
+    assert p.plan("allreduce", size, "float32", scheme="dynamiq").label == first.label
+    typical = int(2 ** (int(math.log2(size)) + 0.5))
+
+    def set_predicted(plan, us):  # the factor that makes the plan's prediction ``us``
+        raw = p.predict_us("allreduce", plan.scheme, plan.algorithm, plan.bits, None, typical,
+                           "float32")
+        p.factors[plan.label] = us / raw
+        p._cache.clear()
+
+    set_predicted(second, 100.0)
+    set_predicted(first, 102.0)  # 2 % slower than the other: kept
+    again = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    assert again.label == first.label and "kept" in again.reason
+    set_predicted(first, 120.0)  # 20 % slower: left for the other
+    assert p.plan("allreduce", size, "float32", scheme="dynamiq").label == second.label
