@@ -280,7 +280,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
-state = DynamiqState(dist.group.WORLD, bits=5, warmup_steps=1)
+state = DynamiqState(dist.group.WORLD, scheme="dynamiq", bits=5, warmup_steps=1)
 model.register_comm_hook(state, dynamiq_hook)
 report = {"rank": rank}
 for step in range(4):
