@@ -170,10 +170,9 @@ def _state_buffer(ctx: CallContext, name: str, rows: int,
     """An fp32 ``[rows, 256]`` buffer of a CPU call kept by the communicator between calls
     under ``name`` (None where there is no communicator state, or off the CPU: CUDA has torch's
     caching allocator). Calls on one communicator run one at a time, and nothing reads a call's
-    buffers after its ``finish``. A fresh 64 MiB buffer per call cost page faults on first
-    touch: 91 ms for the centring pass vs ~15 ms into a reused one (2^24 coordinates, 2-core
-    VM); the padded copy of an input whose length is no multiple of 256 cost 40 ms of
-    ``torch.zeros`` per 12.6 M coordinates.
+    buffers after its ``finish``. A fresh buffer per call pays a page fault per 4 KiB on first
+    touch, several times the pass that writes it, and the padded copy of an input whose length
+    is no multiple of 256 a ``torch.zeros`` of the whole buffer (docs/kernels.md, the work buffer).
 
     Bound: one buffer per (name, device), of the largest row count seen so far on its
     communicator (``ctx.state``): it grows, never shrinks (a DDP step alternates bucket sizes, and
@@ -838,8 +837,8 @@ class DynamiqCall:
         """Sort the rows by width (within each shard when sharded; with hop widths striped over
         the chunks) and write the work rows, means, valid counts and global indices in that
         order. Returns the order and the sorted widths (host). The row tables are built in NumPy
-        on the host (:func:`_sort_order`): the per-row indexing and scans around the sort cost
-        ~3 ms per call in torch ops on the 2-core dev VM."""
+        on the host (:func:`_sort_order`): in torch ops the per-row indexing and scans around
+        the sort cost more per call than the sort itself."""
         rows, device = layout.rows, layout.flat.device
         widths_np = self.allocation.widths.numpy()
         order_np = _sort_order(widths_np, self.hop, layout.row_chunk, self.world_size)
