@@ -416,9 +416,9 @@ class Planner:
         self.native_params = CostParams(kernel_rates=tuple(
             ((job.device_kind, name), self._device_rates(f"{NATIVE}-{name}"))
             for name in ("none", "bf16")))
-        # -- corrected by measured calls (agreed by the caller): label -> measured / predicted
+        # -- corrected by measured calls (agreed by the caller): label -> measured / predicted;
+        # a label here is a plan that ran
         self.factors: dict[str, float] = {}
-        self.tried: set[str] = set()
         self._cache: dict[tuple[Any, ...], Plan] = {}
         self._table_key: str | None = None
         self._incumbent: dict[tuple[Any, ...], str] = {}  # the plan in use per cache key
@@ -550,7 +550,7 @@ class Planner:
         reason = f"least predicted time ({best_us / 1e3:.2f} ms)"
         held = self._incumbent.get(key)
         for us, label, cand in priced[1:]:
-            if label == held and label in self.tried and best_label in self.tried \
+            if label == held and label in self.factors and best_label in self.factors \
                     and us * (1 - SWITCH_MARGIN) <= best_us:
                 best_us, best_label, best = us, label, cand
                 reason = (f"kept: predicted within {SWITCH_MARGIN:.0%} of the best "
@@ -560,14 +560,14 @@ class Planner:
             reason += f"; flat algorithm from the stored table {self.table_key}"
         for us, label, cand in priced[1:]:
             close = us <= EXPLORE_WITHIN * best_us
-            if close and label not in self.tried and best_label in self.tried:
+            if close and label not in self.factors and best_label in self.factors:
                 best_us, best_label, best = us, label, cand
                 reason = (f"explored once: predicted within {EXPLORE_WITHIN:g}x of the best and "
                           f"never measured")
                 break
         plan = Plan(collective, best[0], best[1], best[2], best[3], best_us, reason,
                     tuple((label, us) for us, label, _ in priced), dtype)
-        if best_label in self.tried or not reason.startswith("explored"):
+        if best_label in self.factors or not reason.startswith("explored"):
             self._incumbent[key] = best_label
         self._cache[key] = plan
         return plan
@@ -598,7 +598,7 @@ class Planner:
         communicator whose calls interleave with this one's in an order that differs between
         ranks (a lane of the DDP hook), so each calibrates from its own calls only."""
         twin = Planner(self.job, self.rates, tile_nbytes=self.tile_nbytes)
-        twin.factors, twin.tried = dict(self.factors), set(self.tried)
+        twin.factors = dict(self.factors)
         return twin
 
     def factor(self, label: str) -> float:
@@ -629,7 +629,6 @@ class Planner:
         old = self.factors.get(label)
         self.factors[label] = (old ** (1 - CALIBRATION_RATE)) * (ratio ** CALIBRATION_RATE) \
             if old is not None else ratio
-        self.tried.add(label)
         self._cache.clear()
 
     def describe(self) -> str:
