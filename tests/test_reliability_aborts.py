@@ -93,6 +93,37 @@ def test_async_auto_beside_a_user_allreduce_completes():
         assert "wrong_user_allreduce" not in rep, (rank, rep)
 
 
+# -- the same over an NCCL group: CUDA messages on a private group of dqcoll's own ------------
+
+# The device side stubbed: every tensor counts as CUDA for the transport (``_is_cuda``), and the
+# group's CUDA backend maps to a private connection whose backend is gloo (``_cuda_backend``;
+# NCCL's needs a GPU). What is tested is where the transport posts CUDA messages and the native
+# all-reduce: on its own group, never on the caller's.
+_CUDA_ROUTED_BESIDE_ALLREDUCE = r"""
+import dqcoll.transports.torch_dist as td
+td._is_cuda = lambda tensor: True
+td._cuda_backend = lambda backend: "gloo"
+""" + _AUTO_BESIDE_ALLREDUCE
+
+
+def test_cuda_messages_beside_a_user_allreduce_take_a_private_group():
+    """3 ranks; the transport treats every tensor as CUDA (the device side stubbed) and its
+    group's CUDA backend has a private counterpart: 12 times an ``async_op`` ``scheme="auto"``
+    all-reduce forced to the native path (``DQCOLL_AUTO_FORCE=none``) beside three plain
+    ``dist.all_reduce`` on the caller's group before ``wait()``. Every rank completes with the
+    right sums: the CUDA path's native all-reduce and messages run on the transport's private
+    group (on an NCCL group they went to the caller's group, where a caller's collective from
+    another thread pairs with them in rank-dependent orders)."""
+    reports = run_gloo_script(_CUDA_ROUTED_BESIDE_ALLREDUCE, 3, timeout_s=60,
+                              env={"DQCOLL_AUTO_FORCE": "none", "DQCOLL_TIMEOUT_S": "20"})
+    _assert_clean(reports, 3)
+    for rank, rep in reports.items():
+        assert rep["iterations"] == 12, (rank, rep)
+        assert rep["scheme"] == "none", (rank, rep)
+        assert rep["max_rel_err"] < 1e-5, (rank, rep)
+        assert "wrong_user_allreduce" not in rep, (rank, rep)
+
+
 # -- the DDP hook with scheme="auto" and find_unused_parameters=True -------------------------------
 
 _DDP_AUTO_UNUSED = _HEADER + r"""

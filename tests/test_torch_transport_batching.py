@@ -178,6 +178,47 @@ real_get_backend = dist.get_backend
 def get_backend(group=None):
     return "cpu:gloo,cuda:nccl"
 dist.get_backend = get_backend
+
+# the transport's private NCCL group, its device side stubbed: a coalescing group whose
+# messages gloo moves; each batch it coalesces is recorded as [is a send, bytes, device]
+cuda_private = []
+class BatchWork(dist.Work):
+    def __init__(self, works):
+        super().__init__()
+        self.works = works
+    def wait(self, timeout=None):
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+class Coalescing:
+    supports_coalescing = True
+class PrivateNccl:
+    def __init__(self, group):
+        self.group, self.batch, self.works = group, None, []
+    def _get_backend(self, device):
+        return Coalescing()
+    def _start_coalescing(self, device):
+        self.batch, self.works = [], []
+    def _end_coalescing(self, device):
+        cuda_private.append(self.batch)
+        self.batch = None
+        return BatchWork(self.works)
+    def _post(self, is_send, tensors, peer, tag):
+        self.batch.append([is_send, tensors[0].numel() * tensors[0].element_size(),
+                           "cuda" if on_cuda(tensors[0]) else "cpu"])
+        work = (self.group.send if is_send else self.group.recv)(tensors, peer, tag)
+        self.works.append(work)
+        return work
+    def send(self, tensors, peer, tag):
+        return self._post(True, tensors, peer, tag)
+    def recv(self, tensors, peer, tag):
+        return self._post(False, tensors, peer, tag)
+    def allreduce(self, tensors):
+        return self.group.allreduce(tensors)
+    def shutdown(self):
+        self.group.shutdown()
+torch_dist._nccl_group = lambda store, rank, size, timeout: PrivateNccl(
+    dist.ProcessGroupGloo(store, rank, size, timeout))
 t = torch_dist.TorchTransport(timeout_s=30)
 dist.get_backend = real_get_backend
 rank = t.rank
@@ -238,6 +279,7 @@ def exchange(key, mark, framed=False):
     tensors = [mark(x) for x in (small, large, small_in, large_in)]
     batches.clear()
     private.clear()
+    cuda_private.clear()
     post = t.exchange_framed if framed else t.exchange
     outcome(key, lambda: post([(peer, tensors[0]), (peer, tensors[1])],
                               [(peer, tensors[2]), (peer, tensors[3])], what=key))
@@ -250,6 +292,7 @@ def exchange(key, mark, framed=False):
                                                                       torch.float32)))
     report[key + "_batches"] = batches[:]
     report[key + "_private"] = private[:]
+    report[key + "_cuda_private"] = cuda_private[:]
 
 exchange("cuda", cuda)
 exchange("cuda_framed", cuda, framed=True)
@@ -266,11 +309,13 @@ dist.destroy_process_group()
 
 def test_mixed_group_posts_cuda_payloads_as_one_batch_without_headers() -> None:
     """On a ``"cpu:gloo,cuda:nccl"`` group, an exchange of CUDA tensors is posted as one
-    ``batch_isend_irecv`` of its payloads only (no CPU header message, no header bytes; framed
-    buffers lose their room), so NCCL gets it as one group launch; an exchange of CPU tensors
-    keeps gloo's headers and goes to the transport's own gloo connection (nothing of it on the
-    caller's group); both deliver the data. An exchange mixing CUDA and CPU tensors raises
-    InvalidArgumentError naming the rank and the step, before anything is posted."""
+    coalesced batch of its payloads only (no CPU header message, no header bytes; framed
+    buffers lose their room) on the transport's own NCCL group (its device side stubbed), so
+    NCCL gets it as one group launch and nothing of it reaches the caller's group; an exchange
+    of CPU tensors keeps gloo's headers and goes to the transport's own gloo connection
+    (nothing of it on the caller's group); both deliver the data. An exchange mixing CUDA and
+    CPU tensors raises InvalidArgumentError naming the rank and the step, before anything is
+    posted."""
     reports = run_gloo_script(_MIXED_WORKER, 2, timeout_s=240, env={"DQCOLL_TIMEOUT_S": "30"})
     for rank, rep in reports.items():
         assert rep["exit"] == 0, rep
@@ -278,9 +323,11 @@ def test_mixed_group_posts_cuda_payloads_as_one_batch_without_headers() -> None:
         for key in ("cuda", "cuda_framed"):
             assert rep[key] == "ok", rep[key]
             assert rep[key + "_values"], (rank, key)
-            assert rep[key + "_batches"] == [[[True, 8000, "cuda"], [True, 800_000, "cuda"],
-                                              [False, 8000, "cuda"], [False, 800_000, "cuda"]]], \
-                rep[key + "_batches"]
+            assert rep[key + "_cuda_private"] == [[[True, 8000, "cuda"],
+                                                   [True, 800_000, "cuda"],
+                                                   [False, 8000, "cuda"],
+                                                   [False, 800_000, "cuda"]]], rep
+            assert rep[key + "_batches"] == [], rep
             assert rep[key + "_private"] == [], rep
         assert rep["cpu"] == "ok" and rep["cpu_values"], rep
         assert rep["private_prefix"].startswith("dqcoll-private/"), rep
@@ -300,3 +347,41 @@ def test_device_predicate_takes_a_tensor() -> None:
     one tensor and says whether it lives in CUDA memory (a CPU tensor: no)."""
     assert list(inspect.signature(torch_dist._is_cuda).parameters) == ["tensor"]
     assert torch_dist._is_cuda(torch.zeros(2)) is False
+
+
+def test_private_nccl_group_uses_calls_torch_has() -> None:
+    """The calls the transport makes on its private NCCL group (and the mixed-group test's
+    stand-in answers) are methods of torch's own ``ProcessGroup``, and the ``ProcessGroup``
+    that :func:`~dqcoll.transports.torch_dist.open_private_group` builds for NCCL registers a
+    backend the way ``ProcessGroup`` takes one."""
+    import torch.distributed as dist
+
+    for name in ("_get_backend", "_start_coalescing", "_end_coalescing", "send", "recv",
+                 "allreduce", "shutdown", "_register_backend", "_set_default_backend"):
+        assert callable(getattr(dist.ProcessGroup, name, None)), name
+    assert hasattr(dist.ProcessGroup.BackendType, "NCCL")
+    from torch._C._distributed_c10d import Backend
+
+    assert "supports_coalescing" in dir(Backend)
+    assert torch_dist._cuda_backend("nccl") == "nccl"
+    assert torch_dist._cuda_backend("cpu:gloo,cuda:nccl") == "nccl"
+    assert torch_dist._cuda_backend("cpu:gloo, cuda:nccl") == "nccl"
+    assert torch_dist._cuda_backend("gloo") is None
+    assert torch_dist._cuda_backend("cpu:gloo,cuda:gloo") is None
+
+
+def test_private_nccl_group_without_a_gpu_names_the_rank_and_prefix() -> None:
+    """Without a GPU (a CPU build of torch has no ``ProcessGroupNCCL``; a CUDA build refuses to
+    make one), opening a private NCCL connection raises CommAbortedError naming the rank, the
+    backend and the prefix, not a bare torch error."""
+    import pytest
+    import torch.distributed as dist
+
+    from dqcoll.errors import CommAbortedError
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the connection could open")
+    store = dist.HashStore()
+    with pytest.raises(CommAbortedError, match=r"rank 0 of 2: opening dqcoll's nccl "
+                                               r"connection under 'p/cuda/'"):
+        torch_dist.open_private_group(store, "p/cuda/", 0, 2, 5.0, backend="nccl")

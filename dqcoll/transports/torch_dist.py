@@ -20,11 +20,17 @@ receives or all-reduces on its own group while a dqcoll call runs on a worker th
 orders that differ between ranks, and gloo aborts a process on a message longer than the
 receive it landed in (SIGABRT, no error). Opening it is collective: every rank of the group
 makes its transports over that group in the same order (as ``dqcoll.init()``, the DDP hook and
-the integrations do). CUDA tensors keep the caller's group (NCCL; see below). A group given as a
-bare ``ProcessGroupGloo`` (a lane's connection, the survivors of a shrink) is already dqcoll's
-own and carries everything itself; so does a group of another backend (its CPU messages take
-``batch_isend_irecv`` on it).
+the integrations do).
 
+**A private connection for CUDA traffic.** Over a registered group whose CUDA backend is NCCL
+(``"nccl"``, ``"cpu:gloo,cuda:nccl"``) the transport likewise makes an NCCL process group of its
+own among the same ranks (a ``ProcessGroup`` with a ``ProcessGroupNCCL`` registered for CUDA,
+from the group's store under the private prefix + ``cuda/``; NCCL makes its communicator at the
+first message), and every CUDA message goes there, the native all-reduce included: NCCL runs a
+communicator's operations in the order a process issues them, so a caller's collective on its
+own group from another thread (DDP's reducer beside the hook's worker) could otherwise pair
+with one of dqcoll's on another rank. A group whose CUDA backend is another (a custom one)
+keeps the caller's group for CUDA messages.
 **Message headers (gloo).** gloo accepts a message *shorter* than the receive buffer without a
 word (the tail keeps whatever it held) and aborts the process on a *longer* one. So every payload
 goes with a 16-byte header: its length in bytes and a CRC of the step label. Where the header
@@ -129,27 +135,52 @@ def private_prefix(group_name: str) -> str:
 
 
 def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
-                       timeout_s: float) -> Any:
-    """A ``ProcessGroupGloo`` of dqcoll's own among ``world_size`` ranks (this one ``rank``),
+                       timeout_s: float, backend: str = "gloo") -> Any:
+    """A process group of dqcoll's own among ``world_size`` ranks (this one ``rank``),
     rendezvoused in ``store`` under ``prefix`` (the same on every rank; only these ranks
-    join). Nothing but dqcoll posts on it, so none of its messages can match a message of the
-    caller's. Collective: blocks until every rank opened it, at most ``timeout_s``; a failure
-    raises :class:`~dqcoll.errors.CollectiveTimeoutError` (a rank did not come) or
-    :class:`~dqcoll.errors.CommAbortedError`, naming the rank and the prefix. Every private
-    gloo connection of dqcoll (the torch transport's, the lanes', the DDP hook's) is opened
-    here."""
+    join): a ``ProcessGroupGloo`` (``backend="gloo"``, CPU messages) or a ``ProcessGroup``
+    with a ``ProcessGroupNCCL`` for CUDA tensors (``backend="nccl"``). Nothing but dqcoll posts
+    on it, so none of its messages can match a message of the caller's. Collective: blocks
+    until every rank opened it (gloo; NCCL makes its communicator at the first message), at
+    most ``timeout_s``; a failure raises :class:`~dqcoll.errors.CollectiveTimeoutError` (a rank
+    did not come) or :class:`~dqcoll.errors.CommAbortedError`, naming the rank and the prefix.
+    Every private connection of dqcoll (the torch transport's, the lanes', the DDP hook's) is
+    opened here."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
-                                      datetime.timedelta(seconds=timeout_s))
+        if backend == "gloo":
+            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
+                                          timeout)
+        elif backend == "nccl":
+            group = _nccl_group(dist.PrefixStore(prefix, store), rank, world_size, timeout)
+        else:
+            raise InvalidArgumentError(f"rank {rank}: dqcoll opens private gloo or nccl "
+                                       f"connections, not {backend!r}")
+    except InvalidArgumentError:
+        raise
     except Exception as exc:
         text = one_line(exc)
         kind = CollectiveTimeoutError if "imeout" in text or "imed out" in text \
             else CommAbortedError
-        raise kind(f"rank {rank} of {world_size}: opening dqcoll's gloo connection under "
+        raise kind(f"rank {rank} of {world_size}: opening dqcoll's {backend} connection under "
                    f"{prefix!r} failed (every rank of the group opens it at the same point, "
                    f"within {timeout_s:g} s): {text}") from None
     with _PRIVATE_LOCK:
         _PRIVATE.append(group)
+    return group
+
+
+def _nccl_group(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """A ``ProcessGroup`` whose CUDA backend is a ``ProcessGroupNCCL`` of its own (as
+    ``init_process_group("nccl")`` builds one, outside torch's registry): it takes the
+    backend's point-to-point calls, ``_start_coalescing`` / ``_end_coalescing`` (one NCCL group
+    launch per exchange) and ``allreduce``."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    nccl = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    group = dist.ProcessGroup(store, rank, world_size)
+    group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+    group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
     return group
 
 
@@ -192,6 +223,14 @@ def _cpu_is_gloo(backend: str) -> bool:
 def _write_header(frame: torch.Tensor, nbytes: int, tag: int) -> None:
     """The header (payload bytes, label CRC) into the first HEADER_NBYTES bytes of ``frame``."""
     frame[:HEADER_NBYTES].copy_(torch.tensor([nbytes, tag], dtype=torch.int64).view(torch.uint8))
+
+
+def _cuda_backend(backend: str) -> str | None:
+    """The private connection's backend for the CUDA messages of a group of ``backend``:
+    ``"nccl"`` where the group moves CUDA tensors with NCCL (``"nccl"``, or a per-device
+    string naming ``cuda:nccl``), else None (the caller's group carries them)."""
+    name = backend.lower().replace(" ", "")
+    return "nccl" if name == "nccl" or "cuda:nccl" in name.split(",") else None
 
 
 # (peer, header bytes, expected payload bytes, frame to copy out of or None, buffer)
@@ -309,14 +348,23 @@ class TorchTransport:
         # bare ProcessGroupGloo itself; over a registered group whose CPU backend is gloo, a
         # private connection (module docstring); otherwise None (batch_isend_irecv on the group)
         self.cpu_group: Any = None
+        # The group that carries CUDA messages: over a registered group whose CUDA backend is
+        # NCCL, a private NCCL group (module docstring); otherwise None (the caller's group)
+        self.cuda_group: Any = None
         self.private_prefix: str | None = None
+        cuda_backend = None if standalone else _cuda_backend(self.backend)
         if standalone:
             self.cpu_group = self.group if self.backend == "gloo" else None
-        elif _cpu_is_gloo(self.backend) and self.world_size > 1:
+        elif (_cpu_is_gloo(self.backend) or cuda_backend is not None) and self.world_size > 1:
             self.private_prefix = private_prefix(str(getattr(self.group, "group_name", "")))
-            self.cpu_group = open_private_group(
-                dist.distributed_c10d._get_process_group_store(self.group),
-                self.private_prefix, self.rank, self.world_size, self.timeout_s)
+            group_store = dist.distributed_c10d._get_process_group_store(self.group)
+            if _cpu_is_gloo(self.backend):
+                self.cpu_group = open_private_group(group_store, self.private_prefix,
+                                                    self.rank, self.world_size, self.timeout_s)
+            if cuda_backend is not None:
+                self.cuda_group = open_private_group(
+                    group_store, self.private_prefix + "cuda/", self.rank, self.world_size,
+                    self.timeout_s, backend=cuda_backend)
 
     def _wait(self, works: list[tuple[str, dist.Work]], what: str) -> None:
         """Wait for every (whom it concerns, e.g. ``"receiving from rank 1"``, Work)."""
@@ -453,11 +501,22 @@ class TorchTransport:
         over a gloo group, CPU messages go straight to the group's ``send`` / ``recv``, in the
         same order, which saves that per-message overhead of the calling thread. Everything
         else keeps ``batch_isend_irecv`` (nccl: one group launch for the whole batch). CPU
-        messages go to :attr:`cpu_group` where there is one (dqcoll's own gloo connection)."""
-        if self.cpu_group is not None and not _is_cuda(posts[0][2]):
-            group = self.cpu_group
-            return [group.send([tensor], peer, 0) if is_send else group.recv([tensor], peer, 0)
-                    for is_send, peer, tensor in posts]
+        messages go to :attr:`cpu_group` where there is one (dqcoll's own gloo connection), CUDA
+        messages to :attr:`cuda_group` where there is one (dqcoll's own NCCL group: the batch
+        as one coalesced launch, as ``batch_isend_irecv`` posts it)."""
+        on_cuda = _is_cuda(posts[0][2])
+        group = self.cuda_group if on_cuda else self.cpu_group
+        if group is not None:
+            coalesce = on_cuda and _coalesces(group, posts[0][2].device)
+            if coalesce:
+                group._start_coalescing(posts[0][2].device)
+            try:
+                works = [group.send([tensor], peer, 0) if is_send
+                         else group.recv([tensor], peer, 0) for is_send, peer, tensor in posts]
+            finally:
+                if coalesce:
+                    works = [group._end_coalescing(posts[0][2].device)]
+            return works
         ops = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._global[peer],
                           self.group) for is_send, peer, tensor in posts]
         return list(dist.batch_isend_irecv(ops))
@@ -515,10 +574,12 @@ class TorchTransport:
         all-reduces keep :meth:`allreduce`'s rank order. A CPU tensor is all-reduced on
         :attr:`cpu_group` where there is one (dqcoll's own gloo connection: a caller's
         all-reduce on its group meanwhile, from another thread, cannot take its place), a CUDA
-        tensor on the caller's group."""
+        tensor on :attr:`cuda_group` where there is one (likewise, NCCL), else on the caller's
+        group."""
         if self.world_size > 1 and tensor.numel():
-            if self.cpu_group is not None and not _is_cuda(tensor):
-                work = self.cpu_group.allreduce([tensor])
+            group = self.cuda_group if _is_cuda(tensor) else self.cpu_group
+            if group is not None:
+                work = group.allreduce([tensor])
             else:
                 work = dist.all_reduce(tensor, group=self.group, async_op=True)
             assert work is not None
@@ -551,10 +612,21 @@ class TorchTransport:
                 pass
 
     def close(self) -> None:
-        """Shut down the private connection this transport carries its CPU messages on (one
+        """Shut down the private connections this transport carries its messages on (those
         that :func:`open_private_group` opened; a group of the caller's stays open)."""
-        if self.cpu_group is not None:
-            release_private_group(self.cpu_group)
+        for group in (self.cpu_group, self.cuda_group):
+            if group is not None:
+                release_private_group(group)
+
+
+def _coalesces(group: Any, device: torch.device) -> bool:
+    """Whether ``group`` runs a batch of point-to-point messages on ``device`` as one
+    coalesced launch (NCCL), as ``batch_isend_irecv`` asks it."""
+    try:
+        backend = group._get_backend(device) if hasattr(group, "_get_backend") else group
+        return bool(backend.supports_coalescing)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _batch_peers(posts: list[tuple[bool, int, torch.Tensor]]) -> str:
