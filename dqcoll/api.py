@@ -19,7 +19,7 @@ worker (see :mod:`dqcoll.handles`); a synchronous call first waits for the commu
 asynchronous ones.
 
 Only the package's front (``dqcoll/__init__.py``), the integrations, the command line and the
-evaluation (``dqcoll/eval``) import this module; the layers below call
+lab beside the runtime (``dqcoll_lab``) import this module; the layers below call
 :func:`dqcoll.execute.launch` (tests/test_layers.py pins it).
 """
 

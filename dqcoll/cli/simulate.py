@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "mxfp8, mxfp8:scale=global, none (default dynamiq)")
     p.add_argument("--bits", type=float, default=5.0, help="DynamiQ's bit budget (default 5)")
     p.add_argument("--source", default=DEFAULT_SOURCE, help="gradient source spec "
-                   "(dqcoll.eval.sources), default %(default)s")
+                   "(dqcoll.topology.sources), default %(default)s")
     p.add_argument("--numel", type=int, default=None, help="coordinates per rank "
                    "(default: the source's own length)")
     p.add_argument("--topology", default=None, help="JSON file, 'detect', 'NxG[-intra]@GBPS', "
@@ -94,8 +94,7 @@ def _load() -> list[float] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..eval.accuracy import parse_scheme_spec
-    from ..eval.sources import make_source
+    from ..schemes.choice import parse_scheme_spec
     from ..topology.cost import price_allreduce
     from ..topology.simulator import (
         default_memory_mb,
@@ -103,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         simulate,
         simulate_hierarchical,
     )
+    from ..topology.sources import make_source
     from ..topology.steps import placed_plan
     from ..topology.tuning import Candidate, _hier_plan, predict_us
 

@@ -19,7 +19,9 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
+from collections.abc import Sequence
 
 from ..topology.detect import parse_topology
 from ..topology.tuning import TUNED_DIR, TunedTable, default_candidates, size_buckets
@@ -27,7 +29,7 @@ from .bench import parse_size
 from .progress import ProgressBar
 from .provenance import git_commit
 
-__all__ = ["main", "plot_table"]
+__all__ = ["bits_needed_command", "main", "plot_table"]
 
 
 def _floats(text: str) -> list[float]:
@@ -65,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", default=None, help="plot path (default: next to the table)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--bits-needed", action="store_true",
-                   help="also report, per scheme family, the bits each needs for vNMSE <= the "
-                        "error budget on --source at this world size (dqcoll eval's "
-                        "--target-vnmse, run over the local transport; minutes at 32 ranks)")
+                   help="also print the lab's command that reports, per scheme family, the bits "
+                        "each needs for vNMSE <= the error budget on --source at this world size "
+                        "(python -m dqcoll_lab eval --target-vnmse: real all-reduces over the "
+                        "local transport, minutes at 32 ranks)")
     return p
 
 
@@ -114,7 +117,7 @@ def plot_table(table: TunedTable, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..eval.sources import make_source
+    from ..topology.sources import make_source
     from ..topology.tuning import tune
 
     topology = parse_topology(args.topology, world_size=args.world_size)
@@ -162,15 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     if not table.complete:
         print("interrupted: the table holds the sizes computed so far", file=sys.stderr)
     if args.bits_needed:
-        from ..eval.accuracy import bits_needed, format_needed
-
-        algorithms = sorted({c.algorithm for c in candidates
-                             if c.algorithm in ("ring", "butterfly", "direct")})
-        needed = []
-        for algorithm in algorithms:
-            needed += bits_needed(data, algorithm, args.error_budget)
-        print(f"bits needed for vNMSE <= {args.error_budget:g} on {args.source}, "
-              f"{topology.world_size} ranks:")
-        print(format_needed(needed))
+        command = bits_needed_command(args, topology.world_size,
+                                      sorted({c.algorithm for c in candidates}))
+        print(f"bits needed for vNMSE <= {args.error_budget:g}, per scheme family: {command}")
     return 0
+
+
+def bits_needed_command(args: argparse.Namespace, world_size: int,
+                        algorithms: Sequence[str] = ("ring", "butterfly", "direct")) -> str:
+    """The lab's command (it measures with real all-reduces; the runtime does not import it)
+    that reports each scheme family's bits for vNMSE <= ``--error-budget`` on the data the
+    tuner simulated: the same source, size, seed and world size, the flat algorithms tuned."""
+    flat = [a for a in algorithms if a in ("ring", "butterfly", "direct")] or ["ring"]
+    command = ["python", "-m", "dqcoll_lab", "eval", "--source", args.source,
+               "--world-sizes", str(world_size), "--algorithms", ",".join(flat),
+               "--target-vnmse", f"{args.error_budget:g}", "--seed", str(args.seed)]
+    if args.sim_numel is not None:
+        command += ["--numel", str(args.sim_numel)]
+    return shlex.join(command)
 

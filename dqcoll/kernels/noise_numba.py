@@ -1,6 +1,6 @@
 """Counter-based normal noise: N(0, 1) values addressed by (key, super-group, coordinate).
 
-The ``lognormal-mixture`` gradient source (:mod:`dqcoll.eval.sources`) draws every coordinate
+The ``lognormal-mixture`` gradient source (:mod:`dqcoll.topology.sources`) draws every coordinate
 of every rank from here, so that any slice of any rank's gradient can be produced on its own,
 in any order, with the same bytes: the simulator generates each worker's rows when a step needs
 them (:mod:`dqcoll.topology.simulator`) instead of holding ``n x numel`` values, and pass 1

@@ -4,7 +4,7 @@ The cheapest baseline that every accelerator supports natively: 16 bits per coor
 metadata, no statistics. Partial sums are re-rounded at every hop (decompress to fp32, add, round
 again), so the result is biased and not exact, but the relative error per hop is at most 2**-9.
 ``none`` with ``wire_dtype=torch.bfloat16`` moves the same bytes; this name exists so that
-``dqcoll eval`` and the tuner can list it beside the other schemes with its own metadata.
+the lab's ``eval`` and the tuner can list it beside the other schemes with its own metadata.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Per call:
 Every rank contributes its own values for every block in the union, also for blocks it did not
 mark itself: the union travels anyway, so this costs nothing and is closer to the true sum than
 zeroing them. The wire cost depends on the data: ``32 * |union| / blocks`` bits per coordinate,
-between ``32 * density`` (all ranks agree) and ``32 * n * density``; ``dqcoll eval`` reports the
+between ``32 * density`` (all ranks agree) and ``32 * n * density``; the lab's ``eval`` reports the
 measured bytes. Dropping blocks biases the result (no error feedback here: that belongs to the
 training loop, not to the collective).
 

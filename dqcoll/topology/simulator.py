@@ -103,7 +103,7 @@ def peak_rss_bytes() -> int:
 
 
 class RankData(Protocol):
-    """Anything that hands out one fp32 1-D tensor per rank (a ``dqcoll.eval.sources`` source).
+    """Anything that hands out one fp32 1-D tensor per rank (a :mod:`.sources` source).
     With ``row_access`` true, ``fill_rows(ranks, starts, out)`` gives slices of them."""
 
     world_size: int
@@ -523,8 +523,8 @@ def _adapter(scheme_name: str, options: dict[str, Any], numel: int, n: int, op: 
         return _BlockAdapter(schemes.get(scheme_name, **options), numel, n, op, seed, step)
     raise UnsupportedError(
         f"the simulator runs 'dynamiq' and {', '.join(repr(s) for s in BLOCK_SCHEMES)}; "
-        f"{scheme_name!r} has no batched adapter yet (use dqcoll eval over the local transport "
-        f"for it)")
+        f"{scheme_name!r} has no batched adapter yet (use python -m dqcoll_lab eval over the "
+        f"local transport for it)")
 
 
 # -- pass 2: the reduce phase, a batch of chunks at a time -----------------------------------------

@@ -265,7 +265,7 @@ def tune(
     """Tune ``topology`` for messages of ``sizes`` bytes; see the module docstring.
 
     Errors are simulated on ``data``, one tensor per rank of the topology (a
-    :class:`.simulator.RankData`, e.g. a ``dqcoll.eval.sources`` source as ``dqcoll tune``
+    :class:`.simulator.RankData`, e.g. a :mod:`.sources` source as ``dqcoll tune``
     builds it), with ``seed`` for the schemes' random numbers; ``known_errors`` (configuration
     label -> vNMSE, e.g. another table's ``errors`` for the same ranks and hosts at another link
     speed) skips those simulations. Ctrl-C stops early and returns the sizes done

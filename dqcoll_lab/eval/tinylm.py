@@ -1,11 +1,11 @@
 """A tiny byte-level transformer language model on the Python standard library's own source text.
 
-Two users: the ``stdlib-lm`` gradient source of :mod:`dqcoll.eval.sources` (real gradients, made
-here, for ``dqcoll eval``) and the convergence experiment (``tools/convergence.py``); the examples
-train it too. All need text that is present on every machine without a download: the ``.py``
-files of the running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``), read
-in sorted path order, so the corpus is fixed by the Python version alone (recorded next to every
-result).
+Two users: the ``stdlib-lm`` gradient source of :mod:`dqcoll_lab.eval.sources` (real gradients,
+made here, for ``python -m dqcoll_lab eval``) and the convergence experiment
+(``tools/convergence.py``); the examples train it too. All need text that is present on every
+machine without a download: the ``.py`` files of the running interpreter's standard library
+(``sysconfig.get_paths()["stdlib"]``), read in sorted path order, so the corpus is fixed by the
+Python version alone (recorded next to every result).
 
 The model is a GPT-style decoder: token embeddings plus learned positions, ``layers``
 pre-LayerNorm blocks of causal multi-head attention and a 4x GELU MLP, a final LayerNorm and an
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..schemes.seeds import derived_seed
+from dqcoll.schemes.seeds import derived_seed
 
 __all__ = [
     "LMConfig",

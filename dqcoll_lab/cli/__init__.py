@@ -1,0 +1,1 @@
+"""The lab's command line: ``python -m dqcoll_lab <command>`` (console script ``dqcoll-lab``)."""
