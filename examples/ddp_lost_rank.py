@@ -4,7 +4,7 @@
     python examples/ddp_lost_rank.py --world-size 5 --kill-rank 1 --kill-step 30 --steps 100
 
 The script starts its own ranks (not torchrun: torchrun's agent would stop every worker when one
-dies). Each rank trains :class:`dqcoll.eval.tinylm.TinyLM` with DDP, its gradients averaged by
+dies). Each rank trains :class:`dqcoll_lab.eval.tinylm.TinyLM` with DDP, its gradients averaged by
 ``dynamiq_hook`` with ``fault_tolerant=True`` (:mod:`dqcoll.integrations.torch_ddp`). At
 ``--kill-step`` the victim SIGKILLs itself in the middle of a gradient all-reduce. On each
 survivor that all-reduce raises a PeerError within ~0.1 s; the hook records it and hands DDP the
@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll.errors import DqcollError
-from dqcoll.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook, resync
 from dqcoll.schemes.seeds import derived_seed
+from dqcoll_lab.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

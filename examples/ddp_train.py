@@ -3,9 +3,9 @@
     torchrun --nproc-per-node 4 examples/ddp_train.py --scheme dynamiq --bits 5
     torchrun --nproc-per-node 4 examples/ddp_train.py --scheme none        # DDP's own all-reduce
 
-Each rank trains :class:`dqcoll.eval.tinylm.TinyLM` (a GPT-style decoder, ~0.1 M parameters at the
-defaults) on its own random windows of the Python standard library's source text (present on every
-machine, no download), with AdamW. The gradients go through ``dynamiq_hook``
+Each rank trains :class:`dqcoll_lab.eval.tinylm.TinyLM` (a GPT-style decoder, ~0.1 M parameters at
+the defaults) on its own random windows of the Python standard library's source text (present on
+every machine, no download), with AdamW. The gradients go through ``dynamiq_hook``
 (:mod:`dqcoll.integrations.torch_ddp`) over the job's gloo group. Rank 0 prints the training loss
 every ``--log-every`` steps, then the held-out loss, the vNMSE seen by the error monitor and the
 bytes dqcoll put on the wire.
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll import schemes
-from dqcoll.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
 from dqcoll.schemes.seeds import derived_seed
+from dqcoll_lab.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 
 
 @dataclasses.dataclass

@@ -4,9 +4,10 @@
     torchrun --nproc-per-node 4 examples/fsdp_train.py --mode exact    # FSDP2's own collectives
     torchrun --nproc-per-node 4 examples/fsdp_train.py --mode backend  # the "dqcoll" backend
 
-Each rank trains :class:`dqcoll.eval.tinylm.TinyLM` (a GPT-style decoder; ``--width 384 --layers 6``
-has 10.7 M parameters) on its own random windows of the Python standard library's source text
-(present on every machine), with AdamW, every block and the model wrapped by ``fully_shard``.
+Each rank trains :class:`dqcoll_lab.eval.tinylm.TinyLM` (a GPT-style decoder;
+``--width 384 --layers 6`` has 10.7 M parameters) on its own random windows of the Python
+standard library's source text (present on every machine), with AdamW, every block and the model
+wrapped by ``fully_shard``.
 ``--mode``:
 
 * ``exact``: FSDP2's own all-gather and reduce-scatter (``dist.all_gather_single`` /
@@ -41,10 +42,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from dqcoll import schemes
-from dqcoll.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 from dqcoll.integrations import fsdp as dqfsdp
 from dqcoll.integrations.policy import CompressionPolicy, RoleRule
 from dqcoll.schemes.seeds import derived_seed
+from dqcoll_lab.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 
 MODES = ("exact", "qwz", "qgz", "both", "backend")
 

@@ -7,7 +7,6 @@ import torch
 
 import dqcoll
 from dqcoll.errors import InvalidArgumentError
-from dqcoll.eval.sources import make_source
 from dqcoll.kernels import codec as C
 from dqcoll.metrics import vnmse
 from dqcoll.schemes.dynamiq.error_model import (
@@ -22,6 +21,7 @@ from dqcoll.schemes.dynamiq.error_model import (
 )
 from dqcoll.testing import run_local
 from dqcoll.topology import build_schedule
+from dqcoll.topology.sources import make_source
 
 
 @pytest.mark.parametrize("levels, scales, width", [

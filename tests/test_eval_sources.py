@@ -1,9 +1,11 @@
-"""Gradient sources (determinism, distributions, files) and the ``dqcoll eval`` command."""
+"""Gradient sources (determinism, distributions, files; the runtime's kinds and the lab's) and the
+lab's ``eval`` command (``python -m dqcoll_lab eval``)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import numpy as np
 import pytest
@@ -11,8 +13,9 @@ import torch
 
 from dqcoll.cli.main import main as dqcoll_main
 from dqcoll.errors import DqcollError
-from dqcoll.eval import accuracy
-from dqcoll.eval.sources import make_source, parse_source_spec
+from dqcoll_lab.cli.main import main as lab_main
+from dqcoll_lab.eval import accuracy
+from dqcoll_lab.eval.sources import make_source, parse_source_spec
 
 
 def test_spec_parsing() -> None:
@@ -106,7 +109,7 @@ def test_stdlib_lm_source_real_gradients() -> None:
 def test_word_vocabulary_tokens_round_trip() -> None:
     """vocab > 256: the corpus's most frequent words become tokens; decoding the ids gives the
     corpus back byte for byte, and the vocabulary is deterministic."""
-    from dqcoll.eval import tinylm
+    from dqcoll_lab.eval import tinylm
 
     words = tinylm.word_vocabulary(512)
     assert len(words) == 256 and len(set(words)) == 256
@@ -138,11 +141,11 @@ def test_stdlib_lm_word_vocabulary_source() -> None:
 
 
 def test_eval_command_outputs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """`dqcoll eval` prints a table and writes CSV, JSON and a PNG; bit budgets expand schemes
-    that take bits; every rank agrees; the exact scheme has zero error and the wire bits of its
-    exact sums."""
+    """`python -m dqcoll_lab eval` prints a table and writes CSV, JSON and a PNG; bit budgets
+    expand schemes that take bits; every rank agrees; the exact scheme has zero error and the wire
+    bits of its exact sums."""
     csv_path, json_path, png = tmp_path / "r.csv", tmp_path / "r.json", tmp_path / "r.png"
-    code = dqcoll_main([
+    code = lab_main([
         "eval", "--source", "gaussian", "--numel", "3000", "--world-sizes", "2,3",
         "--algorithms", "ring,direct", "--schemes", "none", "dynamiq", "mxfp8:element=e5m2",
         "--bits", "4,6", "--csv", str(csv_path), "--json", str(json_path), "--plot", str(png),
@@ -198,9 +201,10 @@ def test_bits_needed_reports_the_cheapest_member_that_meets_the_target() -> None
     assert by_family["dynamiq bits"].choice.startswith("bits=")
 
 
-def test_tune_reports_bits_needed_for_its_error_budget(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """dqcoll tune --bits-needed prints, for the tuner's error budget, each scheme family's
-    cheapest setting that meets it (dqcoll eval's error-target mode at the topology's size)."""
+def test_tune_points_to_the_labs_bits_needed_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """dqcoll tune --bits-needed prints the lab's command for the tuner's error budget on the
+    tuner's data (the runtime does not import the lab), and that command, run through the lab's
+    entry point, reports each scheme family's cheapest setting that meets the budget."""
     from dqcoll.cli import tune
 
     code = tune.main(["-t", "flat:2@10", "-b", "64K", "-e", "64K", "--bits", "5", "--tiles", "1",
@@ -209,8 +213,22 @@ def test_tune_reports_bits_needed_for_its_error_budget(tmp_path, capsys) -> None
                       "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "bits needed for vNMSE <= 0.02" in out
+    line = next(x for x in out.splitlines() if x.startswith("bits needed for vNMSE <= 0.02"))
+    command = shlex.split(line.split(": ", 1)[1])
+    assert command[:4] == ["python", "-m", "dqcoll_lab", "eval"]
+    assert command[command.index("--world-sizes") + 1] == "2"
+    assert command[command.index("--numel") + 1] == "4096"
+    assert lab_main([*command[3:], "--quiet"]) == 0
+    out = capsys.readouterr().out
     assert "dynamiq target_vnmse" in out and "mxfp" in out and "int8_block" in out
+
+
+def test_dqcoll_eval_names_the_lab_command(capsys) -> None:  # type: ignore[no-untyped-def]
+    """`dqcoll eval` (moved to the lab) runs nothing: it exits 2 with one line naming
+    `python -m dqcoll_lab eval`."""
+    assert dqcoll_main(["eval", "--source", "gaussian"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python -m dqcoll_lab eval" in err[0]
 
 
 def test_lognormal_mixture_tails_and_sparsity() -> None:
@@ -236,7 +254,7 @@ def test_minilm_source() -> None:
     its package): 22.7 M parameters, finite, different per rank, the same bytes on a second
     build, about half of the coordinates exactly zero (unused embedding rows), the encoder part
     dense; the WordPiece tokenizer gives BERT's ids."""
-    from dqcoll.eval import minilm
+    from dqcoll_lab.eval import minilm
 
     path = minilm.model_dir()
     if path is None:

@@ -9,9 +9,11 @@
   and know no codec.
 * Schemes use the kernels through their public names only: no ``dqcoll.kernels._private``
   module or ``_private`` name (:func:`test_schemes_use_public_kernel_names`).
-* Evaluation (``dqcoll/eval``: gradient sources, the tiny LM, the accuracy measurement) and the
-  command line (``dqcoll/cli``) sit beside the library: they may import anything, and no runtime
-  module imports them, so ``import dqcoll`` and the integrations load none of it.
+* The command line (``dqcoll/cli``) sits beside the library: it may import anything, and no
+  runtime module imports it, so ``import dqcoll`` and the integrations load none of it. The
+  evaluation (gradient sources made from models, the tiny LM, the accuracy measurement) is a
+  package of its own beside ``dqcoll``, ``dqcoll_lab``, which no module of ``dqcoll`` imports
+  (tests/test_lab_split.py).
 * No import circle among the modules of ``dqcoll`` (:func:`test_no_import_circles` states the
   rule it checks).
 """
@@ -41,8 +43,8 @@ FORBIDDEN = {
     "transports": ("api", "comm", "executor", "context", "handles", "hierarchical", "schemes",
                    "kernels", "topology", "integrations"),
 }
-# Beside the runtime: may import anything; only they import each other (see the docstring).
-OUTSIDE_RUNTIME = ("eval", "cli")
+# Beside the runtime: may import anything; no runtime module imports it (see the docstring).
+OUTSIDE_RUNTIME = ("cli",)
 
 
 def _imports(path: pathlib.Path) -> list[str]:
@@ -68,10 +70,9 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == f or name.startswith(f + ".") for f in prefixes)
 
 
-def test_runtime_does_not_import_evaluation_or_the_command_line():
-    """No module outside ``dqcoll/eval`` and ``dqcoll/cli`` imports either of them, even lazily
-    inside a function: the tuner takes its simulation data as an argument, the DDP hook its seed
-    helper from ``dqcoll.schemes.seeds``."""
+def test_runtime_does_not_import_the_command_line():
+    """No module outside ``dqcoll/cli`` imports it, even lazily inside a function: the tuner
+    takes its simulation data as an argument."""
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
         if path.relative_to(ROOT).parts[0] in OUTSIDE_RUNTIME:
@@ -83,8 +84,8 @@ def test_runtime_does_not_import_evaluation_or_the_command_line():
 
 def test_import_loads_no_evaluation_module():
     """In a fresh interpreter, ``import dqcoll`` and the integrations (DDP hook, FSDP, the
-    torch.distributed backend) leave no ``dqcoll.eval`` or ``dqcoll.cli`` module in
-    ``sys.modules``."""
+    torch.distributed backend) leave no ``dqcoll.cli`` module in ``sys.modules`` (nor a
+    ``dqcoll.eval`` one: the evaluation is ``dqcoll_lab``'s)."""
     code = (
         "import sys, dqcoll, dqcoll.integrations.torch_ddp, dqcoll.integrations.fsdp, "
         "dqcoll.integrations.torch_backend; "
@@ -273,7 +274,7 @@ API_IMPORTERS = ("__init__.py", "integrations", *OUTSIDE_RUNTIME)
 
 
 def test_call_path_imports_go_down():
-    """No module of dqcoll but ``__init__.py``, ``integrations/*``, ``cli/*`` and ``eval/*``
+    """No module of dqcoll but ``__init__.py``, ``integrations/*`` and ``cli/*``
     imports ``dqcoll.api`` (even lazily), and on the call path
     ``api -> execute -> validate -> prepare`` each module imports none of the ones before it."""
     offenders = []

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from dqcoll.eval.sources import make_source
 from dqcoll.kernels import codec, noise_numba
 from dqcoll.kernels.simulate_numba import RankTables, decode_raw, encode_ranked, encode_raw
 from dqcoll.schemes.dynamiq.allocation import count_classes
 from dqcoll.topology.algorithms import build_schedule
+from dqcoll.topology.sources import make_source
 
 
 def _normals(count: int, key: int = 7) -> np.ndarray:

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import dqcoll
-from dqcoll.eval.sources import make_source
 from dqcoll.kernels.codec import (
     CodecConfig,
     Levels,
@@ -26,6 +25,7 @@ from dqcoll.kernels.codec import (
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.simulator import simulate
+from dqcoll.topology.sources import make_source
 
 MIXTURE = "lognormal-mixture:weights=0.79,0.21;mu=-3.99,-16.41;sigma=1.22,4.63;supergroups=256"
 

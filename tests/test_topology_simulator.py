@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import dqcoll
-from dqcoll.eval.sources import make_source
 from dqcoll.hierarchical import hierarchical_allreduce
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
@@ -16,6 +15,7 @@ from dqcoll.topology.graph import Topology
 from dqcoll.topology.hierarchical import LevelSpec, build_hierarchical_plan
 from dqcoll.topology.placement import build_placed_schedule
 from dqcoll.topology.simulator import simulate, simulate_hierarchical
+from dqcoll.topology.sources import make_source
 from dqcoll.topology.steps import placed_plan
 
 CASES = [

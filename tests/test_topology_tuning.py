@@ -10,9 +10,9 @@ import torch
 import dqcoll
 from dqcoll.cli import simulate as simulate_cli
 from dqcoll.cli import tune as tune_cli
-from dqcoll.eval.sources import make_source
 from dqcoll.testing import run_local
 from dqcoll.topology.graph import Topology
+from dqcoll.topology.sources import make_source
 from dqcoll.topology.tuning import Candidate, TunedEntry, TunedTable, tune
 
 SOURCE = "lognormal-mixture:supergroups=48"

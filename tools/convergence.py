@@ -4,7 +4,7 @@ through dqcoll with each scheme; writes docs/convergence.md, docs/convergence.pn
     .venv/bin/python tools/convergence.py                   # about 10 minutes on a 2-core VM
     .venv/bin/python tools/convergence.py --steps 40 --schemes none dynamiq   # smoke test
 
-Setup: the byte-level transformer of :mod:`dqcoll.eval.tinylm` (0.12 M parameters) on the Python
+Setup: the byte-level transformer of :mod:`dqcoll_lab.eval.tinylm` (0.12 M parameters) on the Python
 standard library's source, ``--ranks`` data-parallel ranks as threads over dqcoll's ``local``
 transport (:func:`dqcoll.testing.run_local`). Every rank starts from the same weights; at every
 step each rank computes the gradient of its own batch, ``dqcoll.allreduce(grad, op="avg",
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 import dqcoll
-from dqcoll.eval import tinylm
 from dqcoll.schemes.seeds import derived_seed
 from dqcoll.testing import run_local
+from dqcoll_lab.eval import tinylm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_accuracy_docs import _commit, _machine
@@ -221,7 +221,7 @@ def error_profile(specs: list[str], args: argparse.Namespace) -> list[dict[str, 
     the exact sum, relative to that quarter's own energy (mean over ``PROFILE_REPEATS`` seeds).
     vNMSE weighs the quarters by energy; AdamW, which scales every coordinate by its own
     gradient history, sees each quarter's relative error."""
-    from dqcoll.eval.sources import make_source
+    from dqcoll_lab.eval.sources import make_source
 
     spec = (f"{PROFILE_SOURCE};width={args.width};layers={args.layers};"
             f"context={args.context}")
@@ -417,16 +417,16 @@ Machine: {meta["machine"]}. Commit measured: {meta["commit"]}.
 > -0.65 % final training loss (mean -0.23 %, every seed within 1 %; format 2: 1 of 3). Seed 0
 > with `energy_exponent=0.5`: -1.80 % and -1.43 %.
 
-Setup: byte-level transformer (`dqcoll/eval/tinylm.py`, width {args.width}, {args.layers} layers,
-context {args.context}, {nparams / 1e6:.2f} M parameters) on the Python standard library's source
-(the last 5 % held out for validation); {args.ranks} data-parallel ranks (threads over the `local`
-transport), {args.batch} windows per rank per step, AdamW (lr {args.lr:g}, weight decay 0.01,
-{args.warmup} linear warm-up steps, {schedule}), {args.steps} steps, seed {args.seed};
-gradients averaged by
-`dqcoll.allreduce(op="avg", algorithm="{args.algorithm}")` with the scheme of the row. Same seed,
-same batches, same steps for every row; `none` (fp32 on the wire) is the reference. Validation
-loss: mean over {args.val_batches} fixed held-out batches of 32 windows after the last step. Final
-train loss: mean over ranks and the last {max(1, args.steps // 10)} steps.{warm_text}
+Setup: byte-level transformer (`dqcoll_lab/eval/tinylm.py`, width {args.width}, {args.layers}
+layers, context {args.context}, {nparams / 1e6:.2f} M parameters) on the Python standard library's
+source (the last 5 % held out for validation); {args.ranks} data-parallel ranks (threads over the
+`local` transport), {args.batch} windows per rank per step, AdamW (lr {args.lr:g}, weight decay
+0.01, {args.warmup} linear warm-up steps, {schedule}), {args.steps} steps, seed {args.seed};
+gradients averaged by `dqcoll.allreduce(op="avg", algorithm="{args.algorithm}")` with the scheme of
+the row. Same seed, same batches, same steps for every row; `none` (fp32 on the wire) is the
+reference. Validation loss: mean over {args.val_batches} fixed held-out batches of 32 windows after
+the last step. Final train loss: mean over ranks and the last {max(1, args.steps // 10)}
+steps.{warm_text}
 
 {chr(10).join(verdict)}
 

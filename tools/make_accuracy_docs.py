@@ -2,10 +2,10 @@
 
     .venv/bin/python tools/make_accuracy_docs.py            # about 10 minutes on a 2-core VM
 
-Every number in the page comes from :func:`dqcoll.eval.accuracy.evaluate` (real all-reduces over the
-local transport, the real codecs and schedules) run by this script; the page records the command,
-the machine, the commit and the library versions next to the numbers. Verdicts ("dynamiq at 5 bits
-beats mxfp8") are computed from the rows, not written by hand.
+Every number in the page comes from :func:`dqcoll_lab.eval.accuracy.evaluate` (real all-reduces over
+the local transport, the real codecs and schedules) run by this script; the page records the
+command, the machine, the commit and the library versions next to the numbers. Verdicts ("dynamiq at
+5 bits beats mxfp8") are computed from the rows, not written by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dqcoll.cli.provenance import git_commit
-from dqcoll.eval.accuracy import (
+from dqcoll_lab.eval.accuracy import (
     EvalRow,
     NeededRow,
     SchemeChoice,
@@ -33,7 +33,7 @@ from dqcoll.eval.accuracy import (
     parse_scheme_spec,
     plot_rows,
 )
-from dqcoll.eval.sources import make_source
+from dqcoll_lab.eval.sources import make_source
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -335,7 +335,7 @@ def _needed_section(needed: list[NeededRow]) -> str:
         "what `target_vnmse=` spent (second of two calls on one communicator: the first measures "
         "the ranks' correlation), `dynamiq bits` the smallest fixed budget that meets the target "
         "(bisection to 0.25 bit, `max_width=16`). `-`: no member meets it. Same data via "
-        "`dqcoll eval --source <spec> --world-sizes 8 --target-vnmse 1e-2,1e-3,1e-4`.",
+        "`dqcoll-lab eval --source <spec> --world-sizes 8 --target-vnmse 1e-2,1e-3,1e-4`.",
         "",
     ]
     sources = list(dict.fromkeys(r.source for r in needed))
@@ -484,14 +484,14 @@ result (every rank's result was checked bit-identical). "bits on the wire" is me
 transport's byte counters (payload + statistics all-reduces + the argument check) per rank,
 divided by the 2(n−1)/n coordinates a bandwidth-optimal all-reduce sends per rank, so it is
 directly comparable with the declared bits per coordinate. The same numbers from the command line:
-`dqcoll eval --source '<spec>' --world-sizes 8 --algorithms ring,butterfly --bits 3,4,5,6,8`.
+`dqcoll-lab eval --source '<spec>' --world-sizes 8 --algorithms ring,butterfly --bits 3,4,5,6,8`.
 
-Gradient sources (see `dqcoll/eval/sources.py`):
+Gradient sources (see `dqcoll/topology/sources.py` and `dqcoll_lab/eval/sources.py`):
 
 - `{MIXTURE}`: synthetic LLM-like gradients, 262,144 coordinates per rank; each super-group of
   256 has a magnitude M drawn from the mixture of log-normals (shared by all ranks), each rank's
   coordinates i.i.d. N(0, (M/16)²) (independent across ranks).
-- `{LM_WORDS}`: real gradients of the small transformer of `dqcoll/eval/tinylm.py` (width 64,
+- `{LM_WORDS}`: real gradients of the small transformer of `dqcoll_lab/eval/tinylm.py` (width 64,
   2 layers, tied embedding and output head) with a 4096-token vocabulary (the 3840 most frequent
   words of the training text, plus bytes), trained here for 300 AdamW steps on the Python
   standard library's source; each rank's gradient is on its own batch of 16 windows of 64 tokens.

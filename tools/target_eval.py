@@ -49,11 +49,11 @@ import torch
 import dqcoll
 from dqcoll.cli.provenance import git_commit
 from dqcoll.errors import InvalidArgumentError
-from dqcoll.eval.sources import make_source
 from dqcoll.metrics import vnmse
 from dqcoll.schemes.dynamiq import error_model as em
 from dqcoll.schemes.dynamiq.error_model import ErrorModel
 from dqcoll.testing import run_local
+from dqcoll_lab.eval.sources import make_source
 
 # name -> (spec, numel or None for the source's own length)
 SOURCES: dict[str, tuple[str, int | None]] = {

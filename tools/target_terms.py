@@ -38,10 +38,10 @@ import torch
 
 import dqcoll.topology.simulator as sim
 from dqcoll.cli.provenance import git_commit
-from dqcoll.eval.sources import make_source
 from dqcoll.kernels.codec import SUPER, decode_torch, record_nbytes, stats_center_torch
 from dqcoll.schemes.dynamiq import error_model as em
 from dqcoll.topology.algorithms import build_schedule
+from dqcoll_lab.eval.sources import make_source
 
 
 def exact_terms(source) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
