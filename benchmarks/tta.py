@@ -17,8 +17,8 @@ hook                what averages the gradients
 ``int4_block``      ``DynamiqState(scheme="int4_block")``: ZeRO++-style 4-bit blocks through dqcoll
 ==================  ===============================================================================
 
-The job: :class:`dqcoll.eval.tinylm.TinyLM`, a GPT-style decoder (learned positions, pre-LayerNorm
-blocks of causal attention and a 4x GELU MLP, output head tied to the embedding) at
+The job: :class:`dqcoll_lab.eval.tinylm.TinyLM`, a GPT-style decoder (learned positions,
+pre-LayerNorm blocks of causal attention and a 4x GELU MLP, output head tied to the embedding) at
 ``--model-width`` 384, ``--layers`` 6, ``--seq-len`` 128: 10.8 M parameters, byte tokens
 (vocabulary 256). The text is the ``.py`` files of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``, without ``site-packages`` and test suites), present on every
@@ -108,9 +108,9 @@ from ddp_step import percentile, spawn  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dqcoll.cli.provenance import device_name, git_commit  # noqa: E402
-from dqcoll.eval.tinylm import LMConfig, TinyLM  # noqa: E402
 from dqcoll.schemes.seeds import derived_seed  # noqa: E402
 from dqcoll.transports.base import ring_allreduce_nbytes  # noqa: E402
+from dqcoll_lab.eval.tinylm import LMConfig, TinyLM  # noqa: E402
 
 __all__ = ["HOOKS", "Corpus", "is_heldout", "load_corpus", "lr_factor", "main", "reach",
            "render_markdown", "summarize"]
