@@ -275,3 +275,62 @@ def test_backend_policy_on_one_rank_raises_on_every_rank() -> None:
         message = report["message"]
         assert "policy min_nbytes (ranks 0, 2: '65536'; rank 1: '1000000')" in message, message
         assert report["seconds"] < 10, report
+
+
+_BACKEND_SIZES_ACROSS_MIN_NBYTES = r"""
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+import dqcoll.integrations.torch_backend  # registers "dqcoll"
+from dqcoll.errors import DqcollError
+rank = int(os.environ["RANK"])
+collective = sys.argv[1]
+report = {"rank": rank}
+dist.init_process_group("dqcoll")
+group = dist.group.WORLD
+n = dist.get_world_size()
+# one matching small call and one matching large call first: they run (exact, compressed)
+small, large = 1000, 50000  # 4 KB and 200 KB of fp32: either side of min_nbytes (64 KiB)
+def call(numel):
+    if collective == "all_reduce":
+        x = torch.ones(numel)
+        dist.all_reduce(x)
+        return float(x[0])
+    if collective == "reduce_scatter":
+        out = torch.empty(numel)
+        dist.reduce_scatter_tensor(out, torch.ones(n * numel))
+        return float(out[0])
+    out = torch.empty(n * numel)
+    dist.all_gather_into_tensor(out, torch.ones(numel))
+    return float(out[0])
+report["small"], report["large"] = call(small), call(large)
+start = time.monotonic()
+try:
+    call(small if rank == 1 else large)  # rank 1's tensor is below min_nbytes, the others' above
+    report["error"] = None
+except (DqcollError, RuntimeError) as exc:
+    report["error"], report["message"] = type(exc).__name__, str(exc)
+report["seconds"] = time.monotonic() - start
+print("REPORT " + json.dumps(report), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_backend_sizes_on_both_sides_of_min_nbytes_raise_on_every_rank(collective: str) -> None:
+    """The ``dqcoll`` backend, 3 ranks, a call whose tensor is below ``min_nbytes`` on one rank
+    and above it on the others (one rank's call exact on the wrapped group, the others'
+    compressed on the lane): every rank raises MismatchError naming the path and the sizes
+    within a second, instead of each side waiting on its own connection until the timeout;
+    matching calls on either side of the threshold run before it."""
+    reports = run_gloo_script(_BACKEND_SIZES_ACROSS_MIN_NBYTES, 3, timeout_s=90,
+                              argv=(collective,), env={"DQCOLL_TIMEOUT_S": "20"})
+    for rank, report in reports.items():
+        assert report["exit"] == 0, report
+        expected = 3.0 if collective != "all_gather" else 1.0
+        assert report["small"] == expected and abs(report["large"] - expected) < 0.05, report
+        assert report["error"] == "MismatchError", report
+        message = report["message"]
+        assert f"rank {rank}:" in message and "path check" in message, message
+        assert "path (1: compressed on the lane, 0: exact below min_nbytes)" in message, message
+        assert report["seconds"] < 1.0, report

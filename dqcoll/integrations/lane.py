@@ -104,6 +104,11 @@ log = logging.getLogger("dqcoll.integrations")
 # them).
 LANE_GATHER_NBYTES = 256 * 1024
 _GATHER_FIELDS = ("numel", "output numel", "dtype", "output dtype", "scheme")
+# the path check (Lane(check_paths=True)): what every rank's call must agree on before the lane
+# runs it, and the collectives' codes in it
+_PATH_FIELDS = ("collective", "path (1: compressed on the lane, 0: exact below min_nbytes)",
+                "numel", "output numel", "dtype")
+_ROLE_CODES = {Role.ALLREDUCE: 1, Role.GRADIENTS: 2, Role.WEIGHTS: 3}
 _SCATTER_FIELDS = ("numel", "input numel", "dtype", "output dtype", "scheme", "op")
 
 
@@ -301,13 +306,22 @@ class Lane:
         settings: more settings the ranks must share (beside the policy's text and node
             layout, :func:`policy_settings`), agreed when the lane's communicator is created:
             ranks that differ all raise :class:`MismatchError` naming them.
+        check_paths: every call first checks, in one small exchange on the lane, that every
+            rank takes the same path with the same sizes (:meth:`probe` is the check of a call
+            that runs exact elsewhere); for a caller whose ranks decide per call by size (the
+            ``dqcoll`` backend), so that sizes on both sides of ``min_nbytes`` raise
+            :class:`MismatchError` on every rank instead of leaving each side waiting on
+            another connection. Skipped where the argument check is off
+            (``DQCOLL_VALIDATE=0``, agreed by the ranks).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
                  timeout_s: float, name: str, prefix: str = "dqcoll-lane/",
                  device: torch.device | str = "cpu",
-                 settings: Mapping[str, str] | None = None) -> None:
+                 settings: Mapping[str, str] | None = None, check_paths: bool = False) -> None:
         self.rank = rank
+        self.check_paths = check_paths
+        self._paths = 0  # path checks so far (their labels)
         self.world_size = world_size
         self.policy = policy
         # agreed by the ranks when the lane's communicator is created (dqcoll.agreement): the
@@ -393,15 +407,40 @@ class Lane:
 
     # -- submission ----------------------------------------------------------------------------
 
+    def _check_path(self, role: Role, compressed: bool, numel: int, out_numel: int,
+                    dtype: torch.dtype) -> None:
+        """The path check (``check_paths``): one small exchange in which every rank's call
+        must show the same collective, path and sizes; ranks that differ all raise
+        :class:`MismatchError` naming the fields and this rank's values."""
+        if not self.check_paths or not self.comm.validate:
+            return
+        self._paths += 1
+        fields = (_ROLE_CODES[role], int(compressed), numel, out_numel,
+                  zlib.crc32(str(dtype).encode()))
+        self._check(f"lane {self.name} path check #{self._paths} ({role.value})", fields,
+                    _PATH_FIELDS)
+
+    def probe(self, role: Role, numel: int, out_numel: int, dtype: torch.dtype) -> dist.Work:
+        """The path check of a call that runs exact elsewhere (on the caller's group): queued
+        in issue order with the lane's calls; its Work raises :class:`MismatchError` where a
+        rank's call came to the lane compressed instead."""
+        with self._lock:
+            done = self._pool.submit(self._check_path, role, False, numel, out_numel, dtype)
+        return LaneWork(done, None)
+
     def submit(self, role: Role, tensor_nbytes: int, numel: int, run: Callable[[], Any],
-               result: Any, tensors: Sequence[torch.Tensor] = ()) -> dist.Work:
+               result: Any, tensors: Sequence[torch.Tensor] = (),
+               path: tuple[int, torch.dtype] | None = None) -> dist.Work:
         """Queue ``run()`` (one whole collective on ``tensors``) on the lane's thread; a Work for
-        its end. On CUDA, ordered after the caller's current stream (module docstring)."""
+        its end. On CUDA, ordered after the caller's current stream (module docstring).
+        ``path``: the output's elements and the dtype, for the path check (``check_paths``)."""
         counters = self.counters[role]
         order = self.order
         ready = order.record_caller() if order is not None else None
 
         def job() -> Any:
+            if path is not None:
+                self._check_path(role, True, numel, *path)
             before = self.transport.counters["bytes_sent"]
             done = None
             if order is None:
@@ -448,7 +487,7 @@ class Lane:
                                                      comm=self.comm)
 
         return self.submit(Role.GRADIENTS, inp.numel() * inp.element_size(), inp.numel(), run,
-                           out, (inp, out))
+                           out, (inp, out), (out.numel(), inp.dtype))
 
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor, *,
                    rule: RoleRule) -> dist.Work:
@@ -467,7 +506,7 @@ class Lane:
                                                  comm=self.comm)
 
         return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out,
-                           (shard, out))
+                           (shard, out), (shard.numel(), out.dtype))
 
     def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat CPU buffer of the lane's own for one purpose of its block collectives, kept
@@ -659,7 +698,7 @@ class Lane:
             hierarchical.hierarchical_allreduce(buf.view(-1), plan, op=op, comm=self.comm)
 
         return self.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(), run,
-                           [buf], (buf,))
+                           [buf], (buf,), (buf.numel(), buf.dtype))
 
     def summary(self) -> dict[str, dict[str, int]]:
         """The counters per role, as plain dicts (for JSON)."""

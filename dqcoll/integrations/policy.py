@@ -112,6 +112,9 @@ class Decision:
 
     compress: bool
     reason: str = ""
+    # not compressed only because the tensor is below ``min_nbytes``: a rank that passed a larger
+    # tensor (a caller's mistake) would compress it, so the dqcoll backend checks such calls
+    by_size: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,5 +239,6 @@ class CompressionPolicy:
             return Decision(False, f"{role.value}: {tensor.device.type} tensors are not "
                                    f"compressed by the integrations (cpu and cuda are)")
         if tensor.numel() * tensor.element_size() < self.min_nbytes:
-            return Decision(False, f"{role.value}: below min_nbytes={self.min_nbytes}")
+            return Decision(False, f"{role.value}: below min_nbytes={self.min_nbytes}",
+                            by_size=True)
         return Decision(True)

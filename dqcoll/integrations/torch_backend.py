@@ -41,9 +41,14 @@ seed, ...), the node layout and whether a CUDA lane can run are agreed when the 
 created, with ``DQCOLL_VALIDATE`` and ``DQCOLL_AUTO_FORCE`` (:mod:`dqcoll.agreement`): ranks that
 differ all raise :class:`~dqcoll.errors.MismatchError` from ``init_process_group``, naming each
 rank's value. Ranks that pass different sizes to a compressed call all raise (dqcoll's argument
-check), instead of hanging; sizes on both sides of ``min_nbytes`` put the ranks on different
-connections (one compressed, one exact), where nothing can compare them without an exchange per
-call: that mistake waits for the timeout, as it would with any backend.
+check), instead of hanging. Sizes on both sides of ``min_nbytes`` would put the ranks on
+different connections (one compressed on the lane, one exact on the wrapped group): so every
+call the policy would compress but for its size, and every compressed call, first passes the
+lane's path check (:meth:`Lane.probe <dqcoll.integrations.lane.Lane.probe>`; one small exchange
+on the lane, in issue order, off the caller's thread; the exact call is posted at once and its
+Work waits for both), and ranks whose calls differ all raise
+:class:`~dqcoll.errors.MismatchError` naming the path and the sizes. ``DQCOLL_VALIDATE=0`` skips
+it with the argument check.
 
 Rejected: a C++ ``Backend`` extension (a compiled plugin per torch version; the codec here is
 host-driven Python and numba anyway) and ``extended_api`` creator arguments (the four-argument
@@ -135,7 +140,8 @@ class DqcollProcessGroup(dist.ProcessGroup):
         # agree on it (and on the CUDA lane) here, or all raise MismatchError naming each
         # rank's value (dqcoll.agreement)
         self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
-                         name="backend", prefix="dqcoll-lane/", settings={"CUDA lane": cuda})
+                         name="backend", prefix="dqcoll-lane/", settings={"CUDA lane": cuda},
+                         check_paths=True)
         self.exact_calls: dict[str, int] = {}
         self._logged: set[str] = set()
 
@@ -166,17 +172,30 @@ class DqcollProcessGroup(dist.ProcessGroup):
         self.exact_calls[what] = self.exact_calls.get(what, 0) + 1
         return self.wrapped
 
-    def _should_compress(self, role: Role, tensor: torch.Tensor, op_ok: bool = True) -> bool:
+    def _route(self, role: Role, tensor: torch.Tensor, op_ok: bool = True) -> str:
+        """Where this call goes: ``"lane"`` (compressed), ``"checked"`` (exact on the wrapped
+        group only because of its size: the lane checks that every rank agrees,
+        :meth:`_exact_checked`) or ``"exact"``."""
         if not tensor.is_floating_point() or not tensor.is_contiguous():
-            return False
+            return "exact"
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok)
-        if decision.compress and tensor.device.type == "cuda":
-            if self._cuda_lane_reason() is not None:
-                return False
+        if tensor.device.type == "cuda" and self._cuda_lane_reason() is not None:
+            return "exact"
         if not decision.compress and decision.reason not in self._logged:
             self._logged.add(decision.reason)
             log.info("dqcoll backend: exact %s (%s)", role.value, decision.reason)
-        return decision.compress
+        return "lane" if decision.compress else "checked" if decision.by_size else "exact"
+
+    def _exact_checked(self, route: str, role: Role, tensor: torch.Tensor, numel: int,
+                       out_numel: int, post: Any) -> dist.Work:
+        """``post()``'s exact call on the wrapped group; one routed ``"checked"`` is first
+        queued for the lane's path check (:meth:`Lane.probe`), and its Work raises the check's
+        MismatchError where another rank's call went to the lane (sizes on both sides of
+        ``min_nbytes``)."""
+        if route != "checked":
+            return post()
+        check = self._lane(tensor).probe(role, numel, out_numel, tensor.dtype)
+        return CheckedWork(check, post())
 
     def _cuda_lane_reason(self) -> str | None:
         """None when CUDA calls can have a lane here, else why not (asked once; a reason is
@@ -196,7 +215,8 @@ class DqcollProcessGroup(dist.ProcessGroup):
         if self.cuda_lane is None:
             self.cuda_lane = Lane(self._store, self._rank, self._world_size, policy=self.policy,
                                   timeout_s=self._timeout_s, name="backend cuda",
-                                  prefix="dqcoll-lane/cuda/", device=tensor.device)
+                                  prefix="dqcoll-lane/cuda/", device=tensor.device,
+                                  check_paths=True)
         return self.cuda_lane
 
     def summary(self) -> dict[str, Any]:
@@ -217,13 +237,16 @@ class DqcollProcessGroup(dist.ProcessGroup):
                   opts: AllreduceOptions | None = None) -> dist.Work:
         opts = opts if opts is not None else AllreduceOptions()
         kind, factor = _op_kind(opts.reduceOp)
-        if len(tensors) == 1 and self._should_compress(Role.ALLREDUCE, tensors[0],
-                                                       kind in ("sum", "avg", "premul")):
+        if len(tensors) != 1:
+            return self._exact("allreduce").allreduce(tensors, opts)
+        buf = tensors[0]
+        route = self._route(Role.ALLREDUCE, buf, kind in ("sum", "avg", "premul"))
+        if route == "lane":
             if kind == "premul":
-                tensors[0].mul_(factor)
-            return self._lane(tensors[0]).allreduce(tensors[0], avg=kind == "avg",
-                                                    rule=self.policy.allreduce)
-        return self._exact("allreduce").allreduce(tensors, opts)
+                buf.mul_(factor)
+            return self._lane(buf).allreduce(buf, avg=kind == "avg", rule=self.policy.allreduce)
+        return self._exact_checked(route, Role.ALLREDUCE, buf, buf.numel(), buf.numel(),
+                                   lambda: self._exact("allreduce").allreduce(tensors, opts))
 
     def _reduce_scatter_base(self, output: torch.Tensor,  # type: ignore[override]
                              input: torch.Tensor,
@@ -231,13 +254,16 @@ class DqcollProcessGroup(dist.ProcessGroup):
         """The single-tensor reduce-scatter (torch < 2.12 calls it by this name)."""
         opts = opts if opts is not None else ReduceScatterOptions()
         kind, factor = _op_kind(opts.reduceOp)
-        if (self._should_compress(Role.GRADIENTS, input, kind in ("sum", "avg", "premul"))
-                and output.is_contiguous() and output.device == input.device):
+        route = self._route(Role.GRADIENTS, input, kind in ("sum", "avg", "premul"))
+        if route == "lane" and output.is_contiguous() and output.device == input.device:
             if kind == "premul":
                 input = input * factor  # the caller's input stays as it was
             return self._lane(input).reduce_scatter(input, output, avg=kind == "avg",
                                                     rule=self.policy.gradients)
-        return self._exact("reduce_scatter_single")._reduce_scatter_base(output, input, opts)
+        return self._exact_checked(
+            route, Role.GRADIENTS, input, input.numel(), output.numel(),
+            lambda: self._exact("reduce_scatter_single")._reduce_scatter_base(output, input,
+                                                                               opts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: ReduceScatterOptions | None = None) -> dist.Work:
@@ -249,10 +275,13 @@ class DqcollProcessGroup(dist.ProcessGroup):
                         opts: AllgatherOptions | None = None) -> dist.Work:
         """The single-tensor all-gather (torch < 2.12 calls it by this name)."""
         opts = opts if opts is not None else AllgatherOptions()
-        if (self._should_compress(Role.WEIGHTS, output) and input.is_contiguous()
-                and input.dtype == output.dtype and input.device == output.device):
+        route = self._route(Role.WEIGHTS, output)
+        if (route == "lane" and input.is_contiguous() and input.dtype == output.dtype
+                and input.device == output.device):
             return self._lane(output).all_gather(input, output, rule=self.policy.weights)
-        return self._exact("all_gather_single")._allgather_base(output, input, opts)
+        return self._exact_checked(
+            route, Role.WEIGHTS, output, output.numel(), input.numel(),
+            lambda: self._exact("all_gather_single")._allgather_base(output, input, opts))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> dist.Work:
@@ -366,6 +395,52 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         return self._exact("recv_anysource").recv_anysource(tensors, tag)
+
+
+class CheckedWork(dist.Work):
+    """The Work of an exact call that the lane's path check guards: ``wait()`` and the future
+    raise the check's error (:class:`~dqcoll.errors.MismatchError`: another rank's call went to
+    the lane) before anything of the exact call is waited on, else they are the exact call's."""
+
+    def __init__(self, check: dist.Work, work: dist.Work) -> None:
+        super().__init__()
+        self._check = check
+        self._work = work
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._check.wait(timeout)
+        return bool(self._work.wait(timeout) if timeout else self._work.wait())
+
+    def is_completed(self) -> bool:
+        return self._check.is_completed() and self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._check.is_success() and self._work.is_success()
+
+    def exception(self) -> BaseException | None:
+        return self._check.exception()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        inner = self._work.get_future()
+        future: torch.futures.Future[Any] = torch.futures.Future(devices=inner.devices()) \
+            if hasattr(inner, "devices") else torch.futures.Future()
+
+        def forward(done: torch.futures.Future[Any]) -> None:
+            try:
+                future.set_result(done.value())
+            except Exception as exc:  # the exact call's own error
+                future.set_exception(exc)
+
+        def checked(check: torch.futures.Future[Any]) -> None:
+            try:
+                check.value()
+            except Exception as exc:
+                future.set_exception(exc)
+                return
+            inner.add_done_callback(forward)
+
+        self._check.get_future().add_done_callback(checked)
+        return future
 
 
 def _create(store: Any, rank: int, world_size: int,
