@@ -17,6 +17,8 @@ row            what averages the gradients
 ``dynamiq_1``  ``dynamiq`` with ``lanes=1``: one bucket at a time (the default on CPU is two
                lanes; docs/ddp.md), to show what the lanes change
 ``auto_1``     ``auto`` with ``lanes=1``
+``warmup``     ``DynamiqState()`` (the defaults) with every step a warm-up step (``warmup_steps``
+               beyond the run): the warm-up's bf16 all-reduce; run only when ``--rows`` names it
 ``powersgd``   torch's ``powerSGD_hook`` (rank 2, compressing from the 2nd step); last, because
                it crashes on gloo in some torch versions: the row then reads "crashed: <error>"
 =============  ==================================================================================
@@ -103,14 +105,20 @@ ROWS: dict[str, str] = {
     "auto": "dqcoll dynamiq_hook, auto",
     "dynamiq_1": "dqcoll dynamiq 5 b, one lane",
     "auto_1": "dqcoll auto, one lane",
+    "warmup": "dqcoll DynamiqState() in warm-up",
     "powersgd": "torch powerSGD_hook (rank 2)",
 }
 # column names of the markdown summary
 SHORT: dict[str, str] = {"floor": "no comm. (floor)", "ddp": "DDP default",
                          "fp16_hook": "fp16 hook", "dynamiq": "dqcoll dynamiq 5 b",
                          "auto": "dqcoll auto", "dynamiq_1": "dynamiq, 1 lane",
-                         "auto_1": "auto, 1 lane", "powersgd": "PowerSGD"}
-NOMINAL_BITS = {"ddp": 32.0, "fp16_hook": 16.0}  # torch rows: the wire dtype's bits
+                         "auto_1": "auto, 1 lane", "warmup": "dqcoll warm-up",
+                         "powersgd": "PowerSGD"}
+# rows run only when --rows names them (and shown by --render only where a file has them)
+OPT_IN_ROWS = ("warmup",)
+# rows whose collectives dqcoll's counters do not see (torch's, and the warm-up's bf16
+# all-reduce on DDP's group): the wire dtype's bits
+NOMINAL_BITS = {"ddp": 32.0, "fp16_hook": 16.0, "warmup": 16.0}
 BUCKET_CAP_MB = 25
 POWERSGD_RANK = 2
 LEARNING_RATE = 1e-3
@@ -201,8 +209,9 @@ def _register_hook(row: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
 
     scheme = "dynamiq" if row.startswith("dynamiq") else "auto"
     lanes = 1 if row.endswith("_1") else None
+    warmup_steps = 1 << 30 if row == "warmup" else 0  # "warmup": no step leaves the warm-up
     try:
-        state = DynamiqState(scheme=scheme, bits=5, warmup_steps=0, monitor_every=0,
+        state = DynamiqState(scheme=scheme, bits=5, warmup_steps=warmup_steps, monitor_every=0,
                              **({"lanes": lanes} if lanes else {}))
     except Exception as exc:  # the same on every rank: it is the argument check
         raise RowUnavailable(f"DynamiqState(scheme={scheme!r}) rejected: "
@@ -539,7 +548,8 @@ def render_markdown(paths: Sequence[str]) -> str:
     then the bits/coord and vNMSE of the compressed rows."""
     results = sorted((json.loads(Path(p).read_text()) for p in paths), key=_order)
     present = {r["row"] for result in results for r in result["rows"]}
-    order = [r for r in ROWS if not r.endswith("_1") or r in present]  # one-lane rows if run
+    order = [r for r in ROWS  # one-lane and opt-in rows where a file has them
+             if not (r.endswith("_1") or r in OPT_IN_ROWS) or r in present]
     time_rows = ["| link | ranks | model | " + " | ".join(SHORT[r] for r in order) + " |",
                  "|---|---:|---|" + "---:|" * len(order)]
     error_rows = ["| link | ranks | model | row | bits/coord | vNMSE |",
@@ -550,7 +560,8 @@ def render_markdown(paths: Sequence[str]) -> str:
         link = prov["link"].split(" (")[0]  # the rate; the topology is in the JSON
         key = f"| {link} | {prov['world_size']} | {prov['model']} |"
         time_rows.append(key + " " + " | ".join(_cell(by_row.get(r)) for r in order) + " |")
-        for name in ("fp16_hook", "dynamiq", "auto", "dynamiq_1", "auto_1", "powersgd"):
+        for name in ("fp16_hook", "dynamiq", "auto", "dynamiq_1", "auto_1", "warmup",
+                     "powersgd"):
             entry = by_row.get(name)
             if entry and "vnmse" in entry:
                 bits = entry.get("bits_per_coord")
@@ -606,7 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn here (ignored under --launcher env)")
     p.add_argument("--model", default="mlp", choices=("mlp", "transformer"))
     p.add_argument("--rows", type=lambda t: [r for r in t.split(",") if r],
-                   default=list(ROWS), help=f"comma-separated from {list(ROWS)}")
+                   default=[r for r in ROWS if r not in OPT_IN_ROWS],
+                   help=f"comma-separated from {list(ROWS)} (default: all but {OPT_IN_ROWS})")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--batch", type=int, default=32, help="samples per rank")

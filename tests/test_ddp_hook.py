@@ -92,14 +92,11 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
     plain = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     hooked = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-    warm = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     state = DynamiqState(scheme="none")
     hooked.register_comm_hook(state, dynamiq_hook)
-    # dynamiq during its warm-up steps takes the same uncompressed path
-    warm.register_comm_hook(DynamiqState(scheme="dynamiq", warmup_steps=100), dynamiq_hook)
-    models = (plain, hooked, warm)
+    models = (plain, hooked)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
-    same: list[list[bool]] = [[], []]
+    same: list[bool] = []
     for step in range(4):
         x, y = _batch(rank, step)
         grads = []
@@ -108,10 +105,8 @@ def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
             nn.functional.mse_loss(model(x), y).backward()
             grads.append(_grads(model))
             optimizer.step()
-        for k in (1, 2):
-            same[k - 1].append(all(torch.equal(a, b) for a, b in zip(grads[0], grads[k],
-                                                                       strict=True)))
-    return {"none": same[0], "warmup": same[1], "buckets": dict(state.bucket_numel)}
+        same.append(all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True)))
+    return {"none": same, "buckets": dict(state.bucket_numel)}
 
 
 def _three_ranks(rank: int, world_size: int) -> dict[str, Any]:
@@ -128,11 +123,11 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 
 
 def test_none_gives_the_gradients_of_plain_ddp(three_ranks: list[dict[str, Any]]) -> None:
-    """With scheme="none" (and with dynamiq during warm-up) the averaged gradients are bit for bit
-    those of DDP without a hook, at every step and on every rank, over several buckets."""
+    """With scheme="none" the averaged gradients are bit for bit those of DDP without a hook, at
+    every step and on every rank, over several buckets (warm-up iterations average in bf16:
+    tests/test_ddp_warmup.py)."""
     for rank, result in enumerate(r["none"] for r in three_ranks):
         assert all(result["none"]), (rank, result)
-        assert all(result["warmup"]), (rank, result)
         assert len(result["buckets"]) >= 2, result
 
 

@@ -180,7 +180,7 @@ def test_tiny_run_pairs_the_seeds_and_learns(tiny):
 def test_tiny_run_dqcoll_sends_fewer_bytes_than_fp32(tiny):
     """DDP's default sends 2 (n-1)/n of its fp32 buckets per step and the fp16 hook half that;
     dqcoll's defaults (the planner, which on loopback may keep the group's own 32- or 16-bit
-    all-reduce), counting their 10 uncompressed warm-up steps, send at most fp32's bytes and
+    all-reduce), counting their 10 bf16 warm-up steps, send at most fp32's bytes and
     their argument checks; the explicit compressed schemes send less than half of fp32's."""
     runs = tiny[0]["runs"]
     for seed in (0, 1):

@@ -11,9 +11,20 @@ model.register_comm_hook(state, dynamiq_hook)
 Per gradient bucket (DDP calls the hook once per bucket and backward pass, in bucket order on every
 rank, and copies the returned tensor into the gradients):
 
-* **Warm-up** (the first ``warmup_steps`` iterations) and ``scheme="none"``: the process group's
-  own ``all_reduce`` of the bucket divided by the world size, exactly what DDP does without a hook
-  (``default_hooks.allreduce_hook``), asynchronously (the returned future is the all-reduce's).
+* **Warm-up** (iterations ``0 .. warmup_steps - 1``): averaged in 16 bits, without DynamiQ.
+  fp32 buckets: the bucket rounded to bf16 and divided by n, all-reduced by the process group
+  and copied back (torch's ``bf16_compress_hook``: the collective of ``fp16_compress_hook``, in
+  bf16's range), asynchronously (the returned future is the all-reduce's). Half of fp32's bytes
+  on the wire and, since it is the fp16 hook's collective, a warm-up step costs what one of the
+  fp16 hook's does (docs/ddp.md, "Warm-up"); every rank ends with the same average, and
+  ``state.last_info["scheme"]`` reads ``"bf16"``. fp16 and bf16 buckets take the process
+  group's own all-reduce (already 16 bits, and exact; bf16 would round an fp16 bucket's
+  mantissa); after a shrink, warm-up buckets are averaged exactly over the survivors (see
+  below). No error-feedback residual, monitor, bits or allocation during warm-up: they start at
+  iteration ``warmup_steps``.
+* ``scheme="none"``: the process group's own ``all_reduce`` of the bucket divided by the world
+  size, exactly what DDP does without a hook (``default_hooks.allreduce_hook``), asynchronously
+  (the returned future is the all-reduce's).
 * **Compressed**: ``dqcoll.allreduce(bucket, op="avg", scheme=..., bits=...)`` over a dqcoll
   communicator among the same process group's ranks (the ``torch`` transport: CPU buckets on a
   gloo connection of its own, CUDA buckets on the group's NCCL). The random
@@ -142,8 +153,9 @@ class DynamiqState:
         algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto": the
             planner's choice per bucket (flat or two levels, :mod:`dqcoll.planner`).
         scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
-        warmup_steps: iterations at the start that are averaged uncompressed (with AdamW, a few
-            dozen or more: measured in docs/ddp.md, 5 steps cost one seed in four 7 % of loss).
+        warmup_steps: iterations at the start that are averaged in bf16 instead of with
+            ``scheme`` (see the module docstring; with AdamW, a few dozen or more: measured in
+            docs/ddp.md, 5 steps cost one seed in four 7 % of loss).
         seed: base seed of the random rounding (each iteration derives its own).
         error_feedback: keep a residual per bucket (see the module docstring).
         monitor_every: every this many iterations, also compute the exact average and record the
@@ -264,7 +276,8 @@ class DynamiqState:
 
         # -- what the hook saw and did --
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
-        self.last_info: dict[str, Any] = {}  # comm.last_info of the last compressed bucket
+        # comm.last_info of the last compressed bucket (warm-up: the bf16 all-reduce's)
+        self.last_info: dict[str, Any] = {}
 
         if dist.is_available() and dist.is_initialized() and scheme != "none":
             self.prepare()
@@ -459,6 +472,43 @@ def _exact_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Futu
                 raise
             state.record_failure(iteration, exc)
             return buf
+
+    return work.get_future().then(done)
+
+
+def _warmup_path(state: DynamiqState, buf: torch.Tensor) -> str:
+    """How a warm-up bucket (or any bucket of ``scheme="none"``) is averaged: ``"bf16"``
+    (:func:`_bf16_average`) for fp32 buckets, or ``"exact"`` (:func:`_exact_average`) for
+    ``scheme="none"``, for 16-bit buckets (the group's own all-reduce of an fp16 or bf16 bucket
+    already sends 16 bits, exactly; bf16 would round an fp16 bucket's mantissa) and after a
+    shrink (DDP's group still counts the lost rank: dqcoll's exact average over the
+    survivors)."""
+    if state.scheme == "none" or buf.dtype != torch.float32 or state.shrunk:
+        return "exact"
+    return "bf16"
+
+
+def _bf16_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The warm-up's average, torch's ``bf16_compress_hook`` step for step (a test checks it bit
+    for bit): the bucket rounded to bf16, divided by n, sum-all-reduced by DDP's process group
+    (``fp16_compress_hook``'s collective, in bf16's range) and copied back, asynchronously.
+    gloo's and NCCL's all-reduce leave the same sum on every rank."""
+    wire = buf.to(torch.bfloat16).div_(state.group_size())
+    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
+    assert work is not None
+    iteration = state.iteration
+    backend = str(dist.get_backend(state.process_group))
+    state.last_info = {"scheme": "bf16", "algorithm": f"{backend} all_reduce", "bits": 16.0,
+                       "warmup": True}
+
+    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            buf.copy_(fut.value()[0])
+        except Exception as exc:
+            if not state.fault_tolerant:
+                raise
+            state.record_failure(iteration, exc)
+        return buf
 
     return work.get_future().then(done)
 
@@ -692,7 +742,9 @@ def dynamiq_hook(state: DynamiqState,
             if bucket.is_last():
                 _end_of_iteration(state, iteration)
             return _completed(buf)
-    try:
+    try:  # a warm-up bucket, or scheme="none"
+        if _warmup_path(state, buf) == "bf16":
+            return _bf16_average(state, buf)
         return _exact_average(state, buf)
     except (DqcollError, RuntimeError) as exc:
         if not state.fault_tolerant:
