@@ -209,10 +209,15 @@ def _register_hook(row: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
 
     scheme = "dynamiq" if row.startswith("dynamiq") else "auto"
     lanes = 1 if row.endswith("_1") else None
+    try:  # a checkout older than the hook's runtime options takes lanes= itself
+        from dqcoll.integrations.torch_ddp import HookRuntime
+        runtime: dict[str, Any] = {"runtime": HookRuntime(lanes=lanes)}
+    except ImportError:
+        runtime = {"lanes": lanes} if lanes else {}
     warmup_steps = 1 << 30 if row == "warmup" else 0  # "warmup": no step leaves the warm-up
     try:
         state = DynamiqState(scheme=scheme, bits=5, warmup_steps=warmup_steps, monitor_every=0,
-                             **({"lanes": lanes} if lanes else {}))
+                             **runtime)
     except Exception as exc:  # the same on every rank: it is the argument check
         raise RowUnavailable(f"DynamiqState(scheme={scheme!r}) rejected: "
                              f"{type(exc).__name__}: {_first_line(exc)}") from None

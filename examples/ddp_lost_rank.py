@@ -97,8 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     # broadcast_buffers=False: DDP would broadcast buffers over its own group, which still
     # counts the lost rank (TinyLM has none; a model with constant buffers is fine too)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.1, broadcast_buffers=False)
-    state = DynamiqState(scheme=args.scheme, bits=args.bits, warmup_steps=args.warmup_steps,
-                         seed=args.seed, fault_tolerant=True)
+    state = DynamiqState(policy=f"seed={args.seed}", scheme=args.scheme, bits=args.bits,
+                         warmup_steps=args.warmup_steps, fault_tolerant=True)
     ddp.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     data_rng = torch.Generator().manual_seed(derived_seed(args.seed, "ddp-data", rank))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll import schemes
-from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
+from dqcoll.integrations.torch_ddp import DynamiqState, HookRuntime, dynamiq_hook
 from dqcoll.schemes.seeds import derived_seed
 from dqcoll_lab.eval.tinylm import LMConfig, TinyLM, sample_batch, split_corpus, stdlib_corpus
 
@@ -68,11 +68,12 @@ def train(config: TrainConfig, rank: int, world_size: int, *,
                             context=config.context)
     model = TinyLM(model_config, seed=config.seed)  # the same initial weights on every rank
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
-    state = DynamiqState(scheme=config.scheme, bits=config.bits, algorithm=config.algorithm,
-                         scheme_options=config.scheme_options,
-                         warmup_steps=config.warmup_steps, seed=config.seed,
+    state = DynamiqState(policy=f"seed={config.seed}", scheme=config.scheme, bits=config.bits,
+                         warmup_steps=config.warmup_steps,
                          error_feedback=config.error_feedback,
-                         monitor_every=config.monitor_every)
+                         monitor_every=config.monitor_every,
+                         runtime=HookRuntime(algorithm=config.algorithm,
+                                             scheme_options=config.scheme_options))
     ddp.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr, weight_decay=0.01)
     data_rng = torch.Generator().manual_seed(derived_seed(config.seed, "ddp-data", rank))

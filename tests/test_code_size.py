@@ -15,13 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Functions over the limit in files whose owners are splitting them; the strict xfail below fails
-# once the list is empty, so that the marker goes with the last of them.
-KNOWN_LONG_FUNCTIONS = {
-    "dqcoll.integrations.torch_ddp:DynamiqState.__init__",
-}
-
-
 def _load() -> ModuleType:
     spec = importlib.util.spec_from_file_location("code_size", ROOT / "tools" / "code_size.py")
     assert spec is not None and spec.loader is not None
@@ -84,14 +77,6 @@ def test_no_class_over_400_lines(report: Any) -> None:
     assert not _names(report.classes_over)
 
 
-def test_no_function_over_80_lines_but_the_known(report: Any) -> None:
-    """No function or method of the runtime spans more than 80 lines, apart from those listed
-    in ``KNOWN_LONG_FUNCTIONS``."""
-    assert not _names(report.functions_over) - KNOWN_LONG_FUNCTIONS
-
-
-@pytest.mark.xfail(strict=True, reason="DynamiqState.__init__ (dqcoll/integrations/torch_ddp.py) "
-                   "is over 80 lines until the integrations' policy rework splits it")
 def test_no_function_over_80_lines(report: Any) -> None:
     """No function or method of the runtime spans more than 80 lines."""
     assert not _names(report.functions_over)

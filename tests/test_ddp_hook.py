@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll import schemes
 from dqcoll.errors import InvalidArgumentError
-from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
+from dqcoll.integrations.torch_ddp import DynamiqState, HookRuntime, dynamiq_hook
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_none_gives_the_gradients_of_plain_ddp(three_ranks: list[dict[str, Any]]
 def _dynamiq_replicas(rank: int, world_size: int) -> dict[str, Any]:
     model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=2, error_feedback=True,
-                         monitor_every=5, algorithm="ring")
+                         monitor_every=5, runtime=HookRuntime(algorithm="ring"))
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     hints = []
@@ -192,8 +192,9 @@ def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for async_op, lanes in ((True, None), (True, 1), (False, None)):
         model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-        state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=1, algorithm="butterfly",
-                             async_op=async_op, lanes=lanes)
+        state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=1,
+                             runtime=HookRuntime(algorithm="butterfly", async_op=async_op,
+                                                 lanes=lanes))
         prepared = state.comm is not None  # made with the state, before any backward
         order: list[list[int]] = []  # per iteration, bucket indices as their futures completed
         pending_at_return: list[bool] = []
@@ -241,8 +242,9 @@ def _async_vs_sync(rank: int, world_size: int) -> dict[str, Any]:
     results["auto algorithm"] = {"planner made by the state": made,
                                  "ran": state.last_info.get("algorithm"),
                                  "planned": state.last_info.get("planned", {}).get("algorithm"),
-                                 "named": DynamiqState(algorithm="direct").bucket_algorithm(
-                                     torch.zeros(4))}
+                                 "named": DynamiqState(
+                                     runtime=HookRuntime(algorithm="direct")
+                                 ).bucket_algorithm(torch.zeros(4))}
     return results
 
 
@@ -364,22 +366,22 @@ def test_state_validates_its_arguments() -> None:
     with pytest.raises(InvalidArgumentError, match="error_feedback needs a fixed scheme"):
         DynamiqState(scheme="auto", error_feedback=True)
     with pytest.raises(InvalidArgumentError, match="does not take"):
-        DynamiqState(scheme="dynamiq", scheme_options={"colour": "red"})
+        DynamiqState(scheme="dynamiq", runtime=HookRuntime(scheme_options={"colour": "red"}))
     with pytest.raises(InvalidArgumentError, match="bits"):
         DynamiqState(scheme="dynamiq", bits=1.0)
     with pytest.raises(InvalidArgumentError, match="warmup_steps"):
         DynamiqState(warmup_steps=-1)
     for lanes in (0, -1, 1.5, True):
         with pytest.raises(InvalidArgumentError, match="lanes"):
-            DynamiqState(lanes=lanes)  # type: ignore[arg-type]
+            DynamiqState(runtime=HookRuntime(lanes=lanes))  # type: ignore[arg-type]
     # before the device is known, and for CUDA buckets, one lane; CPU buckets take two
     assert DynamiqState().lane_count() == 1
-    assert DynamiqState(device="cuda").lane_count() == 1
-    assert DynamiqState(device="cpu").lane_count() == 2
-    assert DynamiqState(device="cpu", lanes=3).lane_count() == 3
-    assert DynamiqState(device="cpu", async_op=False).lane_count() == 1
-    assert DynamiqState(device="cpu", scheme="auto").lane_count() == 2
-    assert DynamiqState(device="cpu", scheme="auto", lanes=1).lane_count() == 1
+    assert DynamiqState(runtime=HookRuntime(device="cuda")).lane_count() == 1
+    assert DynamiqState(runtime=HookRuntime(device="cpu")).lane_count() == 2
+    assert DynamiqState(runtime=HookRuntime(device="cpu", lanes=3)).lane_count() == 3
+    assert DynamiqState(runtime=HookRuntime(device="cpu", async_op=False)).lane_count() == 1
+    assert DynamiqState(scheme="auto", runtime=HookRuntime(device="cpu")).lane_count() == 2
+    assert DynamiqState(scheme="auto", runtime=HookRuntime(device="cpu", lanes=1)).lane_count() == 1
     for name in schemes.list_schemes():
         state = DynamiqState(scheme=name)
         assert state.should_compress(10) == (name != "none")
@@ -391,7 +393,7 @@ def test_state_validates_its_arguments() -> None:
 def _targeted_training(rank: int, world_size: int) -> dict[str, Any]:
     model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     state = DynamiqState(scheme="dynamiq", target_vnmse=1e-3, warmup_steps=1, monitor_every=1,
-                         algorithm="butterfly")
+                         runtime=HookRuntime(algorithm="butterfly"))
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(12):

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll.integrations import torch_ddp
-from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
+from dqcoll.integrations.torch_ddp import DynamiqState, HookRuntime, dynamiq_hook
 
 WARMUP = 3  # warm-up iterations of the trained model
 STEPS = 6
@@ -207,7 +207,7 @@ def test_warmup_is_torchs_bf16_hook(three_ranks: list[dict[str, Any]]) -> None:
 def test_warmup_path_by_bucket() -> None:
     """Which buckets a warm-up averages how: fp32 buckets (CPU or CUDA) in bf16; fp16 and bf16
     buckets, scheme="none" and every bucket after a shrink with the exact average."""
-    state = DynamiqState(scheme="dynamiq", device="cpu")
+    state = DynamiqState(scheme="dynamiq", runtime=HookRuntime(device="cpu"))
     cpu32 = torch.zeros(4)
     cuda32 = types.SimpleNamespace(dtype=torch.float32, is_cuda=True)  # no GPU here
     assert torch_ddp._warmup_path(state, cpu32) == "bf16"
@@ -222,7 +222,8 @@ def test_warmup_path_by_bucket() -> None:
 def test_warmup_steps_counts_iterations() -> None:
     """should_compress: iterations 0 .. warmup_steps - 1 are warm-up, warmup_steps on are the
     scheme's; scheme="none" never compresses."""
-    state = DynamiqState(scheme="dynamiq", warmup_steps=WARMUP, device="cpu")
+    state = DynamiqState(scheme="dynamiq", warmup_steps=WARMUP,
+                         runtime=HookRuntime(device="cpu"))
     assert [state.should_compress(i) for i in range(WARMUP + 2)] == \
         [False] * WARMUP + [True, True]
     assert not DynamiqState(scheme="none", warmup_steps=0).should_compress(5)

@@ -135,6 +135,7 @@ class FsdpCompression:
 
     def __init__(self, policy: CompressionPolicy, *, timeout_s: float | None = None) -> None:
         # -- what to compress --
+        policy.refuse_hook_only("FSDP2 compression")
         self.policy = policy
         # -- when: the current step (forwards of the model passed to compress, from 0) --
         self.forwards = 0

@@ -117,7 +117,7 @@ def policy_settings(policy: CompressionPolicy, world_size: int) -> dict[str, str
 def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
     """The rule's scheme when it is a block codec whose payload depends on its chunk alone (no
     per-call statistics shared between the ranks): :meth:`Lane._gather_blocks` runs it."""
-    if rule.is_exact:
+    if rule.is_exact or rule.scheme == "auto" or rule.target is not None:
         return None
     scheme = schemes.get(rule.scheme, **({"bits": rule.bits} if rule.bits is not None else {}))
     if isinstance(scheme, BlockCodec) and type(scheme).prepare is BlockCodec.prepare:

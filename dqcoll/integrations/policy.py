@@ -24,9 +24,18 @@ their measured links). ``local_world_size=L`` (``1 < L < world size``) with
 ``intra_node="exact"`` fixes two levels instead: exact among the ``L`` ranks of a node and with
 the role's scheme across nodes (the shape of hpZ and qgZ: one quantization per slow hop).
 
+Besides the roles: ``warmup_steps`` (the first steps are not compressed), ``seed`` (keys the
+random rounding), ``error_feedback`` and ``monitor_every`` (the DDP hook's residual per bucket
+and its periodic exact average; the FSDP2 classes and the backend refuse them), and a role's
+``target`` (the fewest bits whose predicted vNMSE meets it, instead of fixed bits; schemes with an
+error model). :class:`~dqcoll.integrations.torch_ddp.DynamiqState` is built on a policy too: its
+role is ``allreduce``.
+
 Text form (``DQCOLL_POLICY``, :meth:`CompressionPolicy.parse`): comma-separated ``key=value``;
-a role's value is ``scheme`` or ``scheme:bits``, e.g.
-``weights=int8_block,gradients=dynamiq:4,allreduce=none,min_nbytes=65536,warmup_steps=10``.
+a role's value is ``scheme``, ``scheme:bits`` or ``scheme:target=v`` (``auto``: the planner
+picks per call), e.g.
+``weights=int8_block,gradients=dynamiq:4,allreduce=none,min_nbytes=65536,warmup_steps=10`` or
+``allreduce=dynamiq:target=0.001,error_feedback=1,monitor_every=100``.
 
 Rejected: one scheme for everything (the weights' all-gather cannot use an unbiased stochastic
 scheme's advantages: nothing is summed, so a deterministic block format with its smaller codec
@@ -67,13 +76,30 @@ class Role(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RoleRule:
-    """The scheme and bits of one role; ``scheme="none"`` is the exact wrapped collective."""
+    """The scheme and bits (or error target) of one role; ``scheme="none"`` is the exact
+    wrapped collective, ``"auto"`` the planner's choice per call (dynamiq's options)."""
 
     scheme: str
     bits: float | None = None  # None: the scheme's default (schemes without bits ignore it)
+    target: float | None = None  # target vNMSE instead of fixed bits (an error model's scheme)
+
+    @property
+    def spec(self) -> Any:
+        """The scheme's spec (``auto``: dynamiq's, whose options the planner's calls take)."""
+        return schemes.spec("dynamiq" if self.scheme == "auto" else self.scheme)
 
     def __post_init__(self) -> None:
-        spec = schemes.spec(self.scheme)  # an unknown name raises, listing the registered ones
+        spec = self.spec  # an unknown name raises, listing the registered ones
+        if self.target is not None:
+            if self.bits is not None:
+                raise InvalidArgumentError(f"scheme {self.scheme!r}: bits or a target, not both")
+            if "target_vnmse" not in spec.options:
+                raise InvalidArgumentError(
+                    f"a target vNMSE needs a scheme with an error model, not {self.scheme!r}")
+            if not math.isfinite(self.target) or self.target <= 0:
+                raise InvalidArgumentError(
+                    f"scheme {self.scheme!r}: target must be a finite positive vNMSE, got "
+                    f"{self.target}")
         if self.bits is not None and "bits" not in spec.options:
             raise InvalidArgumentError(
                 f"scheme {self.scheme!r} has a fixed format and takes no bits (got {self.bits})")
@@ -84,7 +110,8 @@ class RoleRule:
                 raise InvalidArgumentError(
                     f"scheme {self.scheme!r}: bits must be a finite positive number, got "
                     f"{self.bits}")
-            schemes.get(self.scheme, bits=self.bits)  # the scheme's own range check
+            # the scheme's own range check
+            schemes.get("dynamiq" if self.scheme == "auto" else self.scheme, bits=self.bits)
 
     @property
     def is_exact(self) -> bool:
@@ -92,16 +119,23 @@ class RoleRule:
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments for ``dqcoll.reduce_scatter`` / ``all_gather`` / ``allreduce``."""
+        if self.target is not None:
+            return {"scheme": self.scheme, "target_vnmse": self.target}
         return {"scheme": self.scheme, **({"bits": self.bits} if self.bits is not None else {})}
 
     def label(self) -> str:
+        if self.target is not None:
+            return f"{self.scheme}:target={self.target:g}"
         return self.scheme if self.bits is None else f"{self.scheme}:{self.bits:g}"
 
     @classmethod
     def parse(cls, text: str) -> RoleRule:
-        name, _, bits = text.strip().partition(":")
+        name, _, rest = text.strip().partition(":")
+        rest = rest.strip()
         try:
-            return cls(name.strip(), float(bits) if bits else None)
+            if rest.startswith("target="):
+                return cls(name.strip(), target=float(rest[len("target="):]))
+            return cls(name.strip(), float(rest) if rest else None)
         except ValueError as exc:  # InvalidArgumentError is a ValueError too
             raise InvalidArgumentError(f"bad role rule {text!r}: {exc}") from None
 
@@ -129,12 +163,17 @@ class CompressionPolicy:
     intra_node: str = "exact"  # "exact": two levels where local_world_size says; "flat": not
     local_world_size: int | None = None  # None: the planner decides the levels
     seed: int = 0  # keys the random rounding (each call draws fresh numbers from its counter)
+    error_feedback: bool = False  # the DDP hook: a residual per bucket, added at the next step
+    monitor_every: int = 0  # the DDP hook: every this many steps an exact average too (0: never)
 
     def __post_init__(self) -> None:
-        for name in ("min_nbytes", "warmup_steps", "seed"):
+        for name in ("min_nbytes", "warmup_steps", "seed", "monitor_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise InvalidArgumentError(
+                f"error_feedback must be a bool, got {self.error_feedback!r}")
         if self.intra_node not in INTRA_NODE_CHOICES:
             raise InvalidArgumentError(
                 f"intra_node must be one of {INTRA_NODE_CHOICES}, got {self.intra_node!r}")
@@ -162,8 +201,9 @@ class CompressionPolicy:
                       **overrides})
 
     @classmethod
-    def parse(cls, text: str) -> CompressionPolicy:
-        """The policy of a ``DQCOLL_POLICY`` string (defaults for the keys it leaves out)."""
+    def parse(cls, text: str, base: CompressionPolicy | None = None) -> CompressionPolicy:
+        """The policy of a ``DQCOLL_POLICY`` string; the keys it leaves out keep ``base``'s
+        values (default: the defaults)."""
         fields: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
@@ -178,7 +218,14 @@ class CompressionPolicy:
                     fields[key] = RoleRule.parse(value)
                 except InvalidArgumentError as exc:
                     raise InvalidArgumentError(f"DQCOLL_POLICY {text!r}: {key}: {exc}") from None
-            elif key in ("min_nbytes", "warmup_steps", "seed", "local_world_size"):
+            elif key == "error_feedback":
+                if value.lower() not in ("0", "1", "true", "false"):
+                    raise InvalidArgumentError(
+                        f"DQCOLL_POLICY: error_feedback must be 0, 1, true or false, got "
+                        f"{value!r}")
+                fields[key] = value.lower() in ("1", "true")
+            elif key in ("min_nbytes", "warmup_steps", "seed", "local_world_size",
+                         "monitor_every"):
                 try:
                     fields[key] = int(value)
                 except ValueError:
@@ -190,7 +237,7 @@ class CompressionPolicy:
                 known = [f.name for f in dataclasses.fields(cls)]
                 raise InvalidArgumentError(f"DQCOLL_POLICY: unknown key {key!r}; known: {known}")
         try:
-            return cls(**fields)
+            return dataclasses.replace(base, **fields) if base is not None else cls(**fields)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"DQCOLL_POLICY {text!r}: {exc}") from None
 
@@ -205,7 +252,19 @@ class CompressionPolicy:
                 f"warmup_steps={self.warmup_steps},intra_node={self.intra_node}"
                 + (f",local_world_size={self.local_world_size}"
                    if self.local_world_size is not None else "")
-                + f",seed={self.seed}")
+                + f",seed={self.seed},error_feedback={int(self.error_feedback)}"
+                + f",monitor_every={self.monitor_every}")
+
+    def refuse_hook_only(self, integration: str) -> None:
+        """Raise :class:`InvalidArgumentError` if the policy asks for what only the DDP hook
+        does (error feedback, the monitor): ``integration`` would otherwise ignore it."""
+        asked = [f"{name}={value}" for name, value in
+                 (("error_feedback", int(self.error_feedback)),
+                  ("monitor_every", self.monitor_every)) if value]
+        if asked:
+            raise InvalidArgumentError(
+                f"{integration}: {', '.join(asked)} is the DDP hook's (DynamiqState); the "
+                f"policy here takes roles, min_nbytes, warmup_steps, seed and levels")
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -232,7 +291,7 @@ class CompressionPolicy:
             return Decision(False, f"{role.value}: reduce op other than SUM/AVG/PREMUL_SUM")
         if step < self.warmup_steps:
             return Decision(False, f"{role.value}: warm-up step")
-        if tensor.dtype not in schemes.spec(rule.scheme).dtypes:
+        if tensor.dtype not in rule.spec.dtypes:
             return Decision(False, f"{role.value}: dtype {tensor.dtype} not taken by "
                                    f"{rule.scheme}")
         if tensor.device.type not in ("cpu", "cuda"):

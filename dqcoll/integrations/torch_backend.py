@@ -446,6 +446,7 @@ class CheckedWork(dist.Work):
 def _create(store: Any, rank: int, world_size: int,
             timeout: datetime.timedelta) -> DqcollProcessGroup:
     policy = _policy if _policy is not None else CompressionPolicy.from_env()
+    policy.refuse_hook_only("the dqcoll backend")
     # init_process_group passes torch's default (30 min) when it was given no timeout=: then
     # DQCOLL_TIMEOUT_S bounds every wait, the lane's included
     if timeout is None or timeout == dist.constants.default_pg_timeout:

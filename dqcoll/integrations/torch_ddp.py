@@ -77,10 +77,10 @@ done (torch's ``fp16_compress_hook`` does the same with ``dist.all_reduce(async_
 goes on computing the next buckets' gradients while this one is coded and on the wire. Monitored
 iterations (``monitor_every``) run synchronously: their exact fp64 all-reduce is a second
 collective on the same process group, which must not interleave with the workers'.
-``DynamiqState(async_op=False)`` runs every bucket inside the hook (the same bits; a test checks
+``HookRuntime(async_op=False)`` runs every bucket inside the hook (the same bits; a test checks
 it).
 
-**Lanes** (``lanes=``, default 2 for CPU buckets, 1 for CUDA ones:
+**Lanes** (``HookRuntime(lanes=...)``, default 2 for CPU buckets, 1 for CUDA ones:
 see :meth:`DynamiqState.lane_count`). Bucket ``i`` runs on lane
 ``i % lanes``: a communicator with its own worker thread and its own gloo connection (a
 ``ProcessGroupGloo`` made from the group's store under a prefix of this state, as the FSDP lanes
@@ -118,16 +118,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import handles, schemes
+from .. import envs, handles, schemes
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import DqcollError, InvalidArgumentError
 from ..planner import build_planner
+from ..prepare import DEFAULT_BITS
 from ..schemes.dynamiq.error_model import ErrorModel
 from ..schemes.seeds import derived_seed
 from ..transports.torch_dist import TorchTransport, open_private_group
+from .policy import CompressionPolicy, RoleRule
 
-__all__ = ["DynamiqState", "dynamiq_hook", "resync"]
+__all__ = ["DDP_DEFAULT_POLICY", "DynamiqState", "HookRuntime", "ddp_policy", "dynamiq_hook",
+           "resync"]
 
 log = logging.getLogger("dqcoll.ddp")
 
@@ -139,37 +142,105 @@ _SEED_MASK = (1 << 62) - 1  # dqcoll seeds are compared across ranks as 62-bit i
 LANE_TILE_NBYTES = 16 << 20
 
 
+@dataclasses.dataclass(frozen=True)
+class HookRuntime:
+    """How :func:`dynamiq_hook` runs, beside what it sends (the policy): rarely changed.
+
+    Args:
+        algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto": the
+            planner's choice per bucket (flat or two levels, :mod:`dqcoll.planner`).
+        async_op: return at once and let a lane's worker complete the bucket's future (see the
+            module docstring); False: every bucket inside the hook.
+        device: the device of DDP's buckets (default: ``cuda`` for an NCCL group, else
+            ``cpu``); the communicator is made for it when the state is made (if
+            ``torch.distributed`` is initialised) or at :meth:`DynamiqState.prepare`.
+        lanes: how many buckets may be averaged at once, each lane a communicator with its own
+            worker and gloo connection (module docstring); None: 2 for CPU buckets, 1 for CUDA
+            ones. Every rank passes the same value.
+        calibration_rate: with an error target, the weight of each monitored measurement in the
+            error model's calibration (module docstring).
+        scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
+    """
+
+    algorithm: str = "auto"
+    async_op: bool = True
+    device: torch.device | str | None = None
+    lanes: int | None = None
+    calibration_rate: float = 0.5
+    scheme_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.calibration_rate <= 1.0:
+            raise InvalidArgumentError(
+                f"calibration_rate must be in (0, 1], got {self.calibration_rate}")
+        lanes = self.lanes
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
+                                  or lanes < 1):
+            raise InvalidArgumentError(f"lanes must be a positive int or None, got {lanes!r}")
+
+
+# What DynamiqState sends without a policy or DQCOLL_POLICY: the planner's choice per bucket
+# (dynamiq at 5 bits among the candidates), after 10 warm-up steps.
+DDP_DEFAULT_POLICY = CompressionPolicy(allreduce=RoleRule("auto", DEFAULT_BITS), warmup_steps=10)
+
+
+def ddp_policy(policy: CompressionPolicy | str | None = None, *, scheme: str | None = None,
+               bits: float | None = None, target_vnmse: float | None = None,
+               **fields: Any) -> CompressionPolicy:
+    """The policy a :class:`DynamiqState` runs: ``policy`` (a policy, or its text as in
+    ``DQCOLL_POLICY``, read over :data:`DDP_DEFAULT_POLICY`; None: ``DQCOLL_POLICY`` where set,
+    else the default), then its ``allreduce`` role's ``scheme``, ``bits`` (left out for a
+    scheme with a fixed format, and under a target) or ``target_vnmse`` and the policy
+    ``fields`` given (``None`` leaves a value as it is)."""
+    if policy is None:
+        text = envs.policy()
+        policy = CompressionPolicy.parse(text, DDP_DEFAULT_POLICY) if text else DDP_DEFAULT_POLICY
+    elif isinstance(policy, str):
+        policy = CompressionPolicy.parse(policy, DDP_DEFAULT_POLICY)
+    rule = policy.allreduce
+    if scheme is not None or bits is not None or target_vnmse is not None:
+        name = rule.scheme if scheme is None else scheme
+        kept = rule.bits if name == rule.scheme and target_vnmse is None else None
+        bits = bits if bits is not None and target_vnmse is None else kept
+        takes_bits = "bits" in schemes.spec("dynamiq" if name == "auto" else name).options
+        rule = RoleRule(name, bits if takes_bits else None, target_vnmse)  # "none" takes none
+    given = {key: value for key, value in fields.items() if value is not None}
+    return dataclasses.replace(policy, allreduce=rule, **given)
+
+
 class DynamiqState:
     """State of :func:`dynamiq_hook` for one DDP model (one instance per model, like PowerSGD's).
 
+    What it sends is a :class:`~dqcoll.integrations.policy.CompressionPolicy` (the vocabulary
+    of every integration; its ``allreduce`` role is DDP's buckets), made by :func:`ddp_policy`;
+    the keyword arguments below set the parts of it a DDP user sets most.
+
     Args:
         process_group: the group DDP reduces over (None: the default group).
-        scheme: ``"auto"`` (the default): the planner picks per bucket among the group's own
-            all-reduce, a bf16 one and dynamiq at ``bits``, flat or in two levels
-            (:mod:`dqcoll.planner`), the same on every rank; or a registered dqcoll scheme name
-            (``dqcoll.schemes.list_schemes()``; error feedback takes one); ``"none"`` averages
-            with the process group's own all-reduce, exactly like DDP without a hook.
+        policy: a policy, or its text (``DQCOLL_POLICY``'s form, e.g.
+            ``"allreduce=dynamiq:4,warmup_steps=20,error_feedback=1"``); None:
+            ``DQCOLL_POLICY`` where set, else :data:`DDP_DEFAULT_POLICY`. Its ``seed`` keys
+            the random rounding (each iteration derives its own); ``min_nbytes`` and the other
+            roles are the FSDP2 classes' and the backend's.
+        scheme: the ``allreduce`` role's scheme: ``"auto"`` (the default): the planner picks
+            per bucket among the group's own all-reduce, a bf16 one and dynamiq at ``bits``,
+            flat or in two levels (:mod:`dqcoll.planner`), the same on every rank; or a
+            registered dqcoll scheme name (``dqcoll.schemes.list_schemes()``; error feedback
+            takes one); ``"none"`` averages with the process group's own all-reduce, exactly
+            like DDP without a hook.
         bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.25).
-        algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto": the
-            planner's choice per bucket (flat or two levels, :mod:`dqcoll.planner`).
-        scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
         warmup_steps: iterations at the start that are averaged in bf16 instead of with
             ``scheme`` (see the module docstring; with AdamW, a few dozen or more: measured in
             docs/ddp.md, 5 steps cost one seed in four 7 % of loss).
-        seed: base seed of the random rounding (each iteration derives its own).
         error_feedback: keep a residual per bucket (see the module docstring).
-        monitor_every: every this many iterations, also compute the exact average and record the
-            vNMSE (0: never).
-        async_op: return at once and let the communicator's worker complete the bucket's future
-            (see the module docstring); False: every bucket inside the hook.
-        device: the device of DDP's buckets (default: ``cuda`` for an NCCL group, else ``cpu``);
-            the communicator is made for it when the state is made (if ``torch.distributed`` is
-            initialised) or at :meth:`prepare`.
+        monitor_every: every this many iterations, also compute the exact average and record
+            the vNMSE (0: never).
+        target_vnmse: instead of fixed ``bits``, the fewest bits whose predicted vNMSE meets
+            this target, per call (dynamiq; module docstring).
         fault_tolerant: on a failed collective (a lost rank), record it in ``failure`` and
             complete the bucket unreduced instead of raising (see the module docstring).
-        lanes: how many buckets may be averaged at once, each lane a communicator with its own
-            worker and gloo connection (see the module docstring); None: 2 for CPU buckets, 1
-            for CUDA ones. Every rank passes the same value.
+        runtime: how the hook runs (:class:`HookRuntime`: algorithm, async, device, lanes, the
+            calibration rate, scheme options).
     """
 
     _instances = 0  # states made in this process: the prefix of their lanes' connections
@@ -177,57 +248,29 @@ class DynamiqState:
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
+        policy: CompressionPolicy | str | None = None,
         *,
-        scheme: str = "auto",
-        bits: float = 5.0,
-        algorithm: str = "auto",
-        scheme_options: dict[str, Any] | None = None,
-        warmup_steps: int = 10,
-        seed: int = 0,
-        error_feedback: bool = False,
-        monitor_every: int = 0,
+        scheme: str | None = None,
+        bits: float | None = None,
+        warmup_steps: int | None = None,
+        error_feedback: bool | None = None,
+        monitor_every: int | None = None,
         target_vnmse: float | None = None,
-        calibration_rate: float = 0.5,
-        async_op: bool = True,
-        device: torch.device | str | None = None,
         fault_tolerant: bool = False,
-        lanes: int | None = None,
+        runtime: HookRuntime | None = None,
     ) -> None:
-        options = dict(scheme_options or {})
-        # "auto" takes dynamiq's options (dqcoll.planner); any other name must be registered
-        spec = schemes.spec("dynamiq" if scheme == "auto" else scheme)
-        if target_vnmse is not None:
-            if "target_vnmse" not in spec.options:
-                raise InvalidArgumentError(
-                    f"target_vnmse needs a scheme with an error model, not {scheme!r}"
-                )
-            probe = {**options, "target_vnmse": target_vnmse}
-        else:
-            probe = {**options, **({"bits": bits} if "bits" in spec.options else {})}
-        # raises now for bad options, not at the first backward
-        schemes.get("dynamiq" if scheme == "auto" else scheme, **probe)
-        if scheme == "auto" and error_feedback:
-            raise InvalidArgumentError(
-                "DynamiqState: error_feedback needs a fixed scheme (its residual is the chosen "
-                "codec's error, and scheme='auto' chooses per call, after the hook returns); "
-                "pass scheme='dynamiq' for error feedback")
-        if not 0.0 < calibration_rate <= 1.0:
-            raise InvalidArgumentError(
-                f"calibration_rate must be in (0, 1], got {calibration_rate}"
-            )
-        for name, value in (("warmup_steps", warmup_steps), ("monitor_every", monitor_every)):
-            if not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
-        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
-                                  or lanes < 1):
-            raise InvalidArgumentError(f"lanes must be a positive int or None, got {lanes!r}")
-
+        self.policy = ddp_policy(policy, scheme=scheme, bits=bits, target_vnmse=target_vnmse,
+                                 warmup_steps=warmup_steps, error_feedback=error_feedback,
+                                 monitor_every=monitor_every)
+        self.runtime = runtime if runtime is not None else HookRuntime()
+        _check_policy(self.policy, self.runtime)
+        rule, run = self.policy.allreduce, self.runtime
         # -- where: the group whose ranks hold the replicas, and dqcoll's communicator on it --
         self.process_group = process_group
         self.comm: Communicator | None = None  # made by prepare(), before the first backward
-        self.device = None if device is None else torch.device(device)
-        self.async_op = bool(async_op)
-        self.lanes = lanes  # None: decided with the device, at prepare()
+        self.device = None if run.device is None else torch.device(run.device)
+        self.async_op = bool(run.async_op)
+        self.lanes = run.lanes  # None: decided with the device, at prepare()
         # communicators of lanes 1, 2, ... (lane 0 is self.comm); see lane()
         self.lane_comms: list[Communicator] = []
         DynamiqState._instances += 1
@@ -237,33 +280,33 @@ class DynamiqState:
         self._order = threading.Condition()  # guards _in_flight; notified as buckets leave
 
         # -- what goes on the wire --
-        self.scheme = scheme
-        self.bits = float(bits)
-        self.algorithm = algorithm
-        self.scheme_options = options
+        self.scheme = rule.scheme
+        self.bits = DEFAULT_BITS if rule.bits is None else float(rule.bits)
+        self.algorithm = run.algorithm
+        self.scheme_options = dict(run.scheme_options or {})
 
         # -- when: warm-up, iteration counter, seeds --
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = self.policy.warmup_steps
         self.iteration = 0  # backward passes seen (advanced at each iteration's last bucket)
-        self.seed = int(seed)
+        self.seed = self.policy.seed
 
         # -- the bit allocation of each bucket's last call (bucket index -> u) --
         self.allocation_u: dict[int, float] = {}
 
         # -- error feedback (bucket index -> fp32 residual of the bucket's size) --
-        self.error_feedback = error_feedback
+        self.error_feedback = self.policy.error_feedback
         self.residuals: dict[int, torch.Tensor] = {}
 
         # -- error monitor --
-        self.monitor_every = monitor_every
+        self.monitor_every = self.policy.monitor_every
         self.vnmse_history: list[tuple[int, float]] = []  # (iteration, vNMSE over its buckets)
         # squared error, squared norm of the exact average, predicted error (target mode)
         self._monitor_sums = [0.0, 0.0, 0.0]
 
         # -- error target: the model's calibration, closed by the monitor's measurements --
-        self.target_vnmse = target_vnmse
+        self.target_vnmse = rule.target
         self.kappa = 1.0  # ErrorModel.kappa: measured / predicted vNMSE, smoothed in log space
-        self.calibration_rate = calibration_rate  # weight of each new measurement
+        self.calibration_rate = run.calibration_rate  # weight of each new measurement
         self.kappa_history: list[tuple[int, float]] = []  # (iteration, kappa after it)
         self.bits_history: list[tuple[int, float]] = []  # (iteration, bits per coordinate sent)
         self._bits_sums = [0.0, 0]  # sum of bits * numel over the iteration's buckets, numel
@@ -279,7 +322,7 @@ class DynamiqState:
         # comm.last_info of the last compressed bucket (warm-up: the bf16 all-reduce's)
         self.last_info: dict[str, Any] = {}
 
-        if dist.is_available() and dist.is_initialized() and scheme != "none":
+        if dist.is_available() and dist.is_initialized() and self.scheme != "none":
             self.prepare()
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -436,6 +479,23 @@ class DynamiqState:
                 f"algorithm={self.algorithm!r}, warmup_steps={self.warmup_steps}, "
                 f"iteration={self.iteration}, error_feedback={self.error_feedback}, "
                 f"monitor_every={self.monitor_every}, lanes={self.lane_count()})")
+
+
+def _check_policy(policy: CompressionPolicy, runtime: HookRuntime) -> None:
+    """Raise now, not at the first backward, for what the hook cannot run: the role's options
+    that its scheme refuses, error feedback without a fixed scheme."""
+    rule = policy.allreduce
+    name = "dynamiq" if rule.scheme == "auto" else rule.scheme
+    options = {**(runtime.scheme_options or {}), **rule.options()}
+    options.pop("scheme")
+    if "bits" in rule.spec.options and rule.target is None:
+        options.setdefault("bits", DEFAULT_BITS)
+    schemes.get(name, **options)
+    if rule.scheme == "auto" and policy.error_feedback:
+        raise InvalidArgumentError(
+            "DynamiqState: error_feedback needs a fixed scheme (its residual is the chosen "
+            "codec's error, and scheme='auto' chooses per call, after the hook returns); "
+            "pass scheme='dynamiq' for error feedback")
 
 
 def _future_for(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
