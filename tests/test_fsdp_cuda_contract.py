@@ -532,3 +532,81 @@ def test_backend_cuda_fallback_warns_once_and_runs_exact(
     assert pg.cuda_lane is None
     assert pg.summary()["exact_calls"] == {"all_gather_single": 2}
     assert pg.summary()["compressed"]["weights"]["calls"] == 0
+
+
+class _Bucket:
+    """The parts of DDP's ``GradBucket`` the hook reads."""
+
+    def __init__(self, buf: torch.Tensor, index: int = 0, last: bool = True) -> None:
+        self._buf, self._index, self._last = buf, index, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def test_ddp_hook_cuda_buckets_take_the_nccl_lane(gpu_stubs: dict[str, Any],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DDP hook's CUDA buckets run on the same lane class as FSDP2's and the backend's: a
+    :class:`~dqcoll.integrations.lane.Lane` over dqcoll's nccl4py transport, made by
+    ``DynamiqState.prepare()`` on the bucket's device (unique id through the group's store
+    under the state's prefix). The bucket's average is bit for bit dqcoll's API call with the
+    hook's seed and step; the caller's stream waits for the event the lane recorded after the
+    work (stubbed: a future and a stream without a device)."""
+    from dqcoll.integrations import torch_ddp
+
+    waited: list[Any] = []
+
+    class _Stream:
+        def wait_event(self, event: Any) -> None:
+            waited.append((threading.current_thread().name, id(event)))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch_ddp, "_future_for", lambda tensor: torch.futures.Future())
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank())
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size())
+    monkeypatch.setattr(dist.distributed_c10d, "_get_process_group_store",
+                        lambda group: gpu_stubs["store"])
+    numel = 3 * 4096 + 17
+
+    def grads(rank: int) -> torch.Tensor:
+        return torch.randn(numel, generator=torch.Generator().manual_seed(70 + rank))
+
+    states = [torch_ddp.DynamiqState(_Group(rank), scheme="dynamiq", bits=5, warmup_steps=0,
+                                     runtime=torch_ddp.HookRuntime(algorithm="ring"))
+              for rank in range(WORLD)]
+    for state in states:  # one process holds both ranks: the same instance number on each
+        state._instance = 0
+
+    def rank_body(rank: int) -> dict[str, Any]:
+        state = states[rank]
+        state.prepare("cuda:0")
+        buf = grads(rank)
+        averaged = torch_ddp.dynamiq_hook(state, _Bucket(_cuda(buf))).wait()
+        out = {"result": averaged.clone(), "lanes": len(state.lane_list),
+               "transport": type(state.lane(0).transport), "lane": type(state.lane(0)),
+               "info": dict(state.last_info), "seed": state.step_seed(0)}
+        state.lane(0).close()
+        return out
+
+    results = _run_ranks(rank_body)
+    assert dist.PrefixStore("dqcoll-ddp/0/fsdp-group/lane0/", gpu_stubs["store"]).check(
+        ["nccl/unique_id"])
+    reference = run_local(WORLD, lambda comm: api.allreduce(
+        grads(comm.rank), op="avg", scheme="dynamiq", bits=5, algorithm="ring",
+        seed=results[0]["seed"], step=0))
+    for rank, result in enumerate(results):
+        assert result["lane"] is lane_module.Lane and result["lanes"] == 1
+        assert result["transport"] is _RecordingTransport
+        assert result["info"]["scheme"] == "dynamiq", result["info"]
+        assert torch.equal(result["result"], reference[rank]), rank
+        mine = [e for e in _HostOrder.log if f"rank {rank}" in e[0]]
+        runs = [e for e in mine if e[1] == "run_after"]
+        dones = [e for e in mine if e[1] == "done"]
+        assert len(runs) == len(dones) == 1 and "dqcoll-lane" in runs[0][0], mine
+        assert (dones[0][2]) in [event for _, event in waited], (dones, waited)

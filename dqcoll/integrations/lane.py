@@ -1,7 +1,9 @@
 """A compression lane: dqcoll's collectives on a connection of their own, as ``torch`` Work.
 
-The FSDP2 classes (:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
-(:mod:`dqcoll.integrations.torch_backend`) hand their compressed calls to a :class:`Lane`:
+The DDP hook (:mod:`dqcoll.integrations.torch_ddp`: its buckets), the FSDP2 classes
+(:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
+(:mod:`dqcoll.integrations.torch_backend`) hand their compressed calls to a :class:`Lane`, the
+one lane runtime of the package (the only place a lane's connection is opened):
 
 * **Its own connection, chosen by the tensors' device.** A lane runs dqcoll over a connection
   that it makes from the group's store under a prefix of its own (only the group's ranks join;
@@ -129,8 +131,9 @@ class _GlooTransport(TorchTransport):
     """dqcoll's ``torch`` transport over a bare ``ProcessGroupGloo`` (one not registered with
     ``torch.distributed``: the transport takes its rank and size from the group itself)."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, timeout_s: float) -> None:
-        super().__init__(group, timeout_s=timeout_s, gather_nbytes=LANE_GATHER_NBYTES)
+    def __init__(self, group: Any, rank: int, world_size: int, timeout_s: float,
+                 gather_nbytes: int = LANE_GATHER_NBYTES) -> None:
+        super().__init__(group, timeout_s=timeout_s, gather_nbytes=gather_nbytes)
         assert (self.rank, self.world_size) == (rank, world_size), (self.rank, rank)
 
 
@@ -254,6 +257,11 @@ class LaneWork(dist.Work):
     def is_completed(self) -> bool:
         return self._done.done()
 
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], None]) -> None:
+        """Run ``fn(future)`` on the lane's thread right after the call (at once if it already
+        ran); the future's result is the CUDA event after the call's work, or None."""
+        self._done.add_done_callback(fn)
+
     def is_success(self) -> bool:
         return self._done.done() and self._done.exception() is None
 
@@ -304,13 +312,25 @@ class Lane(BlockCollectives):
             :class:`MismatchError` on every rank instead of leaving each side waiting on
             another connection. Skipped where the argument check is off
             (``DQCOLL_VALIDATE=0``, agreed by the ranks).
+        gather_nbytes: n x the bytes up to which the lane's small all-reduces go to every rank
+            in one exchange (:data:`LANE_GATHER_NBYTES`; the same bits either way).
+        group: a ``torch.distributed`` process group of the lane's ranks: a CUDA lane where no
+            NCCL binding runs (:func:`nccl_lane_binding`) takes dqcoll's ``torch`` transport
+            over it (its CUDA messages on an NCCL group of the transport's own) instead of
+            raising.
+        comm: a communicator to run on as it is (no connection is made; ``store`` and
+            ``prefix`` unused): the DDP hook's communicator of the survivors after a shrink.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
                  timeout_s: float, name: str, prefix: str = "dqcoll-lane/",
                  device: torch.device | str = "cpu",
-                 settings: Mapping[str, str] | None = None, check_paths: bool = False) -> None:
+                 settings: Mapping[str, str] | None = None, check_paths: bool = False,
+                 gather_nbytes: int = LANE_GATHER_NBYTES, group: Any = None,
+                 comm: Communicator | None = None) -> None:
         self.rank = rank
+        self._gather_nbytes = gather_nbytes
+        self._group = group
         self.check_paths = check_paths
         self._paths = 0  # path checks so far (their labels)
         self.world_size = world_size
@@ -322,7 +342,10 @@ class Lane(BlockCollectives):
         self.device = torch.device(device)
         self.order: CudaOrder | None = None  # CUDA: the lane's stream and events
         self.gloo: Any = None  # CPU: the lane's gloo process group
-        if self.device.type == "cuda":
+        if comm is not None:
+            self.transport, self.comm = comm.transport, comm
+            self.order = CudaOrder(self.device) if self.device.type == "cuda" else None
+        elif self.device.type == "cuda":
             self._connect_nccl(store, prefix, timeout_s)
         elif self.device.type == "cpu":
             self._connect(store, prefix, timeout_s)
@@ -339,7 +362,8 @@ class Lane(BlockCollectives):
     def _connect(self, store: Any, prefix: str, timeout_s: float) -> None:
         """The lane's own gloo connection and the dqcoll communicator over it."""
         self.gloo = open_private_group(store, prefix, self.rank, self.world_size, timeout_s)
-        self.transport: Any = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s)
+        self.transport: Any = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s,
+                                             self._gather_nbytes)
         self.comm = Communicator(self.transport, seed=self.policy.seed,
                                  settings=self.settings)
 
@@ -347,11 +371,17 @@ class Lane(BlockCollectives):
         """The lane's own NCCL communicator on its device and the dqcoll communicator over it:
         rank 0's unique id travels through the store under the lane's prefix."""
         binding, reason = nccl_lane_binding()
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if binding is None and self._group is not None:
+            self.transport = TorchTransport(self._group, timeout_s=timeout_s)
+            self.comm = Communicator(self.transport, seed=self.policy.seed,
+                                     settings=self.settings, device=self.device)
+            self.order = CudaOrder(self.device)
+            return
         if binding is None:
             raise UnsupportedError(f"rank {self.rank}: lane {self.name} on {self.device}: "
                                    f"{reason}")
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         prefixed = dist.PrefixStore(prefix, store)
         module, library, transport_class, extra = _nccl_parts(binding)
         unique_id = exchange_unique_id(lambda: module.unique_id_bytes(library), prefixed,
@@ -446,6 +476,17 @@ class Lane(BlockCollectives):
         with self._lock:
             done = self._pool.submit(job)
         return LaneWork(done, result, order)
+
+    def flush(self) -> None:
+        """Return once every call queued so far has run (on CUDA: been queued on the stream)."""
+        with self._lock:
+            done = self._pool.submit(lambda: None)
+        done.result()
+
+    def abort(self, reason: str) -> None:
+        """Close the lane's connection now (a lost peer): calls blocked on it fail at once,
+        here and on the peers (the transport's ``abort``)."""
+        self.transport.abort(reason)
 
     def close(self) -> None:
         """End the thread after the calls queued so far; a CUDA lane then closes its NCCL

@@ -25,9 +25,9 @@ rank, and copies the returned tensor into the gradients):
 * ``scheme="none"``: the process group's own ``all_reduce`` of the bucket divided by the world
   size, exactly what DDP does without a hook (``default_hooks.allreduce_hook``), asynchronously
   (the returned future is the all-reduce's).
-* **Compressed**: ``dqcoll.allreduce(bucket, op="avg", scheme=..., bits=...)`` over a dqcoll
-  communicator among the same process group's ranks (the ``torch`` transport: CPU buckets on a
-  gloo connection of its own, CUDA buckets on the group's NCCL). The random
+* **Compressed**: ``dqcoll.allreduce(bucket, op="avg", scheme=..., bits=...)`` on a lane among
+  the same process group's ranks (CPU buckets on a gloo connection of its own, CUDA buckets on
+  dqcoll's NCCL transport; see "Lanes" below). The random
   rounding is keyed by a per-iteration seed (``derived_seed(seed, "ddp", iteration)``) and the
   bucket index, so every step draws fresh numbers and a rerun with the same seed is identical.
   Every rank ends with bit-identical averages (dqcoll's invariant), so the replicas never drift.
@@ -71,20 +71,22 @@ rank, and copies the returned tensor into the gradients):
   over fewer replicas (a smaller global batch). ``examples/ddp_lost_rank.py`` SIGKILLs one of 4
   ranks mid-training and finishes with 3.
 
-**Overlap.** The compressed path issues ``dqcoll.allreduce(..., async_op=True)`` and returns at
-once a future that a communicator's worker thread completes when the bucket's all-reduce is
-done (torch's ``fp16_compress_hook`` does the same with ``dist.all_reduce(async_op=True)``): DDP
-goes on computing the next buckets' gradients while this one is coded and on the wire. Monitored
+**Overlap.** The compressed path queues the bucket's ``dqcoll.allreduce`` on a lane and returns
+at once a future that the lane's worker thread completes when the bucket's all-reduce is done
+(torch's ``fp16_compress_hook`` does the same with ``dist.all_reduce(async_op=True)``): DDP goes
+on computing the next buckets' gradients while this one is coded and on the wire. Monitored
 iterations (``monitor_every``) run synchronously: their exact fp64 all-reduce is a second
-collective on the same process group, which must not interleave with the workers'.
+collective on the same process group, which must not interleave with the lanes' work.
 ``HookRuntime(async_op=False)`` runs every bucket inside the hook (the same bits; a test checks
 it).
 
 **Lanes** (``HookRuntime(lanes=...)``, default 2 for CPU buckets, 1 for CUDA ones:
-see :meth:`DynamiqState.lane_count`). Bucket ``i`` runs on lane
-``i % lanes``: a communicator with its own worker thread and its own gloo connection (a
-``ProcessGroupGloo`` made from the group's store under a prefix of this state, as the FSDP lanes
-do), so bucket ``i + 1``'s codec runs while bucket ``i``'s bytes are on the wire, and no core
+see :meth:`DynamiqState.lane_count`). The hook runs on the lane runtime every integration
+shares (:class:`~dqcoll.integrations.lane.Lane`, as FSDP2's collectives and the ``dqcoll``
+backend do): bucket ``i`` runs on lane ``i % lanes``, a connection of its own made from the
+group's store under a prefix of this state (CPU: a gloo connection; CUDA: dqcoll's NCCL
+transport, nccl4py or CuPy, else the ``torch`` transport over DDP's group) with one worker
+thread, so bucket ``i + 1``'s codec runs while bucket ``i``'s bytes are on the wire, and no core
 idles while every rank waits for the link. Within a lane the buckets run in issue order, which
 is the same on every rank, so every lane's messages match; the lanes' messages never share a
 connection. Each bucket's result does not depend on its lane (its random numbers are keyed by
@@ -92,10 +94,10 @@ the iteration's seed and the bucket index; a test trains bit-identically with 1 
 The futures complete in bucket order and the bookkeeping of a bucket (allocation carried over,
 bits, the end of the iteration) runs in that order too, on whichever worker finishes the
 bucket that completes the sequence. What two lanes buy on CPU ranks: docs/ddp.md ("Lanes").
-CUDA buckets keep one lane: the codec is GPU kernels queued on a stream and the transport is
-NCCL's, which a second gloo connection would not carry.
+CUDA buckets keep one lane: the codec is GPU kernels queued on the lane's stream (ordered after
+the caller's, as for FSDP2's lanes), and one NCCL communicator carries them.
 
-**Ready before the first backward.** The state creates its communicator (and so compiles or
+**Ready before the first backward.** The state creates its lanes (and so compiles or
 loads the CPU kernels, printing a line while a first compilation runs) when it is made, if
 ``torch.distributed`` is initialised, or at :meth:`DynamiqState.prepare`; never inside backward.
 
@@ -118,7 +120,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import envs, handles, schemes
+from .. import envs, schemes
 from ..api import allreduce
 from ..comm import Communicator
 from ..errors import DqcollError, InvalidArgumentError
@@ -126,8 +128,9 @@ from ..planner import build_planner
 from ..prepare import DEFAULT_BITS
 from ..schemes.dynamiq.error_model import ErrorModel
 from ..schemes.seeds import derived_seed
-from ..transports.torch_dist import TorchTransport, open_private_group
-from .policy import CompressionPolicy, RoleRule
+from ..transports.torch_dist import GATHERED_ALLREDUCE_NBYTES
+from .lane import Lane
+from .policy import CompressionPolicy, Role, RoleRule
 
 __all__ = ["DDP_DEFAULT_POLICY", "DynamiqState", "HookRuntime", "ddp_policy", "dynamiq_hook",
            "resync"]
@@ -267,12 +270,12 @@ class DynamiqState:
         rule, run = self.policy.allreduce, self.runtime
         # -- where: the group whose ranks hold the replicas, and dqcoll's communicator on it --
         self.process_group = process_group
-        self.comm: Communicator | None = None  # made by prepare(), before the first backward
+        # the lanes buckets are averaged on (dqcoll.integrations.lane.Lane: a connection of its
+        # own and one worker each), made by prepare() before the first backward; see lane()
+        self.lane_list: list[Lane] = []
         self.device = None if run.device is None else torch.device(run.device)
         self.async_op = bool(run.async_op)
         self.lanes = run.lanes  # None: decided with the device, at prepare()
-        # communicators of lanes 1, 2, ... (lane 0 is self.comm); see lane()
-        self.lane_comms: list[Communicator] = []
         DynamiqState._instances += 1
         self._instance = DynamiqState._instances
         # -- buckets in flight, completed in issue order (see _release_in_order) --
@@ -345,8 +348,18 @@ class DynamiqState:
         """The seed of the random rounding for one iteration."""
         return derived_seed(self.seed, "ddp", iteration) & _SEED_MASK
 
+    @property
+    def comm(self) -> Communicator | None:
+        """Lane 0's communicator (after a shrink: the survivors'), None until prepared."""
+        return self.lane_list[0].comm if self.lane_list else None
+
+    @property
+    def lane_comms(self) -> list[Communicator]:
+        """The communicators of lanes 1, 2, ..."""
+        return [lane.comm for lane in self.lane_list[1:]]
+
     def prepare(self, device: torch.device | str | None = None) -> Communicator:
-        """Create the communicator on ``device`` (default: the state's): compiles or loads the
+        """Create the lanes on ``device`` (default: the state's): compiles or loads the
         kernels now (a first compilation prints a line and takes minutes once per machine),
         not inside the first backward. Every rank of the group calls it (it is collective:
         the planner of ``"auto"`` discovers the job and measures its links here)."""
@@ -377,58 +390,59 @@ class DynamiqState:
             return self.lanes
         return 2 if self.device is not None and self.device.type == "cpu" else 1
 
+    def _new_lane(self, index: int, device: torch.device) -> Lane:
+        """Lane ``index``: a :class:`~dqcoll.integrations.lane.Lane` among the group's ranks,
+        its connection made from the group's store under this state's prefix (every rank
+        makes it at the same point)."""
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        name = getattr(group, "group_name", "world")
+        return Lane(dist.distributed_c10d._get_process_group_store(group),
+                    dist.get_rank(group), dist.get_world_size(group), policy=self.policy,
+                    timeout_s=envs.timeout_s(), name=f"ddp {self._instance}.{index}",
+                    prefix=f"dqcoll-ddp/{self._instance}/{name}/lane{index}/", device=device,
+                    gather_nbytes=GATHERED_ALLREDUCE_NBYTES, group=group)
+
     def _make_lanes(self, comm: Communicator) -> None:
-        """Lanes 1, 2, ...: a gloo connection each among the group's ranks (made from the
-        group's store under this state's prefix; every rank makes them at the same point)."""
+        """Lanes 1, 2, ...: CPU buckets only (each lane is a gloo connection)."""
         wanted = self.lane_count()
-        if len(self.lane_comms) + 1 >= wanted:
+        if len(self.lane_list) >= wanted:
             return
-        if comm.device.type != "cpu":
+        device = self.lane_list[0].device
+        if device.type != "cpu":
             raise InvalidArgumentError(
                 f"DynamiqState(lanes={wanted}): more than one lane needs CPU buckets (each lane "
-                f"is a gloo connection); buckets on {comm.device} take lanes=1")
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        store = dist.distributed_c10d._get_default_store()
-        timeout_s = comm.transport.timeout_s  # type: ignore[attr-defined]  # a TorchTransport
-        name = getattr(group, "group_name", "world")
-        for lane in range(len(self.lane_comms) + 1, wanted):
-            prefix = f"dqcoll-ddp/{self._instance}/{name}/lane{lane}/"
-            gloo = open_private_group(store, prefix, comm.rank, comm.world_size, timeout_s)
-            extra = Communicator(TorchTransport(gloo, timeout_s=timeout_s), seed=self.seed,
-                                 device=comm.device)
+                f"is a gloo connection); buckets on {device} take lanes=1")
+        for index in range(len(self.lane_list), wanted):
+            lane = self._new_lane(index, device)
             if comm.planner is not None:  # the same job and rates, its own calibration
-                extra.planner = comm.planner.fork()
-            self.lane_comms.append(extra)
+                lane.comm.planner = comm.planner.fork()
+            self.lane_list.append(lane)
 
-    def lane(self, index: int) -> Communicator:
-        """The communicator that averages bucket ``index``: lane ``index % lanes``."""
-        count = self.lane_count()
-        if count == 1 or index % count == 0:
-            assert self.comm is not None
-            return self.comm
-        return self.lane_comms[index % count - 1]
+    def lane(self, index: int) -> Lane:
+        """The lane that averages bucket ``index``: lane ``index % lanes``."""
+        return self.lane_list[index % min(self.lane_count(), len(self.lane_list))]
 
     def drain(self) -> None:
         """Wait until no bucket of this state is in flight on any lane (every lane's
         collectives have run and every bucket was released, in order)."""
-        for comm in (self.comm, *self.lane_comms):
-            if comm is not None:
-                handles.drain(comm)
+        for lane in self.lane_list:
+            lane.flush()
         with self._order:
             # the last releases run in the lanes' done callbacks, just after the collectives
             self._order.wait_for(lambda: not self._in_flight)
 
     def communicator(self, device: torch.device) -> Communicator:
-        if self.comm is None:
+        """Lane 0's communicator, made on ``device`` at the first call."""
+        if not self.lane_list:
             if self.device is None:
                 self.device = torch.device(device)
-            self.comm = Communicator(TorchTransport(self.process_group), seed=self.seed,
-                                     device=device)
-        elif self.comm.device.type != device.type:
+            self.lane_list.append(self._new_lane(0, torch.device(device)))
+        lane = self.lane_list[0]
+        if lane.device.type != torch.device(device).type:
             raise InvalidArgumentError(
-                f"DynamiqState: a bucket on {device} but the communicator was prepared for "
-                f"{self.comm.device}; pass device= to DynamiqState or prepare()")
-        return self.comm
+                f"DynamiqState: a bucket on {device} but the lanes were prepared for "
+                f"{lane.device}; pass HookRuntime(device=) to DynamiqState or prepare()")
+        return lane.comm
 
     def group_size(self) -> int:
         if self.shrunk and self.comm is not None:
@@ -452,9 +466,8 @@ class DynamiqState:
             log.warning("dqcoll ddp: iteration %d: averaging failed (%s: %s); the bucket is "
                         "returned unreduced: skip this step, then state.shrink()", iteration,
                         type(exc).__name__, exc)
-            for comm in (self.comm, *self.lane_comms):
-                if comm is not None:
-                    comm.transport.abort(f"averaging failed at iteration {iteration}")
+            for lane in self.lane_list:
+                lane.abort(f"averaging failed at iteration {iteration}")
         self.failures.append((iteration, f"{type(exc).__name__}: {exc}"))
 
     def shrink(self, **kwargs: Any) -> Communicator:
@@ -463,16 +476,20 @@ class DynamiqState:
         comm = self.prepare()
         if self.failure is not None:  # evidence of a lost rank, whichever lane saw it
             comm.mark_dead(f"averaging failed: {type(self.failure).__name__}: {self.failure}")
-        for extra in self.lane_comms:  # the survivors average over one lane
-            extra.transport.abort("the group shrank after a lost rank")
-            extra.mark_dead("shrunk after a lost rank: DynamiqState averages over one lane")
-            handles.shutdown(extra)
-        self.lane_comms = []
-        self.comm = comm.shrink(**kwargs)
+        for extra in self.lane_list[1:]:  # the survivors average over one lane
+            extra.abort("the group shrank after a lost rank")
+            extra.comm.mark_dead("shrunk after a lost rank: DynamiqState averages over one lane")
+        first = self.lane_list[0]
+        survivors = comm.shrink(**kwargs)
+        for lane in self.lane_list:
+            lane.close()
+        self.lane_list = [Lane(None, survivors.rank, survivors.world_size, policy=self.policy,
+                               timeout_s=envs.timeout_s(), name=f"{first.name} survivors",
+                               device=survivors.device, comm=survivors)]
         self.shrunk = True
         self.failure = None
         self.residuals.clear()  # the failed step's residuals were never sent
-        return self.comm
+        return survivors
 
     def __repr__(self) -> str:
         return (f"DynamiqState(scheme={self.scheme!r}, bits={self.bits:g}, "
@@ -684,21 +701,24 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
             state._in_flight.append(bucket)
         spread = state.lane_count() > 1
         tile = LANE_TILE_NBYTES if spread else None  # None: the API's default
-        handle = allreduce(buf, op="avg", scheme=state.scheme,
-                           algorithm=state.bucket_algorithm(buf),
-                           comm=lane, seed=seed, step=index, async_op=True, tile_nbytes=tile,
-                           **options)
+
+        def run() -> None:  # DDP's bucket is flat: the view is the bucket (as Lane's calls)
+            allreduce(buf.view(-1), op="avg", scheme=state.scheme,
+                      algorithm=state.bucket_algorithm(buf), comm=lane.comm, seed=seed,
+                      step=index, tile_nbytes=tile, **options)
 
         def done(finished: concurrent.futures.Future[Any]) -> None:
             # On the lane's worker thread, right after the all-reduce (before its next job).
             bucket.error = finished.exception()
             if bucket.error is None:
-                bucket.info = dict(lane.last_info)
+                bucket.info = dict(lane.comm.last_info)
                 bucket.event = finished.result()
             bucket.finished = True
             _release_in_order(state)
 
-        handle.add_done_callback(done)
+        work = lane.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(), run,
+                           buf, (buf,))
+        work.add_done_callback(done)
         return bucket.future
     state.drain()  # nothing of this state may be in flight beside the exact all-reduce
     exact = None
