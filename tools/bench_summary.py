@@ -90,7 +90,7 @@ def rate_table(results: Path) -> str:
         rate[(r["op"], r["width"], r["rounding"], r["kernels"])] = r["mcoords_per_s"]
     meta = data["meta"]
     out = [f"\n{meta['device']}, one thread, {meta['numel']} coordinates, rank 1 of "
-           f"{meta['world_size']}, commit {meta['commit']}, {meta['date_utc']}; M coordinates/s, "
+           f"{meta['world_size']} (commit and date: `{path.name}`); M coordinates/s, "
            "numba / torch reference (speed-up)\n",
            "| op | rounding | 2 bits | 4 bits | 8 bits |", "|---|---|---:|---:|---:|"]
     for op in ("encode", "hop", "decode", "decode_accumulate"):
