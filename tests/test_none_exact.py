@@ -154,3 +154,47 @@ def test_none_reports_its_wire_bytes() -> None:
             assert sent == in_dtype
         else:
             assert in_dtype < sent <= (n - 1) * 1000 * (2 + 8)
+
+
+def test_none_widens_only_what_it_sums_and_reuses_its_buffers() -> None:
+    """On the CPU, ``none`` widens to fp64 only the chunks a rank sums (an all-gather none, a
+    ring reduce-scatter of 4 ranks the 3 chunks passing through the rank), and a second call of
+    the same size takes its payloads, sums and work buffer from the communicator's pool
+    (dqcoll.scratch) instead of new allocations; the results stay the fp64 sums rounded once."""
+    from dqcoll import scratch as scratch_module
+    from dqcoll.schemes import none as none_module
+
+    made: list[tuple[int, set[int]]] = []
+    real_init = none_module.ExactSumCall.__init__
+
+    def spy(self: object, x: torch.Tensor, ctx: object) -> None:
+        real_init(self, x, ctx)  # type: ignore[arg-type]
+        made.append((x.numel(), self._widened))  # type: ignore[attr-defined]
+
+    def body(comm: dqcoll.Communicator) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        x = torch.randn(4096, generator=torch.Generator().manual_seed(comm.rank))
+        shard = torch.empty(1024)
+        dqcoll.reduce_scatter(x, shard, scheme="none", algorithm="ring")
+        pool = scratch_module.pool_for(comm.scheme_state, torch.device("cpu"))
+        assert pool is not None
+        held = pool.nbytes
+        dqcoll.reduce_scatter(x, shard, scheme="none", algorithm="ring")
+        after = pool.nbytes
+        full = torch.empty(4096)
+        dqcoll.all_gather(shard, full, scheme="none", algorithm="ring")
+        return shard, full, held, after
+
+    original = none_module.ExactSumCall.__init__
+    none_module.ExactSumCall.__init__ = spy  # type: ignore[method-assign]
+    try:
+        results = run_local(4, body)
+    finally:
+        none_module.ExactSumCall.__init__ = original  # type: ignore[method-assign]
+    exact = sum(torch.randn(4096, generator=torch.Generator().manual_seed(r)).double()
+                for r in range(4)).float()
+    for rank, (shard, full, held, after) in enumerate(results):
+        assert torch.equal(shard, exact[rank * 1024:(rank + 1) * 1024]), rank
+        assert torch.equal(full, exact), rank
+        assert after == held, (rank, held, after)  # the second call took no new block
+    # 8 reduce-scatters (3 of 4 chunks summed on each rank), 4 all-gathers (none summed)
+    assert sorted(len(chunks) for _, chunks in made) == [0] * 4 + [3] * 8

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import scratch
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 from .elementwise import BlockCall, BlockCodec, BlockLayout
@@ -151,10 +152,16 @@ class ExactSumCall:
         self.world_size = ctx.world_size
         self.dtype = x.dtype
         self.layout = BlockLayout.of(self.numel, 1, ctx)  # blocks of 1: no padding
-        self.sums = torch.empty(self.numel, dtype=_WIDE, device=x.device)
         self.values = x.reshape(-1)  # this rank's own values, sent as they are
-        _widen_into(self.sums, self.values, add=False)
-        self.work = torch.empty(self.numel, dtype=torch.float32, device=x.device)
+        # the communicator's reused buffers on the CPU (dqcoll.scratch: no page faults for the
+        # payloads, the fp64 sums and the work buffer); None elsewhere
+        self.pool = scratch.pool_for(ctx.state, x.device)
+        # the fp64 partial sums, made chunk by chunk where a chunk is first summed or rounded
+        # (:meth:`_sums`): an all-gather never needs them, a reduce-scatter's rank only the
+        # chunks that pass through it (the allocation maps pages only where they are written)
+        self._wide: torch.Tensor | None = None
+        self._widened: set[int] = set()
+        self.work = self._take(self.numel, torch.float32)
         self.chunk_bounds = self.layout.chunk_bounds()
         self.tile_unit = 1  # the executor may cut chunks into tiles of any length
         self.info: dict[str, Any] = {}
@@ -186,20 +193,54 @@ class ExactSumCall:
     def _bounds(self, chunk: int) -> slice:
         return slice(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1])
 
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised ``dtype`` buffer of ``numel`` for this call (pooled on the CPU)."""
+        if self.pool is None:
+            return torch.empty(numel, dtype=dtype, device=self.values.device)
+        return self.pool.take(numel * dtype.itemsize).view(dtype)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised uint8 buffer for this call's messages (the executor's)."""
+        return self._take(nbytes, torch.uint8)
+
+    def frame(self, buffer: torch.Tensor) -> torch.Tensor | None:
+        """``buffer`` with the room for a message header before it (a pooled buffer's), or
+        None (:meth:`dqcoll.scratch.ScratchPool.frame`)."""
+        return self.pool.frame(buffer) if self.pool is not None else None
+
+    def release(self) -> None:
+        """The call returned: its pooled buffers go back to the communicator's pool."""
+        if self.pool is not None:
+            self.pool.release()
+
+    def _sums(self, chunk: int) -> torch.Tensor:
+        """The fp64 partial sums of ``chunk``: this rank's own values widened exactly at the
+        chunk's first use, then whatever was accumulated into them."""
+        if self._wide is None:
+            self._wide = self._take(self.numel, _WIDE)
+        sums = self._wide[self._bounds(chunk)]
+        if chunk not in self._widened:
+            _widen_into(sums, self.values[self._bounds(chunk)], add=False)
+            self._widened.add(chunk)
+        return sums
+
     def payload_nbytes(self, chunk: int, count: int) -> int:
         lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
         return (hi - lo) * self._wire_dtype(count).itemsize
 
     def compress(self, chunk: int, count: int) -> torch.Tensor:
-        values = self.sums[self._bounds(chunk)]
+        if count == 1:  # one rank's own values, as they are
+            own = self.values[self._bounds(chunk)]
+            payload = self._take(own.numel(), self.dtype)
+            payload.copy_(own)
+            return payload.view(torch.uint8)
+        values = self._sums(chunk)
         if count == self.world_size:  # the final sum: rounded once, saturating
             if self.op is ReduceOp.AVG:
                 values = values / self.world_size
-            final = torch.empty(values.shape, dtype=self.dtype, device=values.device)
+            final = self._take(values.numel(), self.dtype)
             copy_saturating(final, values)
             return final.view(torch.uint8)
-        if count == 1:  # one rank's own values, as they are
-            return self.values[self._bounds(chunk)].clone().view(torch.uint8)
         return values.view(torch.uint8)
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
@@ -207,8 +248,7 @@ class ExactSumCall:
         self.work[self._bounds(chunk)] = _view(payload, self._wire_dtype(count))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        _widen_into(self.sums[self._bounds(chunk)], _view(payload, self._wire_dtype(count)),
-                    add=True)
+        _widen_into(self._sums(chunk), _view(payload, self._wire_dtype(count)), add=True)
 
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
