@@ -198,3 +198,35 @@ def test_none_widens_only_what_it_sums_and_reuses_its_buffers() -> None:
         assert after == held, (rank, held, after)  # the second call took no new block
     # 8 reduce-scatters (3 of 4 chunks summed on each rank), 4 all-gathers (none summed)
     assert sorted(len(chunks) for _, chunks in made) == [0] * 4 + [3] * 8
+
+
+_NONE_OVER_GLOO = r"""
+import json, os, torch, dqcoll
+comm = dqcoll.init(backend="gloo")
+r, n = comm.rank, comm.world_size
+report = {"ok": []}
+for numel in (1000, (1 << 20) + 3):
+    for algorithm in ("ring", "butterfly", "direct"):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+        exact = sum(torch.randn(numel, generator=torch.Generator().manual_seed(k)).double()
+                    for k in range(n)).float()
+        dqcoll.allreduce(x, scheme="none", algorithm=algorithm)
+        report["ok"].append(bool(torch.equal(x, exact)))
+print("REPORT " + json.dumps(report), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_none_over_gloo_is_exact_and_frames_alike(world_size: int) -> None:
+    """``none`` over gloo ranks, with payloads above the size that travels in one message with
+    its header: every rank exits cleanly with the fp64 sum rounded once, on every algorithm
+    (a rank that framed a payload while its peer expected a header message alone would abort
+    inside gloo)."""
+    from conftest import run_gloo_script
+
+    reports = run_gloo_script(_NONE_OVER_GLOO, world_size, timeout_s=240,
+                              env={"DQCOLL_TIMEOUT_S": "60"})
+    for rank, report in reports.items():
+        assert report["exit"] == 0, (rank, report)
+        assert report["ok"] == [True] * 6, (rank, report)

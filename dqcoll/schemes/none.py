@@ -200,13 +200,11 @@ class ExactSumCall:
         return self.pool.take(numel * dtype.itemsize).view(dtype)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
-        """An uninitialised uint8 buffer for this call's messages (the executor's)."""
+        """An uninitialised uint8 buffer for this call's messages (the executor's). No
+        ``frame``: a partial sum travels from the fp64 sums as it is, so some payloads have no
+        header room in front, and every rank must frame alike (gloo would abort a rank whose
+        receive expects a header alone)."""
         return self._take(nbytes, torch.uint8)
-
-    def frame(self, buffer: torch.Tensor) -> torch.Tensor | None:
-        """``buffer`` with the room for a message header before it (a pooled buffer's), or
-        None (:meth:`dqcoll.scratch.ScratchPool.frame`)."""
-        return self.pool.frame(buffer) if self.pool is not None else None
 
     def release(self) -> None:
         """The call returned: its pooled buffers go back to the communicator's pool."""
