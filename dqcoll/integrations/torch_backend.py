@@ -195,7 +195,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
         if route != "checked":
             return post()
         check = self._lane(tensor).probe(role, numel, out_numel, tensor.dtype)
-        return CheckedWork(check, post())
+        return CheckedWork(check, post(), tensor.device)
 
     def _cuda_lane_reason(self) -> str | None:
         """None when CUDA calls can have a lane here, else why not (asked once; a reason is
@@ -402,10 +402,11 @@ class CheckedWork(dist.Work):
     raise the check's error (:class:`~dqcoll.errors.MismatchError`: another rank's call went to
     the lane) before anything of the exact call is waited on, else they are the exact call's."""
 
-    def __init__(self, check: dist.Work, work: dist.Work) -> None:
+    def __init__(self, check: dist.Work, work: dist.Work, device: torch.device) -> None:
         super().__init__()
         self._check = check
         self._work = work
+        self._device = device  # a CUDA future records the exact call's stream events
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         self._check.wait(timeout)
@@ -422,8 +423,9 @@ class CheckedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         inner = self._work.get_future()
-        future: torch.futures.Future[Any] = torch.futures.Future(devices=inner.devices()) \
-            if hasattr(inner, "devices") else torch.futures.Future()
+        future: torch.futures.Future[Any] = (
+            torch.futures.Future(devices=[self._device]) if self._device.type == "cuda"
+            else torch.futures.Future())
 
         def forward(done: torch.futures.Future[Any]) -> None:
             try:
