@@ -450,7 +450,7 @@ class Lane(BlockCollectives):
 
     def submit(self, role: Role, tensor_nbytes: int, numel: int, run: Callable[[], Any],
                result: Any, tensors: Sequence[torch.Tensor] = (),
-               path: tuple[int, torch.dtype] | None = None) -> dist.Work:
+               path: tuple[int, torch.dtype] | None = None) -> LaneWork:
         """Queue ``run()`` (one whole collective on ``tensors``) on the lane's thread; a Work for
         its end. On CUDA, ordered after the caller's current stream (module docstring).
         ``path``: the output's elements and the dtype, for the path check (``check_paths``)."""

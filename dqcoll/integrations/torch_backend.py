@@ -409,8 +409,11 @@ class CheckedWork(dist.Work):
         self._device = device  # a CUDA future records the exact call's stream events
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is None:
+            self._check.wait()
+            return bool(self._work.wait())
         self._check.wait(timeout)
-        return bool(self._work.wait(timeout) if timeout else self._work.wait())
+        return bool(self._work.wait(timeout))
 
     def is_completed(self) -> bool:
         return self._check.is_completed() and self._work.is_completed()

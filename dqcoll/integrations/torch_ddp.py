@@ -395,6 +395,7 @@ class DynamiqState:
         its connection made from the group's store under this state's prefix (every rank
         makes it at the same point)."""
         group = self.process_group if self.process_group is not None else dist.group.WORLD
+        assert group is not None  # torch.distributed is initialised (a lane is being made)
         name = getattr(group, "group_name", "world")
         return Lane(dist.distributed_c10d._get_process_group_store(group),
                     dist.get_rank(group), dist.get_world_size(group), policy=self.policy,
