@@ -86,18 +86,12 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-# -- scheme="none": exactly DDP --------------------------------------------------------------------
-
-
-def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
-    plain = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-    hooked = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-    state = DynamiqState(scheme="none")
-    hooked.register_comm_hook(state, dynamiq_hook)
-    models = (plain, hooked)
+def _paired_steps(rank: int, models: tuple[nn.Module, nn.Module], steps: int) -> list[bool]:
+    """Train both models ``steps`` SGD steps on the same batches; per step, whether their
+    averaged gradients were bit-identical."""
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     same: list[bool] = []
-    for step in range(4):
+    for step in range(steps):
         x, y = _batch(rank, step)
         grads = []
         for model, optimizer in zip(models, optimizers, strict=True):
@@ -106,6 +100,18 @@ def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
             grads.append(_grads(model))
             optimizer.step()
         same.append(all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True)))
+    return same
+
+
+# -- scheme="none": exactly DDP --------------------------------------------------------------------
+
+
+def _none_vs_plain(rank: int, world_size: int) -> dict[str, Any]:
+    plain = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+    hooked = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+    state = DynamiqState(scheme="none")
+    hooked.register_comm_hook(state, dynamiq_hook)
+    same = _paired_steps(rank, (plain, hooked), 4)
     return {"none": same, "buckets": dict(state.bucket_numel)}
 
 

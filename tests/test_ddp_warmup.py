@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_ddp_hook import _MLP, _batch, _grads, _spawn
+from test_ddp_hook import _MLP, _batch, _grads, _paired_steps, _spawn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -133,19 +133,7 @@ def _against_torch_bf16_hook(rank: int, world_size: int) -> list[bool]:
     ours.register_comm_hook(DynamiqState(warmup_steps=WARMUP), dynamiq_hook)
     theirs = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     theirs.register_comm_hook(None, _torch_bf16_hook)
-    models = (ours, theirs)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
-    same = []
-    for step in range(WARMUP):
-        x, y = _batch(rank, step)
-        grads = []
-        for model, optimizer in zip(models, optimizers, strict=True):
-            optimizer.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward()
-            grads.append(_grads(model))
-            optimizer.step()
-        same.append(all(torch.equal(a, b) for a, b in zip(*grads, strict=True)))
-    return same
+    return _paired_steps(rank, (ours, theirs), WARMUP)
 
 
 def _job(rank: int, world_size: int) -> dict[str, Any]:

@@ -45,6 +45,17 @@ def _assert_clean(reports: dict[int, dict], world_size: int) -> None:
         assert "error" not in rep, (rank, rep)
 
 
+def _assert_native_beside_allreduce(reports: dict[int, dict]) -> None:
+    """3 clean ranks, 12 iterations of the native path, dqcoll's sums within fp32 rounding of
+    the fp64 sums, the caller's all-reduces exact."""
+    _assert_clean(reports, 3)
+    for rank, rep in reports.items():
+        assert rep["iterations"] == 12, (rank, rep)
+        assert rep["scheme"] == "none", (rank, rep)
+        assert rep["max_rel_err"] < 1e-5, (rank, rep)
+        assert "wrong_user_allreduce" not in rep, (rank, rep)
+
+
 # -- auto's native all-reduce beside the caller's all-reduce -------------------------------------
 
 _AUTO_BESIDE_ALLREDUCE = _HEADER + r"""
@@ -85,12 +96,7 @@ def test_async_auto_beside_a_user_allreduce_completes():
     rank-dependent orders, and gloo aborted a rank with SIGABRT)."""
     reports = run_gloo_script(_AUTO_BESIDE_ALLREDUCE, 3, timeout_s=60,
                               env={"DQCOLL_AUTO_FORCE": "none", "DQCOLL_TIMEOUT_S": "20"})
-    _assert_clean(reports, 3)
-    for rank, rep in reports.items():
-        assert rep["iterations"] == 12, (rank, rep)
-        assert rep["scheme"] == "none", (rank, rep)
-        assert rep["max_rel_err"] < 1e-5, (rank, rep)
-        assert "wrong_user_allreduce" not in rep, (rank, rep)
+    _assert_native_beside_allreduce(reports)
 
 
 # -- the same over an NCCL group: CUDA messages on a private group of dqcoll's own ------------
@@ -116,12 +122,7 @@ def test_cuda_messages_beside_a_user_allreduce_take_a_private_group():
     another thread pairs with them in rank-dependent orders)."""
     reports = run_gloo_script(_CUDA_ROUTED_BESIDE_ALLREDUCE, 3, timeout_s=60,
                               env={"DQCOLL_AUTO_FORCE": "none", "DQCOLL_TIMEOUT_S": "20"})
-    _assert_clean(reports, 3)
-    for rank, rep in reports.items():
-        assert rep["iterations"] == 12, (rank, rep)
-        assert rep["scheme"] == "none", (rank, rep)
-        assert rep["max_rel_err"] < 1e-5, (rank, rep)
-        assert "wrong_user_allreduce" not in rep, (rank, rep)
+    _assert_native_beside_allreduce(reports)
 
 
 # -- the DDP hook with scheme="auto" and find_unused_parameters=True -------------------------------

@@ -23,6 +23,19 @@ from conftest import run_gloo_script
 
 from dqcoll.transports import torch_dist
 
+# the one Work of a coalesced batch, as NCCL's batch_isend_irecv returns it: done when every
+# message of the batch is (both workers' stand-ins of a coalescing group)
+_BATCH_WORK = r"""
+class BatchWork(dist.Work):
+    def __init__(self, works):
+        super().__init__()
+        self.works = works
+    def wait(self, timeout=None):
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+"""
+
 _COALESCING_WORKER = r"""
 import json, os, torch, torch.distributed as dist
 import dqcoll
@@ -49,16 +62,7 @@ class Coalescing:
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-class BatchWork(dist.Work):
-    # the one Work of a coalesced batch: done when every message of it is
-    def __init__(self, works):
-        super().__init__()
-        self.works = works
-    def wait(self, timeout=None):
-        for work in self.works:
-            work.wait() if timeout is None else work.wait(timeout)
-        return True
-
+""" + _BATCH_WORK + r"""
 def start_coalescing(self, device):
     open_batches[id(self)] = []
 
@@ -182,15 +186,7 @@ dist.get_backend = get_backend
 # the transport's private NCCL group, its device side stubbed: a coalescing group whose
 # messages gloo moves; each batch it coalesces is recorded as [is a send, bytes, device]
 cuda_private = []
-class BatchWork(dist.Work):
-    def __init__(self, works):
-        super().__init__()
-        self.works = works
-    def wait(self, timeout=None):
-        for work in self.works:
-            work.wait() if timeout is None else work.wait(timeout)
-        return True
-class Coalescing:
+""" + _BATCH_WORK + r"""class Coalescing:
     supports_coalescing = True
 class PrivateNccl:
     def __init__(self, group):

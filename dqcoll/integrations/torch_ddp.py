@@ -538,18 +538,28 @@ def _exact_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Futu
         allreduce(buf, op="avg", scheme="none", comm=state.comm)
         return _completed(buf)
     buf.mul_(1.0 / state.group_size())
-    work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+    return _group_average(state, buf, buf)
+
+
+def _group_average(state: DynamiqState, buf: torch.Tensor,
+                   wire: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Sum-all-reduce ``wire`` (already divided by n) on DDP's process group, asynchronously;
+    the future holds ``buf`` with the sum copied in (``wire`` may be ``buf`` itself). A
+    failure is raised, or, ``fault_tolerant``, recorded and the bucket returned unreduced."""
+    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
     assert work is not None
     iteration = state.iteration
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
-            return fut.value()[0]
+            summed = fut.value()[0]
+            if summed is not buf:
+                buf.copy_(summed)
         except Exception as exc:
             if not state.fault_tolerant:
                 raise
             state.record_failure(iteration, exc)
-            return buf
+        return buf
 
     return work.get_future().then(done)
 
@@ -572,23 +582,10 @@ def _bf16_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Futur
     (``fp16_compress_hook``'s collective, in bf16's range) and copied back, asynchronously.
     gloo's and NCCL's all-reduce leave the same sum on every rank."""
     wire = buf.to(torch.bfloat16).div_(state.group_size())
-    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
-    assert work is not None
-    iteration = state.iteration
     backend = str(dist.get_backend(state.process_group))
     state.last_info = {"scheme": "bf16", "algorithm": f"{backend} all_reduce", "bits": 16.0,
                        "warmup": True}
-
-    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        try:
-            buf.copy_(fut.value()[0])
-        except Exception as exc:
-            if not state.fault_tolerant:
-                raise
-            state.record_failure(iteration, exc)
-        return buf
-
-    return work.get_future().then(done)
+    return _group_average(state, buf, wire)
 
 
 def _residual(state: DynamiqState, index: int, buf: torch.Tensor) -> torch.Tensor:
