@@ -131,6 +131,7 @@ from ..schemes.seeds import derived_seed
 from ..transports.torch_dist import GATHERED_ALLREDUCE_NBYTES
 from .lane import Lane
 from .policy import CompressionPolicy, Role, RoleRule
+from .step_choice import StepChoice
 
 __all__ = ["DDP_DEFAULT_POLICY", "DynamiqState", "HookRuntime", "ddp_policy", "dynamiq_hook",
            "resync"]
@@ -288,10 +289,14 @@ class DynamiqState:
         self.algorithm = run.algorithm
         self.scheme_options = dict(run.scheme_options or {})
 
-        # -- when: warm-up, iteration counter, seeds --
+        # -- when: warm-up, iteration counter, seeds, auto's step-time check --
         self.warmup_steps = self.policy.warmup_steps
         self.iteration = 0  # backward passes seen (advanced at each iteration's last bucket)
         self.seed = self.policy.seed
+        # which iterations run 16 bits after the warm-up (scheme="auto": the faster mode by
+        # measured step time; dqcoll.integrations.step_choice)
+        self.step_choice = StepChoice(self.warmup_steps, self.scheme == "auto",
+                                      self._agree_step_times)
 
         # -- the bit allocation of each bucket's last call (bucket index -> u) --
         self.allocation_u: dict[int, float] = {}
@@ -331,9 +336,43 @@ class DynamiqState:
     # -- helpers ----------------------------------------------------------------------------------
 
     def should_compress(self, iteration: int | None = None) -> bool:
-        """Whether iteration ``iteration`` (default: the current one) is compressed."""
+        """Whether iteration ``iteration`` (default: the current one) is compressed: after the
+        warm-up, unless ``scheme="auto"``'s step-time check chose 16 bits for it."""
         iteration = self.iteration if iteration is None else iteration
-        return self.scheme != "none" and iteration >= self.warmup_steps
+        if self.scheme == "none" or iteration < self.warmup_steps:
+            return False
+        choice = self.step_choice
+        return self.shrunk or iteration != choice.iteration or choice.compressing()
+
+    @property
+    def sixteen_bit_steps(self) -> int:
+        """Iterations averaged in 16 bits so far: the warm-up's and those auto's step-time
+        check gave 16 bits."""
+        return self.step_choice.sixteen_bit_steps
+
+    def _agree_step_times(self, values: list[float]) -> list[float]:
+        """The slowest rank's values (all-reduce MAX on DDP's group; between iterations, when
+        nothing else of this state is in flight)."""
+        device = self.device if self.device is not None else torch.device("cpu")
+        agreed = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+        return [float(v) for v in agreed.tolist()]
+
+    def _begin_iteration(self, iteration: int) -> None:
+        """At an iteration's first bucket: auto's step-time check (module
+        dqcoll.integrations.step_choice) times the last step and says this one's mode."""
+        choice = self.step_choice
+        if self.shrunk or choice.iteration == iteration:
+            return
+        monitored = (self.monitor_every > 0
+                     and (iteration - self.warmup_steps) % self.monitor_every == 0)
+        decided = len(choice.choices)
+        choice.begin(iteration, timed=not monitored)
+        if len(choice.choices) > decided and self.group_rank() == 0:
+            made = choice.choices[-1]
+            log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
+                     "(slowest rank's medians): %s from now on", iteration, made.bf16_ms,
+                     made.compressed_ms, made.mode)
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
         """The algorithm of a bucket's all-reduce: ``algorithm``; ``"auto"`` is the planner's
@@ -584,7 +623,7 @@ def _bf16_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Futur
     wire = buf.to(torch.bfloat16).div_(state.group_size())
     backend = str(dist.get_backend(state.process_group))
     state.last_info = {"scheme": "bf16", "algorithm": f"{backend} all_reduce", "bits": 16.0,
-                       "warmup": True}
+                       "warmup": state.iteration < state.warmup_steps}
     return _group_average(state, buf, wire)
 
 
@@ -810,6 +849,12 @@ def dynamiq_hook(state: DynamiqState,
     state.bucket_numel[index] = buf.numel()
     if not state.fault_tolerant and bucket.is_last():
         _raise_after_backward(state)
+    try:
+        state._begin_iteration(iteration)
+    except RuntimeError as exc:  # the step times' all-reduce on DDP's group
+        if not state.fault_tolerant:
+            raise
+        state.record_failure(iteration, exc)
     if state.should_compress(iteration):
         try:
             return _compressed_average(state, buf, index, iteration, bucket.is_last())

@@ -1,0 +1,170 @@
+"""``scheme="auto"``'s step-time check in the DDP hook (dqcoll.integrations.step_choice).
+
+The schedule and the decision with a clock the test drives; then on a real 2-rank gloo DDP job
+whose ranks' clocks disagree: one agreed mode on both ranks, 16 bits taking over when it is the
+faster, and bit-identical replicas throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_ddp_hook import _MLP, _batch, _spawn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dqcoll.integrations import step_choice as step_choice_module
+from dqcoll.integrations.step_choice import COMPRESSED, SIXTEEN_BIT, StepChoice
+from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
+
+WARMUP = 5
+SAMPLES = 3
+
+
+class _Clock:
+    """A clock the test advances: each call returns the time of the current iteration's start."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(periods: dict[str, float], iterations: int, *, enabled: bool = True,
+         warmup: int = WARMUP, slow: frozenset[int] = frozenset(),
+         recheck_every: int = 250) -> tuple[StepChoice, list[str], list[list[float]]]:
+    """Begin ``iterations`` iterations; each takes ``periods[its mode]`` seconds, those in
+    ``slow`` 100 s. Returns the object, each iteration's mode and what ``agree`` was given."""
+    clock, agreed = _Clock(), []
+
+    def agree(values: list[float]) -> list[float]:
+        agreed.append(list(values))
+        return values
+
+    choice = StepChoice(warmup, enabled, agree, samples=SAMPLES, recheck_every=recheck_every,
+                        clock=clock)
+    modes = []
+    for iteration in range(iterations):
+        mode = choice.begin(iteration)
+        modes.append(mode)
+        clock.now += 100.0 if iteration in slow else periods[mode]
+    return choice, modes, agreed
+
+
+def test_schedule_and_choice_of_the_faster_mode() -> None:
+    """The warm-up runs 16 bits, the next SAMPLES + 1 steps compressed; then the faster mode by
+    median step time; the first step and a mode's first step are not samples."""
+    choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 2.0}, 20, slow=frozenset({0, 5}))
+    decide = WARMUP + SAMPLES + 1
+    assert modes[:WARMUP] == [SIXTEEN_BIT] * WARMUP
+    assert modes[WARMUP:decide] == [COMPRESSED] * (SAMPLES + 1)
+    assert modes[decide:] == [SIXTEEN_BIT] * (20 - decide)
+    assert agreed == [[1.0, 2.0]]  # iteration 0 and 5 took 100 s: neither is a sample
+    assert [(c.iteration, c.mode, c.bf16_ms, c.compressed_ms) for c in choice.choices] == [
+        (decide, SIXTEEN_BIT, 1000.0, 2000.0)]
+    assert choice.sixteen_bit_steps == 20 - SAMPLES - 1
+
+    choice, modes, _ = _run({SIXTEEN_BIT: 2.0, COMPRESSED: 1.5}, 20)
+    assert modes[decide:] == [COMPRESSED] * (20 - decide)
+    assert choice.sixteen_bit_steps == WARMUP
+
+
+def test_recheck_runs_the_other_mode_and_follows_a_change() -> None:
+    """recheck_every steps after a decision the other mode runs SAMPLES + 1 steps and the choice
+    is made again: here 16 bits wins first, then the compressed mode (its steps got faster)."""
+    clock, agreed = _Clock(), []
+    choice = StepChoice(WARMUP, True, lambda v: agreed.append(v) or v, samples=SAMPLES,
+                        recheck_every=10, clock=clock)
+    decide = WARMUP + SAMPLES + 1
+    modes = []
+    for iteration in range(30):  # the next probe would be at iteration 33
+        mode = choice.begin(iteration)
+        modes.append(mode)
+        compressed_s = 2.0 if iteration < decide + 5 else 0.5
+        clock.now += 1.0 if mode == SIXTEEN_BIT else compressed_s
+    probe = decide + 10
+    assert modes[decide:probe] == [SIXTEEN_BIT] * 10
+    assert modes[probe:probe + SAMPLES + 1] == [COMPRESSED] * (SAMPLES + 1)
+    assert agreed == [[1.0, 2.0], [1.0, 0.5]]
+    assert modes[probe + SAMPLES + 1:] == [COMPRESSED] * (30 - probe - SAMPLES - 1)
+    assert [c.mode for c in choice.choices] == [SIXTEEN_BIT, COMPRESSED]
+
+
+def test_untimed_steps_and_disabled_check() -> None:
+    """A step begun with timed=False is no sample; without auto, or with a warm-up too short to
+    time 16 bits, every step after the warm-up is compressed and agree is never called."""
+    clock = _Clock()
+    choice = StepChoice(WARMUP, True, lambda v: v, samples=SAMPLES, clock=clock)
+    for iteration in range(WARMUP + SAMPLES + 2):
+        mode = choice.begin(iteration, timed=iteration != WARMUP + 2)
+        clock.now += 50.0 if iteration == WARMUP + 2 else (1.0 if mode == SIXTEEN_BIT else 3.0)
+    assert (choice.choices[0].bf16_ms, choice.choices[0].compressed_ms) == (1000.0, 3000.0)
+
+    for enabled, warmup in ((False, WARMUP), (True, SAMPLES)):
+        choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 9.0}, 20, enabled=enabled,
+                                     warmup=warmup)
+        assert modes == [SIXTEEN_BIT] * warmup + [COMPRESSED] * (20 - warmup)
+        assert agreed == [] and choice.choices == [] and not choice.enabled
+
+
+# -- a real DDP job -------------------------------------------------------------------------------
+
+STEPS = 14
+
+
+def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
+    """DynamiqState(scheme="auto", warmup_steps=WARMUP) on 2 gloo ranks whose clocks disagree:
+    rank 0 sees compressed steps faster (0.5 s against 1 s in 16 bits), rank 1 far slower (8 s
+    against 1 s); the slowest rank's medians are agreed, so both choose 16 bits. Per step: did
+    the hook average in 16 bits itself (its bf16 path sets last_info["warmup"])?"""
+    ticks = {"now": 0.0}
+    model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
+    state = DynamiqState(scheme="auto", warmup_steps=WARMUP)
+    state.step_choice.clock = lambda: ticks["now"]
+    model.register_comm_hook(state, dynamiq_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    per_step = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        state.drain()
+        per_step.append("bf16" if "warmup" in state.last_info else "dqcoll")
+        optimizer.step()
+        compressed = state.step_choice.mode == "compressed"
+        ticks["now"] += (0.5 if rank == 0 else 8.0) if compressed else 1.0
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"schemes": per_step, "params": params, "sixteen_bit_steps": state.sixteen_bit_steps,
+            "choices": [(c.iteration, c.mode, c.bf16_ms, c.compressed_ms)
+                        for c in state.step_choice.choices]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(tmp_path_factory.mktemp("step_choice"), 2, _ddp_job)
+
+
+def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]]) -> None:
+    """Both ranks make the same choice from the slowest rank's medians (16 bits: 1000 ms against
+    8000), average in bf16 from the decision on, count the same 16-bit steps and end with
+    bit-identical parameters."""
+    decide = WARMUP + SAMPLES + 1
+    first, second = two_ranks
+    assert first["choices"] == second["choices"] == [(decide, SIXTEEN_BIT, 1000.0, 8000.0)]
+    for result in two_ranks:
+        assert result["schemes"][:WARMUP] == ["bf16"] * WARMUP
+        assert "bf16" not in result["schemes"][WARMUP:decide]
+        assert result["schemes"][decide:] == ["bf16"] * (STEPS - decide)
+        assert result["sixteen_bit_steps"] == STEPS - SAMPLES - 1
+    assert torch.equal(first["params"], second["params"])
+
+
+def test_module_defaults() -> None:
+    """What DynamiqState() runs: the check on with auto (the default) and its default warm-up,
+    off for a fixed scheme."""
+    assert step_choice_module.StepChoice(10, True, lambda v: v).enabled
+    state = DynamiqState(scheme="dynamiq")
+    assert not state.step_choice.enabled and state.should_compress(10)
