@@ -19,6 +19,9 @@ row            what averages the gradients
 ``auto_1``     ``auto`` with ``lanes=1``
 ``warmup``     ``DynamiqState()`` (the defaults) with every step a warm-up step (``warmup_steps``
                beyond the run): the warm-up's bf16 all-reduce; run only when ``--rows`` names it
+``defaults``   ``DynamiqState()`` as a user gets it, timed after its warm-up (10 steps) and
+               ``scheme="auto"``'s step-time check (6 more: docs/ddp.md), untimed, have run;
+               its choice is in ``step_choices``; run only when ``--rows`` names it
 ``powersgd``   torch's ``powerSGD_hook`` (rank 2, compressing from the 2nd step); last, because
                it crashes on gloo in some torch versions: the row then reads "crashed: <error>"
 =============  ==================================================================================
@@ -67,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import math
@@ -106,6 +110,7 @@ ROWS: dict[str, str] = {
     "dynamiq_1": "dqcoll dynamiq 5 b, one lane",
     "auto_1": "dqcoll auto, one lane",
     "warmup": "dqcoll DynamiqState() in warm-up",
+    "defaults": "dqcoll DynamiqState() after its warm-up and step check",
     "powersgd": "torch powerSGD_hook (rank 2)",
 }
 # column names of the markdown summary
@@ -113,9 +118,10 @@ SHORT: dict[str, str] = {"floor": "no comm. (floor)", "ddp": "DDP default",
                          "fp16_hook": "fp16 hook", "dynamiq": "dqcoll dynamiq 5 b",
                          "auto": "dqcoll auto", "dynamiq_1": "dynamiq, 1 lane",
                          "auto_1": "auto, 1 lane", "warmup": "dqcoll warm-up",
+                         "defaults": "dqcoll defaults",
                          "powersgd": "PowerSGD"}
 # rows run only when --rows names them (and shown by --render only where a file has them)
-OPT_IN_ROWS = ("warmup",)
+OPT_IN_ROWS = ("warmup", "defaults")
 # rows whose collectives dqcoll's counters do not see (torch's, and the warm-up's bf16
 # all-reduce on DDP's group): the wire dtype's bits
 NOMINAL_BITS = {"ddp": 32.0, "fp16_hook": 16.0, "warmup": 16.0}
@@ -216,8 +222,11 @@ def _register_hook(row: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
         runtime = {"lanes": lanes} if lanes else {}
     warmup_steps = 1 << 30 if row == "warmup" else 0  # "warmup": no step leaves the warm-up
     try:
-        state = DynamiqState(scheme=scheme, bits=5, warmup_steps=warmup_steps, monitor_every=0,
-                             **runtime)
+        if row == "defaults":  # as a user gets it: warm-up, then auto's step-time check
+            state = DynamiqState()
+        else:
+            state = DynamiqState(scheme=scheme, bits=5, warmup_steps=warmup_steps,
+                                 monitor_every=0, **runtime)
     except Exception as exc:  # the same on every rank: it is the argument check
         raise RowUnavailable(f"DynamiqState(scheme={scheme!r}) rejected: "
                              f"{type(exc).__name__}: {_first_line(exc)}") from None
@@ -340,7 +349,14 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     opt = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE)
     dist.barrier()
     result: dict[str, Any] = {}
+    choice = getattr(state, "step_choice", None)
+    if row == "defaults" and choice is not None and choice.enabled:
+        # untimed until the step check has chosen (its decision is at this iteration)
+        for _ in range(choice.warmup_steps + choice.samples + 1):
+            _train_step(ddp, opt, x, y)
     _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
+    if choice is not None and choice.choices:
+        result["step_choices"] = [dataclasses.asdict(c) for c in choice.choices]
     lanes = [getattr(state, "comm", None), *getattr(state, "lane_comms", [])]
     planners = [getattr(c, "planner", None) for c in lanes if c is not None]
     if any(p is not None for p in planners):

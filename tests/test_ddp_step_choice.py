@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll.integrations import step_choice as step_choice_module
-from dqcoll.integrations.step_choice import COMPRESSED, SIXTEEN_BIT, StepChoice
+from dqcoll.integrations.step_choice import COMPRESSED, MIN_WARMUP, SIXTEEN_BIT, StepChoice
 from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
 
 WARMUP = 5
@@ -103,7 +103,7 @@ def test_untimed_steps_and_disabled_check() -> None:
         clock.now += 50.0 if iteration == WARMUP + 2 else (1.0 if mode == SIXTEEN_BIT else 3.0)
     assert (choice.choices[0].bf16_ms, choice.choices[0].compressed_ms) == (1000.0, 3000.0)
 
-    for enabled, warmup in ((False, WARMUP), (True, SAMPLES)):
+    for enabled, warmup in ((False, WARMUP), (True, MIN_WARMUP - 1)):
         choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 9.0}, 20, enabled=enabled,
                                      warmup=warmup)
         assert modes == [SIXTEEN_BIT] * warmup + [COMPRESSED] * (20 - warmup)
@@ -112,7 +112,7 @@ def test_untimed_steps_and_disabled_check() -> None:
 
 # -- a real DDP job -------------------------------------------------------------------------------
 
-STEPS = 14
+STEPS = 14  # the decision at iteration 11 with the default samples (5)
 
 
 def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
@@ -138,6 +138,7 @@ def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
         ticks["now"] += (0.5 if rank == 0 else 8.0) if compressed else 1.0
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"schemes": per_step, "params": params, "sixteen_bit_steps": state.sixteen_bit_steps,
+            "samples": state.step_choice.samples,
             "choices": [(c.iteration, c.mode, c.bf16_ms, c.compressed_ms)
                         for c in state.step_choice.choices]}
 
@@ -151,14 +152,15 @@ def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]])
     """Both ranks make the same choice from the slowest rank's medians (16 bits: 1000 ms against
     8000), average in bf16 from the decision on, count the same 16-bit steps and end with
     bit-identical parameters."""
-    decide = WARMUP + SAMPLES + 1
     first, second = two_ranks
+    samples = first["samples"]  # DynamiqState's default
+    decide = WARMUP + samples + 1
     assert first["choices"] == second["choices"] == [(decide, SIXTEEN_BIT, 1000.0, 8000.0)]
     for result in two_ranks:
         assert result["schemes"][:WARMUP] == ["bf16"] * WARMUP
         assert "bf16" not in result["schemes"][WARMUP:decide]
         assert result["schemes"][decide:] == ["bf16"] * (STEPS - decide)
-        assert result["sixteen_bit_steps"] == STEPS - SAMPLES - 1
+        assert result["sixteen_bit_steps"] == STEPS - samples - 1
     assert torch.equal(first["params"], second["params"])
 
 

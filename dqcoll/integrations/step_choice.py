@@ -7,20 +7,22 @@ are the limit (CPU ranks sharing cores, a compute-heavy model). What compressing
 a job shows only in its step time, so the hook measures it there, as follows.
 
 * The warm-up's steps run in 16 bits (torch's ``bf16_compress_hook``): they time the 16-bit
-  mode at no extra cost. The first step is not timed (DDP rebuilds its buckets in it).
+  mode at no extra cost, every one of them but the first (DDP rebuilds its buckets in it).
 * The ``samples + 1`` steps after the warm-up run the planner's compressed plans; the first of
   them is not timed either (the planner's first calls measure and explore).
 * At the next step's first bucket the ranks agree on the slowest rank's median step time of
   each mode (one all-reduce of two numbers on DDP's group), and the faster mode runs from then
-  on: the same on every rank, since the agreed numbers are.
+  on: the same on every rank, since the agreed numbers are. Where the two modes are within
+  the steps' own spread, either choice costs about the same; medians of several steps keep a
+  single slow step (an evaluation, a checkpoint) from deciding.
 * Every ``recheck_every`` steps the other mode runs ``samples + 1`` steps again and the choice is
-  made again against the current mode's latest ``samples`` steps, so a change in the job (a
+  made again against the current mode's latest steps, so a change in the job (a
   loaded link, a new phase of training) moves it.
 
 A step's time is the time from its first bucket to the next step's first bucket (the rest of its
 backward, its exposed communication, the optimizer step and the next forward). Monitored steps
 (``monitor_every``: an extra exact all-reduce) are not timed. The check needs at least
-``samples + 1`` warm-up steps; with fewer, the planner's per-call choice stands alone.
+:data:`MIN_WARMUP` warm-up steps; with fewer, the planner's per-call choice stands alone.
 
 Rejected: a step-level rule from a cost model (it would have to know the backward's compute and
 its overlap with each bucket: a fitted overlap share holds on one machine) and timing the calls
@@ -36,10 +38,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["COMPRESSED", "SIXTEEN_BIT", "StepChoice"]
+__all__ = ["COMPRESSED", "MIN_WARMUP", "SIXTEEN_BIT", "StepChoice"]
 
 SIXTEEN_BIT = "bf16"
 COMPRESSED = "compressed"
+MIN_WARMUP = 4  # the fewest warm-up steps that time 16 bits: 3 steps after DDP's first
 
 
 @dataclasses.dataclass
@@ -67,7 +70,7 @@ class StepChoice:
     """
 
     def __init__(self, warmup_steps: int, enabled: bool,
-                 agree: Callable[[list[float]], Sequence[float]], *, samples: int = 3,
+                 agree: Callable[[list[float]], Sequence[float]], *, samples: int = 5,
                  recheck_every: int = 250,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = warmup_steps
@@ -75,13 +78,14 @@ class StepChoice:
         self.recheck_every = recheck_every
         self.agree = agree
         self.clock = clock
-        self.enabled = enabled and warmup_steps >= samples + 1
+        self.enabled = enabled and warmup_steps >= MIN_WARMUP
         self.iteration = -1  # the iteration begun last
         self.mode = SIXTEEN_BIT if warmup_steps > 0 else COMPRESSED
         self.choices: list[Choice] = []  # every decision, in order
         self.sixteen_bit_steps = 0  # iterations that ran the 16-bit mode, warm-up included
+        # the latest step times of each mode (16 bits: the whole warm-up's)
         self._periods: dict[str, collections.deque[float]] = {
-            SIXTEEN_BIT: collections.deque(maxlen=samples),
+            SIXTEEN_BIT: collections.deque(maxlen=max(samples, warmup_steps)),
             COMPRESSED: collections.deque(maxlen=samples)}
         self._started: tuple[int, float, str, bool] | None = None  # iteration, t, mode, timed
         self._decide_at = warmup_steps + samples + 1

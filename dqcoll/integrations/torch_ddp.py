@@ -22,6 +22,10 @@ rank, and copies the returned tensor into the gradients):
   mantissa); after a shrink, warm-up buckets are averaged exactly over the survivors (see
   below). No error-feedback residual, monitor, bits or allocation during warm-up: they start at
   iteration ``warmup_steps``.
+* ``scheme="auto"`` (the default) also checks its choice on whole steps: the warm-up's 16-bit
+  steps and the first compressed ones are timed, and the faster mode (by the slowest rank's
+  median) runs from then on, rechecked every 250 steps (:mod:`.step_choice`); a 16-bit step
+  after the warm-up is averaged as a warm-up step is.
 * ``scheme="none"``: the process group's own ``all_reduce`` of the bucket divided by the world
   size, exactly what DDP does without a hook (``default_hooks.allreduce_hook``), asynchronously
   (the returned future is the all-reduce's).
