@@ -29,7 +29,8 @@ TORCH_TIER_VERSION ?= 2.11.0
 TIER_VENV  := .venv-torch2.11
 TIER_PY    := $(TIER_VENV)/bin/python
 TIER_STAMP := $(TIER_VENV)/.installed
-TORCH_TIER_TESTS := tests/test_ddp_hook.py tests/test_ddp_warmup.py tests/test_policy_vocabulary.py \
+TORCH_TIER_TESTS := tests/test_ddp_hook.py tests/test_ddp_warmup.py tests/test_ddp_step_choice.py \
+	tests/test_policy_vocabulary.py \
 	tests/test_fsdp.py tests/test_gpu_path.py \
 	tests/test_nccl_transport.py tests/test_framing.py tests/test_nccl_contract.py \
 	tests/test_cuda_host_waits.py \
