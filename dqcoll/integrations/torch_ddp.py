@@ -297,11 +297,8 @@ class DynamiqState:
         self.warmup_steps = self.policy.warmup_steps
         self.iteration = 0  # backward passes seen (advanced at each iteration's last bucket)
         self.seed = self.policy.seed
-        # which iterations run 16 bits after the warm-up (scheme="auto": the faster mode by
-        # measured step time; dqcoll.integrations.step_choice)
-        self.step_choice = StepChoice(self.warmup_steps, self.scheme == "auto",
-                                      self._agree_step_times)
-
+        self.step_choice = StepChoice(  # auto: 16 bits or compressed, by measured step time
+            self.warmup_steps, self.scheme == "auto", self._agree_step_times)
         # -- the bit allocation of each bucket's last call (bucket index -> u) --
         self.allocation_u: dict[int, float] = {}
 
