@@ -368,6 +368,9 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     result.update(_error_step(ddp, state, x, y, world_size))
     if row in NOMINAL_BITS:
         result.update(bits_per_coord=NOMINAL_BITS[row], bits_source="nominal (wire dtype)")
+    elif choice is not None and choice.choices and not choice.compressing():
+        result.update(bits_per_coord=16.0, bits_source="nominal (the step check chose bf16 on "
+                                                       "DDP's group)")
     return result
 
 
