@@ -200,6 +200,8 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
     except DqcollError as exc:
         call.fail("op", exc)
         return
+    if call.collective is Collective.ALL_GATHER:
+        call.op = ReduceOp.SUM  # an all-gather reduces nothing: no op (nor avg's 1/n) applies
     try:  # scheme="auto" is checked as dynamiq with the caller's options
         call.scheme = _resolve_scheme("dynamiq" if call.auto else request.scheme, call.options)
     except DqcollError as exc:
