@@ -351,7 +351,7 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     result: dict[str, Any] = {}
     choice = getattr(state, "step_choice", None)
     if row == "defaults" and choice is not None and choice.enabled:
-        # untimed until the step check has chosen (its decision is at this iteration)
+        # untimed: the warm-up and the compressed steps the check times; it decides next step
         for _ in range(choice.warmup_steps + choice.samples + 1):
             _train_step(ddp, opt, x, y)
     _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)

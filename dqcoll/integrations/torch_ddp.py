@@ -365,10 +365,8 @@ class DynamiqState:
         choice = self.step_choice
         if self.shrunk or choice.iteration == iteration:
             return
-        monitored = (self.monitor_every > 0
-                     and (iteration - self.warmup_steps) % self.monitor_every == 0)
         decided = len(choice.choices)
-        choice.begin(iteration, timed=not monitored)
+        choice.begin(iteration, timed=not self._monitor_due(iteration))
         if len(choice.choices) > decided and self.group_rank() == 0:
             made = choice.choices[-1]
             log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
@@ -381,8 +379,11 @@ class DynamiqState:
         return self.algorithm
 
     def should_monitor(self, iteration: int) -> bool:
-        return (self.monitor_every > 0 and self.should_compress(iteration)
-                and (iteration - self.warmup_steps) % self.monitor_every == 0)
+        return self.should_compress(iteration) and self._monitor_due(iteration)
+
+    def _monitor_due(self, iteration: int) -> bool:
+        """Whether ``iteration`` is on the monitor's schedule (if it is compressed)."""
+        return self.monitor_every > 0 and (iteration - self.warmup_steps) % self.monitor_every == 0
 
     def step_seed(self, iteration: int) -> int:
         """The seed of the random rounding for one iteration."""
