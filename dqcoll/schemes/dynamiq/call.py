@@ -1,69 +1,21 @@
 """One ``dynamiq`` collective call: the per-call planning, then the per-hop operations.
 
-The constructor states the plan as named steps, in order (format 3, the defaults; the paper's
-configuration in brackets):
+The constructor plans the call in named steps (docs/design.md §2, step 5): layout (fp32 rows of
+256, the super-groups; the shard layout pads each shard on its own so chunk ``c`` is shard
+``c``), statistics (per super-group bf16 squared norms, one small sum all-reduce), allocation
+(widths from the summed norms, identical on every rank: :mod:`.allocation`, or
+:mod:`.allocation_paper` for the paper's rule; ``energy_exponent`` and ``target_vnmse`` as in
+docs/accuracy.md and docs/target_vnmse.md), kernel choice (the torch reference where the device's
+kernels lack a width or scale), reorder (rows sorted by width, centred, written once into the
+work rows), geometry (:class:`.geometry.Geometry`) and info (``comm.last_info``). Each hop then
+runs the fused decompress-accumulate-recompress per run of equal width; at the end each rank adds
+back the summed means and undoes the reorder.
 
-1. **Layout** (:meth:`DynamiqCall._lay_out`): the input as fp32 rows of 256 (super-groups). The
-   byte-balanced all-reduce pads the tail only; reduce-scatter / all-gather (and the all-reduce
-   with ``balance="shards"``) pad each shard of ``ceil(numel / n)`` coordinates on its own, so
-   that chunk ``c`` is exactly shard ``c``.
-2. **Statistics** (:meth:`DynamiqCall._statistics`): ``op="avg"`` divides by ``n``; each rank
-   computes, per super-group, its squared norm (``stats="norm16"``) [``"fp32"``: its mean, and
-   the squared norm after subtracting it]; one uncompressed sum all-reduce of the bf16 norms,
-   2 B per super-group = 0.0625 bit per coordinate, counted in the budget [fp32 mean and norm:
-   8 B, 0.25 bit].
-3. **Allocation** (:meth:`DynamiqCall._allocate`): widths from the summed norms, identical on every
-   rank: the hull rule of :mod:`.allocation` over widths 2..8 and raw 16, one bisection for the
-   budget [the closed form over {2, 4, 8} of :mod:`.allocation_paper`]. With ``hop_widths``
-   (all-reduce) every super-group gets a width per partial-sum size: a partial sum of more ranks
-   weighs more in the error, and the sink's encoding is forwarded n - 1 times.
-   ``energy_exponent=a < 1`` ranks super-groups by ``F ** a`` instead (1 aims at the least
-   vNMSE). That rule starves low-energy super-groups: on the convergence experiment's gradients at
-   5 bits (4 ranks, ring, format 2) the lowest-energy quarter came back with an error as large as
-   itself (relative 0.997), and AdamW, which normalises every coordinate by its own gradient
-   scale, turns that into noisy updates of whole layers; ``a = 0.5`` cut that quarter's error to
-   0.041 for +8 % vNMSE (docs/convergence.md; x1.7-3.1 with format 3, docs/accuracy.md). With
-   ``target_vnmse``, the cheapest widths whose predicted error meets the target.
-4. **Kernel choice** (:meth:`DynamiqCall._choose_codec_kernels`): a call whose widths or scales
-   the device's kernels do not implement runs the codec on the torch reference (the same bytes).
-5. **Reorder** (:meth:`DynamiqCall._reorder`): super-groups are sorted by width (stable, a local
-   permutation); the centred rows are written once, in that order, into the work rows.
-6. **Geometry** (:class:`.geometry.Geometry`): record offsets, runs of equal width, and the
-   ``n`` chunks: of equal *bytes* (one multi-segment pass through the schedule, not one pass per
-   width), which keeps every rank's traffic at ``2 (n-1)/n`` of the total to within one record
-   per transfer, so that the byte budget holds per rank. With hop widths the sorted rows are
-   striped over the chunks instead, so that every chunk holds the same mix at every count; in the
-   shard layout chunk ``c`` is shard ``c`` (its result is bit for bit the reduce-scatter's
-   followed by the all-gather of its bytes, at the price of per-rank traffic that follows how the
-   widths fall across shards).
-7. **Info** (:meth:`DynamiqCall._describe`): what the call chose, for ``comm.last_info``.
-
-At every hop the executor calls the fused decompress-accumulate-recompress on each run (where a
-row's width changes with the count: decompress-accumulate, then compress); at the end each rank
-adds back the summed means (zero without centring) and undoes the reorder.
-
-Random numbers are keyed by the *original* coordinate index, so chunking, reordering and tiling do
-not change them.
-
-On CUDA tensors the host reads the device once per call, for the planning: the summed statistics
-(the small all-reduce's result, which the transport waits for anyway), from which the widths, the
-reorder and the geometry are computed on the host. The tables that go back to the device (order,
-global row indices, kept rows) are copied from pinned memory, queued on the caller's stream
-(:func:`dqcoll.interop.host_to_device`: a copy from pageable memory would make the host
-wait for the stream); from there on everything is queued without a host wait.
-
-State kept on the communicator between calls (``ctx.state``, ``comm.scheme_state``; freed with
-the communicator, or by clearing that dict):
-
-* CPU buffers (:func:`_state_buffer`): one fp32 padded-input buffer and one work buffer per
-  device, each of the largest row count seen so far. They change no result (every call overwrites
-  the rows it uses); ``last_info["kept_buffer_nbytes"]`` reports their size after the call.
-* Target mode's measured inputs of the error model (:class:`_RhoEstimates`): with
-  ``target_vnmse``, a call allocates with the ``rho`` (unless ``ErrorModel.rho`` fixes it) and the
-  per-width crests (unless ``ErrorModel.crests`` fixes them) its predecessor of the same size,
-  collective and algorithm measured (rho 0 and the Gaussian's crest for the first), so its widths
-  *do* depend on earlier calls (``last_info["rho_source"]`` says which). At most
-  :data:`RHO_ENTRIES` such keys are kept, least recently used first out.
+Random numbers are keyed by the original coordinate index, so chunking, reordering and tiling do
+not change them. On CUDA the host reads the device once per call (the summed statistics); the
+tables that go back are copied from pinned memory on the caller's stream. State kept on the
+communicator between calls (CPU work buffers, target mode's measured ``rho`` and crests, at most
+:data:`RHO_ENTRIES` keys) is listed in docs/design.md §6.
 """
 
 from __future__ import annotations
@@ -167,17 +119,9 @@ def _warn_once(message: str) -> None:
 
 def _state_buffer(ctx: CallContext, name: str, rows: int,
                   device: torch.device) -> torch.Tensor | None:
-    """An fp32 ``[rows, 256]`` buffer of a CPU call kept by the communicator between calls
-    under ``name`` (None where there is no communicator state, or off the CPU: CUDA has torch's
-    caching allocator). Calls on one communicator run one at a time, and nothing reads a call's
-    buffers after its ``finish``. A fresh buffer per call pays a page fault per 4 KiB on first
-    touch, several times the pass that writes it, and the padded copy of an input whose length
-    is no multiple of 256 a ``torch.zeros`` of the whole buffer (docs/kernels.md, the work buffer).
-
-    Bound: one buffer per (name, device), of the largest row count seen so far on its
-    communicator (``ctx.state``): it grows, never shrinks (a DDP step alternates bucket sizes, and
-    shrinking after a small bucket would pay the page faults again on the next large one), and it
-    goes with the communicator. It changes no result."""
+    """An fp32 ``[rows, 256]`` buffer of a CPU call kept on the communicator under ``name``
+    (None without communicator state, or off the CPU): one per (name, device), of the largest
+    row count seen, so calls do not pay a fresh buffer's page faults. Changes no result."""
     if ctx.state is None or device.type != "cpu":
         return None
     key = (name, str(device))
