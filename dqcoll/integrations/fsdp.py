@@ -1,65 +1,11 @@
 """FSDP2 with dqcoll's collectives: quantized weights' all-gather and gradients' reduce-scatter.
 
-```python
-from torch.distributed.fsdp import fully_shard
-from dqcoll.integrations import fsdp as dqfsdp
-
-for block in model.blocks:
-    fully_shard(block)
-fully_shard(model)
-state = dqfsdp.compress(model)  # or compress(model, CompressionPolicy(...)); DQCOLL_POLICY
-...
-print(state.summary())           # bytes per role, against the exact collectives'
-```
-
-:func:`compress` sets a :class:`ReduceScatter` and an :class:`AllGather` (the classes of
-``torch.distributed.fsdp._fully_shard._fsdp_api``) on every ``fully_shard`` module of a model.
-FSDP2 calls them as it calls its own (``_fsdp_collectives.foreach_all_gather`` and
-``foreach_reduce``):
-
-* **All-gather** (``__call__(output_tensor, input_tensor, group, async_op)``): the flat
-  concatenation of the module's parameter shards (padded by FSDP2 to equal sizes) into one
-  output of ``world_size x`` that size. Compressed with the policy's ``weights`` rule (default
-  ``int8_block``, ZeRO++'s qwZ): every rank decodes every shard from the same bytes, its own
-  too, so all ranks compute with identical unsharded weights while the optimizer keeps updating
-  the exact sharded ones. The call always returns a Work, also when FSDP2 passes
-  ``async_op=False``: FSDP2 waits on any Work it gets back before its copy-out
-  (``foreach_all_gather_copy_out``), so prefetched all-gathers (implicit backward prefetch,
-  ``set_modules_to_forward_prefetch``) run on the lane's thread while the ranks compute.
-* **Reduce-scatter** (``__call__(output_tensor, input_tensor, group, op, async_op)``): FSDP2
-  calls it synchronously (no ``async_op``) on its reduce-scatter stream and reads the output
-  at once (post-divide, gradient views, accumulation), so the call returns after the result is
-  in ``output_tensor`` (CUDA: after the lane queued its work and FSDP2's current stream was
-  made to wait for it, as with NCCL). ``op`` is SUM, AVG (FSDP2's default for fp32 and bf16), or
-  PREMUL_SUM(f) (after ``set_gradient_divide_factor``; the input is multiplied by ``f`` and
-  summed). Compressed with the ``gradients`` rule (default ``dynamiq`` at 5 bits); every rank
-  holds its own shard, and each shard is decoded from the same bytes wherever it is used.
-* **Exact path**: a role set to ``none``, calls below ``policy.min_nbytes``, other dtypes or ops,
-  and the first ``policy.warmup_steps`` steps run FSDP2's own collectives on FSDP2's group
-  (``dist.all_gather_single`` / ``dist.reduce_scatter_single`` where torch has them, from
-  2.12; ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` before, as FSDP2 of
-  that torch calls): bit for bit FSDP2 without dqcoll. The step counter advances at each
-  forward of the model passed to :func:`compress` (a forward pre-hook), on every rank alike.
-* **Agreed inputs**: which path a call takes depends on the policy (``min_nbytes``,
-  ``warmup_steps``, the roles' schemes), the node layout and, for CUDA tensors, whether a CUDA
-  lane can run here; the ranks of a group agree on them through the job's store at the group's
-  first call (:meth:`FsdpCompression.agree`), or all raise
-  :class:`~dqcoll.errors.MismatchError` naming each rank's value, instead of taking different
-  paths and waiting for each other until the timeout. The step counts forwards, each of which
-  runs FSDP2's all-gathers on every rank of the group.
-
-The compressed calls of one FSDP2 group run on one :class:`~dqcoll.integrations.lane.Lane` per
-device type (its own connection and worker thread; see there), created at the group's first
-compressed call on that device type, when every rank of the group makes the same call. CPU
-tensors go over a gloo connection; CUDA tensors over an NCCL communicator of dqcoll's own NCCL
-transport, with the codecs' GPU kernels, under the same policy. Where no NCCL transport can run
-(neither nccl4py nor CuPy's NCCL importable, or torch sees no GPU), CUDA calls take the exact
-path and one WARNING says why; every rank of a job is expected to have the same packages, so
-all decide alike.
-
-Rejected: returning from the reduce-scatter on CPU before its result is there (to overlap it
-with the rest of backward). FSDP2 reads the output right after the call, and on CPU no stream
-orders anything; a deferred result would be read half-written.
+:func:`compress` sets an :class:`AllGather` (the ``weights`` rule, ZeRO++'s qwZ) and a
+:class:`ReduceScatter` (the ``gradients`` rule, qgZ) on every ``fully_shard`` module; calls the
+policy leaves exact run FSDP2's own collectives, bit for bit. The compressed calls of a group run
+on one :class:`~dqcoll.integrations.lane.Lane` per device type. The ranks of a group agree on
+every input of that choice at the group's first call (:meth:`FsdpCompression.agree`), so they
+never take different paths. How FSDP2 calls the classes, and why: docs/fsdp.md.
 """
 
 from __future__ import annotations
@@ -90,9 +36,7 @@ __all__ = ["AllGather", "FsdpCompression", "ReduceScatter", "compress", "exact_a
 log = logging.getLogger("dqcoll.fsdp")
 
 
-# The exact collectives FSDP2 itself calls: torch >= 2.12 names them *_single (its older names
-# warn there); older torch has only all_gather_into_tensor / reduce_scatter_tensor. The
-# arguments are the same: (output, input, [op,] group, async_op).
+# The exact collectives FSDP2 itself calls: *_single from torch 2.12 (the older names warn there).
 exact_all_gather: Callable[..., dist.Work | None] = getattr(
     dist, "all_gather_single", None) or dist.all_gather_into_tensor
 exact_reduce_scatter: Callable[..., dist.Work | None] = getattr(
@@ -126,22 +70,15 @@ def _op_kind(op: Any) -> tuple[str, float]:
 
 class FsdpCompression:
     """What :func:`compress` set up: the policy, the step counter, one lane per group and
-    device type.
-
-    ``summary()`` gives the counters of every lane (compressed calls) and of the exact calls.
-    """
+    device type, and the counters (:meth:`summary`)."""
 
     instances = 0  # made so far in this process
 
     def __init__(self, policy: CompressionPolicy, *, timeout_s: float | None = None) -> None:
-        # -- what to compress --
         policy.refuse_hook_only("FSDP2 compression")
         self.policy = policy
-        # -- when: the current step (forwards of the model passed to compress, from 0) --
         self.forwards = 0
         self.step = 0
-        # -- where: one lane per FSDP2 process group and device type, made at its first
-        # compressed call; why CUDA calls cannot have one here (None: they can), asked once --
         self.timeout_s = envs.timeout_s() if timeout_s is None else float(timeout_s)
         self.lanes: dict[tuple[str, str], Lane] = {}
         self._cuda_checked = False
@@ -149,8 +86,6 @@ class FsdpCompression:
         # the lanes' store prefix: compress() runs in the same order on every rank
         FsdpCompression.instances += 1
         self.instance = FsdpCompression.instances
-        # -- what went the exact way: role -> calls, and the bytes a bandwidth-optimal exact
-        # collective sends per rank for them (lane.exact_nbytes) --
         self.exact_calls = {role: 0 for role in Role}
         self.exact_bytes = {role: 0 for role in Role}
         self._logged: set[str] = set()
@@ -177,14 +112,9 @@ class FsdpCompression:
         return decision
 
     def agree(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        """Every rank of ``group`` holds the same policy (its text: schemes, ``min_nbytes``,
-        ``warmup_steps``, seed, ...; the node layout) and, for CUDA tensors, the same answer to
-        whether a CUDA lane can run, or all raise :class:`~dqcoll.errors.MismatchError` naming
-        each differing setting and each rank's value: these decide, call by call, between
-        FSDP2's own collective and a lane, and ranks that decide differently would wait for
-        each other until the timeout. Through the job's store (a lane may never be made), once
-        per group and device type, at the group's first call, which every rank makes at the
-        same point."""
+        """Check through the job's store that every rank of ``group`` holds the same policy and
+        (CUDA) the same answer on a CUDA lane, or all raise :class:`~dqcoll.errors.MismatchError`;
+        once per group and device type, at the group's first call."""
         try:
             store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, ValueError):  # no default group: no job to agree with
@@ -202,8 +132,7 @@ class FsdpCompression:
         self._agreed.add((group.group_name, device.type))
 
     def cuda_lane_unavailable(self) -> str | None:
-        """None when CUDA calls can have a lane here, else why not (asked once; the first
-        answer other than None is logged as a WARNING)."""
+        """None when CUDA calls can have a lane here, else why not (asked once, warned once)."""
         if not self._cuda_checked:
             self._cuda_checked = True
             self._no_cuda_lane = nccl_lane_unavailable_reason()
@@ -291,12 +220,8 @@ class ReduceScatter(_fsdp_api.ReduceScatter):
 def compress(model: torch.nn.Module, policy: CompressionPolicy | None = None, *,
              timeout_s: float | None = None) -> FsdpCompression:
     """Set dqcoll's :class:`AllGather` and :class:`ReduceScatter` on every ``fully_shard``
-    module of ``model`` (``model`` itself included); returns the shared state.
-
-    ``policy``: per-role schemes (default: ``DQCOLL_POLICY``, else
-    :class:`~dqcoll.integrations.policy.CompressionPolicy`'s defaults). Call it after
-    ``fully_shard`` and before the first forward, on every rank.
-    """
+    module of ``model`` (itself included); returns the shared state. ``policy`` defaults to
+    ``DQCOLL_POLICY``. Call it after ``fully_shard``, before the first forward, on every rank."""
     state = FsdpCompression(policy if policy is not None else CompressionPolicy.from_env(),
                             timeout_s=timeout_s)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -313,7 +238,6 @@ def compress(model: torch.nn.Module, policy: CompressionPolicy | None = None, *,
         state.forwards += 1
         state.step = state.forwards - 1
 
-    # prepended: runs before FSDP2's own pre-forward hook (the root's all-gather), so a step's
-    # forward and backward collectives see the same step number
+    # prepended, before FSDP2's all-gather: a step's collectives all see the same step number
     model.register_forward_pre_hook(count_step, prepend=True)
     return state

@@ -1,59 +1,13 @@
 """A compression lane: dqcoll's collectives on a connection of their own, as ``torch`` Work.
 
-The DDP hook (:mod:`dqcoll.integrations.torch_ddp`: its buckets), the FSDP2 classes
-(:mod:`dqcoll.integrations.fsdp`) and the ``dqcoll`` backend
-(:mod:`dqcoll.integrations.torch_backend`) hand their compressed calls to a :class:`Lane`, the
-one lane runtime of the package (the only place a lane's connection is opened):
-
-* **Its own connection, chosen by the tensors' device.** A lane runs dqcoll over a connection
-  that it makes from the group's store under a prefix of its own (only the group's ranks join;
-  no ``new_group`` over the world), so dqcoll's point-to-point messages never share a
-  connection with the exact collectives the caller issues on the wrapped group meanwhile, from
-  another thread. CPU tensors: a ``ProcessGroupGloo`` with dqcoll's ``torch`` transport over
-  it. CUDA tensors: an NCCL communicator with dqcoll's own NCCL transport (nccl4py where it can
-  run, else CuPy's bindings: :func:`nccl_lane_binding`), whose unique id rank 0 publishes in the
-  store under the lane's prefix (:func:`~dqcoll.transports.nccl_common.exchange_unique_id`, as
-  ``dqcoll.init(backend="nccl")`` does); the codecs then run their GPU kernels (Triton where it
-  runs). :func:`nccl_lane_unavailable_reason` says why a CUDA lane cannot run in this process.
-* **One worker thread, in issue order.** Every call, synchronous or not, is queued on the lane's
-  thread, so calls run in the order the caller issued them (the same on every rank, as FSDP2 and
-  DDP issue them) and one dqcoll communicator runs one collective at a time. A call returns a
-  ``torch.distributed.Work`` (:class:`LaneWork`) that the thread completes; a synchronous caller
-  waits on it at once. Errors (a mismatch on one rank, a timeout) surface at ``wait()`` on every
-  rank.
-* **Streams (CUDA).** A call records an event on the caller's current stream; the lane's thread
-  makes the lane's own stream wait on it before its kernels read the input, queues the whole
-  collective on that stream, marks the caller's tensors as used there (``record_stream``: the
-  caching allocator keeps their memory until the stream passes) and records an event after the
-  last kernel. ``wait()`` returns once the work is queued and makes the waiting caller's current
-  stream wait on that event, as ``Work.wait()`` of torch's NCCL process group does. The stream
-  and event calls go through :class:`CudaOrder`, which tests replace by a host fake.
-* **One or two levels.** The planner decides (every call with ``algorithm="auto"``,
-  :mod:`dqcoll.planner`), unless the policy fixes nodes (:meth:`CompressionPolicy.nodes`):
-  then reduce-scatter, all-gather and all-reduce run exact (scheme ``none``) among a node's
-  ranks and with the role's scheme across nodes: the lane hands a
-  :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`
-  (:meth:`Lane.two_level_plan`) to :func:`dqcoll.hierarchical.run_hierarchical`, the package's
-  two-level implementation, on the lane's communicator; ranks are numbered node-major (rank =
-  node x L + local rank, as torchrun does).
-* **Block codecs in one exchange.** On one level and on CPU, a block codec whose payload depends
-  on its chunk alone (``int8_block``, ``int4_block``, ``bf16``) runs as one point-to-point
-  exchange after a one-exchange argument check (:mod:`dqcoll.integrations.lane_blocks`), with
-  the bytes of dqcoll's own all-gather and direct reduce-scatter, the range scaling included
-  (finite inputs give finite results, saturated where a sum leaves the dtype's range) and an
-  output dtype other than the input's refused on every rank, as there; other schemes, and
-  every CUDA call, run dqcoll's schedules.
-* **Agreed settings.** The lane's communicator is created after its ranks agreed on the policy
-  (:func:`policy_settings`), the messages' settings and the caller's ``settings``
-  (:mod:`dqcoll.agreement`): ranks that differ all raise
-  :class:`~dqcoll.errors.MismatchError` naming each rank's value.
-* **Counters.** Per role: calls, coordinates, bytes this rank put on the wire, and the bytes a
-  bandwidth-optimal exact collective of the same tensor would have sent
-  (``(n-1)/n x nbytes`` for reduce-scatter and all-gather, twice that for all-reduce).
-
-Rejected: dqcoll's own ``async_op=True`` handles (:mod:`dqcoll.handles`). They complete a
-``concurrent.futures.Future`` that FSDP2 and DDP cannot wait on, and a synchronous dqcoll call
-first drains them from the caller's thread; a lane keeps every call of one group on one thread.
+The DDP hook, the FSDP2 classes and the ``dqcoll`` backend run their compressed calls on a
+:class:`Lane`: a connection made from the group's store under the lane's prefix (gloo for CPU
+tensors, dqcoll's NCCL transport for CUDA ones), one worker thread running the calls in issue order,
+CUDA stream order (:class:`CudaOrder`), one or two levels, the block codecs in one exchange
+(:mod:`dqcoll.integrations.lane_blocks`), settings agreed by the ranks and per-role counters. Each
+call returns a :class:`LaneWork`. docs/fsdp.md (the lane and "CPU and CUDA") and docs/design.md
+(§1, §6) carry the details. dqcoll's own ``async_op`` handles were rejected: FSDP2 and DDP cannot
+wait on their ``concurrent.futures.Future``, and a synchronous call drains them from the caller.
 """
 
 from __future__ import annotations
@@ -92,24 +46,18 @@ __all__ = ["CudaOrder", "Lane", "LaneWork", "RoleCounters", "exact_nbytes", "ncc
 log = logging.getLogger("dqcoll.integrations")
 
 
-# The lane's small all-reduces (argument checks, DynamiQ's statistics) up to n x this many bytes
-# go to every rank in one exchange (TorchTransport.allreduce): FSDP2's calls are a few million
-# coordinates, where the statistics' second synchronisation of the ranks costs more than the
-# n / 2 x their bytes that this sends (~0.02 bit per coordinate at n = 4; the counters count
-# them).
+# The lane's small all-reduces up to n x this many bytes go to every rank in one exchange: one
+# synchronisation instead of two (docs/fsdp.md).
 LANE_GATHER_NBYTES = 256 * 1024
-# the path check (Lane(check_paths=True)): what every rank's call must agree on before the lane
-# runs it, and the collectives' codes in it
+# the path check (Lane(check_paths=True)): what every rank's call must agree on
 _PATH_FIELDS = ("collective", "path (1: compressed on the lane, 0: exact below min_nbytes)",
                 "numel", "output numel", "dtype")
 _ROLE_CODES = {Role.ALLREDUCE: 1, Role.GRADIENTS: 2, Role.WEIGHTS: 3}
 
 
 def policy_settings(policy: CompressionPolicy, world_size: int) -> dict[str, str]:
-    """What of ``policy`` the ranks of a group of ``world_size`` must share: each key of its
-    canonical text (every role's scheme and bits, ``min_nbytes``, ``warmup_steps``, the seed,
-    ...; ``DQCOLL_POLICY``'s keys) and the node layout it gives there (from
-    ``LOCAL_WORLD_SIZE`` where the policy names none)."""
+    """What of ``policy`` the ranks of a group must share: each key of its canonical text and
+    the node layout it gives for ``world_size``."""
     settings = {f"policy {key}": value for key, _, value in
                 (item.partition("=") for item in str(policy).split(","))}
     settings["policy's ranks per node (0: one level)"] = str(policy.nodes(world_size))
@@ -117,8 +65,7 @@ def policy_settings(policy: CompressionPolicy, world_size: int) -> dict[str, str
 
 
 def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
-    """The rule's scheme when it is a block codec whose payload depends on its chunk alone (no
-    per-call statistics shared between the ranks): :meth:`Lane._gather_blocks` runs it."""
+    """The rule's scheme if it is a block codec whose payload depends on its chunk alone."""
     if rule.is_exact or rule.scheme == "auto" or rule.target is not None:
         return None
     scheme = schemes.get(rule.scheme, **({"bits": rule.bits} if rule.bits is not None else {}))
@@ -128,8 +75,7 @@ def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
 
 
 class _GlooTransport(TorchTransport):
-    """dqcoll's ``torch`` transport over a bare ``ProcessGroupGloo`` (one not registered with
-    ``torch.distributed``: the transport takes its rank and size from the group itself)."""
+    """dqcoll's ``torch`` transport over a bare (unregistered) ``ProcessGroupGloo``."""
 
     def __init__(self, group: Any, rank: int, world_size: int, timeout_s: float,
                  gather_nbytes: int = LANE_GATHER_NBYTES) -> None:
@@ -138,9 +84,8 @@ class _GlooTransport(TorchTransport):
 
 
 def nccl_lane_binding() -> tuple[str | None, str]:
-    """The NCCL binding a CUDA lane uses here: ``("nccl4py", "")`` where nccl4py can run, else
-    ``("nccl-cupy", "")`` where CuPy's NCCL can, else ``(None, why neither can)`` (the order of
-    ``dqcoll.init(backend="nccl")``)."""
+    """The NCCL binding a CUDA lane uses here: ``("nccl4py", "")``, else ``("nccl-cupy", "")``,
+    else ``(None, why neither can run)``."""
     from ..transports import cupy_nccl, nccl4py
 
     first = nccl4py.nccl4py_unavailable_reason()
@@ -159,8 +104,7 @@ def nccl_lane_unavailable_reason() -> str | None:
 
 
 def _nccl_parts(binding: str) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """For ``binding`` (``nccl4py`` or ``nccl-cupy``): dqcoll's transport module, the binding's
-    library, the transport class and the constructor argument that hands it the library."""
+    """dqcoll's transport module, the library, the transport class and its library argument."""
     if binding == "nccl4py":
         import nccl.core
 
@@ -175,7 +119,7 @@ def _nccl_parts(binding: str) -> tuple[Any, Any, Any, dict[str, Any]]:
 
 
 class CudaOrder:
-    """The stream and event calls of a CUDA lane on one device (see the module docstring)."""
+    """The stream and event calls of a CUDA lane on one device (tests replace it by a host fake)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -189,9 +133,8 @@ class CudaOrder:
 
     def run_after(self, ready: Any, run: Callable[[], None],
                   tensors: Sequence[torch.Tensor]) -> Any:
-        """On the lane's thread: the lane's stream waits for ``ready``, ``run()`` queues its
-        work with that stream current, ``tensors`` are marked as used by it; returns an event
-        recorded after the work."""
+        """On the lane's thread: run ``run()`` on the lane's stream after ``ready``, mark
+        ``tensors`` as used there; returns an event recorded after the work."""
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=self.device)
         self.stream.wait_event(ready)
@@ -204,8 +147,7 @@ class CudaOrder:
         return done
 
     def wait(self, done: Any) -> None:
-        """The calling thread's current stream waits for ``done`` (on the device, not the
-        host)."""
+        """The calling thread's current stream waits for ``done`` (on the device)."""
         torch.cuda.current_stream(self.device).wait_event(done)
 
 
@@ -227,11 +169,9 @@ def exact_nbytes(role: Role, tensor_nbytes: int, world_size: int) -> int:
 
 
 class LaneWork(dist.Work):
-    """The Work of one lane call: ``wait()`` blocks until the lane's thread ran the call (on
-    CUDA: queued it) and raises its error, if any (a Work made by ``_create_work_from_future``
-    returns True from ``wait()`` even when its future failed, so a failed collective would pass
-    unnoticed); on CUDA it then makes the current stream wait for the call's last kernel.
-    ``get_future()`` gives a ``torch.futures.Future`` for DDP's reducer and other chainers."""
+    """The Work of one lane call: ``wait()`` blocks until the lane's thread ran (CUDA: queued) it
+    and raises its error, which ``_create_work_from_future``'s Work would drop; on CUDA the
+    current stream then waits for its last kernel. ``get_future()`` serves DDP's reducer."""
 
     def __init__(self, done: concurrent.futures.Future[Any], result: Any,
                  order: CudaOrder | None = None) -> None:
@@ -245,8 +185,7 @@ class LaneWork(dist.Work):
         try:
             event = self._done.result(timeout=seconds if seconds > 0 else None)
         except concurrent.futures.TimeoutError:
-            # the call's own error may be a timeout too (CollectiveTimeoutError is a
-            # TimeoutError): raise it as it is; only a call still running is this wait's timeout
+            # the call's own error may be a timeout too: raise it as it is
             if self._done.done():
                 raise
             raise TimeoutError(f"lane call not finished after {seconds:g} s") from None
@@ -258,8 +197,8 @@ class LaneWork(dist.Work):
         return self._done.done()
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], None]) -> None:
-        """Run ``fn(future)`` on the lane's thread right after the call (at once if it already
-        ran); the future's result is the CUDA event after the call's work, or None."""
+        """Run ``fn(future)`` on the lane's thread after the call; its result is the CUDA event
+        after the call's work, or None."""
         self._done.add_done_callback(fn)
 
     def is_success(self) -> bool:
@@ -280,8 +219,7 @@ class LaneWork(dist.Work):
                 future.set_exception(error)
                 return
             if order is not None and done.result() is not None:
-                # the future records its own event on this thread's current stream: make that
-                # stream pass the call's work first
+                # the future records its event on this thread's stream: order it after the call
                 order.wait(done.result())
             future.set_result(self._result)
 
@@ -292,34 +230,14 @@ class LaneWork(dist.Work):
 class Lane(BlockCollectives):
     """dqcoll collectives for one group of ranks, run on one thread (see the module docstring).
 
-    Args:
-        store: the group's store (``torch.distributed`` key-value store); the lane's connection
-            rendezvouses under ``prefix`` in it, so every rank of the group must create its
-            lane at the same point.
-        rank, world_size: this rank in the group and the group's size.
-        policy: schemes per role, nodes.
-        timeout_s: bound of every wait (gloo's or NCCL's and dqcoll's).
-        name: for the thread and messages.
-        device: the device of the tensors the lane takes: ``cpu`` (a gloo connection) or a
-            CUDA device (an NCCL communicator on it; ``cuda`` alone: the current device).
-        settings: more settings the ranks must share (beside the policy's text and node
-            layout, :func:`policy_settings`), agreed when the lane's communicator is created:
-            ranks that differ all raise :class:`MismatchError` naming them.
-        check_paths: every call first checks, in one small exchange on the lane, that every
-            rank takes the same path with the same sizes (:meth:`probe` is the check of a call
-            that runs exact elsewhere); for a caller whose ranks decide per call by size (the
-            ``dqcoll`` backend), so that sizes on both sides of ``min_nbytes`` raise
-            :class:`MismatchError` on every rank instead of leaving each side waiting on
-            another connection. Skipped where the argument check is off
-            (``DQCOLL_VALIDATE=0``, agreed by the ranks).
-        gather_nbytes: n x the bytes up to which the lane's small all-reduces go to every rank
-            in one exchange (:data:`LANE_GATHER_NBYTES`; the same bits either way).
-        group: a ``torch.distributed`` process group of the lane's ranks: a CUDA lane where no
-            NCCL binding runs (:func:`nccl_lane_binding`) takes dqcoll's ``torch`` transport
-            over it (its CUDA messages on an NCCL group of the transport's own) instead of
-            raising.
-        comm: a communicator to run on as it is (no connection is made; ``store`` and
-            ``prefix`` unused): the DDP hook's communicator of the survivors after a shrink.
+    Every rank of the group creates its lane at the same point: it rendezvouses in ``store`` under
+    ``prefix``. ``device``: ``cpu`` or a CUDA device (``cuda``: the current one). ``settings``
+    (beside :func:`policy_settings`) are agreed at creation; ranks that differ raise
+    :class:`MismatchError`. ``check_paths``: every call first checks that all ranks take the same
+    path with the same sizes (for the backend, which decides by size; off with
+    ``DQCOLL_VALIDATE=0``). ``group``: a CUDA lane without an NCCL binding runs dqcoll's ``torch``
+    transport over it instead of raising. ``comm``: run on this communicator as it is (the DDP
+    hook's survivors after a shrink).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
@@ -335,8 +253,7 @@ class Lane(BlockCollectives):
         self._paths = 0  # path checks so far (their labels)
         self.world_size = world_size
         self.policy = policy
-        # agreed by the ranks when the lane's communicator is created (dqcoll.agreement): the
-        # policy decides which calls come here, so ranks with different policies raise now
+        # agreed when the communicator is created: ranks with different policies raise now
         self.settings = {**policy_settings(policy, world_size), **(settings or {})}
         self.name = name
         self.device = torch.device(device)
@@ -368,8 +285,7 @@ class Lane(BlockCollectives):
                                  settings=self.settings)
 
     def _connect_nccl(self, store: Any, prefix: str, timeout_s: float) -> None:
-        """The lane's own NCCL communicator on its device and the dqcoll communicator over it:
-        rank 0's unique id travels through the store under the lane's prefix."""
+        """The lane's own NCCL communicator (rank 0's unique id via the store) and dqcoll's."""
         binding, reason = nccl_lane_binding()
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -412,8 +328,7 @@ class Lane(BlockCollectives):
                                     for node in range(self.world_size // local))
 
     def two_level_plan(self, rule: RoleRule) -> HierarchicalPlan | None:
-        """The plan the lane runs a role's call with on two levels (exact inside a node,
-        ``rule``'s scheme across nodes, each level's algorithm chosen by its call), or None
+        """The two-level plan of a role's calls (exact inside a node, ``rule`` across), or None
         on one level."""
         if self.host_ranks is None:
             return None
@@ -425,13 +340,10 @@ class Lane(BlockCollectives):
                 LevelSpec(rule.scheme, bits, algorithm="auto"))
         return plan
 
-    # -- submission ----------------------------------------------------------------------------
-
     def _check_path(self, role: Role, compressed: bool, numel: int, out_numel: int,
                     dtype: torch.dtype) -> None:
-        """The path check (``check_paths``): one small exchange in which every rank's call
-        must show the same collective, path and sizes; ranks that differ all raise
-        :class:`MismatchError` naming the fields and this rank's values."""
+        """The path check (``check_paths``): ranks whose call differs in collective, path or
+        sizes all raise :class:`MismatchError`."""
         if not self.check_paths or not self.comm.validate:
             return
         self._paths += 1
@@ -441,9 +353,8 @@ class Lane(BlockCollectives):
                     _PATH_FIELDS)
 
     def probe(self, role: Role, numel: int, out_numel: int, dtype: torch.dtype) -> dist.Work:
-        """The path check of a call that runs exact elsewhere (on the caller's group): queued
-        in issue order with the lane's calls; its Work raises :class:`MismatchError` where a
-        rank's call came to the lane compressed instead."""
+        """The path check of a call that runs exact on the caller's group, queued in issue order;
+        its Work raises :class:`MismatchError` where another rank's call was compressed."""
         with self._lock:
             done = self._pool.submit(self._check_path, role, False, numel, out_numel, dtype)
         return LaneWork(done, None)
@@ -452,8 +363,7 @@ class Lane(BlockCollectives):
                result: Any, tensors: Sequence[torch.Tensor] = (),
                path: tuple[int, torch.dtype] | None = None) -> LaneWork:
         """Queue ``run()`` (one whole collective on ``tensors``) on the lane's thread; a Work for
-        its end. On CUDA, ordered after the caller's current stream (module docstring).
-        ``path``: the output's elements and the dtype, for the path check (``check_paths``)."""
+        its end. ``path``: the output's elements and the dtype, for the path check."""
         counters = self.counters[role]
         order = self.order
         ready = order.record_caller() if order is not None else None
@@ -484,20 +394,16 @@ class Lane(BlockCollectives):
         done.result()
 
     def abort(self, reason: str) -> None:
-        """Close the lane's connection now (a lost peer): calls blocked on it fail at once,
-        here and on the peers (the transport's ``abort``)."""
+        """Close the lane's connection now (a lost peer): calls blocked on it fail at once."""
         self.transport.abort(reason)
 
     def close(self) -> None:
-        """End the thread after the calls queued so far; a CUDA lane then closes its NCCL
-        communicator (after the work queued on it)."""
+        """End the thread after the calls queued so far, then close a CUDA lane's communicator."""
         self._pool.shutdown(wait=True)
         if self.device.type == "cuda":
             self.comm.close()
         if self.gloo is not None:
             release_private_group(self.gloo)
-
-    # -- collectives (each queued whole; ``avg`` divides by the world size) --------------------
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, *, avg: bool,
                        rule: RoleRule) -> dist.Work:

@@ -1,12 +1,9 @@
 """The block codecs' collectives of a lane, each in one exchange (:class:`BlockCollectives`).
 
-On one level and on CPU, a block codec whose payload depends on its chunk alone (``int8_block``,
-``int4_block``, ``bf16``; ZeRO++'s qwZ and qgZ) runs as one point-to-point exchange after a
-one-exchange argument check, with the bytes of dqcoll's own all-gather and direct
-reduce-scatter (range scaling included: finite inputs give finite results, saturated where a sum
-leaves the dtype's range) and an output dtype other than the input's refused on every rank, as
-there. :class:`~dqcoll.integrations.lane.Lane` is one; its path check uses the same argument
-check (:meth:`BlockCollectives._check`).
+On one level and on CPU, ``int8_block``, ``int4_block`` and ``bf16`` run as one point-to-point
+exchange after a one-exchange argument check, with the bytes of dqcoll's own all-gather and direct
+reduce-scatter, range scaling included. Rationale: docs/fsdp.md ("One exchange per block-codec
+collective").
 """
 
 from __future__ import annotations
@@ -38,14 +35,11 @@ class BlockCollectives:
 
     def _init_blocks(self) -> None:
         self._calls = 0  # the block collectives so far (their labels)
-        self._buffers: dict[str, torch.Tensor] = {}  # _scratch's, one per purpose
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat CPU buffer of the lane's own for one purpose of its block collectives, kept
-        between calls (FSDP2's calls repeat a few sizes; fresh multi-MB buffers cost page
-        faults and zero-filling on every call). Each purpose keeps one buffer of its largest
-        size so far (bounded by the largest call; freed with the lane); only the lane's thread
-        uses them, one call at a time, and nothing of them is returned to the caller."""
+        """A flat CPU buffer per purpose, kept between calls at its largest size so far; only the
+        lane's thread uses it and none is returned to the caller."""
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             buf = self._buffers[name] = torch.empty(numel, dtype=dtype)
@@ -53,14 +47,8 @@ class BlockCollectives:
 
     def _begin(self, kind: str, names: tuple[str, ...], shard: torch.Tensor, full: torch.Tensor,
                source: torch.Tensor, codec: BlockCodec, *extra: int) -> tuple[str, int]:
-        """The label of one block collective, its argument check over the ranks (sizes of
-        ``shard`` and of the n-shard ``full``, the dtypes of ``source`` and of the other, the
-        codec, ``extra``; this rank's refusal of an output whose dtype is not the input's, as
-        ``dqcoll``'s own collectives refuse it, raised on every rank) and this rank's size
-        check. Returns the label and the range scaling the ranks agreed in the same check: the
-        power of two ``s`` every rank divides its input by (:func:`dqcoll.prepare.range_shift`
-        of the largest binary exponent of ``source`` over the ranks, as the API path's check
-        gives it), 0 for none."""
+        """Label and argument-check one block collective (an output dtype other than the input's
+        raises on every rank). Returns the label and the agreed range-scaling shift (0: none)."""
         self._calls += 1
         what = f"lane {self.name} {kind}#{self._calls}"
         target = full if source is shard else shard
@@ -83,11 +71,10 @@ class BlockCollectives:
 
     def _check(self, what: str, fields: tuple[int, ...], names: tuple[str, ...],
                exponent: int = NO_EXPONENT, error: DqcollError | None = None) -> int:
-        """The argument check of the lane's own collectives: one small all-reduce (max) of
-        ``fields`` and their negatives, one slot per rank (1 where that rank's ``error`` is
-        set) and ``exponent``. A rank with an error raises it and the others
-        :class:`PeerError` naming it; otherwise ranks that disagree on any field all raise
-        :class:`MismatchError`. Returns the largest ``exponent`` over the ranks."""
+        """The lane's argument check: one small max all-reduce of ``fields``, their negatives, a
+        slot per rank's ``error`` and ``exponent``. A rank with an error raises it, the others
+        :class:`PeerError`; ranks that disagree on a field all raise :class:`MismatchError`.
+        Returns the largest ``exponent`` over the ranks."""
         n, k = self.world_size, len(fields)
         check = torch.zeros(2 * k + n + 1, dtype=torch.int64)
         if error is None:
@@ -112,20 +99,9 @@ class BlockCollectives:
 
     def _scatter_blocks(self, inp: torch.Tensor, out: torch.Tensor, codec: BlockCodec,
                         avg: bool) -> None:
-        """The reduce-scatter of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s
-        qgZ) as one exchange of payloads (every rank to every other at once): each rank
-        encodes the ``n - 1`` shards it does not keep (one quantization per contribution, no
-        hop re-quantizing partial sums), and the owner of each shard adds the decoded
-        contributions to its own exact one in rank order. The result is bit for bit that of
-        ``dqcoll.reduce_scatter`` with the same scheme and ``algorithm="direct"`` (tested): the
-        last contribution is added by the fused decode-accumulate-encode and the shard is
-        decoded from those bytes, as there.
-
-        Range scaling as there: inputs whose sum could leave the dtype's range (fp16 30000 on
-        3 ranks) or whose magnitude would take the codec's scales out of fp32's range (fp32
-        2e38) are divided by the power of two the ranks agreed in the argument check, and the
-        result is multiplied back, saturating at the output dtype's largest finite value:
-        finite inputs give finite results."""
+        """A block codec's reduce-scatter (qgZ) in one exchange: each rank encodes the ``n - 1``
+        shards it does not keep and each owner adds the decoded ones to its own in rank order,
+        bit for bit ``dqcoll.reduce_scatter(..., algorithm="direct")`` (range scaling too)."""
         n, rank, numel = self.world_size, self.rank, out.numel()
         what, shift = self._begin("reduce_scatter", _SCATTER_FIELDS, out, inp, inp, codec,
                                   int(avg))
@@ -143,7 +119,7 @@ class BlockCollectives:
         nbytes = codec.chunk_nbytes(padded, 1, None)
         send = self._scratch("send", n * nbytes, torch.uint8).view(n, nbytes)
         for r in range(n):
-            if r != rank:  # the own slot is not sent (it stays here)
+            if r != rank:
                 send[r].copy_(codec.encode_values(values[r].contiguous(), 1, None))
         received = self._scratch("received", n * nbytes, torch.uint8).view(n, nbytes)
         peers = [r for r in range(n) if r != rank]
@@ -172,22 +148,9 @@ class BlockCollectives:
             out.copy_(result)
 
     def _gather_blocks(self, shard: torch.Tensor, out: torch.Tensor, codec: BlockCodec) -> None:
-        """The all-gather of a block codec (``int8_block``, ``int4_block``, ...; ZeRO++'s qwZ)
-        as one exchange of payloads: each rank encodes its own shard once and sends it to every
-        other rank at once (one synchronisation), and every rank decodes all ``n``, its own too,
-        from the same bytes (so every replica holds the same weights). The bytes are those of
-        ``dqcoll.all_gather`` with the same scheme (the shard padded with zeros to whole
-        blocks, one payload per shard, range-scaled alike: magnitudes that would take the
-        codec's scales out of fp32's range, or round up past the dtype's largest value, are
-        divided by a power of two agreed in the argument check and multiplied back,
-        saturating), without its zero-filled full-size input, padded copy and copy-out: on a
-        machine whose
-        ranks share cores those passes over the output, and the ring's ``n - 1`` steps, cost
-        more than the codec. The argument check (sizes, dtypes, the codec) is one small
-        all-reduce of a vector, in one exchange; ranks that disagree all raise
-        :class:`MismatchError`. Point-to-point, not gloo's own all-gather or all-to-all: those
-        left processes that sometimes aborted in gloo's teardown at exit, and the messages'
-        headers check lengths and step labels."""
+        """A block codec's all-gather (qwZ) in one exchange: each rank encodes its shard once and
+        every rank decodes all ``n`` payloads, its own too, so every replica holds the same
+        weights; the bytes of ``dqcoll.all_gather`` with the same scheme."""
         n, numel = self.world_size, shard.numel()
         what, shift = self._begin("all_gather", _GATHER_FIELDS, shard, out, shard, codec)
         if shift:

@@ -1,47 +1,11 @@
-"""Which collectives are compressed, with which scheme and bits: one policy for every role.
+"""Which collectives are compressed, with which scheme and bits: :class:`CompressionPolicy`.
 
-ZeRO++ compresses the three collectives of sharded training differently (qwZ: int8 blocks for the
-weights' all-gather; qgZ: 4-bit gradients for the reduce-scatter; hpZ: the weights' second
-all-gather kept inside a node), and COCCL-style libraries likewise pick a format per collective.
-:class:`CompressionPolicy` says the same thing as plain data, per :class:`Role`:
-
-* ``weights``: the all-gather of parameters (FSDP2's unshard; ``all_gather_into_tensor`` through
-  the ``dqcoll`` backend). Default ``int8_block`` (qwZ-style; 8 bits + one fp32 scale per 128).
-* ``gradients``: the reduce-scatter of gradients (FSDP2's post-backward;
-  ``reduce_scatter_tensor`` through the backend). Default ``dynamiq`` at 5 bits;
-  :meth:`CompressionPolicy.zeropp` takes ZeRO++'s ``int4_block`` (qgZ) instead.
-* ``allreduce``: DDP-style all-reduce (DDP's buckets through the backend). Default ``dynamiq``
-  at 5 bits.
-
-A role whose scheme is ``none`` is *exact*: it runs the wrapped process group's own collective,
-bit for bit what torch does without dqcoll. Whatever the role, a call is exact when its tensor is
-smaller than ``min_nbytes``, not floating point, reduced with an op other than SUM / AVG /
-PREMUL_SUM, or in the first ``warmup_steps`` steps (see :meth:`CompressionPolicy.decide`).
-
-Levels: how a compressed call runs over the ranks (flat, or two levels inside and across hosts)
-is the planner's decision (:mod:`dqcoll.planner`: hosts found from the ranks themselves, priced on
-their measured links). ``local_world_size=L`` (``1 < L < world size``) with
-``intra_node="exact"`` fixes two levels instead: exact among the ``L`` ranks of a node and with
-the role's scheme across nodes (the shape of hpZ and qgZ: one quantization per slow hop).
-
-Besides the roles: ``warmup_steps`` (the first steps are not compressed), ``seed`` (keys the
-random rounding), ``error_feedback`` and ``monitor_every`` (the DDP hook's residual per bucket
-and its periodic exact average; the FSDP2 classes and the backend refuse them), and a role's
-``target`` (the fewest bits whose predicted vNMSE meets it, instead of fixed bits; schemes with an
-error model). :class:`~dqcoll.integrations.torch_ddp.DynamiqState` is built on a policy too: its
-role is ``allreduce``.
-
-Text form (``DQCOLL_POLICY``, :meth:`CompressionPolicy.parse`): comma-separated ``key=value``;
-a role's value is ``scheme``, ``scheme:bits`` or ``scheme:target=v`` (``auto``: the planner
-picks per call), e.g.
-``weights=int8_block,gradients=dynamiq:4,allreduce=none,min_nbytes=65536,warmup_steps=10`` or
-``allreduce=dynamiq:target=0.001,error_feedback=1,monitor_every=100``.
-
-Rejected: one scheme for everything (the weights' all-gather cannot use an unbiased stochastic
-scheme's advantages: nothing is summed, so a deterministic block format with its smaller codec
-cost is the better trade) and per-call keyword arguments in the integrations (the backend gets
-no arguments from an unchanged script, so the policy must be an object and an environment
-variable).
+One :class:`RoleRule` per :class:`Role`, as ZeRO++ does: ``weights`` (the parameters' all-gather,
+qwZ), ``gradients`` (the gradients' reduce-scatter, qgZ) and ``allreduce`` (DDP's buckets), plus
+``min_nbytes``, ``warmup_steps``, ``seed``, the levels and the DDP hook's ``error_feedback`` and
+``monitor_every``; the text form is ``DQCOLL_POLICY`` (:meth:`CompressionPolicy.parse`). Defaults,
+levels and the text form: docs/fsdp.md ("The policy"). One scheme for every role was rejected:
+the weights' all-gather sums nothing, so a deterministic block format with a cheaper codec wins.
 """
 
 from __future__ import annotations
@@ -58,10 +22,7 @@ from ..errors import InvalidArgumentError
 
 __all__ = ["CompressionPolicy", "Decision", "Role", "RoleRule"]
 
-# A DDP bucket is 25 MiB by default and its first bucket 1 MiB; a loss or metric all-reduce is a
-# few bytes. 64 KiB = 16 Ki fp32 coordinates: below it the argument check and the statistics
-# all-reduce (two round trips, a few tenths of a millisecond each over gloo) cost more than the
-# bytes saved on a 1 Gb/s link, where 64 KiB take 0.5 ms.
+# Below 64 KiB the argument check's and statistics' round trips cost more than the bytes saved.
 DEFAULT_MIN_NBYTES = 64 * 1024
 INTRA_NODE_CHOICES = ("exact", "flat")
 
@@ -89,7 +50,7 @@ class RoleRule:
         return schemes.spec("dynamiq" if self.scheme == "auto" else self.scheme)
 
     def __post_init__(self) -> None:
-        spec = self.spec  # an unknown name raises, listing the registered ones
+        spec = self.spec  # an unknown name raises
         if self.target is not None:
             if self.bits is not None:
                 raise InvalidArgumentError(f"scheme {self.scheme!r}: bits or a target, not both")
@@ -104,13 +65,11 @@ class RoleRule:
             raise InvalidArgumentError(
                 f"scheme {self.scheme!r} has a fixed format and takes no bits (got {self.bits})")
         if self.bits is not None:
-            # refused now, not at the first compressed call: non-finite or negative bits, or
-            # fewer than the scheme can send (dynamiq: 2.25 per coordinate)
+            # refused now, not at the first compressed call
             if not math.isfinite(self.bits) or self.bits <= 0:
                 raise InvalidArgumentError(
                     f"scheme {self.scheme!r}: bits must be a finite positive number, got "
                     f"{self.bits}")
-            # the scheme's own range check
             schemes.get("dynamiq" if self.scheme == "auto" else self.scheme, bits=self.bits)
 
     @property
@@ -146,8 +105,7 @@ class Decision:
 
     compress: bool
     reason: str = ""
-    # not compressed only because the tensor is below ``min_nbytes``: a rank that passed a larger
-    # tensor (a caller's mistake) would compress it, so the dqcoll backend checks such calls
+    # exact only for its size: the backend checks such calls, another rank may compress
     by_size: bool = False
 
 
@@ -162,7 +120,7 @@ class CompressionPolicy:
     warmup_steps: int = 0  # the first steps are exact (the integrations count the steps)
     intra_node: str = "exact"  # "exact": two levels where local_world_size says; "flat": not
     local_world_size: int | None = None  # None: the planner decides the levels
-    seed: int = 0  # keys the random rounding (each call draws fresh numbers from its counter)
+    seed: int = 0  # keys the random rounding
     error_feedback: bool = False  # the DDP hook: a residual per bucket, added at the next step
     monitor_every: int = 0  # the DDP hook: every this many steps an exact average too (0: never)
 
@@ -181,8 +139,6 @@ class CompressionPolicy:
             raise InvalidArgumentError(
                 f"local_world_size must be >= 1, got {self.local_world_size}")
 
-    # -- construction --------------------------------------------------------------------------
-
     @classmethod
     def exact(cls) -> CompressionPolicy:
         """Every role exact: the wrapped process group's own collectives."""
@@ -191,26 +147,22 @@ class CompressionPolicy:
 
     @classmethod
     def zeropp(cls, **overrides: Any) -> CompressionPolicy:
-        """ZeRO++'s formats: weights' all-gather in ``int8_block`` (qwZ), gradients'
-        reduce-scatter in ``int4_block`` (qgZ), DDP-style all-reduces left at the default.
-        Both are block codecs, which the FSDP2 lane runs as one exchange each (every rank
-        to every other at once): the least CPU per call of dqcoll's schemes, at a larger
-        error per coordinate than ``dynamiq`` (round to nearest; docs/fsdp.md measures the
-        held-out loss). Text form: ``weights=int8_block,gradients=int4_block``."""
+        """ZeRO++'s formats: weights in ``int8_block`` (qwZ), gradients in ``int4_block`` (qgZ),
+        all-reduces at the default; less CPU, more error than ``dynamiq`` (docs/fsdp.md)."""
         return cls(**{"weights": RoleRule("int8_block"), "gradients": RoleRule("int4_block"),
                       **overrides})
 
     @classmethod
     def parse(cls, text: str, base: CompressionPolicy | None = None) -> CompressionPolicy:
-        """The policy of a ``DQCOLL_POLICY`` string; the keys it leaves out keep ``base``'s
-        values (default: the defaults)."""
+        """The policy of a ``DQCOLL_POLICY`` string (a role's value: ``scheme``, ``scheme:bits``
+        or ``scheme:target=v``); keys it leaves out keep ``base``'s values (default: defaults)."""
         fields: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or not value:
                 raise InvalidArgumentError(f"DQCOLL_POLICY: expected key=value, got {item!r}")
-            if key in fields:  # a repeated key is refused, never silently overridden
+            if key in fields:
                 raise InvalidArgumentError(
                     f"DQCOLL_POLICY {text!r}: key {key!r} given twice")
             if key in ("weights", "gradients", "allreduce"):
@@ -256,8 +208,8 @@ class CompressionPolicy:
                 + f",monitor_every={self.monitor_every}")
 
     def refuse_hook_only(self, integration: str) -> None:
-        """Raise :class:`InvalidArgumentError` if the policy asks for what only the DDP hook
-        does (error feedback, the monitor): ``integration`` would otherwise ignore it."""
+        """Raise :class:`InvalidArgumentError` if the policy asks for the DDP hook's error feedback
+        or monitor, which ``integration`` would ignore."""
         asked = [f"{name}={value}" for name, value in
                  (("error_feedback", int(self.error_feedback)),
                   ("monitor_every", self.monitor_every)) if value]
@@ -265,8 +217,6 @@ class CompressionPolicy:
             raise InvalidArgumentError(
                 f"{integration}: {', '.join(asked)} is the DDP hook's (DynamiqState); the "
                 f"policy here takes roles, min_nbytes, warmup_steps, seed and levels")
-
-    # -- queries -------------------------------------------------------------------------------
 
     def rule(self, role: Role) -> RoleRule:
         return getattr(self, role.value)
@@ -282,8 +232,8 @@ class CompressionPolicy:
 
     def decide(self, role: Role, tensor: torch.Tensor, *, reducing_op_ok: bool = True,
                step: int = 0) -> Decision:
-        """Compress this call? Depends only on what every rank passes alike (role, size, dtype,
-        op, step), so every rank decides the same."""
+        """Compress this call? Depends only on what every rank passes alike, so every rank
+        decides the same."""
         rule = self.rule(role)
         if rule.is_exact:
             return Decision(False, f"{role.value}: scheme none")

@@ -1,32 +1,11 @@
-"""``scheme="auto"`` in the DDP hook, checked where it matters: the step time.
+"""``scheme="auto"`` in the DDP hook, decided by the step time: :class:`StepChoice`.
 
-The planner prices each call alone. A DDP bucket's all-reduce, though, runs beside the backward
-pass that is still computing the next buckets: a 16-bit all-reduce's transfer hides behind that
-compute and costs almost no CPU, while a codec's CPU takes cores from backward wherever the cores
-are the limit (CPU ranks sharing cores, a compute-heavy model). What compressing saves or costs
-a job shows only in its step time, so the hook measures it there, as follows.
-
-* The warm-up's steps run in 16 bits (torch's ``bf16_compress_hook``): they time the 16-bit
-  mode at no extra cost, every one of them but the first (DDP rebuilds its buckets in it).
-* The ``samples + 1`` steps after the warm-up run the planner's compressed plans; the first of
-  them is not timed either (the planner's first calls measure and explore).
-* At the next step's first bucket the ranks agree on the slowest rank's median step time of
-  each mode (one all-reduce of two numbers on DDP's group), and the faster mode runs from then
-  on: the same on every rank, since the agreed numbers are. Where the two modes are within
-  the steps' own spread, either choice costs about the same; medians of several steps keep a
-  single slow step (an evaluation, a checkpoint) from deciding.
-* Every ``recheck_every`` steps the other mode runs ``samples + 1`` steps again and the choice is
-  made again against the current mode's latest steps, so a change in the job (a
-  loaded link, a new phase of training) moves it.
-
-A step's time is the time from its first bucket to the next step's first bucket (the rest of its
-backward, its exposed communication, the optimizer step and the next forward). Monitored steps
-(``monitor_every``: an extra exact all-reduce) are not timed. The check needs at least
-:data:`MIN_WARMUP` warm-up steps; with fewer, the planner's per-call choice stands alone.
-
-Rejected: a step-level rule from a cost model (it would have to know the backward's compute and
-its overlap with each bucket: a fitted overlap share holds on one machine) and timing the calls
-(a bf16 call's transfer is as long as it is, but hidden behind compute).
+The warm-up's steps time the 16-bit mode (torch's ``bf16_compress_hook``), the ``samples + 1``
+steps after it the compressed one (the first step of each mode untimed); the ranks then agree on
+the slowest rank's median of each and run the faster mode, the same on every rank, and every
+``recheck_every`` steps the other mode is timed again. A step runs from its first bucket to the
+next step's first bucket; monitored steps are not timed. Needs :data:`MIN_WARMUP` warm-up steps.
+Rationale and rejected alternatives: docs/ddp.md ("Does compressing pay for this job?").
 """
 
 from __future__ import annotations
@@ -58,15 +37,9 @@ class Choice:
 class StepChoice:
     """Which mode each iteration of a DDP hook with ``scheme="auto"`` runs (module docstring).
 
-    Args:
-        warmup_steps: the policy's warm-up (its steps are the 16-bit samples).
-        enabled: whether the hook chooses (``scheme="auto"``); otherwise every step after the
-            warm-up is compressed and the object only counts the 16-bit steps.
-        agree: called with ``[bf16 median s, compressed median s]`` at a decision, on every
-            rank at the same iteration; returns the values agreed over the ranks (the maximum).
-        samples: timed steps per mode per decision.
-        recheck_every: steps between a decision and the next run of the other mode.
-        clock: seconds (tests pass their own).
+    ``enabled=False``: every step after the warm-up is compressed; only the 16-bit steps are
+    counted. ``agree`` is called on every rank at the same iteration with ``[bf16 median s,
+    compressed median s]`` and returns the values agreed over the ranks (the maximum).
     """
 
     def __init__(self, warmup_steps: int, enabled: bool,
@@ -83,7 +56,6 @@ class StepChoice:
         self.mode = SIXTEEN_BIT if warmup_steps > 0 else COMPRESSED
         self.choices: list[Choice] = []  # every decision, in order
         self.sixteen_bit_steps = 0  # iterations that ran the 16-bit mode, warm-up included
-        # the latest step times of each mode (16 bits: the whole warm-up's)
         self._periods: dict[str, collections.deque[float]] = {
             SIXTEEN_BIT: collections.deque(maxlen=max(samples, warmup_steps)),
             COMPRESSED: collections.deque(maxlen=samples)}

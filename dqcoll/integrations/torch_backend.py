@@ -1,58 +1,14 @@
 """A drop-in ``torch.distributed`` backend: ``init_process_group("dqcoll")``.
 
-```python
-import dqcoll.integrations.torch_backend  # registers "dqcoll"
-torch.distributed.init_process_group("dqcoll")  # an otherwise unchanged DDP / FSDP2 script
-```
-
-Importing this module registers the backend ``dqcoll`` (for ``cpu`` and ``cuda``) with
-``torch.distributed.Backend.register_backend``. Its process group, :class:`DqcollProcessGroup`,
-is a Python ``torch.distributed.ProcessGroup`` (as torch's own ``threaded`` test backend and
-torchft's wrappers are) that wraps a gloo process group and, where torch has CUDA, an NCCL one:
-
-* **Compressed** (lossy), under the policy (:class:`~dqcoll.integrations.policy
-  .CompressionPolicy`, from ``DQCOLL_POLICY`` or :func:`set_policy`): ``all_reduce`` with SUM or
-  AVG (role ``allreduce``: DDP's gradient buckets), the single-tensor reduce-scatter with SUM,
-  AVG or PREMUL_SUM (role ``gradients``: FSDP2's gradients) and the single-tensor all-gather
-  (role ``weights``: FSDP2's parameters), of a single contiguous floating-point tensor of at
-  least ``min_nbytes`` (default 64 KiB), on CPU or CUDA. They run on a
-  :class:`~dqcoll.integrations.lane.Lane` per device type (CPU: dqcoll over a second gloo
-  connection, made with the group; CUDA: dqcoll over an NCCL communicator of dqcoll's own NCCL
-  transport on the tensor's device, made at the first compressed CUDA call; one worker thread
-  each) and return a Work that DDP's reducer and FSDP2 wait on as on gloo's or NCCL's. Where no
-  NCCL transport can run here, CUDA calls are exact and one WARNING says why.
-* **Exact** (the wrapped backend, bit for bit): everything else - integer and small tensors (a
-  loss or metric all-reduce), MAX / MIN / PRODUCT and bitwise ops, lists of tensors, broadcast,
-  barrier, send / recv, gather / scatter, all-to-all, the coalesced collectives and the object
-  collectives (they travel as byte tensors).
-
-**torch versions.** ``torch.distributed`` calls a Python process group through different method
-names by version: the single-tensor all-gather and reduce-scatter as ``all_gather_single`` /
-``reduce_scatter_single`` from torch 2.12 and as ``_allgather_base`` / ``_reduce_scatter_base``
-before, their coalesced forms as ``all_gather_single_coalesced`` /
-``reduce_scatter_single_coalesced`` or ``allgather_into_tensor_coalesced`` /
-``reduce_scatter_tensor_coalesced``, the all-to-all as ``all_to_all_single`` or
-``alltoall_base``. The class defines every one of these names; each pair runs the same code.
-
-Every rank must issue the same collectives in the same order (as with any backend); the
-decision to compress depends only on the policy and on what every rank passes alike (size,
-dtype, op), so all ranks take the same path. The policy (its text: schemes, ``min_nbytes``,
-seed, ...), the node layout and whether a CUDA lane can run are agreed when the process group is
-created, with ``DQCOLL_VALIDATE`` and ``DQCOLL_AUTO_FORCE`` (:mod:`dqcoll.agreement`): ranks that
-differ all raise :class:`~dqcoll.errors.MismatchError` from ``init_process_group``, naming each
-rank's value. Ranks that pass different sizes to a compressed call all raise (dqcoll's argument
-check), instead of hanging. Sizes on both sides of ``min_nbytes`` would put the ranks on
-different connections (one compressed on the lane, one exact on the wrapped group): so every
-call the policy would compress but for its size, and every compressed call, first passes the
-lane's path check (:meth:`Lane.probe <dqcoll.integrations.lane.Lane.probe>`; one small exchange
-on the lane, in issue order, off the caller's thread; the exact call is posted at once and its
-Work waits for both), and ranks whose calls differ all raise
-:class:`~dqcoll.errors.MismatchError` naming the path and the sizes. ``DQCOLL_VALIDATE=0`` skips
-it with the argument check.
-
-Rejected: a C++ ``Backend`` extension (a compiled plugin per torch version; the codec here is
-host-driven Python and numba anyway) and ``extended_api`` creator arguments (the four-argument
-creator is what ``threaded`` uses and suffices).
+Importing this module registers ``dqcoll`` (``cpu`` and ``cuda``). :class:`DqcollProcessGroup`
+wraps gloo (and NCCL where torch has CUDA) for the exact calls and runs the single-tensor
+all-reduce, reduce-scatter and all-gather of large floating-point tensors, as the policy says
+(``DQCOLL_POLICY`` or :func:`set_policy`), on a :class:`~dqcoll.integrations.lane.Lane` per device
+type. The ranks agree on the policy in ``init_process_group``; calls exact only for their size
+pass the lane's path check, so sizes on both sides of ``min_nbytes`` raise
+:class:`~dqcoll.errors.MismatchError` on every rank instead of hanging. Which calls are lossy and
+the method names of each torch version: docs/fsdp.md. A C++ ``Backend`` extension was rejected:
+a compiled plugin per torch version, for a codec that is host-driven Python and numba anyway.
 """
 
 from __future__ import annotations
@@ -109,9 +65,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
         self._rank = rank
         self._world_size = world_size
         self.policy = policy
-        # the exact collectives: a plain torch process group with gloo for CPU tensors and,
-        # where torch has CUDA and NCCL, NCCL for CUDA ones (what init_process_group("gloo") or
-        # "cpu:gloo,cuda:nccl" would have made)
+        # the exact collectives: what init_process_group("cpu:gloo,cuda:nccl") would have made
         self.wrapped = dist.ProcessGroup(store, rank, world_size)
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
         self.wrapped._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
@@ -124,28 +78,21 @@ class DqcollProcessGroup(dist.ProcessGroup):
                                          options)
             self.wrapped._register_backend(torch.device("cuda"),
                                            dist.ProcessGroup.BackendType.NCCL, nccl)
-        # the compressed ones: dqcoll over a connection of their own, one per device type (the
-        # CUDA one is made at the first compressed CUDA call, on that tensor's device)
         self._store = store
         self._timeout_s = timeout.total_seconds()
         self.cuda_lane: Lane | None = None
-        # whether CUDA calls can have a lane here: asked now where torch has CUDA, so that the
-        # ranks agree on it with the policy when the CPU lane is made (below)
+        # asked now, so that the ranks agree on the CUDA lane with the policy (below)
         self._cuda_checked = False
         self._no_cuda_lane: str | None = None
         cuda = "torch has no CUDA"
         if torch.cuda.is_available():
             cuda = "available" if self._cuda_lane_reason() is None else "unavailable"
-        # the policy decides, call by call, between the wrapped group and a lane: its ranks
-        # agree on it (and on the CUDA lane) here, or all raise MismatchError naming each
-        # rank's value (dqcoll.agreement)
+        # the ranks agree on the policy and the CUDA lane here, or all raise MismatchError
         self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
                          name="backend", prefix="dqcoll-lane/", settings={"CUDA lane": cuda},
                          check_paths=True)
         self.exact_calls: dict[str, int] = {}
         self._logged: set[str] = set()
-
-    # -- identity ------------------------------------------------------------------------------
 
     def size(self) -> int:
         return self._world_size
@@ -165,16 +112,13 @@ class DqcollProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"DqcollProcessGroup(rank={self._rank}, world_size={self._world_size})"
 
-    # -- routing -------------------------------------------------------------------------------
-
     def _exact(self, what: str) -> dist.ProcessGroup:
         """The wrapped process group (it routes CUDA tensors to NCCL, CPU ones to gloo)."""
         self.exact_calls[what] = self.exact_calls.get(what, 0) + 1
         return self.wrapped
 
     def _route(self, role: Role, tensor: torch.Tensor, op_ok: bool = True) -> str:
-        """Where this call goes: ``"lane"`` (compressed), ``"checked"`` (exact on the wrapped
-        group only because of its size: the lane checks that every rank agrees,
+        """Where this call goes: ``"lane"``, ``"checked"`` (exact only for its size:
         :meth:`_exact_checked`) or ``"exact"``."""
         if not tensor.is_floating_point() or not tensor.is_contiguous():
             return "exact"
@@ -188,18 +132,15 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     def _exact_checked(self, route: str, role: Role, tensor: torch.Tensor, numel: int,
                        out_numel: int, post: Any) -> dist.Work:
-        """``post()``'s exact call on the wrapped group; one routed ``"checked"`` is first
-        queued for the lane's path check (:meth:`Lane.probe`), and its Work raises the check's
-        MismatchError where another rank's call went to the lane (sizes on both sides of
-        ``min_nbytes``)."""
+        """``post()``'s exact call; one routed ``"checked"`` is first queued for the lane's path
+        check (:meth:`Lane.probe`), whose MismatchError its Work raises."""
         if route != "checked":
             return post()
         check = self._lane(tensor).probe(role, numel, out_numel, tensor.dtype)
         return CheckedWork(check, post(), tensor.device)
 
     def _cuda_lane_reason(self) -> str | None:
-        """None when CUDA calls can have a lane here, else why not (asked once; a reason is
-        logged once)."""
+        """None when CUDA calls can have a lane here, else why not (asked once, warned once)."""
         if not self._cuda_checked:
             self._cuda_checked = True
             self._no_cuda_lane = nccl_lane_unavailable_reason()
@@ -220,8 +161,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
         return self.cuda_lane
 
     def summary(self) -> dict[str, Any]:
-        """Compressed calls' counters per role (summed over the lanes) and the count of exact
-        calls per collective."""
+        """Compressed calls' counters per role and the count of exact calls per collective."""
         compressed = {role.value: dict(RoleCounters()) for role in Role}
         for lane in (self.lane, self.cuda_lane):
             if lane is not None:
@@ -230,8 +170,6 @@ class DqcollProcessGroup(dist.ProcessGroup):
                         compressed[role][key] += value
         return {"policy": str(self.policy), "compressed": compressed,
                 "exact_calls": dict(self.exact_calls)}
-
-    # -- compressed when the policy says so -----------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: AllreduceOptions | None = None) -> dist.Work:
@@ -287,8 +225,6 @@ class DqcollProcessGroup(dist.ProcessGroup):
                           opts: AllgatherOptions | None = None) -> dist.Work:
         """The single-tensor all-gather (torch >= 2.12 calls it by this name)."""
         return self._allgather_base(output, input, opts)
-
-    # -- always exact: the wrapped backend ------------------------------------------------------
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: AllreduceCoalescedOptions | None = None) -> dist.Work:
@@ -398,9 +334,8 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
 
 class CheckedWork(dist.Work):
-    """The Work of an exact call that the lane's path check guards: ``wait()`` and the future
-    raise the check's error (:class:`~dqcoll.errors.MismatchError`: another rank's call went to
-    the lane) before anything of the exact call is waited on, else they are the exact call's."""
+    """The Work of an exact call guarded by the lane's path check: ``wait()`` and the future raise
+    the check's :class:`~dqcoll.errors.MismatchError` first, else they are the exact call's."""
 
     def __init__(self, check: dist.Work, work: dist.Work, device: torch.device) -> None:
         super().__init__()
@@ -452,8 +387,7 @@ def _create(store: Any, rank: int, world_size: int,
             timeout: datetime.timedelta) -> DqcollProcessGroup:
     policy = _policy if _policy is not None else CompressionPolicy.from_env()
     policy.refuse_hook_only("the dqcoll backend")
-    # init_process_group passes torch's default (30 min) when it was given no timeout=: then
-    # DQCOLL_TIMEOUT_S bounds every wait, the lane's included
+    # torch's default timeout means none was given: DQCOLL_TIMEOUT_S bounds every wait then
     if timeout is None or timeout == dist.constants.default_pg_timeout:
         timeout = datetime.timedelta(seconds=envs.timeout_s())
     return DqcollProcessGroup(store, rank, world_size, timeout, policy)

@@ -1,114 +1,15 @@
 """A PyTorch DDP communication hook that averages gradient buckets with any dqcoll scheme.
 
-```python
-from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
-
-model = torch.nn.parallel.DistributedDataParallel(model)
-state = DynamiqState(scheme="dynamiq", bits=5, warmup_steps=10, monitor_every=100)
-model.register_comm_hook(state, dynamiq_hook)
-```
-
-Per gradient bucket (DDP calls the hook once per bucket and backward pass, in bucket order on every
-rank, and copies the returned tensor into the gradients):
-
-* **Warm-up** (iterations ``0 .. warmup_steps - 1``): averaged in 16 bits, without DynamiQ.
-  fp32 buckets: the bucket rounded to bf16 and divided by n, all-reduced by the process group
-  and copied back (torch's ``bf16_compress_hook``: the collective of ``fp16_compress_hook``, in
-  bf16's range), asynchronously (the returned future is the all-reduce's). Half of fp32's bytes
-  on the wire and, since it is the fp16 hook's collective, a warm-up step costs what one of the
-  fp16 hook's does (docs/ddp.md, "Warm-up"); every rank ends with the same average, and
-  ``state.last_info["scheme"]`` reads ``"bf16"``. fp16 and bf16 buckets take the process
-  group's own all-reduce (already 16 bits, and exact; bf16 would round an fp16 bucket's
-  mantissa); after a shrink, warm-up buckets are averaged exactly over the survivors (see
-  below). No error-feedback residual, monitor, bits or allocation during warm-up: they start at
-  iteration ``warmup_steps``.
-* ``scheme="auto"`` (the default) also checks its choice on whole steps: the warm-up's 16-bit
-  steps and the first compressed ones are timed, and the faster mode (by the slowest rank's
-  median) runs from then on, rechecked every 250 steps (:mod:`.step_choice`); a 16-bit step
-  after the warm-up is averaged as a warm-up step is.
-* ``scheme="none"``: the process group's own ``all_reduce`` of the bucket divided by the world
-  size, exactly what DDP does without a hook (``default_hooks.allreduce_hook``), asynchronously
-  (the returned future is the all-reduce's).
-* **Compressed**: ``dqcoll.allreduce(bucket, op="avg", scheme=..., bits=...)`` on a lane among
-  the same process group's ranks (CPU buckets on a gloo connection of its own, CUDA buckets on
-  dqcoll's NCCL transport; see "Lanes" below). The random
-  rounding is keyed by a per-iteration seed (``derived_seed(seed, "ddp", iteration)``) and the
-  bucket index, so every step draws fresh numbers and a rerun with the same seed is identical.
-  Every rank ends with bit-identical averages (dqcoll's invariant), so the replicas never drift.
-* **Allocation recorded** (``dynamiq``): the bit-allocation parameter ``u`` of each bucket's
-  last call (``comm.last_info["u"]``) is kept in ``state.allocation_u`` (the scheme takes no
-  hint: its compiled bisection costs ~0.5 ms with or without one).
-* **Error feedback** (optional): each rank adds its residual to the bucket before compressing and
-  keeps ``m - decode(encode(m))`` of the scheme's single-shot codec as the next residual. This is
-  the EF-SGD residual of the rank's own quantization; the hops' re-quantizations inside the
-  collective are not attributed to any one rank, so it is an approximation of the collective's
-  error (whose per-rank split does not exist for multi-hop aggregation). The residual restarts
-  at 0 in every coordinate where the message or its quantization is not finite (with dynamiq
-  the whole super-group of 256 around a non-finite value, which its codec decodes as NaN): a
-  step with an inf gradient (AMP's grad scaler then skips it) leaves no non-finite residual
-  behind, and the next steps are finite again.
-* **Error monitor** (optional): every ``monitor_every`` iterations the hook also computes the
-  exact average (an uncompressed fp64 all-reduce of the same input) and records the vNMSE of the
-  compressed one, summed over the buckets of the iteration (``state.vnmse_history``; logged at
-  INFO on rank 0 of the group by the ``dqcoll.ddp`` logger); on those iterations each bucket's
-  ``comm.last_info["measured_vnmse"]`` sits beside the call's ``predicted_vnmse``.
-* **Error target** (``target_vnmse=``, dynamiq): instead of a fixed ``bits``, every call picks
-  the fewest bits whose *predicted* vNMSE meets the target (:mod:`dqcoll.schemes.dynamiq
-  .error_model`; the ranks' correlation is measured by each call for the next). The monitor then
-  closes the loop: each monitored iteration moves the model's calibration ``kappa`` towards
-  measured / predicted vNMSE (``calibration_rate``, geometric), so the following iterations aim
-  with the corrected model. Bits per coordinate of every iteration are recorded in
-  ``state.bits_history`` (and logged), ``kappa`` in ``state.kappa_history``.
-
-* **Surviving a lost rank** (``fault_tolerant=True``): when a bucket's collective fails (a rank
-  died: ``PeerError`` / timeout), the hook records the error in ``state.failure`` and completes
-  the bucket's future with the bucket unreduced, so that backward ends normally instead of
-  leaving DDP's reducer half-way through an iteration. The training loop then skips the
-  optimizer step and recovers: ``state.shrink()`` (a communicator over the survivors,
-  :meth:`dqcoll.Communicator.shrink`) and ``resync(state, model, optimizer, step)`` (every
-  survivor takes the parameters, optimizer state and counters of the lowest surviving rank: a
-  survivor whose last call completed just before the loss may have taken one more step than the
-  others). From then on every bucket, warm-up ones too, is averaged over the survivors through
-  dqcoll (DDP's own process group still counts the lost rank). Limits: DDP must be built with
-  ``broadcast_buffers=False`` (or a model without buffers), since DDP broadcasts buffers over
-  its own group; the lost rank's data shard is lost unless the loop re-shards; the average is
-  over fewer replicas (a smaller global batch). ``examples/ddp_lost_rank.py`` SIGKILLs one of 4
-  ranks mid-training and finishes with 3.
-
-**Overlap.** The compressed path queues the bucket's ``dqcoll.allreduce`` on a lane and returns
-at once a future that the lane's worker thread completes when the bucket's all-reduce is done
-(torch's ``fp16_compress_hook`` does the same with ``dist.all_reduce(async_op=True)``): DDP goes
-on computing the next buckets' gradients while this one is coded and on the wire. Monitored
-iterations (``monitor_every``) run synchronously: their exact fp64 all-reduce is a second
-collective on the same process group, which must not interleave with the lanes' work.
-``HookRuntime(async_op=False)`` runs every bucket inside the hook (the same bits; a test checks
-it).
-
-**Lanes** (``HookRuntime(lanes=...)``, default 2 for CPU buckets, 1 for CUDA ones:
-see :meth:`DynamiqState.lane_count`). The hook runs on the lane runtime every integration
-shares (:class:`~dqcoll.integrations.lane.Lane`, as FSDP2's collectives and the ``dqcoll``
-backend do): bucket ``i`` runs on lane ``i % lanes``, a connection of its own made from the
-group's store under a prefix of this state (CPU: a gloo connection; CUDA: dqcoll's NCCL
-transport, nccl4py or CuPy, else the ``torch`` transport over DDP's group) with one worker
-thread, so bucket ``i + 1``'s codec runs while bucket ``i``'s bytes are on the wire, and no core
-idles while every rank waits for the link. Within a lane the buckets run in issue order, which
-is the same on every rank, so every lane's messages match; the lanes' messages never share a
-connection. Each bucket's result does not depend on its lane (its random numbers are keyed by
-the iteration's seed and the bucket index; a test trains bit-identically with 1 and 2 lanes).
-The futures complete in bucket order and the bookkeeping of a bucket (allocation carried over,
-bits, the end of the iteration) runs in that order too, on whichever worker finishes the
-bucket that completes the sequence. What two lanes buy on CPU ranks: docs/ddp.md ("Lanes").
-CUDA buckets keep one lane: the codec is GPU kernels queued on the lane's stream (ordered after
-the caller's, as for FSDP2's lanes), and one NCCL communicator carries them.
-
-**Ready before the first backward.** The state creates its lanes (and so compiles or
-loads the CPU kernels, printing a line while a first compilation runs) when it is made, if
-``torch.distributed`` is initialised, or at :meth:`DynamiqState.prepare`; never inside backward.
-
-Rejected: a hook that runs over a process group of its own instead of DDP's (DDP's group is the
-one whose ranks hold the replicas; the lanes' extra connections join through that group's
-store, among its ranks only), and per-parameter compression (DDP's buckets are what is on the
-wire; any bucket size works because dqcoll pads internally).
+``model.register_comm_hook(DynamiqState(...), dynamiq_hook)``. Warm-up iterations, and the 16-bit
+steps ``scheme="auto"``'s step-time check chooses (:mod:`.step_choice`), average fp32 buckets as
+torch's ``bf16_compress_hook`` does and others with the group's exact all-reduce;
+``scheme="none"`` is DDP without a hook. Compressed buckets run ``dqcoll.allreduce(op="avg")``
+asynchronously on a :class:`~dqcoll.integrations.lane.Lane` (bucket ``i`` on lane ``i % lanes``),
+their futures completed in bucket order, the result bit-identical on every rank. Options: error
+feedback, the vNMSE monitor (synchronous), a vNMSE target that the monitor calibrates, and going
+on after a lost rank (``fault_tolerant``, :meth:`DynamiqState.shrink`, :func:`resync`). The lanes
+are made with the state or at :meth:`DynamiqState.prepare`, never inside backward. Reference:
+docs/ddp.md; the lost rank: docs/reliability.md ("DDP").
 """
 
 from __future__ import annotations
@@ -143,10 +44,8 @@ __all__ = ["DDP_DEFAULT_POLICY", "DynamiqState", "HookRuntime", "ddp_policy", "d
 log = logging.getLogger("dqcoll.ddp")
 
 _SEED_MASK = (1 << 62) - 1  # dqcoll seeds are compared across ranks as 62-bit integers
-# The tile of a bucket's all-reduce when two or more lanes overlap the buckets (CPU): the other
-# lane's codec fills a bucket's transfer waits, so tiles that overlap a bucket's own codec and
-# transfers cost more CPU (kernel launches, exchanges) than they save (the runs behind the size:
-# benchmarks/results/history-benchmarks.md).
+# The tile of a bucket's all-reduce with two or more lanes: the other lane already fills the
+# transfer waits, so smaller tiles cost more CPU than they save.
 LANE_TILE_NBYTES = 16 << 20
 
 
@@ -154,20 +53,11 @@ LANE_TILE_NBYTES = 16 << 20
 class HookRuntime:
     """How :func:`dynamiq_hook` runs, beside what it sends (the policy): rarely changed.
 
-    Args:
-        algorithm: dqcoll algorithm ("auto", "ring", "butterfly", "direct"); "auto": the
-            planner's choice per bucket (flat or two levels, :mod:`dqcoll.planner`).
-        async_op: return at once and let a lane's worker complete the bucket's future (see the
-            module docstring); False: every bucket inside the hook.
-        device: the device of DDP's buckets (default: ``cuda`` for an NCCL group, else
-            ``cpu``); the communicator is made for it when the state is made (if
-            ``torch.distributed`` is initialised) or at :meth:`DynamiqState.prepare`.
-        lanes: how many buckets may be averaged at once, each lane a communicator with its own
-            worker and gloo connection (module docstring); None: 2 for CPU buckets, 1 for CUDA
-            ones. Every rank passes the same value.
-        calibration_rate: with an error target, the weight of each monitored measurement in the
-            error model's calibration (module docstring).
-        scheme_options: further options of the scheme (e.g. ``{"rounding": "independent"}``).
+    ``algorithm="auto"``: the planner's choice per bucket. ``async_op=False``: every bucket inside
+    the hook. ``device``: of DDP's buckets (default: ``cuda`` for an NCCL group, else ``cpu``).
+    ``lanes``: buckets averaged at once (None: 2 for CPU buckets, 1 for CUDA ones; the same on
+    every rank). ``calibration_rate``: with an error target, the weight of each monitored
+    measurement. ``scheme_options``: further options of the scheme.
     """
 
     algorithm: str = "auto"
@@ -187,19 +77,16 @@ class HookRuntime:
             raise InvalidArgumentError(f"lanes must be a positive int or None, got {lanes!r}")
 
 
-# What DynamiqState sends without a policy or DQCOLL_POLICY: the planner's choice per bucket
-# (dynamiq at 5 bits among the candidates), after 10 warm-up steps.
+# What DynamiqState sends without a policy or DQCOLL_POLICY.
 DDP_DEFAULT_POLICY = CompressionPolicy(allreduce=RoleRule("auto", DEFAULT_BITS), warmup_steps=10)
 
 
 def ddp_policy(policy: CompressionPolicy | str | None = None, *, scheme: str | None = None,
                bits: float | None = None, target_vnmse: float | None = None,
                **fields: Any) -> CompressionPolicy:
-    """The policy a :class:`DynamiqState` runs: ``policy`` (a policy, or its text as in
-    ``DQCOLL_POLICY``, read over :data:`DDP_DEFAULT_POLICY`; None: ``DQCOLL_POLICY`` where set,
-    else the default), then its ``allreduce`` role's ``scheme``, ``bits`` (left out for a
-    scheme with a fixed format, and under a target) or ``target_vnmse`` and the policy
-    ``fields`` given (``None`` leaves a value as it is)."""
+    """The policy a :class:`DynamiqState` runs: ``policy`` (or its text, read over
+    :data:`DDP_DEFAULT_POLICY`; None: ``DQCOLL_POLICY`` where set), then the ``allreduce`` role
+    and policy ``fields`` given (``None`` leaves a value as it is)."""
     if policy is None:
         text = envs.policy()
         policy = CompressionPolicy.parse(text, DDP_DEFAULT_POLICY) if text else DDP_DEFAULT_POLICY
@@ -219,36 +106,12 @@ def ddp_policy(policy: CompressionPolicy | str | None = None, *, scheme: str | N
 class DynamiqState:
     """State of :func:`dynamiq_hook` for one DDP model (one instance per model, like PowerSGD's).
 
-    What it sends is a :class:`~dqcoll.integrations.policy.CompressionPolicy` (the vocabulary
-    of every integration; its ``allreduce`` role is DDP's buckets), made by :func:`ddp_policy`;
-    the keyword arguments below set the parts of it a DDP user sets most.
-
-    Args:
-        process_group: the group DDP reduces over (None: the default group).
-        policy: a policy, or its text (``DQCOLL_POLICY``'s form, e.g.
-            ``"allreduce=dynamiq:4,warmup_steps=20,error_feedback=1"``); None:
-            ``DQCOLL_POLICY`` where set, else :data:`DDP_DEFAULT_POLICY`. Its ``seed`` keys
-            the random rounding (each iteration derives its own); ``min_nbytes`` and the other
-            roles are the FSDP2 classes' and the backend's.
-        scheme: the ``allreduce`` role's scheme: ``"auto"`` (the default): the planner picks
-            per bucket among the group's own all-reduce, a bf16 one and dynamiq at ``bits``,
-            flat or in two levels (:mod:`dqcoll.planner`), the same on every rank; or a
-            registered dqcoll scheme name (``dqcoll.schemes.list_schemes()``; error feedback
-            takes one); ``"none"`` averages with the process group's own all-reduce, exactly
-            like DDP without a hook.
-        bits: bits per coordinate on the wire, for schemes that take it (dynamiq: >= 2.25).
-        warmup_steps: iterations at the start that are averaged in bf16 instead of with
-            ``scheme`` (see the module docstring; with AdamW, a few dozen or more: measured in
-            docs/ddp.md, 5 steps cost one seed in four 7 % of loss).
-        error_feedback: keep a residual per bucket (see the module docstring).
-        monitor_every: every this many iterations, also compute the exact average and record
-            the vNMSE (0: never).
-        target_vnmse: instead of fixed ``bits``, the fewest bits whose predicted vNMSE meets
-            this target, per call (dynamiq; module docstring).
-        fault_tolerant: on a failed collective (a lost rank), record it in ``failure`` and
-            complete the bucket unreduced instead of raising (see the module docstring).
-        runtime: how the hook runs (:class:`HookRuntime`: algorithm, async, device, lanes, the
-            calibration rate, scheme options).
+    What it sends is a :class:`~dqcoll.integrations.policy.CompressionPolicy` made by
+    :func:`ddp_policy` (its ``allreduce`` role is DDP's buckets); the keyword arguments set the
+    parts a DDP user sets most. ``process_group``: DDP's (None: the default group). ``scheme``:
+    ``"auto"`` (the planner's choice per bucket, the same on every rank), any registered scheme,
+    or ``"none"`` (exactly DDP without a hook). Bad names or options raise here, not in backward.
+    Fields and defaults: docs/ddp.md.
     """
 
     _instances = 0  # states made in this process: the prefix of their lanes' connections
@@ -273,68 +136,55 @@ class DynamiqState:
         self.runtime = runtime if runtime is not None else HookRuntime()
         _check_policy(self.policy, self.runtime)
         rule, run = self.policy.allreduce, self.runtime
-        # -- where: the group whose ranks hold the replicas, and dqcoll's communicator on it --
         self.process_group = process_group
-        # the lanes buckets are averaged on (dqcoll.integrations.lane.Lane: a connection of its
-        # own and one worker each), made by prepare() before the first backward; see lane()
-        self.lane_list: list[Lane] = []
+        self.lane_list: list[Lane] = []  # made by prepare(), before the first backward
         self.device = None if run.device is None else torch.device(run.device)
         self.async_op = bool(run.async_op)
         self.lanes = run.lanes  # None: decided with the device, at prepare()
         DynamiqState._instances += 1
         self._instance = DynamiqState._instances
-        # -- buckets in flight, completed in issue order (see _release_in_order) --
         self._in_flight: collections.deque[_Bucket] = collections.deque()
         self._order = threading.Condition()  # guards _in_flight; notified as buckets leave
 
-        # -- what goes on the wire --
         self.scheme = rule.scheme
         self.bits = DEFAULT_BITS if rule.bits is None else float(rule.bits)
         self.algorithm = run.algorithm
         self.scheme_options = dict(run.scheme_options or {})
 
-        # -- when: warm-up, iteration counter, seeds, auto's step-time check --
         self.warmup_steps = self.policy.warmup_steps
         self.iteration = 0  # backward passes seen (advanced at each iteration's last bucket)
         self.seed = self.policy.seed
         self.step_choice = StepChoice(  # auto: 16 bits or compressed, by measured step time
             self.warmup_steps, self.scheme == "auto", self._agree_step_times)
-        # -- the bit allocation of each bucket's last call (bucket index -> u) --
-        self.allocation_u: dict[int, float] = {}
+        self.allocation_u: dict[int, float] = {}  # bucket index -> u of its last call
 
-        # -- error feedback (bucket index -> fp32 residual of the bucket's size) --
         self.error_feedback = self.policy.error_feedback
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.residuals: dict[int, torch.Tensor] = {}  # bucket index -> fp32 residual
 
-        # -- error monitor --
         self.monitor_every = self.policy.monitor_every
         self.vnmse_history: list[tuple[int, float]] = []  # (iteration, vNMSE over its buckets)
         # squared error, squared norm of the exact average, predicted error (target mode)
         self._monitor_sums = [0.0, 0.0, 0.0]
 
-        # -- error target: the model's calibration, closed by the monitor's measurements --
         self.target_vnmse = rule.target
         self.kappa = 1.0  # ErrorModel.kappa: measured / predicted vNMSE, smoothed in log space
         self.calibration_rate = run.calibration_rate  # weight of each new measurement
         self.kappa_history: list[tuple[int, float]] = []  # (iteration, kappa after it)
         self.bits_history: list[tuple[int, float]] = []  # (iteration, bits per coordinate sent)
         self._bits_sums = [0.0, 0]  # sum of bits * numel over the iteration's buckets, numel
-        # -- surviving a lost rank --
+
         self.fault_tolerant = fault_tolerant
         self.failure: BaseException | None = None  # first failed bucket of this iteration
         self.failures: list[tuple[int, str]] = []  # (iteration, error) of every failed one
         self.backward_error: BaseException | None = None  # raised at the end of backward
         self.shrunk = False  # True once averaging runs over a communicator of survivors
 
-        # -- what the hook saw and did --
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
         # comm.last_info of the last compressed bucket (warm-up: the bf16 all-reduce's)
         self.last_info: dict[str, Any] = {}
 
         if dist.is_available() and dist.is_initialized() and self.scheme != "none":
             self.prepare()
-
-    # -- helpers ----------------------------------------------------------------------------------
 
     def should_compress(self, iteration: int | None = None) -> bool:
         """Whether iteration ``iteration`` (default: the current one) is compressed: after the
@@ -347,21 +197,19 @@ class DynamiqState:
 
     @property
     def sixteen_bit_steps(self) -> int:
-        """Iterations averaged in 16 bits so far: the warm-up's and those auto's step-time
-        check gave 16 bits."""
+        """Iterations averaged in 16 bits so far, warm-up included."""
         return self.step_choice.sixteen_bit_steps
 
     def _agree_step_times(self, values: list[float]) -> list[float]:
-        """The slowest rank's values (all-reduce MAX on DDP's group; between iterations, when
-        nothing else of this state is in flight)."""
+        """The slowest rank's values (all-reduce MAX on DDP's group, between iterations)."""
         device = self.device if self.device is not None else torch.device("cpu")
         agreed = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
         return [float(v) for v in agreed.tolist()]
 
     def _begin_iteration(self, iteration: int) -> None:
-        """At an iteration's first bucket: auto's step-time check (module
-        dqcoll.integrations.step_choice) times the last step and says this one's mode."""
+        """At an iteration's first bucket: the step-time check times the last step, picks this
+        one's mode."""
         choice = self.step_choice
         if self.shrunk or choice.iteration == iteration:
             return
@@ -374,8 +222,8 @@ class DynamiqState:
                      made.compressed_ms, made.mode)
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
-        """The algorithm of a bucket's all-reduce: ``algorithm``; ``"auto"`` is the planner's
-        choice for the bucket (:mod:`dqcoll.planner`), the same on every rank."""
+        """The algorithm of a bucket's all-reduce (``"auto"``: the planner's, the same on every
+        rank)."""
         return self.algorithm
 
     def should_monitor(self, iteration: int) -> bool:
@@ -400,10 +248,8 @@ class DynamiqState:
         return [lane.comm for lane in self.lane_list[1:]]
 
     def prepare(self, device: torch.device | str | None = None) -> Communicator:
-        """Create the lanes on ``device`` (default: the state's): compiles or loads the
-        kernels now (a first compilation prints a line and takes minutes once per machine),
-        not inside the first backward. Every rank of the group calls it (it is collective:
-        the planner of ``"auto"`` discovers the job and measures its links here)."""
+        """Create the lanes on ``device`` (default: the state's), compiling or loading the kernels
+        now rather than in the first backward. Collective: every rank of the group calls it."""
         if device is not None:
             self.device = torch.device(device)
         if self.device is None:
@@ -413,18 +259,14 @@ class DynamiqState:
         comm = self.communicator(self.device)
         planned = self.scheme == "auto" or (self.algorithm == "auto" and comm.world_size > 2)
         if planned and comm.planner is None and comm.world_size > 1:
-            # discover the job and measure its links and kernels now (collective), not in the
-            # first backward
+            # discover the job and measure its links now (collective), not in the first backward
             comm.planner = build_planner(comm.transport, comm.device,
                                          what="DynamiqState.prepare planner")
         self._make_lanes(comm)
         return comm
 
     def lane_count(self) -> int:
-        """The lanes buckets are spread over (1 until the device is known, and after a
-        shrink: the survivors' communicator alone). The default is 2 for CPU buckets (each
-        lane's planner calibrates from that lane's calls, which run beside the other lane's:
-        the times the job sees)."""
+        """The lanes buckets are spread over (1 until the device is known, and after a shrink)."""
         if self.shrunk or not self.async_op:
             return 1
         if self.lanes is not None:
@@ -432,9 +274,7 @@ class DynamiqState:
         return 2 if self.device is not None and self.device.type == "cpu" else 1
 
     def _new_lane(self, index: int, device: torch.device) -> Lane:
-        """Lane ``index``: a :class:`~dqcoll.integrations.lane.Lane` among the group's ranks,
-        its connection made from the group's store under this state's prefix (every rank
-        makes it at the same point)."""
+        """Lane ``index`` among the group's ranks (every rank makes it at the same point)."""
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         assert group is not None  # torch.distributed is initialised (a lane is being made)
         name = getattr(group, "group_name", "world")
@@ -465,8 +305,7 @@ class DynamiqState:
         return self.lane_list[index % min(self.lane_count(), len(self.lane_list))]
 
     def drain(self) -> None:
-        """Wait until no bucket of this state is in flight on any lane (every lane's
-        collectives have run and every bucket was released, in order)."""
+        """Wait until no bucket of this state is in flight on any lane."""
         for lane in self.lane_list:
             lane.flush()
         with self._order:
@@ -497,12 +336,9 @@ class DynamiqState:
         return dist.get_rank(self.process_group)
 
     def record_failure(self, iteration: int, exc: BaseException) -> None:
-        """Keep the first failure of an iteration for the training loop (fault_tolerant), and
-        close every lane's connections at once (the first step of :meth:`shrink`, taken
-        early): a peer still inside this iteration's exchanges with this rank, on any lane,
-        then fails at once instead of waiting out its timeout in a send this rank will never
-        receive (4 ranks, 2 lanes: two survivors sat 60 s in such sends and reached the shrink
-        after the others had closed it)."""
+        """Keep the first failure of an iteration for the training loop (fault_tolerant) and close
+        every lane's connections at once, so peers fail now instead of after their timeout
+        (docs/reliability.md, "DDP")."""
         if self.failure is None:
             self.failure = exc
             log.warning("dqcoll ddp: iteration %d: averaging failed (%s: %s); the bucket is "
@@ -541,8 +377,7 @@ class DynamiqState:
 
 
 def _check_policy(policy: CompressionPolicy, runtime: HookRuntime) -> None:
-    """Raise now, not at the first backward, for what the hook cannot run: the role's options
-    that its scheme refuses, error feedback without a fixed scheme."""
+    """Raise now, not at the first backward, for what the hook cannot run."""
     rule = policy.allreduce
     name = "dynamiq" if rule.scheme == "auto" else rule.scheme
     options = {**(runtime.scheme_options or {}), **rule.options()}
@@ -569,11 +404,8 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
 
 
 def _exact_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """DDP's own averaging without a hook: multiply by 1/n, then sum-all-reduce.
-
-    (The reducer multiplies by ``1/n`` as it copies gradients into the bucket;
-    ``default_hooks.allreduce_hook`` divides by ``n`` instead, which differs in the last bit when
-    ``n`` is not a power of two.)"""
+    """DDP's own averaging without a hook: multiply by 1/n (as the reducer does; dividing by n
+    differs in the last bit), then sum-all-reduce."""
     if state.shrunk:  # DDP's group still counts the lost rank: average over the survivors
         assert state.comm is not None
         allreduce(buf, op="avg", scheme="none", comm=state.comm)
@@ -584,9 +416,8 @@ def _exact_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Futu
 
 def _group_average(state: DynamiqState, buf: torch.Tensor,
                    wire: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Sum-all-reduce ``wire`` (already divided by n) on DDP's process group, asynchronously;
-    the future holds ``buf`` with the sum copied in (``wire`` may be ``buf`` itself). A
-    failure is raised, or, ``fault_tolerant``, recorded and the bucket returned unreduced."""
+    """Sum-all-reduce ``wire`` (already divided by n) on DDP's group, asynchronously, into
+    ``buf``; a failure is raised, or (``fault_tolerant``) recorded with ``buf`` unreduced."""
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
     assert work is not None
     iteration = state.iteration
@@ -606,22 +437,15 @@ def _group_average(state: DynamiqState, buf: torch.Tensor,
 
 
 def _warmup_path(state: DynamiqState, buf: torch.Tensor) -> str:
-    """How a warm-up bucket (or any bucket of ``scheme="none"``) is averaged: ``"bf16"``
-    (:func:`_bf16_average`) for fp32 buckets, or ``"exact"`` (:func:`_exact_average`) for
-    ``scheme="none"``, for 16-bit buckets (the group's own all-reduce of an fp16 or bf16 bucket
-    already sends 16 bits, exactly; bf16 would round an fp16 bucket's mantissa) and after a
-    shrink (DDP's group still counts the lost rank: dqcoll's exact average over the
-    survivors)."""
+    """``"bf16"`` for a warm-up fp32 bucket, else ``"exact"`` (16-bit buckets already send 16
+    bits exactly; after a shrink DDP's group still counts the lost rank)."""
     if state.scheme == "none" or buf.dtype != torch.float32 or state.shrunk:
         return "exact"
     return "bf16"
 
 
 def _bf16_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """The warm-up's average, torch's ``bf16_compress_hook`` step for step (a test checks it bit
-    for bit): the bucket rounded to bf16, divided by n, sum-all-reduced by DDP's process group
-    (``fp16_compress_hook``'s collective, in bf16's range) and copied back, asynchronously.
-    gloo's and NCCL's all-reduce leave the same sum on every rank."""
+    """The warm-up's average, torch's ``bf16_compress_hook`` bit for bit, asynchronously."""
     wire = buf.to(torch.bfloat16).div_(state.group_size())
     backend = str(dist.get_backend(state.process_group))
     state.last_info = {"scheme": "bf16", "algorithm": f"{backend} all_reduce", "bits": 16.0,
@@ -684,9 +508,8 @@ class _Bucket:
 
 
 def _release_in_order(state: DynamiqState) -> None:
-    """Complete the finished buckets at the head of the issue order: bookkeeping, then the
-    future. Runs on a lane's worker; the lock makes the releases of two lanes one sequence, so
-    a bucket's bookkeeping and future never overtake an earlier bucket's."""
+    """Complete the finished buckets at the head of the issue order (bookkeeping, then the
+    future); the lock makes two lanes' releases one sequence."""
     with state._order:
         while state._in_flight and state._in_flight[0].finished:
             _release(state, state._in_flight.popleft())
@@ -747,7 +570,6 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
                       step=index, tile_nbytes=tile, **options)
 
         def done(finished: concurrent.futures.Future[Any]) -> None:
-            # On the lane's worker thread, right after the all-reduce (before its next job).
             bucket.error = finished.exception()
             if bucket.error is None:
                 bucket.info = dict(lane.comm.last_info)
@@ -776,7 +598,6 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         error2 = float((buf.double() - exact).square().sum())
         state._monitor_sums[0] += error2
         state._monitor_sums[1] += norm2
-        # beside the call's predicted_vnmse: this bucket's measured vNMSE (monitored steps only)
         comm.last_info["measured_vnmse"] = (error2 / norm2 if norm2 > 0
                                             else (0.0 if error2 == 0 else math.inf))
         predicted = comm.last_info.get("predicted_vnmse")
@@ -810,10 +631,8 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
 
 
 def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: float) -> None:
-    """Close the loop: move kappa towards measured / predicted (a geometric step of
-    ``calibration_rate``), so the next steps' widths aim at the target with the model corrected
-    by what was measured. The exact average is all-reduced, so every rank computes the same
-    kappa and the ranks keep choosing the same widths."""
+    """Move kappa towards measured / predicted by a geometric step of ``calibration_rate``; the
+    same on every rank, since the exact average is all-reduced."""
     ratio = min(max(measured / predicted, 1.0 / 16), 16.0)  # one noisy step moves kappa <= 16x
     kappa = state.kappa * ratio**state.calibration_rate
     state.kappa = min(max(kappa, 1e-3), 1e3)
@@ -824,10 +643,8 @@ def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: 
 
 
 def _raise_after_backward(state: DynamiqState) -> None:
-    """Without ``fault_tolerant``, a failed bucket's DqcollError reaches ``backward()`` with
-    its type: DDP's reducer turns a future set with an exception into ``RuntimeError("Unable to
-    cast ... to Tensor")``, so a callback of the autograd engine (queued here, it runs before
-    the reducer's own) waits for the iteration's buckets and raises the first one's error."""
+    """Make a failed bucket's DqcollError reach ``backward()`` with its type (DDP's reducer would
+    turn it into a ``RuntimeError``): an autograd-engine callback raises it first."""
 
     def check() -> None:
         state.drain()
@@ -885,11 +702,7 @@ def resync(state: DynamiqState, module: torch.nn.Module,
            optimizer: torch.optim.Optimizer | None = None, step: int = 0) -> int:
     """After :meth:`DynamiqState.shrink`: every survivor takes the lowest surviving rank's
     parameters, buffers, optimizer state, ``state.iteration`` and ``step`` (returned), bit for
-    bit, so the replicas are identical again.
-
-    A survivor whose last collective completed just before the loss took that step while the
-    others skipped it; this puts them back in line. Each dtype's tensors travel as one small
-    all-reduce in rank order in which the other ranks add zeros (exact: ``x + 0 == x``)."""
+    bit. Each dtype travels as one all-reduce in which the other ranks add zeros."""
     comm = state.comm
     if comm is None or not state.shrunk:
         raise InvalidArgumentError("resync() follows state.shrink() (no communicator of "
@@ -920,8 +733,7 @@ def resync(state: DynamiqState, module: torch.nn.Module,
     return int(counters[1])
 
 
-# DDP checks the hook's annotations against the real types, and this module's are strings
-# (``from __future__ import annotations``).
+# DDP checks the hook's annotations against the real types; this module's are strings.
 dynamiq_hook.__annotations__.update({
     "state": DynamiqState,
     "bucket": dist.GradBucket,
