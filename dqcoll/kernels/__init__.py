@@ -1,15 +1,7 @@
 """The codecs' arithmetic, chosen per device: the torch reference defines the bytes, the compiled
-kernels match it.
-
-The DynamiQ record format and its random numbers are :mod:`.codec` and :mod:`.rng` (the torch
-reference); the MX element tables are :mod:`.mx_elements`. The schemes (:mod:`dqcoll.schemes`)
-import this package and never the other way round.
-
-:func:`dynamiq_ops` returns the set of DynamiQ operations to use for tensors on ``device``:
-Triton kernels for CUDA tensors when Triton is importable, numba kernels for CPU tensors when
-numba is, the torch reference (:func:`torch_ops`) otherwise.
-``DQCOLL_KERNELS=torch|triton`` forces one; forcing Triton where it cannot run raises.
-Triton is imported lazily, so ``import dqcoll`` works without it.
+kernels match it (docs/kernels.md). :func:`dynamiq_ops` picks Triton for CUDA tensors, numba for
+CPU tensors, where importable, else the torch reference; ``DQCOLL_KERNELS=torch|numba|triton``
+forces one (raising where it cannot run). :func:`warm_up` compiles ahead of the first call.
 """
 
 from __future__ import annotations
@@ -112,16 +104,13 @@ def dynamiq_ops(device: torch.device) -> DynamiqOps:
         return _fallback(f"Triton kernels are not available ({exc})", device)
 
 
-# A warm-up that takes longer than this is compiling (loading the cached kernels takes well under
-# a second): it says so once, and how long it took when done.
+# a warm-up longer than this is compiling (loading cached kernels takes well under a second)
 COMPILE_NOTICE_S = 3.0
 
 
 @contextlib.contextmanager
 def _compile_notice(what: str, where: str) -> Iterator[None]:
-    """Log a line if the block runs longer than :data:`COMPILE_NOTICE_S` (a first compilation,
-    once per machine: the kernels are cached) and another when it ends, instead of a silent
-    pause of minutes at a communicator's creation."""
+    """Log a line if the block runs longer than :data:`COMPILE_NOTICE_S`, and another when done."""
     start = time.perf_counter()
     fired = threading.Event()
 
@@ -143,8 +132,7 @@ def _compile_notice(what: str, where: str) -> Iterator[None]:
 
 def warm_up(device: torch.device) -> None:
     """Compile (or load from the disk cache) the kernels :func:`dynamiq_ops` picks for
-    ``device`` now, so that ranks started together do not compile at different steps; a first
-    compilation logs what it compiles and how long it took (:func:`_compile_notice`)."""
+    ``device`` now, so that ranks started together do not compile at different steps."""
     ops = dynamiq_ops(device)
     if ops.name == "numba":
         import numba

@@ -1,18 +1,9 @@
 """Which implementation of the baseline codecs runs: compiled CPU kernels or the torch reference.
 
-The baseline schemes (MX formats, int blocks, THC, global QSGD, bit packing) ask
-:func:`cpu_kernels` for each CPU tensor they code; it returns :mod:`.baselines_numba` when the
-compiled path should run, else None (the caller runs its ``*_torch`` reference, which defines the
-bytes). ``DQCOLL_KERNELS`` (:mod:`dqcoll.envs`):
-
-* ``auto``: numba on CPU tensors when it is importable; otherwise the reference, with one log line
-  saying why;
-* ``torch``: the reference always;
-* ``numba``: the compiled kernels on CPU tensors, and :class:`~dqcoll.errors.UnsupportedError`
-  where numba cannot be imported;
-* ``triton``: the reference (the baselines have no Triton kernels; the choice is DynamiQ's).
-
-CUDA tensors always take the reference here (numba kernels read host memory).
+:func:`cpu_kernels` returns :mod:`.baselines_numba` for CPU tensors when ``DQCOLL_KERNELS`` is
+``auto`` (numba importable; otherwise one log line per reason) or ``numba`` (raises
+:class:`~dqcoll.errors.UnsupportedError` without numba), else None: the caller runs its ``*_torch``
+reference, which defines the bytes. CUDA tensors always take the reference (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
-"""The element formats of the MX schemes and the exact tables built from them.
-
-:class:`ElementFormat` (sign, exponent and mantissa bits, bias, largest finite value) and
-:data:`FORMATS` name the OCP MX v1.0 element types that :mod:`dqcoll.schemes.mx` specifies (its
-docstring has the table); :func:`pow2` is the exact fp32 power of two every MX encoder scales by,
-and :func:`decode_table` the fp32 value of every element code.
-
-They live with the kernels, below the scheme: the compiled CPU kernels
-(:mod:`dqcoll.kernels.baselines_numba`) build their tables from these functions, and the scheme
-(:mod:`dqcoll.schemes.mx`) imports them and picks those kernels
-(:func:`dqcoll.kernels.baselines.cpu_kernels`), so the dependency runs one way. Rejected: a numpy
-copy of the tables inside the kernels (a second definition of the format to keep identical).
-
-Cache: :func:`_table_cpu` keeps one small table per format name (at most 16 entries of at most 256
-floats; :data:`FORMATS` has 5), for the life of the process; it is a pure function of the name.
-"""
+"""The MX element formats (:class:`ElementFormat`, :data:`FORMATS`), the exact fp32 :func:`pow2`
+and :func:`decode_table`: one definition shared by :mod:`dqcoll.schemes.mx` and its kernels."""
 
 from __future__ import annotations
 
@@ -63,7 +49,6 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
     goes through ``pow`` and is not guaranteed exact)."""
     e = e.to(torch.int64)
     normal = ((e.clamp(-126, 127) + 127) << 23).to(torch.int32).view(torch.float32)
-    # Subnormal powers 2**-127 .. 2**-149: mantissa bit (e + 149) alone.
     sub = (1 << (e.clamp(-149, -127) + 149)).to(torch.int32).view(torch.float32)
     return torch.where(e >= -126, normal, sub)
 

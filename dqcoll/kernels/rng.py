@@ -1,58 +1,35 @@
 """Counter-based random numbers for DynamiQ, identical in torch (CPU or CUDA) and Triton.
 
-Stochastic rounding needs one uniform per (rank, coordinate) per call, and correlated rounding
-needs, per coordinate, a permutation of the ranks that every rank can compute alone. Both come from
-a 32-bit integer hash of ``(seed, step, rank, coordinate)``, so nothing is communicated and any
-implementation that does the same uint32 arithmetic gets the same numbers. Triton works in uint32.
-torch has no usable uint32 (no shifts on CPU), so the reference holds the uint32 *bit patterns* in
-int32 tensors: xor/and/or are the same bits, multiplication wraps modulo 2**32 (two's complement,
-as torch's CPU and CUDA kernels do; checked against Python integers by the tests), and a logical
-right shift is an arithmetic shift followed by a mask. int32 was 3x faster than int64-with-masking
-on the dev CPU (half the memory traffic, no mask after every multiply).
-
-Rejected: ``torch.Generator`` streams (a different sequence per device and per kernel launch
-shape, so a fast path could never match the reference bytes) and Philox-4x32 (needs 32x32->64-bit
-high products, which the int64 emulation would have to split further for no gain in quality here).
+Every number is a 32-bit hash of ``(seed, step, rank, coordinate)``: nothing is communicated,
+and any implementation of the same uint32 arithmetic gets the same numbers (``torch.Generator``
+streams depend on device and launch shape). The torch reference holds uint32 bit patterns in
+int32 tensors: multiplication wraps, a logical right shift is an arithmetic shift and a mask.
 
 Definitions (all arithmetic mod 2**32):
 
-* ``mix32`` is a two-multiply xorshift hash from Chris Wellons' hash-prospector:
-  ``x ^= x >> 16; x *= 0x21f0aaad; x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15``; its avalanche
-  matched ``lowbias32`` (rms bias 1.1e-3 for both over 200k inputs, the test's noise floor).
+* ``mix32`` (hash-prospector's two-multiply xorshift): ``x ^= x >> 16; x *= 0x21f0aaad;
+  x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15``.
 * The call key is ``mix32(mix32(mix32(seed_lo ^ C0) ^ seed_hi) ^ mix32(step_lo ^ C1) ^ step_hi)``
   (computed once per call on the host); ``stream_key(key, s) = mix32(key ^ s)`` separates streams.
-* A coordinate's hash under a key: ``coord_hash(k, g) = mix32(mix32(k ^ g_hi) ^ g_lo)`` with the
-  64-bit global coordinate index ``g`` split into 32-bit halves. The inner hash depends only on
-  ``g_hi``, which is constant over a super-group (rows start at multiples of 256) and zero below
-  2**32 coordinates: a kernel computes it once per row, so a coordinate costs **one** ``mix32``.
+* ``coord_hash(k, g) = mix32(mix32(k ^ g_hi) ^ g_lo)`` with the 64-bit global coordinate index
+  ``g`` in 32-bit halves (the inner hash is constant over a row).
 * Private jitter of rank ``i``:
   ``gamma = (coord_hash(mix32(key_j ^ mix32(i ^ C2)), g) >> 8) * 2**-24``, a uniform on [0, 1)
   with 24 random bits (exact in fp32).
-* Shared permutations, computed **once per call**: a table of :data:`PERMUTATION_TABLE` (4096)
+* Shared permutations, computed once per call: a table of :data:`PERMUTATION_TABLE` (4096)
   random permutations of ``[0, n)``; permutation ``t`` is an 8-round balanced Feistel network over
   ``2h`` bits (``h = max(1, ceil(bitlen(n - 1) / 2))``) with round function
   ``F_j(R) = mix32(ck_t ^ (R | j << 24)) & (2**h - 1)`` and key ``ck_t = mix32(key_t ^ t)``
   (``key_t = stream_key(key, STREAM_TABLE)``), applied repeatedly until the value falls below
-  ``n`` (cycle-walking keeps it a permutation of ``[0, n)``). Rank ``i`` needs only its own
-  column, ``T_i[t] = sigma_t(i)`` (:func:`permutation_table`).
+  ``n`` (cycle-walking). Rank ``i`` needs only its column ``T_i[t] = sigma_t(i)``.
 * Each run of 16 consecutive coordinates of a row (a scale group) whose first global index is
   ``g`` uses permutation ``t(g) = coord_hash(key_p, g) >> 20`` (the top 12 bits;
   ``key_p = stream_key(key, STREAM_PERM)``), so ``pi_g(i) = T_i[t(g)]``.
 * Correlated uniform of rank ``i``: ``u = (pi_g(i) + gamma) * fp32(1 / n)``; independent:
   ``u = gamma``.
 
-One permutation per 16 coordinates rather than per coordinate: what correlated rounding needs is
-that, for each coordinate, the n ranks' uniforms fall in n distinct strata, and that holds as
-long as each coordinate's ranks share one permutation; sharing it across the 16 coordinates of a
-group changes no coordinate's joint distribution of uniforms, so the expected error is the same.
-Drawing it from a per-call table of 4096 random permutations (rather than keying a Feistel network
-by every run, as format 1 did) changes nothing for one coordinate either -- each coordinate's
-permutation is still uniformly random over the table's independent random permutations, and
-never a cyclic shift along a ring -- while the per-coordinate work drops to one hash: the Feistel
-rounds and their data-dependent cycle walking (8 hashes per pass, 1-13 passes per tile on a GPU,
-each ended by a barrier) move out of the kernels into 4096 evaluations per call.
-
-Shifts and masks are written out in each function; nothing else draws random numbers.
+Sharing a permutation over a run of 16, drawn from the per-call table, leaves every coordinate's
+ranks in ``n`` distinct strata (never a cyclic shift): the expected error is unchanged.
 """
 
 from __future__ import annotations
@@ -93,9 +70,7 @@ _C2 = 0x13198A2E
 STREAM_JITTER = 0x03707344
 STREAM_PERM = 0xA4093822
 STREAM_TABLE = 0x299F31D0
-# 8 rounds: with 4, pi_g(0) over 200k coordinates was far from uniform for small n (chi-square
-# z-score 167 at n in {3..100}; 6 rounds: 10.8; 8 rounds: 1.2, i.e. noise), which would bias each
-# rank's own rounding. Measured on this CPU: 8 rounds cost 0.9 s vs 0.6 s for 2M coordinates.
+# 8 rounds: with fewer, pi_g(0) is measurably non-uniform for small n (biasing each rank's rounding)
 FEISTEL_ROUNDS = 8
 PERMUTATION_RUN = 16  # coordinates sharing one permutation (a hierarchical scale group)
 PERMUTATION_TABLE = 4096  # random permutations per call; a run picks one by its hash's top bits
@@ -162,8 +137,7 @@ def rank_key(key: int, rank: int) -> int:
 
 
 def coord_hash(key: int, index: torch.Tensor) -> torch.Tensor:
-    """``mix32(mix32(key ^ g_hi) ^ g_lo)`` for int64 global coordinate indices ``index``
-    (returns int32 bit patterns). The inner hash is per 2**32 coordinates, i.e. per row."""
+    """``mix32(mix32(key ^ g_hi) ^ g_lo)`` for int64 global coordinate indices (int32 bits)."""
     lo = to_uint32_bits(index & MASK32)
     hi = to_uint32_bits(index >> 32)
     return mix32(mix32(hi ^ _signed(key)) ^ lo)
@@ -207,8 +181,8 @@ def permute_rank(rank: int, world_size: int, ck: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def permutation_table(key: int, rank: int, world_size: int) -> torch.Tensor:
-    """``T_rank[t] = sigma_t(rank)`` for the call ``key``: int32 ``[PERMUTATION_TABLE]`` on the CPU
-    (cached: every launch of a call needs it). Values are in ``[0, world_size)``."""
+    """``T_rank[t] = sigma_t(rank)`` for the call ``key``: int32 ``[PERMUTATION_TABLE]`` on the CPU,
+    values in ``[0, world_size)`` (cached)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     t = torch.arange(PERMUTATION_TABLE, dtype=torch.int32)
@@ -224,12 +198,8 @@ def permutation_index(key: int, first: torch.Tensor) -> torch.Tensor:
 def rounding_uniforms(
     key: int, rank: int, world_size: int, index: torch.Tensor, correlated: bool
 ) -> torch.Tensor:
-    """fp32 uniforms on [0, 1) for rank ``rank`` at global coordinate indices ``index`` (int64).
-
-    ``index``'s last dimension is a whole number of runs of :data:`PERMUTATION_RUN` consecutive
-    coordinates (a row's scale groups); each run uses the table permutation its first index
-    selects.
-    """
+    """fp32 uniforms on [0, 1) for rank ``rank`` at global coordinate indices ``index`` (int64),
+    whose last dimension is whole runs of :data:`PERMUTATION_RUN` (else ValueError)."""
     gamma = uniform24(coord_hash(rank_key(stream_key(key, STREAM_JITTER), rank), index))
     if not correlated or world_size == 1:
         return gamma

@@ -1,9 +1,6 @@
-"""Compression schemes and their registry.
-
-``schemes.get("dynamiq", bits=5)`` returns a configured scheme; ``schemes.list_schemes()`` names
-them; ``schemes.spec("mxfp8")`` tells what one can do without building it. A scheme module
-registers itself with :func:`register_scheme`; see docs/design.md §5 for how to add one.
-"""
+"""Compression schemes and their registry: ``get("dynamiq", bits=5)`` returns a configured
+scheme, ``list_schemes()`` names them, ``spec(name)`` describes one without building it. A scheme
+registers itself with :func:`register_scheme` (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,32 +1,12 @@
-"""The scheme protocol: how a compression scheme plugs into the executor.
+"""The scheme protocol: how a compression scheme plugs into the executor (docs/design.md §1, §5).
 
-A :class:`Scheme` is a configured codec (``schemes.get("dynamiq", bits=5)``). For each collective
-call it makes a :class:`SchemeCall` with :meth:`Scheme.begin`, which may ask for small
-uncompressed all-reduces of statistics (DynamiQ's per-super-group norms, THC's global max) through
-``ctx.reduce(tensor, op, what)``: the scheme says what it needs reduced, the layer that runs the
-call (:mod:`dqcoll.context`) does the exchange. Schemes never see a transport or a
-:class:`~dqcoll.topology.schedule.Schedule`: the error model takes the schedule's numbers
-(:class:`ScheduleShape`), and a single-tensor codec use needs no network at all (one rank: the
-reduction of one contribution is that contribution).
-The call owns an fp32 accumulation buffer ``work`` whose first dimension is cut into chunks by
-``chunk_bounds``; the executor only moves payloads and tells the call what to do with them:
-
-========================================  ===================================================
-executor event                            call method
-========================================  ===================================================
-leaf sends its chunk                      ``compress(chunk, count=1)``
-non-last child arrives                    ``decompress_accumulate(chunk, payload, count)``
-last child at an internal node            ``decompress_accumulate_recompress(...)`` (fused)
-last child at the sink                    the same, then ``decompress`` of its own output
-all-gather receive                        ``decompress(chunk, payload, count)``
-end of the collective                     ``finish(out)``
-========================================  ===================================================
-
-``count`` is the number of ranks whose contributions a payload sums (schemes whose integer sums
-widen, like THC, size their payload by it). Payloads are flat ``uint8`` tensors whose size both
-sides know in advance from ``payload_nbytes`` (NCCL needs receive sizes up front).
-
-Single-shot codec use (``encode``/``decode``/``wire_nbytes``) is for evaluation and tests.
+:meth:`Scheme.begin` makes a :class:`SchemeCall` per collective call, which may all-reduce small
+statistics through ``ctx.reduce``, never a transport. The call owns an fp32 buffer ``work`` cut
+into chunks by ``chunk_bounds``; the executor calls ``compress(chunk, count=1)`` at a leaf,
+``decompress_accumulate`` per non-last child, the fused ``decompress_accumulate_recompress`` for
+the last (at the sink then ``decompress`` of its own output), ``decompress`` on an all-gather
+receive and ``finish(out)`` at the end. ``count`` is the number of ranks a payload sums; payloads
+are flat ``uint8`` tensors whose size both sides know from ``payload_nbytes``.
 """
 
 from __future__ import annotations
@@ -105,10 +85,9 @@ class CallContext:
     what: str  # prefix for error messages, e.g. "allreduce#3"
     reduce: Reducer = no_reduce  # small uncompressed all-reduces of statistics
     schedule: ScheduleShape | None = None  # the schedule the call runs on (error models use it)
-    # per-communicator memory a scheme may keep across calls (e.g. calibration); same on all ranks
+    # per-communicator memory a scheme may keep across calls; the same on all ranks
     state: dict[Any, Any] | None = None
-    # what the scheme's ``survey`` took of this rank's input before the argument check (None:
-    # nothing, or the input was scaled since)
+    # the scheme's ``survey`` of this rank's input (None: none, or the input was scaled since)
     survey: Any = None
 
 

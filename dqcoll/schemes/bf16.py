@@ -1,11 +1,7 @@
 """``bf16``: every hop sends bfloat16, rounded to nearest even from the fp32 partial sum.
 
-The cheapest baseline that every accelerator supports natively: 16 bits per coordinate, no
-metadata, no statistics. Partial sums are re-rounded at every hop (decompress to fp32, add, round
-again), so the result is biased and not exact, but the relative error per hop is at most 2**-9.
-``none`` with ``wire_dtype=torch.bfloat16`` moves the same bytes; this name exists so that
-the lab's ``eval`` and the tuner can list it beside the other schemes with its own metadata.
-"""
+16 bits per coordinate, no metadata; re-rounded at every hop, so biased, with a relative error
+of at most 2**-9 per hop. Moves the same bytes as ``none`` with ``wire_dtype=torch.bfloat16``."""
 
 from __future__ import annotations
 
@@ -44,8 +40,7 @@ class BF16Scheme(BlockCodec):
     def decode_into(
         self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
     ) -> bool:
-        """bf16 upcasts exactly: ``out += bf16`` is ``out + float(bf16)``, in one pass without
-        the fp32 copy."""
+        """bf16 upcasts exactly, so accumulate in one pass without an fp32 copy."""
         values = payload.view(torch.bfloat16)
         if accumulate:
             out.add_(values)

@@ -1,16 +1,8 @@
 """Packing integer codes of any width into bytes, LSB-first, for the baseline schemes.
 
-Code ``j`` of a run occupies bits ``[j w, (j + 1) w)`` of the little-endian bit string, i.e. byte
-``j w // 8`` from bit ``j w % 8`` upwards, spilling into the next byte when ``w`` does not divide 8
-(the same order as DynamiQ's codes, so a hex dump reads the same way). Widths that divide 8 take
-a shift-or fast path; multiples of 8 are little-endian bytes; anything else (FP6, THC's growing
-sum widths) goes through a bit-plane expansion, which costs ``w`` bytes of scratch per code and
-is only the reference: a kernel would shift within 64-bit words.
-
-:func:`pack_bits` / :func:`unpack_bits` run the compiled CPU kernels
-(:mod:`dqcoll.kernels.baselines_numba`: a 64-bit shift register per group of 8 codes) on CPU
-tensors when :func:`dqcoll.kernels.baselines.cpu_kernels` says so, and the references
-:func:`pack_bits_torch` / :func:`unpack_bits_torch` otherwise; both give the same bytes.
+Code ``j`` of width ``w`` occupies bits ``[j w, (j + 1) w)`` of the little-endian bit string, the
+same order as DynamiQ's codes. :func:`pack_bits` / :func:`unpack_bits` run the compiled CPU
+kernels where offered, else the references ``*_torch``; both give the same bytes.
 """
 
 from __future__ import annotations
@@ -63,7 +55,7 @@ def pack_bits_torch(codes: torch.Tensor, width: int) -> torch.Tensor:
         for j in range(per_byte):
             out |= grid[:, j] << (j * width)
         return out.to(torch.uint8)
-    # General width: expand to one bit per byte (bit i of code j -> position j*w + i), regroup by 8.
+    # General width (FP6, THC's sums): one bit per byte, regrouped by 8; reference only.
     shifts = torch.arange(width, device=device)
     bits = ((flat[:, None] >> shifts[None, :]) & 1).reshape(-1)
     padded_bits = torch.zeros(nbytes * 8, dtype=torch.int64, device=device)

@@ -1,14 +1,8 @@
 """Shared machinery for schemes that code each block of coordinates on its own.
 
-Such a scheme (``none``, ``bf16``, MX formats, int blocks) only says how to encode and decode a
-run of whole blocks; this module cuts the buffer into ``n`` chunks of whole blocks (balanced to
-one block; for reduce-scatter and all-gather, one chunk per shard), pads with zeros, runs the
-per-hop decompress-accumulate-recompress and writes the result back.
-
-A codec with a compiled CPU path also overrides :meth:`BlockCodec.decode_into` (decode into, or
-add to, the chunk in place) and :meth:`BlockCodec.decode_accumulate_encode` (the fused hop, one
-pass over the blocks); they return ``False`` / ``None`` when no fast path applies, and the call
-then composes ``decode_values``, ``add_`` and ``encode_values`` (the reference).
+A block scheme (``none``, ``bf16``, MX, int blocks) says how to code a run of whole blocks
+(:class:`BlockCodec`); :class:`BlockCall` pads, cuts ``n`` chunks, runs the hops and writes back.
+Compiled paths override :meth:`BlockCodec.decode_into` and ``decode_accumulate_encode``.
 """
 
 from __future__ import annotations
@@ -35,10 +29,8 @@ def split_blocks(num_blocks: int, parts: int) -> list[int]:
 class BlockLayout:
     """Where a call's ``numel`` input elements sit in its padded fp32 buffer of whole blocks.
 
-    All-reduce: the tail is padded and the blocks are cut into ``n`` balanced chunks.
-    Reduce-scatter / all-gather (``sharded``): chunk ``c`` must be shard ``c`` (elements
-    ``[c m, (c+1) m)``), so each shard is padded to whole blocks on its own.
-    """
+    All-reduce pads the tail and cuts ``n`` balanced chunks; reduce-scatter / all-gather
+    (``sharded``) pad each shard on its own, so that chunk ``c`` is shard ``c``."""
 
     numel: int
     block: int
@@ -76,8 +68,7 @@ class BlockLayout:
                                                      self.world_size)]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding (without a
-        pass of zeros where nothing is padded, which would cost a full write of the buffer)."""
+        """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding."""
         if not self.sharded and self.padded_numel == self.numel:
             work = torch.empty(self.numel, dtype=torch.float32, device=x.device)
             work.copy_(x.reshape(-1))
@@ -102,14 +93,12 @@ class BlockCodec(abc.ABC):
 
     spec: SchemeSpec
     block: int = 1  # coordinates per block; chunks hold whole blocks
-    # "pre": divide every input by n before compressing (keeps partial sums in range);
-    # "post": sum exactly and divide the decoded result.
+    # "pre": divide inputs by n before compressing; "post": divide the decoded sum.
     avg_mode: str = "post"
 
     @abc.abstractmethod
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
-        """Payload bytes for ``numel`` coordinates (a multiple of ``block``) that sum ``count``
-        ranks' contributions."""
+        """Payload bytes for ``numel`` coordinates summing ``count`` ranks' contributions."""
 
     @abc.abstractmethod
     def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
@@ -126,16 +115,12 @@ class BlockCodec(abc.ABC):
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
         return f"{type(self).__name__}({options})"
 
-    # -- per call ---------------------------------------------------------------------------
-
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
         """Per-call state (global statistics, ...); ``work`` is the padded fp32 input."""
         return None
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> BlockCall:
         return BlockCall(self, x, ctx)
-
-    # -- single-shot codec ------------------------------------------------------------------
 
     def wire_nbytes(self, numel: int) -> int:
         padded = -(-numel // self.block) * self.block
@@ -162,20 +147,16 @@ class BlockCodec(abc.ABC):
         """Per-call state when the codec is used on one tensor, outside a collective."""
         return None
 
-    # -- fast paths (optional) ------------------------------------------------------------------
-
     def decode_into(
         self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
     ) -> bool:
-        """Decode ``payload`` into the contiguous fp32 ``out`` (or add it to ``out`` when
-        ``accumulate``) and return True; False where no fast path applies."""
+        """Decode into (``accumulate``: add to) the fp32 ``out``; False where no fast path."""
         return False
 
     def decode_accumulate_encode(
         self, payload: torch.Tensor, work: torch.Tensor, count: int, out_count: int, ctx: Any
     ) -> torch.Tensor | None:
-        """``work += decode(payload)``, then the payload of ``work`` summing ``out_count`` ranks;
-        None where no fast path applies."""
+        """``work += decode(payload)``, encoded for ``out_count`` ranks; None: no fast path."""
         return None
 
 
@@ -238,7 +219,6 @@ class BlockCall:
         result = self.layout.unpad(self.work)
         if self.op is ReduceOp.AVG and self.codec.avg_mode == "post":
             if out.dtype == torch.float32 and out.is_contiguous():
-                # the same fp32 quotients, written once (no quotient buffer, no second pass)
                 torch.div(result.reshape(out.shape), self.world_size, out=out)
                 return
             result = result / self.world_size

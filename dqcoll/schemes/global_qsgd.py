@@ -1,17 +1,9 @@
 """``global_qsgd``: one global max, int8 codes with 1/n of the range each, exact integer sums.
 
-Per call: one max all-reduce of every rank's ``max |x|`` (4 bytes) gives ``G``. With ``n`` ranks
-each rank gets ``L = floor(127 / n)`` levels per sign: step ``delta = G / L``, code
-``q = floor(x / delta + u) + L`` in ``[0, 2L]`` with ``u`` uniform (stochastic rounding, unbiased:
-``E[q - L] = x / delta``). The sum of ``n`` codes is at most ``2 n L <= 254``, so every payload is
-one byte per coordinate (int8 on the wire, as the baseline is defined) and partial sums are exact
-integers (:mod:`.integer_sum`); the result is ``(S - n L) * delta``, decoded once. A non-finite
-input makes its super-group of 256 non-finite and leaves ``G`` to the finite rest
-(:func:`.integer_sum.global_statistic`).
-
-The price of exactness: each rank quantizes with ``L`` levels, fewer as ``n`` grows (15 at n=8,
-1 at n=64..127), so the error grows about as ``n**2 / n = n`` relative to per-hop schemes. More
-than 127 ranks do not fit int8 and raise.
+One max all-reduce gives ``G = max |x|``; each of ``n`` ranks gets ``L = floor(127 / n)`` levels
+per sign, ``delta = G / L``, code ``q = floor(x / delta + u) + L`` in ``[0, 2L]`` (unbiased). ``n``
+codes sum to at most 254: one byte per coordinate, exact partial sums (:mod:`.integer_sum`), the
+result ``(S - n L) * delta``. More than 127 ranks raise.
 """
 
 from __future__ import annotations

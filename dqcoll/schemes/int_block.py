@@ -1,22 +1,12 @@
 """``int8_block`` / ``int4_block``: ZeRO++-style symmetric block quantization with fp32 scales.
 
 Per block of ``block`` coordinates (default 128): ``scale = amax / qmax`` in fp32 (``qmax`` = 127
-or 7), codes ``q = clamp(round(x / scale), -qmax, qmax)`` with round-half-to-even, decoded as
-``q * scale``. Payload of a run of ``B`` blocks: ``B`` fp32 scales (little-endian), then the codes
-``q + qmax`` packed LSB-first (two per byte at 4 bits). Bits per coordinate: ``b + 32 / block``
-(8.25 and 4.25 at the default block of 128, the same metadata rate as MX's 8-bit scale per 32).
-
-Every hop decompresses, accumulates in fp32 and recompresses with fresh scales (ZeRO++'s qgZ
-does the same per hop): round-to-nearest re-rounds the partial sum each time, so the result is
-biased and the error grows with the schedule's depth. A non-finite block gets a non-finite scale
-and decodes as NaN on every rank.
-
-Rejected: ZeRO++'s asymmetric (min/max) variant, which doubles the metadata for little gain on
-gradients, whose blocks are close to zero-mean.
-
-:func:`int_block_encode_torch` / :func:`int_block_decode_torch` are the spec; on CPU tensors the
-compiled kernels of :mod:`dqcoll.kernels.baselines_numba` run instead (same bytes, one loop per
-block; chosen by :func:`dqcoll.kernels.baselines.cpu_kernels`).
+or 7), codes ``q = clamp(round(x / scale), -qmax, qmax)`` (half to even), decoded as ``q * scale``.
+Payload of ``B`` blocks: ``B`` little-endian fp32 scales, then the codes ``q + qmax`` packed
+LSB-first. ``b + 32 / block`` bits per coordinate. Every hop requantizes with fresh scales, so the
+result is biased; a non-finite block decodes as NaN on every rank.
+:func:`int_block_encode_torch` / :func:`int_block_decode_torch` are the spec; CPU tensors run the
+compiled kernels (same bytes).
 """
 
 from __future__ import annotations
@@ -40,8 +30,7 @@ __all__ = [
     "int_block_encode_torch",
 ]
 
-# 128: the same metadata rate (0.25 bit per coordinate) as the MX formats, so the two families
-# compare at equal cost; ZeRO++ itself uses larger groups in practice.
+# 128: the MX formats' metadata rate (0.25 bit per coordinate), so the two compare at equal cost.
 DEFAULT_BLOCK = 128
 
 

@@ -1,36 +1,10 @@
 """Shared machinery for schemes whose partial sums are exact integers (``thc``, ``global_qsgd``).
 
-Such a scheme quantizes each rank's values *once*, to non-negative integer codes in
-``[0, code_max]`` on a grid every rank shares (the grid comes from a small all-reduce of global
-statistics), with unbiased stochastic rounding. From then on the collective only adds integers:
-a payload summing ``count`` ranks holds codes in ``[0, count * code_max]``, packed at a width
-both sides derive from ``count`` (:meth:`IntegerSumCodec.code_bits`), and a hop adds the incoming
-codes to its own, with no re-rounding. Only the final sum is dequantized, by every rank from the
-same integers, so the result is exactly ``dequantize(sum of every rank's codes)`` whatever the
-schedule: ring, butterfly and direct give bit-identical answers.
-
-Random numbers: one 24-bit uniform per (rank, coordinate) from the counter-based hash of
-:mod:`dqcoll.kernels.rng`, keyed by the call's seed and step, a per-scheme stream and the
-coordinate's index in the (padded, possibly rotated) buffer, so any transport and any chunking
-give the same codes.
-
-On CPU tensors the quantizer (hash included), the unpack-and-add of a hop, the packing and the
-final dequantization run as compiled kernels (:mod:`dqcoll.kernels.baselines_numba`, chosen by
-:func:`dqcoll.kernels.baselines.cpu_kernels`) where the scheme provides them
-(:meth:`IntegerSumCodec.quantize_fast`, :meth:`IntegerSumCodec.dequantize_fast`); they give the
-same codes and values as :meth:`IntegerSumCodec.quantize` / :meth:`IntegerSumCodec.dequantize`
-on :func:`rank_uniforms`, which stay the spec.
-
-Non-finite inputs (:func:`global_statistic`): the global statistic is ``inf`` where any rank
-holds an inf or a NaN, and every rank then learns which super-groups (``SUPER_GROUP`` = 256
-consecutive coordinates of the padded buffer) hold one on some rank, zeroes them, agrees on the
-statistic of the rest and quantizes that; the result gives those super-groups ``+inf``, ``-inf``
-or NaN (:class:`NonFiniteGroups`) and every other coordinate its usual value. The final values
-are written to the output saturating at its dtype's largest finite value.
-
-Rejected: re-quantizing partial sums per hop (that is what ``int8_block`` does; exactness is the
-point of these schemes) and one shared width for every payload (``ceil(log2(n code_max + 1))``
-bits already at the leaves, where ``log2(code_max + 1)`` suffice).
+Each rank quantizes once, stochastically and unbiased, to codes in ``[0, code_max]`` on a grid
+every rank shares; the collective then only adds integers, packed at the width
+:meth:`IntegerSumCodec.code_bits` gives for ``count``, and only the final sum is dequantized, so
+every schedule gives bit-identical results. The uniforms (:func:`rank_uniforms`) are keyed by seed,
+step, stream, rank and padded coordinate index. Non-finite inputs: :func:`global_statistic`.
 """
 
 from __future__ import annotations
@@ -68,10 +42,8 @@ def rank_uniforms(
 
 @dataclasses.dataclass(frozen=True)
 class NonFiniteGroups:
-    """The super-groups (``SUPER_GROUP`` consecutive coordinates of the call's padded buffer)
-    where some rank's input is non-finite, and the value each takes in the result: ``+inf``
-    where only ``+inf`` met there, ``-inf`` where only ``-inf``, NaN where a NaN or both
-    infinities did. Every rank holds the same (from one max all-reduce of the flags)."""
+    """The super-groups of the padded buffer where some rank's input is non-finite, and each
+    one's result: ``+inf`` or ``-inf`` where only that met, else NaN. The same on every rank."""
 
     numel: int
     bad: torch.Tensor  # bool [groups]
@@ -79,8 +51,7 @@ class NonFiniteGroups:
 
     @classmethod
     def reduce(cls, work: torch.Tensor, ctx: CallContext, what: str) -> NonFiniteGroups | None:
-        """Every rank's non-finite super-groups of ``work``, agreed by one max all-reduce of
-        three flags per super-group; None where no rank has any."""
+        """The non-finite super-groups agreed by one max all-reduce; None where no rank has any."""
         numel = work.numel()
         groups = -(-numel // SUPER_GROUP)
         padded = torch.zeros(groups * SUPER_GROUP, dtype=work.dtype, device=work.device)
@@ -118,14 +89,8 @@ def global_statistic(
 ) -> tuple[float, Any, NonFiniteGroups | None]:
     """The max over the ranks of ``local(work)``'s statistic (a 1-element fp32 tensor, ``inf``
     where ``work`` holds a non-finite value), what ``local`` computed beside it, and the
-    non-finite super-groups.
-
-    Finite inputs take one max all-reduce of 4 bytes, as before. Where the maximum is ``inf``
-    (some rank had a non-finite value), every rank knows it, and two more small all-reduces
-    follow: the flags of :meth:`NonFiniteGroups.reduce` (3 fp32 per super-group), then the
-    statistic of ``work`` with those super-groups zeroed (on every rank), so that one
-    non-finite value costs its super-group and leaves every other coordinate finite and on the
-    grid the finite values set."""
+    non-finite super-groups. Where the max is ``inf``, two more small all-reduces zero the
+    non-finite super-groups on every rank and take the statistic of the rest."""
     stat, extra = local(work)
     ctx.reduce(stat, "max", what)
     value = float(stat[0])
@@ -147,8 +112,6 @@ class IntegerSumCodec(abc.ABC):
     block: int = 1  # coordinates per layout block (chunks hold whole blocks)
     stream: int = 0  # random stream of the scheme
     seed: int = 0  # single-shot encode/decode only
-
-    # -- what a scheme defines ------------------------------------------------------------------
 
     @abc.abstractmethod
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
@@ -192,8 +155,6 @@ class IntegerSumCodec(abc.ABC):
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
         return f"{type(self).__name__}({options})"
 
-    # -- collective and single-shot use ----------------------------------------------------------
-
     def begin(self, x: torch.Tensor, ctx: CallContext) -> IntegerSumCall:
         return IntegerSumCall(self, x, ctx)
 
@@ -216,8 +177,7 @@ class IntegerSumCodec(abc.ABC):
 
 
 class IntegerSumCall:
-    """One collective call: the layout of :class:`~dqcoll.schemes.elementwise.BlockCall`
-    (padding to whole blocks; one chunk per shard for reduce-scatter / all-gather), integer
+    """One collective call: a :class:`~dqcoll.schemes.elementwise.BlockLayout`, integer
     accumulators per chunk, and dequantization only of final sums."""
 
     def __init__(self, codec: IntegerSumCodec, x: torch.Tensor, ctx: CallContext) -> None:

@@ -1,45 +1,14 @@
 """``mxfp8`` / ``mxfp6`` / ``mxfp4``: OCP Microscaling (MX v1.0) block formats, over any schedule.
 
-Format (OCP MX v1.0, §5 and §6.3), per block of 32 coordinates:
-
-* shared scale ``X = 2**e`` stored as E8M0 (one byte, ``e + 127``; ``0xFF`` = NaN), with
-  ``e = floor(log2(amax)) - emax_elem`` clamped to [-127, 127] (``amax = 0``: ``e = -127``);
-* 32 elements ``P_i = quantize(V_i / X)`` in the element format, round-to-nearest-even,
-  *saturating* at the largest finite element value (the spec's choice for conversions; ml_dtypes'
-  plain casts overflow to Inf/NaN instead, so the tests compare against casts of clamped values);
-* decoded value ``X * P_i``.
-
-Element formats (sign, exponent, mantissa bits; bias; largest value; emax):
-
-=======  =========  ====  =======  ====  ==================================================
-element  s.e.m      bias  max      emax  notes
-=======  =========  ====  =======  ====  ==================================================
-e4m3     1.4.3      7     448      8     ``S.1111.111`` is NaN, no Inf (``float8_e4m3fn``)
-e5m2     1.5.2      15    57344    15    exponent 31 is Inf/NaN (IEEE-like)
-e2m3     1.2.3      1     7.5      2     no Inf/NaN (``float6_e2m3fn``)
-e3m2     1.3.2      3     28       4     no Inf/NaN (``float6_e3m2fn``)
-e2m1     1.2.1      1     6        2     no Inf/NaN (``float4_e2m1fn``)
-=======  =========  ====  =======  ====  ==================================================
-
-Payload of a run of ``B`` blocks: ``B`` scale bytes, then ``B * 32`` element codes packed
-LSB-first (:mod:`.bitpack`): ``32 * (bits + 0.25)`` bits per block, i.e. 8.25 / 6.25 / 4.25 bits
-per coordinate. NaN or Inf anywhere in a block's partial sum makes its scale NaN, so every rank
-decodes that block as NaN (nothing silently lost).
-
-The DynamiQ paper's variant (``scale="global"``): one bf16 max all-reduce of each block's absmax
-first (16 bits per 32 coordinates through the statistics all-reduce, counted in ``bytes_sent``);
-a payload summing ``count`` ranks then uses the scale ``bf16_up(count * G / max_elem)`` known to
-both sides, so no scale travels with the codes and partial sums never saturate (``count * G``
-bounds them). Elements are ``V / scale`` rounded to nearest even. Rejected: one fixed scale for
-all hops (``n G / max``), which wastes the leaves' range by a factor ``n``.
-
-At every hop the receiver decodes, adds its own values in fp32 and re-encodes with fresh scales:
-round-to-nearest re-rounds the partial sum each hop (biased, not exact).
-
-The ``*_torch`` functions are the spec. On CPU tensors the scheme runs the compiled kernels of
-:mod:`dqcoll.kernels.baselines_numba` instead (same bytes; one fused loop per block of 32, rates
-in ``benchmarks/results/codec-rates-baselines-cpu.json``), chosen by
-:func:`dqcoll.kernels.baselines.cpu_kernels`.
+Per block of 32 coordinates (OCP MX v1.0 §5, §6.3): a shared scale ``X = 2**e`` as E8M0 (one byte
+``e + 127``, ``0xFF`` = NaN), ``e = floor(log2(amax)) - emax_elem`` clamped to [-127, 127]
+(``amax = 0``: -127); elements ``P_i = quantize(V_i / X)``, round-to-nearest-even, saturating at
+the largest finite element (:data:`FORMATS`); decoded as ``X * P_i``. Payload of ``B`` blocks:
+``B`` scale bytes, then the element codes packed LSB-first (:mod:`.bitpack`). A non-finite partial
+sum makes its block's scale NaN. Every hop re-encodes with fresh scales (biased).
+``scale="global"`` (the DynamiQ paper's variant): one bf16 max all-reduce of each block's absmax
+first; a payload summing ``count`` ranks uses the scale ``bf16_up(count * G / max_elem)``, so no
+scale travels. The ``*_torch`` functions are the spec; CPU tensors run compiled kernels.
 """
 
 from __future__ import annotations
@@ -94,11 +63,8 @@ def _floor_log2(a: torch.Tensor) -> torch.Tensor:
 
 
 def encode_elements(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """fp32 values -> int64 element codes, round-to-nearest-even, saturating; NaN -> code 0.
-
-    Code layout: sign at bit ``ebits + mbits``, biased exponent above ``mbits`` mantissa bits;
-    biased exponent 0 holds subnormals ``mant * 2**(emin - mbits)``.
-    """
+    """fp32 values -> int64 element codes (sign, biased exponent, mantissa; biased exponent 0
+    holds subnormals), round-to-nearest-even, saturating; NaN -> code 0."""
     v = v.to(torch.float32)
     sign = torch.signbit(v).to(torch.int64)
     a = v.abs().nan_to_num(nan=0.0, posinf=fmt.max_value)
@@ -201,16 +167,13 @@ class MXScheme(BlockCodec):
         self.element = element
         self.format = FORMATS[element]
         if self.scale is ScaleMode.GLOBAL:
-            # codes on the wire; the bf16 block maxima (16 bits per block) go through the
-            # statistics all-reduce, which sends 2 (n-1)/n of them like the payload
+            # the bf16 block maxima (16 bits per block) travel through the statistics all-reduce
             self.spec = dataclasses.replace(
                 type(self).spec, bits_per_coord=self.format.bits + 16 / MX_BLOCK,
                 needs_global_stats=True)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(element={self.element!r}, scale={self.scale.value!r})"
-
-    # -- payload ---------------------------------------------------------------------------
 
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
         codes = packed_nbytes(numel, self.format.bits)
@@ -219,8 +182,7 @@ class MXScheme(BlockCodec):
         return numel // MX_BLOCK + codes
 
     def wire_nbytes(self, numel: int) -> int:
-        """Single-shot bytes: codes and scales (global variant: the bf16 block maxima, 2 bytes
-        per block, which travel through the statistics all-reduce instead)."""
+        """Single-shot bytes: codes and scales (global variant: 2 bytes of block maximum)."""
         nbytes = super().wire_nbytes(numel)
         if self.scale is ScaleMode.GLOBAL:
             nbytes += 2 * -(-numel // MX_BLOCK)
@@ -235,7 +197,7 @@ class MXScheme(BlockCodec):
 
     def single_shot_state(self, padded: torch.Tensor) -> Any:
         """Global variant: each block's absmax rounded up to bf16 (Inf marks a non-finite block:
-        max all-reduces of NaN are not portable across backends)."""
+        a max all-reduce of NaN is not portable across backends)."""
         if self.scale is ScaleMode.OCP:
             return None
         amax = padded.view(-1, MX_BLOCK).abs().amax(dim=1)

@@ -1,37 +1,12 @@
 """``none``: no compression, over the same schedules as every other scheme, with exact sums.
 
-The result is the exact sum of the ranks' inputs rounded once to the input dtype (fp32, bf16 or
-fp16), the same bits on every rank, for every algorithm and collective:
-
-* a leaf's own values (a payload of one rank's contribution) travel in the input dtype, as
-  they are;
-* a partial sum of ``2 .. n-1`` ranks travels as fp64 and is accumulated in fp64 at each hop
-  (in the call's fp64 buffer of sums), so nothing is rounded on the way: the sum of any
-  number of fp16 values that fits ``n <= 2**13`` ranks is exact in fp64 (they are multiples of
-  2**-24 below 2**16), and fp32 / bf16 values are summed exactly where a coordinate's
-  contributions span less than about 2**26 (fp32) or 2**42 (bf16) of dynamic range, otherwise
-  with fp64's rounding (the reference an fp64 sum gives);
-* the sink rounds the sum of all ``n`` once to the input dtype (``op="avg"``: the fp64 sum
-  divided by ``n``, then rounded once) and that payload, in the input dtype, is what every rank
-  decodes (the all-gather forwards it unchanged). A sum beyond the dtype's largest finite value
-  saturates there (fp16 inputs of 30000 on 3 ranks give 65504); a non-finite input stays
-  non-finite in its coordinate (inf, -inf, or NaN where they meet) and touches no other.
-
-Wire bytes (the price of exactness): per coordinate, a payload of one rank's values and the
-final sums cost the input dtype's size, a partial sum of 2..n-1 ranks 8 bytes. A ring
-all-reduce sends, per rank and coordinate, ``(s + 8 (n - 2) + s (n - 1)) / n`` bytes instead of
-``2 s (n - 1) / n`` (``s`` the dtype's size; equal at n = 2; at n = 8, fp32 1.43x and fp16 2.29x
-the bytes of a ring in the input dtype); butterfly sends fp64 on every step but the first; the
-direct (two-shot) algorithm only sends leaves and final sums, so it costs exactly the input
-dtype's bytes. ``comm.last_info["wire_payload_nbytes"]`` reports a call's payload bytes over all
-ranks. No range scaling is applied (:func:`dqcoll.prepare.shift_for`): fp64 holds every sum.
-
-``wire_dtype=`` forces one dtype for every payload (e.g. ``torch.bfloat16``, the bytes of the
-``bf16`` scheme): values are then rounded to it at every hop, summed in fp32, with the
-argument check's overflow shift keeping fp16 partial sums in range; not exact.
-
-On integer-valued inputs that fit the dtype every path gives the exact integers, which makes
-this scheme the executor's and the schedules' correctness check.
+The result is the sum of the ranks' inputs rounded once to the input dtype, saturating, the same
+bits on every rank for every algorithm and collective: one rank's values travel in the input
+dtype, partial sums of ``2 .. n-1`` ranks in fp64, and the sink's final payload (``avg``: divided
+first) in the input dtype again. Non-finite inputs stay in their coordinate; no range scaling.
+The price: a ring sends ``(s + 8 (n - 2) + s (n - 1)) / n`` bytes per coordinate instead of
+``2 s (n - 1) / n`` (``s`` the dtype's size). ``wire_dtype=`` forces one dtype for every payload
+(rounded at every hop; not exact).
 """
 
 from __future__ import annotations
@@ -52,10 +27,8 @@ _WIDE = torch.float64  # partial sums of 2..n-1 ranks
 
 
 def _widen_into(acc: torch.Tensor, values: torch.Tensor, *, add: bool) -> None:
-    """``acc`` (fp64) ``+=`` (or ``=``, ``add=False``) ``values``: each value widened to fp64
-    exactly, then one IEEE add - torch's result. On the CPU through NumPy, whose mixed-dtype
-    loops are ~5x faster than torch's widening add (4M coordinates, one thread: 4.3 ms against
-    23 ms); bf16, which NumPy lacks, is widened to fp32 first (exact)."""
+    """``acc`` (fp64) ``+=`` (or ``=``, ``add=False``) ``values`` widened exactly: torch's result,
+    through NumPy on the CPU (faster mixed-dtype loops; bf16 widened to fp32 first)."""
     if acc.device.type != "cpu":
         if add:
             acc += values
@@ -84,8 +57,7 @@ def copy_saturating(out: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A flat uint8 payload as ``dtype`` values (copied first where its offset is unaligned,
-    e.g. a chunk after an odd-length one in a message of several chunks)."""
+    """A flat uint8 payload as ``dtype`` values (copied first where its offset is unaligned)."""
     if payload.storage_offset() % dtype.itemsize:
         payload = payload.clone()
     return payload.view(dtype)
@@ -110,8 +82,7 @@ class NoneScheme(BlockCodec):
 
     @property
     def range_scaled(self) -> bool:
-        """Whether the argument check's range shift applies (only with a forced
-        ``wire_dtype``: the exact path sums in fp64 and saturates its own results)."""
+        """Whether the argument check's range shift applies (only with a forced ``wire_dtype``)."""
         return self.wire_dtype is not None
 
     def begin(  # type: ignore[override]  # the exact path is not a block codec's call
@@ -140,11 +111,9 @@ class NoneScheme(BlockCodec):
 
 
 class ExactSumCall:
-    """One collective call of ``none`` without ``wire_dtype``: partial sums accumulate in an
-    fp64 buffer; payloads are in the input dtype for one rank's values and for final sums, fp64
-    for partial sums. ``work`` (fp32, as for every scheme: the executor sizes tiles by it)
-    receives the decoded final sums and gathered shards, which are input-dtype values, exact
-    in fp32."""
+    """One collective call of ``none`` without ``wire_dtype``: partial sums accumulate in fp64;
+    ``work`` (fp32, which the executor sizes tiles by) receives the decoded final sums and
+    gathered shards, input-dtype values exact in fp32."""
 
     def __init__(self, x: torch.Tensor, ctx: CallContext) -> None:
         self.numel = x.numel()
@@ -153,20 +122,16 @@ class ExactSumCall:
         self.dtype = x.dtype
         self.layout = BlockLayout.of(self.numel, 1, ctx)  # blocks of 1: no padding
         self.values = x.reshape(-1)  # this rank's own values, sent as they are
-        # the communicator's reused buffers on the CPU (dqcoll.scratch: no page faults for the
-        # payloads, the fp64 sums and the work buffer); None elsewhere
+        # the communicator's reused buffers on the CPU (dqcoll.scratch); None elsewhere
         self.pool = scratch.pool_for(ctx.state, x.device)
-        # the fp64 partial sums, made chunk by chunk where a chunk is first summed or rounded
-        # (:meth:`_sums`): an all-gather never needs them, a reduce-scatter's rank only the
-        # chunks that pass through it (the allocation maps pages only where they are written)
+        # the fp64 partial sums, widened chunk by chunk at first use (:meth:`_sums`)
         self._wide: torch.Tensor | None = None
         self._widened: set[int] = set()
         self.work = self._take(self.numel, torch.float32)
         self.chunk_bounds = self.layout.chunk_bounds()
         self.tile_unit = 1  # the executor may cut chunks into tiles of any length
         self.info: dict[str, Any] = {}
-        # the dtype a forced ``wire_dtype`` would be: dqcoll.topology.simulator replays ``none``
-        # as a block codec in it (its model of ``none``: the input dtype on every hop)
+        # the simulator replays ``none`` as a block codec in this dtype
         self.state = self.dtype
         if ctx.schedule is not None:
             self.info["wire_payload_nbytes"] = self._wire_payload(
@@ -176,8 +141,7 @@ class ExactSumCall:
         return self.dtype if count in (1, self.world_size) else _WIDE
 
     def _wire_payload(self, subtree: Any, collective: Collective) -> int:
-        """Payload bytes of the call over every rank: each non-sink rank sends its partial sum
-        of each chunk once, and each chunk's final payload reaches the ``n - 1`` other ranks."""
+        """Payload bytes of the call over every rank."""
         n = self.world_size
         sizes = [self.chunk_bounds[c + 1] - self.chunk_bounds[c] for c in range(n)]
         total = 0
@@ -200,10 +164,8 @@ class ExactSumCall:
         return self.pool.take(numel * dtype.itemsize).view(dtype)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
-        """An uninitialised uint8 buffer for this call's messages (the executor's). No
-        ``frame``: a partial sum travels from the fp64 sums as it is, so some payloads have no
-        header room in front, and every rank must frame alike (gloo would abort a rank whose
-        receive expects a header alone)."""
+        """An uninitialised uint8 buffer for this call's messages. No ``frame``: partial sums
+        travel from the fp64 buffer without header room, and every rank must frame alike."""
         return self._take(nbytes, torch.uint8)
 
     def release(self) -> None:
@@ -212,8 +174,7 @@ class ExactSumCall:
             self.pool.release()
 
     def _sums(self, chunk: int) -> torch.Tensor:
-        """The fp64 partial sums of ``chunk``: this rank's own values widened exactly at the
-        chunk's first use, then whatever was accumulated into them."""
+        """The fp64 partial sums of ``chunk`` (this rank's values widened at first use)."""
         if self._wide is None:
             self._wide = self._take(self.numel, _WIDE)
         sums = self._wide[self._bounds(chunk)]
@@ -259,6 +220,5 @@ class ExactSumCall:
         out.copy_(self.work[self._bounds(rank)].view(out.shape))
 
     def finish(self, out: torch.Tensor) -> None:
-        """All-reduce and all-gather: every chunk holds a decoded payload of the input dtype (a
-        final sum, or one rank's shard), so the cast is exact."""
+        """All-reduce and all-gather: every chunk holds input-dtype values, so the cast is exact."""
         out.copy_(self.work.view(out.shape))

@@ -1,13 +1,7 @@
 """Seeds derived from named parts, the same in every process: ``derived_seed(seed, "ddp", step)``.
 
-A call's randomness (THC's rotation, the DDP hook's per-iteration rounding seed, an evaluation's
-per-rank data) is keyed by a seed that every rank must compute alike without communicating. A
-63-bit BLAKE2b digest of the parts' text gives that, stable across processes, machines and Python
-versions (unlike ``hash()``, which is salted per process).
-
-Rejected: ``torch.Generator`` seeded by arithmetic on the parts (``seed * 1000 + rank`` collides
-between streams) and Python's ``hash`` (randomized per process by ``PYTHONHASHSEED``).
-"""
+A 63-bit BLAKE2b digest of the parts' text, stable across processes, machines and Python versions
+(``hash()`` is salted per process; arithmetic like ``seed * 1000 + rank`` collides)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,14 @@
 """``thc``: Tensor Homomorphic Compression: rotate, clamp, 4-bit uniform codes, exact integer sums.
 
-Per call, before the collective (every rank alike, from the call's seed and step, no traffic):
-
-1. a shared pseudo-random permutation of the (padded) buffer, then a randomized Hadamard
-   transform in blocks of ``rotation_block`` (random signs ``D``, then the orthonormal
-   Walsh-Hadamard ``H / sqrt(B)``). After it every coordinate is close to N(0, rms^2) with the
-   buffer's RMS, whatever the layout of the gradient; the permutation spreads large super-groups
-   over all blocks, so one global range fits every block.
-2. one max all-reduce of each rank's RMS (4 bytes) gives the range ``T = clamp * max_rms``
-   (where some rank's input is not finite, its super-groups are zeroed before the rotation and
-   come back non-finite, :func:`.integer_sum.global_statistic`; the rest stays finite).
-
-Each rank then clamps to ``[-T, T]`` and rounds stochastically to 16 uniform levels
-(``delta = 2T / 15``, code ``floor((y + T) / delta + u)`` in ``[0, 15]``): 4 bits per coordinate
-at the leaves. Codes add exactly (:mod:`.integer_sum`): a payload summing ``count`` ranks is
-``ceil(log2(15 count + 1))`` bits wide (5 bits at 2 ranks, 7 at 8). The final sum
-``S * delta - n T`` is decoded once, rotated back and un-permuted by every rank alike.
-
-Clamping makes the scheme biased for coordinates beyond ``T`` (rare after the rotation:
-P(|N(0,1)| > 2.5) = 1.2 %, but each clipped one loses its excess); inside the range the rounding is
-unbiased. ``clamp`` = 2.5 minimizes clipping error + rounding variance for Gaussian coordinates
-at 16 levels (2.0: 0.0235, 2.5: 0.0210, 3.0: 0.0267 sigma^2, computed from the Gaussian tail).
-
-Rejected: a rotation over the whole buffer padded to a power of two (up to 2x the wire bytes for
-odd sizes) and per-block ranges (a scale per block on the wire, which is not THC).
+Per call, every rank alike from the call's seed and step: a shared random permutation of the
+padded buffer, then a randomized Hadamard transform in blocks of ``rotation_block`` (random signs,
+then ``H / sqrt(B)``), so one global range fits every block; one max all-reduce of each rank's
+RMS gives ``T = clamp * max_rms`` (non-finite inputs: :func:`.integer_sum.global_statistic`).
+Each rank clamps to ``[-T, T]`` and rounds stochastically to 16 levels (``delta = 2T / 15``,
+code ``floor((y + T) / delta + u)``). Codes add exactly (:mod:`.integer_sum`), a payload summing
+``count`` ranks ``ceil(log2(15 count + 1))`` bits wide; the final ``S * delta - n T`` is decoded
+once and rotated back. Biased by clamping; ``clamp=2.5`` minimizes clipping plus rounding error
+for Gaussian coordinates at 16 levels.
 """
 
 from __future__ import annotations
@@ -48,8 +33,7 @@ _STREAM = 0x54484321  # "THC!"
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform of each row of ``x`` ``[k, B]`` (``B`` a power of 2);
-    its own inverse."""
+    """Orthonormal Walsh-Hadamard transform of each row of ``x`` ``[k, B]``; its own inverse."""
     k, size = x.shape
     y = x
     h = 1
@@ -126,8 +110,7 @@ class THCScheme(IntegerSumCodec):
             rms = torch.where(torch.isfinite(rms), rms, torch.full_like(rms, math.inf))
             return rms, rotated
 
-        # the rotation is written to ``work`` only once the statistic is agreed: a non-finite
-        # value on some rank zeroes its super-group in the unrotated input first
+        # written only once agreed: non-finite super-groups are zeroed in the unrotated input
         rms, rotated, nonfinite = global_statistic(work, ctx, rotated_rms,
                                                    f"{ctx.what} max rms")
         work.copy_(rotated)

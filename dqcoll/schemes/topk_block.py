@@ -1,23 +1,9 @@
 """``topk_block``: Omni-Reduce-style block sparsification: keep the largest 256-coordinate blocks.
 
-Per call:
-
-1. each rank ranks its blocks of 256 coordinates by L2 norm and marks its top ``ceil(density *
-   blocks)`` in a bitmap (one uint8 per block; ties broken by block index);
-2. one max all-reduce of the bitmap agrees on the *union* of marked blocks (8 bits per 256
-   coordinates through the statistics all-reduce, counted in ``bytes_sent``);
-3. the union's blocks, compacted in index order, go through the schedule densely as fp32 and are
-   summed at each hop like the uncompressed scheme; every other block is zero in the result.
-
-Every rank contributes its own values for every block in the union, also for blocks it did not
-mark itself: the union travels anyway, so this costs nothing and is closer to the true sum than
-zeroing them. The wire cost depends on the data: ``32 * |union| / blocks`` bits per coordinate,
-between ``32 * density`` (all ranks agree) and ``32 * n * density``; the lab's ``eval`` reports the
-measured bytes. Dropping blocks biases the result (no error feedback here: that belongs to the
-training loop, not to the collective).
-
-For reduce-scatter / all-gather, chunk ``c`` is the union's blocks inside shard ``c``, so chunks
-have data-dependent, unequal sizes (known to every rank from the bitmap).
+Each rank marks its top ``ceil(density * blocks)`` blocks by L2 norm in a uint8 bitmap; one max
+all-reduce agrees on their union, whose blocks travel densely as fp32 (every rank's own values)
+and are summed at each hop; other blocks are zero in the result (biased). For reduce-scatter /
+all-gather chunk ``c`` is the union's blocks inside shard ``c`` (unequal sizes).
 """
 
 from __future__ import annotations

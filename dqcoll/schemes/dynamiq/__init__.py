@@ -1,8 +1,6 @@
-"""DynamiQ (arXiv 2602.08923): the flagship scheme. See :mod:`dqcoll.kernels.codec` for the
-format and :mod:`dqcoll.kernels.rng` for the random numbers (with the kernels, which implement
-them), :mod:`.options` for the scheme's options and format presets, :mod:`.allocation` for
-dqcoll's bit allocation (:mod:`.allocation_paper` for the paper's), :mod:`.scheme` for the scheme
-and :mod:`.call` for the per-call planning."""
+"""DynamiQ (arXiv 2602.08923): the flagship scheme. The format is :mod:`dqcoll.kernels.codec`
+and :mod:`dqcoll.kernels.rng`; here :mod:`.options`, :mod:`.allocation` (:mod:`.allocation_paper`),
+:mod:`.scheme` and the per-call planning :mod:`.call`."""
 
 from __future__ import annotations
 

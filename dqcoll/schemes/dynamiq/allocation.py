@@ -1,33 +1,13 @@
 """Bit allocation of dqcoll's format (format 3): one width per super-group from the all-reduced
-statistics, and per partial-sum size with hop widths.
+statistics, and per partial-sum size with hop widths (docs/dense_gap.md, "The format").
 
-A super-group of summed squared norm ``F`` costs ``F * e_w`` error at ``B_w`` record bytes with
-width ``w``. Minimising the total error under a byte budget (Lagrange multiplier ``2**-u``) gives
-the *hull rule*: over the widths on the lower convex hull of ``(B_w, e_w)``, width ``hull[k]``
-from ``log2 F + u >= o_k`` on, with offsets ``o_k = log2((B_k - B_{k-1}) / (e_{k-1} - e_k))``
-(:func:`hull_offsets`). The errors ``e_w`` are the codec's own measured single-shot errors
-(:data:`MEASURED_ERRORS`, ``thresholds="measured"``) or ``4**-w`` (``thresholds="paper"``), over
-widths 2..8 and raw 16. One scalar ``u`` is then found by bisection (float64, 64 halvings):
-
-* :func:`allocate_widths`: the largest ``u`` whose records plus statistics fit ``bits * numel / 8``
-  bytes;
-* :func:`allocate_widths_by_count` (``hop_widths``, the default all-reduce): one width per
-  super-group *and* partial-sum size ``c``, ``log2 F`` shifted by ``log2(alpha_c / tau_c)``
-  (:func:`count_classes`), under the budget of the transfers' average bytes;
-* :func:`allocate_for_target` / :func:`allocate_for_target_by_count` (``target_vnmse``): the
-  smallest ``u`` whose predicted vNMSE (:mod:`.error_model`) meets the target.
-
-Each bisection step costs the rule by binary searches in the sorted keys (:class:`_HullCost`),
-not row by row; with hop widths and a bit budget (the all-reduce's default) the bisection and the
-per-class widths run compiled where the CPU kernels are numba's
-(:func:`dqcoll.kernels.allocation_numba.hull_by_count`, the same ``u`` and widths bit for
-bit). Everything read is all-reduced, so every rank computes the same widths without
-communication. Zero super-groups get width 0 (no record); non-finite ``F`` (an Inf/NaN input)
-gets 8 bits, and the NaN flows through the records to every rank's output; an overflowed (+inf)
-norm of finite values ranks as the largest finite one.
-
-The paper's own rule, a closed form over {2, 4, 8} (``format="paper"``), is
-:mod:`.allocation_paper`; ``widths="fixed"`` (4 bits everywhere) is :func:`fixed_widths`.
+The *hull rule*: over the widths on the lower convex hull of (record bytes ``B_w``, measured error
+``e_w``; :data:`MEASURED_ERRORS`, or ``4**-w``), a super-group of summed squared norm ``F`` gets
+width ``hull[k]`` from ``log2 F + u >= o_k`` on (:func:`hull_offsets`). One ``u`` is bisected: the
+largest that fits the budget (:func:`allocate_widths`, :func:`allocate_widths_by_count`) or the
+smallest whose predicted vNMSE meets a target (:func:`allocate_for_target`, ``..._by_count``).
+Inputs are all-reduced, so every rank computes the same widths. Zero super-groups get width 0,
+NaN ones the widest coded width. The paper's rule is :mod:`.allocation_paper`.
 """
 
 from __future__ import annotations
@@ -75,10 +55,7 @@ STATS_BYTES_PER_SUPER = STATS_BYTES["norm16"]  # the default: the bf16 squared n
 BISECTION_STEPS = 64
 FIXED_WIDTH = 4  # widths="fixed"
 
-# Single-quantization vNMSE of i.i.d. N(0, 1) per width (groups of 16; 8192 super-groups,
-# measured with the reference codec; docs/dense_gap.md). ``thresholds="measured"`` puts the
-# width thresholds where these give equal marginal gain per byte.
-# Keyed by (levels, scales), either of which may be a prototype enum (ProtoLevels, ProtoScales).
+# Single-quantization vNMSE of N(0, 1) per width, keyed by (levels, scales) (docs/dense_gap.md).
 MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
     (Levels.NONUNIFORM, Scales.HIERARCHICAL): {
         2: 0.7032, 3: 0.07086, 4: 0.01324, 5: 0.00286, 6: 6.856e-4, 7: 1.723e-4, 8: 7.895e-5,
@@ -94,9 +71,7 @@ MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
 }
 # dqcoll's format (format 3) without hop widths: the defaults of allocate_widths
 _FORMAT3_ERRORS = MEASURED_ERRORS[(Levels.TUNED, Scales.HIERARCHICAL4X32)]
-# Ties (bf16 statistics leave few distinct norms on dense data) are broken by row index in the
-# by-count rules so that the bisection can split them and the budget is used up: 2**-30 per row
-# is far below the spacing of distinct norms (>= log2(1 + 2**-8)).
+# by-count rules break ties (bf16 norms repeat) by row index, far below distinct norms' spacing
 _TIE_BREAK = 2.0**-30
 
 
@@ -123,19 +98,11 @@ def min_bits(scales: Scales = Scales.HIERARCHICAL4X32,
     return (record_nbytes(2, scales) + stats_bytes) * 8.0 / 256
 
 
-# -- the hull rule ----------------------------------------------------------------------------
-
-
 def hull_offsets(
     widths: tuple[int, ...], errors: dict[int, float], scales: Scales
 ) -> tuple[list[int], list[float]]:
-    """Widths on the lower convex hull of (record bytes, error) and their thresholds.
-
-    A super-group of summed norm ``F`` costs ``F * e_w`` error at ``B_w`` bytes; minimising the
-    total error under a byte budget (Lagrange multiplier ``2**-u``) gives width ``w_i`` of the
-    hull from ``log2 F + u >= o_i`` on, ``o_i = log2((B_i - B_{i-1}) / (e_{i-1} - e_i))``
-    (increasing along the hull). The paper's rule is this with ``e_w = 4**-w`` and W = {2, 4, 8}:
-    ``o_8 - o_4 = log2(512 / 17)``."""
+    """Widths on the lower convex hull of (record bytes, error) and their thresholds
+    ``o_i = log2((B_i - B_{i-1}) / (e_{i-1} - e_i))`` (``o_0 = -inf``)."""
     pts = sorted((record_nbytes(w, scales), errors[w], w) for w in widths)
     hull: list[tuple[int, float, int]] = []
     for p in pts:
@@ -143,7 +110,6 @@ def hull_offsets(
             continue  # costs more, no better
         while len(hull) >= 2:
             (b1, e1, _), (b2, e2, _) = hull[-2], hull[-1]
-            # drop the middle point when it lies on or above the chord from hull[-2] to p
             if (e2 - e1) * (p[0] - b1) >= (p[1] - e1) * (b2 - b1):
                 hull.pop()
             else:
@@ -157,8 +123,7 @@ def hull_offsets(
 
 def _hull_widths(width_set: Sequence[int], max_width: int, errors: dict[int, float] | None,
                  scales: Scales) -> tuple[list[int], list[float], int]:
-    """The widths the hull rule chooses among, their hull offsets and the widest coded width
-    (errors default to the paper's ``4**-w`` assumption)."""
+    """The hull's widths, offsets and widest coded width (errors None: ``4**-w``)."""
     widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
     if max_width == RAW_WIDTH:
         widths_all = (*widths_all, RAW_WIDTH)
@@ -170,8 +135,7 @@ def _hull_widths(width_set: Sequence[int], max_width: int, errors: dict[int, flo
 
 def _hull_rule(log_f: torch.Tensor, zero: torch.Tensor, nan: torch.Tensor, hull: list[int],
                offsets: list[float], top: int, u: float, shift: float = 0.0) -> torch.Tensor:
-    """Each row's width by the hull rule: ``hull[k]`` from ``log2 F + shift + u >= o_k`` on (the
-    widest width for NaN rows, 0 for zero rows)."""
+    """Each row's width by the hull rule (NaN rows: the widest coded width; zero rows: 0)."""
     key = log_f + shift if shift else log_f
     w = torch.full_like(log_f, hull[0], dtype=torch.int64)
     for width, off in zip(hull[1:], offsets[1:], strict=False):
@@ -181,8 +145,7 @@ def _hull_rule(log_f: torch.Tensor, zero: torch.Tensor, nan: torch.Tensor, hull:
 
 
 def cost_lookup(scales: Scales) -> torch.Tensor:
-    """Record bytes by width (int64 [17]; 0 for width 0): a copy of a table built once per
-    scales (17 element writes cost ~0.1 ms, at every call's allocation and geometry)."""
+    """Record bytes by width (int64 [17]; 0 for width 0), a copy of a cached table."""
     return _cost_table(scales).clone()
 
 
@@ -192,13 +155,9 @@ def _cost_table(scales: Scales) -> torch.Tensor:
                          for w in range(RAW_WIDTH + 1)], dtype=torch.int64)
 
 
-# -- the set-up every entry point shares ---------------------------------------------------------
-
-
 def _log_energies(norm2: torch.Tensor, energy_exponent: float = 1.0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a * log2 F, F == 0)`` per row in float64; ``log2 F`` of a zero row is 0 (it is masked)
-    and of an overflowed (+inf) norm 128, ranking it as the largest finite one."""
+    """``(a * log2 F, F == 0)`` per row in float64 (an overflowed norm: ``log2 F = 128``)."""
     f = norm2.double()
     zero = f == 0
     log_f = torch.log2(torch.where(zero, 1.0, f))
@@ -210,8 +169,8 @@ def _log_energies(norm2: torch.Tensor, energy_exponent: float = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class _Rows:
-    """The all-reduced norms as the hull rule reads them: on the host, float64 (every rank and
-    every device type computes the same widths, and the executor needs the sizes on the host)."""
+    """The all-reduced norms as the hull rule reads them: float64 on the host, so that every
+    rank and device type computes the same widths."""
 
     log_f: torch.Tensor  # a * log2 F (+ the tie break in the by-count rules)
     zero: torch.Tensor  # F == 0: width 0
@@ -247,9 +206,7 @@ class _Rows:
         return {c: self.widths(u, shift) for c, shift in shifts.items()}
 
     def bracket(self, shifts: Sequence[float] = (0.0,)) -> tuple[float, float]:
-        """``u`` with every finite row (of every class) at the narrowest width, and at the
-        widest."""
-        # extremes over the finite rows, without a masked copy (the same two values)
+        """``u`` with every finite row at the narrowest width, and at the widest."""
         top = float(torch.where(self.finite, self.log_f, -math.inf).max())
         low = float(torch.where(self.finite, self.log_f, math.inf).min())
         u_lo = self.offsets[1] - top - max(shifts) - 1.0
@@ -280,13 +237,9 @@ def _count_shifts(classes: dict[int, tuple[float, float]]) -> dict[int, float]:
     return {c: math.log2(a / t) for c, (a, t) in classes.items()}
 
 
-# -- bisections -----------------------------------------------------------------------------------
-
-
 def _largest_u_fitting(fits: Callable[[float], bool], u_lo: float, u_hi: float
                        ) -> tuple[float, bool]:
-    """Budget mode's bisection: ``(the largest u that fits, whether even u_lo does not)``
-    (``u_hi`` when it fits)."""
+    """Budget mode's bisection: ``(the largest u that fits, whether even u_lo does not)``."""
     if not fits(u_lo):
         return u_lo, True
     if fits(u_hi):
@@ -318,12 +271,8 @@ def smallest_u_meeting(error: Callable[[float], float], target: float, u_lo: flo
 
 
 class _HullCost:
-    """Cost of the hull rule at a given ``u`` without touching every row: per class ``c`` the keys
-    ``g = fl(log2 F + shift_c)`` of the finite, non-zero rows sorted once, so the rows at width
-    ``hull[k]`` or wider (``g + u >= o_k``, a suffix: ``fl(g + u)`` is monotone in ``g``) are
-    counted by a binary search. Exact: the search is corrected to the predicate's own boundary,
-    so every count, and hence every bisection decision, equals the row-by-row evaluation's
-    (64 halvings x 8 classes x 7 thresholds: ~3 ms at 2^16 rows instead of ~0.5 s)."""
+    """Cost of the hull rule at a given ``u`` by binary searches in each class's sorted keys,
+    corrected to the predicate's own boundary: every count equals the row-by-row evaluation's."""
 
     def __init__(self, log_f: torch.Tensor, zero: torch.Tensor, shifts: dict[int, float],
                  hull: list[int], offsets: list[float], top: int, lookup: torch.Tensor,
@@ -339,10 +288,9 @@ class _HullCost:
         base = keys[live][order]
         self.keys = {c: base + shift if shift else base for c, shift in shifts.items()}
         self.hull = hull
-        # target mode: prefix sums of the rows' energies in key order (band sums by subtraction)
+        # target mode: prefix sums of the rows' energies (and of ``F_s rho_s``) in key order
         self.prefix = None if energies is None else np.concatenate(
             [[0.0], np.cumsum(energies.numpy()[live][order])])
-        # and of ``F_s rho_s`` (per-row correlations; allocate_for_target_by_count)
         self.prefix_rho = None if correlated is None else np.concatenate(
             [[0.0], np.cumsum(correlated.numpy()[live][order])])
         costs = lookup.tolist()
@@ -406,9 +354,6 @@ def _classes_cost(ws: dict[int, torch.Tensor], classes: dict[int, tuple[float, f
     return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
 
 
-# -- entry points ---------------------------------------------------------------------------------
-
-
 def fixed_widths(rows: int, numel: int, bits: float, *, scales: Scales,
                  stats_bytes: int) -> Allocation:
     """``widths="fixed"``: every super-group at 4 bits, whatever the budget says."""
@@ -432,13 +377,9 @@ def allocate_widths(
     energy_exponent: float = 1.0,
 ) -> Allocation:
     """Widths for super-groups with summed squared norms ``norm2`` (fp32 [S]) under a budget of
-    ``bits`` per coordinate over ``numel`` coordinates (records plus statistics): the hull rule
-    over ``width_set`` (plus raw 16 with ``max_width=16``) with thresholds from ``errors``
-    (``None``: ``4**-w``), at the largest ``u`` that fits. The defaults are format 3's.
-
-    ``energy_exponent`` (``a``) ranks super-groups by ``F ** a`` instead of ``F``: 1 aims at the
-    least vNMSE; below 1 the widths follow the energies less steeply, so low-energy super-groups
-    keep more bits (0: every super-group the same width; docs/allocation.md)."""
+    ``bits`` per coordinate over ``numel`` coordinates (records plus statistics), at the largest
+    ``u`` that fits; the defaults are format 3's. ``energy_exponent`` ``a`` ranks super-groups
+    by ``F ** a`` (docs/allocation.md)."""
     rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
                     max_width=max_width, energy_exponent=energy_exponent)
     lookup = cost_lookup(scales)
@@ -461,15 +402,9 @@ def allocate_widths(
 
 def count_classes(subtree: Any) -> dict[int, tuple[float, float]]:
     """Per partial-sum size ``c`` (the executor's ``count``): ``(alpha_c, tau_c)``, the error
-    weight (quantizations of a ``c``-rank partial sum per chunk, times ``c``: its energy relative
-    to one rank's) and the share of the all-reduce's transfers that carry it. In a tree reduce
-    every non-sink rank sends its partial sum of a chunk once (count = its subtree size); the sink
-    encodes the full sum once (count n), which the all-gather forwards n - 1 times.
-
-    ``subtree[rank][chunk]`` as nested sequences or an ``[n, chunks]`` array. Vectorised (the
-    simulator passes n = 8192: 6.7e7 entries), with the floats of the plain loop this replaced:
-    classes in order of first appearance (chunk by chunk, rank by rank) and each ``m_c`` the
-    running sum of ``1 / chunks``, added once per send (:func:`_repeated_sum`)."""
+    weight (quantizations of a ``c``-rank partial sum per chunk, times ``c``) and the share of
+    the all-reduce's transfers that carry it, from ``subtree[rank][chunk]`` (sequences or an
+    array). Classes and floats are those of a plain loop, chunk by chunk, rank by rank."""
     sizes = np.asarray(subtree, dtype=np.int64)
     n = sizes.shape[0] if sizes.ndim == 2 else len(subtree)
     chunks = sizes.shape[1] if sizes.ndim == 2 and n else 0
@@ -487,8 +422,7 @@ def count_classes(subtree: Any) -> dict[int, tuple[float, float]]:
 
 
 def _repeated_sum(value: float, times: int) -> float:
-    """``0.0 + value + value + ...`` (``times`` additions, rounded one by one, as a loop would):
-    ``numpy.cumsum`` adds in order, a block at a time."""
+    """``0.0 + value + value + ...`` (``times`` additions rounded one by one, as a loop would)."""
     total = 0.0
     block = 1 << 20
     while times > 0:
@@ -511,9 +445,9 @@ def allocate_widths_by_count(
     max_width: int = 8,
     energy_exponent: float = 1.0,
 ) -> tuple[dict[int, torch.Tensor], Allocation]:
-    """Widths per super-group *and* partial-sum size (``hop_widths``): the hull rule with
-    ``log2 F`` shifted by ``log2(alpha_c / tau_c)`` for class ``c``, one ``u`` for all classes,
-    under the budget of the transfers' average record bytes (``sum_c tau_c B``)."""
+    """Widths per super-group and partial-sum size (``hop_widths``): ``log2 F`` shifted by
+    ``log2(alpha_c / tau_c)`` for class ``c``, one ``u`` under the budget of the transfers'
+    average record bytes."""
     rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
                     max_width=max_width, energy_exponent=energy_exponent, tie_break=True)
     stats = stats_bytes * norm2.numel()
@@ -542,8 +476,7 @@ def allocate_widths_by_count(
 
 
 def _numba_allocation() -> bool:
-    """Whether the compiled search runs (where the CPU kernels are numba's: ``DQCOLL_KERNELS``
-    auto or numba, numba importable); else the torch / NumPy code here (the reference)."""
+    """Whether the compiled search runs (where the CPU kernels are numba's)."""
     from ...kernels import dynamiq_ops
 
     return dynamiq_ops(torch.device("cpu")).name == "numba"
@@ -552,9 +485,7 @@ def _numba_allocation() -> bool:
 def _by_count_compiled(rows: _Rows, shifts: dict[int, float],
                        classes: dict[int, tuple[float, float]], lookup: torch.Tensor,
                        stats: int, budget: int) -> tuple[dict[int, torch.Tensor], Allocation]:
-    """:func:`allocate_widths_by_count`'s bisection and per-class widths, compiled
-    (:func:`dqcoll.kernels.allocation_numba.hull_by_count`): bit for bit the same ``u``, widths
-    and payload (tested), several times faster than the Python search."""
+    """:func:`allocate_widths_by_count`'s search, compiled: bit for bit the same result."""
     import numpy as np
 
     from ...kernels.allocation_numba import hull_by_count
@@ -591,17 +522,9 @@ def allocate_for_target_by_count(
     row_rho: torch.Tensor | None = None,
 ) -> tuple[dict[int, torch.Tensor], Allocation]:
     """:func:`allocate_for_target` with hop widths: the widths of :func:`allocate_widths_by_count`
-    (one ``u`` for every count class) at the smallest ``u`` whose predicted vNMSE meets
-    ``target``. Class ``c`` contributes ``alpha_c (1 + (c - 1) rho) / n`` times
-    ``unit_error[width] F`` per super-group (summed over the classes at rho = 0 this weight is the
-    schedule's path growth ``H``; :mod:`.error_model`).
-
-    ``row_rho`` (float64 ``[S]``, optional): each super-group's own correlation ``rho_s`` in
-    place of ``rho``, both in the partial sums' energies ``(1 + (c - 1) rho_s) F_s`` and in the
-    exact sum's ``(1 + (n - 1) rho_s) F_s``. Correlation differs between super-groups (rows that
-    only some ranks touch, like rare tokens' embedding rows, against shared dense ones), and the
-    low-energy, uncorrelated rows are the ones at narrow widths: one average ``rho`` puts their
-    errors too high."""
+    at the smallest ``u`` whose predicted vNMSE meets ``target``, class ``c`` weighted by
+    ``alpha_c (1 + (c - 1) rho) / n`` (docs/target_vnmse.md, "The model"). ``row_rho`` (float64
+    ``[S]``, optional): each super-group's own correlation in place of ``rho``."""
     rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
                     max_width=max_width, tie_break=True)
     stats = stats_bytes * norm2.numel()
@@ -654,9 +577,7 @@ def allocate_for_target(
     fixed: bool = False,
 ) -> Allocation:
     """The cheapest widths of the hull rule whose predicted vNMSE (:mod:`.error_model`) is at most
-    ``target``: the bisection on ``u`` keeps the smallest ``u`` (fewest bits) whose prediction
-    meets the target. Everything it reads is all-reduced, so every rank picks the same widths.
-    ``fixed``: 4 bits everywhere (``widths="fixed"``), only the prediction computed."""
+    ``target``. ``fixed``: 4 bits everywhere, only the prediction computed."""
     rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
                     max_width=max_width)
     stats = stats_bytes * norm2.numel()

@@ -1,31 +1,12 @@
 """The DynamiQ paper's bit allocation (``format="paper"``: ``width_set="paper"`` with
 ``thresholds="paper"``), a closed form over widths {2, 4, 8} (and raw 16 with ``max_width=16``).
 
-dqcoll's own format allocates by the hull rule of :mod:`.allocation`; this module is the paper's
-rule, kept as a separate alternative so that its configuration stays reproducible byte for byte
-(tools/dense_gap.py, docs/dense_gap.md compare the two).
-
-Equal marginal gain per bit gives thresholds on the summed squared norm ``F`` of a super-group with
-fixed ratios, ``T(2->4) = 17/512 * T(4->8)``, so the width has a closed form with one free scalar
-``u``:
-
-    width = 2 ** clamp(floor(log2(c * log2 F + u)), 1, 3),   c = 4 / log2(512 / 17)
-
-i.e. ``v = c * log2 F + u`` gives 2 bits below 4, 4 bits in [4, 8) and 8 bits from 8 on; we compare
-``v`` with 4 and 8 directly, which is the same thing without a second logarithm (16 from 16 on
-with ``max_width=16``). ``u`` is found by bisection (float64, a fixed number of halvings) as the
-largest value whose total wire cost (records + statistics) fits ``bits * numel / 8`` bytes, or in
-target mode as the smallest whose predicted vNMSE meets the target. Zero super-groups get width 0
-(no record), non-finite ``F`` 8 bits.
-
-The bisection evaluates the cost only where it can change (:class:`_Bracket`): widths grow
-monotonically with ``u``, so between a known-feasible and a known-infeasible ``u`` only the
-super-groups whose widths differ at the two ends (the *active* ones) need evaluating, and their
-number shrinks with every halving (about ``2 S`` row evaluations in all instead of ``64 S``). The
-sequence of midpoints and decisions is the one of a plain bisection, so ``u`` and the widths are
-too. Where the CPU kernels are numba's, :mod:`dqcoll.kernels.allocation_numba` runs the same
-halvings on costs counted in the sorted norms (~0.5 ms per call at 2^16 super-groups, where the
-torch ops took ~5 ms), bit for bit the same.
+Thresholds on a super-group's summed squared norm ``F`` in the fixed ratio ``T(2->4) = 17/512 *
+T(4->8)`` give, with one scalar ``u``, ``v = C_SLOPE * log2 F + u``: 2 bits below 4, 4 in [4, 8),
+8 from 8 on (16 from 16 with ``max_width=16``); zero super-groups get width 0, non-finite ``F``
+8. ``u`` is found by bisection as in :mod:`.allocation` (budget or target mode); a plain
+bisection's decisions, evaluated only on the rows still undecided (:class:`_Bracket`).
+docs/allocation.md and docs/dense_gap.md compare it with dqcoll's hull rule.
 """
 
 from __future__ import annotations
@@ -63,9 +44,7 @@ def _widths_for(
 
 
 def _width_of(log_f: float, u: float, max_width: int = 8) -> int:
-    """:func:`_widths_for` of one finite, non-zero row, in Python floats (bit-identical
-    decisions). Zero and NaN rows never reach it: their widths (0, 8) do not depend on ``u``,
-    so they are never active in a :class:`_Bracket`."""
+    """:func:`_widths_for` of one finite, non-zero row, in Python floats (bit-identical)."""
     v = C_SLOPE * log_f + u
     if max_width == RAW_WIDTH and v >= 16.0:
         return RAW_WIDTH
@@ -73,16 +52,14 @@ def _width_of(log_f: float, u: float, max_width: int = 8) -> int:
 
 
 def _log2_norms(norm2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log2 F, F == 0)`` in float64 on the host, before the +inf -> 128 adjustment (the
-    compiled allocation makes it itself)."""
+    """``(log2 F, F == 0)`` in float64 on the host, before :func:`_ranked`."""
     f = norm2.detach().to("cpu").double()
     zero = f == 0
     return torch.log2(torch.where(zero, 1.0, f)), zero
 
 
 def _ranked(log_f: torch.Tensor, energy_exponent: float = 1.0) -> torch.Tensor:
-    """``a * log2 F`` with an overflowed (+inf) norm ranked as the largest finite one (Inf/NaN
-    inputs give NaN norms)."""
+    """``a * log2 F`` with an overflowed (+inf) norm ranked as the largest finite one."""
     log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
     return log_f * energy_exponent if energy_exponent != 1.0 else log_f
 
@@ -97,10 +74,8 @@ def allocate_widths_paper(
     energy_exponent: float = 1.0,
     stats_bytes: int = STATS_BYTES["fp32"],
 ) -> Allocation:
-    """The paper's widths for super-groups with summed squared norms ``norm2`` (fp32 [S]) under a
-    budget of ``bits`` per coordinate over ``numel`` coordinates (records plus statistics). The
-    defaults are the paper's configuration. ``energy_exponent`` (``a``) ranks super-groups by
-    ``F ** a`` (see :func:`.allocation.allocate_widths`)."""
+    """The paper's widths for summed squared norms ``norm2`` (fp32 [S]) under a budget of ``bits``
+    per coordinate over ``numel`` coordinates (see :func:`.allocation.allocate_widths`)."""
     stats = stats_bytes * norm2.numel()
     budget = math.floor(bits * numel / 8.0)
     lookup = cost_lookup(scales)
@@ -192,17 +167,10 @@ def allocate_for_target_paper(
 
 
 class _Bracket:
-    """A known-feasible and a known-infeasible ``u`` and the rows whose widths differ between them.
+    """A known-feasible and a known-infeasible ``u`` and the rows whose widths differ between them;
+    exact, because every row's width is monotone in ``u``."""
 
-    ``feasible(u)`` answers from the bracket when ``u`` lies outside it and otherwise evaluates
-    only the active rows, then narrows the bracket to ``u``: exact, because every row's width is
-    monotone in ``u`` (``fl(a + u)`` is monotone in ``u``), so a row with equal widths at both ends
-    has that width everywhere between them.
-    """
-
-    # At most this many active rows: evaluate them in Python floats (the same IEEE double
-    # multiply and add as the tensor ops, without their per-call overhead; a bisection ends with
-    # dozens of evaluations of a handful of rows).
+    # at most this many active rows are evaluated in Python floats (same IEEE ops, less overhead)
     _PYTHON_ROWS = 16
 
     def __init__(
@@ -271,8 +239,7 @@ class _Bracket:
 
 
 def _compiled_allocation() -> Callable[..., tuple[int, float, int]] | None:
-    """The compiled allocation where the CPU kernels are numba's (``DQCOLL_KERNELS`` auto or
-    numba, numba importable); None: the torch reference above (``DQCOLL_KERNELS=torch``)."""
+    """The compiled allocation where the CPU kernels are numba's; None: the reference above."""
     from ...kernels import dynamiq_ops
 
     if dynamiq_ops(torch.device("cpu")).name != "numba":

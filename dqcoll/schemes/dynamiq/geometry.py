@@ -1,10 +1,6 @@
 """Where one ``dynamiq`` call's records lie (step 6 of :mod:`.call`): byte offsets, runs of equal
-width, the ``n`` chunks, and each chunk's segments.
-
-The rows are in the call's sorted order (by width; with hop widths striped over the chunks). A
-record of width ``w`` takes :func:`.codec.record_nbytes` bytes; width-0 rows have none. With hop
-widths a row's width depends on the count of its partial sum, so the offsets and runs are kept per
-count class, and the chunk geometry follows their traffic-weighted average.
+width, the ``n`` chunks and each chunk's segments, over the rows in the call's sorted order; with
+hop widths per count class, the chunks following their traffic-weighted average.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ Segments = list[tuple[int, int, int, int]]  # (width, first row, end row, byte o
 
 
 def _runs(sorted_widths: np.ndarray, rows: int) -> Runs:
-    """Maximal runs (width, first row, end row) of equal non-zero width (width-0 rows have no
-    records)."""
+    """Maximal runs (width, first row, end row) of equal non-zero width."""
     runs = []
     change = np.flatnonzero(sorted_widths[1:] != sorted_widths[:-1]) + 1
     for a, b in itertools.pairwise([0, *change.tolist(), rows]):
@@ -38,10 +33,8 @@ def _runs(sorted_widths: np.ndarray, rows: int) -> Runs:
 
 class Geometry:
     """Byte offset of each sorted row's record (``row_offsets``) and the runs of equal width
-    (``runs``); with hop widths, per count class (``by_count``), and ``row_offsets`` the
-    traffic-weighted average that the chunk geometry follows. Shared by a call's tile views (the
-    executor's shallow copies), which ask for other rows: :meth:`segments` is memoised per rows
-    and count class."""
+    (``runs``); with hop widths also per count class (``by_count``). Shared by a call's tile
+    views, so :meth:`segments` is memoised."""
 
     def __init__(self, sorted_widths: np.ndarray, order: np.ndarray, scales: Scales,
                  hop: dict[int, torch.Tensor] | None, hop_tau: dict[int, float]) -> None:
@@ -54,7 +47,7 @@ class Geometry:
         self.row_offsets: np.ndarray = offsets
         self.runs = _runs(sorted_widths, rows)
         self.by_count: dict[int, tuple[np.ndarray, Runs]] = {}
-        # segments' memo: (first row, end row, count class) -> segments; each class's run starts
+        # (first row, end row, count class) -> segments; each class's run starts
         self._segment_cache: dict[tuple[int, int, int | None], Segments] = {}
         self._run_starts: dict[int | None, list[int]] = {}
         if hop is None:
@@ -69,9 +62,8 @@ class Geometry:
         self.row_offsets = avg
 
     def chunk_bounds(self, n: int, shard_row_counts: torch.Tensor | None) -> list[int]:
-        """The first sorted row of each of the ``n`` chunks, and the end: striped with hop widths
-        (as many rows per chunk as the stripes give it), the shards in the shard layout (given
-        its rows per shard), else ``n`` chunks of (nearly) equal bytes."""
+        """The first sorted row of each of the ``n`` chunks, and the end: striped with hop widths,
+        shards given ``shard_row_counts``, else chunks of (nearly) equal bytes."""
         rows = self.rows
         if self.striped:  # chunk c: sorted rows c, c + n, ... (the call's stripe c)
             return [0, *np.cumsum([rows // n + (c < rows % n) for c in range(n)]).tolist()]
@@ -93,8 +85,7 @@ class Geometry:
 
     def segments(self, lo: int, hi: int, count: int | None = None) -> Segments:
         """(width, first row, end row, byte offset in the chunk payload) of each run in sorted
-        rows ``[lo, hi)``. Cached per (rows, count): every hop of every tile asks again, and a
-        striped layout has hundreds of runs."""
+        rows ``[lo, hi)``, cached per (rows, count)."""
         key = (lo, hi, count if self.by_count else None)
         cached = self._segment_cache.get(key)
         if cached is not None:
@@ -121,10 +112,8 @@ class Geometry:
         return int(row_offsets[hi] - row_offsets[lo])
 
     def hop_wire_payload(self, chunk_bounds: list[int], subtree: np.ndarray, n: int) -> int:
-        """With hop widths, what the all-reduce sends in all over every rank: ``sum over (rank,
-        chunk) with subtree < n of payload_nbytes(chunk, subtree)`` plus ``(n - 1)
-        payload_nbytes(chunk, n)`` per chunk, vectorised (exact integers): a matrix of payload
-        bytes per (count class, chunk), summed over the ranks a block at a time."""
+        """With hop widths, the all-reduce's payload bytes over every rank: each partial sum
+        (subtree < n) once, and each final payload ``n - 1`` times."""
         bounds = np.asarray(chunk_bounds, dtype=np.int64)
         classes = sorted(self.by_count)
         class_of = np.zeros(n + 1, np.int64)

@@ -1,14 +1,8 @@
-"""The ``dynamiq`` scheme's options: a format preset, the few options a user sets, and the
-research knobs, parsed and checked once at construction.
+"""The ``dynamiq`` scheme's options, parsed and checked once at construction.
 
-A user picks a *format* (``"dqcoll"``, the default, or ``"paper"``, the DynamiQ paper's
-configuration) and sets ``bits`` (or ``target_vnmse``), ``rounding``, ``seed``,
-``energy_exponent`` and ``balance``. Everything else the format fixes; the research knobs
-(:data:`RESEARCH_OPTIONS`) override one field of the preset each, for ablations
-(``tools/dense_gap.py``, ``tools/ablation.py``). A preset is a :class:`DynamiqFormat`, so a
-configuration reads as one object rather than sixteen keyword arguments; the knobs stay plain
-keywords so that the command line's ``dynamiq:width_set=paper;hop_widths=false`` and
-``dqcoll.allreduce(x, stats="fp32")`` keep working.
+A user picks a format preset (:data:`FORMATS`: ``"dqcoll"``, the default, or ``"paper"``, the
+DynamiQ paper's configuration) and sets :data:`USER_OPTIONS`; the research knobs
+(:data:`RESEARCH_OPTIONS`, for ablations) override one field of the :class:`DynamiqFormat` each.
 """
 
 from __future__ import annotations
@@ -47,25 +41,13 @@ class Balance(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class DynamiqFormat:
-    """What a format preset fixes: the codec's levels, scales and widths, and the allocation's
-    rule. Field by field (docs/dense_gap.md measures each departure from the paper's):
-
-    * ``levels``, ``scales``: the codec (:class:`~dqcoll.kernels.codec.CodecConfig`); ``scales``
-      may be a prototype encoding (:class:`~dqcoll.kernels.codec.ProtoScales`, torch reference
-      only);
-    * ``widths``: ``VARIABLE`` (one width per super-group) or ``FIXED`` (4 bits everywhere);
-    * ``width_set``: ``"fine"``, widths {2, ..., 8}, or ``"paper"``, {2, 4, 8};
-    * ``thresholds``: ``"measured"`` (the lower convex hull of the codec's own single-shot
-      errors against record bytes), ``"paper"`` (``4**-w`` errors) or ``"auto"`` (``"measured"``
-      where those errors are measured for the levels and scales, else ``"paper"``);
-    * ``stats``: ``"norm16"`` (the bf16 squared norm, 2 B per super-group, no centring),
-      ``"bf16"`` (bf16 mean and norm, 4 B; the local mean rounded to bf16 before centring) or
-      ``"fp32"`` (8 B, the paper's);
-    * ``hop_widths``: each super-group's width also depends on how many ranks the partial sum
-      being encoded holds (all-reduce only; :func:`.allocation.allocate_widths_by_count`);
-    * ``max_width``: 16 lets super-groups go raw (so that a budget above 8 bits everywhere still
-      buys a lower error, and tight targets can be met); 8 is the paper's.
-    """
+    """What a format preset fixes: the codec's levels and scales (``scales`` may be a torch-only
+    :class:`~dqcoll.kernels.codec.ProtoScales`), ``widths`` (``VARIABLE`` or ``FIXED`` at 4),
+    ``width_set`` (``"fine"``: 2-8, ``"paper"``: {2, 4, 8}), ``thresholds`` (``"measured"``: the
+    hull of the codec's own errors, ``"paper"``: ``4**-w``, ``"auto"``: measured where known),
+    ``stats`` (``"norm16"`` 2 B, ``"bf16"`` mean and norm 4 B, ``"fp32"`` 8 B per super-group),
+    ``hop_widths`` (widths per partial-sum size, all-reduce only) and ``max_width`` (16: raw
+    super-groups allowed; 8: the paper's). docs/dense_gap.md measures each field."""
 
     levels: Levels = Levels.TUNED
     scales: Scales | ProtoScales = Scales.HIERARCHICAL4X32
@@ -82,8 +64,7 @@ class DynamiqFormat:
         return FINE_WIDTHS if self.width_set == "fine" else WIDTHS
 
 
-# Format 3, dqcoll's default (docs/dense_gap.md), and the paper's configuration (format 2's
-# defaults, byte for byte).
+# Format 3, dqcoll's default (docs/dense_gap.md), and the paper's configuration.
 FORMATS: dict[str, DynamiqFormat] = {
     "dqcoll": DynamiqFormat(),
     "paper": DynamiqFormat(levels=Levels.NONUNIFORM, scales=Scales.HIERARCHICAL,
@@ -113,9 +94,7 @@ def parse_enum(enum_type: Any, value: Any, name: str) -> Any:
 
 
 def parse_flag(value: Any, name: str) -> bool:
-    """A boolean option: ``True``/``False``, ``1``/``0`` or one of the strings ``"true"``,
-    ``"false"``, ``"1"``, ``"0"``, ``"yes"``, ``"no"``, ``"on"``, ``"off"`` (any case: the
-    command line passes ``hop_widths=false`` as a string)."""
+    """A boolean option: a bool, ``1``/``0`` or a string such as ``"false"`` (command line)."""
     if isinstance(value, bool | np.bool_):
         return bool(value)
     if isinstance(value, int) and value in (0, 1):
@@ -144,9 +123,8 @@ def _scales(value: Any) -> Scales | ProtoScales:
 
 
 def resolve_format(format: str, research: Mapping[str, Any]) -> DynamiqFormat:
-    """The preset named ``format`` with the research knobs in ``research`` applied, every field
-    parsed and checked, ``thresholds="auto"`` settled. ``research`` may hold ``error_model``
-    too (not a format field: the caller reads it)."""
+    """The preset named ``format`` with the research knobs applied, checked, ``"auto"`` settled
+    (``research`` may hold ``error_model``, which the caller reads)."""
     if format not in FORMATS:
         raise InvalidArgumentError(
             f"dynamiq: format must be one of {list(FORMATS)}, got {format!r}")
@@ -184,8 +162,7 @@ def resolve_format(format: str, research: Mapping[str, Any]) -> DynamiqFormat:
 
 
 def parse_bits(bits: Any, fmt: DynamiqFormat) -> float:
-    """The bit budget per coordinate: a finite number, at least the format's floor (every
-    super-group at 2 bits with its scales and statistics) when the widths vary."""
+    """The bit budget per coordinate, at least the format's floor when the widths vary."""
     try:
         value = float(bits)
     except (TypeError, ValueError):

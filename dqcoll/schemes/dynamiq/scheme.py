@@ -1,11 +1,6 @@
-"""The ``dynamiq`` scheme: its options, and its codec as a single-shot compressor.
-
-``DynamiqScheme(bits=5, format="dqcoll", ...)`` holds what a user chose (:mod:`.options`: a format
-preset plus ``bits`` / ``target_vnmse``, ``rounding``, ``seed``, ``energy_exponent``,
-``balance``; research knobs override the preset). Each collective call plans itself in a
-:class:`~.call.DynamiqCall` (statistics, allocation, reorder, geometry; the per-hop operations);
-the codec's format is :mod:`dqcoll.kernels.codec`, the allocation rules :mod:`.allocation`
-(dqcoll's format) and :mod:`.allocation_paper` (the paper's).
+"""The ``dynamiq`` scheme: its options (:mod:`.options`), and its codec as a single-shot
+compressor. Each collective call plans itself in a :class:`~.call.DynamiqCall`; the format is
+:mod:`dqcoll.kernels.codec`, the allocation :mod:`.allocation` (:mod:`.allocation_paper`).
 """
 
 from __future__ import annotations
@@ -46,25 +41,13 @@ class DynamiqScheme:
     """DynamiQ: variable widths per 256-coordinate super-group, non-uniform levels, hierarchical
     scales, correlated stochastic rounding.
 
-    The options a user sets:
-
-    * ``bits``: the budget per coordinate, everything on the wire included (at least the
-      format's floor: 2.25 for ``"dqcoll"``, 2.81 for ``"paper"``); or ``target_vnmse``: the
-      fewest bits per call whose predicted vNMSE meets it (docs/target_vnmse.md);
-    * ``format``: ``"dqcoll"`` (format 3, the default) or ``"paper"`` (the DynamiQ paper's
-      configuration: widths {2, 4, 8}, its levels and uint8 scales per 16, fp32 statistics, its
-      closed-form allocation, one width per super-group for every hop, at most 8 bits);
-    * ``rounding``: ``"correlated"`` (the paper's, default) or ``"independent"``;
-    * ``seed``: the rounding seed of the single-shot codec (collectives take the call's);
-    * ``energy_exponent``: in [0, 1], rank super-groups by ``F ** a`` (docs/allocation.md);
-    * ``balance``: ``"bytes"`` (equal-byte chunks, the default) or ``"shards"`` (the
-      reduce-scatter layout, see :mod:`.call`).
-
-    ``**research_options`` override one field of the format each (:data:`.options.
-    RESEARCH_OPTIONS`: ``levels``, ``scales``, ``widths``, ``width_set``, ``thresholds``,
-    ``stats``, ``hop_widths``, ``max_width``; see :class:`.options.DynamiqFormat`), plus
-    ``error_model`` (:class:`.error_model.ErrorModel`, for ``target_vnmse``). An unknown option
-    raises and names the valid ones.
+    ``bits``: the budget per coordinate, everything on the wire included (at least 2.25 for
+    ``"dqcoll"``, 2.81 for ``"paper"``); ``target_vnmse``: the fewest bits whose predicted vNMSE
+    meets it (docs/target_vnmse.md); ``format``: ``"dqcoll"`` or ``"paper"``; ``rounding``:
+    ``"correlated"`` or ``"independent"``; ``seed``: the single-shot codec's; ``energy_exponent``
+    in [0, 1] (docs/allocation.md); ``balance``: :class:`.options.Balance`.
+    ``**research_options`` override one :class:`.options.DynamiqFormat` field each (plus
+    ``error_model``); an unknown option raises and names the valid ones.
     """
 
     spec = SchemeSpec(
@@ -105,9 +88,7 @@ class DynamiqScheme:
         self.widths_mode: Widths = fmt.widths
         self.width_set, self.thresholds, self.stats = fmt.width_set, fmt.thresholds, fmt.stats
         self.hop_widths, self.max_width = fmt.hop_widths, fmt.max_width
-        # The prototype scale encodings exist in the torch reference only; a call whose widths
-        # or scales the device's kernels do not implement (``DynamiqOps.formats``) runs on the
-        # reference too (DynamiqCall).
+        # prototype scale encodings exist in the torch reference only
         self.reference_only = isinstance(fmt.scales, ProtoScales)
 
     @property
@@ -117,8 +98,7 @@ class DynamiqScheme:
 
     @property
     def paper_rule(self) -> bool:
-        """Whether the allocation is the paper's closed form (:mod:`.allocation_paper`): its widths
-        {2, 4, 8} with its ``4**-w`` thresholds; else the hull rule of :mod:`.allocation`."""
+        """Whether the allocation is the paper's closed form (:mod:`.allocation_paper`)."""
         return self.width_set == "paper" and self.thresholds == "paper"
 
     @property
@@ -150,8 +130,6 @@ class DynamiqScheme:
                collective: Collective) -> tuple[float, Survey] | None:
         """The range check's pass with the call's statistics in it (:func:`.call.survey`)."""
         return survey(self, x, op, world_size, collective)
-
-    # -- single-shot codec (one worker, local statistics) -----------------------------------
 
     def wire_nbytes(self, numel: int) -> int:
         rows = -(-numel // SUPER)
