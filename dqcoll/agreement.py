@@ -1,38 +1,14 @@
 """Settings every rank must share, agreed once where ranks start to talk: never per call.
 
-Some settings change which messages a collective sends, or their sizes: ``DQCOLL_VALIDATE`` (the
-argument check is one exchange more, and its vector a message of its own), ``DQCOLL_AUTO_FORCE``
-(``scheme="auto"`` runs the group's own all-reduce or dqcoll's schedule), the communicator's seed
-(the random rounding; the argument check compares it per call, but not under
-``DQCOLL_VALIDATE=0``), and for the integrations the compression policy (which calls are
-compressed, on which connection). Ranks that differ on one of them do not fail cleanly later:
-over gloo a longer message than expected aborts the process (SIGABRT inside gloo), and ranks
-that take different paths (exact and compressed) wait for each other until the timeout.
-
-So they are agreed before any payload moves, in one small exchange:
-
-* :func:`agree_over` at the creation of a :class:`~dqcoll.comm.Communicator` whose transport
-  spans processes (``torch``: gloo or a torch process group, ``nccl4py``, ``nccl-cupy``): a
-  fixed-size vector of hashes, all-reduced (max of the hashes and of their negatives); only
-  when they differ, a second exchange carries every rank's text, so the
-  :class:`~dqcoll.errors.MismatchError` that every rank raises names each differing setting
-  and each rank's value. ``dqcoll.init()``, the DDP hook's communicators, the integrations'
-  lanes and :meth:`~dqcoll.comm.Communicator.shrink` all create one.
-  Skipped (with the reason in :data:`SKIPPED`): the ``local`` transport (its ranks are threads
-  of one process: one environment) and ``subgroup`` views (views of a transport whose ranks
-  already agreed; hierarchical all-reduce makes them per call).
-* :func:`agree_through_store` where the ranks have a key-value store but not yet a common
-  connection, or will take different connections depending on the settings (the FSDP2
-  classes: the policy decides between FSDP2's own collectives and a lane): every rank writes
-  its text under its own key and reads the others'.
-
-The communicator keeps what it agreed (:attr:`~dqcoll.comm.Communicator.validate`,
-``auto.force``): a later change of the environment on one rank does not reach the wire.
-
-Not agreed here: ``DQCOLL_TUNING_DIR`` (``algorithm="auto"``'s tables may differ by machine
-through the detected topology anyway; the argument check compares the algorithm of every
-call), ``DQCOLL_KERNELS`` and ``DQCOLL_CPU_THREADS`` (results do not depend on them),
-``DQCOLL_TIMEOUT_S`` and ``DQCOLL_LOG_LEVEL`` (no message changes).
+Settings that change which messages a collective sends (:func:`wire_settings`, an integration's
+compression policy) are agreed before any payload moves: ranks that differ would fail uncleanly
+later (gloo aborts on a longer message than expected; ranks on different paths wait until the
+timeout). :func:`agree_over` runs when a communicator over a transport in
+:data:`AGREED_TRANSPORTS` is created: one all-reduce of hashes, a second with every rank's text only
+where they differ, so the :class:`~dqcoll.errors.MismatchError` every rank raises names each value.
+:func:`agree_through_store` does the same through a key-value store (the FSDP2 classes). Not
+agreed: ``DQCOLL_TUNING_DIR`` (the argument check compares each call's algorithm) and the settings
+no message depends on (kernels, threads, timeout, log level).
 """
 
 from __future__ import annotations
@@ -62,8 +38,7 @@ _LIMIT = (1 << 62) - 1
 
 
 def wire_settings(seed: int) -> dict[str, str]:
-    """The settings of this process that every rank of a communicator must share (canonical
-    text: a parsed value, not the variable's spelling)."""
+    """The settings every rank of a communicator must share, as canonical text."""
     return {
         "DQCOLL_VALIDATE": "1" if envs.validate() else "0",
         "DQCOLL_AUTO_FORCE": envs.auto_force() or "",
@@ -91,10 +66,8 @@ def _parse(text: str) -> dict[str, str]:
 
 def agree_over(transport: Any, settings: Mapping[str, str], *, what: str) -> str | None:
     """Raise :class:`MismatchError` on every rank of ``transport`` unless all hold the same
-    ``settings`` (at most :data:`SLOTS`); one small all-reduce, two where they differ.
-    ``what`` labels the exchange: the same text on every rank. Returns why nothing was
-    exchanged (one rank, or a transport in :data:`SKIPPED`), else
-    None."""
+    ``settings`` (at most :data:`SLOTS`; ``what`` the same on every rank). Returns why nothing
+    was exchanged (one rank, a transport in :data:`SKIPPED`), else None."""
     name = getattr(transport, "name", "")
     if transport.world_size == 1:
         return "one rank"
@@ -132,10 +105,8 @@ def agree_over(transport: Any, settings: Mapping[str, str], *, what: str) -> str
 def agree_through_store(store: Any, prefix: str, rank: int, world_size: int,
                         settings: Mapping[str, str], *, timeout_s: float,
                         what: str) -> None:
-    """:func:`agree_over` through a key-value store: rank ``r`` writes its settings under
-    ``prefix + str(r)`` and reads every other rank's (waiting at most ``timeout_s`` for them
-    to be written; a rank still missing then is named in a
-    :class:`~dqcoll.errors.CollectiveTimeoutError`)."""
+    """:func:`agree_over` through a key-value store (keys ``prefix + str(rank)``); a rank missing
+    after ``timeout_s`` is named in a :class:`~dqcoll.errors.CollectiveTimeoutError`."""
     if world_size == 1:
         return
     keys = [f"{prefix}{r}" for r in range(world_size)]
@@ -151,8 +122,7 @@ def agree_through_store(store: Any, prefix: str, rank: int, world_size: int,
         time.sleep(pause)
         pause = min(0.05, 2 * pause)
     found = [_parse(bytes(store.get(key)).decode(errors="replace")) for key in keys]
-    # every rank has read before any goes on: a rank that raises may exit at once, and with it
-    # the store it serves (rank 0 of a torchrun job) while its peers still read
+    # all read before any goes on: a raising rank 0 may exit, and the store it serves with it
     done = [f"{prefix}read/{r}" for r in range(world_size)]
     store.set(done[rank], "1")
     try:

@@ -1,35 +1,12 @@
 """Running one collective: from a :class:`~dqcoll.prepare.Request` to the caller's buffer.
 
-:func:`launch` is what every public collective calls. It runs the call now, in the caller's
-stream scope (:func:`dqcoll.interop.stream_scope`: torch's current stream for torch tensors,
-CuPy's for CuPy arrays), or with ``async_op=True`` on the communicator's worker, returning a
-:class:`~dqcoll.handles.CollectiveHandle` at once (see :mod:`dqcoll.handles`); a synchronous call
-first waits for the communicator's pending asynchronous ones. Either way :func:`run` goes down
-the steps of the call path in order:
-
-1. :func:`dqcoll.prepare.prepare_call`: the local checks and the resolved scheme, schedule and
-   buffers (a failure is recorded, not raised);
-2. :func:`dqcoll.validate.handshake`: every rank raises together if any is invalid or they
-   disagree, and they agree on the range scaling;
-3. :func:`_execute`: the scheme plans the call (statistics, allocation) and
-   :func:`dqcoll.executor.run_schedule` runs the schedule, cut into tiles of ``tile_nbytes``
-   (default :func:`~dqcoll.executor.default_tile_nbytes`: 4 MiB on CPUs, 64 MiB on CUDA devices)
-   with ``tiles_in_flight`` overlapping (the result depends on neither, but all ranks must agree
-   on them, so they are part of the argument check). The result is written into the caller's
-   buffer last, so an error leaves the input untouched.
-
-A call with ``scheme="auto"`` or ``algorithm="auto"`` (:func:`_run_planned`) takes the same steps
-and then runs what :mod:`dqcoll.planner` decides for it: a flat schedule, two levels
-(:mod:`dqcoll.hierarchical`), or, for ``none`` / ``bf16`` under ``auto`` over a torch process
-group, the group's own all-reduce (:func:`_native_allreduce`). Its time is agreed at the
-communicator's next planned call (it rides in the argument check) and calibrates the planner.
-
-A failure after the argument check (data moved, or may have) leaves the communicator dead: peers
-may be anywhere in the call and its messages may still be in flight (NCCL's rule after an error).
-
-:func:`run` records every call it runs, whatever its outcome, in ``comm.metrics``
-(:func:`dqcoll.call_metrics.recording`: the plan from ``comm.last_info``, the wall time, the bytes
-sent).
+:func:`launch`, what every public collective calls, runs the call now in the caller's stream scope
+or, with ``async_op=True``, on the communicator's worker (:mod:`dqcoll.handles`). :func:`run` takes
+the call path's steps in order: :func:`dqcoll.prepare.prepare_call` (local checks, recorded),
+:func:`dqcoll.validate.handshake` (every rank raises together), then :func:`_execute` (the scheme's
+call over :func:`dqcoll.executor.run_schedule`, the caller's buffer written last) or, for a planned
+call (:func:`_run_planned`), what :mod:`dqcoll.planner` decides. A failure after the argument check
+leaves the communicator dead; every call is recorded in ``comm.metrics``. docs/design.md §2, §8.
 """
 
 from __future__ import annotations
@@ -63,8 +40,7 @@ from .types import Collective, ReduceOp
 __all__ = ["launch", "run"]
 
 def launch(request: Request) -> Any:
-    """Run one collective now (in the caller's stream scope) or, with ``async_op``, on the
-    communicator's worker; returns its result buffer or a handle."""
+    """Run one collective now or, with ``async_op``, on the worker; returns its result or handle."""
     comm = request.comm or get_default_comm()
     if request.async_op:
         return handles.submit(comm, lambda: run(request, comm), buf=request.buf,
@@ -95,17 +71,14 @@ def _run_checked(request: Request, comm: Communicator) -> None:
     try:
         _execute(call, comm, shift_for(call, comm.world_size, exponent))
     except BaseException as exc:
-        # Data moved (or may have): peers may be anywhere in this call, and messages of it may
-        # still be in flight. The next call could read them as its own, so the communicator
-        # is done for (NCCL's rule after an error, too).
+        # messages of this call may still be in flight: the next call could read them as its own
         comm.mark_dead(f"{call.what} failed: {type(exc).__name__}: {exc}")
         raise
 
 
 def _run_planned(request: Request, comm: Communicator) -> None:
-    """A call the planner decides (``scheme="auto"`` or ``algorithm="auto"``): prepare, argument
-    check (with this rank's time of the communicator's previous planned call riding along, its
-    maximum over ranks calibrating the planner), plan, run the plan."""
+    """A planned call: prepare, argument check (carrying this rank's time of the previous
+    planned call, whose maximum calibrates the planner), plan, run the plan."""
     call = prepare_call(request, comm)
     extra = [comm.last_plan_us] if comm.validate else None  # DQCOLL_VALIDATE=0: uncalibrated
     exponent = validate.handshake(call, comm, extra)
@@ -129,10 +102,8 @@ def _run_planned(request: Request, comm: Communicator) -> None:
 
 def _plan(call: PreparedCall, comm: Communicator, request: Request, previous_us: int
           ) -> planner_mod.Plan | None:
-    """The planner's plan of ``call``, or None where there is nothing to decide (nothing
-    moves, or a named scheme over two ranks: one algorithm, no two levels). The planner is made
-    at the communicator's first planned call (collective: every rank is here, the argument
-    check passed), and first calibrated with the previous planned call's agreed time."""
+    """The planner's plan of ``call``, or None where there is nothing to decide (nothing moves,
+    or a named scheme over two ranks). Makes the planner at the first planned call (collective)."""
     tensor, scheme = call.tensor, call.scheme
     assert tensor is not None and scheme is not None
     n = comm.world_size
@@ -160,8 +131,7 @@ def _plan(call: PreparedCall, comm: Communicator, request: Request, previous_us:
 
 def _run_plan(call: PreparedCall, comm: Communicator, plan: planner_mod.Plan | None,
               exponent: int) -> None:
-    """Run ``plan`` (None: the one flat algorithm): the process group's own all-reduce, two
-    levels (:mod:`dqcoll.hierarchical`), or a flat schedule of the planned scheme."""
+    """Run ``plan`` (None: the one flat algorithm): native, two levels or a flat schedule."""
     n = comm.world_size
     if plan is None:
         call.schedule = algorithms.build_schedule(planner_mod.flat_algorithms(n)[0], n)
@@ -179,8 +149,7 @@ def _run_plan(call: PreparedCall, comm: Communicator, plan: planner_mod.Plan | N
 
 
 def _run_two_level(call: PreparedCall, comm: Communicator, levels: Any) -> None:
-    """A two-level plan over the caller's checked buffers; the level across hosts takes the
-    call's scheme options (bits or target) where it runs the call's scheme."""
+    """A two-level plan; an inter level that runs the call's scheme takes the call's options."""
     assert call.tensor is not None and call.op is not None and call.scheme is not None
     inter = levels.inter
     if inter.scheme == call.scheme.spec.name:
@@ -194,9 +163,7 @@ def _run_two_level(call: PreparedCall, comm: Communicator, levels: Any) -> None:
 
 
 def _native_allreduce(call: PreparedCall, comm: Communicator, scheme: str) -> None:
-    """``auto``'s ``none`` / ``bf16`` over a torch process group: the group's own all-reduce,
-    what DDP runs without a hook (``avg``: divided by n first, as ``allreduce_hook``), ``bf16``
-    cast to bf16 and back around it (torch's ``bf16_compress_hook``)."""
+    """``auto``'s ``none`` / ``bf16``: the group's own all-reduce, as torch's DDP hooks run it."""
     tensor = call.tensor
     assert tensor is not None and call.op is not None
     n = comm.world_size
@@ -212,8 +179,7 @@ def _native_allreduce(call: PreparedCall, comm: Communicator, scheme: str) -> No
 
 
 def _execute(call: PreparedCall, comm: Communicator, shift: int) -> None:
-    """Run one checked collective over its schedule; write the caller's buffers last.
-    ``shift``: the agreed range scaling (:func:`dqcoll.prepare.range_shift`), 0 for none."""
+    """Run one checked collective (``shift``: the agreed range scaling); write the buffers last."""
     scheme, schedule, op = call.scheme, call.schedule, call.op
     assert scheme is not None and schedule is not None and op is not None
     comm.last_info = {"scheme": scheme.spec.name, "algorithm": schedule.algorithm}
@@ -243,9 +209,8 @@ def _execute(call: PreparedCall, comm: Communicator, shift: int) -> None:
 
 
 def _codec_input(call: PreparedCall, comm: Communicator) -> torch.Tensor | None:
-    """The whole buffer the schedule reduces (all-gather: this rank's shard in place among
-    zeros), or None where nothing moves (empty, or one rank: the output is the input, written
-    here)."""
+    """The buffer the schedule reduces (all-gather: this rank's shard among zeros), or None where
+    nothing moves (empty, or one rank: the output, written here, is the input)."""
     assert call.tensor is not None
     flat = call.tensor.view(-1)
     n = comm.world_size
@@ -262,8 +227,7 @@ def _codec_input(call: PreparedCall, comm: Communicator) -> torch.Tensor | None:
 
 
 def _restore(call: PreparedCall, comm: Communicator, coded: SchemeCall, shift: int) -> None:
-    """Decode the result into the caller's buffer (reduce-scatter: this rank's shard only),
-    unscaled by ``2**shift``."""
+    """Decode the result into the caller's buffer (reduce-scatter: its shard), unscaled."""
     assert call.tensor is not None
     flat = call.tensor.view(-1)
     if call.collective is Collective.ALLREDUCE:
@@ -271,13 +235,8 @@ def _restore(call: PreparedCall, comm: Communicator, coded: SchemeCall, shift: i
     else:
         assert call.out is not None
         target = call.out.view(-1)
-    # A stream-ordered transport (NCCL) returns before the data moved. On a CUDA buffer the final
-    # decode is queued on the caller's stream behind the transfers and the call returns without
-    # a host wait, as an NCCL collective does: a transfer that fails later (the watchdog's
-    # timeout, NCCL's asynchronous error) aborts the communicator, the next call raises, and the
-    # buffers hold what the aborted transfers left. A CPU buffer waits (with the timeout) until
-    # every transfer completed before anything is written to it, so a failure raises here with
-    # the buffers untouched (docs/gpu_transport.md).
+    # Stream-ordered (NCCL): a CUDA buffer's decode queues behind the transfers without a host
+    # wait; a CPU buffer waits first, so a failure leaves it untouched (docs/gpu_transport.md).
     if getattr(comm.transport, "stream_ordered", False) and target.device.type != "cuda":
         comm.transport.synchronize(what=f"{call.what} (last transfers)")  # type: ignore[attr-defined]
     result: torch.Tensor | None = None

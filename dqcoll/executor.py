@@ -1,48 +1,14 @@
 """Runs any :class:`~dqcoll.topology.Schedule` with any scheme call over any transport.
 
-The executor knows nothing of codecs: it walks the steps of the schedule, bundles the payloads a
-rank sends to one peer in one step into one message (one ``exchange`` per step, at most one message
-per peer and direction), and tells the scheme call what each arriving payload is for (see the table
-in :mod:`dqcoll.schemes.base`). Payload sizes come from the call on both sides, so receive buffers
-are exact and zero-byte messages are skipped by sender and receiver alike.
-
-A leaf compresses a chunk right before the step that sends it, and an internal node keeps only
-the one payload it will forward, so at most one compressed copy of the buffer is alive at a time
-besides the all-gather's.
-
-**Tiles and pipelining.** With ``tile_nbytes`` set, every chunk is cut into ``T`` tiles of whole
-``call.tile_unit`` rows (DynamiQ: whole 256-coordinate super-groups; block schemes: whole
-blocks), ``T = ceil(largest chunk's fp32 work bytes / tile_nbytes)``, and tile ``t`` of every chunk
-runs the whole schedule on its own. The tiles are views of the *same* call: statistics,
-allocation and random numbers (keyed by global coordinate index) were fixed by ``begin`` for the
-whole buffer, and every per-chunk operation is row-wise, so the decoded result is bit-identical
-whatever the tile size (``tests/test_pipelining.py`` checks every scheme, algorithm and
-collective). A view is a shallow copy of the call whose ``chunk_bounds`` are *refined*: fine chunk
-``c * T + t`` is tile ``t`` of chunk ``c``. A call opts in by declaring ``tile_unit`` and reading
-its chunk geometry only from ``chunk_bounds``; calls without it run untiled.
-
-``tiles_in_flight`` (default 2) tiles run at once, round-robin, in an order every rank derives
-from ``(T, steps, tiles_in_flight)`` alone, so the messages between any two ranks match one for
-one: while the exchange of one tile is on the wire, the codec of the other runs. How an exchange
-runs beside the codec depends on the transport:
-
-* a *stream-ordered* transport (``transport.stream_ordered``, the ``nccl`` one) with CUDA
-  tensors: exchanges are queued on a side stream that waits on an event recorded on the caller's
-  current stream after the tile's send payloads, and the caller's stream waits on the exchange's
-  event before decoding - no host thread, no host wait, no device-wide synchronisation;
-* any other transport (``local``, ``torch``/gloo, blocking for the calling thread): one
-  communication thread per call runs the exchanges in submission order on the caller's stream,
-  while the calling thread runs the codec of the other tile.
-
-``tile_nbytes`` counts the fp32 work buffer of one tile of one chunk (about the uncompressed bytes
-of the input the tile's kernel reads per hop). :data:`DEFAULT_TILE_NBYTES` is what the API uses
-when the caller and the tuner give none; ``None`` or ``0`` here means untiled (``T = 1``), the
-behaviour of callers written before tiling (the simulator). The cost model's ``tiles`` argument
-is the same ``T``.
-
-Rejected: one :class:`SchemeCall` per tile. A call's ``begin`` does the statistics all-reduce and
-the bit allocation; per-tile calls would cost one small all-reduce each and - worse - allocate
-bits per tile, so the result would depend on the tile size.
+:func:`run_schedule` walks the schedule's steps, sends the payloads a rank has for one peer in a
+step as one message (one ``exchange`` per step) and tells the scheme call what each arriving
+payload is for (:mod:`dqcoll.schemes.base`); payload sizes come from the call on both sides, so
+receive buffers are exact. With ``tile_nbytes``, every chunk is cut into ``T`` tiles of whole
+``call.tile_unit`` rows, views of the same call (fine chunk ``c * T + t`` is tile ``t`` of chunk
+``c``), so the result is bit-identical whatever the tile size; ``tiles_in_flight`` tiles run
+round-robin in an order every rank derives alike, one tile's exchange beside another's codec (on
+a side stream for a stream-ordered transport, else on a communication thread). Design and the
+rejected one-call-per-tile: docs/gpu_transport.md, "Tiles and pipelining".
 """
 
 from __future__ import annotations
@@ -78,24 +44,11 @@ __all__ = [
     "tile_nbytes_for",
 ]
 
-# Per-chunk fp32 work bytes of one tile on CPUs: 4 MiB is 4096 DynamiQ super-groups, ~0.66 MiB on
-# the wire at 5 bits. A tile-step has a fixed host cost (the executor's Python, the launchers'
-# checks, one grouped exchange), so where the link costs nothing (loopback) bigger tiles are
-# faster; on slow links the overlap of one tile's codec with another's transfer is worth more,
-# and smaller tiles win. dqcoll is for slow links, so the default is 4 MiB; the tuner sets the
-# tile per message size and link, and `dqcoll demo` (loopback) passes 16 MiB. The measurements
-# behind this choice: benchmarks/results/history-benchmarks.md (tile sizes).
+# Per-chunk fp32 work bytes of one tile on CPUs: small enough to overlap codec and transfer on
+# slow links (benchmarks/results/history-benchmarks.md, tile sizes).
 DEFAULT_TILE_NBYTES = 4 << 20
 DEFAULT_TILES_IN_FLIGHT = 2
-# On CUDA devices the codec of a tile is a few microseconds of GPU work (the fused hop is
-# memory-bound: 4 MiB of fp32 is 1 M coordinates, ~5 B each at ~3 TB/s, ~2 us) against the host
-# side of a tile-step -- the executor's Python, the launchers' checks, a grouped exchange --
-# which is a fraction of a millisecond of CPU. At 4 MiB a GPU rank would be host-bound many
-# times over; at 64 MiB a tile-step carries tens of microseconds of kernels and, on a datacenter
-# link, milliseconds of transfer, which is what the host time must hide behind. So CUDA tensors
-# default to 64 MiB tiles (a chunk of up to 64 MiB goes in one tile; bigger chunks still
-# pipeline); docs/gpu_transport.md says how to measure it on a GPU, and the tuner sets the tile
-# per message size.
+# On CUDA a tile-step's host time would dwarf a 4 MiB tile's GPU codec (docs/gpu_transport.md).
 DEFAULT_CUDA_TILE_NBYTES = 64 << 20
 
 
@@ -124,9 +77,7 @@ class RankPlan:
 
 @functools.lru_cache(maxsize=256)
 def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
-    """Rank ``rank``'s sends and receives per step of ``schedule``. Cached for the life of the
-    process, the 256 most recently used (schedule, rank) pairs (a pure function of immutable
-    data; a call would otherwise walk every transfer of the schedule)."""
+    """Rank ``rank``'s sends and receives per step of ``schedule`` (cached)."""
 
     def plan(steps: Sequence[Step]) -> tuple[StepPlan, ...]:
         result = []
@@ -189,10 +140,8 @@ def plan_tiles(call: SchemeCall, tile_nbytes: int | None) -> TilePlan | None:
 
 
 def tile_nbytes_for(numel: int, world_size: int, tiles: int) -> int:
-    """The ``tile_nbytes`` that cuts the chunks of a ``numel``-coordinate all-reduce over
-    ``world_size`` ranks into about ``tiles`` tiles (the ``T`` of the cost model and the tuner);
-    0 (untiled) for ``tiles <= 1``. Chunks of unequal size (DynamiQ's equal-byte chunks) may get
-    a tile more."""
+    """The ``tile_nbytes`` that cuts a ``numel``-coordinate all-reduce's chunks into about
+    ``tiles`` tiles (the cost model's ``T``); 0 (untiled) for ``tiles <= 1``."""
     if tiles <= 1 or numel <= 0:
         return 0
     chunk_nbytes = -(-numel // max(1, world_size)) * 4  # fp32 work
@@ -377,12 +326,8 @@ class _FuturePending:
 
 
 class _ThreadDriver:
-    """Exchanges of a host-blocking transport on one communication thread, in submission order.
-
-    The thread runs on the caller's current CUDA stream (for CUDA tensors), so its copies are
-    ordered after the codec kernels that produced the payloads, as in the untiled executor. A
-    daemon thread rather than a pool: an exchange stuck until its timeout must not hold up exit.
-    """
+    """Exchanges of a host-blocking transport on one thread, in order, on the caller's CUDA
+    stream; a daemon, so an exchange stuck until its timeout cannot hold up exit."""
 
     def __init__(self, transport: Transport, device: torch.device, name: str) -> None:
         self.transport = transport
@@ -445,8 +390,7 @@ class _StreamDriver:
         with torch.cuda.stream(self.side):
             exchange.run(self.transport)
         for _, tensor in (*exchange.sends, *exchange.recvs):
-            # allocated on the compute stream, used on the side stream: the allocator must not
-            # hand the memory out again before the side stream is done with it
+            # used on the side stream: the allocator must not reuse it before that stream is done
             tensor.record_stream(self.side)
         done = torch.cuda.Event()
         done.record(self.side)
@@ -460,9 +404,7 @@ _side = threading.local()  # .streams: this thread's {device index: communicatio
 
 
 def _side_stream(device: torch.device) -> Any:
-    """One communication stream per (device, thread): created at the thread's first
-    stream-ordered call on the device, reused by its later calls, dropped with the thread (so
-    the streams held are those of live threads, one per device each)."""
+    """One communication stream per (device, thread), dropped with the thread."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     streams: dict[int, Any] = _side.__dict__.setdefault("streams", {})
     if index not in streams:
@@ -494,15 +436,10 @@ def run_schedule(
 ) -> None:
     """Run ``collective`` on ``call.work`` across the ranks of ``transport`` along ``schedule``.
 
-    * all-reduce: on return every rank's ``call.work`` holds the decoded result of every chunk,
-      decoded from the same bytes on every rank;
-    * reduce-scatter: only the reduce steps; chunk ``rank`` holds the decoded result;
-    * all-gather: only the gather steps, starting from each rank's own chunk, which its owner
-      compresses and decodes like everyone else (so all ranks hold identical values).
-
-    ``tile_nbytes`` (None or 0: untiled) cuts each chunk into tiles of about that many fp32 work
-    bytes, run ``tiles_in_flight`` at a time (see the module docstring); every rank must pass the
-    same values. The number of tiles used is left in ``call.info["tiles"]``.
+    On return, all-reduce: every rank holds every chunk, decoded from the same bytes;
+    reduce-scatter: chunk ``rank`` holds the result; all-gather: every rank's chunk, its owner's
+    included, decoded from the same bytes. ``tile_nbytes`` (None or 0: untiled) and
+    ``tiles_in_flight`` must be the same on every rank; ``call.info["tiles"]`` gets the tile count.
     """
     rank = transport.rank
     n = transport.world_size
@@ -534,9 +471,8 @@ def run_schedule(
 
 
 def _pipeline(runs: list[_TileRun], driver: _Driver, window: int) -> None:
-    """Round-robin over at most ``window`` tiles: wait for a tile's exchange, run its codec,
-    submit its next exchange, move to the next tile. The order depends only on the tile count,
-    the step count and ``window``, so it is the same on every rank."""
+    """Round-robin over at most ``window`` tiles, in an order that depends only on the tile count,
+    the step count and ``window``: the same on every rank."""
     active: collections.deque[tuple[_TileRun, int, _Exchange, _Pending]] = collections.deque()
     waiting = iter(runs)
     exhausted = False

@@ -1,56 +1,14 @@
-"""Two-level collectives for a plan the caller gives: all-reduce, reduce-scatter and all-gather in
-two levels, each level with its own scheme. They run through :func:`dqcoll.levels.run_levels`,
-the package's one two-level implementation, which the executor runs for the planner's two-level
-plans too.
+"""Two-level collectives for a plan the caller gives (:func:`run_hierarchical` and its three
+wrappers), each level with its own scheme, run by :func:`dqcoll.levels.run_levels`.
 
-The plan is data (:mod:`dqcoll.topology.hierarchical`, which only plans); this module runs it,
-beside the executor. Each level is one ordinary collective (a
-:class:`~dqcoll.prepare.Request` handed to :func:`dqcoll.execute.launch`, as the public functions
-do; only the package's front, the integrations, the command line and the evaluation import
-:mod:`dqcoll.api`) over a :class:`~dqcoll.transports.subgroup.SubgroupTransport` view of the
-caller's transport: the ranks of one host (``intra``), or the ranks with the same local index on
-every host, in host order (``inter``).
-
-**Layout.** Over ``H`` hosts of ``G`` ranks (``n = H x G``), the buffer of ``n`` equal shards
-(the reduce-scatter's input, the all-gather's output, the all-reduce's buffer padded with zeros
-to ``n`` equal shards) is arranged local-major: part ``j`` of ``G`` holds, in host order, the
-shards of the ranks with local index ``j`` (:attr:`HierarchicalPlan.local_major_ranks`). Then
-
-* **reduce-scatter**: a reduce-scatter inside each host leaves local rank ``j`` with the host's
-  sum of part ``j``; a reduce-scatter of that part among the ranks of local index ``j`` leaves
-  the rank on host ``h`` with piece ``h``, the sum of its own shard;
-* **all-reduce**: the same reduce-scatter inside each host, an all-reduce of the part across
-  hosts, an all-gather inside each host;
-* **all-gather**: an all-gather across hosts (part ``j`` on every rank of local index ``j``),
-  then one inside each host. Across first, so each shard crosses the network once, coded by its
-  owner; inside first would send every host's ``G`` shards from each of its ranks.
-
-The copy into local-major order (and back) is one row gather of the buffer; it is skipped when
-the ranks are numbered local-major already (``host_ranks[h][j] == j x H + h``) and the buffer
-needs no padding: the levels then read and write the caller's buffers.
-
-**What follows.** With an exact intra level (``none``), a rank's reduce-scatter output is, bit
-for bit, its shard of the all-reduce of the same buffer with the same plan, seed and step, when
-the inter scheme's all-reduce uses its reduce-scatter layout (``dynamiq``: ``balance="shards"``;
-exact schemes always): both run the same intra reduce-scatter, and a flat reduce-scatter is its
-shard of the flat all-reduce on that layout (tests/test_rs_ag.py). With a compressed intra level
-the all-reduce's result is that shard coded once more by the intra all-gather.
-
-**Calls.** Every rank of ``comm`` calls with the same plan, sizes and dtype. The call takes one
-step of ``comm``'s call counter (``step`` defaults to it) and every level runs with that step
-and a seed of its phase derived from the call's seed (0: intra reduce-scatter, 1: across hosts,
-2: intra all-gather), the same on every rank. ``op="avg"`` averages at each level, the global
-average since every host holds the same number of ranks. Local argument errors (a plan for
-another world size, buffer sizes, dtypes) raise on the rank that has them before anything moves;
-the levels check the ranks against each other. A level that fails leaves ``comm`` dead
-(:class:`~dqcoll.comm.Communicator`): another host may be in another level of the call.
-``comm.last_info`` names the plan, the collective and each level's call.
-
-The subgroup communicators are made once per communicator and group and kept while the
-communicator lives (their schemes' state and scratch buffers with them).
-
-Rejected: running the plan from :mod:`dqcoll.topology` (it was there): planning then imported the
-public API, and ``api -> topology.tuning -> topology.hierarchical -> api`` was a circle.
+Each level is an ordinary collective over a subgroup view of the caller's transport (``intra``: the
+ranks of one host; ``inter``: those of one local index, in host order) on a local-major buffer
+(:attr:`HierarchicalPlan.local_major_ranks`). Phases, layout, and why a reduce-scatter shard is bit
+for bit the all-reduce's part with ``none`` inside hosts: docs/topology.md §2; the all-gather goes
+across hosts first so that each shard crosses the network once. Every rank of ``comm`` calls with
+the same plan, sizes and dtype; each level runs with the call's step and a seed of its phase. Local
+argument errors raise before anything moves; a failed level leaves ``comm`` dead (another host may
+be in another level). Rejected: running plans from :mod:`dqcoll.topology` (a circular import).
 """
 
 from __future__ import annotations
@@ -78,8 +36,7 @@ __all__ = [
 def hierarchical_allreduce(buf: Any, plan: HierarchicalPlan, *, op: str = "sum",
                            comm: Communicator | None = None, seed: int | None = None,
                            step: int | None = None) -> Any:
-    """All-reduce ``buf`` in place along ``plan``, each level with its own scheme; returns
-    ``buf``. Any length; see the module docstring."""
+    """All-reduce ``buf`` in place along ``plan``; returns ``buf``. Any length."""
     return run_hierarchical(Collective.ALLREDUCE, buf, None, plan, op=op, comm=comm, seed=seed,
                             step=step)
 
@@ -87,8 +44,7 @@ def hierarchical_allreduce(buf: Any, plan: HierarchicalPlan, *, op: str = "sum",
 def hierarchical_reduce_scatter(buf: Any, out: Any, plan: HierarchicalPlan, *, op: str = "sum",
                                 comm: Communicator | None = None, seed: int | None = None,
                                 step: int | None = None) -> Any:
-    """``out`` = this rank's shard (global rank order) of the sum or average of every rank's
-    ``buf`` (``n x out.numel()`` elements); returns ``out``."""
+    """``out`` = this rank's shard of the reduced ``buf`` (``n x out.numel()``); returns ``out``."""
     return run_hierarchical(Collective.REDUCE_SCATTER, buf, out, plan, op=op, comm=comm,
                             seed=seed, step=step)
 
@@ -96,8 +52,7 @@ def hierarchical_reduce_scatter(buf: Any, out: Any, plan: HierarchicalPlan, *, o
 def hierarchical_all_gather(shard: Any, out: Any, plan: HierarchicalPlan, *,
                             comm: Communicator | None = None, seed: int | None = None,
                             step: int | None = None) -> Any:
-    """``out`` = every rank's ``shard`` in global rank order, the same on every rank; returns
-    ``out``."""
+    """``out`` = every rank's ``shard`` in global rank order; returns ``out``."""
     return run_hierarchical(Collective.ALL_GATHER, shard, out, plan, comm=comm, seed=seed,
                             step=step)
 
@@ -105,11 +60,8 @@ def hierarchical_all_gather(shard: Any, out: Any, plan: HierarchicalPlan, *,
 def run_hierarchical(collective: Collective | str, buf: Any, out: Any, plan: HierarchicalPlan,
                      *, op: str = "sum", comm: Communicator | None = None,
                      seed: int | None = None, step: int | None = None) -> Any:
-    """Run ``collective`` (``allreduce``: ``out`` is None, ``buf`` is reduced in place;
-    ``reduce_scatter``; ``all_gather``) along ``plan``; returns ``buf`` or ``out``.
-
-    ``comm`` is the caller's :class:`~dqcoll.comm.Communicator` (default: the current one); every
-    rank of it must call this with the same collective, plan and sizes (module docstring)."""
+    """Run ``collective`` along ``plan`` (``allreduce``: in place, ``out`` None); returns ``buf``
+    or ``out``. Every rank of ``comm`` (default: the current one) calls it alike."""
     comm = comm or get_default_comm()
     try:
         kind = Collective(collective)
@@ -135,8 +87,7 @@ def run_hierarchical(collective: Collective | str, buf: Any, out: Any, plan: Hie
 
 def _check(kind: Collective, buf: Any, out: Any, plan: HierarchicalPlan, comm: Communicator,
            what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's arguments as torch views; raises :class:`InvalidArgumentError` naming the
-    rank and the call."""
+    """This rank's arguments as torch views, or :class:`InvalidArgumentError`."""
     n = comm.world_size
     if n != plan.world_size:
         raise InvalidArgumentError(

@@ -1,12 +1,8 @@
-"""The levels of a two-level plan, run on checked buffers: the package's one two-level
-implementation (:func:`run_levels`), which :mod:`dqcoll.execute` runs for the planner's two-level
-plans and :mod:`dqcoll.hierarchical` for the plans callers give. The layout, the phases and
-their seeds are described in :mod:`dqcoll.hierarchical`.
-
-Each level is one ordinary collective (a :class:`~dqcoll.prepare.Request`) over a
-:class:`~dqcoll.transports.subgroup.SubgroupTransport` view of the caller's transport, handed to
-the ``launch`` the caller passes (:func:`dqcoll.execute.launch`): this module imports neither
-the executor nor the public API, so both can import it.
+"""The levels of a two-level plan, run on checked buffers: :func:`run_levels`, the package's one
+two-level implementation, for the planner's plans (:mod:`dqcoll.execute`) and callers' plans
+(:mod:`dqcoll.hierarchical`, which describes the layout, phases and seeds). Each level is an
+ordinary :class:`~dqcoll.prepare.Request` over a subgroup view of the caller's transport, handed
+to the caller's ``launch``, so this module imports neither the executor nor the public API.
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ def _phase_seed(seed: int, phase: int) -> int:
 def run_levels(kind: Collective, tensor: torch.Tensor, target: torch.Tensor | None,
                plan: HierarchicalPlan, comm: Communicator, *, seed: int, step: int,
                op: str, launch: Callable[[Request], Any]) -> dict[str, Any]:
-    """Run ``plan``'s levels on checked buffers (``target``: the output of a reduce-scatter or
-    all-gather); returns the call's ``last_info``. ``launch`` runs each level's request
-    (:func:`dqcoll.execute.launch`)."""
+    """Run ``plan``'s levels on checked buffers, each request through ``launch``; returns the
+    call's ``last_info`` (``target``: a reduce-scatter's or all-gather's output)."""
     run = _Run(plan, comm, seed=seed, step=step, op=op, launch=launch)
     if kind is Collective.ALLREDUCE:
         run.allreduce(tensor.view(-1))
@@ -62,9 +57,8 @@ _groups_lock = threading.Lock()
 
 
 def _subgroup(comm: Communicator, ranks: tuple[int, ...]) -> Communicator:
-    """The communicator of ``ranks`` (this rank among them) over ``comm``'s transport. Every
-    member issues the same calls on it in the same order (those of the plans that contain the
-    group), so its call counters agree."""
+    """The communicator of ``ranks`` over ``comm``'s transport, kept; its members issue the same
+    calls on it in the same order, so its call counters agree."""
     with _groups_lock:
         kept = _groups.setdefault(comm, {})
         sub = kept.get(ranks)
@@ -126,8 +120,7 @@ class _Run:
         return padded.view(self.n, shard).index_select(0, self._index(flat)).view(-1)
 
     def _from_local_major(self, work: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
-        """Write ``work`` (local-major, ``n x shard``) into ``flat`` in global rank order, its
-        first ``flat.numel()`` elements."""
+        """Write ``work`` (local-major) into ``flat`` in global rank order, cut to its length."""
         if work is flat:
             return
         if self.order is not None:
@@ -166,8 +159,7 @@ class _Run:
         self._from_local_major(work, out, shard)
 
     def info(self, kind: Collective) -> dict[str, Any]:
-        """``comm.last_info`` of the call: the plan's name, the collective, each level's first
-        call (``intra``, ``inter``) and every phase in order (``phases``)."""
+        """``comm.last_info`` of the call: plan, collective, each level's first call, all phases."""
         first = {level: next(p for p in self.phases if p["level"] == level)
                  for level in ("intra", "inter")}
         return {"algorithm": self.plan.name, "collective": kind.value, "hierarchical": True,

@@ -1,42 +1,12 @@
 """The planner: how a collective runs, decided from the job's own topology and measured rates.
 
-Inputs, all of them the same on every rank:
-
-* **The job** (:class:`JobTopology`, :func:`discover_job`): which ranks share a *host* (a network
-  namespace of a machine: they talk over its loopback or fabric) and which share a *machine*
-  (CPU ranks of one machine share its cores). Each rank contributes two identities - its host
-  name with its network namespace, its host name with the kernel's boot id - in one small
-  all-reduce when the planner is first used; nothing is read from launcher variables, so a job
-  whose ranks sit in network namespaces of one machine (the emulated cluster) is seen as the
-  hosts it really has.
-* **Measured rates** (:class:`MeasuredRates`, :func:`measure_rates`): the intra-host link (every
-  rank sends to the next rank of its host at once), the inter-host port (every rank sends to the
-  rank of the same local index on the next host at once: the port carries all of a host's flows,
-  as a two-level plan loads it), and the kernels of each candidate scheme on this device (thread
-  CPU time on CPUs, so ranks sharing cores are added up by the cost model rather than measured
-  twice). The slowest rank's figures are agreed.
-* **The call** (collective, bytes, dtype, device) and **the caller's policy** (a scheme and bits,
-  or ``"auto"``: ``none``, ``bf16`` or ``dynamiq``).
-
-Output: a :class:`Plan` - plain data: flat (one algorithm and scheme over all ranks) or two
-levels (a :class:`~dqcoll.topology.hierarchical.HierarchicalPlan`: a scheme and algorithm inside
-hosts, another across them), the predicted time of every alternative, and the reason.
-
-**One cost model** (:mod:`dqcoll.topology.cost`) prices every candidate, flat and two-level, on
-a :class:`~dqcoll.topology.graph.Topology` built from the job and its measured rates. Where it
-errs (Python glue, core sharing it does not see, a loaded link), measurement corrects it: each
-call's measured time, agreed over the ranks by the caller, updates that candidate's factor
-(:meth:`Planner.observe`); a candidate never run is predicted with the geometric mean of the
-measured candidates' factors (what the model gets wrong for one it likely gets wrong for all),
-and one within :data:`EXPLORE_WITHIN` of the chosen one runs once so that its factor is
-measured, not assumed.
-Plans are cached per (collective, size class, dtype, device, policy) and made again when a factor
-moves. Every input is agreed, so every rank computes the same plan without a message.
-
-Rejected: fitted constants for what the job can measure (an overlap share, a call-over-codec
-ratio, link speeds read from ``/sys``): they hold on the machine they were fitted on. Rejected
-too: a table per cluster shape as the only source; tuned tables (:mod:`dqcoll.topology.tuning`)
-describe a topology the job may not have.
+:func:`build_planner` discovers the job (:func:`discover_job`: which ranks share a host, which a
+machine) and measures its links and kernels (:func:`measure_rates`); :meth:`Planner.plan` prices
+every flat and two-level candidate with one cost model (:mod:`dqcoll.topology.cost`) and returns a
+:class:`Plan`, calibrated by measured calls (:meth:`Planner.observe`). Every input is agreed, so
+every rank computes the same plan without a message. Design: docs/design.md §8; use:
+docs/planner.md. Fitted constants (link speeds from ``/sys``, overlap shares) are rejected as
+inputs: they hold only on the machine they were fitted on.
 """
 
 from __future__ import annotations
@@ -77,22 +47,16 @@ __all__ = [
     "measure_rates",
 ]
 
-# The schemes ``auto`` chooses between.
 AUTO_SCHEMES = ("none", "bf16", "dynamiq")
 FLAT_ALGORITHMS = ("ring", "butterfly")
-# The algorithm of a plan that runs the process group's own all-reduce (``none``, ``bf16``
-# under ``scheme="auto"`` over a torch process group: what DDP runs without a hook).
+# A plan that runs the process group's own all-reduce (what DDP runs without a hook).
 NATIVE = "native"
-# Bits ``auto`` prices dynamiq at under an error target (its allocation lands near 8).
+# Bits ``auto`` prices dynamiq at under an error target.
 TARGET_BITS = 8.0
-# A candidate never run, predicted within this factor of the chosen one, runs once instead. Its
-# prediction carries the calibration of the candidates measured so far (their geometric mean),
-# so what the cost model gets wrong for all of them (a probe slower than the group's own
-# all-reduce, cores shared with other work) does not keep a candidate from being tried.
+# A candidate never run, predicted within this factor of the chosen one, runs once instead.
 EXPLORE_WITHIN = 2.0
-# A measured plan in use is kept unless another measured one is predicted faster by more than
-# this share: calls measured beside other work (the DDP hook's buckets during backward) scatter,
-# and switching between two close plans on every scattered measurement costs more than either.
+# A measured plan in use is kept unless another is predicted faster by more than this share:
+# measurements beside other work scatter, and flipping between close plans costs more.
 SWITCH_MARGIN = 0.05
 # Weight of one measured call in a candidate's factor (geometric mean).
 CALIBRATION_RATE = 0.5
@@ -100,8 +64,7 @@ CALIBRATION_RATE = 0.5
 PROBE_NBYTES = 4 << 20
 # Kernel probe: coordinates per measurement, best of three after one.
 KERNEL_PROBE_NUMEL = 1 << 20
-# Latency of every link of the job's graph: not probed (the 4 MiB probes measure bandwidth);
-# a per-message figure of TCP over loopback and Ethernet, which measured calls calibrate.
+# Latency of every link of the job's graph: not probed; measured calls calibrate it.
 LINK_LATENCY_US = 20.0
 # Size classes: plans are made per power of two of the uncompressed bytes.
 _SIZE_CLASS_BASE = 2.0
@@ -123,9 +86,7 @@ def _read(path: str) -> str:
 
 
 def host_identity() -> tuple[int, int]:
-    """(host key, machine key) of this process: host = host name + network namespace (ranks
-    that share it reach each other over loopback), machine = host name + boot id (ranks that
-    share it share the cores)."""
+    """(host key, machine key): host name + network namespace, host name + boot id."""
     name = socket.gethostname()
     try:
         netns = str(os.stat("/proc/self/ns/net").st_ino)
@@ -161,8 +122,7 @@ class JobTopology:
 
     @property
     def two_level(self) -> bool:
-        """Whether two-level plans apply: more than one host, the same number (> 1) of ranks on
-        each."""
+        """Whether two-level plans apply: several hosts of the same number (> 1) of ranks."""
         g = self.ranks_per_host
         return self.num_hosts > 1 and g is not None and g > 1
 
@@ -176,9 +136,8 @@ class JobTopology:
 
 def discover_job(transport: Any, device: torch.device | None = None, *,
                  identity: tuple[int, int] | None = None) -> JobTopology:
-    """The job's hosts and machines from every rank's :func:`host_identity` (``identity``
-    instead, where given: ranks in one process), in one all-reduce of 2 n int64. Collective:
-    every rank calls it at the same point."""
+    """The job's hosts and machines from every rank's :func:`host_identity` (or ``identity``),
+    in one all-reduce. Collective: every rank calls it at the same point."""
     n, rank = transport.world_size, transport.rank
     host, machine = identity if identity is not None else host_identity()
     slots = torch.zeros(2 * n, dtype=torch.int64, device=getattr(transport, "device", None)
@@ -217,9 +176,7 @@ class MeasuredRates:
     cores_per_machine: int = 1
 
     def kernel(self, scheme: str) -> KernelRates:
-        """The rates of ``scheme``'s kernels (``native-none`` / ``native-bf16``: the process
-        group's own all-reduce, falling back to dqcoll's codec of that scheme; another scheme:
-        dynamiq's)."""
+        """``scheme``'s kernel rates (``native-<s>`` falls back to ``<s>``, others to dynamiq)."""
         table = dict(self.kernels)
         if scheme in table:
             return table[scheme]
@@ -251,8 +208,7 @@ _KERNELS_LOCK = threading.Lock()
 
 
 def _kernel_ns(device: torch.device, bits: float) -> dict[str, KernelRates]:
-    """Nanoseconds per coordinate of each scheme's kernels on this rank (thread CPU time on
-    CPUs: one core's work, whoever else shares it), measured once per process and device."""
+    """Each scheme's kernel ns per coordinate here, measured once per process and device."""
     key = (str(device), float(bits))
     with _KERNELS_LOCK:
         if key not in _KERNELS:
@@ -293,8 +249,7 @@ def _probe_kernels(device: torch.device, bits: float) -> dict[str, KernelRates]:
         decode_ns = best(lambda codec=codec, encoded=encoded: codec.decode(encoded))
         # a hop decodes and accumulates (none: in float64, as its encode converts)
         hop_ns = max(decode_ns, encode_ns if name == "none" else 0.0) + add_ns
-        # dynamiq's statistics before and restore after: not probed on their own; priced as
-        # a decode each (two passes over the buffer), an estimate measured calls calibrate
+        # dynamiq's statistics and restore: priced as two decodes, which measured calls calibrate
         stats_ns = 2 * decode_ns if name == "dynamiq" else 0.0
         rates[name] = KernelRates(compress_ns=encode_ns, decompress_ns=hop_ns,
                                   stats_ns=stats_ns)
@@ -399,8 +354,7 @@ def _label(scheme: str, algorithm: str, bits: float | None,
 
 
 class Planner:
-    """Plans for one communicator's calls (see the module docstring). ``job`` and ``rates``
-    must be the same on every rank (:func:`discover_job`, :func:`measure_rates`)."""
+    """Plans for one communicator's calls; ``job`` and ``rates`` must be the same on every rank."""
 
     def __init__(self, job: JobTopology, rates: MeasuredRates, *,
                  tile_nbytes: int | None = None) -> None:
@@ -416,8 +370,7 @@ class Planner:
         self.native_params = CostParams(kernel_rates=tuple(
             ((job.device_kind, name), self._device_rates(f"{NATIVE}-{name}"))
             for name in ("none", "bf16")))
-        # -- corrected by measured calls (agreed by the caller): label -> measured / predicted;
-        # a label here is a plan that ran
+        # label -> measured / predicted, for every plan that ran (:meth:`observe`)
         self.factors: dict[str, float] = {}
         self._cache: dict[tuple[Any, ...], Plan] = {}
         self._table_key: str | None = None
@@ -427,8 +380,7 @@ class Planner:
     # -- the cost model's inputs ------------------------------------------------------------
 
     def _device_rates(self, scheme: str) -> KernelRates:
-        """Per compute device: a machine's cores serve its CPU ranks together (the cost model
-        adds up the ranks sharing a device); a GPU is one device per rank."""
+        """Rates per compute device: a machine's cores serve its CPU ranks together."""
         k = self.rates.kernel(scheme)
         if self.job.device_kind != "cpu":
             return k
@@ -436,8 +388,7 @@ class Planner:
         return KernelRates(k.compress_ns / cores, k.decompress_ns / cores, k.stats_ns / cores)
 
     def _graph(self) -> Topology:
-        """The job as the cost model's graph: a port per rank into its host at the measured
-        intra-host rate, a port per host at the measured inter-host rate."""
+        """The job as the cost model's graph (docs/design.md §8, "One cost model")."""
         job, rates = self.job, self.rates
         intra = rates.intra_gbps or 1e4
         inter = rates.inter_gbps or 1e4
@@ -463,10 +414,9 @@ class Planner:
     def candidates(self, collective: str, scheme: str, bits: float | None, *,
                    native: bool = False, force: str | None = None
                    ) -> list[tuple[str, str, float | None, HierarchicalPlan | None]]:
-        """(scheme, algorithm, bits, levels) of every plan considered for ``scheme`` (a name, or
-        ``"auto"``). ``native``: the transport has the process group's own all-reduce, which
-        ``auto`` runs for ``none`` and ``bf16`` all-reduces (instead of dqcoll's schedules);
-        ``force``: ``auto`` considers that scheme only (``DQCOLL_AUTO_FORCE``)."""
+        """(scheme, algorithm, bits, levels) of every plan considered for ``scheme`` (or
+        ``"auto"``). ``native``: ``auto`` may run the group's own all-reduce for ``none`` and
+        ``bf16``; ``force``: ``auto`` considers that scheme only (``DQCOLL_AUTO_FORCE``)."""
         if collective == "all_gather" and scheme == "auto":
             raise InvalidArgumentError("scheme='auto' is for allreduce and reduce_scatter")
         names = (AUTO_SCHEMES if force is None else (force,)) if scheme == "auto" else (scheme,)
@@ -499,8 +449,7 @@ class Planner:
 
     def predict_us(self, collective: str, scheme: str, algorithm: str, bits: float | None,
                    levels: HierarchicalPlan | None, nbytes: int, dtype: str) -> float:
-        """The cost model's time of one candidate (uncalibrated). Reduce-scatter and all-gather
-        are priced as half of the all-reduce (its reduce or its gather phase)."""
+        """The cost model's time of a candidate, uncalibrated (reduce-scatter, all-gather: half)."""
         dtype = dtype if dtype in DTYPE_NBYTES else "float32"
         tiles = max(1, -(-nbytes // self.tile_nbytes))
         params = self.params
@@ -518,10 +467,8 @@ class Planner:
     def plan(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
              bits: float | None = None, algorithm: str = "auto", native: bool = False,
              force: str | None = None) -> Plan:
-        """The plan of a call: the least calibrated prediction among the candidates (a named
-        ``algorithm`` keeps that flat algorithm; a stored table for this job fixes the flat
-        algorithm of a named scheme), or a close candidate never run (explored once). The same
-        on every rank where the planner's inputs are."""
+        """The plan of a call: the least calibrated prediction, or a close candidate never run
+        (explored once). The same on every rank where the planner's inputs are."""
         size_class = 0 if nbytes <= 0 else int(math.log(nbytes, _SIZE_CLASS_BASE))
         key = (collective, size_class, dtype, scheme, bits, algorithm, native, force)
         cached = self._cache.get(key)
@@ -573,9 +520,7 @@ class Planner:
         return plan
 
     def stored_algorithm(self, nbytes: int, dtype: str, scheme: str) -> str | None:
-        """The flat algorithm a tuned table stored for this job (its world size, dtype and
-        detected topology key; :mod:`dqcoll.topology.tuning`) gives ``scheme`` at this size, or
-        None (no table, no entry)."""
+        """The flat algorithm a tuned table for this job gives ``scheme`` at this size, or None."""
         from .topology import tuning
 
         if self.job.world_size <= 2:
@@ -594,16 +539,14 @@ class Planner:
         return self._table_key
 
     def fork(self) -> Planner:
-        """A planner with this one's job and measured rates and its own calibration: for a
-        communicator whose calls interleave with this one's in an order that differs between
-        ranks (a lane of the DDP hook), so each calibrates from its own calls only."""
+        """A copy with its own calibration, for a communicator whose calls interleave with this
+        one's in an order that differs between ranks (a DDP hook's lane)."""
         twin = Planner(self.job, self.rates, tile_nbytes=self.tile_nbytes)
         twin.factors = dict(self.factors)
         return twin
 
     def factor(self, label: str) -> float:
-        """Measured / predicted of a candidate: its own where it ran, else the geometric mean
-        of those that ran (1 before any did)."""
+        """Measured / predicted of a candidate: its own, else the geometric mean of all measured."""
         own = self.factors.get(label)
         if own is not None:
             return own
@@ -612,9 +555,8 @@ class Planner:
         return math.exp(sum(math.log(f) for f in self.factors.values()) / len(self.factors))
 
     def observe(self, plan: Plan, measured_us: float, nbytes: int | None = None) -> None:
-        """A call of ``nbytes`` (default: its size class's typical size) ran ``plan`` in
-        ``measured_us`` (the slowest rank's, agreed by the caller): move that candidate's factor
-        toward measured / predicted and drop cached plans."""
+        """``plan`` ran a call of ``nbytes`` (default: its size class's) in ``measured_us`` (the
+        slowest rank's, agreed by the caller): move its factor and drop cached plans."""
         if plan.predicted_us <= 0 or measured_us <= 0:
             return
         label = plan.label
@@ -646,18 +588,14 @@ class Planner:
 
 
 def flat_algorithms(world_size: int) -> tuple[str, ...]:
-    """The flat algorithms plans choose between: two ranks have one (``direct``: each sends
-    the other its half)."""
+    """The flat algorithms plans choose between (two ranks: ``direct`` only)."""
     return FLAT_ALGORITHMS if world_size > 2 else ("direct",)
 
 
 def build_planner(transport: Any, device: torch.device | None = None, *,
                   bits: float = 5.0, what: str = "planner") -> Planner:
-    """Discover the job and measure its links and kernels (:func:`discover_job`,
-    :func:`measure_rates`): the planner of a communicator over ``transport``. Collective:
-    every rank calls it at the same point (a communicator's first planned call). The probes'
-    traffic is left out of the transport's counters (it is the planner's, not a call's) and
-    kept in :attr:`Planner.probe_nbytes`."""
+    """The planner of a communicator over ``transport`` (collective); the probes' bytes are
+    left out of the transport's counters and kept in :attr:`Planner.probe_nbytes`."""
     counters = getattr(transport, "counters", None)
     before = dict(counters) if counters is not None else None
     job = discover_job(transport, device)

@@ -1,20 +1,11 @@
 """A collective's call made ready to check and run: the first step below the public functions.
 
-:func:`prepare_call` turns a :class:`Request` (the arguments as the caller gave them) into a
-:class:`PreparedCall`: the call's identity (the communicator's call counter, seed, step, name),
-the scheme object with its options (``bits`` resolved), the schedule (a named algorithm's;
-``algorithm="auto"`` leaves it to :mod:`dqcoll.planner`), a torch view of each buffer, and
-the largest binary exponent of the input for the range scaling. Nothing here raises for a bad
-argument: every local failure is recorded in the prepared call (an error and its category) and
-raised by :mod:`dqcoll.validate` on every rank together, so that no rank waits for a peer
-that already gave up.
-
-Also here, because they are decided while preparing and applied by :mod:`dqcoll.execute`: the
-range scaling (an exact power-of-two shift for inputs outside [2**-48, 2**48), see
-:func:`range_shift`) and the default tile size (from the buffer's device).
-
-Imports nothing of :mod:`dqcoll.validate`, :mod:`dqcoll.execute` or :mod:`dqcoll.api` (the
-modules above it on the call path).
+:func:`prepare_call` turns a :class:`Request` (the caller's arguments) into a :class:`PreparedCall`:
+the call's identity, the scheme with its options, a named algorithm's schedule, torch views of the
+buffers and the input's largest binary exponent. Nothing here raises for a bad argument: a local
+failure is recorded and raised by :mod:`dqcoll.validate` on every rank together, so no rank waits
+for a peer that gave up. Also here: the range scaling (:func:`range_shift`) and the default tile
+size. Imports nothing above it on the call path. docs/design.md §2, step 2.
 """
 
 from __future__ import annotations
@@ -52,20 +43,12 @@ __all__ = [
     "unscale_into",
 ]
 
-# ``bits=None`` (the public functions' default): 5 bits per coordinate for the schemes that take
-# ``bits`` (dynamiq), none for those with a fixed format. Giving ``bits`` and ``target_vnmse``
-# together is an error; leaving ``bits`` at None with ``target_vnmse`` is the error target alone.
+# ``bits=None``: 5 bits for the schemes that take ``bits``; with ``target_vnmse``, the target alone.
 DEFAULT_BITS = 5.0
-# Integer options travel as int64 in the argument check, negated for the minimum: each must lie
-# in [0, 2**62) so that neither overflows.
+# Integer options travel as int64 in the argument check, negated too: each lies in [0, 2**62).
 INT_LIMIT = 1 << 62
-# Inputs whose largest finite magnitude on any rank lies outside [2**-RANGE_EXP, 2**RANGE_EXP)
-# are scaled by a power of two (the same on every rank, agreed in the argument check) before the
-# codec and back after: exact, and it keeps every scheme's sums, norms and scales in range
-# (DynamiQ's squared norms overflow fp32 from |x| ~ 1e18 and its super-group means from ~1e36;
-# THC's rotation from ~1e37). Inputs inside the range take the unscaled path, bit for bit.
-# Cost: one memory-bound torch.aminmax pass per call, a small fraction of what the codec spends
-# on the same buffer at every hop.
+# Inputs whose largest finite |x| lies outside [2**-RANGE_EXP, 2**RANGE_EXP) are scaled by an
+# agreed power of two (exact), keeping every scheme's sums, norms and scales in range.
 RANGE_EXP = 48
 NO_EXPONENT = -(1 << 20)  # an all-zero (or all non-finite) buffer: nothing to scale
 
@@ -100,16 +83,14 @@ class Request:
 
     @property
     def is_planned(self) -> bool:
-        """Whether :mod:`dqcoll.planner` decides how the call runs (``scheme="auto"`` or
-        ``algorithm="auto"``)."""
+        """Whether :mod:`dqcoll.planner` decides how the call runs (an ``"auto"`` argument)."""
         return self.is_auto or self.algorithm == "auto"
 
 
 @dataclasses.dataclass
 class PreparedCall:
-    """One collective after the local checks: what the argument check exchanges and what the
-    executor runs. With ``error`` set, this rank's arguments are invalid; the argument check
-    raises it here and a :class:`~dqcoll.errors.PeerError` on the other ranks."""
+    """One collective after the local checks. With ``error`` set, the argument check raises it
+    here and a :class:`~dqcoll.errors.PeerError` on the other ranks."""
 
     # the call's identity (every rank must agree on all of it)
     collective: Collective
@@ -143,12 +124,8 @@ class PreparedCall:
 
 
 def prepare_call(request: Request, comm: Communicator) -> PreparedCall:
-    """``request`` checked on this rank and resolved; a failure is recorded, not raised.
-
-    The steps, in order (the first failure wins): the call's identity and options, the numeric
-    arguments, ``op``, the scheme, the schedule, the input buffer, then the collective's own
-    rules (``scheme="auto"`` takes no all-gather; a scheme must support sharding) and the output
-    buffer."""
+    """``request`` checked on this rank and resolved; the first failure is recorded, not raised
+    (identity, numbers, ``op``, scheme, schedule, input, the collective's rules, output)."""
     call = _identify(request, comm)
     try:
         _resolve(call, request, comm)
@@ -166,11 +143,9 @@ def prepare_call(request: Request, comm: Communicator) -> PreparedCall:
 
 
 def _identify(request: Request, comm: Communicator) -> PreparedCall:
-    """The call's identity and options: what every collective settles before its checks (the
-    call counter advances here, once per call, valid or not)."""
+    """The call's identity and options; the call counter advances here, valid call or not."""
     tile_nbytes = request.tile_nbytes
-    if tile_nbytes is None:  # the tensor's device decides (4 MiB on CPUs, 64 MiB on GPUs); the
-        # communicator's for a buffer of unknown kind, which the argument check then reports
+    if tile_nbytes is None:  # the buffer's device decides (the communicator's if unknown)
         tile_nbytes = default_tile_nbytes(buffer_device(request.buf) or comm.device)
     call_step = comm.next_step()
     bits = DEFAULT_BITS if request.bits is None else request.bits
@@ -220,10 +195,8 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
 
 
 def _range_check(call: PreparedCall, comm: Communicator) -> None:
-    """The input's largest binary exponent (agreed by the argument check for the range
-    scaling): from the scheme's ``survey`` where it takes one (DynamiQ's statistics on the CPU,
-    the range check in the same pass over the input, kept for the call), else its own pass.
-    ``scheme="auto"`` takes none: its choice may not be the scheme."""
+    """The input's largest binary exponent: from the scheme's ``survey`` where it takes one (its
+    statistics in the same pass, kept for the call), else its own pass; none under ``auto``."""
     assert call.tensor is not None and call.op is not None
     survey = None if call.auto else getattr(call.scheme, "survey", None)
     surveyed = (survey(call.tensor, call.op, comm.world_size, call.collective)
@@ -237,8 +210,7 @@ def _range_check(call: PreparedCall, comm: Communicator) -> None:
 
 def _check_numbers(call: PreparedCall, request: Request,
                    comm: Communicator) -> DqcollError | None:
-    """``bits`` / ``target_vnmse`` (not both), ``seed``, ``step`` and the tiling: numbers of
-    the right kind and range (they travel as int64 in the argument check)."""
+    """``bits`` / ``target_vnmse`` (not both), ``seed``, ``step``, tiling: kind and range."""
     if call.target is not None and request.bits is not None:
         return InvalidArgumentError(
             f"rank {comm.rank}: give bits or target_vnmse, not both (bits={request.bits!r}, "
@@ -268,8 +240,7 @@ def _check_numbers(call: PreparedCall, request: Request,
 
 
 def _resolve_scheme(scheme: str | Scheme, options: dict[str, Any]) -> Scheme:
-    """The scheme object: a registered name built with the options it takes (``bits`` is passed
-    to the schemes that take it; the others have a fixed format), or the caller's object."""
+    """The caller's scheme object, or a registered name built with the options it takes."""
     if not isinstance(scheme, str):
         return scheme
     entry_options = schemes.spec(scheme).options
@@ -375,12 +346,8 @@ def _check_output(call: PreparedCall, out: Any, comm: Communicator) -> None:
 
 
 def inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
-    """A torch view of ``buf`` that dqcoll can read and then write in place, or a clear error.
-
-    Everything that would fail only when the result is written (autograd leaves, inference
-    tensors) or when the data is read (meta and other storage-less devices) is refused here,
-    before the argument check, so every rank raises and no rank keeps a half-written buffer.
-    """
+    """A torch view of ``buf`` that dqcoll can read and write in place, or a clear error: what
+    would fail only when read or written is refused before the argument check."""
     tensor = as_torch_view(buf, name=name)
     where = f"rank {comm.rank}: {name}"
     if tensor.device.type not in ("cpu", "cuda"):
@@ -459,8 +426,7 @@ def exponent_of(largest: float) -> int:
 
 
 def shift_for(call: PreparedCall, world_size: int, exponent: int) -> int:
-    """:func:`range_shift` for a checked call (its dtype and scheme); ``exponent`` is the
-    maximum over the ranks that the argument check returned."""
+    """:func:`range_shift` for a checked call; ``exponent``: the argument check's maximum."""
     if exponent == NO_EXPONENT or call.tensor is None or call.scheme is None:
         return 0
     if not getattr(call.scheme, "range_scaled", True):
@@ -470,8 +436,7 @@ def shift_for(call: PreparedCall, world_size: int, exponent: int) -> int:
 
 
 def _sums_exact_in_wire_dtype(scheme: Scheme) -> bool:
-    """Whether the scheme sends values as they are (``none``): its sums are exact in its wire
-    dtype, so it must not be scaled into a range where small values lose bits."""
+    """Whether the scheme sends values as they are (``none``): scaling would lose small bits."""
     return scheme.spec.exact_sums and scheme.spec.name == "none"
 
 
@@ -479,14 +444,10 @@ def range_shift(exponent: int, *, dtype: torch.dtype, world_size: int,
                 exact_sums: bool) -> int:
     """The power of two ``s`` the call's inputs are divided by (``x * 2**-s``), 0: unscaled.
 
-    ``exponent`` is the largest over all ranks of ``e`` with ``max |x| < 2**e``, so every partial
-    sum is below ``world_size * 2**e <= 2**(e + c)``, ``c = ceil(log2 world_size)``. The
-    smallest shift that keeps that bound at most half the dtype's largest power (2**127 for
-    fp32 and bf16, 2**15 for fp16) is the *overflow* shift: fp16 inputs of 30000 on 3 ranks
-    need 2 (they overflowed to inf before). A scheme whose sums are exact in its wire dtype
-    (``none``) takes only that shift, which is exact for every normal number. The others take
-    it too, unless the magnitude is outside [2**-48, 2**48), where their norms and scales would
-    leave the fp32 range; then the largest value lands in [0.5, 1)."""
+    ``exponent`` is the ranks' largest ``e`` with ``max |x| < 2**e``. The *overflow* shift keeps
+    every partial sum (below ``2**(e + ceil(log2 world_size))``) at most half the dtype's largest
+    power; ``exact_sums`` schemes take only it, the others too unless ``e`` is outside
+    ``(-RANGE_EXP, RANGE_EXP]``, where the shift puts the largest value in [0.5, 1)."""
     if exponent == NO_EXPONENT:
         return 0
     spread = (world_size - 1).bit_length()  # ceil(log2 world_size)

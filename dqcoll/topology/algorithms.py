@@ -1,20 +1,10 @@
-"""Schedule builders and their registry.
+"""Schedule builders and their registry (:func:`build_schedule`, :func:`register_algorithm`).
 
-Every builder returns a :class:`~dqcoll.topology.schedule.Schedule` for ``world_size`` ranks in
-which chunk ``c`` is reduced onto rank ``c``:
-
-* ``ring``: chunk ``c`` travels the path ``c+1 -> c+2 -> ... -> c`` (depth ``n-1``), then around
-  again to gather. Bandwidth-optimal, but a partial sum is re-quantized ``n-1`` times.
-* ``butterfly``: chunk ``c`` is reduced over a binomial tree on the ranks relative to ``c``
-  (``v = (r - c) mod n``; ``v`` sends at step ``lowbit(v)`` to ``v - lowbit(v)``), so its depth is
-  ``ceil(log2 n)``. In step ``k`` every rank sends to the same peer ``r - 2^k``: one message a
-  step, like recursive halving, and every rank sends each foreign chunk exactly once, the same
-  bytes as the ring. Any ``n`` works, not only powers of two.
-* ``direct`` (two-shot): every rank sends chunk ``c`` straight to ``c``, which sends the result
-  straight back: depth 1, ``n-1`` peers per step.
-
-A ring over a topology-aware rank order is the topology package's business; these builders only
-know rank numbers.
+Every builder returns a :class:`~dqcoll.topology.schedule.Schedule` in which chunk ``c`` is reduced
+onto rank ``c``: ``ring`` (path ``c+1 -> ... -> c``, depth ``n-1``), ``butterfly`` (a binomial
+tree per chunk on ``v = (r - c) mod n``: ``v`` sends at step ``lowbit(v)`` to ``v - lowbit(v)``,
+so one peer per step, the ring's bytes, depth ``ceil(log2 n)``, any ``n``) and ``direct``
+(two-shot: every chunk straight to its sink and back, depth 1). Builders know rank numbers only.
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ class AlgorithmSpec:
     description: str
     min_world_size: int = 1
     max_world_size: int | None = None
-    # Longest chain of re-quantizations of one partial sum, as a function of n.
+    # longest chain of re-quantizations of one partial sum, as a function of n
     depth: Callable[[int], int] = lambda n: max(n - 1, 0)
 
     def supports(self, world_size: int) -> bool:
@@ -94,10 +84,7 @@ def build_schedule(name: str, world_size: int) -> Schedule:
 
 @functools.lru_cache(maxsize=32)
 def _built(name: str, world_size: int) -> Schedule:
-    """A registered algorithm's schedule, built once while it is among the 32 most recently used
-    (algorithm, world size) pairs: every collective asks for its schedule, and a schedule is
-    immutable data. Bounded because a schedule grows with the world size (a ring's holds
-    ``2 n (n - 1)`` transfers) and the simulator and the tuner build them for many sizes."""
+    """A registered algorithm's schedule; bounded cache, as a schedule grows as ``n**2``."""
     return _REGISTRY[name].build(world_size)
 
 

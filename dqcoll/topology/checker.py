@@ -1,14 +1,10 @@
 """Proves a :class:`~dqcoll.topology.schedule.Schedule` correct by symbolic execution.
 
-Reduce phase: every rank starts holding its own contribution to every chunk. A transfer moves the
-sender's whole partial sum to the receiver, which must not have sent that chunk yet. The check
-fails if a contribution would be counted twice, if a rank sends a chunk twice or before all of its
-children arrived, or if a sink ends without every rank's contribution exactly once.
-
-Gather phase: only a rank that holds the final result of a chunk may send it; at the end every
-rank holds every chunk's final result, received exactly once. Roles must match the tree shape
-(what :func:`~dqcoll.topology.schedule.assign_roles` derives), and within a step a rank sends at
-most one message per peer after bundling, which the executor relies on.
+:func:`check_schedule` fails if, in the reduce phase, a contribution is counted twice, a rank
+sends a chunk twice or before all its children arrived, or a sink ends without every rank's
+contribution exactly once; in the gather phase, if a rank forwards a result it does not hold or
+any rank does not receive every chunk's result exactly once; or if roles do not match the tree
+shape (:func:`~dqcoll.topology.schedule.assign_roles`).
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ __all__ = ["ScheduleError", "check_schedule"]
 
 
 class ScheduleError(ValueError):
-    """A schedule violates one of the properties listed in the module docstring."""
+    """A schedule violates a property of the module docstring."""
 
 
 def check_schedule(schedule: Schedule) -> None:

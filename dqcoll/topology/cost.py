@@ -1,39 +1,12 @@
 """The cost model: predicted time of an all-reduce along a schedule on a topology.
 
-Per step ``s`` of a schedule (every transfer of a step is posted together):
-
-* **wire**: the transfers a rank sends one peer in the step travel as one message of
-  ``chunks x chunk_numel x wire_bytes_per_coord`` bytes. Each message loads every resource on its
-  route (:meth:`.graph.Topology.route`: a port or NIC, send or receive side); a resource carries
-  the bytes of *every* message through it, so one NIC shared by 8 GPUs is charged their sum.
-  ``W_s = max over resources (bytes / bandwidth)``.
-* **latency**: ``A_s = max over messages (link latency) + (m_s - 1) x message_us`` where
-  ``m_s`` is the most messages one rank posts in the step (a direct all-reduce posts n - 1).
-* **kernels**: per rank, the coordinates it compresses (a leaf's own chunk; a forwarding node's
-  and the sink's partial sum) and decompresses (every payload it receives, and the sink its own
-  output) times the per-coordinate times of :class:`KernelRates`; ranks that share a compute
-  device (CPU ranks on one host) add up. ``K_s = max over devices``.
-
-With the buffer cut into ``T`` tiles that flow through the steps one after another, a tile's wire
-and kernel work of a step are serial, and tiles overlap the network of one with the kernels of
-another:
-
-    time = sum_s (A_s + (W_s + K_s) / T)  +  (T - 1) x max(sum_s (A_s + W_s / T), sum_s K_s / T)
-
-(the first tile's whole path, then one tile per bottleneck period). ``T = 1`` is the untiled
-executor. Schemes with statistics (DynamiQ) add a prologue - the statistics pass and a small
-uncompressed all-reduce of 8 bytes per 256 coordinates - and an epilogue (restore); every call
-adds the API's argument handshake (one tiny all-reduce). :class:`CostBreakdown` keeps the terms.
-
-Kernel rates (:data:`DEFAULT_KERNEL_RATES`) per (device kind, scheme): GPU figures are the bytes
-a memory-bound kernel must move over 1.7 TB/s (H100) / 2.4 TB/s (H200), i.e. ~60 % of HBM, the
-target of the Triton kernels; CPU figures are the compiled (numba) kernels' measured rates and are
-per *host* (the ranks of a host share its cores; docs/topology.md).
-:func:`load_kernel_rates` overrides them from benchmark JSON files.
-
-Rejected: LogGP-style per-byte gap parameters per message. With grouped point-to-point (all of a
-step's messages posted at once) the bottleneck resource decides, and one latency per step plus a
-per-message cost fits the measured gloo runs as well (docs/topology.md) with fewer parameters.
+:func:`price_allreduce` (a flat algorithm placed on the topology), :func:`price_hierarchical` and
+:func:`price_schedule` return a :class:`CostBreakdown`: per step the wire time of the busiest
+resource (a message loads every link on its route, so a shared NIC carries all its ranks' bytes),
+a latency term and the busiest compute device's kernel time, pipelined over ``tiles``, plus the
+statistics prologue, epilogue and argument check. The formula, the kernel rates and their
+validation: docs/topology.md §3. Rejected: LogGP-style per-message gaps; one latency per step plus
+a per-message cost fits the measured runs as well with fewer parameters.
 """
 
 from __future__ import annotations
@@ -89,19 +62,15 @@ def _gpu(bytes_compress: float, bytes_decompress: float, bytes_stats: float,
     return KernelRates(bytes_compress / per_ns, bytes_decompress / per_ns, bytes_stats / per_ns)
 
 
-# Bytes per coordinate a kernel moves: dynamiq compress reads fp32 (4) and writes ~0.6 B;
-# decompress-accumulate reads ~0.6 B and the fp32 partial sum and writes it back (8.6); the stats
-# pass reads the input and writes the centred copy (8), restore reads and writes (8).
-# none: compress = copy (8 B), decompress-accumulate = read 2 x 4 + write 4 (12 B).
+# Bytes per coordinate a kernel moves (compress, decompress-accumulate, statistics + restore):
+# dynamiq reads fp32 and writes ~0.6 B of codes; none copies and adds fp32.
 _GPU_BYTES = {"dynamiq": (4.6, 8.6, 16.0), "none": (8.0, 12.0, 0.0)}
 _GPU_GBPS = {"h100": 1700.0, "h200": 2400.0}
 
 DEFAULT_KERNEL_RATES: dict[tuple[str, str], KernelRates] = {
     **{(dev, scheme): _gpu(*b, gbps) for dev, gbps in _GPU_GBPS.items()
        for scheme, b in _GPU_BYTES.items()},
-    # Per host of two cores: the single-threaded rates halved (the host's cores serve all its
-    # ranks). Measured by `tools/topology_validate.py calibrate`, which writes
-    # benchmarks/results/topology-kernel-rates-cpu.json; load_kernel_rates reads such a file.
+    # per host of two cores (one thread's rates halved); tools/topology_validate.py calibrate
     ("cpu", "dynamiq"): KernelRates(compress_ns=1.2, decompress_ns=0.26, stats_ns=1.54),
     ("cpu", "none"): KernelRates(compress_ns=0.040, decompress_ns=0.041, stats_ns=0.0),
 }
@@ -249,10 +218,8 @@ def _pipeline(steps: Sequence[StepCost], tiles: int) -> float:
 @functools.lru_cache(maxsize=256)
 def _unit_steps(schedule: Schedule, topology: Topology, costs: tuple[SchemeCost, ...],
                 params: CostParams) -> tuple[StepCost, ...]:
-    """Per-step costs for chunks of one coordinate: wire and kernel terms scale linearly with
-    the chunk size and latency does not, so one pass over the transfers prices every size.
-    Cached for the life of the process, the 256 most recently priced (schedule, topology,
-    costs, params) (pure function of immutable data; the tuner prices each at many sizes)."""
+    """Per-step costs for chunks of one coordinate (wire and kernel terms scale linearly with
+    the chunk size, latency does not), so one cached pass prices every size."""
     # A rank's first send of a chunk with nothing received for it is a leaf: it compresses.
     received = {(t.dst, t.chunk) for s in schedule.reduce for t in s.transfers}
     leaf = {(t.src, t.chunk): (t.src, t.chunk) not in received
@@ -316,8 +283,7 @@ def price_schedule(schedule: Schedule, topology: Topology, numel: int, cost: Sch
 def price_allreduce(algorithm: str, topology: Topology, nbytes: int, *, scheme: str,
                     bits: float | None = None, dtype: str = "float32", tiles: int = 1,
                     params: CostParams | None = None) -> CostBreakdown:
-    """Time of ``allreduce`` of ``nbytes`` (uncompressed) with a flat algorithm placed on
-    ``topology`` (:func:`.placement.build_placed_schedule`)."""
+    """Time of ``allreduce`` of ``nbytes`` (uncompressed), a flat algorithm placed on the graph."""
     params = params or CostParams()
     numel = max(1, nbytes // DTYPE_NBYTES[dtype])
     cost = scheme_cost(scheme, bits, dtype, topology.device_kind, params)
@@ -328,8 +294,7 @@ def price_allreduce(algorithm: str, topology: Topology, nbytes: int, *, scheme: 
 def price_hierarchical(plan: HierarchicalPlan, topology: Topology, nbytes: int, *,
                        dtype: str = "float32", tiles: int = 1,
                        params: CostParams | None = None) -> CostBreakdown:
-    """Time of :func:`dqcoll.hierarchical.hierarchical_allreduce`: the flat schedule of the
-    plan, each step priced with its level's scheme, plus both levels' prologues and epilogues."""
+    """Time of a two-level all-reduce: the plan's flat schedule, each step at its level's scheme."""
     params = params or CostParams()
     numel = max(1, nbytes // DTYPE_NBYTES[dtype])
     by_level = {
@@ -342,8 +307,7 @@ def price_hierarchical(plan: HierarchicalPlan, topology: Topology, nbytes: int, 
     steps = _steps(schedule, topology, numel, [by_level[lv] for lv in plan.step_levels()],
                    params)
     prologue = epilogue = 0.0
-    # Statistics of each level over its own ranks: priced on the whole topology, a slight
-    # overestimate for the intra level (its statistics never cross a NIC).
+    # each level's statistics priced on the whole topology: a slight overestimate for intra
     for level, shard in ((Level.INTRA, numel), (Level.INTER, numel // plan.gpus_per_node)):
         c = by_level[level]
         p, e = _stats_us(topology, max(shard, 1), params, stats=c.has_stats,
@@ -372,18 +336,8 @@ def _device_kind(text: str) -> str:
 
 def load_kernel_rates(paths: Iterable[str] | str | None = None
                       ) -> dict[tuple[str, str], KernelRates]:
-    """Kernel rates from benchmark JSON files (default ``benchmarks/results/*.json``).
-
-    Two record shapes are read, anywhere in a file (a list, or a dict with ``records``/
-    ``results``):
-
-    * ``{"device": ..., "scheme": ..., "compress_ns": ..., "decompress_ns": ..., "stats_ns": ...}``;
-    * the kernel benchmark's ``{"kernel": ..., "bits": ..., "numel": ..., "gbps": ...,
-      "device": ...}`` (dynamiq): the bytes per coordinate of :data:`_KERNEL_BYTES` over the
-      measured GB/s, taking the largest ``numel`` measured per kernel (the regime of big buckets).
-
-    Records of other shapes are skipped.
-    """
+    """Kernel rates from benchmark JSON files (default ``benchmarks/results/*.json``): records
+    with ``compress_ns`` and ``decompress_ns``, or the kernel benchmark's ``kernel``, ``gbps``."""
     if paths is None:
         paths = sorted(glob.glob(os.path.join("benchmarks", "results", "*.json")))
     elif isinstance(paths, str):

@@ -1,28 +1,10 @@
 """Where a :class:`~dqcoll.topology.graph.Topology` comes from: this machine, or a description.
 
 :func:`parse_topology` reads a short text (a preset shape, a JSON file, or ``"detect"``);
-:func:`detect_topology` detects the topology of the job this process belongs to.
-
-Detection reads, in order (each step says what it found in :attr:`Detection.notes`):
-
-1. **torchrun variables**: ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` give the number of hosts and
-   ranks per host (ranks host-major, as torchrun numbers them). Without them: one rank.
-2. **GPUs**: ``nvidia-smi topo -m`` where the binary exists. Any ``NV<k>`` entry between GPUs
-   means an NVLink fabric (ports not shared); otherwise PCIe (one shared root per host). Without
-   ``nvidia-smi``: CPU ranks, which share the host's cores and talk through loopback.
-3. **Network**: the speed of the fastest non-loopback interface in ``/sys/class/net/*/speed``
-   (Mb/s, as the kernel reports it); without one, :data:`FALLBACK_INTER_GBPS`.
-
-Documented fallback: with nothing to go on (a plain Python process on a laptop) the result is
-``Topology.single_host(1)``: one CPU rank, loopback links. Detection never raises for a missing
-tool; it only reads, never probes the network.
-
-``parse_topology`` lives here rather than beside the graph so that the graph module imports
-nothing above it (``"detect"`` needs this module, which builds graphs).
-
-Rejected: measuring links at start-up (a bandwidth test between ranks). It costs seconds on every
-job and its numbers drift with load; ``dqcoll tune`` takes measured figures through a JSON
-topology file instead.
+:func:`detect_topology` detects this job's topology from the torchrun variables, ``nvidia-smi topo
+-m`` and the fastest NIC in ``/sys/class/net``, with the fallbacks of docs/topology.md §1 (nothing
+to go on: one CPU rank). Detection only reads: it never probes the network nor raises for a
+missing tool; :attr:`Detection.notes` says what each source gave.
 """
 
 from __future__ import annotations
@@ -145,14 +127,9 @@ def detect_topology(*, world_size: int | None = None) -> Topology:
 
 
 def parse_topology(text: str | Topology, *, world_size: int | None = None) -> Topology:
-    """A topology from a short description:
-
-    * a path to a JSON file written by :meth:`Topology.save`;
-    * ``"detect"``: :func:`detect_topology` on this machine;
-    * ``"NxG[-intra]@GBPS"``, e.g. ``"4x8@100"`` or ``"2x4-pcie@25"``: :meth:`Topology.cluster`;
-    * ``"host:N"``: :meth:`Topology.single_host` (loopback, shared CPU);
-    * ``"flat:N@GBPS"``: :meth:`Topology.flat`.
-    """
+    """A topology from a JSON file (:meth:`Topology.save`), ``"detect"``, ``"NxG[-intra]@GBPS"``
+    (:meth:`Topology.cluster`, e.g. ``"2x4-pcie@25"``), ``"host:N"`` (:meth:`Topology.single_host`)
+    or ``"flat:N@GBPS"`` (:meth:`Topology.flat`); raises :class:`InvalidArgumentError` otherwise."""
     if isinstance(text, Topology):
         return text
     spec = text.strip()

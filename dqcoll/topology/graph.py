@@ -1,30 +1,13 @@
 """The cluster as a graph: ranks on hosts, joined by links with a bandwidth and a latency.
 
-A :class:`Topology` says where each rank lives and which links a message between two ranks
-crosses. Two ranks on the same host talk through their *ports* into the host fabric (NVLink via
-NVSwitch, PCIe, or memory for CPU ranks); ranks on different hosts go out through the sending
-host's NIC and in through the receiving host's NIC (a non-blocking switch between hosts is
-assumed). A link that several ranks use - one NIC per node shared by its 8 GPUs, one PCIe root
-shared by a node's GPUs - is *one* link in :attr:`Topology.links`, so the cost model adds up the
-bytes of every rank that crosses it. Links are full duplex: sending and receiving are separate
-resources of the same bandwidth.
-
-Each rank also names its compute *device*; ranks that share one (several CPU ranks on one host)
-share its throughput in the cost model the way they share a NIC.
-
-Presets (:meth:`Topology.cluster`, :meth:`Topology.single_host`, :meth:`Topology.flat`) cover the
-usual shapes; :mod:`.detect` builds one for the machine it runs on, and its
-:func:`~dqcoll.topology.detect.parse_topology` turns a short text (``"4x8@100"``, a JSON file,
-``"detect"``) into one.
-
-Default link figures (per direction, :data:`LINK_DEFAULTS`) are round numbers near what NCCL
-reaches, not peaks: NVLink 4 on H100 SXM 450 GB/s nominal, ~360 GB/s measured busbw -> 2880 Gb/s;
-PCIe 4.0 x16 ~25 GB/s -> 200 Gb/s shared per node; network latency ~5 us (NIC + switch + verbs).
-``loopback`` is gloo over TCP through one host's loopback, calibrated as docs/topology.md says.
-
-Rejected: a general graph with shortest-path routing (networkx-style). Every cluster dqcoll
-targets is "hosts with an internal fabric behind one NIC each", and a fixed two-level route keeps
-the cost model exact on the cases it is tested on.
+Routing rule of :class:`Topology`: two ranks of one host talk through their *ports* into the host
+fabric; ranks on different hosts go out through the sender's NIC and in through the receiver's
+(a non-blocking switch between hosts). A link several ranks use (a NIC, a PCIe root) is *one* link,
+so the cost model adds up the bytes of every rank that crosses it; links are full duplex (``tx``
+and ``rx`` are separate resources). Ranks sharing a compute *device* share its throughput. Presets:
+:meth:`Topology.cluster`, :meth:`Topology.single_host`, :meth:`Topology.flat`; docs/topology.md §1.
+:data:`LINK_DEFAULTS` are round numbers near what NCCL reaches, not peaks. Rejected: a general
+graph with shortest-path routing; every target cluster is hosts with a fabric behind one NIC each.
 """
 
 from __future__ import annotations
@@ -94,7 +77,7 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """Ranks, hosts and links; see the module docstring for the routing rule."""
+    """Ranks, hosts and links, routed by the module docstring's rule."""
 
     name: str
     hosts: tuple[int, ...]  # hosts[rank]: the host a rank lives on
@@ -124,8 +107,6 @@ class Topology:
                 raise InvalidArgumentError(f"topology {self.name!r}: link index {index} outside "
                                            f"[0, {len(self.links)})")
 
-    # -- shape ------------------------------------------------------------------------------
-
     @property
     def world_size(self) -> int:
         return len(self.hosts)
@@ -151,8 +132,6 @@ class Topology:
         """A file-name-safe identifier (the tuned tables are named by it)."""
         return "".join(c if c.isalnum() or c in "-_." else "-" for c in self.name)
 
-    # -- routing ----------------------------------------------------------------------------
-
     def route(self, src: int, dst: int) -> tuple[tuple[int, str], ...]:
         """The ``(link index, "tx" | "rx")`` resources a message from ``src`` to ``dst`` uses."""
         if src == dst:
@@ -166,8 +145,6 @@ class Topology:
 
     def is_intra(self, src: int, dst: int) -> bool:
         return self.hosts[src] == self.hosts[dst]
-
-    # -- presets ----------------------------------------------------------------------------
 
     @classmethod
     def cluster(
@@ -215,7 +192,6 @@ class Topology:
                                       lat_intra))
                 hosts.append(node)
         label = name or f"{nodes}x{gpus_per_node}-{intra_kind.value}-{inter_gbps:g}g"
-        # CPU ranks share their host's cores; GPUs are one device each.
         devices = tuple(hosts) if device_kind == "cpu" else tuple(range(nodes * gpus_per_node))
         return cls(label, tuple(hosts), tuple(ports), tuple(nics), tuple(links),
                    devices=devices, device_kind=device_kind)
@@ -263,17 +239,14 @@ class Topology:
         device_kind: str = "cpu",
         name: str | None = None,
     ) -> Topology:
-        """One rank per host, each behind its own NIC (the network-namespace emulation: one veth
-        with a ``tc`` rate limit per rank). ``shared_device``: the "hosts" share one machine's
-        cores, as network namespaces on one VM do."""
+        """One rank per host behind its own NIC (the network-namespace emulation);
+        ``shared_device``: the "hosts" share one machine's cores."""
         links = tuple(Link(f"nic{r}", LinkKind.NETWORK, float(bandwidth_gbps), float(latency_us))
                       for r in range(world_size))
         devices = (0,) * world_size if shared_device else tuple(range(world_size))
         label = name or f"flat{world_size}-{bandwidth_gbps:g}g"
         return cls(label, tuple(range(world_size)), tuple(range(world_size)),
                    tuple(range(world_size)), links, devices, device_kind=device_kind)
-
-    # -- JSON -------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         return {

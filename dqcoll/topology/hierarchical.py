@@ -1,42 +1,14 @@
-"""Hierarchical collectives: a scheme and a bit budget per level of the topology.
+"""Hierarchical plans as data: a scheme, bits and algorithm per level of the topology.
 
-Over ``H`` hosts of ``G`` ranks each (rank ``(h, j)`` = local rank ``j`` of host ``h``), the
-all-reduce runs as
-
-1. **intra reduce-scatter**: inside each host, over the ``intra`` algorithm, local rank ``j``
-   ends with the host's sum of part ``j`` (part = 1/G of the buffer);
-2. **inter all-reduce**: the ``G`` groups of same-local-rank peers (one rank per host) all-reduce
-   their part over the ``inter`` algorithm, so every byte on the network is the inter scheme's;
-3. **intra all-gather**: inside each host the reduced parts are gathered back.
-
-The reduce-scatter is steps 1 and 2 with a reduce-scatter across hosts (each rank keeps its own
-shard), the all-gather is an all-gather across hosts then one inside each host (each shard
-crosses the network once). Part ``j`` holds the shards of the ranks with local index ``j``, in
-host order (:attr:`HierarchicalPlan.local_major_ranks`); :mod:`dqcoll.hierarchical` says how the
-buffers are laid out for that.
-
-Each level has its own :class:`LevelSpec` (scheme, bits, algorithm), e.g. uncompressed over NVLink
-and ``dynamiq`` at 4 bits across nodes. :class:`HierarchicalPlan` is the plan as data; it has two
-readings that agree:
-
-* :meth:`HierarchicalPlan.flat_schedule` - the all-reduce as one :class:`~.schedule.Schedule`
-  over all ``n`` ranks (chunk ``(h', j)`` reduced in-host onto ``(h, j)`` then across hosts onto
-  its sink ``(h', j)``), which :func:`~.checker.check_schedule` proves correct and which the
-  executor runs as is when both levels use one scheme. :meth:`HierarchicalPlan.step_levels`
-  tells which level each of its steps belongs to, for the cost model. The
-  :class:`~.schedule.Schedule` IR is unchanged.
-* :func:`dqcoll.hierarchical.run_hierarchical` - the per-level execution of all three
-  collectives, beside the executor (this package only plans: it never calls back up into the
-  public API): ordinary collectives over :class:`~dqcoll.transports.subgroup.SubgroupTransport`
-  views of the caller's transport, so each level runs with its own scheme call.
-
-Ranks of a host need not be numbered contiguously: the plan lists each host's ranks. A level's
-algorithm may be ``"auto"`` (the level's call chooses, as a flat call does); such a plan runs,
-but has no :meth:`~HierarchicalPlan.flat_schedule` to price.
-
-Rejected: a Schedule IR with a scheme per transfer. A partial sum would then change format in
-the middle of a tree, which no scheme call can do; levels as separate collectives keep each
-scheme's call (statistics, bit allocation) whole.
+Over ``H`` hosts of ``G`` ranks the all-reduce is a reduce-scatter inside each host, an all-reduce
+of each part among the same-local-rank peers of all hosts (the ``inter`` level, so every byte on
+the network is its scheme's) and an all-gather inside each host. A :class:`HierarchicalPlan` reads
+two ways that agree: :meth:`~HierarchicalPlan.flat_schedule`, one schedule over all ranks that the
+checker proves and the cost model prices (:meth:`~HierarchicalPlan.step_levels`), and
+:func:`dqcoll.hierarchical.run_hierarchical`, which runs each level as an ordinary collective (this
+package only plans). A level's algorithm may be ``"auto"``: such a plan runs, but has no flat
+schedule. docs/topology.md §2. Rejected: a scheme per transfer in the Schedule IR (a partial sum
+cannot change format mid-tree; separate levels keep each scheme's call whole).
 """
 
 from __future__ import annotations
@@ -123,10 +95,8 @@ class HierarchicalPlan:
 
     @functools.cached_property
     def local_major_ranks(self) -> tuple[int, ...]:
-        """The global ranks in local-major order: position ``j * H + h`` holds
-        ``host_ranks[h][j]``. Part ``j`` of a two-level collective's buffer holds the shards of
-        the ranks at positions ``j * H .. j * H + H - 1``, the order of local rank ``j``'s
-        :meth:`inter_group`."""
+        """The global ranks local-major: position ``j * H + h`` holds ``host_ranks[h][j]`` (part
+        ``j`` of a two-level buffer, in the order of :meth:`inter_group`)."""
         return tuple(ranks[j] for j in range(self.gpus_per_node) for ranks in self.host_ranks)
 
     def intra_group(self, rank: int) -> tuple[int, ...]:

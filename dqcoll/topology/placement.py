@@ -1,19 +1,10 @@
-"""Flat schedules placed on a topology: which rank plays which position of ring/butterfly/direct.
+"""Flat schedules placed on a topology: which rank plays which position of an algorithm.
 
-The builders of :mod:`.algorithms` know rank numbers only. Placed on a cluster, the heavy steps
-should stay on fast links: the ring should cross each NIC once per direction, and the butterfly's
-first steps - which carry the most chunks (step ``k`` moves about ``n / 2^(k+1)`` chunks per rank
-to the rank ``2^k`` positions away) - should stay inside a host. Ordering positions host-major
-(every rank of host 0, then host 1, ...) does both; :func:`placement_order` returns that order.
-
-A schedule built over positions ``0..n-1`` is mapped onto ranks by :func:`relabel_schedule`:
-position ``p`` becomes rank ``order[p]`` *and* chunk ``p`` becomes chunk ``order[p]``, so chunk
-``c``'s sink is still rank ``c`` (the convention reduce-scatter relies on). Roles are derived
-again, because "the last child" is decided by source rank within a step.
-
-Rejected: searching rank orders with the cost model (simulated annealing, as some MPI libraries
-do). For the host-shaped topologies dqcoll models, host-major order is optimal for the ring and
-within a few percent for the butterfly in the cost model, and it is what torchrun already gives.
+:func:`build_placed_schedule` gives positions to ranks host-major (:func:`placement_order`), so a
+ring crosses each NIC once per direction and the butterfly's heavy first steps stay inside hosts.
+:func:`relabel_schedule` maps position and chunk ``p`` to rank ``order[p]`` (chunk ``c``'s sink is
+still rank ``c``) and derives the roles again. Rejected: searching rank orders with the cost
+model; host-major order is optimal for the ring and within a few percent for the butterfly.
 """
 
 from __future__ import annotations

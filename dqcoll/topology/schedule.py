@@ -1,18 +1,11 @@
 """Schedules as plain data.
 
-A collective over ``n`` ranks cuts the buffer into ``n`` chunks; chunk ``c`` is reduced onto its
-*sink*, rank ``c`` (the NCCL convention: after a reduce-scatter rank ``r`` holds shard ``r``).
-
-* The reduce-scatter part is, per chunk, an **in-tree**: every transfer points towards the sink.
-  A rank sends a chunk once, after all of its children for that chunk have arrived.
-* The all-gather part is, per chunk, an **out-tree** from the sink that forwards the sink's
-  compressed bytes unchanged, so every rank decodes the very same bytes (bit-identical replicas).
-
-A :class:`Schedule` is a list of :class:`Step`; the transfers of one step happen together
-(posted as one group, like ``ncclGroupStart/End``). The *role* of a transfer says what its
-receiver does with it. Roles are derived from the tree shape by :func:`assign_roles`, so builders
-only list ``(src, dst, chunk)`` per step. Schedules are checked by :mod:`dqcoll.topology.checker`
-without any device; the executor runs any of them.
+Over ``n`` ranks the buffer is cut into ``n`` chunks; chunk ``c`` is reduced onto its *sink*, rank
+``c``. The reduce part is, per chunk, an in-tree towards the sink (a rank sends a chunk once, after
+all its children arrived); the gather part an out-tree from the sink that forwards its compressed
+bytes unchanged, so every rank decodes the same bytes. The transfers of a :class:`Step` are posted
+together; a transfer's :class:`Role` (derived by :func:`assign_roles`) says what its receiver does
+with it. :mod:`dqcoll.topology.checker` proves schedules correct.
 """
 
 from __future__ import annotations
@@ -133,13 +126,9 @@ def assign_roles(
     reduce: Iterable[Iterable[tuple[int, int, int]]],
     gather: Iterable[Iterable[tuple[int, int, int]]],
 ) -> Schedule:
-    """Build a :class:`Schedule` from bare ``(src, dst, chunk)`` triples per step.
-
-    The last transfer a rank receives for a chunk (in step order, then by source rank) is its
-    ``FORWARD`` transfer, or ``FINAL`` at the sink; earlier ones are ``ACCUMULATE``. Every
-    all-gather transfer is ``GATHER``. Within a step transfers are sorted, so the order in which
-    a receiver accumulates its children is a property of the schedule, not of the builder.
-    """
+    """A :class:`Schedule` from bare ``(src, dst, chunk)`` triples per step: a rank's last receipt
+    of a chunk (by step, then source rank) is ``FORWARD`` (``FINAL`` at the sink), earlier ones
+    ``ACCUMULATE``, gather ones ``GATHER``. Sorted per step: the schedule fixes the order."""
     reduce_steps = [sorted(set(step)) for step in reduce]
     gather_steps = [sorted(set(step)) for step in gather]
     last: dict[tuple[int, int], tuple[int, int]] = {}  # (dst, chunk) -> (step index, src)
