@@ -35,7 +35,6 @@ from ..prepare import (
 )
 from ..schemes.elementwise import BlockCodec
 from ..topology.hierarchical import HierarchicalPlan, LevelSpec
-from ..transports.nccl_common import exchange_unique_id
 from ..transports.torch_dist import TorchTransport, open_private_group, release_private_group
 from .lane_blocks import BlockCollectives
 from .policy import CompressionPolicy, Role, RoleRule
@@ -298,6 +297,8 @@ class Lane(BlockCollectives):
         if binding is None:
             raise UnsupportedError(f"rank {self.rank}: lane {self.name} on {self.device}: "
                                    f"{reason}")
+        from ..transports.nccl_common import exchange_unique_id  # CUDA only: loaded on use
+
         prefixed = dist.PrefixStore(prefix, store)
         module, library, transport_class, extra = _nccl_parts(binding)
         unique_id = exchange_unique_id(lambda: module.unique_id_bytes(library), prefixed,
