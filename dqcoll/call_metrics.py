@@ -1,32 +1,8 @@
 """What each collective did: one :class:`CallRecord` per call, kept in ``comm.metrics``.
 
-Every collective that runs through :func:`dqcoll.execute.run` is recorded by
-:func:`recording` when it ends, successfully or not: the collective, its size, the scheme and
-algorithm that actually ran, the plan as ``comm.last_info`` describes it (flat, or the levels of a
-two-level plan; the planner's decision with its predicted times), the predicted and the
-measured time, the bytes this rank put on the wire and what the uncompressed ring would have
-sent. :class:`CallMetrics` (``comm.metrics``) keeps the most recent records in a bounded ring
-(``DQCOLL_METRICS_RECORDS``, default :data:`DEFAULT_RECORDS`) and running totals per
-(collective, scheme, algorithm, size class), which never lose a call when the ring wraps. It
-exports the records as JSON lines in NCCL Inspector's per-collective shape
-(:meth:`CallMetrics.to_jsonl`) and the totals as Prometheus text
-(:meth:`CallMetrics.prometheus_text`); ``DQCOLL_METRICS_JSONL=path`` appends each record to a
-per-rank file as the call completes. docs/metrics.md shows both outputs.
-
-Recording is host-side bookkeeping only: a few attribute reads of the caller's buffer (no tensor
-operation, no device synchronisation), two reads of the transport's byte counter and one of the
-wall clock. It never raises into the call: a record that cannot be built, or a JSONL file that
-cannot be written, logs one warning per communicator and is dropped.
-
-``measured_us`` is the host's wall time of the call on this rank. A call on CUDA buffers over a
-stream-ordered transport (NCCL) returns once its work is queued, as an NCCL collective does, so
-there it is the time to queue the call, not to run it (``coll_timing_source``:
-``"collective_cpu"``, NCCL Inspector's name for host-side timing).
-
-Calls refused before they start (a closed, dead or busy communicator) are not recorded: nothing
-ran. The levels of a two-level plan run on per-call sub-communicators; their own records stay
-there (a subgroup view writes no JSONL file) and the parent records the call as a whole, its plan
-naming the levels.
+:class:`recording` records a call when it ends, ok or not. :class:`CallMetrics` keeps the
+latest records in a ring and totals of every call, exported as NCCL Inspector JSON lines and
+Prometheus text. Host-side bookkeeping only; it never raises into the call. Docs: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -73,20 +49,7 @@ _FORMAT_VERSION = "dqcoll-1"
 
 @dataclasses.dataclass(frozen=True)
 class CallRecord:
-    """One collective call on one rank, as it ran.
-
-    ``numel`` and ``nbytes`` are the whole buffer the collective reduces or gathers (all-reduce:
-    the buffer; reduce-scatter: the input of ``world_size`` shards; all-gather: the output).
-    ``bits_requested``: the caller's ``bits`` (dqcoll's default for ``dynamiq`` / ``auto`` when
-    none was given; None where the scheme takes none or a target error was given).
-    ``bits_wire``: the bits per coordinate the wire carried, measured: ``wire_bytes`` against the
-    uncompressed ring's ``exact_wire_bytes`` (so ``8 * itemsize`` for an uncompressed call over a
-    bandwidth-optimal schedule). ``wire_bytes``: what this rank sent during the call, from the
-    transport's ``bytes_sent`` counter (payload, statistics, argument check, headers).
-    ``exact_wire_bytes``: what this rank sends in an uncompressed ring, ``2 (n-1)/n * nbytes``
-    for all-reduce, ``(n-1)/n * nbytes`` for reduce-scatter and all-gather. ``plan``: see
-    :func:`plan_of`. ``status``: ``"ok"`` or the exception's type name.
-    """
+    """One collective call on one rank, as it ran (fields: docs/metrics.md, "A record")."""
 
     collective: str
     seq: int
@@ -114,15 +77,13 @@ class CallRecord:
 
     @property
     def msg_size_bytes(self) -> int:
-        """NCCL's message size: the buffer for all-reduce, one rank's shard for reduce-scatter
-        and all-gather (NCCL's ``recvcount`` / ``sendcount`` times the element size)."""
+        """NCCL's message size: the buffer for all-reduce, one rank's shard otherwise."""
         if self.collective == Collective.ALLREDUCE.value or self.world_size < 1:
             return self.nbytes
         return self.nbytes // self.world_size
 
     def bandwidths_gbs(self) -> tuple[float, float]:
-        """(algorithm bandwidth, bus bandwidth) in GB/s, as NCCL Inspector and nccl-tests define
-        them: ``nbytes / time``, times ``2 (n-1)/n`` (all-reduce) or ``(n-1)/n`` for the bus."""
+        """(algorithm bandwidth, bus bandwidth) in GB/s, as nccl-tests define them."""
         if self.measured_us <= 0:
             return 0.0, 0.0
         algo = self.nbytes / (self.measured_us * 1e3)
@@ -132,8 +93,7 @@ class CallRecord:
 
     def to_inspector(self, header: Mapping[str, Any] | None = None,
                      metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The record as one NCCL Inspector line: ``header``, ``metadata`` and ``coll_perf``
-        (Inspector's fields where they mean the same, then dqcoll's own)."""
+        """The record as one NCCL Inspector object: ``header``, ``metadata``, ``coll_perf``."""
         algo_bw, bus_bw = self.bandwidths_gbs()
         perf: dict[str, Any] = {
             "coll": _NCCL_NAMES.get(self.collective, self.collective),
@@ -169,8 +129,7 @@ class CallRecord:
 
 @dataclasses.dataclass
 class Totals:
-    """Running sums of one (collective, scheme, algorithm, size class): every call counted,
-    whether or not its record is still in the ring."""
+    """Running sums of one (collective, scheme, algorithm, size class) over every call."""
 
     calls: int = 0
     errors: int = 0
@@ -217,8 +176,7 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
 
 
 def size_class(nbytes: int) -> str:
-    """The power of two at or above ``nbytes``, as a label: ``"0B"``, ``"512B"``, ``"4KiB"``,
-    ``"64MiB"``, ``"2GiB"`` (a size class holds the sizes above half of it)."""
+    """The power of two at or above ``nbytes``, as a label (``"0B"``, ``"512B"``, ``"4KiB"``)."""
     if nbytes <= 0:
         return "0B"
     exponent = (int(nbytes) - 1).bit_length()
@@ -236,8 +194,8 @@ _SIZE_CLASSES = tuple(_size_label(e) for e in range(64))
 
 
 def exact_wire_nbytes(collective: str, nbytes: int, world_size: int) -> int:
-    """What one rank sends in an uncompressed bandwidth-optimal ring: ``2 (n-1)/n * nbytes``
-    for all-reduce, ``(n-1)/n * nbytes`` for reduce-scatter and all-gather (rounded down)."""
+    """Bytes one rank sends in an uncompressed ring: ``2 (n-1)/n * nbytes`` for all-reduce,
+    ``(n-1)/n * nbytes`` otherwise (rounded down)."""
     n = world_size
     if n <= 1 or nbytes <= 0:
         return 0
@@ -251,16 +209,9 @@ def _level(info: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
-    """The plan a call ran, as plain data, from its ``comm.last_info``.
-
-    ``info["plan"]`` where the call put one; else a two-level plan where ``info`` has the levels
-    (``"intra"`` and ``"inter"``: ``{"kind": "two_level", "algorithm", "levels": [...]}``, each
-    level with its scheme, algorithm and bits, and ``"phases"``, each level's call in order,
-    where ``info`` lists them); else ``{"kind": "flat", "scheme", "algorithm",
-    "bits"}``. Where the planner decided (``info["planned"]``), ``"planner"`` adds its plan's
-    label, reason, predicted time and every alternative with its predicted time (microseconds).
-    ``bits``: the scheme's own figure where it reports one (dynamiq: the bits per coordinate its
-    allocation used)."""
+    """The plan a call ran, as plain data, from its ``comm.last_info``: ``info["plan"]``, else
+    ``{"kind": "two_level", ...}`` or ``{"kind": "flat", ...}``, with ``"planner"`` where the
+    planner decided (shape: docs/metrics.md, "A record")."""
     given = info.get("plan")
     if isinstance(given, Mapping):
         return dict(given)
@@ -276,7 +227,7 @@ def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
     else:
         levels = {"kind": "flat", **_level(info)}
     planned = info.get("planned")
-    if isinstance(planned, Mapping):  # the planner's decision: label, reason, alternatives
+    if isinstance(planned, Mapping):
         levels["planner"] = {"label": planned.get("label"), "reason": planned.get("reason"),
                              "predicted_us": planned.get("predicted_us"),
                              "alternatives": planned.get("alternatives")}
@@ -284,8 +235,7 @@ def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _predicted_us(info: Mapping[str, Any]) -> float | None:
-    """The predicted time of what ran: ``info["predicted_us"]`` (the planner's, calibrated);
-    None where nothing predicted it (or the prediction is not finite)."""
+    """``info["predicted_us"]`` (the planner's), or None where absent or not finite."""
     value = info.get("predicted_us")
     if value is None:
         return None
@@ -311,8 +261,7 @@ def _plain(value: Any) -> Any:
 
 
 def _buffer_facts(buf: Any) -> tuple[int, int, str, str]:
-    """(elements, bytes per element, dtype name, device type) of a torch tensor, NumPy or CuPy
-    array, from its attributes only."""
+    """(elements, bytes per element, dtype name, device type) of a buffer, from attributes only."""
     if isinstance(buf, torch.Tensor):
         return (buf.numel(), buf.element_size(), str(buf.dtype).removeprefix("torch."),
                 buf.device.type)
@@ -334,9 +283,8 @@ def _format_number(value: float) -> str:
 class CallMetrics:
     """One communicator's call records (the most recent ``capacity``) and running totals.
 
-    Thread-safe: an ``async_op`` call records from the communicator's worker thread while the
-    caller may export. ``capacity=None`` reads ``DQCOLL_METRICS_RECORDS``; ``jsonl``: the path
-    every record is appended to as it arrives (``None``: no file; see :meth:`for_transport`).
+    Thread-safe (``async_op`` calls record from the worker thread). ``capacity=None`` reads
+    ``DQCOLL_METRICS_RECORDS``; ``jsonl``: the path every record is appended to (None: no file).
     """
 
     def __init__(self, rank: int, world_size: int, *, capacity: int | None = None,
@@ -357,10 +305,7 @@ class CallMetrics:
 
     @classmethod
     def for_transport(cls, transport: Any) -> CallMetrics:
-        """The metrics of a communicator over ``transport``: ``DQCOLL_METRICS_RECORDS`` records,
-        and with ``DQCOLL_METRICS_JSONL`` set a JSONL file for this rank (its ``{rank}`` replaced
-        by the rank, else ``.rank{r}`` appended). A subgroup view (the levels of a two-level
-        call) writes no file: its parent records the call."""
+        """The metrics of a communicator over ``transport``; a subgroup view writes no file."""
         path = envs.metrics_jsonl()
         if path and getattr(transport, "parent", None) is None:
             rank = str(transport.rank)
@@ -368,8 +313,6 @@ class CallMetrics:
         else:
             path = ""
         return cls(transport.rank, transport.world_size, jsonl=path or None)
-
-    # -- recording ------------------------------------------------------------------------------
 
     def record(self, record: CallRecord) -> None:
         """Keep ``record`` (the ring drops the oldest past ``capacity``; the totals keep all)."""
@@ -390,11 +333,9 @@ class CallMetrics:
                     target: bool = False, error: BaseException | None = None,
                     start_s: float | None = None) -> CallRecord | None:
         """Build and keep the record of one call; returns it, or None where it could not be built
-        (logged once). ``buf``: the caller's input buffer (all-gather: this rank's shard);
-        ``info``: the call's ``comm.last_info`` (None when the call wrote none, e.g. it failed
-        before it ran); ``scheme`` / ``algorithm``: what the caller asked for, used where
-        ``info`` does not say what ran; ``bits``: the caller's ``bits`` argument; ``target``: the
-        caller gave a target error instead (no bits requested)."""
+        (logged once). ``buf``: the caller's input (all-gather: this rank's shard); ``info``: the
+        call's new ``comm.last_info`` or None; ``scheme`` / ``algorithm``: what the caller asked
+        for, used where ``info`` does not say; ``target``: a target error replaced ``bits``."""
         try:
             record = self._build(collective, buf, seq=seq, measured_s=measured_s,
                                  wire_bytes=wire_bytes, info=info or {}, scheme=scheme,
@@ -432,8 +373,6 @@ class CallMetrics:
             status="ok" if error is None else type(error).__name__,
             start_us=int((time.time() if start_s is None else start_s) * 1e6))
 
-    # -- reading --------------------------------------------------------------------------------
-
     @property
     def records(self) -> list[CallRecord]:
         """The records still in the ring, oldest first."""
@@ -462,16 +401,14 @@ class CallMetrics:
         with self._lock:
             return self._records[-1] if self._records else None
 
-    # -- exporting ------------------------------------------------------------------------------
-
     def inspector_line(self, record: CallRecord) -> str:
         """``record`` as one NCCL Inspector JSON line (no newline)."""
         metadata = {**self._metadata, "dump_timestamp_us": int(time.time() * 1e6)}
         return json.dumps(record.to_inspector(self._header, metadata), allow_nan=False)
 
     def to_jsonl(self, target: str | os.PathLike[str] | IO[str]) -> int:
-        """Write the records in the ring, one NCCL Inspector JSON object per line, to a path
-        (appended) or an open text file; returns the number of lines written."""
+        """Append the ring's records as NCCL Inspector JSON lines to a path or open text file;
+        returns the number of lines."""
         lines = [self.inspector_line(r) for r in self.records]
         text = "".join(line + "\n" for line in lines)
         if isinstance(target, (str, os.PathLike)):
@@ -482,9 +419,7 @@ class CallMetrics:
         return len(lines)
 
     def prometheus_text(self) -> str:
-        """The running totals in the Prometheus text exposition format: one counter family per
-        quantity (``# HELP`` / ``# TYPE`` lines), one sample per (collective, scheme, algorithm,
-        size class) labelled with this rank; plus the ring's size and the records it dropped."""
+        """The running totals, the ring's size and its dropped records as Prometheus text."""
         totals = self.totals()
         keys = sorted(totals)
         out: list[str] = []
@@ -512,11 +447,8 @@ class CallMetrics:
                  ("size_class", size), ("rank", str(self.rank)))
         return ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
 
-    # -- the JSONL file -------------------------------------------------------------------------
-
     def _append_jsonl(self, record: CallRecord) -> None:
-        """Append one line for ``record`` to the JSONL file (under the lock); a failure logs once
-        and stops the file."""
+        """Append ``record`` to the JSONL file; a failure logs once and stops the file."""
         try:
             if self._jsonl is None:
                 assert self.jsonl_path is not None
@@ -545,18 +477,8 @@ class CallMetrics:
 
 
 class recording:  # lower case: a context manager used as a function
-    """Record one collective on ``comm`` (``comm.metrics``) around the code it wraps::
-
-        with comm.in_flight(what), recording(comm, collective, buf, scheme=..., algorithm=...):
-            ...  # run the call
-
-    On exit it reads the wall time (less the planner's probes where the call made the planner:
-    ``last_info["planner_probe"]``; the counters leave their bytes out), the delta of
-    ``comm.counters["bytes_sent"]`` and, where
-    the call wrote a new ``comm.last_info``, what ran; an exception is recorded with its type
-    and passes on unchanged. ``bits`` / ``target``: the caller's ``bits`` and whether it gave a
-    target error instead. ``seq``: the call's number (default: the communicator's call counter
-    as the call starts, the ``#N`` of its ``what``)."""
+    """Record one collective on ``comm`` around the code it wraps, inside its ``in_flight``: wall
+    time, ``bytes_sent`` delta and the new ``comm.last_info``; an exception passes on unchanged."""
 
     __slots__ = ("_algorithm", "_bits", "_buf", "_collective", "_comm", "_info", "_scheme",
                  "_sent", "_seq", "_start", "_target", "_wall")
@@ -593,7 +515,7 @@ class recording:  # lower case: a context manager used as a function
             info = comm.last_info
             wire = comm.counters["bytes_sent"] - self._sent
             probe = info.get("planner_probe") if info is not self._info else None
-            if probe:  # the planner, made in this call: its probes' time is not the call's
+            if probe:  # the planner was made in this call: its probes' time is not the call's
                 elapsed -= float(probe["s"])
         except Exception:
             info, wire = None, 0

@@ -1,10 +1,7 @@
 """Communicators: a transport plus the per-communicator state every collective needs.
 
-``dqcoll.init()`` makes one and sets it as the process default; ``dqcoll.testing.run_local``
-gives each in-process rank its own (a thread-local default). The call counter keys the random
-numbers of each call, so every rank must issue the same collectives in the same order, as with
-NCCL. After a lost rank, :meth:`Communicator.shrink` gives the survivors a new communicator over
-themselves (:mod:`dqcoll.membership`).
+:func:`init` makes the process default. The call counter keys each call's random numbers, so
+every rank must issue the same collectives in the same order (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -43,20 +40,11 @@ _thread_default = threading.local()  # .comm: this thread's default (run_local's
 
 
 class Communicator:
-    """A group of ranks that run collectives together.
+    """A group of ranks that run collectives together, one collective at a time.
 
-    One collective at a time: a call while another is in flight on the same communicator (from a
-    second thread) raises instead of interleaving their messages. A collective that failed after
-    its argument check (timeout, dead peer, bad message) leaves the communicator *dead*: its
-    messages may still be in flight, and over gloo the connection to the failed peer is closed,
-    so every later call raises :class:`~dqcoll.errors.CommAbortedError` at once; create a new
-    communicator. After :meth:`close` every call raises.
-
-    Creating one over a transport that spans processes is one small exchange: its ranks agree
-    on the settings that change the messages (``DQCOLL_VALIDATE``, ``DQCOLL_AUTO_FORCE``, the
-    seed, and an integration's ``settings``), or every rank raises
-    :class:`~dqcoll.errors.MismatchError` naming each differing setting and each rank's value
-    (:mod:`dqcoll.agreement`). The communicator keeps the values it agreed.
+    Creating one is collective (the ranks agree on their settings, :mod:`dqcoll.agreement`). A
+    collective that failed after its argument check leaves it *dead*: every later call raises
+    :class:`~dqcoll.errors.CommAbortedError`.
     """
 
     def __init__(
@@ -72,31 +60,23 @@ class Communicator:
         if device is None:  # the transport's own device (an NCCL group's GPU), else the CPU
             device = getattr(transport, "device", None) or torch.device("cpu")
         self.device = torch.device(device)
-        # the settings that change the messages, read once and agreed by every rank before any
-        # payload moves (dqcoll.agreement); ``settings``: more of them (an integration's policy)
         self.validate = envs.validate()  # DQCOLL_VALIDATE, as agreed
         self.settings = {**agreement.wire_settings(self.seed), **(settings or {})}
         self.agreement_skipped = agreement.agree_over(
             transport, self.settings,
             what=f"creating a communicator of {transport.world_size} ranks")
         if self.device.type == "cpu":
-            # Ranks sharing this machine share its cores: the compiled CPU kernels divide them.
+            # ranks sharing this machine share its cores: the CPU kernels divide them
             local_ranks = transport.world_size if transport.name == "local" else 1
             if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():  # torchrun sets it
                 local_ranks = max(local_ranks, int(os.environ["LOCAL_WORLD_SIZE"]))
             cpu_runtime.claim_local_ranks(self, local_ranks)  # released by close() / death
         if self.device.type in ("cpu", "cuda"):
-            # Compile (or load from the disk cache) the kernels this device's calls launch (numba
-            # on CPU, every Triton variant on CUDA) now, not at some step.
-            kernels.warm_up(self.device)
+            kernels.warm_up(self.device)  # compile now, not at some step
         self._calls = 0
         self.last_info: dict[str, Any] = {}
-        # every call's record and running totals, exportable (dqcoll.call_metrics)
         self.metrics = CallMetrics.for_transport(transport)
-        # how planned calls run (scheme="auto", algorithm="auto"): the job's topology, its
-        # measured rates and the calibration (dqcoll.planner), made at the first planned call;
-        # the last planned call's plan and this rank's time of it (agreed at the next one)
-        self.planner: Any = None
+        self.planner: Any = None  # dqcoll.planner, made at the first planned call
         self.auto_force = envs.auto_force()
         self.last_plan: Any = None
         self.last_plan_us = 0
@@ -107,7 +87,6 @@ class Communicator:
         self.dead: str | None = None  # why the communicator can no longer be used
         self._busy = threading.Lock()  # held while a collective runs (the in-flight guard)
         self._busy_with = ""
-        # -- shrinks: how many this communicator made, and which old ranks the new one has --
         self.shrinks = 0
         self.members: list[int] = list(range(transport.world_size))  # ranks of the original
 
@@ -121,8 +100,7 @@ class Communicator:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """The device types whose tensors the transport moves (``transport.devices``; a
-        transport that does not say is assumed to move both)."""
+        """The device types whose tensors the transport moves (default both)."""
         return tuple(getattr(self.transport, "devices", None) or ("cpu", "cuda"))
 
     @property
@@ -167,7 +145,7 @@ class Communicator:
             self._busy.release()
 
     def mark_dead(self, reason: str) -> None:
-        """Refuse every later collective (see the class docstring); the first reason sticks."""
+        """Refuse every later collective; the first reason sticks."""
         if self.dead is None:
             self.dead = reason
             cpu_runtime.release_local_ranks(self)
@@ -175,26 +153,12 @@ class Communicator:
 
     def shrink(self, *, exclude: Sequence[int] | None = None, wait_s: float | None = None,
                timeout_s: float | None = None, store: Any = None) -> Communicator:
-        """A new communicator over the ranks that are still alive (call on every survivor).
+        """A new communicator over the ranks still alive (call on every survivor; gloo only).
 
-        Use after a collective raised because a rank died (``PeerError`` or
-        ``CollectiveTimeoutError``): the survivors agree on who is left through the job's store
-        and form a fresh gloo group of exactly those ranks, renumbered in their old order; this
-        communicator stays dead (``CommAbortedError``), and the new one replaces it as the
-        default where it was the default. ``exclude``: old ranks known to be dead (the
-        survivors then need not wait for them); without it each survivor waits up to
-        ``wait_s`` (default :data:`~dqcoll.membership.DEFAULT_WAIT_S`) for ranks that may
-        still arrive. A rank lost during the shrink itself is found by its stopped heartbeat
-        within ``wait_s`` and the survivors retry at once with fresh keys; a shrink that
-        raised may be called again. The new communicator has this one's seed and device;
-        ``members`` lists its ranks' numbers in the original group.
-
-        A shrink needs evidence of a lost rank: a collective that failed on this communicator
-        (on this rank or on another caller of shrink()), or every rank calling it. On a
-        healthy communicator that its peers go on using, it raises
-        :class:`~dqcoll.errors.InvalidArgumentError` after ``2 x wait_s`` and leaves this
-        communicator (and the peers') usable. See :mod:`dqcoll.membership` (torch transport
-        over gloo only).
+        It replaces this one (now dead) as the default; ``members``: its ranks' original numbers.
+        ``exclude``: ranks known dead, else survivors wait up to ``wait_s`` for late ones. On a
+        healthy communicator raises :class:`~dqcoll.errors.InvalidArgumentError` after ``2 x
+        wait_s``. Protocol: docs/reliability.md, "Surviving a lost rank".
         """
         from . import handles, membership
 
@@ -216,7 +180,6 @@ class Communicator:
             handles.shutdown(self)
             self.mark_dead("shrunk after a lost rank: use the communicator shrink() returned")
 
-        # evidence of a lost rank: a collective failed on this communicator (or a shrink did)
         transport, members = membership.shrink_torch_transport(
             self.transport, exclude=exclude or (), wait_s=wait, timeout_s=timeout_s,
             store=store, evidence=self.dead is not None, leave=leave)
@@ -232,10 +195,7 @@ class Communicator:
 
     def close(self) -> None:
         """Release the communicator: later calls raise, and its async worker thread ends.
-
-        Pending ``async_op`` collectives run to the end first (each bounded by its own
-        timeouts; the wait here by twice the communicator's timeout, after which the transport
-        is aborted), so the transport is never closed under a call that still posts to it."""
+        Pending ``async_op`` calls finish first (at most twice the timeout, then abort)."""
         from . import handles
 
         timeout = 2 * float(getattr(self.transport, "timeout_s", envs.timeout_s()))
@@ -286,9 +246,8 @@ def _env_int(name: str, value: int | None) -> int:
 
 
 def _probe(addr: str, port: int, timeout_s: float) -> str:
-    """What is at ``addr:port`` within ``timeout_s``: ``"open"`` (something accepts TCP
-    connections), ``"refused"`` (nobody listening, until the end), ``"timed out"`` (connection
-    attempts went unanswered) or the last socket error. Polls while nobody listens yet."""
+    """What is at ``addr:port`` within ``timeout_s``: ``"open"``, ``"refused"``, ``"timed
+    out"`` or the last socket error. Polls while nobody listens yet."""
     deadline = time.monotonic() + timeout_s
     found = "refused"
     while True:
@@ -309,14 +268,9 @@ def _probe(addr: str, port: int, timeout_s: float) -> str:
 
 def _store_client(addr: str, port: int, world_size: int, timeout_s: float,
                   rank: int) -> Any:
-    """A ``TCPStore`` client of rank 0's store, or an error within ``timeout_s`` saying what
-    was found at ``addr:port``.
-
-    torch's client can wait without end for the first answer of a program that accepts the
-    connection and never replies (a port held by something else): it is created on a thread of
-    its own and given up after the timeout (the thread then ends when that program closes the
-    connection). Checked with a plain socket first: torch's client logs every failed attempt
-    with a C++ stack trace on stderr (c10d's logger, whatever the exception says)."""
+    """A ``TCPStore`` client of rank 0's store, or an error within ``timeout_s`` saying what is at
+    ``addr:port``. Made on a thread: torch's client can wait forever on a port held by another
+    program."""
     import torch.distributed as dist
 
     start = time.monotonic()
@@ -355,12 +309,8 @@ def _store_client(addr: str, port: int, world_size: int, timeout_s: float,
 
 
 def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
-    """A TCPStore every rank has joined (rank 0 serves it), or an error naming who is missing
-    (or what holds the port).
-
-    torch's own rendezvous raises ``DistStoreError("... 1/2 clients joined")`` without saying
-    which ranks are missing; here each rank leaves a key, so a timeout can name them.
-    """
+    """A TCPStore every rank has joined (rank 0 serves it), or an error naming the missing
+    ranks (each leaves a key) or what holds the port."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -368,9 +318,7 @@ def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: flo
         store = _store_client(addr, port, world_size, timeout_s, rank)
     else:
         try:
-            # multi_tenant, as torch's tcp:// rendezvous: the server lives in a per-process
-            # registry until exit, not only as long as the process group (peers may still
-            # talk to it).
+            # multi_tenant: the server outlives the process group (peers may still talk to it)
             store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout,
                                   wait_for_workers=False, multi_tenant=True)
         except Exception as exc:
@@ -385,8 +333,7 @@ def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: flo
                 f"{one_line(exc)}") from None
     keys = [f"dqcoll/joined/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
-    # Poll rather than store.wait(): when the time is up, rank 0 (the store) may exit at once,
-    # so the missing ranks are those seen at the last successful poll.
+    # poll, not store.wait(): rank 0 (the store) may exit at the deadline; report the last poll
     deadline = time.monotonic() + timeout_s
     missing: list[int] | None = None
     while True:
@@ -419,16 +366,11 @@ def init(
     timeout_s: float | None = None,
     device: torch.device | str | None = None,
 ) -> Communicator:
-    """Create the default communicator.
+    """Create the default communicator (collective: every rank calls it).
 
-    * ``backend="gloo"``: initialise ``torch.distributed`` with gloo (unless already initialised)
-      from the arguments or the torchrun variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
-      and run dqcoll over it.
-      An already initialised non-gloo group (e.g. NCCL) is refused: use ``backend="torch"``.
-    * ``backend="torch"``: run over an existing torch.distributed ``group`` (default: WORLD);
-      the device defaults to the group's (the current CUDA device for an NCCL group).
-    * ``backend="nccl"``: NCCL through nccl4py where it imports, else CuPy's bindings;
-      ``"nccl4py"`` / ``"nccl-cupy"`` choose one (needs CUDA GPUs).
+    ``backend="gloo"`` initialises ``torch.distributed`` with gloo unless already initialised
+    (arguments, else the torchrun variables); ``"torch"`` runs over an existing ``group``;
+    ``"nccl"`` uses nccl4py, else CuPy's bindings (``"nccl4py"`` / ``"nccl-cupy"`` choose one).
     """
     import torch.distributed as dist
 

@@ -1,9 +1,7 @@
 """The :class:`~dqcoll.schemes.base.CallContext` of one collective call, from a transport.
 
-Schemes ask for the small all-reduces their statistics need through ``ctx.reduce`` and read the
-schedule's numbers from ``ctx.schedule``; this module, at the execution layer, binds both to the
-transport and the :class:`~dqcoll.topology.schedule.Schedule` that run the call, so the codecs
-import neither transports nor schedules (data flows one way, docs/design.md §1).
+Binds ``ctx.reduce`` and ``ctx.schedule`` to the call's transport and schedule, so the schemes
+import neither (docs/design.md §1).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""Every ``DQCOLL_*`` environment variable, typed and documented in one place.
+"""Every ``DQCOLL_*`` environment variable (:data:`ENV_VARS`), typed and documented in one place.
 
-Nothing else in dqcoll reads ``os.environ`` for its own settings (the torchrun variables
-``RANK``/``WORLD_SIZE``/... are read where a rendezvous needs them, in :mod:`dqcoll.comm`;
-torchrun's ``LOCAL_WORLD_SIZE`` for the integrations' node layout through
-:func:`local_world_size`).
-Values are read at call time, so tests can monkeypatch them; those that change the messages
-(``DQCOLL_VALIDATE``, ``DQCOLL_AUTO_FORCE``) are read when a communicator is created, and its
-ranks agree on them then (:mod:`dqcoll.agreement`: different values raise
-:class:`~dqcoll.errors.MismatchError` on every rank, naming each rank's value).
-Every value is validated when read: a malformed one raises
-:class:`~dqcoll.errors.InvalidArgumentError` naming the variable and the value
-(``DQCOLL_TIMEOUT_S=nan`` would make every wait endless).
-Rejected: validating once at import (tests and launchers set variables after ``import dqcoll``).
+Nothing else in dqcoll reads ``os.environ`` for its own settings. Values are read and validated
+at call time, not at import (tests and launchers set them later); a malformed one raises
+:class:`~dqcoll.errors.InvalidArgumentError` naming the variable.
 """
 
 from __future__ import annotations
@@ -194,15 +185,13 @@ def auto_force() -> str | None:
 
 
 def policy() -> str:
-    """The DQCOLL_POLICY text (parsed by :meth:`dqcoll.integrations.policy.CompressionPolicy
-    .parse`); empty for the defaults."""
+    """The DQCOLL_POLICY text (see :mod:`dqcoll.integrations.policy`); empty for the defaults."""
     return _get("DQCOLL_POLICY").strip()
 
 
 def local_world_size() -> int | None:
     """torchrun's ``LOCAL_WORLD_SIZE`` (ranks on this machine), or None when unset or not a
-    positive integer. Not a dqcoll setting: the node layout of
-    :meth:`dqcoll.integrations.policy.CompressionPolicy.nodes` when the policy gives none."""
+    positive integer."""
     text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else None
 

@@ -1,9 +1,5 @@
-"""Exceptions raised by dqcoll.
-
-Every error a collective raises is a :class:`DqcollError`, so a training loop can catch one type.
-Errors that concern a peer (a timeout, a dead rank, invalid input on another rank) name the rank
-and the collective step, so the log of any single rank says what went wrong where.
-"""
+"""Exceptions raised by dqcoll: every one is a :class:`DqcollError`; errors that concern a peer
+name the rank and the collective step."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ __all__ = [
 
 
 def one_line(exc: BaseException) -> str:
-    """``"<type>: <first line>"`` of an exception, without the C++ stack trace that c10d
-    (torch.distributed) appends to its messages after "Exception raised from"."""
+    """``"<type>: <first line>"`` of an exception, without c10d's appended C++ stack trace."""
     text = str(exc).split("Exception raised from", 1)[0].strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 

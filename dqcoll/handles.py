@@ -1,35 +1,9 @@
 """Asynchronous collectives: what ``dqcoll.allreduce(..., async_op=True)`` returns.
 
-A collective issued with ``async_op=True`` runs on a per-communicator worker thread, in issue
-order, while the caller goes on; :meth:`CollectiveHandle.wait` returns the result buffer (and
-raises the collective's error, if it had one), :meth:`CollectiveHandle.is_completed` polls.
-
-Streams (CUDA buffers): the collective is ordered after the work the caller had queued on its
-current stream when it issued the call (torch's current stream for torch tensors, CuPy's for
-CuPy arrays): an event recorded there is waited on by a side stream of the worker, which runs the
-whole collective. ``wait()`` then makes the *waiting* caller's current stream wait on an event
-recorded at the end of the collective - the host only waits until every kernel and transfer is
-queued, as ``torch.distributed``'s ``Work.wait()`` does for NCCL. With a stream-ordered transport
-(``nccl``) nothing in between synchronises the device; DynamiQ's statistics all-reduce is read by
-the host (the bit allocation), which waits for that one small transfer on the side stream only.
-
-Ordering: every rank must issue the same collectives in the same order, async or not (as with
-NCCL). A synchronous collective on a communicator first waits until that communicator's
-asynchronous ones have finished, so the messages of two calls never interleave; the sync path is
-otherwise unchanged. Errors of an asynchronous call surface at its ``wait()``, also errors of
-argument checking (every rank joins the argument handshake in the worker, so a bad argument on one
-rank still reaches the others as a PeerError rather than a hang).
-
-Lifetime: the worker thread starts with a communicator's first asynchronous call (never on a
-closed or dead communicator: that call's handle holds the error) and ends when
-the communicator is closed or garbage-collected (after the jobs already queued), so short-lived
-communicators do not leave threads behind. ``Communicator.close()`` first waits for the queued
-jobs (:func:`drain`, bounded), so the transport is never closed under one. The thread holds no
-reference to the communicator between jobs.
-
-Rejected: running the collective in the caller's thread and only deferring the final copy. The
-executor's codec work is host-driven (one Python call per hop and tile), so only a thread frees
-the caller's host time on CPU, and on GPU the host must keep queueing kernels between transfers.
+:func:`submit` runs the collective on a per-communicator worker thread in issue order (on CUDA
+on a side stream, after the caller's stream); :meth:`CollectiveHandle.wait` returns the buffer
+or raises its error. A thread, since the codec work is host-driven. Docs: docs/gpu_transport.md,
+"async_op=True".
 """
 
 from __future__ import annotations
@@ -70,13 +44,10 @@ class CollectiveHandle:
     def wait(self, timeout_s: float | None = None) -> Any:
         """Block until the collective is queued (CUDA) or done (CPU); return its output buffer.
 
-        On CUDA the caller's current stream is made to wait for the collective's last kernel, so
-        work queued after ``wait()`` sees the result. Raises the collective's error, if any;
-        ``timeout_s`` bounds the host wait (``TimeoutError``), not the collective's own timeout.
+        On CUDA the caller's current stream then waits for the collective's last kernel. Raises
+        the collective's error, if any; ``timeout_s`` bounds the host wait (``TimeoutError``).
         """
-        # Wait first, then look: since Python 3.11 ``concurrent.futures.TimeoutError`` is the
-        # built-in TimeoutError, a base class of the collective's own CollectiveTimeoutError, so
-        # catching it around ``result()`` would mistake the collective's timeout for this one.
+        # wait, then look: an except TimeoutError around result() would catch the call's own
         finished, _ = concurrent.futures.wait([self._future], timeout=timeout_s)
         if not finished:
             raise TimeoutError(
@@ -90,10 +61,9 @@ class CollectiveHandle:
         return self._result
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], None]) -> None:
-        """Call ``fn(future)`` once the collective has run on the host (on the worker thread,
-        before its next collective; at once if it already has). ``future.exception()`` is the
-        collective's error or None; on CUDA ``future.result()`` is the event recorded after the
-        collective's last kernel (make a stream wait on it before reading the buffer there)."""
+        """Call ``fn(future)`` on the worker thread once the collective has run on the host.
+        ``future.exception()`` is its error or None; on CUDA ``future.result()`` is the event
+        recorded after its last kernel."""
         self._future.add_done_callback(fn)
 
     def __repr__(self) -> str:
@@ -168,8 +138,8 @@ def shutdown(comm: Any) -> None:
 
 
 def drain(comm: Any, timeout_s: float | None = None) -> bool:
-    """Wait until every asynchronous collective issued on ``comm`` so far has run (their errors
-    stay with their handles); False if ``timeout_s`` passed first."""
+    """Wait until every asynchronous collective issued on ``comm`` so far has run; False if
+    ``timeout_s`` passed first."""
     worker = _WORKERS.get(comm)
     if worker is not None and worker.last is not None:
         done, _ = concurrent.futures.wait([worker.last], timeout=timeout_s)
@@ -186,9 +156,8 @@ def failed(error: BaseException, *, buf: Any, result: Any, what: str) -> Collect
 
 def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,
            what: str) -> CollectiveHandle:
-    """Run ``run()`` (one whole collective on ``comm``) on the communicator's worker.
-
-    On a closed or dead communicator no worker is started: the handle holds the error at once."""
+    """Run ``run()`` (one whole collective on ``comm``) on the communicator's worker; on a
+    closed or dead communicator the handle holds the error at once."""
     if getattr(comm, "closed", False) or getattr(comm, "dead", None) is not None:
         try:
             with comm.in_flight(what):  # raises the closed / dead communicator's error

@@ -1,9 +1,7 @@
 """torch / NumPy / CuPy buffers in and out, zero-copy.
 
-Collectives work on a torch view of the caller's memory: ``torch.from_numpy`` for NumPy arrays
-(including ``ml_dtypes.bfloat16``, viewed through int16), DLPack (``torch.from_dlpack``) for CuPy
-and anything else that speaks it. Results are written through that view, so the caller's object is
-updated in place and returned as is.
+Collectives work on a torch view of the caller's memory (:func:`as_torch_view`: NumPy, DLPack
+for CuPy and others), so the caller's object is updated in place and returned as is.
 """
 
 from __future__ import annotations
@@ -97,9 +95,8 @@ def buffer_device(buf: Any) -> torch.device | None:
 
 
 def caller_stream(buf: Any) -> Any:
-    """The stream the caller queues its work on ``buf`` on: CuPy's current stream for a CuPy
-    array (wrapped as a ``torch.cuda.ExternalStream``), torch's current stream for anything else
-    on a GPU; None for host buffers."""
+    """The caller's stream for ``buf``: CuPy's current one for a CuPy array (as a torch
+    ``ExternalStream``), torch's for anything else on a GPU; None for host buffers."""
     device = buffer_device(buf)
     if device is None or device.type != "cuda":
         return None
@@ -116,9 +113,7 @@ def caller_stream(buf: Any) -> Any:
 
 @contextlib.contextmanager
 def stream_scope(buf: Any) -> Iterator[None]:
-    """Inside, torch's current stream is the caller's stream for ``buf`` (see
-    :func:`caller_stream`): for a CuPy array, collectives queue their kernels and transfers on
-    CuPy's current stream. A no-op for torch tensors and host buffers."""
+    """Inside, torch's current stream is CuPy's current one for a CuPy ``buf``; else a no-op."""
     stream = caller_stream(buf) if buffer_kind(buf) == "cupy" else None
     if stream is None:
         yield
@@ -128,10 +123,8 @@ def stream_scope(buf: Any) -> Iterator[None]:
 
 
 def host_to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` as a contiguous ``dtype`` tensor on ``device``. A CPU tensor bound for a CUDA device
-    is staged in pinned memory and copied with ``non_blocking=True``: the copy is queued on the
-    current stream and the host goes on (a copy from pageable memory waits for the stream).
-    torch's caching host allocator keeps the staging block until the copy has run."""
+    """``t`` as a contiguous ``dtype`` tensor on ``device``; a CPU-to-CUDA copy goes through
+    pinned memory, queued on the current stream without a host wait."""
     if device.type == "cuda" and t.device.type == "cpu":
         staged = torch.empty(t.shape, dtype=dtype, pin_memory=True)
         staged.copy_(t)

@@ -22,9 +22,8 @@ def _as_float64(value: Any) -> torch.Tensor:
 def vnmse(estimate: Any, exact: Any) -> float:
     """Vector normalised MSE ``||estimate - exact||^2 / ||exact||^2`` in float64.
 
-    Either argument may be a torch tensor, a NumPy/CuPy array, or a sequence of them (the buckets
-    of one round, summed before dividing). ``exact`` all zero gives 0.0 when the estimate is exact
-    too and ``inf`` otherwise.
+    Tensors or NumPy/CuPy arrays, or equal-length sequences of them (summed before dividing).
+    An all-zero ``exact`` gives 0.0 if the estimate is exact too, else ``inf``.
     """
     if isinstance(estimate, Sequence) and not isinstance(estimate, (torch.Tensor, np.ndarray)):
         if not isinstance(exact, Sequence) or len(exact) != len(estimate):

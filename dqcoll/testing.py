@@ -1,10 +1,8 @@
 """Run several ranks in one process, for tests, examples and notebooks.
 
-``run_local(world_size, fn, *args)`` starts one thread per rank over the ``local`` transport and
-calls ``fn(comm, *args)`` on each; inside ``fn`` the rank's communicator is also the default, so
-``dqcoll.allreduce(x)`` works without ``comm=``. When a rank raises, the group is aborted so the
-others stop waiting at once, and the first *root-cause* exception is re-raised after every thread
-has ended.
+``run_local(world_size, fn, *args)`` calls ``fn(comm, *args)`` on one thread per rank over the
+``local`` transport, with the rank's communicator as its default. When a rank raises, the group
+is aborted and the first root-cause exception is re-raised after every thread has ended.
 """
 
 from __future__ import annotations

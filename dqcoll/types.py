@@ -6,10 +6,8 @@ import enum
 
 __all__ = ["FRAME_HEADROOM", "Collective", "ReduceOp"]
 
-# Bytes in front of each payload of a framed exchange (transports.base.exchange_framed) that
-# belong to the transport: the gloo transport writes its message header there, so a payload and
-# its header go in one message with no copy. The scratch pool (dqcoll.scratch) leaves this room
-# before every buffer it hands out.
+# Bytes in front of each payload of a framed exchange (transports.base.exchange_framed), where
+# the gloo transport writes its header; the scratch pool leaves this room before every buffer.
 FRAME_HEADROOM = 16
 
 

@@ -1,25 +1,10 @@
 """The argument check across ranks: every rank raises together, before any data moves.
 
-Local checks (:mod:`dqcoll.prepare`) leave an error *category* in the prepared call rather than
-raising at once; then every rank joins one tiny all-reduce (the handshake, :func:`handshake`)
-carrying that category's code and a fingerprint of its arguments (length, dtype, scheme and
-options, algorithm, op, seed, step, tiling, collective and mode, output length) and the largest
-binary exponent of its input (the range check of :func:`dqcoll.prepare.range_shift`). If any
-rank is invalid or the ranks disagree, *every* rank raises before any data moves: the faulty rank
-its own error, the others a :class:`~dqcoll.errors.PeerError` or
-:class:`~dqcoll.errors.MismatchError` naming the ranks and values.
-
-A planned call (``scheme="auto"`` or ``algorithm="auto"``) adds this rank's time of the
-communicator's previous planned call (:data:`EXTRA_SLOTS`); the maximum calibrates the planner.
-``DQCOLL_VALIDATE=0`` skips the handshake (local errors still raise, but a peer may then wait
-until its timeout; the planner is then not calibrated by measured calls). The setting is the
-communicator's (:attr:`~dqcoll.comm.Communicator.validate`): read when it was created and agreed
-by its ranks then (:mod:`dqcoll.agreement`), so a rank that skips the check never meets one
-that runs it.
-
-Rejected: raising a local error at once. The peers would enter the collective and wait for the
-faulty rank until their timeout, and a size disagreement over gloo is not an error but a SIGABRT
-or a short message silently accepted.
+:func:`handshake` runs one tiny all-reduce (max) of the int64 vector ``[fields, -fields, error
+code by rank, extra, exponent]``: the :func:`fingerprint`, each rank's local error code,
+:data:`EXTRA_SLOTS` and the input's largest binary exponent. The faulty rank raises its own
+error, the others :class:`~dqcoll.errors.PeerError`; disagreeing ranks raise
+:class:`~dqcoll.errors.MismatchError`. Rationale: docs/reliability.md, "Argument check".
 """
 
 from __future__ import annotations
@@ -48,16 +33,9 @@ _ERROR_CODES = {
 }
 _ERROR_NAMES = {v: k for k, v in _ERROR_CODES.items()}
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-# Everything that changes the number or the sizes of the messages, or their contents' meaning,
-# must be here: ranks that disagree on any of it raise before data moves (a size disagreement
-# over gloo is not an error but a SIGABRT, or a short message silently accepted).
-# ``seed`` and ``step`` travel as 62-bit hashes of their whole value (the random numbers use all
-# of it: dynamiq 64 bits of each, thc their decimal text), so any difference is caught; the
-# message then shows each rank's own value. The call's identity rides along without new
-# fields (every int64 of the check is wire bytes of every call): the communicator's call
-# counter is hashed with ``step``, and the mode (sync or async_op) is coded with the collective
-# kind, so two threads that issue their calls in different orders on different ranks, pairing a
-# sync call with an async one, raise here instead of summing unrelated buffers.
+# Everything that changes the number, sizes or meaning of the messages must be here. ``seed``
+# and ``step`` travel as 62-bit hashes of their whole value; the call counter is hashed with
+# ``step`` and the mode (sync / async_op) coded with the collective, adding no wire bytes.
 _FIELDS = ("numel", "dtype", "scheme", "algorithm", "op", "seed", "step", "tile_nbytes",
            "tiles_in_flight", "collective", "out_numel")
 _NUMERIC_FIELDS = ("numel", "tile_nbytes", "tiles_in_flight", "out_numel")
@@ -65,10 +43,7 @@ _MODES = {0: "sync", 1: "async_op"}
 _MODE_STRIDE = 8  # collective field = kind id + _MODE_STRIDE * mode
 _COLLECTIVE_IDS = {Collective.ALLREDUCE: 1, Collective.REDUCE_SCATTER: 2,
                    Collective.ALL_GATHER: 3}
-# the slot of planned calls (scheme="auto", algorithm="auto"): this rank's time of the
-# communicator's previous planned call, whose maximum calibrates the planner. Every call carries
-# it (zero otherwise), so that a planned call and another exchange vectors of one size and see
-# the mismatch.
+# a planned call's previous time; every call carries it (zero otherwise), so vectors match in size
 EXTRA_SLOTS = 1
 
 
@@ -77,17 +52,14 @@ def _crc(text: str) -> int:
 
 
 def _hash62(value: object) -> int:
-    """A 62-bit hash of a value of any size (its text, e.g. an int's digits): equal only for
-    equal values, up to collisions of probability 2**-62."""
+    """A 62-bit hash of a value's text (collisions of probability 2**-62)."""
     digest = hashlib.blake2b(str(value).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (INT_LIMIT - 1)
 
 
 def fingerprint(call: PreparedCall) -> tuple[int, ...]:
     """The int64 fields of :data:`_FIELDS` for a call that passed its local checks: what every
-    rank must agree on. ``scheme="auto"`` is fingerprinted as ``auto`` (a rank calling auto and
-    another calling dynamiq disagree); ``step`` is hashed with the call counter, and the
-    collective kind is coded with the mode."""
+    rank must agree on (``scheme="auto"`` is fingerprinted as ``auto``)."""
     tensor, scheme, schedule, op = call.tensor, call.scheme, call.schedule, call.op
     assert tensor is not None and scheme is not None and op is not None
     name = "auto" if call.auto else scheme.spec.name
@@ -111,10 +83,9 @@ def fingerprint(call: PreparedCall) -> tuple[int, ...]:
 def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = None) -> int:
     """Raise on every rank if any rank is invalid or the ranks disagree (one tiny all-reduce).
 
-    Returns the largest binary exponent of a finite input value over all ranks (the range
-    check of :func:`dqcoll.prepare.range_shift`); :data:`~dqcoll.prepare.NO_EXPONENT` without
-    a check. ``extra`` (:data:`EXTRA_SLOTS` integers) rides along and is replaced in place by its
-    maximum over ranks (a given ``extra`` runs the exchange even with ``DQCOLL_VALIDATE=0``).
+    Returns the largest binary exponent of a finite input value over all ranks;
+    :data:`~dqcoll.prepare.NO_EXPONENT` without a check. ``extra`` (:data:`EXTRA_SLOTS` ints) is
+    replaced in place by its maximum over ranks (and runs the exchange even when validation is off).
     """
     fields = _fingerprint_or_error(call, comm)
     n = comm.world_size
@@ -143,8 +114,7 @@ def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = 
 
 
 def _fingerprint_or_error(call: PreparedCall, comm: Communicator) -> tuple[int, ...]:
-    """:func:`fingerprint`, with whatever goes wrong there (e.g. a scheme object whose ``repr``
-    raises) made this rank's error, told to every rank by the exchange."""
+    """:func:`fingerprint`, with any exception in it made this rank's error."""
     if call.error is not None:
         return ()
     try:
@@ -157,8 +127,7 @@ def _fingerprint_or_error(call: PreparedCall, comm: Communicator) -> tuple[int, 
 
 def _exchange(call: PreparedCall, comm: Communicator, fields: tuple[int, ...],
               extra: list[int] | None) -> torch.Tensor:
-    """The handshake's all-reduce (max) of ``[fields, -fields, error codes by rank, extra,
-    exponent]``; a failure of the exchange itself leaves the communicator dead."""
+    """The handshake's all-reduce; a failure of the exchange itself leaves the communicator dead."""
     n, k, m = comm.world_size, len(_FIELDS), EXTRA_SLOTS
     assert extra is None or len(extra) == m
     vector = torch.zeros(2 * k + n + m + 1, dtype=torch.int64)
@@ -172,9 +141,7 @@ def _exchange(call: PreparedCall, comm: Communicator, fields: tuple[int, ...],
     else:
         vector[2 * k + comm.rank] = _ERROR_CODES[call.category]
         vector[-1] = NO_EXPONENT
-    # to a GPU from pinned memory, queued on the caller's stream (host_to_device): the host
-    # waits only where it reads the result below
-    vector = host_to_device(vector, comm.device, torch.int64)
+    vector = host_to_device(vector, comm.device, torch.int64)  # the host waits only at .cpu()
     try:
         comm.transport.allreduce(vector, "max", what=f"{call.what} argument check")
     except MismatchError:

@@ -1,20 +1,9 @@
-"""The transport protocol: what the executor needs from a network.
+"""The transport protocol (:class:`Transport`): what the executor needs from a network.
 
-Four operations, all blocking for the calling rank and all bounded by a timeout:
-
-* ``exchange(sends, recvs)``: grouped point-to-point, posted together (``ncclGroupStart/End``,
-  ``batch_isend_irecv``). At most one message per peer and direction per call; receive buffers
-  have the exact size the sender sends (both sides derive sizes from the same plan).
-* ``allreduce(tensor, op)``: a small uncompressed in-place all-reduce, for per-super-group
-  statistics and argument checks. Every rank must end with identical values.
-* ``barrier()`` and ``close()``/``abort(reason)``.
-
-Every call takes ``what``, a short description of the collective step ("allreduce#3 reduce step
-2"), which goes into every error message together with the peer rank.
-
-Byte counters count what this rank puts on the wire: point-to-point payload bytes exactly, and for
-``allreduce`` the bytes of a bandwidth-optimal ring all-reduce, ``2 (n-1)/n * nbytes``, which is
-what NCCL sends for messages of this size class and the bound the byte budget is written against.
+Every call blocks, is bounded by a timeout and names ``what`` (the step) and the peer in its
+errors. ``exchange``: grouped point-to-point, at most one message per peer and direction, receive
+buffers of exactly the size sent; ``allreduce``: small, in place, identical on every rank.
+Counters count an ``allreduce`` as a ring's bytes. Contract in full: docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -67,8 +56,7 @@ Exchange = Callable[[Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, tor
 
 
 def combine_in_rank_order(copies: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Rank 0's to rank n-1's copies combined left to right (``((x_0 + x_1) + x_2) + ...``, or
-    max / min), into a new tensor: the order every dqcoll transport's small all-reduce keeps."""
+    """Rank 0's to rank n-1's copies combined left to right into a new tensor."""
     acc = copies[0].clone()
     for other in copies[1:]:
         if op == "sum":
@@ -83,16 +71,9 @@ def combine_in_rank_order(copies: Sequence[torch.Tensor], op: str) -> torch.Tens
 def reduce_in_rank_order(
     post: Exchange, rank: int, world_size: int, flat: torch.Tensor, op: str, what: str
 ) -> torch.Tensor:
-    """A small all-reduce whose result is the same bits on every transport.
-
-    Native all-reduces (gloo's ring, NCCL's) add in an order of their own, so the same inputs give
-    results that differ in the last bit from one transport to another, and DynamiQ's statistics
-    (hence its bit widths) would then depend on the transport. Here shard ``c`` of every rank's
-    tensor goes straight to rank ``c``, which combines the ``n`` copies in rank order
-    (``((x_0 + x_1) + x_2) + ...``, exactly what the ``local`` transport computes), and sends the
-    result straight back: ``2 (n-1)/n`` of the bytes per rank, as a ring all-reduce, in two steps.
-    ``post(sends, recvs, what)`` posts one grouped exchange and returns when it completed.
-    """
+    """A small all-reduce whose result is the same bits on every transport (native ones add in
+    their own order, so DynamiQ's widths would depend on the transport): scatter, combine in
+    rank order, gather. ``post(sends, recvs, what)`` runs one grouped exchange."""
     n = world_size
     numel = flat.numel()
     bounds = [c * numel // n for c in range(n + 1)]
@@ -139,11 +120,8 @@ def exchange_framed(
     *,
     what: str,
 ) -> None:
-    """``transport.exchange`` of uint8 *frames*: each tensor's first :data:`FRAME_HEADROOM`
-    bytes are the transport's to use, the payload follows; what arrives is the payload (in
-    ``frame[FRAME_HEADROOM:]``), with the same checks and counts as ``exchange`` of the payloads.
-    A transport with an ``exchange_framed`` method of its own uses the room; any other one
-    exchanges the payload views."""
+    """``transport.exchange`` of uint8 frames: the first :data:`FRAME_HEADROOM` bytes are the
+    transport's to use (gloo's header), the payload follows; checks and counts as ``exchange``."""
     own = getattr(transport, "exchange_framed", None)
     if own is not None:
         own(sends, recvs, what=what)

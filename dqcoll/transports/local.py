@@ -1,19 +1,9 @@
-"""The ``local`` transport: ``n`` ranks as threads of one process, sharing mailboxes.
+"""The ``local`` transport: ``n`` ranks as threads of one process (:class:`LocalHub`), for tests.
 
-For tests, for the simulator's cross-checks and for several ranks on one device. Messages are
-copied into the receiver's mailbox when sent (the sender may reuse its buffer at once, as after
-``ncclGroupEnd``), on the tensors' own device. Small all-reduces deposit each rank's tensor and
-reduce them in rank order, so every rank computes the very same values.
-
-CUDA tensors: a deposit records an event on the sender's current stream and the reader's stream
-waits on it (and owns the copy's memory until it is done with it), so ranks may run on streams of
-their own (side streams of the pipelined executor, of ``async_op`` workers, CuPy's streams).
-
-Any wait is bounded by the timeout and names the peer and the step. A message whose size is not
-the one the receiver expects is refused (PeerError) and aborts the group, so the other ranks stop
-waiting at once. :meth:`LocalHub.abort` (used
-by :func:`dqcoll.testing.run_local` when a rank raises) wakes every waiting rank with
-:class:`~dqcoll.errors.CommAbortedError`, as ``ncclCommAbort`` would.
+Messages are copied into the receiver's mailbox when sent (on CUDA with an event, so ranks may
+run on streams of their own). A message of the wrong size raises
+:class:`~dqcoll.errors.PeerError` and aborts the group; :meth:`LocalHub.abort` wakes every
+waiting rank with :class:`~dqcoll.errors.CommAbortedError`.
 """
 
 from __future__ import annotations
@@ -44,7 +34,7 @@ class LocalHub:
         self._mailboxes: dict[tuple[int, int], collections.deque[torch.Tensor]] = (
             collections.defaultdict(collections.deque)
         )
-        # Small all-reduces: sequence number -> deposited tensors, and how many ranks read them.
+        # small all-reduces: sequence number -> deposited tensors, and how many ranks read them
         self._reduce_slots: dict[int, list[torch.Tensor | None]] = {}
         self._reduce_reads: dict[int, int] = {}
         self._reduce_seq = [0] * world_size
@@ -113,7 +103,6 @@ class LocalTransport:
                 nbytes = buffer.numel() * buffer.element_size()
                 got = message.numel() * message.element_size()
                 if got != nbytes:
-                    # Refuse it, and wake every rank: the group cannot finish this call.
                     reason = (f"rank {self.rank}: rank {peer} sent {got} bytes at {what}, "
                               f"{nbytes} expected; the message is refused")
                     if hub._aborted is None:

@@ -1,66 +1,13 @@
-"""What the two NCCL transports share: the rendezvous and a stream-ordered transport over any
-NCCL binding (CuPy's ``cupy.cuda.nccl`` in :mod:`.cupy_nccl`, NVIDIA's nccl4py in
-:mod:`.nccl4py`).
+"""What the NCCL transports (:mod:`.cupy_nccl`, :mod:`.nccl4py`) share: the rendezvous
+(:func:`plan_rendezvous`) and :class:`StreamOrderedNcclTransport` over any :class:`NcclBinding`.
 
-**Rendezvous.** Rank 0 makes the NCCL unique id and publishes its 128 bytes in a torch
-``TCPStore``; every rank reads the same ``bytes`` back and hands them to its binding, which
-converts them to what its constructor takes (CuPy 14: ``bytes``; CuPy 13: a tuple of signed
-ints; nccl4py: ``UniqueId.from_bytes``). The id is ``bytes`` from end to end here: CuPy 14's
-``get_unique_id()`` returns bytes 0..255, and packing them as signed bytes failed
-(docs/gpu_transport.md). The store is, in this order: the torchrun agent's store when torchrun
-says it hosts one (``TORCHELASTIC_USE_AGENT_STORE=True``), the default store of an initialised
-``torch.distributed``, or a store that rank 0 hosts at ``MASTER_ADDR:MASTER_PORT``. Keys live
-under ``dqcoll/nccl/attempt_<restart>/<n>/`` with ``n`` counting this process's communicators.
-
-**Streams.** Everything is queued on the caller's current stream; ``exchange`` posts its sends
-and receives in one NCCL group and returns without waiting (``stream_ordered = True``). The
-small ``allreduce`` (statistics, argument checks) is read by the host right after it, so it
-waits - by polling an event, with the timeout - for its own transfers only. Stream and event
-calls go through :class:`CudaStreams`, which tests replace by a host fake checked against
-torch's signatures.
-
-**Deterministic small all-reduce.** A reduce-scatter by all-to-all, a sum *in rank order* of
-each shard, and an all-gather (:func:`~dqcoll.transports.base.reduce_in_rank_order`): every rank
-gets the very bits of the ``local`` transport. ``ncclAllReduce`` adds in an order of its own, so
-DynamiQ's bit allocation could differ in the last bit from the ``local`` result.
-
-**Timeouts and aborts.** Each posted group records an event; a watchdog thread polls the
-pending events and the binding's asynchronous error. A group that has not completed after
-``timeout_s`` (or an asynchronous error: a peer died) makes the watchdog abort the communicator,
-which lets the stuck kernels return; the next call, the host wait of the small all-reduce, or
-:meth:`synchronize` then raises :class:`~dqcoll.errors.CollectiveTimeoutError` /
-:class:`~dqcoll.errors.PeerError` naming the step and the peers.
-
-**The communicator's states.** The bindings free the communicator inside ``abort`` and
-``destroy``, so no call into it (posting ``groupStart`` .. ``groupEnd``, the asynchronous-error
-query) may run while either does; and NCCL takes the calls of one group from one thread at a
-time. The transport keeps a state, ``usable`` -> ``aborting`` or ``destroying`` -> ``freed``,
-and one call slot, both under a short lock (a condition) that no call into NCCL holds:
-
-* a post takes the slot while the state is ``usable`` (waiting for another post to leave it),
-  calls into NCCL, and gives it back; the watchdog's asynchronous-error query does the same but
-  waits at most one poll period for the slot (a post stuck in ``groupEnd`` does not stop it from
-  timing out the groups already posted);
-* the first failure moves ``usable`` -> ``aborting`` under the lock and wakes every thread waiting
-  for the slot: they, and every later call, raise at once (the recorded failure, or
-  :class:`~dqcoll.errors.CommAbortedError`) without touching the communicator. A background
-  thread then waits until the call in flight, if any, has returned, and calls ``abort`` holding
-  no lock: a one-sided ``ncclCommAbort`` that blocks (the peer is gone) blocks that thread only.
-  :meth:`abort` and the watchdog return at once;
-* :meth:`close` stops and joins the watchdog, moves ``usable`` -> ``destroying`` the same way and
-  destroys the communicator once no call is in flight (waiting up to ``timeout_s``, after which
-  the destroy is left to the background thread). After an abort it destroys nothing: the abort
-  freed the communicator, and a second free would touch freed memory.
-
-Limits: the rendezvous and the first exchange with a new peer (NCCL connects lazily inside
-``groupEnd``) block the host with no timeout of their own, and an abort waits for such a blocked
-post to return before it frees the communicator (``ncclCommAbort`` could unblock it, but would
-free the communicator under the call).
-
-Rejected: ``ncclAllReduce`` for the small all-reduce (order, above), a per-message header
-(reading it would synchronise the host with the device at every step; sizes are right by
-construction from the argument check of :mod:`dqcoll.validate`), and one lock held around every
-call including ``abort`` (a blocking abort would hold it, and every thread with it).
+``exchange`` posts one NCCL group on the caller's current stream and returns once queued; the
+small ``allreduce`` sums in rank order and the host polls an event for it. A watchdog thread
+aborts the communicator when a posted group outlives ``timeout_s`` or NCCL reports an error.
+The communicator's states, ``usable`` -> ``aborting`` or ``destroying`` -> ``freed``, and its one
+call slot sit under a condition no call into NCCL holds; abort or destroy runs on a background
+thread once no call is in flight, never both. Design and limits: docs/gpu_transport.md, "The
+NCCL transports".
 """
 
 from __future__ import annotations
@@ -103,17 +50,12 @@ log = logging.getLogger("dqcoll")
 UNIQUE_ID_NBYTES = 128  # sizeof(ncclUniqueId)
 STORE_PREFIX = "dqcoll/nccl"
 _generation = itertools.count()  # one per communicator this process creates
-# Watchdog poll period: a timeout is noticed within this much of its deadline.
-WATCHDOG_PERIOD_S = 0.05
+WATCHDOG_PERIOD_S = 0.05  # a timeout is noticed within this much of its deadline
 
-# The communicator's states (see the module docstring).
 USABLE = "usable"
 ABORTING = "aborting"
 DESTROYING = "destroying"
 FREED = "freed"
-
-
-# -- rendezvous -------------------------------------------------------------------------------
 
 
 def _env_int(name: str, value: int | None, default: int | None = None) -> int:
@@ -130,7 +72,8 @@ def _env_int(name: str, value: int | None, default: int | None = None) -> int:
 
 
 def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> Any:
-    """The store the unique id travels over (see the module docstring for the choice)."""
+    """The store the unique id travels over: torchrun's agent store, the default group's, or
+    one that rank 0 serves."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -149,8 +92,8 @@ def make_store(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
 
 def exchange_unique_id(make_id: Callable[[], bytes], store: Any, rank: int, key: str,
                        timeout_s: float) -> bytes:
-    """Rank 0 calls ``make_id()`` (128 bytes) and publishes it under ``key``; every rank
-    returns those very bytes, or raises naming the key (a timeout) or the wrong length."""
+    """Rank 0 publishes ``make_id()`` (128 bytes) under ``key``; every rank returns those bytes.
+    Raises :class:`~dqcoll.errors.CollectiveTimeoutError` or, for a wrong length, ``PeerError``."""
     if rank == 0:
         unique_id = make_id()
         if not isinstance(unique_id, bytes) or len(unique_id) != UNIQUE_ID_NBYTES:
@@ -175,8 +118,7 @@ def exchange_unique_id(make_id: Callable[[], bytes], store: Any, rank: int, key:
 
 
 def select_device(device: torch.device | str | int | None) -> torch.device:
-    """The CUDA device of this rank (``cuda:LOCAL_RANK`` modulo the visible devices unless
-    given), made the current device."""
+    """This rank's CUDA device (default ``cuda:LOCAL_RANK`` mod the device count), made current."""
     if device is None:
         local = _env_int("LOCAL_RANK", None, default=0)
         device = torch.device("cuda", local % torch.cuda.device_count())
@@ -220,9 +162,6 @@ def plan_rendezvous(*, rank: int | None, world_size: int | None, master_addr: st
     return RendezvousPlan(r, n, chosen, store, key, timeout_s)
 
 
-# -- streams and events -----------------------------------------------------------------------
-
-
 class CudaStreams:
     """The stream and event calls of the transport, on one CUDA device (torch's)."""
 
@@ -234,21 +173,17 @@ class CudaStreams:
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
     def record(self) -> Any:
-        """An event recorded on the current stream (``query()`` is True once it completed)."""
+        """An event recorded on the current stream."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
     def scope(self) -> Any:
-        """A context in which the device is the current one (for NCCL calls)."""
         return torch.cuda.device(self.device)
 
     def bind_thread(self) -> None:
         """Make the device current in the calling thread (the watchdog's)."""
         torch.cuda.set_device(self.device)
-
-
-# -- the binding protocol ---------------------------------------------------------------------
 
 
 class NcclBinding(Protocol):
@@ -268,9 +203,6 @@ class NcclBinding(Protocol):
     def abort(self) -> None: ...
 
     def destroy(self) -> None: ...
-
-
-# -- the transport ----------------------------------------------------------------------------
 
 
 class _Group:
@@ -293,7 +225,7 @@ def describe(sends: Sequence[tuple[int, torch.Tensor]],
 
 
 class StreamOrderedNcclTransport:
-    """The transport protocol over one :class:`NcclBinding` (see the module docstring)."""
+    """The transport protocol over one :class:`NcclBinding`."""
 
     stream_ordered = True  # exchange() returns once queued; the data is ordered on the stream
     devices = ("cuda",)  # device types of the tensors it moves
@@ -319,14 +251,12 @@ class StreamOrderedNcclTransport:
         self.counters = Counters()
         self.streams = streams if streams is not None else CudaStreams(device)
         self._store = store  # rank 0 may host it: keep it alive with the communicator
-        # State (guarded by _lock): the groups posted and not yet seen complete, the first
-        # failure, and whether close() ran.
+        # guarded by _lock: groups posted and not yet seen complete, the first failure, closed
         self._pending: collections.deque[_Group] = collections.deque()
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
         self._closed = False
-        # The communicator's state and its one call slot (guarded by _cond, which no call into
-        # NCCL holds), and the thread that aborts or destroys it (see the module docstring).
+        # state and call slot, guarded by _cond (which no call into NCCL holds)
         self._cond = threading.Condition()
         self._state = USABLE
         self._in_call = False
@@ -337,8 +267,6 @@ class StreamOrderedNcclTransport:
         )
         self._watchdog.start()
 
-    # -- failure handling ---------------------------------------------------------------------
-
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise self._failure
@@ -347,14 +275,13 @@ class StreamOrderedNcclTransport:
 
     @property
     def state(self) -> str:
-        """``usable``, ``aborting``, ``destroying`` or ``freed`` (see the module docstring)."""
+        """``usable``, ``aborting``, ``destroying`` or ``freed``."""
         with self._cond:
             return self._state
 
     def _enter_call(self, wait_s: float | None) -> bool:
-        """Take the call slot while the communicator is usable. False, at once, when it is not
-        (or becomes unusable while this waits), or when another call still holds the slot after
-        ``wait_s`` seconds (None: no bound)."""
+        """Take the call slot; False when the communicator is (or becomes) unusable, or the slot
+        is still taken after ``wait_s`` seconds (None: no bound)."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
         with self._cond:
             while self._state == USABLE and self._in_call:
@@ -373,10 +300,8 @@ class StreamOrderedNcclTransport:
             self._cond.notify_all()
 
     def _retire(self, state: str, action: Callable[[], None], what: str) -> threading.Thread | None:
-        """Move ``usable`` -> ``state`` (waking every thread that waits for the call slot) and
-        start the thread that runs ``action`` (the binding's abort or destroy) once no call is
-        in flight, holding no lock, then marks the communicator freed. None when the state had
-        already left ``usable`` (aborted or destroyed once: never twice)."""
+        """Move ``usable`` -> ``state`` and start the thread that runs ``action`` (abort or
+        destroy) once no call is in flight; None if the state had already left ``usable``."""
         with self._cond:
             if self._state != USABLE:
                 return None
@@ -408,8 +333,7 @@ class StreamOrderedNcclTransport:
         return thread
 
     def _fail(self, error: BaseException) -> None:
-        """Record the first failure and have the communicator aborted (stuck kernels then
-        return); returns at once, whatever the abort does."""
+        """Record the first failure and abort the communicator in the background."""
         with self._lock:
             if self._failure is not None:
                 return
@@ -474,8 +398,6 @@ class StreamOrderedNcclTransport:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         self._raise_if_failed()
-
-    # -- the protocol -------------------------------------------------------------------------
 
     def _check_tensor(self, tensor: torch.Tensor, role: str, peer: int, what: str) -> None:
         if tensor.device != self.device:
@@ -551,8 +473,8 @@ class StreamOrderedNcclTransport:
         self._track(describe(sends, recvs, label))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
-        """Small in-place all-reduce, summed in rank order (see the module docstring); the
-        host waits for it. Tensors on another device are staged through this one."""
+        """Small in-place all-reduce in rank order; the host waits for it. Tensors on another
+        device are staged through this one."""
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
         self._raise_if_failed()
@@ -570,8 +492,7 @@ class StreamOrderedNcclTransport:
         self.allreduce(torch.zeros(self.world_size, device=self.device), "sum", what=what)
 
     def synchronize(self, *, what: str = "synchronize") -> None:
-        """Host wait, with the timeout, until everything posted so far has completed; raises
-        the failure (timeout, abort, peer error) if there was one."""
+        """Host wait, with the timeout, for everything posted so far; raises the failure if any."""
         self._raise_if_failed()
         with self._lock:
             pending = list(self._pending)
@@ -580,14 +501,12 @@ class StreamOrderedNcclTransport:
         self._raise_if_failed()
 
     def abort(self, reason: str) -> None:
-        """Fail every later call with CommAbortedError and abort the communicator in the
-        background (see the module docstring); returns at once."""
+        """Fail every later call with CommAbortedError; abort in the background, return at once."""
         self._fail(CommAbortedError(f"rank {self.rank}: communicator aborted: {reason}"))
 
     def close(self) -> None:
-        """Wait for what is posted (unless failed), stop and join the watchdog, then destroy
-        the communicator once no other thread is inside a call on it (waiting up to
-        ``timeout_s``); after an abort, destroy nothing (the abort frees it)."""
+        """Wait for what is posted (unless failed), stop the watchdog, then destroy the
+        communicator once no call is in flight (at most ``timeout_s``); nothing after an abort."""
         if self._closed:
             return
         try:

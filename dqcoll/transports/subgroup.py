@@ -1,20 +1,7 @@
-"""A view of some ranks of a transport as a transport of their own.
+"""A view of some ranks of a transport as a transport of their own (hierarchical collectives).
 
-Hierarchical all-reduce runs one collective among the ranks of a host and another among the ranks
-with the same local index on every host. :class:`SubgroupTransport` numbers the members of such a
-group ``0..k-1`` and forwards their messages to the underlying transport under the members'
-global ranks, so the executor and the schemes run unchanged on a subgroup. Byte counters are the
-parent's: the bytes go on the parent's wire.
-
-The small uncompressed ``allreduce`` of a subgroup is an all-to-all of the tensor among the
-members (one grouped exchange), reduced by every member in subgroup-rank order, so every member
-computes the very same values, as the ``local`` transport does. For the statistics DynamiQ
-exchanges (1/128 of the buffer) over groups of at most a few hosts' GPUs this costs little;
-a transport that can make real sub-communicators (``torch.distributed.new_group``,
-``ncclCommSplit``) is faster for large groups.
-
-Rejected: creating torch.distributed sub-groups here. ``new_group`` must be called by every rank
-of the world in the same order, so it belongs to set-up code, not to a per-call view.
+:class:`SubgroupTransport` numbers the members ``0..k-1`` and forwards their messages to the
+parent; counters are the parent's. No torch sub-groups: ``new_group`` needs every rank.
 """
 
 from __future__ import annotations
@@ -48,8 +35,6 @@ class SubgroupTransport:
         self.rank = members.index(parent.rank)
         self.world_size = len(members)
         self.counters: Counters = parent.counters  # the same object: bytes go on its wire
-        # The parent's device and ordering: over NCCL, exchange returns once queued (the
-        # executor then overlaps tiles on streams) and the small tensors live on its GPU.
         self.stream_ordered: bool = bool(getattr(parent, "stream_ordered", False))
         self.device = getattr(parent, "device", None) or torch.device("cpu")
         self.devices: tuple[str, ...] = tuple(getattr(parent, "devices", None)

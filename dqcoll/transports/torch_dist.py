@@ -1,75 +1,20 @@
 """The ``torch`` transport: any ``torch.distributed`` process group (gloo on CPU, nccl on GPU).
 
-This is how dqcoll drops into a job launched by torchrun: dqcoll runs among the ranks of the
-job's process group, its grouped point-to-point messages and small all-reduces on a connection
-of its own (below). Every wait goes through ``Work.wait(timeout)``; a timeout or a broken
-connection becomes a :class:`~dqcoll.errors.CollectiveTimeoutError` /
-:class:`~dqcoll.errors.PeerError` that names the peer and the step. The group's own timeout
-(``init_process_group(timeout=...)``) still bounds gloo's internals.
+:class:`TorchTransport` runs dqcoll among a job's ranks. Every wait is ``Work.wait(timeout)``;
+failures raise :class:`~dqcoll.errors.CollectiveTimeoutError` / :class:`~dqcoll.errors.PeerError`
+naming the peer and the step. Over a registered group whose CPU backend is gloo (CUDA backend
+NCCL) every CPU (CUDA) message goes on a private group of dqcoll's own
+(:func:`open_private_group`), never matched with the caller's traffic; opening it is
+collective, in the same order on every rank (docs/reliability.md, "dqcoll's own connection").
+``group`` may also be a bare ``ProcessGroupGloo`` of survivors (:mod:`dqcoll.membership`).
 
-**A private connection for CPU traffic.** Over a registered group whose CPU backend is gloo
-(``"gloo"``, or a per-device ``"cpu:gloo,cuda:nccl"``) the transport opens, when it is made, a
-``ProcessGroupGloo`` of its own among the group's ranks (:func:`open_private_group`, from the
-group's store under a prefix of its own: :func:`private_prefix`), and every CPU message goes
-there: point-to-point exchanges, the small all-reduces and :meth:`TorchTransport.native_allreduce`
-(gloo's all-reduce on that connection). gloo matches a point-to-point message by (peer, tag)
-and a collective by the order in which a process issues them on a group; a caller that sends,
-receives or all-reduces on its own group while a dqcoll call runs on a worker thread (an
-``async_op`` call, the DDP hook's buckets beside DDP's reducer with
-``find_unused_parameters=True``) would otherwise have its messages matched with dqcoll's, in
-orders that differ between ranks, and gloo aborts a process on a message longer than the
-receive it landed in (SIGABRT, no error). Opening it is collective: every rank of the group
-makes its transports over that group in the same order (as ``dqcoll.init()``, the DDP hook and
-the integrations do).
-
-**A private connection for CUDA traffic.** Over a registered group whose CUDA backend is NCCL
-(``"nccl"``, ``"cpu:gloo,cuda:nccl"``) the transport likewise makes an NCCL process group of its
-own among the same ranks (a ``ProcessGroup`` with a ``ProcessGroupNCCL`` registered for CUDA,
-from the group's store under the private prefix + ``cuda/``; NCCL makes its communicator at the
-first message), and every CUDA message goes there, the native all-reduce included: NCCL runs a
-communicator's operations in the order a process issues them, so a caller's collective on its
-own group from another thread (DDP's reducer beside the hook's worker) could otherwise pair
-with one of dqcoll's on another rank. A group whose CUDA backend is another (a custom one)
-keeps the caller's group for CUDA messages.
-**Message headers (gloo).** gloo accepts a message *shorter* than the receive buffer without a
-word (the tail keeps whatever it held) and aborts the process on a *longer* one. So every payload
-goes with a 16-byte header: its length in bytes and a CRC of the step label. Where the header
-travels: in the payload's own message when the caller passed *frames*
-(:meth:`TorchTransport.exchange_framed`: the header is written into the room the frame leaves in
-front of the payload, no copy) or when the payload is small (up to :data:`FRAME_COPY_NBYTES`,
-copied behind the header); otherwise as a message of its own just before the payload, to the
-same peer (gloo keeps the order of messages between two ranks). One message instead of two per
-DynamiQ payload cut ~3 ms of a 78 ms all-reduce of 7.3 M coordinates over 4 ranks sharing 2
-cores (loopback; each gloo message costs wake-ups of its loop thread and of the waiting one).
-The receiver checks both once the exchange completed and raises on a short message or one from
-another step, naming the peer.
-Longer messages cannot be caught here (the abort happens inside gloo): the argument check of
-:mod:`dqcoll.validate` makes every rank agree on everything that sets message sizes before any
-payload moves. Header bytes count in ``bytes_sent`` but not in ``payload_bytes_sent``.
-
-**CUDA exchanges (nccl).** Headers are decided per exchange, by the tensors' device (an exchange
-is all on the CPU or all on CUDA; a mix raises :class:`~dqcoll.errors.InvalidArgumentError`):
-CPU tensors carry them on any backend, CUDA tensors never do (reading a header would synchronise
-the host with the device at every step; sizes are right by construction, from the argument
-check). A CUDA exchange is posted as one ``batch_isend_irecv`` of its payloads only, so NCCL
-runs it as one group launch in which every rank's sends and receives progress together; this
-holds on a mixed group (``"cpu:gloo,cuda:nccl"``, what ``init_process_group()`` picks on a GPU
-machine) too, where a CPU header in front of a CUDA payload would split the batch into single
-sends and receives, send-then-receive on one NCCL stream on both ranks: a deadlock once a
-payload exceeds NCCL's buffering.
-
-**Works.** A backend without coalescing (gloo) gives one Work per message; one that coalesces
-(NCCL: ``batch_isend_irecv`` runs the batch under ``_coalescing_manager(async_ops=True)``) gives
-one Work for the whole batch. The transport waits on what torch returns, whatever its count: a
-failure of a per-message Work names its peer, one of a batch's Work names every peer of the batch.
-
-**Groups of survivors.** ``group`` may also be a process group built outside
-``torch.distributed``'s registry (``ProcessGroupGloo(store, rank, size)``, as
-:mod:`dqcoll.membership` builds for the survivors of a lost rank, since ``new_group`` would need
-the dead rank too): rank and size then come from the group itself. ``store`` (the job's
-key-value store, by default the default group's) is kept for that shrink; :meth:`abort` closes
-the connections of the gloo group dqcoll's CPU messages travel on, so that peers blocked on this
-rank fail at once.
+**Message framing (gloo).** Every CPU payload carries a 16-byte header, int64 payload length
+and int64 CRC-32 of the step label: in the frame of :meth:`TorchTransport.exchange_framed`,
+copied in front of a payload up to :data:`FRAME_COPY_NBYTES`, else as a message just before it.
+The receiver raises on a short message or one from another step; a longer one aborts inside
+gloo, so :mod:`dqcoll.validate` makes the ranks agree on sizes first. Header bytes count in
+``bytes_sent``, not ``payload_bytes_sent``. CUDA payloads carry no header and go as one
+``batch_isend_irecv`` (a CPU header would split the NCCL group launch and can deadlock).
 """
 
 from __future__ import annotations
@@ -107,27 +52,18 @@ __all__ = [
 HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
 HEADER_NBYTES = 8 * HEADER_NUMEL
 assert HEADER_NBYTES == FRAME_HEADROOM  # a framed payload's header fills its frame's room
-# Messages up to this many bytes travel in one gloo message with their header (copied into a
-# frame): a message fewer per payload, a copy too small to matter. Larger ones are sent framed by
-# their caller (exchange_framed: the header's room is in the buffer, no copy) or after their
-# header.
+# Unframed payloads up to this size are copied behind their header: one gloo message, not two.
 FRAME_COPY_NBYTES = 1 << 16
-# n x the bytes of a small all-reduce up to which every rank sends it to every other in one
-# exchange (TorchTransport.allreduce): the argument check's vector. Larger ones (a scheme's
-# statistics) keep the scatter-and-gather, whose bytes are those a scheme's ``bits`` budget
-# counts for them (sending every copy to every rank costs n / 2 times as many).
+# n x bytes up to which a small all-reduce goes all-to-all (larger: the budgeted scatter-gather)
 GATHERED_ALLREDUCE_NBYTES = 4096
 _ABORT_TAG = 0x7A5E  # a tag no message uses: abort()'s receives never complete
-# private connections opened so far in this process, per group name (see private_prefix)
 _private_counts: dict[str, int] = {}
 _private_lock = threading.Lock()
 
 
 def private_prefix(group_name: str) -> str:
-    """The store prefix of the next private connection over the group named ``group_name``:
-    ``dqcoll-private/<group name>/<k>/`` for the ``k``-th one this process opens over that
-    group. Every rank opens its connections over a group in the same order, so the ``k``-th
-    has the same prefix on every rank (as FSDP2's lanes count their instances)."""
+    """The store prefix ``dqcoll-private/<group name>/<k>/`` of the ``k``-th private connection
+    this process opens over a group; identical on every rank that opens them in the same order."""
     with _private_lock:
         count = _private_counts.get(group_name, 0) + 1
         _private_counts[group_name] = count
@@ -136,16 +72,10 @@ def private_prefix(group_name: str) -> str:
 
 def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
                        timeout_s: float, backend: str = "gloo") -> Any:
-    """A process group of dqcoll's own among ``world_size`` ranks (this one ``rank``),
-    rendezvoused in ``store`` under ``prefix`` (the same on every rank; only these ranks
-    join): a ``ProcessGroupGloo`` (``backend="gloo"``, CPU messages) or a ``ProcessGroup``
-    with a ``ProcessGroupNCCL`` for CUDA tensors (``backend="nccl"``). Nothing but dqcoll posts
-    on it, so none of its messages can match a message of the caller's. Collective: blocks
-    until every rank opened it (gloo; NCCL makes its communicator at the first message), at
-    most ``timeout_s``; a failure raises :class:`~dqcoll.errors.CollectiveTimeoutError` (a rank
-    did not come) or :class:`~dqcoll.errors.CommAbortedError`, naming the rank and the prefix.
-    Every private connection of dqcoll (the torch transport's, the lanes', the DDP hook's) is
-    opened here."""
+    """A process group of dqcoll's own (gloo, or NCCL for CUDA) in ``store`` under ``prefix``.
+
+    Collective: blocks until every rank opened it, at most ``timeout_s``; raises
+    :class:`~dqcoll.errors.CollectiveTimeoutError` or :class:`~dqcoll.errors.CommAbortedError`."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         if backend == "gloo":
@@ -171,10 +101,7 @@ def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
 
 
 def _nccl_group(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
-    """A ``ProcessGroup`` whose CUDA backend is a ``ProcessGroupNCCL`` of its own (as
-    ``init_process_group("nccl")`` builds one, outside torch's registry): it takes the
-    backend's point-to-point calls, ``_start_coalescing`` / ``_end_coalescing`` (one NCCL group
-    launch per exchange) and ``allreduce``."""
+    """A ``ProcessGroup`` with a ``ProcessGroupNCCL`` of its own for CUDA, outside the registry."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     nccl = dist.ProcessGroupNCCL(store, rank, world_size, options)
@@ -184,17 +111,14 @@ def _nccl_group(store: Any, rank: int, world_size: int, timeout: datetime.timede
     return group
 
 
-# Every private connection still open. A ProcessGroupGloo destroyed while the interpreter
-# finalises (no one released it) can end the process in std::terminate ("terminate called
-# without an active exception", SIGABRT) after the program finished; so each is shut down when
-# its owner closes (release_private_group) or, at the latest, at exit, newest first.
+# Every private connection still open; shut down at the latest at exit, since a ProcessGroupGloo
+# destroyed during interpreter finalisation can SIGABRT the process.
 _PRIVATE: list[Any] = []
 _PRIVATE_LOCK = threading.Lock()
 
 
 def release_private_group(group: Any) -> None:
-    """Shut down a connection :func:`open_private_group` opened (once; errors of a connection
-    that a lost peer already broke are ignored: nothing is sent on it any more)."""
+    """Shut down a connection :func:`open_private_group` opened (once; errors are ignored)."""
     with _PRIVATE_LOCK:
         if not any(g is group for g in _PRIVATE):
             return
@@ -214,8 +138,7 @@ def _release_all_private_groups() -> None:
 
 
 def _cpu_is_gloo(backend: str) -> bool:
-    """Whether a group of ``backend`` moves CPU tensors with gloo (``"gloo"``, or a per-device
-    string naming ``cpu:gloo``)."""
+    """Whether a group of ``backend`` moves CPU tensors with gloo."""
     name = backend.lower().replace(" ", "")
     return name == "gloo" or "cpu:gloo" in name.split(",")
 
@@ -226,9 +149,7 @@ def _write_header(frame: torch.Tensor, nbytes: int, tag: int) -> None:
 
 
 def _cuda_backend(backend: str) -> str | None:
-    """The private connection's backend for the CUDA messages of a group of ``backend``:
-    ``"nccl"`` where the group moves CUDA tensors with NCCL (``"nccl"``, or a per-device
-    string naming ``cuda:nccl``), else None (the caller's group carries them)."""
+    """``"nccl"`` where a group of ``backend`` moves CUDA tensors with NCCL, else None."""
     name = backend.lower().replace(" ", "")
     return "nccl" if name == "nccl" or "cuda:nccl" in name.split(",") else None
 
@@ -239,8 +160,7 @@ _Check = tuple[int, torch.Tensor, int, torch.Tensor | None, torch.Tensor]
 
 def _send_posts(sends: Sequence[tuple[int, torch.Tensor]], framed: bool,
                 tag: int) -> list[tuple[bool, int, torch.Tensor]]:
-    """The messages of ``sends`` over gloo: a header travels in its payload's frame or, for a
-    large unframed payload, as a message just before it."""
+    """The gloo messages of ``sends``, headers included."""
     posts: list[tuple[bool, int, torch.Tensor]] = []
     for peer, tensor in sends:
         if framed:
@@ -263,8 +183,7 @@ def _send_posts(sends: Sequence[tuple[int, torch.Tensor]], framed: bool,
 
 def _recv_posts(recvs: Sequence[tuple[int, torch.Tensor]], framed: bool
                 ) -> tuple[list[tuple[bool, int, torch.Tensor]], list[_Check]]:
-    """The messages of ``recvs`` over gloo (as :func:`_send_posts` sends them) and what to
-    check of each header once they arrived."""
+    """The gloo messages of ``recvs`` and the header checks to run once they arrived."""
     posts: list[tuple[bool, int, torch.Tensor]] = []
     checks: list[_Check] = []
     for peer, buffer in recvs:
@@ -289,14 +208,11 @@ def _recv_posts(recvs: Sequence[tuple[int, torch.Tensor]], framed: bool
 
 
 def _is_cuda(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` lives in CUDA memory (an exchange of such tensors goes to NCCL)."""
     return tensor.device.type == "cuda"
 
 
 def backend_devices(backend: str) -> tuple[str, ...]:
-    """The device types a group's backend moves: ``"gloo"`` -> cpu, ``"nccl"`` -> cuda, a
-    per-device string (``"cpu:gloo,cuda:nccl"``) -> the devices it names; another backend
-    (mpi, ucc, a custom one) is assumed to move both."""
+    """The device types a group's backend moves; an unknown backend is assumed to move both."""
     name = backend.lower()
     if name == "gloo":
         return ("cpu",)
@@ -337,19 +253,13 @@ class TorchTransport:
         self.gather_nbytes = int(gather_nbytes)  # see allreduce
         self.counters = Counters()
         self.devices = backend_devices(self.backend)
-        # The device of the small all-reduces and barriers: a CUDA-only group (nccl) takes
-        # the current CUDA device (torchrun jobs set it per rank), anything else the CPU.
+        # small all-reduces and barriers: the current CUDA device on a CUDA-only group
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if self.devices == ("cuda",) else torch.device("cpu"))
-        # -- what a shrink after a lost rank needs (dqcoll.membership) --
-        self.store = store if store is not None else _default_store()
+        self.store = store if store is not None else _default_store()  # for dqcoll.membership
         self.store_prefix = store_prefix  # keys of this group's shrinks live under it
-        # The gloo group that carries CPU messages with gloo's own send / recv / allreduce: a
-        # bare ProcessGroupGloo itself; over a registered group whose CPU backend is gloo, a
-        # private connection (module docstring); otherwise None (batch_isend_irecv on the group)
+        # CPU / CUDA messages go to these where set (private connections), else to self.group
         self.cpu_group: Any = None
-        # The group that carries CUDA messages: over a registered group whose CUDA backend is
-        # NCCL, a private NCCL group (module docstring); otherwise None (the caller's group)
         self.cuda_group: Any = None
         self.private_prefix: str | None = None
         cuda_backend = None if standalone else _cuda_backend(self.backend)
@@ -367,7 +277,7 @@ class TorchTransport:
                     self.timeout_s, backend=cuda_backend)
 
     def _wait(self, works: list[tuple[str, dist.Work]], what: str) -> None:
-        """Wait for every (whom it concerns, e.g. ``"receiving from rank 1"``, Work)."""
+        """Wait for every (whom, e.g. ``"receiving from rank 1"``, Work)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
         for whom, work in works:
             try:
@@ -403,9 +313,7 @@ class TorchTransport:
         *,
         what: str,
     ) -> None:
-        """:meth:`exchange` of uint8 frames (:func:`dqcoll.transports.base.exchange_framed`):
-        over gloo each payload's header goes in its frame's first bytes, one message per
-        payload instead of two and no copy; the checks are those of :meth:`exchange`."""
+        """:meth:`exchange` of uint8 frames whose first bytes take the gloo header (no copy)."""
         self._exchange(sends, recvs, what, framed=True)
 
     def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
@@ -425,9 +333,7 @@ class TorchTransport:
         what: str,
         framed: bool = False,
     ) -> None:
-        """Post one grouped exchange and wait for it (no counting). ``framed``: every tensor is
-        a uint8 frame whose first :data:`HEADER_NBYTES` bytes are the header's (see
-        :meth:`exchange_framed`)."""
+        """Post one grouped exchange and wait for it (no counting)."""
         if not sends and not recvs:
             return
         on_cuda = [_is_cuda(t) for _, t in sends] + [_is_cuda(b) for _, b in recvs]
@@ -438,14 +344,12 @@ class TorchTransport:
                 raise InvalidArgumentError(
                     f"rank {self.rank}: the exchange at {what} ({peers}) mixes CUDA and CPU "
                     f"tensors: an exchange is all on one device")
-            # CUDA (nccl): the payloads only, in one batch (see the module docstring)
             skip = HEADER_NBYTES if framed else 0
             self._run([(True, peer, tensor[skip:] if skip else tensor.contiguous())
                        for peer, tensor in sends]
                       + [(False, peer, buffer[skip:] if skip else buffer)
                          for peer, buffer in recvs], what)
             return
-        # (is a send, peer, tensor) in posting order: sends first
         tag = zlib.crc32(what.encode())
         posts = _send_posts(sends, framed, tag)
         recv_posts, checks = _recv_posts(recvs, framed)
@@ -458,8 +362,7 @@ class TorchTransport:
         self.counters["bytes_recv"] += HEADER_NBYTES * len(recvs)
 
     def _check_headers(self, checks: list[_Check], tag: int, what: str) -> None:
-        """Every received header carries this exchange's tag and the size the receiver
-        expects."""
+        """Raise unless every header carries this exchange's tag and the expected size."""
         headers = (torch.stack([h for _, h, _, _, _ in checks]).view(torch.int64).tolist()
                    if checks else [])
         for (peer, _, expected, _, _), (got, their_tag) in zip(checks, headers,
@@ -476,8 +379,7 @@ class TorchTransport:
                     f"tail as data)")
 
     def _run(self, posts: list[tuple[bool, int, torch.Tensor]], what: str) -> None:
-        """Post every message and wait for what torch returns: a Work per message (gloo) or
-        one for the whole batch (a coalescing backend: NCCL)."""
+        """Post every message and wait for the Works (one per message, or one per batch)."""
         try:
             works = self._start(posts)
         except RuntimeError as exc:
@@ -493,17 +395,9 @@ class TorchTransport:
         self._wait(waits, what)
 
     def _start(self, posts: list[tuple[bool, int, torch.Tensor]]) -> list[dist.Work]:
-        """Post every (is a send, peer, tensor) in order; the Works torch returns for them:
-        one per message, in the same order, or (a backend that coalesces: NCCL) one for all.
-
-        gloo has no coalescing, so ``batch_isend_irecv`` posts one ``isend`` / ``irecv`` after
-        the other, each through ``torch.distributed``'s argument checks and group look-ups:
-        over a gloo group, CPU messages go straight to the group's ``send`` / ``recv``, in the
-        same order, which saves that per-message overhead of the calling thread. Everything
-        else keeps ``batch_isend_irecv`` (nccl: one group launch for the whole batch). CPU
-        messages go to :attr:`cpu_group` where there is one (dqcoll's own gloo connection), CUDA
-        messages to :attr:`cuda_group` where there is one (dqcoll's own NCCL group: the batch
-        as one coalesced launch, as ``batch_isend_irecv`` posts it)."""
+        """Post every (is a send, peer, tensor) in order, straight to a private group's send / recv
+        (no per-message overhead of ``batch_isend_irecv``); the Works: one per message, or one
+        for all on a coalescing backend (NCCL)."""
         on_cuda = _is_cuda(posts[0][2])
         group = self.cuda_group if on_cuda else self.cpu_group
         if group is not None:
@@ -522,16 +416,8 @@ class TorchTransport:
         return list(dist.batch_isend_irecv(ops))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
-        """Small all-reduce in rank order, not gloo's or NCCL's own all-reduce: the same bits as
-        every other dqcoll transport (see :func:`~dqcoll.transports.base.reduce_in_rank_order`).
-
-        Over gloo (a CPU tensor), a tensor whose ``n`` copies fit ``gather_nbytes`` (by default
-        :data:`GATHERED_ALLREDUCE_NBYTES`: the argument check's vector of every call) goes to
-        every rank in one grouped exchange and every rank combines the ``n`` copies in rank
-        order itself (:meth:`_gathered_allreduce`): one synchronisation of the ranks instead
-        of two exchanges, which on a machine whose ranks share cores costs a scheduling round
-        each. Larger tensors, and other backends, take
-        :func:`~dqcoll.transports.base.reduce_in_rank_order`'s scatter and gather."""
+        """Small all-reduce in rank order: the same bits as every other dqcoll transport. Over
+        gloo a tensor whose ``n`` copies fit ``gather_nbytes`` goes all-to-all in one exchange."""
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
@@ -547,13 +433,9 @@ class TorchTransport:
         self.counters.count_allreduce(nbytes, self.world_size)
 
     def _gathered_allreduce(self, flat: torch.Tensor, op: str, what: str) -> None:
-        """``flat`` (contiguous, on the CPU) combined in place over the ranks in rank order
-        (``((x_0 + x_1) + x_2) + ...``, the bits of ``reduce_in_rank_order``) from one grouped
-        exchange in which every rank sends its copy to every other: one synchronisation. The
-        messages carry the usual headers (length and step label, checked: a rank at another
-        step raises :class:`~dqcoll.errors.MismatchError`). Point-to-point rather than gloo's
-        all-gather: a process that had run gloo collectives sometimes aborted in gloo's
-        teardown at exit ("terminate called without an active exception")."""
+        """``flat`` (contiguous, CPU) combined in place in rank order from one all-to-all
+        exchange. Point-to-point rather than gloo's all-gather, whose users sometimes aborted
+        in gloo's teardown at exit."""
         n, rank = self.world_size, self.rank
         peers = [p for p in range(n) if p != rank]
         copies = torch.empty(n, flat.numel(), dtype=flat.dtype)
@@ -568,14 +450,8 @@ class TorchTransport:
         self.counters["allreduces"] += 1
 
     def native_allreduce(self, tensor: torch.Tensor, *, what: str) -> None:
-        """Sum ``tensor`` in place with gloo's or NCCL's own all-reduce (what DDP runs without
-        a hook; its result is the same on every rank), waiting at most the transport's
-        timeout. For large buffers where no compression pays (``scheme="auto"``); the small
-        all-reduces keep :meth:`allreduce`'s rank order. A CPU tensor is all-reduced on
-        :attr:`cpu_group` where there is one (dqcoll's own gloo connection: a caller's
-        all-reduce on its group meanwhile, from another thread, cannot take its place), a CUDA
-        tensor on :attr:`cuda_group` where there is one (likewise, NCCL), else on the caller's
-        group."""
+        """Sum ``tensor`` in place with gloo's or NCCL's own all-reduce (identical on every rank;
+        ``scheme="auto"``'s exact path), on the private group where there is one."""
         if self.world_size > 1 and tensor.numel():
             group = self.cuda_group if _is_cuda(tensor) else self.cpu_group
             if group is not None:
@@ -590,16 +466,9 @@ class TorchTransport:
         self.allreduce(torch.zeros(1, device=self.device), "sum", what=what)
 
     def abort(self, reason: str) -> None:
-        """Close the connections of :attr:`cpu_group` (where dqcoll's CPU messages travel), so
-        that peers blocked on this rank fail at once (they would otherwise wait for their
-        timeout). Without one: nothing (peers learn of it through their timeouts). The
-        caller's own group is left as it is.
-
-        gloo has no call for it (``ProcessGroup.abort()`` and ``shutdown()`` leave the sockets
-        open: a peer blocked in a receive from this rank failed only when this process exited,
-        9 s later in a probe), but a timed-out wait closes its connection ("Application timeout
-        caused pair closure", and the peer sees "Connection closed by peer"): so post, to each
-        peer, a receive under a tag nobody sends and let it time out after 1 ms."""
+        """Close the connections of :attr:`cpu_group` so that peers blocked on this rank fail at
+        once; the caller's own group is left as it is. gloo has no call for it, so each peer
+        gets a receive that times out after 1 ms (docs/reliability.md, "Surviving a lost rank")."""
         if self.cpu_group is None:
             return
         for peer in range(self.world_size):
@@ -612,16 +481,14 @@ class TorchTransport:
                 pass
 
     def close(self) -> None:
-        """Shut down the private connections this transport carries its messages on (those
-        that :func:`open_private_group` opened; a group of the caller's stays open)."""
+        """Shut down this transport's private connections (a group of the caller's stays open)."""
         for group in (self.cpu_group, self.cuda_group):
             if group is not None:
                 release_private_group(group)
 
 
 def _coalesces(group: Any, device: torch.device) -> bool:
-    """Whether ``group`` runs a batch of point-to-point messages on ``device`` as one
-    coalesced launch (NCCL), as ``batch_isend_irecv`` asks it."""
+    """Whether ``group`` runs a point-to-point batch on ``device`` as one launch (NCCL)."""
     try:
         backend = group._get_backend(device) if hasattr(group, "_get_backend") else group
         return bool(backend.supports_coalescing)
@@ -641,7 +508,7 @@ def _batch_peers(posts: list[tuple[bool, int, torch.Tensor]]) -> str:
 
 
 def _default_store() -> Any:
-    """The default process group's key-value store, or None (no default group)."""
+    """The default process group's store, or None."""
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:
