@@ -18,7 +18,7 @@ row            what averages the gradients
                lanes; docs/ddp.md), to show what the lanes change
 ``auto_1``     ``auto`` with ``lanes=1``
 ``warmup``     ``DynamiqState()`` (the defaults) with every step a warm-up step (``warmup_steps``
-               beyond the run): the warm-up's bf16 all-reduce; run only when ``--rows`` names it
+               beyond the run): the warm-up's 16-bit all-reduce; run only when ``--rows`` names it
 ``defaults``   ``DynamiqState()`` as a user gets it, timed after its warm-up (10 steps) and
                ``scheme="auto"``'s step-time check (6 more: docs/ddp.md), untimed, have run;
                its choice is in ``step_choices``; run only when ``--rows`` names it
@@ -122,7 +122,7 @@ SHORT: dict[str, str] = {"floor": "no comm. (floor)", "ddp": "DDP default",
                          "powersgd": "PowerSGD"}
 # rows run only when --rows names them (and shown by --render only where a file has them)
 OPT_IN_ROWS = ("warmup", "defaults")
-# rows whose collectives dqcoll's counters do not see (torch's, and the warm-up's bf16
+# rows whose collectives dqcoll's counters do not see (torch's, and the warm-up's 16-bit
 # all-reduce on DDP's group): the wire dtype's bits
 NOMINAL_BITS = {"ddp": 32.0, "fp16_hook": 16.0, "warmup": 16.0}
 BUCKET_CAP_MB = 25
@@ -357,6 +357,9 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
     if choice is not None and choice.choices:
         result["step_choices"] = [dataclasses.asdict(c) for c in choice.choices]
+    sixteen = getattr(state, "sixteen_bit", None)
+    if sixteen is not None and sixteen.history:
+        result["sixteen_bit_formats"] = [list(entry) for entry in sixteen.history]
     lanes = [getattr(state, "comm", None), *getattr(state, "lane_comms", [])]
     planners = [getattr(c, "planner", None) for c in lanes if c is not None]
     if any(p is not None for p in planners):
@@ -369,7 +372,7 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     if row in NOMINAL_BITS:
         result.update(bits_per_coord=NOMINAL_BITS[row], bits_source="nominal (wire dtype)")
     elif choice is not None and choice.choices and not choice.compressing():
-        result.update(bits_per_coord=16.0, bits_source="nominal (the step check chose bf16 on "
+        result.update(bits_per_coord=16.0, bits_source="nominal (the step check chose 16 bits on "
                                                        "DDP's group)")
     return result
 

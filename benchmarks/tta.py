@@ -47,7 +47,7 @@ Reported per hook and seed (``runs`` in the JSON) and per hook over the seeds (`
   target over the hook's, per seed, then the mean over seeds;
 * **bytes per step** sent per rank: dqcoll's hooks from their communicators' counters (payload,
   scales, statistics, argument checks, headers) over the compressed steps, plus the 16-bit
-  steps' bf16 all-reduces (the warm-up's, and those ``scheme="auto"``'s step-time check chose:
+  steps' all-reduces in fp16 or bf16 (the warm-up's, and those the step-time check chose:
   ``DynamiqState.sixteen_bit_steps``; on DDP's process group, where dqcoll's counters do not
   see them) computed as for the torch hooks; torch's hooks:
   computed from DDP's bucket sizes, ``2 (n-1)/n`` of each bucket's bytes (a ring all-reduce), in
@@ -397,16 +397,17 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
         out["bytes_source"] = "computed: 2 (n-1)/n of DDP's bucket bytes, in the wire dtype"
     else:
         # the 16-bit steps (the warm-up's, and those auto's step-time check chose) send their
-        # fp32 buckets in bf16 on DDP's group, outside dqcoll's counters
+        # fp32 buckets in fp16 or bf16 on DDP's group, outside dqcoll's counters
         warm = min(steps, state.sixteen_bit_steps)
         sent = sum(row[steps + 2] for row in gathered) / len(gathered)  # mean over ranks
         out["warmup_steps"] = state.warmup_steps
         out["sixteen_bit_steps"] = warm
         out["step_choices"] = [dataclasses.asdict(c) for c in state.step_choice.choices]
+        out["sixteen_bit_formats"] = [list(entry) for entry in state.sixteen_bit.history]
         out["bytes_per_step"] = (sent + warm * world_bytes / 2) / steps
         out["bytes_per_compressed_step"] = sent / (steps - warm) if steps > warm else None
         out["bytes_source"] = ("dqcoll counters over the compressed steps (mean over ranks) + "
-                               "the 16-bit steps' bf16 all-reduces computed from bucket sizes")
+                               "the 16-bit steps' all-reduces computed from bucket sizes")
     x, y = train_batch(corpus, seed, steps, rank, args.batch, args.seq_len)
     out["vnmse"] = gradient_vnmse(ddp, x, y, world_size)
     info = getattr(state, "last_info", None) or {}

@@ -63,7 +63,7 @@ def test_schedule_and_choice_of_the_faster_mode() -> None:
     assert modes[WARMUP:decide] == [COMPRESSED] * (SAMPLES + 1)
     assert modes[decide:] == [SIXTEEN_BIT] * (20 - decide)
     assert agreed == [[1.0, 2.0]]  # iteration 0 and 5 took 100 s: neither is a sample
-    assert [(c.iteration, c.mode, c.bf16_ms, c.compressed_ms) for c in choice.choices] == [
+    assert [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms) for c in choice.choices] == [
         (decide, SIXTEEN_BIT, 1000.0, 2000.0)]
     assert choice.sixteen_bit_steps == 20 - SAMPLES - 1
 
@@ -101,7 +101,7 @@ def test_untimed_steps_and_disabled_check() -> None:
     for iteration in range(WARMUP + SAMPLES + 2):
         mode = choice.begin(iteration, timed=iteration != WARMUP + 2)
         clock.now += 50.0 if iteration == WARMUP + 2 else (1.0 if mode == SIXTEEN_BIT else 3.0)
-    assert (choice.choices[0].bf16_ms, choice.choices[0].compressed_ms) == (1000.0, 3000.0)
+    assert (choice.choices[0].sixteen_bit_ms, choice.choices[0].compressed_ms) == (1000.0, 3000.0)
 
     for enabled, warmup in ((False, WARMUP), (True, MIN_WARMUP - 1)):
         choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 9.0}, 20, enabled=enabled,
@@ -119,7 +119,7 @@ def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
     """DynamiqState(scheme="auto", warmup_steps=WARMUP) on 2 gloo ranks whose clocks disagree:
     rank 0 sees compressed steps faster (0.5 s against 1 s in 16 bits), rank 1 far slower (8 s
     against 1 s); the slowest rank's medians are agreed, so both choose 16 bits. Per step: did
-    the hook average in 16 bits itself (its bf16 path sets last_info["warmup"])?"""
+    the hook average in 16 bits itself (its 16-bit path sets last_info["warmup"])?"""
     ticks = {"now": 0.0}
     model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     state = DynamiqState(scheme="auto", warmup_steps=WARMUP)
@@ -132,14 +132,14 @@ def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         state.drain()
-        per_step.append("bf16" if "warmup" in state.last_info else "dqcoll")
+        per_step.append("16-bit" if "warmup" in state.last_info else "dqcoll")
         optimizer.step()
         compressed = state.step_choice.mode == "compressed"
         ticks["now"] += (0.5 if rank == 0 else 8.0) if compressed else 1.0
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"schemes": per_step, "params": params, "sixteen_bit_steps": state.sixteen_bit_steps,
             "samples": state.step_choice.samples,
-            "choices": [(c.iteration, c.mode, c.bf16_ms, c.compressed_ms)
+            "choices": [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms)
                         for c in state.step_choice.choices]}
 
 
@@ -150,16 +150,16 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]]) -> None:
     """Both ranks make the same choice from the slowest rank's medians (16 bits: 1000 ms against
-    8000), average in bf16 from the decision on, count the same 16-bit steps and end with
+    8000), average in 16 bits from the decision on, count the same 16-bit steps and end with
     bit-identical parameters."""
     first, second = two_ranks
     samples = first["samples"]  # DynamiqState's default
     decide = WARMUP + samples + 1
     assert first["choices"] == second["choices"] == [(decide, SIXTEEN_BIT, 1000.0, 8000.0)]
     for result in two_ranks:
-        assert result["schemes"][:WARMUP] == ["bf16"] * WARMUP
-        assert "bf16" not in result["schemes"][WARMUP:decide]
-        assert result["schemes"][decide:] == ["bf16"] * (STEPS - decide)
+        assert result["schemes"][:WARMUP] == ["16-bit"] * WARMUP
+        assert "16-bit" not in result["schemes"][WARMUP:decide]
+        assert result["schemes"][decide:] == ["16-bit"] * (STEPS - decide)
         assert result["sixteen_bit_steps"] == STEPS - samples - 1
     assert torch.equal(first["params"], second["params"])
 
@@ -170,3 +170,30 @@ def test_module_defaults() -> None:
     assert step_choice_module.StepChoice(10, True, lambda v: v).enabled
     state = DynamiqState(scheme="dynamiq")
     assert not state.step_choice.enabled and state.should_compress(10)
+
+
+def test_sixteen_bit_format_schedule_and_decision() -> None:
+    """SixteenBitFormat measures iteration 0 and every ``every``-th, decides at the next
+    iteration from the agreed sums (the smaller error wins, an infinite or NaN one loses, a tie
+    goes to bf16's range), and keeps its format where the last iteration was not measured."""
+    form = step_choice_module.SixteenBitFormat(True, every=4)
+    assert [i for i in range(10) if form.measuring(i)] == [0, 4, 8]
+    assert not step_choice_module.SixteenBitFormat(False, 4).measuring(0)
+    assert [i for i in range(10) if step_choice_module.SixteenBitFormat(True).measuring(i)] == [0]
+    ordinary = torch.linspace(-0.5, 0.5, 1000)
+    form.observe(0, ordinary, 4)
+    form.observe(0, ordinary, 4)  # a second bucket of the same iteration adds to the sums
+    seen: list[list[float]] = []
+    form.decide(1, lambda v: seen.append(list(v)) or [2 * x for x in v])
+    assert form.name == "fp16" and seen[0][0] < seen[0][1] and form.history[0][:2] == (1, "fp16")
+    form.decide(2, lambda v: pytest.fail("iteration 1 was not measured"))
+    assert form.name == "fp16" and len(form.history) == 1
+    form.observe(4, torch.full((10,), 1e-9), 4)  # fp16's subnormals: bf16 rounds closer
+    form.decide(5, lambda v: v)
+    assert form.name == "bf16"
+    form.observe(8, ordinary, 4)
+    form.decide(9, lambda v: [float("nan"), 1.0])
+    assert form.name == "bf16"
+    form.observe(8, ordinary, 4)
+    form.decide(9, lambda v: [1.0, 1.0])
+    assert form.name == "bf16"

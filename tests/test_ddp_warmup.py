@@ -1,4 +1,5 @@
-"""The DDP hook's warm-up iterations on real multi-process gloo groups: 16 bits on the wire.
+"""The DDP hook's warm-up iterations on real multi-process gloo groups: 16 bits on the wire, in
+the 16-bit format (fp16 or bf16) that rounds the job's gradients closer.
 
 The ranks are spawned as in tests/test_ddp_hook.py (its helpers); everything is checked in the
 ranks and handed back through files, the assertions run in pytest.
@@ -12,16 +13,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_ddp_hook import _MLP, _batch, _grads, _paired_steps, _spawn
+from test_ddp_hook import _MLP, _batch, _grads, _spawn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from dqcoll.integrations import torch_ddp
+from dqcoll.integrations.step_choice import FP16_MAX, sixteen_bit_wire
 from dqcoll.integrations.torch_ddp import DynamiqState, HookRuntime, dynamiq_hook
 
 WARMUP = 3  # warm-up iterations of the trained model
 STEPS = 6
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _comms(state: DynamiqState) -> list[Any]:
@@ -96,7 +99,9 @@ def _training(rank: int, world_size: int) -> dict[str, Any]:
                 "dqcoll_schemes": sorted({r.scheme for r in calls}),
                 "dqcoll_wire_ratio": (sum(r.wire_bytes for r in calls)
                                       / max(1, sum(r.exact_wire_bytes for r in calls))),
-                "bf16_values": all(torch.equal(g, g.bfloat16().float()) for g in grads),
+                "sixteen_bit_values": {
+                    name: all(torch.equal(g, g.to(dtype).float()) for g in grads)
+                    for name, dtype in DTYPES.items()},
                 "identical": _identical_everywhere(grads, world_size),
                 "vnmse": error2 / norm2,
                 "last_scheme": state.last_info.get("scheme"),
@@ -111,34 +116,71 @@ def _training(rank: int, world_size: int) -> dict[str, Any]:
         dist.all_reduce = recorder.real
     params = [p.detach() for p in model.parameters()]
     return {"steps": steps, "params_identical": _identical_everywhere(params, world_size),
+            "formats": list(state.sixteen_bit.history),
             "bits_history": [i for i, _ in state.bits_history],
             "vnmse_history": [i for i, _ in state.vnmse_history],
             "allocation": sorted(state.allocation_u)}
 
 
-def _torch_bf16_hook(process_group: dist.ProcessGroup | None,
-                     bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's bf16_compress_hook (DDP refuses it by name without CUDA and NCCL; gloo runs it)."""
-    return default_hooks.bf16_compress_hook(process_group, bucket)  # type: ignore[arg-type]
+def _torch_hook(state: DynamiqState,
+                bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's fp16_compress_hook or bf16_compress_hook, whichever ``state`` (the other model's)
+    sent its last bucket in (DDP refuses the bf16 one by name without CUDA and NCCL; gloo runs
+    it)."""
+    if state.last_info["scheme"] == "fp16":
+        return default_hooks.fp16_compress_hook(None, bucket)  # type: ignore[arg-type]
+    return default_hooks.bf16_compress_hook(None, bucket)  # type: ignore[arg-type]
 
 
-_torch_bf16_hook.__annotations__.update({"bucket": dist.GradBucket,  # DDP checks the real types
-                                         "return": torch.futures.Future[torch.Tensor]})
+_torch_hook.__annotations__.update({"bucket": dist.GradBucket,  # DDP checks the real types
+                                    "return": torch.futures.Future[torch.Tensor]})
 
 
-def _against_torch_bf16_hook(rank: int, world_size: int) -> list[bool]:
-    """Per warm-up step: the averaged gradients of DynamiqState() (the defaults) equal those of
-    torch's bf16_compress_hook, bit for bit (same model, data and buckets)."""
+def _against_torch_hooks(rank: int, world_size: int, scale: float) -> dict[str, Any]:
+    """Per warm-up step: the averaged gradients of DynamiqState() (the defaults) equal, bit for
+    bit, those of torch's hook of the 16-bit format the state chose (same model, data and
+    buckets; the loss scaled by ``scale``), and the format it chose."""
+    state = DynamiqState(warmup_steps=WARMUP)
     ours = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-    ours.register_comm_hook(DynamiqState(warmup_steps=WARMUP), dynamiq_hook)
+    ours.register_comm_hook(state, dynamiq_hook)
     theirs = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
-    theirs.register_comm_hook(None, _torch_bf16_hook)
-    return _paired_steps(rank, (ours, theirs), WARMUP)
+    theirs.register_comm_hook(state, _torch_hook)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05 / scale) for m in (ours, theirs)]
+    same, used = [], []
+    for step in range(WARMUP):
+        x, y = _batch(rank, step)
+        grads = []
+        for model, optimizer in zip((ours, theirs), optimizers, strict=True):
+            optimizer.zero_grad(set_to_none=True)
+            (scale * nn.functional.mse_loss(model(x), y)).backward()
+            grads.append(_grads(model))
+            if model is ours:
+                used.append(state.last_info["scheme"])
+            optimizer.step()
+        same.append(all(torch.equal(a, b) for a, b in zip(*grads, strict=True)))
+    return {"same": same, "used": used, "history": list(state.sixteen_bit.history)}
+
+
+def _expected_format(rank: int, world_size: int, scale: float) -> str:
+    """The format whose rounding of iteration 0's gradients (the loss scaled by ``scale``) has
+    the smaller squared error summed over the ranks, computed here from torch's own casts."""
+    model = _MLP()
+    x, y = _batch(rank, 0)
+    (scale * nn.functional.mse_loss(model(x), y)).backward()
+    flat = torch.cat([g.reshape(-1) for g in _grads(model)])
+    exact = flat.double() / world_size
+    errors = torch.tensor([float((flat.to(d).div_(world_size).double() - exact).square().sum())
+                           for d in DTYPES.values()], dtype=torch.float64)
+    dist.all_reduce(errors)
+    return "fp16" if errors[0] < errors[1] else "bf16"
 
 
 def _job(rank: int, world_size: int) -> dict[str, Any]:
     return {"training": _training(rank, world_size),
-            "torch_bf16": _against_torch_bf16_hook(rank, world_size)}
+            "torch_hooks": {scale: _against_torch_hooks(rank, world_size, scale)
+                            for scale in (1.0, 1e-5)},
+            "expected": {scale: _expected_format(rank, world_size, scale)
+                         for scale in (1.0, 1e-5)}}
 
 
 @pytest.fixture(scope="module")
@@ -147,20 +189,31 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return _spawn(tmp_path_factory.mktemp("warmup3"), 3, _job)
 
 
-def test_warmup_buckets_travel_as_bf16(three_ranks: list[dict[str, Any]]) -> None:
-    """In each warm-up iteration every bucket is all-reduced once by the process group as a bf16
-    tensor (every coordinate once: half of fp32's bytes), dqcoll's lanes carry nothing, the
-    averaged gradients are bf16 values, the same on every rank and within bf16's rounding of
-    the exact average; state.last_info says bf16 and no residual is kept."""
+def test_warmup_buckets_travel_in_16_bits(three_ranks: list[dict[str, Any]]) -> None:
+    """In each warm-up iteration every bucket is all-reduced once by the process group as a
+    16-bit tensor of the step's format (every coordinate once: half of fp32's bytes): bf16 in
+    iteration 0, then the format the ranks agreed at iteration 1 (one all-reduce of two float64
+    sums, the same format on every rank);
+    dqcoll's lanes carry nothing, the averaged gradients are values of that format, the same on
+    every rank and within its rounding of the exact average; no residual is kept."""
+    formats = {tuple(r["training"]["formats"]) for r in three_ranks}
+    assert len(formats) == 1, formats
+    (history,) = formats
+    assert [entry[0] for entry in history] == [1], history
     for rank, result in enumerate(r["training"] for r in three_ranks):
         for step, it in enumerate(result["steps"][:WARMUP]):
             where = (rank, step, it)
-            assert {dtype for dtype, _ in it["torch_calls"]} == {"bfloat16"}, where
-            assert sum(n for _, n in it["torch_calls"]) == it["bucket_numel"] > 0, where
+            name = "bf16" if step == 0 else history[0][1]
+            torch_dtype = str(DTYPES[name]).replace("torch.", "")
+            sixteen = [(d, n) for d, n in it["torch_calls"] if d != "float64"]
+            agreements = [(d, n) for d, n in it["torch_calls"] if d == "float64"]
+            assert agreements == ([("float64", 2)] if step == 1 else []), where
+            assert {dtype for dtype, _ in sixteen} == {torch_dtype}, where
+            assert sum(n for _, n in sixteen) == it["bucket_numel"] > 0, where
             assert it["dqcoll_schemes"] == [], where
-            assert it["bf16_values"] and it["identical"], where
+            assert it["sixteen_bit_values"][name] and it["identical"], where
             assert 0 < it["vnmse"] < 1e-4, where
-            assert it["last_scheme"] == "bf16" and it["residuals"] == 0, where
+            assert it["last_scheme"] == name and it["residuals"] == 0, where
             assert it["iteration"] == step + 1, where
         # DDP's first iteration has one bucket, the next ones several
         assert len(result["steps"][1]["torch_calls"]) >= 2, result["steps"][1]
@@ -176,7 +229,7 @@ def test_the_scheme_takes_over_at_warmup_steps(three_ranks: list[dict[str, Any]]
             where = (rank, step, it)
             assert it["dqcoll_schemes"] == ["dynamiq"], where
             assert it["dqcoll_wire_ratio"] < 0.33, where
-            assert "bfloat16" not in {dtype for dtype, _ in it["torch_calls"]}, where
+            assert not {"bfloat16", "float16"} & {dtype for dtype, _ in it["torch_calls"]}, where
             assert it["identical"] and it["residuals"] > 0, where
             assert it["last_scheme"] == "dynamiq", where
         assert result["bits_history"] == list(range(WARMUP, STEPS)), result["bits_history"]
@@ -185,21 +238,51 @@ def test_the_scheme_takes_over_at_warmup_steps(three_ranks: list[dict[str, Any]]
         assert result["params_identical"]
 
 
-def test_warmup_is_torchs_bf16_hook(three_ranks: list[dict[str, Any]]) -> None:
-    """DynamiqState()'s warm-up iterations give the gradients of torch's bf16_compress_hook bit
-    for bit, on every rank (the fp16 hook's collective, in bf16: the same wire bytes)."""
-    for rank, same in enumerate(r["torch_bf16"] for r in three_ranks):
-        assert same == [True] * WARMUP, (rank, same)
+@pytest.mark.parametrize("scale", [1.0, 1e-5])
+def test_warmup_is_torchs_hook_of_the_closer_format(three_ranks: list[dict[str, Any]],
+                                                    scale: float) -> None:
+    """DynamiqState()'s warm-up iterations give the gradients of torch's fp16_compress_hook or
+    bf16_compress_hook bit for bit, on every rank: bf16 in iteration 0, from iteration 1 the
+    format whose rounding of iteration 0's gradients has the smaller error summed over the
+    ranks (computed in the test from torch's casts). Gradients of ordinary size take fp16;
+    gradients 1e5 times smaller, in fp16's subnormal range, take bf16."""
+    expected = {r["expected"][scale] for r in three_ranks}
+    assert expected == {"fp16" if scale == 1.0 else "bf16"}, expected
+    (name,) = expected
+    for rank, result in enumerate(r["torch_hooks"][scale] for r in three_ranks):
+        assert result["same"] == [True] * WARMUP, (rank, result)
+        assert result["used"] == ["bf16"] + [name] * (WARMUP - 1), (rank, result)
+        assert [(i, n) for i, n, *_ in result["history"]] == [(1, name)], result
+
+
+def test_sixteen_bit_wire_saturates_fp16_only_beyond_its_range() -> None:
+    """In range, the wire is torch's hooks' ``buf.to(dtype).div_(n)`` bit for bit; finite values
+    beyond fp16's range saturate so that the sum of n saturated terms stays finite, while
+    infinite and NaN inputs stay infinite and NaN (bf16 needs no saturation)."""
+    n = 3
+    buf = torch.tensor([1.5, -2e-3, 7e4, -1e9, float("inf"), float("nan"), 65504.0])
+    for dtype in DTYPES.values():
+        inside = buf[:2]
+        assert torch.equal(sixteen_bit_wire(inside, n, dtype), inside.to(dtype).div_(n))
+    wire = sixteen_bit_wire(buf, n, torch.float16)
+    assert torch.equal(wire[:2], buf[:2].half().div_(n))
+    assert torch.isfinite(wire[2:4]).all() and bool((wire[2] > 0) & (wire[3] < 0))
+    assert torch.isfinite(wire[2:4] * n).all()  # n saturated terms sum below fp16's maximum
+    assert float(wire[2]) * n <= FP16_MAX
+    assert torch.isposinf(wire[4]) and torch.isnan(wire[5])
+    assert torch.equal(wire[6:], buf[6:].half().div_(n))
+    bf16 = sixteen_bit_wire(buf, n, torch.bfloat16)
+    assert torch.equal(bf16[:5], buf[:5].bfloat16().div_(n))
 
 
 def test_warmup_path_by_bucket() -> None:
-    """Which buckets a warm-up averages how: fp32 buckets (CPU or CUDA) in bf16; fp16 and bf16
+    """Which buckets a warm-up averages how: fp32 buckets (CPU or CUDA) in 16 bits; fp16 and bf16
     buckets, scheme="none" and every bucket after a shrink with the exact average."""
     state = DynamiqState(scheme="dynamiq", runtime=HookRuntime(device="cpu"))
     cpu32 = torch.zeros(4)
     cuda32 = types.SimpleNamespace(dtype=torch.float32, is_cuda=True)  # no GPU here
-    assert torch_ddp._warmup_path(state, cpu32) == "bf16"
-    assert torch_ddp._warmup_path(state, cuda32) == "bf16"  # type: ignore[arg-type]
+    assert torch_ddp._warmup_path(state, cpu32) == "16-bit"
+    assert torch_ddp._warmup_path(state, cuda32) == "16-bit"  # type: ignore[arg-type]
     for dtype in (torch.float16, torch.bfloat16):
         assert torch_ddp._warmup_path(state, cpu32.to(dtype)) == "exact"
     assert torch_ddp._warmup_path(DynamiqState(scheme="none"), cpu32) == "exact"

@@ -1,6 +1,13 @@
-"""``scheme="auto"`` in the DDP hook, decided by the step time: :class:`StepChoice`.
+"""The DDP hook's 16-bit mode: which 16-bit format it sends (:class:`SixteenBitFormat`) and, with
+``scheme="auto"``, whether a step runs it or compresses (:class:`StepChoice`).
 
-The warm-up's steps time the 16-bit mode (torch's ``bf16_compress_hook``), the ``samples + 1``
+The 16-bit mode is torch's ``fp16_compress_hook`` or ``bf16_compress_hook``, whichever rounds
+this job's gradients closer: each rank sums both formats' squared rounding error over the fp32
+buckets of one iteration, and at the next iteration's first bucket the ranks add their sums (one
+small all-reduce) and take the smaller, the same on every rank (bf16 until then). fp16 values
+beyond its range saturate instead of becoming infinite (:func:`sixteen_bit_wire`).
+
+The warm-up's steps time the 16-bit mode, the ``samples + 1``
 steps after it the compressed one (the first step of each mode untimed); the ranks then agree on
 the slowest rank's median of each and run the faster mode, the same on every rank, and every
 ``recheck_every`` steps the other mode is timed again. A step runs from its first bucket to the
@@ -17,9 +24,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["COMPRESSED", "MIN_WARMUP", "SIXTEEN_BIT", "StepChoice"]
+import torch
 
-SIXTEEN_BIT = "bf16"
+__all__ = ["COMPRESSED", "MIN_WARMUP", "SIXTEEN_BIT", "SixteenBitFormat", "StepChoice",
+           "sixteen_bit_wire"]
+
+SIXTEEN_BIT = "16-bit"
 COMPRESSED = "compressed"
 MIN_WARMUP = 4  # the fewest warm-up steps that time 16 bits: 3 steps after DDP's first
 
@@ -30,7 +40,7 @@ class Choice:
 
     iteration: int
     mode: str
-    bf16_ms: float
+    sixteen_bit_ms: float
     compressed_ms: float
 
 
@@ -38,7 +48,7 @@ class StepChoice:
     """Which mode each iteration of a DDP hook with ``scheme="auto"`` runs (module docstring).
 
     ``enabled=False``: every step after the warm-up is compressed; only the 16-bit steps are
-    counted. ``agree`` is called on every rank at the same iteration with ``[bf16 median s,
+    counted. ``agree`` is called on every rank at the same iteration with ``[16-bit median s,
     compressed median s]`` and returns the values agreed over the ranks (the maximum).
     """
 
@@ -97,12 +107,75 @@ class StepChoice:
             periods = self._periods[mode]
             return statistics.median(periods) if periods else math.inf
 
-        bf16_s, compressed_s = (float(v) for v in self.agree([median(SIXTEEN_BIT),
-                                                              median(COMPRESSED)]))
-        if math.isfinite(bf16_s) and math.isfinite(compressed_s):
-            self.mode = COMPRESSED if compressed_s < bf16_s else SIXTEEN_BIT
-        self.choices.append(Choice(iteration, self.mode, bf16_s * 1e3, compressed_s * 1e3))
+        sixteen_s, compressed_s = (float(v) for v in self.agree([median(SIXTEEN_BIT),
+                                                                 median(COMPRESSED)]))
+        if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
+            self.mode = COMPRESSED if compressed_s < sixteen_s else SIXTEEN_BIT
+        self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3))
 
     def compressing(self) -> bool:
         """Whether the iteration begun last runs the compressed mode."""
         return self.mode == COMPRESSED
+
+
+FP16_MAX = 65504.0
+
+
+def sixteen_bit_wire(buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``buf`` rounded to ``dtype`` and divided by ``n``, as torch's fp16 and bf16 hooks send it;
+    in fp16, finite values beyond its range saturate so that no partial sum of ``n`` such terms
+    overflows (infinite and NaN inputs stay as they are)."""
+    wire = buf.to(dtype).div_(n)
+    if dtype != torch.float16:
+        return wire
+    over = torch.isinf(wire)
+    if not buf.is_cuda and not bool(over.any()):  # a CPU bucket in range: torch's hook exactly
+        return wire
+    limit = torch.tensor(FP16_MAX / n, dtype=torch.float16)
+    if float(limit) * n > FP16_MAX:
+        limit = torch.nextafter(limit, torch.zeros_like(limit))
+    saturated = torch.sign(buf).to(dtype) * limit.to(buf.device)
+    return torch.where(over & torch.isfinite(buf), saturated, wire)
+
+
+class SixteenBitFormat:
+    """The 16-bit mode's format, measured on the job's gradients (module docstring).
+
+    ``measuring(i)``: whether iteration ``i``'s fp32 buckets are to be :meth:`observe`-d
+    (iteration 0, and every ``every``-th with ``every``); :meth:`decide` at the next iteration's
+    first bucket, on every rank, with ``agree`` summing the ranks' values.
+    """
+
+    def __init__(self, active: bool, every: int | None = None) -> None:
+        self.active, self.every = active, every
+        self.dtype = torch.bfloat16
+        self.history: list[tuple[int, str, float, float]] = []  # iteration, name, fp16, bf16
+        self._sums = [0.0, 0.0]
+        self._measured: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "fp16" if self.dtype == torch.float16 else "bf16"
+
+    def measuring(self, iteration: int) -> bool:
+        return self.active and (iteration == 0 or (bool(self.every)
+                                and iteration % self.every == 0))
+
+    def observe(self, iteration: int, buf: torch.Tensor, n: int) -> None:
+        """Add this rank's squared rounding error of ``buf`` in each format."""
+        if self._measured != iteration:
+            self._sums, self._measured = [0.0, 0.0], iteration
+        exact = buf.double() / n
+        for k, dtype in enumerate((torch.float16, torch.bfloat16)):
+            error = float((sixteen_bit_wire(buf, n, dtype).double() - exact).square().sum())
+            self._sums[k] += error if math.isfinite(error) else math.inf
+
+    def decide(self, iteration: int, agree: Callable[[list[float]], Sequence[float]]) -> None:
+        """At ``iteration``'s first bucket: the format from the last iteration's sums, if it
+        was measured (the same on every rank)."""
+        if self._measured != iteration - 1:
+            return
+        fp16, bf16 = (float(v) for v in agree(self._sums))
+        self._measured = None
+        self.dtype = torch.float16 if fp16 < bf16 else torch.bfloat16
+        self.history.append((iteration, self.name, fp16, bf16))

@@ -1,8 +1,9 @@
 """A PyTorch DDP communication hook that averages gradient buckets with any dqcoll scheme.
 
 ``model.register_comm_hook(DynamiqState(...), dynamiq_hook)``. Warm-up iterations, and the 16-bit
-steps ``scheme="auto"``'s step-time check chooses (:mod:`.step_choice`), average fp32 buckets as
-torch's ``bf16_compress_hook`` does and others with the group's exact all-reduce;
+steps ``scheme="auto"``'s step-time check chooses, average fp32 buckets as torch's
+``fp16_compress_hook`` or ``bf16_compress_hook`` does, whichever rounds the job's gradients
+closer (:mod:`.step_choice`), and others with the group's exact all-reduce;
 ``scheme="none"`` is DDP without a hook. Compressed buckets run ``dqcoll.allreduce(op="avg")``
 asynchronously on a :class:`~dqcoll.integrations.lane.Lane` (bucket ``i`` on lane ``i % lanes``),
 their futures completed in bucket order, the result bit-identical on every rank. Options: error
@@ -36,7 +37,7 @@ from ..schemes.seeds import derived_seed
 from ..transports.torch_dist import GATHERED_ALLREDUCE_NBYTES
 from .lane import Lane
 from .policy import CompressionPolicy, Role, RoleRule
-from .step_choice import StepChoice
+from .step_choice import SixteenBitFormat, StepChoice, sixteen_bit_wire
 
 __all__ = ["DDP_DEFAULT_POLICY", "DynamiqState", "HookRuntime", "ddp_policy", "dynamiq_hook",
            "resync"]
@@ -156,6 +157,9 @@ class DynamiqState:
         self.seed = self.policy.seed
         self.step_choice = StepChoice(  # auto: 16 bits or compressed, by measured step time
             self.warmup_steps, self.scheme == "auto", self._agree_step_times)
+        self.sixteen_bit = SixteenBitFormat(  # fp16 or bf16, by measured rounding error
+            self.warmup_steps > 1 or self.step_choice.enabled,
+            self.step_choice.recheck_every if self.step_choice.enabled else None)
         self.allocation_u: dict[int, float] = {}  # bucket index -> u of its last call
 
         self.error_feedback = self.policy.error_feedback
@@ -180,7 +184,7 @@ class DynamiqState:
         self.shrunk = False  # True once averaging runs over a communicator of survivors
 
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
-        # comm.last_info of the last compressed bucket (warm-up: the bf16 all-reduce's)
+        # comm.last_info of the last compressed bucket (16-bit steps: the group all-reduce's)
         self.last_info: dict[str, Any] = {}
 
         if dist.is_available() and dist.is_initialized() and self.scheme != "none":
@@ -200,12 +204,16 @@ class DynamiqState:
         """Iterations averaged in 16 bits so far, warm-up included."""
         return self.step_choice.sixteen_bit_steps
 
-    def _agree_step_times(self, values: list[float]) -> list[float]:
-        """The slowest rank's values (all-reduce MAX on DDP's group, between iterations)."""
+    def _agree_step_times(self, values: list[float], op: Any = dist.ReduceOp.MAX
+                          ) -> list[float]:
+        """The slowest rank's values (all-reduce ``op`` on DDP's group, between iterations)."""
         device = self.device if self.device is not None else torch.device("cpu")
         agreed = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+        dist.all_reduce(agreed, op=op, group=self.process_group)
         return [float(v) for v in agreed.tolist()]
+
+    def _agree_sums(self, values: list[float]) -> list[float]:
+        return self._agree_step_times(values, dist.ReduceOp.SUM)
 
     def _begin_iteration(self, iteration: int) -> None:
         """At an iteration's first bucket: the step-time check times the last step, picks this
@@ -213,12 +221,13 @@ class DynamiqState:
         choice = self.step_choice
         if self.shrunk or choice.iteration == iteration:
             return
+        self.sixteen_bit.decide(iteration, self._agree_sums)
         decided = len(choice.choices)
         choice.begin(iteration, timed=not self._monitor_due(iteration))
         if len(choice.choices) > decided and self.group_rank() == 0:
             made = choice.choices[-1]
             log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
-                     "(slowest rank's medians): %s from now on", iteration, made.bf16_ms,
+                     "(slowest rank's medians): %s from now on", iteration, made.sixteen_bit_ms,
                      made.compressed_ms, made.mode)
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
@@ -437,18 +446,21 @@ def _group_average(state: DynamiqState, buf: torch.Tensor,
 
 
 def _warmup_path(state: DynamiqState, buf: torch.Tensor) -> str:
-    """``"bf16"`` for a warm-up fp32 bucket, else ``"exact"`` (16-bit buckets already send 16
-    bits exactly; after a shrink DDP's group still counts the lost rank)."""
+    """``"16-bit"`` for an fp32 bucket of a 16-bit step, else ``"exact"`` (16-bit buckets
+    already send 16 bits exactly; after a shrink DDP's group still counts the lost rank)."""
     if state.scheme == "none" or buf.dtype != torch.float32 or state.shrunk:
         return "exact"
-    return "bf16"
+    return "16-bit"
 
 
-def _bf16_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """The warm-up's average, torch's ``bf16_compress_hook`` bit for bit, asynchronously."""
-    wire = buf.to(torch.bfloat16).div_(state.group_size())
+def _sixteen_bit_average(state: DynamiqState,
+                         buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A 16-bit step's average: torch's fp16 or bf16 hook (``state.sixteen_bit``), bit for bit
+    where fp16's range holds, asynchronously."""
+    form = state.sixteen_bit
+    wire = sixteen_bit_wire(buf, state.group_size(), form.dtype)
     backend = str(dist.get_backend(state.process_group))
-    state.last_info = {"scheme": "bf16", "algorithm": f"{backend} all_reduce", "bits": 16.0,
+    state.last_info = {"scheme": form.name, "algorithm": f"{backend} all_reduce", "bits": 16.0,
                        "warmup": state.iteration < state.warmup_steps}
     return _group_average(state, buf, wire)
 
@@ -674,6 +686,8 @@ def dynamiq_hook(state: DynamiqState,
         if not state.fault_tolerant:
             raise
         state.record_failure(iteration, exc)
+    if buf.dtype == torch.float32 and state.sixteen_bit.measuring(iteration):
+        state.sixteen_bit.observe(iteration, buf, state.group_size())
     if state.should_compress(iteration):
         try:
             return _compressed_average(state, buf, index, iteration, bucket.is_last())
@@ -685,8 +699,8 @@ def dynamiq_hook(state: DynamiqState,
                 _end_of_iteration(state, iteration)
             return _completed(buf)
     try:  # a warm-up bucket, or scheme="none"
-        if _warmup_path(state, buf) == "bf16":
-            return _bf16_average(state, buf)
+        if _warmup_path(state, buf) == "16-bit":
+            return _sixteen_bit_average(state, buf)
         return _exact_average(state, buf)
     except (DqcollError, RuntimeError) as exc:
         if not state.fault_tolerant:
