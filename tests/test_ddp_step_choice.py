@@ -197,3 +197,22 @@ def test_sixteen_bit_format_schedule_and_decision() -> None:
     form.observe(8, ordinary, 4)
     form.decide(9, lambda v: [1.0, 1.0])
     assert form.name == "bf16"
+
+
+def test_steps_with_a_trial_plan_are_no_samples() -> None:
+    """A compressed step in which a bucket ran a plan the planner tries once (exclude) is left
+    out of the median while at least two clean samples remain: two slow trial steps among
+    three do not make compressed (2 s) lose to 16 bits (3 s); with one clean sample left every
+    sample counts. The decision's iteration is the same either way."""
+    for trials, expected in ((frozenset({WARMUP + 1}), COMPRESSED),
+                             (frozenset({WARMUP + 1, WARMUP + 2}), SIXTEEN_BIT)):
+        clock = _Clock()
+        choice = StepChoice(WARMUP, True, lambda v: v, samples=SAMPLES, clock=clock)
+        for iteration in range(WARMUP + SAMPLES + 2):
+            mode = choice.begin(iteration)
+            if iteration in trials:
+                choice.exclude(iteration)
+            clock.now += 30.0 if iteration in trials else (3.0 if mode == SIXTEEN_BIT else 2.0)
+        assert [c.iteration for c in choice.choices] == [WARMUP + SAMPLES + 1]
+        assert choice.choices[0].mode == expected, (trials, choice.choices)
+        assert choice.choices[0].trial_steps == len(trials)

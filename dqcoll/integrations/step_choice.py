@@ -7,11 +7,12 @@ buckets of one iteration, and at the next iteration's first bucket the ranks add
 small all-reduce) and take the smaller, the same on every rank (bf16 until then). fp16 values
 beyond its range saturate instead of becoming infinite (:func:`sixteen_bit_wire`).
 
-The warm-up's steps time the 16-bit mode, the ``samples + 1``
-steps after it the compressed one (the first step of each mode untimed); the ranks then agree on
-the slowest rank's median of each and run the faster mode, the same on every rank, and every
-``recheck_every`` steps the other mode is timed again. A step runs from its first bucket to the
-next step's first bucket; monitored steps are not timed. Needs :data:`MIN_WARMUP` warm-up steps.
+The warm-up's steps time the 16-bit mode, the ``samples + 1`` steps after it the compressed one
+(the first step of each mode untimed); the ranks then agree on the slowest rank's median of each
+and run the faster mode, the same on every rank, and every ``recheck_every`` steps the other mode
+is timed again. A step runs from its first bucket to the next step's first bucket; monitored
+steps are not timed, and steps in which a bucket ran a plan the planner tries once are left out
+while two other samples remain. Needs :data:`MIN_WARMUP` warm-up steps.
 Rationale and rejected alternatives: docs/ddp.md ("Does compressing pay for this job?").
 """
 
@@ -42,6 +43,7 @@ class Choice:
     mode: str
     sixteen_bit_ms: float
     compressed_ms: float
+    trial_steps: int = 0  # compressed samples left out: a bucket ran a plan tried once
 
 
 class StepChoice:
@@ -66,12 +68,13 @@ class StepChoice:
         self.mode = SIXTEEN_BIT if warmup_steps > 0 else COMPRESSED
         self.choices: list[Choice] = []  # every decision, in order
         self.sixteen_bit_steps = 0  # iterations that ran the 16-bit mode, warm-up included
-        self._periods: dict[str, collections.deque[float]] = {
+        self._periods: dict[str, collections.deque[tuple[float, bool]]] = {  # (s, clean)
             SIXTEEN_BIT: collections.deque(maxlen=max(samples, warmup_steps)),
             COMPRESSED: collections.deque(maxlen=samples)}
         self._started: tuple[int, float, str, bool] | None = None  # iteration, t, mode, timed
         self._decide_at = warmup_steps + samples + 1
         self._probe_at = -1
+        self._excluded: set[int] = set()  # iterations that are no sample (exclude)
 
     def begin(self, iteration: int, *, timed: bool = True) -> str:
         """Called at the first bucket of ``iteration``: the mode it runs. ``timed=False``: the
@@ -79,7 +82,9 @@ class StepChoice:
         now = self.clock()
         started = self._started
         if started is not None and started[0] == iteration - 1 and started[3]:
-            self._periods[started[2]].append(now - started[1])
+            self._periods[started[2]].append((now - started[1],
+                                              started[0] not in self._excluded))
+        self._excluded.clear()
         previous = self.mode
         if not self.enabled:
             self.mode = SIXTEEN_BIT if iteration < self.warmup_steps else COMPRESSED
@@ -102,16 +107,25 @@ class StepChoice:
             self.sixteen_bit_steps += 1
         return self.mode
 
+    def exclude(self, iteration: int) -> None:
+        """``iteration`` is no sample: one of its buckets ran a plan the planner tried once
+        (called before the next iteration begins; the planner's plans, hence the exclusions,
+        are the same on every rank, and the decision's iteration does not depend on them)."""
+        self._excluded.add(iteration)
+
     def _decide(self, iteration: int) -> None:
         def median(mode: str) -> float:
-            periods = self._periods[mode]
+            clean = [s for s, ok in self._periods[mode] if ok]
+            periods = clean if len(clean) >= 2 else [s for s, _ in self._periods[mode]]
             return statistics.median(periods) if periods else math.inf
 
         sixteen_s, compressed_s = (float(v) for v in self.agree([median(SIXTEEN_BIT),
                                                                  median(COMPRESSED)]))
         if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
             self.mode = COMPRESSED if compressed_s < sixteen_s else SIXTEEN_BIT
-        self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3))
+        trials = sum(not ok for _, ok in self._periods[COMPRESSED])
+        self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
+                                   trials))
 
     def compressing(self) -> bool:
         """Whether the iteration begun last runs the compressed mode."""

@@ -585,6 +585,8 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
             bucket.error = finished.exception()
             if bucket.error is None:
                 bucket.info = dict(lane.comm.last_info)
+                if str(bucket.info.get("planned", {}).get("reason", "")).startswith("explored"):
+                    state.step_choice.exclude(iteration)  # a trial plan: not a sample
                 bucket.event = finished.result()
             bucket.finished = True
             _release_in_order(state)
