@@ -1,39 +1,22 @@
 """Runtime of the compiled CPU kernels: is numba usable, the JIT options, and the row-split threads.
 
-Every compiled CPU kernel (``*_numba.py`` in this package) is a top-level ``@njit`` function with
-:data:`JIT_OPTIONS` that works on rows ``[lo, hi)`` of whole arrays, so that :func:`run_rows` can
-cut a call into contiguous row ranges and run them on a process-wide thread pool. Each row is
-computed on its own (no reduction crosses rows), so the bytes do not depend on the number of
-threads or on where the ranges are cut.
+Every compiled CPU kernel (``*_numba.py`` here) is a top-level ``@njit`` function with
+:data:`JIT_OPTIONS` over rows ``[lo, hi)`` of whole arrays; :func:`run_rows` cuts a call into row
+ranges on a process-wide thread pool. No reduction crosses rows, so the bytes do not depend on
+the threads. The options (docs/design.md §7): ``nogil`` (the communication thread and the
+``local`` transport's ranks run beside a kernel), ``cache`` (the JIT is paid once per machine;
+top-level functions because numba does not cache closures), ``fastmath=False`` and no FMA (the
+torch reference rounds twice), ``error_model="numpy"`` (inf/NaN as in torch) and
+``boundscheck=False`` (kernels guard their indices; none is derived from a value that can be NaN).
 
-Why these options (docs/design.md §7):
+Process-wide state, bounded, changing no byte: the local-rank claims of live CPU communicators
+(:func:`claim_local_ranks` / :func:`release_local_ranks`; :func:`cpu_threads` divides the cores by
+the largest claim), the thread pool of :func:`run_rows` (``max(2, cores)`` threads, made at the
+first split call), and :func:`numba_available` and the core count, read once.
 
-* ``nogil=True``: the executor's communication thread (gloo's waits) and the ranks of the
-  ``local`` transport run beside a kernel only if it releases the GIL;
-* ``cache=True``: the JIT (docs/kernels.md, "Cold compile") is paid once per machine; kernels
-  are plain top-level functions because numba does not cache closures over jitted functions;
-* ``fastmath=False`` and no FMA: numba (LLVM) contracts ``a * b + c`` only under fastmath, and the
-  torch reference rounds twice, so the bytes match;
-* ``error_model="numpy"``: division by zero gives inf/NaN as in torch, without a Python check in
-  the loop; ``boundscheck=False``: kernels guard every computed index themselves (a NaN cast to an
-  integer is undefined, so no index is ever derived from a value that can be NaN).
-
-Process-wide state (all of it bounded; none of it changes a byte, only how fast the kernels run):
-
-* the *local-rank claims*: each live communicator on a CPU device claims how many ranks share
-  this machine's cores (:func:`claim_local_ranks`: the ``local`` transport's world size, or
-  torchrun's ``LOCAL_WORLD_SIZE``) until it is closed, dies, or is garbage-collected
-  (:func:`release_local_ranks`); :func:`local_ranks` is the largest live claim (1 with none), and
-  the default thread count :func:`cpu_threads` divides the cores by it. One entry per live
-  communicator, so the count falls back when a larger group of ranks ends;
-* the thread pool of :func:`run_rows`: created at the first split call, ``max(2, cores)``
-  threads, idle between calls, kept for the life of the process;
-* :func:`numba_available` and the core count, read once per process.
-
-Rejected: numba's own ``parallel=True``/``prange``. Its default ``workqueue`` threading layer is
-not safe when several Python threads call parallel kernels at once (the ranks of the ``local``
-transport do), and the safe layers need TBB or a system OpenMP that a fresh machine may lack. A
-Python thread pool over ``nogil`` kernels costs ~20 us per call and needs neither.
+Rejected: numba's ``parallel=True``: its default threading layer is not safe when several Python
+threads call parallel kernels at once (the ``local`` transport's ranks do), and the safe layers
+need TBB or OpenMP that a fresh machine may lack.
 """
 
 from __future__ import annotations

@@ -271,12 +271,9 @@ class Survey:
 
 def survey(scheme: SchemeSettings, x: torch.Tensor, op: ReduceOp, world_size: int,
            collective: Collective) -> tuple[float, Survey] | None:
-    """``(largest finite |x|, the statistics of x's rows)`` in one pass where the call would
-    take them with the compiled split statistics from the input itself (an all-reduce of fp32
-    whole rows on the CPU, balanced by rows); None elsewhere (the range check then is a pass
-    of its own, and the call takes its statistics after the argument check). Saves the call a
-    pass over its input (~1 ms per 7.3 M coordinates on one core) and takes the statistics off
-    the path between the argument check and the first transfer."""
+    """``(largest finite |x|, the statistics of x's rows)`` in one pass where the call would take
+    them with the compiled split statistics from the input itself (a CPU all-reduce of fp32 whole
+    rows, balanced by rows); None elsewhere. Saves the call a pass over its input."""
     if (collective is not Collective.ALLREDUCE or scheme.balance is Balance.SHARDS
             or scheme.reference_only or scheme.stats not in ("fp32", "norm16")
             or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
@@ -295,12 +292,9 @@ def survey(scheme: SchemeSettings, x: torch.Tensor, op: ReduceOp, world_size: in
 
 
 def _keep_underflowed_rows(norm2: torch.Tensor, centred: torch.Tensor) -> torch.Tensor:
-    """``norm2`` where a row whose squares all underflow fp32 (|x| below ~1e-23) but that is not
-    zero gets the smallest normal norm instead of 0, so that it still gets a record (width 0
-    would drop it, and each rank would keep its own centred values). Scans only the zero rows
-    (``centred``'s padding is 0). The compiled statistics do the same in their own pass
-    (``stats(keep_underflowed=True)``). Off the CPU the same test runs on every row, on the
-    device: finding the zero rows first would make the host wait for their count."""
+    """``norm2`` with the smallest normal norm for a non-zero row whose squares all underflow fp32,
+    so that it still gets a record (width 0 would leave each rank its own values). On the CPU
+    only the zero rows are scanned; on a device every row (no host wait for their count)."""
     tiny = torch.finfo(torch.float32).tiny
     if norm2.device.type != "cpu":
         return torch.where((norm2 == 0) & (centred != 0).any(dim=1), tiny, norm2)
@@ -316,11 +310,8 @@ def _keep_underflowed_rows(norm2: torch.Tensor, centred: torch.Tensor) -> torch.
 
 
 def wire_norms16(norm2: torch.Tensor) -> torch.Tensor:
-    """fp32 squared norms as the 16-bit statistics send them (bf16, nearest even), a positive
-    norm below fp32's smallest normal first raised to it: rounded to bf16 it would become 0 (a
-    row whose values are all below ~1e-20), so the summed norm would be 0, the row would get
-    width 0, and every rank would keep its own values. As with the underflow check, a row that
-    is not zero keeps a record; every rank then ends with the same bits."""
+    """fp32 squared norms as the 16-bit statistics send them (bf16, nearest even), a positive norm
+    below fp32's smallest normal first raised to it, so that a non-zero row keeps a record."""
     tiny = torch.finfo(torch.float32).tiny
     return torch.where((norm2 > 0) & (norm2 < tiny), tiny, norm2).to(torch.bfloat16)
 
