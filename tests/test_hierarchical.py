@@ -263,8 +263,8 @@ def _avg_error_body(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> float:
 @pytest.mark.parametrize("intra", ["none", "bf16", "int8_block"])
 def test_avg_with_a_coded_intra_level_is_the_average(intra: str) -> None:
     """op="avg" with a coded scheme inside hosts: the intra all-gather carries the average, it
-    does not divide it again (it once did for block codecs such as bf16, halving the result on
-    2 x 2: vNMSE 0.25). dynamiq 5 bits across hosts; every rank within its error."""
+    does not divide it again (which would halve the result on 2 x 2: vNMSE 0.25). dynamiq 5 bits
+    across hosts; every rank within its error."""
     levels = (LevelSpec(intra, algorithm="ring"), LevelSpec("dynamiq", 5.0, "ring"))
     errors = run_local(4, lambda comm: _avg_error_body(comm, _plan("2x2", levels)))
     assert len(set(errors)) == 1 and errors[0] < 0.03, errors

@@ -132,7 +132,7 @@ class StepChoice:
         return self.mode == COMPRESSED
 
 
-FP16_MAX = 65504.0
+FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
 def sixteen_bit_wire(buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
