@@ -2,14 +2,14 @@
 
 :func:`compress` sets an :class:`AllGather` (the ``weights`` rule, ZeRO++'s qwZ) and a
 :class:`ReduceScatter` (the ``gradients`` rule, qgZ) on every ``fully_shard`` module; calls the
-policy leaves exact run FSDP2's own collectives, bit for bit. The compressed calls of a group run
-on one :class:`~dqcoll.integrations.lane.Lane` per device type. The ranks of a group agree on
-every input of that choice at the group's first call (:meth:`FsdpCompression.agree`), so they
-never take different paths. How FSDP2 calls the classes, and why: docs/fsdp.md.
+policy leaves exact run FSDP2's own collectives. Compressed calls run on a
+:class:`~dqcoll.integrations.lane.Lane` per group and device type, whose ranks agree on the
+policy at the group's first call (:meth:`FsdpCompression.agree`). Details: docs/fsdp.md.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,10 +23,11 @@ from .. import agreement, envs
 from ..errors import InvalidArgumentError
 from .lane import (
     Lane,
-    RoleCounters,
+    _op_kind,
     exact_nbytes,
     nccl_lane_unavailable_reason,
     policy_settings,
+    summed_counters,
 )
 from .policy import CompressionPolicy, Decision, Role
 
@@ -43,31 +44,6 @@ exact_reduce_scatter: Callable[..., dist.Work | None] = getattr(
     dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _allocate(size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
-
-
-def _op_kind(op: Any) -> tuple[str, float]:
-    """("sum" | "avg" | "premul" | "other", pre-multiplication factor) of a torch reduce op."""
-    kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
-    if kind == dist.ReduceOp.SUM:
-        return "sum", 1.0
-    if kind == dist.ReduceOp.AVG:
-        return "avg", 1.0
-    if kind == dist.ReduceOp.PREMUL_SUM:
-        factor = getattr(op, "factor", None)
-        if factor is None:  # torch < 2.12 has no .factor; its pickled state is (op, factor)
-            try:
-                state = op.__getstate__()
-            except Exception:  # a factor torch does not expose: the exact path
-                state = None
-            factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
-        if isinstance(factor, (int, float)):
-            return "premul", float(factor)
-    return "other", 1.0
-
-
 class FsdpCompression:
     """What :func:`compress` set up: the policy, the step counter, one lane per group and
     device type, and the counters (:meth:`summary`)."""
@@ -81,8 +57,6 @@ class FsdpCompression:
         self.step = 0
         self.timeout_s = envs.timeout_s() if timeout_s is None else float(timeout_s)
         self.lanes: dict[tuple[str, str], Lane] = {}
-        self._cuda_checked = False
-        self._no_cuda_lane: str | None = None
         # the lanes' store prefix: compress() runs in the same order on every rank
         FsdpCompression.instances += 1
         self.instance = FsdpCompression.instances
@@ -113,8 +87,7 @@ class FsdpCompression:
 
     def agree(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """Check through the job's store that every rank of ``group`` holds the same policy and
-        (CUDA) the same answer on a CUDA lane, or all raise :class:`~dqcoll.errors.MismatchError`;
-        once per group and device type, at the group's first call."""
+        (CUDA) the same answer on a CUDA lane, or all raise :class:`MismatchError`."""
         try:
             store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, ValueError):  # no default group: no job to agree with
@@ -133,36 +106,32 @@ class FsdpCompression:
 
     def cuda_lane_unavailable(self) -> str | None:
         """None when CUDA calls can have a lane here, else why not (asked once, warned once)."""
-        if not self._cuda_checked:
-            self._cuda_checked = True
-            self._no_cuda_lane = nccl_lane_unavailable_reason()
-            if self._no_cuda_lane is not None:
-                log.warning("dqcoll fsdp: CUDA tensors take FSDP2's exact collectives, "
-                            "uncompressed: %s", self._no_cuda_lane)
         return self._no_cuda_lane
+
+    @functools.cached_property
+    def _no_cuda_lane(self) -> str | None:
+        reason = nccl_lane_unavailable_reason()
+        if reason is not None:
+            log.warning("dqcoll fsdp: CUDA tensors take FSDP2's exact collectives, "
+                        "uncompressed: %s", reason)
+        return reason
 
     def lane(self, group: dist.ProcessGroup, device: torch.device | None = None) -> Lane:
         """The lane of ``group`` for tensors on ``device`` (default: the CPU)."""
         device = torch.device("cpu") if device is None else device
         name = group.group_name
-        lane = self.lanes.get((name, device.type))
-        if lane is None:
-            store = dist.distributed_c10d._get_default_store()
+        if (name, device.type) not in self.lanes:
             suffix = "" if device.type == "cpu" else f"{device.type}/"
-            lane = Lane(store, group.rank(), group.size(), policy=self.policy,
-                        timeout_s=self.timeout_s, name=f"fsdp {name}",
-                        prefix=f"dqcoll-fsdp/{self.instance}/{name}/{suffix}", device=device)
-            self.lanes[(name, device.type)] = lane
-        return lane
+            self.lanes[(name, device.type)] = Lane(
+                dist.distributed_c10d._get_default_store(), group.rank(), group.size(),
+                policy=self.policy, timeout_s=self.timeout_s, name=f"fsdp {name}",
+                prefix=f"dqcoll-fsdp/{self.instance}/{name}/{suffix}", device=device)
+        return self.lanes[(name, device.type)]
 
     def summary(self) -> dict[str, Any]:
         """Counters per role, summed over the lanes, with the exact calls beside them."""
-        roles = {role.value: dict(RoleCounters()) for role in Role}
-        for lane in self.lanes.values():
-            for role, counters in lane.summary().items():
-                for key, value in counters.items():
-                    roles[role][key] += value
-        return {"policy": str(self.policy), "step": self.step, "compressed": roles,
+        return {"policy": str(self.policy), "step": self.step,
+                "compressed": summed_counters(self.lanes.values()),
                 "exact_calls": {role.value: n for role, n in self.exact_calls.items()},
                 "exact_bytes": {role.value: n for role, n in self.exact_bytes.items()}}
 
@@ -172,15 +141,19 @@ class FsdpCompression:
         self.lanes.clear()
 
 
-class AllGather(_fsdp_api.AllGather):
-    """FSDP2's parameter all-gather with the policy's ``weights`` rule (module docstring)."""
+class _Comm:
+    """What both classes share: the state, and FSDP2's buffers from ``torch.empty``."""
 
     def __init__(self, state: FsdpCompression) -> None:
         self.state = state
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        return _allocate(size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class AllGather(_Comm, _fsdp_api.AllGather):
+    """FSDP2's parameter all-gather with the policy's ``weights`` rule (module docstring)."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
@@ -190,15 +163,8 @@ class AllGather(_fsdp_api.AllGather):
         return lane.all_gather(input_tensor, output_tensor, rule=self.state.policy.weights)
 
 
-class ReduceScatter(_fsdp_api.ReduceScatter):
+class ReduceScatter(_Comm, _fsdp_api.ReduceScatter):
     """FSDP2's gradient reduce-scatter with the policy's ``gradients`` rule (module docstring)."""
-
-    def __init__(self, state: FsdpCompression) -> None:
-        self.state = state
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return _allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> dist.Work | None:

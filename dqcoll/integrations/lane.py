@@ -1,23 +1,20 @@
 """A compression lane: dqcoll's collectives on a connection of their own, as ``torch`` Work.
 
 The DDP hook, the FSDP2 classes and the ``dqcoll`` backend run their compressed calls on a
-:class:`Lane`: a connection made from the group's store under the lane's prefix (gloo for CPU
-tensors, dqcoll's NCCL transport for CUDA ones), one worker thread running the calls in issue order,
-CUDA stream order (:class:`CudaOrder`), one or two levels, the block codecs in one exchange
-(:mod:`dqcoll.integrations.lane_blocks`), settings agreed by the ranks and per-role counters. Each
-call returns a :class:`LaneWork`. docs/fsdp.md (the lane and "CPU and CUDA") and docs/design.md
-(§1, §6) carry the details. dqcoll's own ``async_op`` handles were rejected: FSDP2 and DDP cannot
-wait on their ``concurrent.futures.Future``, and a synchronous call drains them from the caller.
+:class:`Lane`: its own connection (gloo for CPU tensors, dqcoll's NCCL transport for CUDA ones),
+one thread running the calls in issue order, CUDA stream order (:class:`CudaOrder`), one or two
+levels, agreed settings and per-role counters. Details: docs/fsdp.md, docs/design.md (§1, §6).
+(dqcoll's own ``async_op`` handles return a ``concurrent.futures.Future``, which FSDP2 and DDP
+cannot wait on.)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import logging
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,14 +22,8 @@ import torch.distributed as dist
 
 from .. import api, hierarchical, schemes
 from ..comm import Communicator
-from ..errors import (
-    CommAbortedError,
-    InvalidArgumentError,
-    UnsupportedError,
-)
-from ..prepare import (
-    DEFAULT_BITS,
-)
+from ..errors import CommAbortedError, InvalidArgumentError, UnsupportedError
+from ..prepare import DEFAULT_BITS
 from ..schemes.elementwise import BlockCodec
 from ..topology.hierarchical import HierarchicalPlan, LevelSpec
 from ..transports.torch_dist import TorchTransport, open_private_group, release_private_group
@@ -40,13 +31,9 @@ from .lane_blocks import BlockCollectives
 from .policy import CompressionPolicy, Role, RoleRule
 
 __all__ = ["CudaOrder", "Lane", "LaneWork", "RoleCounters", "exact_nbytes", "nccl_lane_binding",
-           "nccl_lane_unavailable_reason", "policy_settings"]
+           "nccl_lane_unavailable_reason", "policy_settings", "summed_counters"]
 
-log = logging.getLogger("dqcoll.integrations")
-
-
-# The lane's small all-reduces up to n x this many bytes go to every rank in one exchange: one
-# synchronisation instead of two (docs/fsdp.md).
+# small all-reduces up to n x this many bytes go to every rank in one exchange (docs/fsdp.md)
 LANE_GATHER_NBYTES = 256 * 1024
 # the path check (Lane(check_paths=True)): what every rank's call must agree on
 _PATH_FIELDS = ("collective", "path (1: compressed on the lane, 0: exact below min_nbytes)",
@@ -55,12 +42,31 @@ _ROLE_CODES = {Role.ALLREDUCE: 1, Role.GRADIENTS: 2, Role.WEIGHTS: 3}
 
 
 def policy_settings(policy: CompressionPolicy, world_size: int) -> dict[str, str]:
-    """What of ``policy`` the ranks of a group must share: each key of its canonical text and
-    the node layout it gives for ``world_size``."""
+    """What of ``policy`` the ranks of a group must share, with its node layout."""
     settings = {f"policy {key}": value for key, _, value in
                 (item.partition("=") for item in str(policy).split(","))}
     settings["policy's ranks per node (0: one level)"] = str(policy.nodes(world_size))
     return settings
+
+
+def _op_kind(op: Any) -> tuple[str, float]:
+    """("sum" | "avg" | "premul" | "other", pre-multiplication factor) of a torch reduce op."""
+    kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
+    if kind == dist.ReduceOp.SUM:
+        return "sum", 1.0
+    if kind == dist.ReduceOp.AVG:
+        return "avg", 1.0
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:  # torch < 2.12 has no .factor; its pickled state is (op, factor)
+            try:
+                state = op.__getstate__()
+            except Exception:  # a factor torch does not expose: the exact path
+                state = None
+            factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+        if isinstance(factor, (int, float)):
+            return "premul", float(factor)
+    return "other", 1.0
 
 
 def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
@@ -68,18 +74,8 @@ def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
     if rule.is_exact or rule.scheme == "auto" or rule.target is not None:
         return None
     scheme = schemes.get(rule.scheme, **({"bits": rule.bits} if rule.bits is not None else {}))
-    if isinstance(scheme, BlockCodec) and type(scheme).prepare is BlockCodec.prepare:
-        return scheme
-    return None
-
-
-class _GlooTransport(TorchTransport):
-    """dqcoll's ``torch`` transport over a bare (unregistered) ``ProcessGroupGloo``."""
-
-    def __init__(self, group: Any, rank: int, world_size: int, timeout_s: float,
-                 gather_nbytes: int = LANE_GATHER_NBYTES) -> None:
-        super().__init__(group, timeout_s=timeout_s, gather_nbytes=gather_nbytes)
-        assert (self.rank, self.world_size) == (rank, world_size), (self.rank, rank)
+    plain = isinstance(scheme, BlockCodec) and type(scheme).prepare is BlockCodec.prepare
+    return scheme if plain else None
 
 
 def nccl_lane_binding() -> tuple[str | None, str]:
@@ -98,8 +94,7 @@ def nccl_lane_binding() -> tuple[str | None, str]:
 
 def nccl_lane_unavailable_reason() -> str | None:
     """None when a lane for CUDA tensors can run in this process, else why it cannot."""
-    binding, reason = nccl_lane_binding()
-    return None if binding is not None else reason
+    return nccl_lane_binding()[1] or None  # the reason is empty where a binding can run
 
 
 def _nccl_parts(binding: str) -> tuple[Any, Any, Any, dict[str, Any]]:
@@ -118,22 +113,22 @@ def _nccl_parts(binding: str) -> tuple[Any, Any, Any, dict[str, Any]]:
 
 
 class CudaOrder:
-    """The stream and event calls of a CUDA lane on one device (tests replace it by a host fake)."""
+    """The stream and event calls of a CUDA lane (tests replace it by a host fake)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream: Any = None  # the lane's own stream, made on the lane's thread
 
     def record_caller(self) -> Any:
-        """An event recorded on the caller's current stream: the input is ready after it."""
+        """An event on the caller's current stream, after which the input is ready."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
     def run_after(self, ready: Any, run: Callable[[], None],
                   tensors: Sequence[torch.Tensor]) -> Any:
-        """On the lane's thread: run ``run()`` on the lane's stream after ``ready``, mark
-        ``tensors`` as used there; returns an event recorded after the work."""
+        """On the lane's thread: ``run()`` on the lane's stream after ``ready``, ``tensors``
+        marked as used there; returns an event after the work."""
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=self.device)
         self.stream.wait_event(ready)
@@ -146,7 +141,6 @@ class CudaOrder:
         return done
 
     def wait(self, done: Any) -> None:
-        """The calling thread's current stream waits for ``done`` (on the device)."""
         torch.cuda.current_stream(self.device).wait_event(done)
 
 
@@ -161,16 +155,26 @@ class RoleCounters(dict[str, int]):
 
 
 def exact_nbytes(role: Role, tensor_nbytes: int, world_size: int) -> int:
-    """Bytes per rank of a bandwidth-optimal exact collective whose *full* buffer has
-    ``tensor_nbytes`` (the reduce-scatter input, the all-gather output, the all-reduce buffer)."""
+    """Bytes per rank of a bandwidth-optimal exact collective of a *full* buffer of
+    ``tensor_nbytes`` (reduce-scatter input, all-gather output, all-reduce buffer)."""
     share = tensor_nbytes * (world_size - 1) // world_size
     return 2 * share if role is Role.ALLREDUCE else share
 
 
+def summed_counters(lanes: Iterable[Lane]) -> dict[str, dict[str, int]]:
+    """The lanes' counters summed per role (every role, zeros included), as plain dicts."""
+    totals = {role.value: dict(RoleCounters()) for role in Role}
+    for lane in lanes:
+        for role, counters in lane.counters.items():
+            for key, value in counters.items():
+                totals[role.value][key] += value
+    return totals
+
+
 class LaneWork(dist.Work):
     """The Work of one lane call: ``wait()`` blocks until the lane's thread ran (CUDA: queued) it
-    and raises its error, which ``_create_work_from_future``'s Work would drop; on CUDA the
-    current stream then waits for its last kernel. ``get_future()`` serves DDP's reducer."""
+    and raises its error (``_create_work_from_future``'s Work drops it); on CUDA the current
+    stream then waits for its last kernel. ``get_future()`` serves DDP's reducer."""
 
     def __init__(self, done: concurrent.futures.Future[Any], result: Any,
                  order: CudaOrder | None = None) -> None:
@@ -181,13 +185,10 @@ class LaneWork(dist.Work):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout else 0.0
-        try:
-            event = self._done.result(timeout=seconds if seconds > 0 else None)
-        except concurrent.futures.TimeoutError:
-            # the call's own error may be a timeout too: raise it as it is
-            if self._done.done():
-                raise
-            raise TimeoutError(f"lane call not finished after {seconds:g} s") from None
+        # wait, then look: an except TimeoutError around result() would catch the call's own
+        if not concurrent.futures.wait([self._done], seconds if seconds > 0 else None).done:
+            raise TimeoutError(f"lane call not finished after {seconds:g} s")
+        event = self._done.result()  # raises the call's error
         if self._order is not None and event is not None:
             self._order.wait(event)
         return True
@@ -196,8 +197,7 @@ class LaneWork(dist.Work):
         return self._done.done()
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], None]) -> None:
-        """Run ``fn(future)`` on the lane's thread after the call; its result is the CUDA event
-        after the call's work, or None."""
+        """``fn(future)`` on the lane's thread after the call (result: its CUDA event, or None)."""
         self._done.add_done_callback(fn)
 
     def is_success(self) -> bool:
@@ -208,9 +208,8 @@ class LaneWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         order = self._order
-        future: torch.futures.Future[Any] = (
-            torch.futures.Future(devices=[order.device]) if order is not None
-            else torch.futures.Future())
+        future: torch.futures.Future[Any] = torch.futures.Future(
+            devices=[order.device] if order is not None else None)
 
         def finish(done: concurrent.futures.Future[Any]) -> None:
             error = done.exception()
@@ -229,14 +228,13 @@ class LaneWork(dist.Work):
 class Lane(BlockCollectives):
     """dqcoll collectives for one group of ranks, run on one thread (see the module docstring).
 
-    Every rank of the group creates its lane at the same point: it rendezvouses in ``store`` under
-    ``prefix``. ``device``: ``cpu`` or a CUDA device (``cuda``: the current one). ``settings``
-    (beside :func:`policy_settings`) are agreed at creation; ranks that differ raise
+    Every rank creates its lane at the same point: it rendezvouses in ``store`` under ``prefix``.
+    ``device``: ``cpu`` or a CUDA device (``cuda``: the current one). ``settings`` (beside
+    :func:`policy_settings`) are agreed at creation: ranks that differ raise
     :class:`MismatchError`. ``check_paths``: every call first checks that all ranks take the same
-    path with the same sizes (for the backend, which decides by size; off with
-    ``DQCOLL_VALIDATE=0``). ``group``: a CUDA lane without an NCCL binding runs dqcoll's ``torch``
-    transport over it instead of raising. ``comm``: run on this communicator as it is (the DDP
-    hook's survivors after a shrink).
+    path with the same sizes (off with ``DQCOLL_VALIDATE=0``). ``group``: a CUDA lane without an
+    NCCL binding runs dqcoll's ``torch`` transport over it instead of raising. ``comm``: run on
+    this communicator as it is (the DDP hook's survivors after a shrink).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
@@ -246,54 +244,46 @@ class Lane(BlockCollectives):
                  gather_nbytes: int = LANE_GATHER_NBYTES, group: Any = None,
                  comm: Communicator | None = None) -> None:
         self.rank = rank
-        self._gather_nbytes = gather_nbytes
-        self._group = group
-        self.check_paths = check_paths
-        self._paths = 0  # path checks so far (their labels)
         self.world_size = world_size
         self.policy = policy
-        # agreed when the communicator is created: ranks with different policies raise now
-        self.settings = {**policy_settings(policy, world_size), **(settings or {})}
         self.name = name
+        self.check_paths = check_paths
+        self._paths = 0  # path checks so far (their labels)
+        self.settings = {**policy_settings(policy, world_size), **(settings or {})}
         self.device = torch.device(device)
-        self.order: CudaOrder | None = None  # CUDA: the lane's stream and events
         self.gloo: Any = None  # CPU: the lane's gloo process group
-        if comm is not None:
-            self.transport, self.comm = comm.transport, comm
-            self.order = CudaOrder(self.device) if self.device.type == "cuda" else None
-        elif self.device.type == "cuda":
-            self._connect_nccl(store, prefix, timeout_s)
-        elif self.device.type == "cpu":
-            self._connect(store, prefix, timeout_s)
-        else:
-            raise InvalidArgumentError(f"rank {rank}: lane {name}: {self.device} tensors have no "
-                                       f"lane (cpu and cuda do)")
-        self._split_levels()
+        if comm is None:
+            transport, comm_device = self._connect(store, prefix, timeout_s, gather_nbytes, group)
+            comm = Communicator(transport, seed=policy.seed, settings=self.settings,
+                                device=comm_device)
+        self.transport: Any = comm.transport
+        self.comm = comm
+        self.order = CudaOrder(self.device) if self.device.type == "cuda" else None
+        # two levels: the nodes' ranks (node-major); None: one level
+        self.local_world_size = local = policy.nodes(world_size)
+        self.host_ranks = (tuple(tuple(range(node * local, (node + 1) * local))
+                                 for node in range(world_size // local)) if local else None)
+        self._plans: dict[RoleRule, HierarchicalPlan] = {}
         self.counters = {role: RoleCounters() for role in Role}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"dqcoll-lane {name} rank {rank}")
         self._lock = threading.Lock()
         self._init_blocks()
 
-    def _connect(self, store: Any, prefix: str, timeout_s: float) -> None:
-        """The lane's own gloo connection and the dqcoll communicator over it."""
-        self.gloo = open_private_group(store, prefix, self.rank, self.world_size, timeout_s)
-        self.transport: Any = _GlooTransport(self.gloo, self.rank, self.world_size, timeout_s,
-                                             self._gather_nbytes)
-        self.comm = Communicator(self.transport, seed=self.policy.seed,
-                                 settings=self.settings)
-
-    def _connect_nccl(self, store: Any, prefix: str, timeout_s: float) -> None:
-        """The lane's own NCCL communicator (rank 0's unique id via the store) and dqcoll's."""
+    def _connect(self, store: Any, prefix: str, timeout_s: float, gather_nbytes: int,
+                 group: Any) -> tuple[Any, torch.device | None]:
+        """The lane's own transport (gloo on CPU, NCCL on CUDA) and its communicator's device."""
+        if self.device.type == "cpu":
+            self.gloo = open_private_group(store, prefix, self.rank, self.world_size, timeout_s)
+            return TorchTransport(self.gloo, timeout_s=timeout_s, gather_nbytes=gather_nbytes), None
+        if self.device.type != "cuda":
+            raise InvalidArgumentError(f"rank {self.rank}: lane {self.name}: {self.device} tensors "
+                                       f"have no lane (cpu and cuda do)")
         binding, reason = nccl_lane_binding()
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if binding is None and self._group is not None:
-            self.transport = TorchTransport(self._group, timeout_s=timeout_s)
-            self.comm = Communicator(self.transport, seed=self.policy.seed,
-                                     settings=self.settings, device=self.device)
-            self.order = CudaOrder(self.device)
-            return
+        if binding is None and group is not None:
+            return TorchTransport(group, timeout_s=timeout_s), self.device
         if binding is None:
             raise UnsupportedError(f"rank {self.rank}: lane {self.name} on {self.device}: "
                                    f"{reason}")
@@ -311,40 +301,24 @@ class Lane(BlockCollectives):
                 f"rank {self.rank} of {self.world_size}: lane {self.name}: ncclCommInitRank "
                 f"through {binding} on {self.device} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        self.transport = transport_class(nccl_comm, rank=self.rank, world_size=self.world_size,
-                                         device=self.device, timeout_s=timeout_s,
-                                         store=prefixed, **extra)
-        self.comm = Communicator(self.transport, seed=self.policy.seed,
-                                 settings=self.settings)
-        self.order = CudaOrder(self.device)
-
-    def _split_levels(self) -> None:
-        """The nodes' ranks for the two-level path (node-major), or None for one level."""
-        local = self.policy.nodes(self.world_size)
-        self.local_world_size = local
-        self.host_ranks: tuple[tuple[int, ...], ...] | None = None
-        self._plans: dict[RoleRule, HierarchicalPlan] = {}
-        if local:
-            self.host_ranks = tuple(tuple(range(node * local, (node + 1) * local))
-                                    for node in range(self.world_size // local))
+        return transport_class(nccl_comm, rank=self.rank, world_size=self.world_size,
+                               device=self.device, timeout_s=timeout_s, store=prefixed,
+                               **extra), None
 
     def two_level_plan(self, rule: RoleRule) -> HierarchicalPlan | None:
-        """The two-level plan of a role's calls (exact inside a node, ``rule`` across), or None
-        on one level."""
+        """The two-level plan of ``rule`` (exact inside a node), or None on one level."""
         if self.host_ranks is None:
             return None
-        plan = self._plans.get(rule)
-        if plan is None:
+        if rule not in self._plans:
             bits = DEFAULT_BITS if rule.bits is None else float(rule.bits)
-            plan = self._plans[rule] = HierarchicalPlan(
+            self._plans[rule] = HierarchicalPlan(
                 self.host_ranks, LevelSpec("none", algorithm="auto"),
                 LevelSpec(rule.scheme, bits, algorithm="auto"))
-        return plan
+        return self._plans[rule]
 
     def _check_path(self, role: Role, compressed: bool, numel: int, out_numel: int,
                     dtype: torch.dtype) -> None:
-        """The path check (``check_paths``): ranks whose call differs in collective, path or
-        sizes all raise :class:`MismatchError`."""
+        """The path check: ranks whose calls differ in collective, path or sizes all raise."""
         if not self.check_paths or not self.comm.validate:
             return
         self._paths += 1
@@ -354,8 +328,8 @@ class Lane(BlockCollectives):
                     _PATH_FIELDS)
 
     def probe(self, role: Role, numel: int, out_numel: int, dtype: torch.dtype) -> dist.Work:
-        """The path check of a call that runs exact on the caller's group, queued in issue order;
-        its Work raises :class:`MismatchError` where another rank's call was compressed."""
+        """The path check of a call that runs exact elsewhere, queued in issue order; its Work
+        raises :class:`MismatchError` where another rank's call was compressed."""
         with self._lock:
             done = self._pool.submit(self._check_path, role, False, numel, out_numel, dtype)
         return LaneWork(done, None)
@@ -363,8 +337,8 @@ class Lane(BlockCollectives):
     def submit(self, role: Role, tensor_nbytes: int, numel: int, run: Callable[[], Any],
                result: Any, tensors: Sequence[torch.Tensor] = (),
                path: tuple[int, torch.dtype] | None = None) -> LaneWork:
-        """Queue ``run()`` (one whole collective on ``tensors``) on the lane's thread; a Work for
-        its end. ``path``: the output's elements and the dtype, for the path check."""
+        """Queue ``run()`` (one collective on ``tensors``) on the lane's thread; a Work for its end.
+        ``path``: the output's elements and the dtype, for the path check."""
         counters = self.counters[role]
         order = self.order
         ready = order.record_caller() if order is not None else None
@@ -414,15 +388,14 @@ class Lane(BlockCollectives):
         plan = self.two_level_plan(rule)
 
         def run() -> None:
-            if plan is None:
-                if codec is not None and inp.device.type == "cpu":
-                    self._scatter_blocks(inp.reshape(-1), out.view(-1), codec, avg)
-                    return
+            if plan is not None:
+                hierarchical.hierarchical_reduce_scatter(inp.view(-1), out.view(-1), plan, op=op,
+                                                         comm=self.comm)
+            elif codec is not None and inp.device.type == "cpu":
+                self._scatter_blocks(inp.reshape(-1), out.view(-1), codec, avg)
+            else:
                 api.reduce_scatter(inp.view(-1), out.view(-1), op=op, comm=self.comm,
                                    **rule.options())
-                return
-            hierarchical.hierarchical_reduce_scatter(inp.view(-1), out.view(-1), plan, op=op,
-                                                     comm=self.comm)
 
         return self.submit(Role.GRADIENTS, inp.numel() * inp.element_size(), inp.numel(), run,
                            out, (inp, out), (out.numel(), inp.dtype))
@@ -434,14 +407,13 @@ class Lane(BlockCollectives):
         plan = self.two_level_plan(rule)
 
         def run() -> None:
-            if plan is None:
-                if codec is not None and shard.device.type == "cpu":
-                    self._gather_blocks(shard.reshape(-1), out.view(-1), codec)
-                    return
+            if plan is not None:
+                hierarchical.hierarchical_all_gather(shard.view(-1), out.view(-1), plan,
+                                                     comm=self.comm)
+            elif codec is not None and shard.device.type == "cpu":
+                self._gather_blocks(shard.reshape(-1), out.view(-1), codec)
+            else:
                 api.all_gather(shard.view(-1), out.view(-1), comm=self.comm, **rule.options())
-                return
-            hierarchical.hierarchical_all_gather(shard.view(-1), out.view(-1), plan,
-                                                 comm=self.comm)
 
         return self.submit(Role.WEIGHTS, out.numel() * out.element_size(), out.numel(), run, out,
                            (shard, out), (shard.numel(), out.dtype))
@@ -452,14 +424,10 @@ class Lane(BlockCollectives):
         plan = self.two_level_plan(rule)
 
         def run() -> None:
-            if plan is None:
+            if plan is not None:
+                hierarchical.hierarchical_allreduce(buf.view(-1), plan, op=op, comm=self.comm)
+            else:
                 api.allreduce(buf.view(-1), op=op, comm=self.comm, **rule.options())
-                return
-            hierarchical.hierarchical_allreduce(buf.view(-1), plan, op=op, comm=self.comm)
 
         return self.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(), run,
                            [buf], (buf,), (buf.numel(), buf.dtype))
-
-    def summary(self) -> dict[str, dict[str, int]]:
-        """The counters per role, as plain dicts (for JSON)."""
-        return {role.value: dict(c) for role, c in self.counters.items()}

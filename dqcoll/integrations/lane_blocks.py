@@ -2,8 +2,7 @@
 
 On one level and on CPU, ``int8_block``, ``int4_block`` and ``bf16`` run as one point-to-point
 exchange after a one-exchange argument check, with the bytes of dqcoll's own all-gather and direct
-reduce-scatter, range scaling included. Rationale: docs/fsdp.md ("One exchange per block-codec
-collective").
+reduce-scatter. Rationale: docs/fsdp.md ("One exchange per block-codec collective").
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ _SCATTER_FIELDS = ("numel", "input numel", "dtype", "output dtype", "scheme", "o
 
 
 class BlockCollectives:
-    """Block-codec reduce-scatter and all-gather over ``transport`` among ``world_size`` ranks
-    (this one ``rank``), one call at a time on one thread, with scratch buffers kept between
-    calls. Subclasses set the attributes below before the first call."""
+    """Block-codec reduce-scatter and all-gather over ``transport``, one call at a time on one
+    thread. Subclasses set the attributes below and call :meth:`_init_blocks` first."""
 
     rank: int
     world_size: int
@@ -38,27 +36,34 @@ class BlockCollectives:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat CPU buffer per purpose, kept between calls at its largest size so far; only the
-        lane's thread uses it and none is returned to the caller."""
+        """A flat CPU buffer per purpose, kept between calls at its largest size so far."""
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             buf = self._buffers[name] = torch.empty(numel, dtype=dtype)
         return buf[:numel]
 
+    def _padded(self, src: torch.Tensor, rows: int, numel: int, block: int) -> torch.Tensor:
+        """``src`` as ``rows`` float32 rows of ``numel`` zero-padded to whole blocks (a view of
+        ``src`` where it is that already)."""
+        padded = -(-numel // block) * block
+        if padded == numel and src.dtype == torch.float32:
+            return src.reshape(rows, numel)
+        values = self._scratch("values", rows * padded, torch.float32).view(rows, padded)
+        values[:, :numel] = src.reshape(rows, numel)
+        values[:, numel:] = 0.0
+        return values
+
     def _begin(self, kind: str, names: tuple[str, ...], shard: torch.Tensor, full: torch.Tensor,
                source: torch.Tensor, codec: BlockCodec, *extra: int) -> tuple[str, int]:
-        """Label and argument-check one block collective (an output dtype other than the input's
-        raises on every rank). Returns the label and the agreed range-scaling shift (0: none)."""
+        """Label and argument-check one block collective; returns the label and the agreed
+        range-scaling shift (0: none)."""
         self._calls += 1
         what = f"lane {self.name} {kind}#{self._calls}"
         target = full if source is shard else shard
         fields = (shard.numel(), full.numel(), zlib.crc32(str(source.dtype).encode()),
                   zlib.crc32(str(target.dtype).encode()), zlib.crc32(repr(codec).encode()), *extra)
-        error = None
-        if target.dtype != source.dtype:
-            error = InvalidArgumentError(
-                f"rank {self.rank}: {what}: out dtype {target.dtype} differs from input "
-                f"{source.dtype}")
+        error = None if target.dtype == source.dtype else InvalidArgumentError(
+            f"rank {self.rank}: {what}: out dtype {target.dtype} differs from input {source.dtype}")
         exponent = max_exponent(source) if error is None else NO_EXPONENT
         exponent = self._check(what, fields, names, exponent, error)
         if full.numel() != self.world_size * shard.numel():
@@ -99,30 +104,23 @@ class BlockCollectives:
 
     def _scatter_blocks(self, inp: torch.Tensor, out: torch.Tensor, codec: BlockCodec,
                         avg: bool) -> None:
-        """A block codec's reduce-scatter (qgZ) in one exchange: each rank encodes the ``n - 1``
-        shards it does not keep and each owner adds the decoded ones to its own in rank order,
-        bit for bit ``dqcoll.reduce_scatter(..., algorithm="direct")`` (range scaling too)."""
+        """A block codec's reduce-scatter (qgZ) in one exchange: each owner adds the decoded
+        shards to its own in rank order, bit for bit ``reduce_scatter(algorithm="direct")``."""
         n, rank, numel = self.world_size, self.rank, out.numel()
         what, shift = self._begin("reduce_scatter", _SCATTER_FIELDS, out, inp, inp, codec,
                                   int(avg))
         if shift:
             inp = scaled(inp, shift)  # in the input's dtype, as the API path scales
-        padded = -(-numel // codec.block) * codec.block
-        if padded == numel and inp.dtype == torch.float32:
-            values = inp.view(n, numel)
-        else:
-            values = self._scratch("values", n * padded, torch.float32).view(n, padded)
-            values[:, :numel] = inp.view(n, numel)
-            values[:, numel:] = 0.0
+        values = self._padded(inp, n, numel, codec.block)
+        padded = values.shape[1]
         if avg and codec.avg_mode == "pre":
             values = values / n
         nbytes = codec.chunk_nbytes(padded, 1, None)
         send = self._scratch("send", n * nbytes, torch.uint8).view(n, nbytes)
-        for r in range(n):
-            if r != rank:
-                send[r].copy_(codec.encode_values(values[r].contiguous(), 1, None))
-        received = self._scratch("received", n * nbytes, torch.uint8).view(n, nbytes)
         peers = [r for r in range(n) if r != rank]
+        for r in peers:
+            send[r].copy_(codec.encode_values(values[r].contiguous(), 1, None))
+        received = self._scratch("received", n * nbytes, torch.uint8).view(n, nbytes)
         self.transport.exchange([(r, send[r]) for r in peers], [(r, received[r]) for r in peers],
                                 what=what)
         acc = self._scratch("acc", padded, torch.float32)
@@ -148,20 +146,14 @@ class BlockCollectives:
             out.copy_(result)
 
     def _gather_blocks(self, shard: torch.Tensor, out: torch.Tensor, codec: BlockCodec) -> None:
-        """A block codec's all-gather (qwZ) in one exchange: each rank encodes its shard once and
-        every rank decodes all ``n`` payloads, its own too, so every replica holds the same
-        weights; the bytes of ``dqcoll.all_gather`` with the same scheme."""
+        """A block codec's all-gather (qwZ) in one exchange: every rank decodes all ``n`` payloads,
+        its own too, so every replica holds the same weights; ``dqcoll.all_gather``'s bytes."""
         n, numel = self.world_size, shard.numel()
         what, shift = self._begin("all_gather", _GATHER_FIELDS, shard, out, shard, codec)
         if shift:
             shard = scaled(shard, shift)
-        padded = -(-numel // codec.block) * codec.block
-        if padded == numel and shard.dtype == torch.float32:
-            values = shard.contiguous()
-        else:
-            values = self._scratch("values", padded, torch.float32)
-            values[:numel] = shard
-            values[numel:] = 0.0
+        values = self._padded(shard, 1, numel, codec.block)[0]
+        padded = values.numel()
         payload = codec.encode_values(values, 1, None)
         rows = self._scratch("received", n * payload.numel(), torch.uint8).view(n, -1)
         rows[self.rank] = payload
@@ -170,10 +162,8 @@ class BlockCollectives:
                                 what=what)
         dst = out.view(n, numel)
         in_place = padded == numel and out.dtype == torch.float32
-        scratch = None if in_place else self._scratch("acc", padded, torch.float32)
         for r in range(n):
-            target = dst[r] if in_place else scratch
-            assert target is not None
+            target = dst[r] if in_place else self._scratch("acc", padded, torch.float32)
             if not codec.decode_into(rows[r], target, 1, None, False):
                 target.copy_(codec.decode_values(rows[r], padded, 1, None))
             if shift:  # in the output's dtype, then multiplied back (saturating)

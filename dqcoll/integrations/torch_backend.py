@@ -1,19 +1,19 @@
 """A drop-in ``torch.distributed`` backend: ``init_process_group("dqcoll")``.
 
 Importing this module registers ``dqcoll`` (``cpu`` and ``cuda``). :class:`DqcollProcessGroup`
-wraps gloo (and NCCL where torch has CUDA) for the exact calls and runs the single-tensor
-all-reduce, reduce-scatter and all-gather of large floating-point tensors, as the policy says
-(``DQCOLL_POLICY`` or :func:`set_policy`), on a :class:`~dqcoll.integrations.lane.Lane` per device
-type. The ranks agree on the policy in ``init_process_group``; calls exact only for their size
-pass the lane's path check, so sizes on both sides of ``min_nbytes`` raise
-:class:`~dqcoll.errors.MismatchError` on every rank instead of hanging. Which calls are lossy and
-the method names of each torch version: docs/fsdp.md. A C++ ``Backend`` extension was rejected:
-a compiled plugin per torch version, for a codec that is host-driven Python and numba anyway.
+runs exact calls on wrapped gloo (and NCCL), and the single-tensor all-reduce, reduce-scatter and
+all-gather of large floating-point tensors, as the policy says (``DQCOLL_POLICY`` or
+:func:`set_policy`), on a :class:`~dqcoll.integrations.lane.Lane` per device type. The ranks agree
+on the policy at creation; calls exact only for their size pass the lane's path check, so sizes
+on both sides of ``min_nbytes`` raise :class:`~dqcoll.errors.MismatchError` on every rank instead
+of hanging. Details: docs/fsdp.md. (A C++ ``Backend`` extension would be a compiled plugin per
+torch version, for a codec that is host-driven Python anyway.)
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 from typing import Any
 
@@ -33,7 +33,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import envs
-from .lane import Lane, RoleCounters, nccl_lane_unavailable_reason
+from .lane import Lane, _op_kind, nccl_lane_unavailable_reason, summed_counters
 from .policy import CompressionPolicy, Role
 
 __all__ = ["BACKEND_NAME", "DqcollProcessGroup", "set_policy"]
@@ -48,12 +48,6 @@ def set_policy(policy: CompressionPolicy | None) -> None:
     """The policy of process groups created from now on (None: ``DQCOLL_POLICY``)."""
     global _policy
     _policy = policy
-
-
-def _op_kind(op: Any) -> tuple[str, float]:
-    from .fsdp import _op_kind as kind_of
-
-    return kind_of(op)
 
 
 class DqcollProcessGroup(dist.ProcessGroup):
@@ -81,12 +75,9 @@ class DqcollProcessGroup(dist.ProcessGroup):
         self._store = store
         self._timeout_s = timeout.total_seconds()
         self.cuda_lane: Lane | None = None
-        # asked now, so that the ranks agree on the CUDA lane with the policy (below)
-        self._cuda_checked = False
-        self._no_cuda_lane: str | None = None
         cuda = "torch has no CUDA"
         if torch.cuda.is_available():
-            cuda = "available" if self._cuda_lane_reason() is None else "unavailable"
+            cuda = "available" if self._cuda_lane_reason is None else "unavailable"
         # the ranks agree on the policy and the CUDA lane here, or all raise MismatchError
         self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
                          name="backend", prefix="dqcoll-lane/", settings={"CUDA lane": cuda},
@@ -123,7 +114,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
         if not tensor.is_floating_point() or not tensor.is_contiguous():
             return "exact"
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok)
-        if tensor.device.type == "cuda" and self._cuda_lane_reason() is not None:
+        if tensor.device.type == "cuda" and self._cuda_lane_reason is not None:
             return "exact"
         if not decision.compress and decision.reason not in self._logged:
             self._logged.add(decision.reason)
@@ -132,22 +123,21 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     def _exact_checked(self, route: str, role: Role, tensor: torch.Tensor, numel: int,
                        out_numel: int, post: Any) -> dist.Work:
-        """``post()``'s exact call; one routed ``"checked"`` is first queued for the lane's path
-        check (:meth:`Lane.probe`), whose MismatchError its Work raises."""
+        """``post()``'s exact call, after the lane's path check (:meth:`Lane.probe`) if routed
+        ``"checked"``."""
         if route != "checked":
             return post()
         check = self._lane(tensor).probe(role, numel, out_numel, tensor.dtype)
         return CheckedWork(check, post(), tensor.device)
 
+    @functools.cached_property
     def _cuda_lane_reason(self) -> str | None:
         """None when CUDA calls can have a lane here, else why not (asked once, warned once)."""
-        if not self._cuda_checked:
-            self._cuda_checked = True
-            self._no_cuda_lane = nccl_lane_unavailable_reason()
-            if self._no_cuda_lane is not None:
-                log.warning("dqcoll backend: CUDA tensors take the wrapped backend's exact "
-                            "collectives, uncompressed: %s", self._no_cuda_lane)
-        return self._no_cuda_lane
+        reason = nccl_lane_unavailable_reason()
+        if reason is not None:
+            log.warning("dqcoll backend: CUDA tensors take the wrapped backend's exact "
+                        "collectives, uncompressed: %s", reason)
+        return reason
 
     def _lane(self, tensor: torch.Tensor) -> Lane:
         """The lane of ``tensor``'s device type (the CUDA one made at its first call)."""
@@ -162,13 +152,8 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     def summary(self) -> dict[str, Any]:
         """Compressed calls' counters per role and the count of exact calls per collective."""
-        compressed = {role.value: dict(RoleCounters()) for role in Role}
-        for lane in (self.lane, self.cuda_lane):
-            if lane is not None:
-                for role, counters in lane.summary().items():
-                    for key, value in counters.items():
-                        compressed[role][key] += value
-        return {"policy": str(self.policy), "compressed": compressed,
+        lanes = [lane for lane in (self.lane, self.cuda_lane) if lane is not None]
+        return {"policy": str(self.policy), "compressed": summed_counters(lanes),
                 "exact_calls": dict(self.exact_calls)}
 
     def allreduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
@@ -189,7 +174,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, output: torch.Tensor,  # type: ignore[override]
                              input: torch.Tensor,
                              opts: ReduceScatterOptions | None = None) -> dist.Work:
-        """The single-tensor reduce-scatter (torch < 2.12 calls it by this name)."""
+        """The single-tensor reduce-scatter (``reduce_scatter_single`` from torch 2.12)."""
         opts = opts if opts is not None else ReduceScatterOptions()
         kind, factor = _op_kind(opts.reduceOp)
         route = self._route(Role.GRADIENTS, input, kind in ("sum", "avg", "premul"))
@@ -200,18 +185,14 @@ class DqcollProcessGroup(dist.ProcessGroup):
                                                     rule=self.policy.gradients)
         return self._exact_checked(
             route, Role.GRADIENTS, input, input.numel(), output.numel(),
-            lambda: self._exact("reduce_scatter_single")._reduce_scatter_base(output, input,
-                                                                               opts))
+            lambda: self._exact("reduce_scatter_single")._reduce_scatter_base(output, input, opts))
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: ReduceScatterOptions | None = None) -> dist.Work:
-        """The single-tensor reduce-scatter (torch >= 2.12 calls it by this name)."""
-        return self._reduce_scatter_base(output, input, opts)
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
     def _allgather_base(self, output: torch.Tensor,  # type: ignore[override]
                         input: torch.Tensor,
                         opts: AllgatherOptions | None = None) -> dist.Work:
-        """The single-tensor all-gather (torch < 2.12 calls it by this name)."""
+        """The single-tensor all-gather (``all_gather_single`` from torch 2.12)."""
         opts = opts if opts is not None else AllgatherOptions()
         route = self._route(Role.WEIGHTS, output)
         if (route == "lane" and input.is_contiguous() and input.dtype == output.dtype
@@ -221,107 +202,82 @@ class DqcollProcessGroup(dist.ProcessGroup):
             route, Role.WEIGHTS, output, output.numel(), input.numel(),
             lambda: self._exact("all_gather_single")._allgather_base(output, input, opts))
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: AllgatherOptions | None = None) -> dist.Work:
-        """The single-tensor all-gather (torch >= 2.12 calls it by this name)."""
-        return self._allgather_base(output, input, opts)
+    all_gather_single = _allgather_base  # type: ignore[assignment]
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: AllreduceCoalescedOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else AllreduceCoalescedOptions()
-        return self._exact("allreduce_coalesced").allreduce_coalesced(tensors, opts)
+        return self._exact("allreduce_coalesced").allreduce_coalesced(
+            tensors, opts or AllreduceCoalescedOptions())
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: AllgatherOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else AllgatherOptions()
         return self._exact("allgather").allgather(output_tensors, input_tensors,
-                                                                 opts)
+                                                   opts or AllgatherOptions())
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor],
                             opts: AllgatherOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else AllgatherOptions()
         return self._exact("allgather_coalesced").allgather_coalesced(
-            output_lists, input_list, opts)
+            output_lists, input_list, opts or AllgatherOptions())
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: AllgatherOptions | None = None) -> dist.Work:
-        """Coalesced single-tensor all-gathers (torch < 2.12 calls them by this name)."""
-        opts = opts if opts is not None else AllgatherOptions()
+        """Coalesced all-gathers (``all_gather_single_coalesced`` from torch 2.12)."""
         return self._exact("all_gather_single_coalesced").allgather_into_tensor_coalesced(
-            outputs, inputs, opts)
+            outputs, inputs, opts or AllgatherOptions())
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
-                                    inputs: list[torch.Tensor],
-                                    opts: AllgatherOptions | None = None) -> dist.Work:
-        """Coalesced single-tensor all-gathers (torch >= 2.12 calls them by this name)."""
-        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: ReduceScatterOptions | None = None) -> dist.Work:
-        """Coalesced single-tensor reduce-scatters (torch < 2.12 calls them by this name)."""
-        opts = opts if opts is not None else ReduceScatterOptions()
+        """Coalesced reduce-scatters (``reduce_scatter_single_coalesced`` from torch 2.12)."""
         return self._exact("reduce_scatter_single_coalesced").reduce_scatter_tensor_coalesced(
-            outputs, inputs, opts)
+            outputs, inputs, opts or ReduceScatterOptions())
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor],
-                                        opts: ReduceScatterOptions | None = None) -> dist.Work:
-        """Coalesced single-tensor reduce-scatters (torch >= 2.12 calls them by this name)."""
-        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]],
                        opts: ReduceScatterOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else ReduceScatterOptions()
         return self._exact("reduce_scatter").reduce_scatter(
-            output_tensors, input_tensors, opts)
+            output_tensors, input_tensors, opts or ReduceScatterOptions())
 
     def broadcast(self, tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: BroadcastOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else BroadcastOptions()
-        return self._exact("broadcast").broadcast(tensors, opts)
+        return self._exact("broadcast").broadcast(tensors, opts or BroadcastOptions())
 
     def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:  # type: ignore[override]
-        opts = opts if opts is not None else BarrierOptions()
-        return self._exact("barrier").barrier(opts)
+        return self._exact("barrier").barrier(opts or BarrierOptions())
 
     def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> dist.Work:  # type: ignore[override]
-        opts = opts if opts is not None else ReduceOptions()
-        return self._exact("reduce").reduce(tensors, opts)
+        return self._exact("reduce").reduce(tensors, opts or ReduceOptions())
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: GatherOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else GatherOptions()
-        return self._exact("gather").gather(output_tensors, input_tensors, opts)
+        return self._exact("gather").gather(output_tensors, input_tensors,
+                                            opts or GatherOptions())
 
     def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                 input_tensors: list[list[torch.Tensor]],
                 opts: ScatterOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else ScatterOptions()
-        return self._exact("scatter").scatter(output_tensors, input_tensors, opts)
+        return self._exact("scatter").scatter(output_tensors, input_tensors,
+                                              opts or ScatterOptions())
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],  # type: ignore[override]
                  opts: AllToAllOptions | None = None) -> dist.Work:
-        opts = opts if opts is not None else AllToAllOptions()
         return self._exact("alltoall").alltoall(output_tensors, input_tensors,
-                                                                opts)
+                                                opts or AllToAllOptions())
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: AllToAllOptions | None = None) -> dist.Work:
-        """The single-tensor all-to-all (torch < 2.12 calls it by this name)."""
-        opts = opts if opts is not None else AllToAllOptions()
+        """The single-tensor all-to-all (``all_to_all_single`` from torch 2.12)."""
         return self._exact("all_to_all_single").alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, opts)
+            output, input, output_split_sizes, input_split_sizes, opts or AllToAllOptions())
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
-                          output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: AllToAllOptions | None = None) -> dist.Work:
-        """The single-tensor all-to-all (torch >= 2.12 calls it by this name)."""
-        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         return self._exact("send").send(tensors, dst, tag)
@@ -344,11 +300,9 @@ class CheckedWork(dist.Work):
         self._device = device  # a CUDA future records the exact call's stream events
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if timeout is None:
-            self._check.wait()
-            return bool(self._work.wait())
-        self._check.wait(timeout)
-        return bool(self._work.wait(timeout))
+        args = () if timeout is None else (timeout,)  # torch's Work takes no None
+        self._check.wait(*args)
+        return bool(self._work.wait(*args))
 
     def is_completed(self) -> bool:
         return self._check.is_completed() and self._work.is_completed()
@@ -361,9 +315,8 @@ class CheckedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         inner = self._work.get_future()
-        future: torch.futures.Future[Any] = (
-            torch.futures.Future(devices=[self._device]) if self._device.type == "cuda"
-            else torch.futures.Future())
+        future: torch.futures.Future[Any] = torch.futures.Future(
+            devices=[self._device] if self._device.type == "cuda" else None)
 
         def forward(done: torch.futures.Future[Any]) -> None:
             try:
@@ -393,10 +346,5 @@ def _create(store: Any, rank: int, world_size: int,
     return DqcollProcessGroup(store, rank, world_size, timeout, policy)
 
 
-def _register() -> None:
-    if BACKEND_NAME.upper() in dist.Backend._plugins:  # imported twice: already there
-        return
+if BACKEND_NAME.upper() not in dist.Backend._plugins:  # imported twice: already there
     dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
-
-
-_register()
