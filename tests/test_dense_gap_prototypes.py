@@ -16,6 +16,7 @@ from dqcoll.schemes.dynamiq.allocation import count_classes, hull_offsets
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.simulator import simulate
+from dqcoll_lab.dynamiq import research_format, research_scheme, scheme_options
 
 
 @pytest.mark.parametrize("width", codec.FINE_WIDTHS)
@@ -60,9 +61,9 @@ def test_count_classes_ring() -> None:
 @pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
 def test_hop_widths_simulator_equals_local(algorithm: str) -> None:
     n, numel = 4, 1 << 14
-    options = {"stats": "bf16", "width_set": "fine", "thresholds": "measured",
-               "levels": "tuned", "scales": "hierarchical4", "max_width": 16,
-               "hop_widths": True}
+    options = {"format": research_format(stats="bf16", width_set="fine", thresholds="measured",
+                                         levels="tuned", scales="hierarchical4", max_width=16,
+                                         hop_widths=True)}
 
     class Data:
         world_size = n
@@ -90,13 +91,12 @@ def test_hop_widths_simulator_equals_local(algorithm: str) -> None:
 
 def _call_ops(monkeypatch: pytest.MonkeyPatch, **options: object) -> str:
     from dqcoll.kernels import numba_available
-    from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
 
     if numba_available() is not None:
         pytest.skip("numba is not importable")
     monkeypatch.setenv("DQCOLL_KERNELS", "numba")
     options = {"bits": 5.0, **options}
-    scheme = DynamiqScheme(**options)  # type: ignore[arg-type]
+    scheme = research_scheme(**options)  # type: ignore[arg-type]
     x = torch.randn(4 * codec.SUPER, generator=torch.Generator().manual_seed(5))
     payload = scheme.encode(x)
     assert torch.isfinite(scheme.decode(payload)).all()
@@ -137,15 +137,14 @@ def test_calls_route_by_what_the_kernels_implement(
 
 def test_prototype_option_checks() -> None:
     from dqcoll.errors import InvalidArgumentError
-    from dqcoll.schemes.dynamiq.scheme import DynamiqScheme
 
     with pytest.raises(InvalidArgumentError, match="error model"):
-        DynamiqScheme(target_vnmse=1e-3, scales="hierarchical4")
+        research_scheme(target_vnmse=1e-3, scales="hierarchical4")
     with pytest.raises(InvalidArgumentError):
-        DynamiqScheme(thresholds="measured", levels="uniform")
+        research_scheme(thresholds="measured", levels="uniform")
     with pytest.raises(InvalidArgumentError):
-        DynamiqScheme(stats="fp16")
-    assert "hop_widths=True" in repr(DynamiqScheme(hop_widths=True))
+        research_scheme(stats="fp16")
+    assert "hop_widths=True" in repr(research_scheme(hop_widths=True))
 
 
 class _HalfZero:
@@ -173,6 +172,7 @@ def test_every_bit_of_the_budget_buys_accuracy(algorithm: str) -> None:
         bits.append(result.bits_used)
         assert result.bits_used <= budget and result.bits_used > budget - 0.6, (budget, bits)
     assert all(a > b for a, b in itertools.pairwise(errors)), errors
-    paper = [simulate(schedule, data, bits=b, seed=1, max_width=8, width_set="paper").vnmse
+    paper = [simulate(schedule, data, bits=b, seed=1,
+                      **scheme_options(max_width=8, width_set="paper")).vnmse
              for b in (7.0, 8.5)]
     assert paper[0] == paper[1] > errors[-1]

@@ -11,9 +11,9 @@ import torch
 from conftest import heavy_tailed
 
 import dqcoll
-from dqcoll import schemes
 from dqcoll.metrics import vnmse
 from dqcoll.testing import run_local
+from dqcoll_lab.dynamiq import research_scheme, scheme_options
 
 ALGORITHMS = ["ring", "butterfly", "direct"]
 
@@ -122,8 +122,8 @@ def test_unbiased_with_independent_rounding() -> None:
 def test_single_shot_vnmse_matches_paper(levels: str, expected: float) -> None:
     """One compress/decompress of i.i.d. N(0,1) at 4 bits: vNMSE 0.0133 with non-uniform levels
     and 0.0148 with uniform ones (DynamiQ paper), within 3 %."""
-    codec = schemes.get("dynamiq", widths="fixed", levels=levels, rounding="independent",
-                        scales="hierarchical")  # the paper's scales
+    codec = research_scheme(widths="fixed", levels=levels, rounding="independent",
+                            scales="hierarchical")  # the paper's scales
     x = torch.randn(2048 * 256, generator=torch.Generator().manual_seed(0))
     estimate = codec.decode(codec.encode(x))
     assert estimate.shape == x.shape
@@ -235,7 +235,8 @@ def test_rows_of_tiny_values_keep_a_record(monkeypatch: pytest.MonkeyPatch, stat
         x[3] = torch.randn(256, generator=g) * 1e-22
         x[5] = torch.randn(256, generator=g) * 1e-25  # squares underflow to 0 in fp32
         exact = x.clone()
-        dqcoll.allreduce(x, op="avg", scheme="dynamiq", bits=5, seed=1, stats=stats)
+        dqcoll.allreduce(x, op="avg", scheme="dynamiq", **scheme_options(bits=5, seed=1,
+                                                                          stats=stats))
         return x, exact, dict(comm.last_info)
 
     results = run_local(4, body)

@@ -1,5 +1,5 @@
-"""DynamiQ's options (format presets, research knobs, flags) and the state a call keeps on its
-communicator (the rho estimates, the CPU buffers)."""
+"""DynamiQ's options (format presets, the lab's research knobs, flags) and the state a call keeps
+on its communicator (the rho estimates, the CPU buffers)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dqcoll.errors import InvalidArgumentError
 from dqcoll.schemes import get
 from dqcoll.schemes.dynamiq import FORMATS, DynamiqScheme, call
 from dqcoll.testing import run_local
+from dqcoll_lab.dynamiq import PAPER, PaperRule, research_format, research_scheme, scheme_options
 
 # The paper's configuration spelled out, as tools/dense_gap.py and tools/make_accuracy_docs.py do.
 PAPER_OPTIONS = {"stats": "fp32", "thresholds": "paper", "width_set": "paper",
@@ -39,7 +40,7 @@ def test_format_preset_equals_its_options_spelled_out(preset: str, spelled: dict
     """format="paper" is the paper's configuration byte for byte (the same result as its seven
     research options), format="dqcoll" the defaults; every rank ends identical."""
     by_preset = run_local(3, _allreduce, 5000, {"format": preset})
-    by_options = run_local(3, _allreduce, 5000, spelled)
+    by_options = run_local(3, _allreduce, 5000, scheme_options(**spelled))
     for (x, info), (y, other) in zip(by_preset, by_options, strict=True):
         assert torch.equal(x, y) and torch.equal(x, by_preset[0][0])
         assert info["widths"] == other["widths"]
@@ -49,26 +50,40 @@ def test_format_preset_equals_its_options_spelled_out(preset: str, spelled: dict
 
 
 def test_research_option_overrides_its_preset_field() -> None:
-    """A research knob replaces one field of the preset; the rest stays the preset's."""
-    scheme = DynamiqScheme(format="paper", stats="norm16")
-    assert scheme.format == FORMATS["paper"].__class__(
-        **{**FORMATS["paper"].__dict__, "stats": "norm16"})
-    assert scheme.paper_rule and scheme.stats_bytes == 2
-    assert not DynamiqScheme().paper_rule
-    assert DynamiqScheme(format="paper", width_set="fine").measured_errors is None
+    """A research knob replaces one field of the preset; the rest stays the preset's, and the
+    allocation rule follows the fields."""
+    scheme = research_scheme(format="paper", stats="norm16")
+    assert scheme.format == PAPER.__class__(**{**PAPER.__dict__, "stats": "norm16"})
+    assert isinstance(scheme.format.rule, PaperRule) and scheme.stats_bytes == 2
+    assert FORMATS["paper"] is PAPER and DynamiqScheme().format.rule is None
+    fine = research_scheme(format="paper", width_set="fine")
+    assert fine.measured_errors is None and fine.format.rule is None
+    assert research_format() == FORMATS["dqcoll"]
+
+
+def test_runtime_takes_user_options_only() -> None:
+    """The runtime's scheme takes the user options and a format; the research knobs are the
+    lab's, and the error names where they are."""
+    with pytest.raises(TypeError):
+        DynamiqScheme(colour="blue")  # type: ignore[call-arg]
+    with pytest.raises(InvalidArgumentError, match=r"does not take \['stats'\].*target_vnmse"):
+        get("dynamiq", stats="fp32")
+    with pytest.raises(InvalidArgumentError, match=r"format must be one of.*dqcoll_lab"):
+        get("dynamiq", format="format3")
+    assert get("dynamiq", format=PAPER).format is PAPER
 
 
 def test_unknown_options_and_formats_name_the_valid_ones() -> None:
     """An unknown research option or format raises, naming what exists (the registry and the
-    class alike)."""
+    lab's scheme alike)."""
     with pytest.raises(InvalidArgumentError, match=r"research options.*width_set"):
-        DynamiqScheme(colour="blue")
-    with pytest.raises(InvalidArgumentError, match=r"does not take.*width_set"):
+        research_scheme(colour="blue")
+    with pytest.raises(InvalidArgumentError, match=r"does not take.*target_vnmse"):
         get("dynamiq", colour="blue")
     with pytest.raises(InvalidArgumentError, match=r"format must be one of \['dqcoll', 'paper'\]"):
-        get("dynamiq", format="format3")
+        research_scheme(format="format3")
     with pytest.raises(InvalidArgumentError, match="max_width"):
-        get("dynamiq", max_width=12)
+        research_scheme(max_width=12)
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -77,17 +92,18 @@ def test_unknown_options_and_formats_name_the_valid_ones() -> None:
 def test_hop_widths_spellings(value: Any, expected: bool) -> None:
     """hop_widths takes a bool, 0/1 or the documented strings (the command line passes
     ``hop_widths=false`` as a string)."""
-    assert get("dynamiq", hop_widths=value).hop_widths is expected
+    assert research_scheme(hop_widths=value).hop_widths is expected
 
 
 @pytest.mark.parametrize("value", ["maybe", 2, 1.0, None, "", [True]])
 def test_hop_widths_rejects_other_values(value: Any) -> None:
     """Anything else raises and says what is accepted (it used to read as False)."""
     with pytest.raises(InvalidArgumentError, match="hop_widths must be true or false"):
-        get("dynamiq", hop_widths=value)
+        research_scheme(hop_widths=value)
 
 
-@pytest.mark.parametrize("options", [{"hop_widths": False}, {"format": "paper"}])
+@pytest.mark.parametrize("options", [scheme_options(hop_widths=False), {"format": "paper"}],
+                         ids=["hull", "paper"])
 def test_target_vnmse_with_one_width_per_super_group(options: dict[str, Any]) -> None:
     """target_vnmse without hop widths (the hull rule, and the paper's closed form): every rank
     picks the same widths, the prediction meets the target, and the error is near it. A first

@@ -12,8 +12,9 @@ from dqcoll.kernels import codec as C
 from dqcoll.kernels import rng
 from dqcoll.schemes import get
 from dqcoll.schemes.dynamiq import min_bits
-from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER, fixed_widths
-from dqcoll.schemes.dynamiq.allocation_paper import allocate_widths_paper
+from dqcoll.schemes.dynamiq.allocation import STATS_BYTES_PER_SUPER
+from dqcoll_lab.dynamiq import FixedRule, research_scheme
+from dqcoll_lab.dynamiq.allocation_paper import allocate_widths_paper
 
 # -- random numbers ---------------------------------------------------------------------------
 
@@ -214,7 +215,8 @@ def test_energy_exponent_flattens_the_allocation() -> None:
 
 def test_fixed_widths_and_minimum_bits() -> None:
     """widths='fixed' puts everything at 4 bits; a budget below 2-bit cost raises."""
-    alloc = fixed_widths(10, 2560, 5.0, scales=C.Scales.HIERARCHICAL, stats_bytes=8)
+    alloc = FixedRule().budget(torch.ones(10), 2560, 5.0, scales=C.Scales.HIERARCHICAL,
+                               stats_bytes=8, max_width=8, energy_exponent=1.0)
     assert alloc.widths.tolist() == [4] * 10
     # the default format: 2-bit records of 64 + 6 B, 2 B of statistics; the paper's: 64 + 18, 8
     assert min_bits() == pytest.approx((70 + STATS_BYTES_PER_SUPER) * 8 / 256) == 2.25
@@ -226,7 +228,7 @@ def test_fixed_widths_and_minimum_bits() -> None:
 def test_unknown_option_values_are_rejected() -> None:
     """Ablation switches take only their documented values."""
     with pytest.raises(InvalidArgumentError, match="levels"):
-        get("dynamiq", levels="log")
+        research_scheme(levels="log")
     with pytest.raises(InvalidArgumentError, match="does not take"):
         get("dynamiq", colour="blue")
 

@@ -9,6 +9,7 @@ import dqcoll
 from dqcoll.errors import InvalidArgumentError
 from dqcoll.kernels import codec as C
 from dqcoll.metrics import vnmse
+from dqcoll.schemes.dynamiq import DynamiqFormat
 from dqcoll.schemes.dynamiq.error_model import (
     CREST_GAUSSIAN,
     EPSILON,
@@ -214,7 +215,7 @@ def test_fixed_crests_and_calibration_are_used() -> None:
     def body(comm):  # type: ignore[no-untyped-def]
         x = torch.randn(1 << 13, generator=torch.Generator().manual_seed(comm.rank))
         dqcoll.allreduce(x, algorithm="ring", target_vnmse=1e-2,
-                         error_model=ErrorModel(crests={0: CREST_GAUSSIAN}))
+                         format=DynamiqFormat(error_model=ErrorModel(crests={0: CREST_GAUSSIAN})))
         return dict(comm.last_info)
 
     info = run_local(4, body)[0]

@@ -267,7 +267,7 @@ def test_out_arguments_write_in_place() -> None:
 def test_compiled_bisection_equals_reference(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     """The compiled bisection of ``allocate_widths_paper`` finds the reference's ``u`` and
     widths bit for bit (zero, NaN and Inf norms, raw 16-bit widths, energy exponents, budgets)."""
-    from dqcoll.schemes.dynamiq.allocation_paper import allocate_widths_paper
+    from dqcoll_lab.dynamiq.allocation_paper import allocate_widths_paper
 
     g = torch.Generator().manual_seed(seed)
     rows = 1000 + 3000 * seed
@@ -313,7 +313,7 @@ def test_compiled_allocation_edge_cases(monkeypatch: pytest.MonkeyPatch, case: i
     torch reference's ``u``, widths, payload and over-budget flag bit for bit on ties, single
     rows, all-zero / all-NaN / Inf-only norms, subnormals and budgets from below the cheapest
     allocation to above the richest."""
-    from dqcoll.schemes.dynamiq.allocation_paper import allocate_widths_paper
+    from dqcoll_lab.dynamiq.allocation_paper import allocate_widths_paper
 
     norm2 = _edge_norms()[case]
     rows = norm2.numel()
@@ -385,7 +385,8 @@ def test_compiled_bisect_alone_equals_the_bracketed_search() -> None:
     import numpy as np
 
     from dqcoll.kernels import allocation_numba
-    from dqcoll.schemes.dynamiq import allocation, allocation_paper
+    from dqcoll.schemes.dynamiq import allocation
+    from dqcoll_lab.dynamiq import allocation_paper
 
     g = torch.Generator().manual_seed(3)
     norm2 = torch.exp(torch.randn(5000, generator=g) * 6).float()

@@ -22,6 +22,7 @@ from dqcoll import kernels
 from dqcoll.kernels import _dynamiq_kernels, dynamiq_triton
 from dqcoll.kernels._launch import compile_options
 from dqcoll.testing import run_local
+from dqcoll_lab.dynamiq import PAPER
 
 # A variant: (kernel name, constexprs, ((argument, type, specialisation), ...), options).
 Variant = tuple[str, tuple[tuple[str, Any], ...], tuple[tuple[str, str, Any], ...],
@@ -172,8 +173,8 @@ def test_calls_launch_only_warmed_variants(monkeypatch: pytest.MonkeyPatch) -> N
         rank = comm.rank
         for numel, offset, algorithm, tile, fmt in (
                 (3 * 1280 + 7, 1, "ring", 3 * 1024, "dqcoll"),
-                (5 * 256 * 3, 3, "butterfly", 5 * 1024, "paper"),  # statistics in Triton
-                (7 * 256 + 5, 2, "ring", 0, "paper")):
+                (5 * 256 * 3, 3, "butterfly", 5 * 1024, PAPER),  # statistics in Triton
+                (7 * 256 + 5, 2, "ring", 0, PAPER)):
             x = _view_at(offset, _data(rank, numel))
             dqcoll.allreduce(x, algorithm=algorithm, seed=1, step=numel, tile_nbytes=tile,
                              format=fmt)

@@ -26,6 +26,7 @@ from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.simulator import simulate
 from dqcoll.topology.sources import make_source
+from dqcoll_lab.dynamiq import research_format
 
 MIXTURE = "lognormal-mixture:weights=0.79,0.21;mu=-3.99,-16.41;sigma=1.22,4.63;supergroups=256"
 
@@ -69,8 +70,8 @@ def test_paper_format_at_8p5_bits_is_capped_by_its_8bit_width(algorithm: str) ->
     schedule = build_schedule(algorithm, n)
 
     def vnmse(bits: float, **options: object) -> float:
-        return simulate(schedule, source, scheme="dynamiq", bits=bits, format="paper",
-                        **options).vnmse
+        return simulate(schedule, source, scheme="dynamiq", bits=bits,
+                        format=research_format("paper", **options)).vnmse
 
     at_8p5 = vnmse(8.5)
     all_8bit = vnmse(8.8125)
@@ -91,7 +92,7 @@ def test_simulated_paper_format_with_raw16_rows_is_the_executors() -> None:
     source = make_source(
         "lognormal-mixture:weights=0.79,0.21;mu=-3.99,-16.41;sigma=1.22,4.63;supergroups=70",
         world_size=n, numel=None, seed=1)
-    options = {"format": "paper", "max_width": 16}
+    options = {"format": research_format("paper", max_width=16)}
     out = torch.empty(source.numel)
     simulate(build_schedule("ring", n), source, scheme="dynamiq", bits=8.5, seed=9, step=4,
              output=out, **options)

@@ -23,11 +23,12 @@ from dqcoll import schemes
 from dqcoll.context import call_context
 from dqcoll.errors import InvalidArgumentError, MismatchError, PeerError
 from dqcoll.executor import run_schedule
-from dqcoll.schemes.dynamiq import allocation, allocation_paper
+from dqcoll.schemes.dynamiq import allocation
 from dqcoll.schemes.none import NoneScheme
 from dqcoll.testing import run_local
 from dqcoll.topology import algorithms
 from dqcoll.types import Collective, ReduceOp
+from dqcoll_lab.dynamiq import allocation_paper, scheme_options
 
 ALGORITHMS = ("ring", "butterfly", "direct")
 RS_SCHEMES = [s for s in schemes.list_schemes() if schemes.spec(s).supports_reduce_scatter]
@@ -104,7 +105,7 @@ def _allreduce_vs_exact(comm: dqcoll.Communicator, numel: int,
         exact += heavy_tailed(r, numel, seed=9).double()
     # the two layouts with the same allocation (the shard layout has no hop widths)
     dqcoll.allreduce(x, scheme="dynamiq", algorithm="ring", seed=SEED, step=STEP,
-                     balance=balance, hop_widths=False)
+                     **scheme_options(balance=balance, hop_widths=False))
     return x, exact, dict(comm.last_info)
 
 

@@ -17,15 +17,16 @@ from dqcoll.topology.placement import build_placed_schedule
 from dqcoll.topology.simulator import simulate, simulate_hierarchical
 from dqcoll.topology.sources import make_source
 from dqcoll.topology.steps import placed_plan
+from dqcoll_lab.dynamiq import PAPER
 
 CASES = [
     ("ring", "dynamiq", 4, "gaussian", 3000, {}),
     ("butterfly", "dynamiq", 5, "lognormal-mixture:supergroups=24", None, {}),
     ("direct", "dynamiq", 3, "gaussian", 2000, {}),
     ("butterfly", "none", 5, "gaussian", 1001, {}),
-    ("ring", "dynamiq", 5, "lognormal-mixture:supergroups=40", None, {"format": "paper"}),
+    ("ring", "dynamiq", 5, "lognormal-mixture:supergroups=40", None, {"format": PAPER}),
     ("butterfly", "dynamiq", 6, "lognormal-mixture:supergroups=70", None,
-     {"format": "paper", "bits": 8.5}),
+     {"format": PAPER, "bits": 8.5}),
     ("ring", "dynamiq", 6, "lognormal-mixture:supergroups=70;noise=torch", None, {"bits": 8.5}),
     ("ring", "mxfp8", 5, "lognormal-mixture:supergroups=20", None, {}),
     ("butterfly", "mxfp8", 6, "lognormal-mixture:supergroups=20", 5000, {"scale": "global"}),
@@ -86,7 +87,7 @@ def test_simulator_matches_executor(algorithm, scheme, n, spec, numel, options):
 def test_simulator_avg_and_independent_rounding():
     """op=avg and rounding='independent' are simulated as the executor runs them."""
     for scheme, options in (("dynamiq", {"rounding": "independent", "bits": 6.0}),
-                            ("dynamiq", {"format": "paper", "bits": 6.0}),
+                            ("dynamiq", {"format": PAPER, "bits": 6.0}),
                             ("mxfp8", {"scale": "global"})):
         source = make_source("gaussian", world_size=4, numel=2048, seed=2)
         out = torch.empty(2048)

@@ -14,6 +14,7 @@ from dqcoll.testing import run_local
 from dqcoll.topology.graph import Topology
 from dqcoll.topology.sources import make_source
 from dqcoll.topology.tuning import Candidate, TunedEntry, TunedTable, tune
+from dqcoll_lab.cli import simulate as lab_simulate_cli
 
 SOURCE = "lognormal-mixture:supergroups=48"
 CANDIDATES = [
@@ -146,14 +147,15 @@ def test_simulate_cli_json(capsys):
 
 
 def test_simulate_cli_scheme_specs_and_large_n(capsys):
-    """--scheme takes a spec (the paper's DynamiQ, MXFP8 with global scales); past
-    PRICE_TRANSFERS the cost model is skipped, said so in the report, unless --price."""
-    code = simulate_cli.main(["-n", "4", "--algorithm", "ring", "--scheme",
-                              "dynamiq:format=paper", "--bits", "6", "--source",
-                              "lognormal-mixture:supergroups=8", "--json"])
+    """--scheme takes a spec (the paper's DynamiQ with a research knob through the lab's
+    command, MXFP8 with global scales); past PRICE_TRANSFERS the cost model is skipped, said so
+    in the report, unless --price."""
+    code = lab_simulate_cli.main(["-n", "4", "--algorithm", "ring", "--scheme",
+                                  "dynamiq:format=paper;max_width=16", "--bits", "6",
+                                  "--source", "lognormal-mixture:supergroups=8", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["scheme_options"] == {"format": "paper"} and report["bits"] == 6
+    assert report["scheme_options"] == {"format": "paper+max_width=16"} and report["bits"] == 6
     assert 0 < report["vnmse"] < 0.1
     code = simulate_cli.main(["-n", "4", "--algorithm", "butterfly", "--scheme",
                               "mxfp8:scale=global", "--source",

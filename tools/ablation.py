@@ -39,6 +39,7 @@ from dqcoll.cli.demo import gradient_like
 from dqcoll.cli.provenance import git_commit
 from dqcoll.metrics import vnmse
 from dqcoll.testing import run_local
+from dqcoll_lab.dynamiq import scheme_options
 
 BASE = {"levels": "uniform", "widths": "fixed", "scales": "flat", "rounding": "independent"}
 # full = dqcoll's default (format 3: tuned non-uniform levels, 4-bit group codes per 32, widths
@@ -91,7 +92,8 @@ def run_variant(source: str, algorithm: str, options: dict[str, str], args: argp
     def body(comm):  # type: ignore[no-untyped-def]
         x = make(comm.rank, args.numel, seed=seed)
         comm.counters.reset()
-        dqcoll.allreduce(x, algorithm=algorithm, bits=args.bits, seed=seed, **options)
+        dqcoll.allreduce(x, algorithm=algorithm, bits=args.bits, seed=seed,
+                         **scheme_options(**options))
         return x, comm.counters["bytes_sent"]
 
     results = run_local(args.world_size, body)

@@ -30,6 +30,7 @@ import torch
 import dqcoll
 from dqcoll.schemes.seeds import derived_seed
 from dqcoll.testing import run_local
+from dqcoll_lab.dynamiq import scheme_spec
 from dqcoll_lab.eval import tinylm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,7 +43,7 @@ DEFAULT_SCHEMES = ["none", "bf16", "dynamiq:bits=5", "mxfp8", "mxfp4",
 
 
 def _parse(spec: str) -> tuple[str, dict[str, object]]:
-    name, _, rest = spec.partition(":")
+    name, _, rest = scheme_spec(spec).partition(":")  # DynamiQ's research knobs: a format
     options: dict[str, object] = {}
     for item in filter(None, rest.split(";")):
         key, _, value = item.partition("=")

@@ -26,6 +26,7 @@ import torch
 
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.simulator import simulate
+from dqcoll_lab.dynamiq import scheme_options
 
 SEED0 = 1234
 N = 8
@@ -108,7 +109,7 @@ def run(options: dict, seed: int = 0) -> list[float]:
     out = []
     for algorithm, bits in CELLS:
         r = simulate(build_schedule(algorithm, N), Dense(), scheme="dynamiq", bits=bits,
-                     seed=seed, **options)
+                     seed=seed, **scheme_options(**options))
         out.append(r.vnmse)
     return out
 

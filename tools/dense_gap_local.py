@@ -27,6 +27,7 @@ from dqcoll.metrics import vnmse
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.simulator import simulate
+from dqcoll_lab.dynamiq import scheme_options
 
 VARIANTS = ["default (format 3)", "paper's configuration", "B = A + (g) hop widths",
             "default, 4-bit codes per 16"]
@@ -44,14 +45,15 @@ def main() -> int:
         for algorithm, bits in dg.DEFAULT_CELLS:
             def body(comm, algorithm=algorithm, bits=bits, options=options):  # type: ignore[no-untyped-def]
                 x = data.rank_tensor(comm.rank)
-                dqcoll.allreduce(x, algorithm=algorithm, bits=bits, seed=0, **options)
+                dqcoll.allreduce(x, algorithm=algorithm, bits=bits, seed=0,
+                                 **scheme_options(**options))
                 return x, comm.counters["bytes_sent"]
 
             results = run_local(n, body)
             same = all(torch.equal(results[0][0], r[0]) for r in results)
             local = vnmse(results[0][0], exact)
             sim = simulate(build_schedule(algorithm, n), data, scheme="dynamiq", bits=bits,
-                           seed=0, **options).vnmse
+                           seed=0, **scheme_options(**options)).vnmse
             wire = max(r[1] for r in results) * 8 / dg.NUMEL / (2 * (n - 1) / n)
             worst = max(worst, abs(local - sim) / sim)
             print(f"{name:40s} {algorithm:9s} {bits:4g}  local {local:.6e}  simulator {sim:.6e}"

@@ -54,6 +54,7 @@ from dqcoll.metrics import vnmse
 from dqcoll.schemes.dynamiq import error_model as em
 from dqcoll.schemes.dynamiq.error_model import ErrorModel
 from dqcoll.testing import run_local
+from dqcoll_lab.dynamiq import scheme_options
 from dqcoll_lab.eval.sources import make_source
 
 # name -> (spec, numel or None for the source's own length)
@@ -179,7 +180,8 @@ def run(source, algorithm: str, seed: int, calls: int = 1, **options: Any  # typ
         for call in range(calls):
             x = tensors[comm.rank].clone()
             comm.counters.reset()
-            dqcoll.allreduce(x, algorithm=algorithm, seed=seed + call, **options)
+            dqcoll.allreduce(x, algorithm=algorithm, seed=seed + call,
+                             **scheme_options(**options))
             info = comm.last_info
             out.append((x, comm.counters["bytes_sent"],
                         {k: info.get(k) for k in ("predicted_vnmse", "predicted_vnmse_upper",

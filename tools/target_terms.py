@@ -39,6 +39,7 @@ import torch
 import dqcoll.topology.simulator as sim
 from dqcoll.cli.provenance import git_commit
 from dqcoll.kernels.codec import SUPER, decode_torch, record_nbytes, stats_center_torch
+from dqcoll.schemes.dynamiq import DynamiqFormat
 from dqcoll.schemes.dynamiq import error_model as em
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll_lab.eval.sources import make_source
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = sim.simulate(build_schedule(args.algorithm, args.world_size), source,
                               scheme="dynamiq", bits=None, target_vnmse=args.target,
-                              error_model=em.ErrorModel(rho=max(rho, 0.0)))
+                              format=DynamiqFormat(error_model=em.ErrorModel(rho=max(rho, 0.0))))
     finally:
         sim._DynamiqAdapter.encode = encode  # type: ignore[method-assign]
     from dqcoll.schemes.dynamiq.scheme import DynamiqScheme

@@ -4,12 +4,13 @@ Prints the cost model's predicted time on a topology, the speed-up over an uncom
 NCCL-style ring (fp32, the same topology), and the vNMSE of the real codecs run over the schedule
 for ``--world-size`` virtual workers on a gradient source::
 
-    dqcoll simulate --world-size 8192 --algorithm ring --scheme dynamiq:format=paper --bits 8.5 \\
+    dqcoll simulate --world-size 8192 --algorithm ring --scheme dynamiq --bits 8.5 \\
       --source 'lognormal-mixture:weights=0.79,0.21;mu=-3.99,-16.41;sigma=1.22,4.63;\\
       supergroups=8192'   (one argument, without the line break)
 
-``--scheme`` is a scheme spec, ``name[:key=value;...]`` (``dynamiq``, ``dynamiq:format=paper``,
-``mxfp8``, ``mxfp8:scale=global``, ``none``); ``--bits`` is DynamiQ's budget.
+``--scheme`` is a scheme spec, ``name[:key=value;...]`` (``dynamiq``, ``mxfp8``,
+``mxfp8:scale=global``, ``none``); ``--bits`` is DynamiQ's budget. The paper's configuration and
+DynamiQ's research knobs: ``python -m dqcoll_lab simulate`` (the same arguments).
 ``--algorithm hier:ring/butterfly`` simulates a hierarchical plan (uncompressed ring inside hosts,
 the scheme across them). The default topology is hosts of 8 GPUs behind 100 Gb/s NICs
 (``N/8 x 8 @ 100``; one host if N < 8). The flat algorithms are simulated from their closed-form
@@ -59,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default="butterfly",
                    help="ring | butterfly | direct | hier:<intra>/<inter> (default butterfly)")
     p.add_argument("--scheme", default="dynamiq",
-                   help="scheme spec name[:key=value;...]: dynamiq, dynamiq:format=paper, "
-                   "mxfp8, mxfp8:scale=global, none (default dynamiq)")
+                   help="scheme spec name[:key=value;...]: dynamiq, mxfp8, mxfp8:scale=global, "
+                   "none (default dynamiq)")
     p.add_argument("--bits", type=float, default=5.0, help="DynamiQ's bit budget (default 5)")
     p.add_argument("--source", default=DEFAULT_SOURCE, help="gradient source spec "
                    "(dqcoll.topology.sources), default %(default)s")

@@ -1,5 +1,5 @@
 """Bit allocations compiled (numba): the paper's closed form
-(:func:`dqcoll.schemes.dynamiq.allocation_paper.allocate_widths_paper`, :func:`allocate`), and
+(the lab's ``dqcoll_lab.dynamiq.allocation_paper.allocate_widths_paper``, :func:`allocate`), and
 the search of format 3's hull rule with hop widths
 (:func:`dqcoll.schemes.dynamiq.allocation.allocate_widths_by_count`, :func:`hull_by_count`:
 the same counting by binary searches in the sorted keys as the reference's ``_HullCost``, with

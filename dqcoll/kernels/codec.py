@@ -79,7 +79,6 @@ __all__ = [
     "ProtoScales",
     "RoundingMode",
     "Scales",
-    "Widths",
     "bf16_ceil",
     "code_table",
     "decode_accumulate_encode_torch",
@@ -141,11 +140,6 @@ class ProtoScales(enum.Enum):
 
     # Scales.HIERARCHICAL4X32's 4-bit codes per group of 16 (8 + 2 bytes)
     HIERARCHICAL4 = "hierarchical4"
-
-
-class Widths(enum.Enum):
-    VARIABLE = "variable"
-    FIXED = "fixed"
 
 
 class RoundingMode(enum.Enum):

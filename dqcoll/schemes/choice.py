@@ -1,7 +1,7 @@
 """Scheme spec strings: ``name[:key=value[;key=value]]`` -> a scheme name and its options.
 
 The command line names a configured scheme in one argument (``dqcoll simulate --scheme
-mxfp8:scale=global``, ``dynamiq:format=paper;max_width=16``); :func:`parse_scheme_spec` splits
+mxfp8:scale=global``, ``dynamiq:bits=4;balance=shards``); :func:`parse_scheme_spec` splits
 it and checks it against the registry (:func:`dqcoll.schemes.get`) before anything runs. A value
 is an ``int`` if it reads as one, else a ``float`` if it reads as one, else the text.
 """

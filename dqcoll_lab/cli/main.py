@@ -16,6 +16,8 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS = {
     "eval": ("dqcoll_lab.cli.eval",
              "vNMSE of every scheme on the same gradients (table, CSV, PNG)"),
+    "simulate": ("dqcoll_lab.cli.simulate",
+                 "dqcoll simulate with DynamiQ's research formats and knobs"),
 }
 
 

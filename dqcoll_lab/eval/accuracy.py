@@ -18,13 +18,13 @@ all-reduce for real: ``n`` ranks as threads over the ``local`` transport
 vNMSE <= target*: a fixed-format family (:data:`FAMILIES`: MX 4/6/8, int blocks 4/8, top-k
 densities, ...) reports its cheapest member that meets the target; ``dynamiq`` reports what
 ``target_vnmse=`` spent (second of two calls on one communicator, so the ranks' correlation is
-measured) and the smallest fixed budget that meets the target (bisection to ``resolution`` bits,
-``max_width=16``).
+measured) and the smallest fixed budget that meets the target (bisection to ``resolution`` bits;
+raw 16-bit super-groups allowed, as by default).
 
-Scheme specs are ``name[:key=value[;key=value]]`` (:func:`parse_scheme_spec`, the runtime's
-:mod:`dqcoll.schemes.choice`, re-exported here); :func:`expand_bits` expands every scheme that
-takes a ``bits`` option into one entry per budget (a spec that sets ``bits`` itself is kept as
-is).
+Scheme specs are ``name[:key=value[;key=value]]`` (:func:`parse_scheme_spec`: the runtime's
+:mod:`dqcoll.schemes.choice`, with DynamiQ's research knobs accepted); :func:`expand_bits`
+expands every scheme that takes a ``bits`` option into one entry per budget (a spec that sets
+``bits`` itself is kept as is).
 
 Rejected: a pure simulator here (the simulator lives in the topology package and scales to
 thousands of virtual ranks; this module runs the collective itself, so what it reports is what a
@@ -44,9 +44,11 @@ import torch
 
 from dqcoll import schemes as scheme_registry
 from dqcoll.api import allreduce
-from dqcoll.schemes.choice import SchemeChoice, parse_scheme_spec
+from dqcoll.schemes.choice import SchemeChoice
+from dqcoll.schemes.choice import parse_scheme_spec as parse_runtime_spec
 from dqcoll.testing import run_local
 
+from ..dynamiq import scheme_spec
 from .sources import GradientSource, make_source
 
 __all__ = [
@@ -83,6 +85,12 @@ class EvalRow:
     vnmse: float
     identical: bool
     time_s: float
+
+
+def parse_scheme_spec(text: str) -> SchemeChoice:
+    """The runtime's scheme spec, DynamiQ's research knobs accepted (folded into a registered
+    format by :func:`dqcoll_lab.dynamiq.scheme_spec`)."""
+    return parse_runtime_spec(scheme_spec(text))
 
 
 def expand_bits(choices: Sequence[SchemeChoice], bits: Sequence[float]) -> list[SchemeChoice]:
@@ -239,7 +247,7 @@ def bits_needed(
                     "met" if error <= target else f"x{error / target:.2f} of target"))
     lo, hi = 2.82, 16.9  # every super-group at 2 bits .. raw 16-bit (with statistics)
     error_hi, bits_hi = _measure(source, algorithm,
-                                 SchemeChoice("dynamiq", (("bits", hi), ("max_width", 16))))
+                                 SchemeChoice("dynamiq", (("bits", hi),)))
     if error_hi > target:
         rows.append(row("dynamiq bits", "", float("nan"), error_hi, "not met at 16.9 bits"))
     else:
@@ -247,7 +255,7 @@ def bits_needed(
         while hi - lo > resolution:
             mid = round(0.5 * (lo + hi), 4)
             error, bits = _measure(source, algorithm,
-                                   SchemeChoice("dynamiq", (("bits", mid), ("max_width", 16))))
+                                   SchemeChoice("dynamiq", (("bits", mid),)))
             if error <= target:
                 hi, best = mid, (mid, bits, error)
             else:

@@ -7,7 +7,7 @@ width ``hull[k]`` from ``log2 F + u >= o_k`` on (:func:`hull_offsets`). One ``u`
 largest that fits the budget (:func:`allocate_widths`, :func:`allocate_widths_by_count`) or the
 smallest whose predicted vNMSE meets a target (:func:`allocate_for_target`, ``..._by_count``).
 Inputs are all-reduced, so every rank computes the same widths. Zero super-groups get width 0,
-NaN ones the widest coded width. The paper's rule is :mod:`.allocation_paper`.
+NaN ones the widest coded width. The paper's rule is the lab's (``dqcoll_lab.dynamiq``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ __all__ = [
     "allocate_widths",
     "allocate_widths_by_count",
     "count_classes",
-    "fixed_widths",
     "hull_offsets",
     "min_bits",
 ]
@@ -53,7 +52,6 @@ __all__ = [
 STATS_BYTES = {"fp32": 8, "bf16": 4, "norm16": 2}
 STATS_BYTES_PER_SUPER = STATS_BYTES["norm16"]  # the default: the bf16 squared norm
 BISECTION_STEPS = 64
-FIXED_WIDTH = 4  # widths="fixed"
 
 # Single-quantization vNMSE of N(0, 1) per width, keyed by (levels, scales) (docs/dense_gap.md).
 MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
@@ -354,16 +352,6 @@ def _classes_cost(ws: dict[int, torch.Tensor], classes: dict[int, tuple[float, f
     return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
 
 
-def fixed_widths(rows: int, numel: int, bits: float, *, scales: Scales,
-                 stats_bytes: int) -> Allocation:
-    """``widths="fixed"``: every super-group at 4 bits, whatever the budget says."""
-    widths = torch.full((rows,), FIXED_WIDTH, dtype=torch.int64)
-    payload = int(cost_lookup(scales)[widths].sum().item())
-    stats = stats_bytes * rows
-    budget = math.floor(bits * numel / 8.0)
-    return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
-
-
 def allocate_widths(
     norm2: torch.Tensor,
     numel: int,
@@ -574,10 +562,9 @@ def allocate_for_target(
     errors: dict[int, float] | None,
     stats_bytes: int,
     max_width: int = RAW_WIDTH,
-    fixed: bool = False,
 ) -> Allocation:
     """The cheapest widths of the hull rule whose predicted vNMSE (:mod:`.error_model`) is at most
-    ``target``. ``fixed``: 4 bits everywhere, only the prediction computed."""
+    ``target``."""
     rows = _Rows.of(norm2, width_set=width_set, errors=errors, scales=scales,
                     max_width=max_width)
     stats = stats_bytes * norm2.numel()
@@ -594,8 +581,6 @@ def allocate_for_target(
         return Allocation(widths, u, payload, stats, payload + stats, False, predicted,
                           predicted <= target)
 
-    if fixed:
-        return result(torch.full((norm2.numel(),), FIXED_WIDTH, dtype=torch.int64), float("nan"))
     if not bool(rows.finite.any()):  # zero rows get no record, NaN rows 8 bits
         return result(torch.where(rows.zero, 0, 8), float("nan"))
     u = smallest_u_meeting(lambda u: error(rows.widths(u)), target, *rows.bracket())

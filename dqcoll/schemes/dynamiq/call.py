@@ -3,8 +3,8 @@
 The constructor plans the call in named steps (docs/design.md §2, step 5): layout (fp32 rows of
 256, the super-groups; the shard layout pads each shard on its own so chunk ``c`` is shard
 ``c``), statistics (per super-group bf16 squared norms, one small sum all-reduce), allocation
-(widths from the summed norms, identical on every rank: :mod:`.allocation`, or
-:mod:`.allocation_paper` for the paper's rule; ``energy_exponent`` and ``target_vnmse`` as in
+(widths from the summed norms, identical on every rank: :mod:`.allocation`, or the format's own
+rule; ``energy_exponent`` and ``target_vnmse`` as in
 docs/accuracy.md and docs/target_vnmse.md), kernel choice (the torch reference where the device's
 kernels lack a width or scale), reorder (rows sorted by width, centred, written once into the
 work rows), geometry (:class:`.geometry.Geometry`) and info (``comm.last_info``). Each hop then
@@ -40,7 +40,6 @@ from ...kernels.codec import (
     SUPER,
     CodecConfig,
     Scales,
-    Widths,
     record_nbytes,
     stats_center_rounded_torch,
 )
@@ -53,9 +52,7 @@ from .allocation import (
     allocate_widths,
     allocate_widths_by_count,
     count_classes,
-    fixed_widths,
 )
-from .allocation_paper import allocate_for_target_paper, allocate_widths_paper
 from .error_model import (
     ErrorModel,
     estimate_row_rho,
@@ -80,7 +77,6 @@ class SchemeSettings(Protocol):
     energy_exponent: float
     balance: Balance
     error_model: ErrorModel
-    widths_mode: Widths
     stats: str
     hop_widths: bool
     max_width: int
@@ -88,9 +84,6 @@ class SchemeSettings(Protocol):
 
     @property
     def stats_bytes(self) -> int: ...
-
-    @property
-    def paper_rule(self) -> bool: ...
 
     @property
     def measured_errors(self) -> dict[int, float] | None: ...
@@ -375,40 +368,29 @@ def _used_widths(widths: torch.Tensor) -> set[int]:
 
 
 def _allocate_budget(scheme: SchemeSettings, norm2: torch.Tensor, numel: int) -> Allocation:
-    """One width per super-group under ``scheme.bits`` over ``numel`` coordinates, by the rule of
-    the scheme's format."""
+    """One width per super-group under ``scheme.bits`` over ``numel`` coordinates, by the format's
+    rule (the hull rule by default)."""
     fmt = scheme.format
-    scales = scheme.config.scales
-    stats_bytes = scheme.stats_bytes
-    if fmt.widths is Widths.FIXED:
-        return fixed_widths(norm2.numel(), numel, scheme.bits, scales=scales,
-                            stats_bytes=stats_bytes)
-    if scheme.paper_rule:
-        return allocate_widths_paper(norm2, numel, scheme.bits, scales=scales,
-                                     max_width=fmt.max_width,
-                                     energy_exponent=scheme.energy_exponent,
-                                     stats_bytes=stats_bytes)
-    return allocate_widths(norm2, numel, scheme.bits, scales=scales,
-                           width_set=fmt.width_choices, errors=scheme.measured_errors,
-                           stats_bytes=stats_bytes, max_width=fmt.max_width,
-                           energy_exponent=scheme.energy_exponent)
+    common: dict[str, Any] = dict(scales=scheme.config.scales, stats_bytes=scheme.stats_bytes,
+                                  max_width=fmt.max_width,
+                                  energy_exponent=scheme.energy_exponent)
+    if fmt.rule is not None:
+        return fmt.rule.budget(norm2, numel, scheme.bits, **common)
+    return allocate_widths(norm2, numel, scheme.bits, width_set=fmt.width_choices,
+                           errors=scheme.measured_errors, **common)
 
 
 def _allocate_target(scheme: SchemeSettings, summed: torch.Tensor, valid: torch.Tensor,
                      world_size: int, rho: float, error_per_energy: torch.Tensor,
                      target: float) -> Allocation:
     """The cheapest widths (one per super-group) whose predicted vNMSE meets ``target``, by the
-    rule of the scheme's format."""
+    format's rule."""
     fmt = scheme.format
-    scales = scheme.config.scales
-    common: dict[str, Any] = dict(world_size=world_size, rho=rho,
-                                  error_per_energy=error_per_energy, scales=scales,
-                                  max_width=fmt.max_width, stats_bytes=scheme.stats_bytes)
-    if scheme.paper_rule and fmt.widths is Widths.VARIABLE:
-        return allocate_for_target_paper(summed[1], summed[0], valid, target, **common)
-    return allocate_for_target(summed[1], summed[0], valid, target,
-                               width_set=fmt.width_choices, errors=scheme.measured_errors,
-                               fixed=fmt.widths is Widths.FIXED, **common)
+    allocate = fmt.rule.target if fmt.rule is not None else allocate_for_target
+    return allocate(summed[1], summed[0], valid, target, world_size=world_size, rho=rho,
+                    error_per_energy=error_per_energy, scales=scheme.config.scales,
+                    width_set=fmt.width_choices, errors=scheme.measured_errors,
+                    max_width=fmt.max_width, stats_bytes=scheme.stats_bytes)
 
 
 @dataclasses.dataclass
@@ -648,9 +630,9 @@ def _call_info(scheme: SchemeSettings, ctx: CallContext, numel: int, allocation:
         if allocation.target_met is not None else None,
         "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
         "kernels": kernels,  # the same dict: the codec steps add themselves as they run
-        # the bit allocation (host code): "numba" where the compiled bisection ran (the
-        # paper's rule; the hull rule with hop widths, the all-reduce's default), "torch"
-        # for the hull rule without hop widths and target mode
+        # the bit allocation (host code): "numba" where a compiled bisection ran (the hull
+        # rule with hop widths, the all-reduce's default), "torch" for the hull rule without
+        # hop widths and target mode
         "allocation_impl": allocation.kernel,
         # CPU buffers the communicator keeps for dynamiq after this call (_state_buffer)
         "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),
@@ -734,7 +716,8 @@ class DynamiqCall:
         share of the transfers) and ``target`` (target mode's record, or None)."""
         self.target: _TargetRecord | None = None
         hop_widths = (scheme.hop_widths and not self.sharded and ctx.schedule is not None
-                      and scheme.widths_mode is Widths.VARIABLE)
+                      and (scheme.format.rule is None
+                           or scheme.format.rule.fixed_width is None))
         classes = (count_classes(ctx.schedule.subtree_sizes())
                    if hop_widths and ctx.schedule is not None else {})
         if scheme.target_vnmse is not None:

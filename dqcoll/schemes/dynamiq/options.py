@@ -1,8 +1,9 @@
 """The ``dynamiq`` scheme's options, parsed and checked once at construction.
 
-A user picks a format preset (:data:`FORMATS`: ``"dqcoll"``, the default, or ``"paper"``, the
-DynamiQ paper's configuration) and sets :data:`USER_OPTIONS`; the research knobs
-(:data:`RESEARCH_OPTIONS`, for ablations) override one field of the :class:`DynamiqFormat` each.
+A user sets :data:`USER_OPTIONS`; ``format`` names a registered :class:`DynamiqFormat`
+(:data:`FORMATS`: ``"dqcoll"``, the default) or is one. Other formats (the DynamiQ paper's
+configuration, the ablations' variants) are built and registered by the lab
+(``dqcoll_lab.dynamiq``), which may give a format its own :class:`AllocationRule`.
 """
 
 from __future__ import annotations
@@ -10,24 +11,26 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from ...errors import InvalidArgumentError
-from ...kernels.codec import FINE_WIDTHS, RAW_WIDTH, WIDTHS, Levels, ProtoScales, Scales, Widths
-from .allocation import MEASURED_ERRORS, STATS_BYTES, min_bits
-from .error_model import EPSILON
+from ...kernels.codec import FINE_WIDTHS, RAW_WIDTH, WIDTHS, Levels, ProtoScales, Scales
+from .allocation import MEASURED_ERRORS, STATS_BYTES, Allocation, min_bits
+from .error_model import EPSILON, ErrorModel
 
 __all__ = [
     "FORMATS",
-    "RESEARCH_OPTIONS",
     "USER_OPTIONS",
+    "AllocationRule",
     "Balance",
     "DynamiqFormat",
+    "check_format",
     "parse_enum",
     "parse_flag",
+    "register_format",
     "resolve_format",
 ]
 
@@ -39,24 +42,42 @@ class Balance(enum.Enum):
     SHARDS = "shards"  # chunk c = shard c, the reduce-scatter layout
 
 
+class AllocationRule(Protocol):
+    """A format's own allocation rule in place of the hull rule (:mod:`.allocation`): one width
+    per super-group from the summed squared norms, identical on every rank. ``fixed_width``: the
+    one width a rule always gives (the budget is then not checked against the floor), or None."""
+
+    fixed_width: int | None
+
+    def budget(self, norm2: torch.Tensor, numel: int, bits: float, *, scales: Scales,
+               stats_bytes: int, max_width: int, energy_exponent: float) -> Allocation: ...
+
+    def target(self, norm2: torch.Tensor, mean_sum: torch.Tensor, valid: torch.Tensor,
+               target: float, *, world_size: int, rho: float, error_per_energy: torch.Tensor,
+               scales: Scales, width_set: tuple[int, ...], errors: dict[int, float] | None,
+               stats_bytes: int, max_width: int) -> Allocation: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamiqFormat:
-    """What a format preset fixes: the codec's levels and scales (``scales`` may be a torch-only
-    :class:`~dqcoll.kernels.codec.ProtoScales`), ``widths`` (``VARIABLE`` or ``FIXED`` at 4),
-    ``width_set`` (``"fine"``: 2-8, ``"paper"``: {2, 4, 8}), ``thresholds`` (``"measured"``: the
-    hull of the codec's own errors, ``"paper"``: ``4**-w``, ``"auto"``: measured where known),
-    ``stats`` (``"norm16"`` 2 B, ``"bf16"`` mean and norm 4 B, ``"fp32"`` 8 B per super-group),
-    ``hop_widths`` (widths per partial-sum size, all-reduce only) and ``max_width`` (16: raw
-    super-groups allowed; 8: the paper's). docs/dense_gap.md measures each field."""
+    """What a format fixes: the codec's levels and scales (``scales`` may be a torch-only
+    :class:`~dqcoll.kernels.codec.ProtoScales`), ``width_set`` (``"fine"``: 2-8, ``"paper"``:
+    {2, 4, 8}), ``thresholds`` (``"measured"``: the hull of the codec's own errors, ``"paper"``:
+    ``4**-w``), ``stats`` (``"norm16"`` 2 B, ``"bf16"`` mean and norm 4 B, ``"fp32"`` 8 B per
+    super-group), ``hop_widths`` (widths per partial-sum size, all-reduce only), ``max_width``
+    (16: raw super-groups allowed; 8: the paper's), ``rule`` (None: the hull rule) and
+    ``error_model`` (target mode's; None: :class:`.error_model.ErrorModel`'s defaults).
+    docs/dense_gap.md measures each field."""
 
     levels: Levels = Levels.TUNED
     scales: Scales | ProtoScales = Scales.HIERARCHICAL4X32
-    widths: Widths = Widths.VARIABLE
     width_set: str = "fine"
-    thresholds: str = "auto"
+    thresholds: str = "measured"
     stats: str = "norm16"
     hop_widths: bool = True
     max_width: int = RAW_WIDTH
+    rule: AllocationRule | None = None
+    error_model: ErrorModel | None = None
 
     @property
     def width_choices(self) -> tuple[int, ...]:
@@ -64,18 +85,11 @@ class DynamiqFormat:
         return FINE_WIDTHS if self.width_set == "fine" else WIDTHS
 
 
-# Format 3, dqcoll's default (docs/dense_gap.md), and the paper's configuration.
-FORMATS: dict[str, DynamiqFormat] = {
-    "dqcoll": DynamiqFormat(),
-    "paper": DynamiqFormat(levels=Levels.NONUNIFORM, scales=Scales.HIERARCHICAL,
-                           width_set="paper", thresholds="paper", stats="fp32",
-                           hop_widths=False, max_width=8),
-}
-# the options a user sets (DynamiqScheme's keywords), and the research knobs (**research_options)
+# Format 3, dqcoll's default (docs/dense_gap.md); the lab registers the others.
+FORMATS: dict[str, DynamiqFormat] = {"dqcoll": DynamiqFormat()}
+# the options a user sets (DynamiqScheme's keywords)
 USER_OPTIONS = ("bits", "format", "target_vnmse", "rounding", "seed", "energy_exponent",
                 "balance")
-RESEARCH_OPTIONS = ("levels", "scales", "widths", "width_set", "thresholds", "stats",
-                    "hop_widths", "max_width", "error_model")
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -108,53 +122,42 @@ def parse_flag(value: Any, name: str) -> bool:
         f"{list(_TRUE + _FALSE)}), got {value!r}")
 
 
-def _choice(value: Any, choices: tuple[str, ...] | Mapping[str, Any], name: str) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise InvalidArgumentError(
-            f"dynamiq: {name} must be one of {list(choices)}, got {value!r}")
-    return value
+def register_format(name: str, fmt: DynamiqFormat) -> None:
+    """Make ``fmt`` reachable as ``format=name`` (checked first)."""
+    FORMATS[name] = check_format(fmt)
 
 
-def _scales(value: Any) -> Scales | ProtoScales:
-    """A scale encoding: a :class:`Scales` member, or a prototype one (:class:`ProtoScales`)."""
-    if str(getattr(value, "value", value)).lower() in {e.value for e in ProtoScales}:
-        return parse_enum(ProtoScales, value, "scales")
-    return parse_enum(Scales, value, "scales")
-
-
-def resolve_format(format: str, research: Mapping[str, Any]) -> DynamiqFormat:
-    """The preset named ``format`` with the research knobs applied, checked, ``"auto"`` settled
-    (``research`` may hold ``error_model``, which the caller reads)."""
+def resolve_format(format: str | DynamiqFormat) -> DynamiqFormat:
+    """The format named ``format`` (or ``format`` itself), checked."""
+    if isinstance(format, DynamiqFormat):
+        return check_format(format)
     if format not in FORMATS:
         raise InvalidArgumentError(
-            f"dynamiq: format must be one of {list(FORMATS)}, got {format!r}")
-    unknown = sorted(set(research) - set(RESEARCH_OPTIONS))
-    if unknown:
-        raise InvalidArgumentError(
-            f"dynamiq does not take {unknown}; its options are {list(USER_OPTIONS)} and the "
-            f"research options {list(RESEARCH_OPTIONS)}")
-    preset = FORMATS[format]
-    fields = {f.name: research.get(f.name, getattr(preset, f.name))
-              for f in dataclasses.fields(DynamiqFormat)}
-    if fields["max_width"] is None:  # "the preset's"
-        fields["max_width"] = preset.max_width
-    if fields["max_width"] not in (8, RAW_WIDTH):
-        raise InvalidArgumentError(
-            f"dynamiq: max_width must be 8 or 16, got {fields['max_width']!r}")
-    fmt = DynamiqFormat(
-        levels=parse_enum(Levels, fields["levels"], "levels"),
-        scales=_scales(fields["scales"]),
-        widths=parse_enum(Widths, fields["widths"], "widths"),
-        width_set=_choice(fields["width_set"], ("fine", "paper"), "width_set"),
-        thresholds=_choice(fields["thresholds"], ("auto", "measured", "paper"), "thresholds"),
-        stats=_choice(fields["stats"], STATS_BYTES, "stats"),
-        hop_widths=parse_flag(fields["hop_widths"], "hop_widths"),
-        max_width=int(fields["max_width"]),
-    )
-    measured = (fmt.levels, fmt.scales) in MEASURED_ERRORS
-    if fmt.thresholds == "auto":
-        fmt = dataclasses.replace(fmt, thresholds="measured" if measured else "paper")
-    elif fmt.thresholds == "measured" and not measured:
+            f"dynamiq: format must be one of {list(FORMATS)} or a DynamiqFormat, got "
+            f"{format!r} (the paper's configuration and the research variants: "
+            f"dqcoll_lab.dynamiq)")
+    return FORMATS[format]
+
+
+def check_format(fmt: DynamiqFormat) -> DynamiqFormat:
+    """``fmt`` if its fields hold values the codec and the allocation implement."""
+    def bad(name: str, choices: Any) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"dynamiq: {name} must be one of {list(choices)}, got {getattr(fmt, name)!r}")
+
+    if not isinstance(fmt.levels, Levels):
+        raise bad("levels", [e.value for e in Levels])
+    if not isinstance(fmt.scales, Scales | ProtoScales):
+        raise bad("scales", [e.value for e in (*Scales, *ProtoScales)])
+    if fmt.width_set not in ("fine", "paper"):
+        raise bad("width_set", ("fine", "paper"))
+    if fmt.thresholds not in ("measured", "paper"):
+        raise bad("thresholds", ("measured", "paper"))
+    if fmt.stats not in STATS_BYTES:
+        raise bad("stats", STATS_BYTES)
+    if fmt.max_width not in (8, RAW_WIDTH):
+        raise bad("max_width", (8, RAW_WIDTH))
+    if fmt.thresholds == "measured" and (fmt.levels, fmt.scales) not in MEASURED_ERRORS:
         raise InvalidArgumentError(
             f"dynamiq: thresholds='measured' has no measured errors for "
             f"levels={fmt.levels.value}, scales={fmt.scales.value}")
@@ -168,7 +171,8 @@ def parse_bits(bits: Any, fmt: DynamiqFormat) -> float:
     except (TypeError, ValueError):
         raise InvalidArgumentError(f"dynamiq: bits must be a number, got {bits!r}") from None
     floor = min_bits(fmt.scales, STATS_BYTES[fmt.stats])  # type: ignore[arg-type]
-    if not math.isfinite(value) or (fmt.widths is Widths.VARIABLE and value < floor):
+    fixed = fmt.rule is not None and fmt.rule.fixed_width is not None
+    if not math.isfinite(value) or (not fixed and value < floor):
         raise InvalidArgumentError(
             f"dynamiq: bits={value:g} is below the minimum of {floor:g} bits per coordinate "
             f"(2-bit codes, {fmt.scales.value} scales and statistics)"

@@ -1,6 +1,6 @@
 """The ``dynamiq`` scheme: its options (:mod:`.options`), and its codec as a single-shot
 compressor. Each collective call plans itself in a :class:`~.call.DynamiqCall`; the format is
-:mod:`dqcoll.kernels.codec`, the allocation :mod:`.allocation` (:mod:`.allocation_paper`).
+:mod:`dqcoll.kernels.codec`, the allocation :mod:`.allocation`.
 """
 
 from __future__ import annotations
@@ -10,23 +10,16 @@ from typing import Any
 
 import torch
 
-from ...kernels.codec import (
-    SUPER,
-    CodecConfig,
-    ProtoScales,
-    RoundingMode,
-    Widths,
-    record_nbytes,
-)
+from ...kernels.codec import SUPER, CodecConfig, ProtoScales, RoundingMode, record_nbytes
 from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
 from .allocation import MEASURED_ERRORS, STATS_BYTES
 from .call import DynamiqCall, Survey, survey
 from .error_model import ErrorModel
 from .options import (
-    RESEARCH_OPTIONS,
     USER_OPTIONS,
     Balance,
+    DynamiqFormat,
     parse_bits,
     parse_energy_exponent,
     parse_enum,
@@ -43,11 +36,10 @@ class DynamiqScheme:
 
     ``bits``: the budget per coordinate, everything on the wire included (at least 2.25 for
     ``"dqcoll"``, 2.81 for ``"paper"``); ``target_vnmse``: the fewest bits whose predicted vNMSE
-    meets it (docs/target_vnmse.md); ``format``: ``"dqcoll"`` or ``"paper"``; ``rounding``:
-    ``"correlated"`` or ``"independent"``; ``seed``: the single-shot codec's; ``energy_exponent``
-    in [0, 1] (docs/allocation.md); ``balance``: :class:`.options.Balance`.
-    ``**research_options`` override one :class:`.options.DynamiqFormat` field each (plus
-    ``error_model``); an unknown option raises and names the valid ones.
+    meets it (docs/target_vnmse.md); ``format``: a registered format's name (``"dqcoll"``) or a
+    :class:`.options.DynamiqFormat`; ``rounding``: ``"correlated"`` or ``"independent"``;
+    ``seed``: the single-shot codec's; ``energy_exponent`` in [0, 1] (docs/allocation.md);
+    ``balance``: :class:`.options.Balance`.
     """
 
     spec = SchemeSpec(
@@ -60,22 +52,21 @@ class DynamiqScheme:
         dtypes=FLOAT_DTYPES,
         supports_reduce_scatter=True,
         needs_global_stats=True,
-        options=(*USER_OPTIONS, *RESEARCH_OPTIONS),
+        options=USER_OPTIONS,
     )
 
     def __init__(
         self,
         bits: float = 5.0,
         *,
-        format: str = "dqcoll",
+        format: str | DynamiqFormat = "dqcoll",
         target_vnmse: float | None = None,
         rounding: str | RoundingMode = "correlated",
         seed: int = 0,
         energy_exponent: float = 1.0,
         balance: str | Balance = "bytes",
-        **research_options: Any,
     ) -> None:
-        fmt = self.format = resolve_format(format, research_options)
+        fmt = self.format = resolve_format(format)
         self.config = CodecConfig(levels=fmt.levels, scales=fmt.scales,  # type: ignore[arg-type]
                                   rounding=parse_enum(RoundingMode, rounding, "rounding"))
         self.bits = parse_bits(bits, fmt)
@@ -83,9 +74,8 @@ class DynamiqScheme:
         self.energy_exponent = parse_energy_exponent(energy_exponent, self.target_vnmse)
         self.seed = int(seed)
         self.balance: Balance = parse_enum(Balance, balance, "balance")
-        self.error_model: ErrorModel = research_options.get("error_model") or ErrorModel()
-        # the format's fields, by the names the call, the simulator and repr read
-        self.widths_mode: Widths = fmt.widths
+        self.error_model: ErrorModel = fmt.error_model or ErrorModel()
+        # the format's fields, by the names the call and repr read
         self.width_set, self.thresholds, self.stats = fmt.width_set, fmt.thresholds, fmt.stats
         self.hop_widths, self.max_width = fmt.hop_widths, fmt.max_width
         # prototype scale encodings exist in the torch reference only
@@ -95,11 +85,6 @@ class DynamiqScheme:
     def stats_bytes(self) -> int:
         """Statistics bytes per super-group on the wire."""
         return STATS_BYTES[self.stats]
-
-    @property
-    def paper_rule(self) -> bool:
-        """Whether the allocation is the paper's closed form (:mod:`.allocation_paper`)."""
-        return self.width_set == "paper" and self.thresholds == "paper"
 
     @property
     def measured_errors(self) -> dict[int, float] | None:
@@ -114,12 +99,13 @@ class DynamiqScheme:
                   if self.target_vnmse is not None else f"bits={self.bits:g}")
         return (
             f"DynamiqScheme({budget}, max_width={self.max_width}, levels={c.levels.value}, "
-            f"widths={self.widths_mode.value}, scales={c.scales.value}, "
+            f"scales={c.scales.value}, "
             f"rounding={c.rounding.value}, balance={self.balance.value}"
             + (f", energy_exponent={self.energy_exponent:g}" if self.energy_exponent != 1.0
                else "")
             + f", width_set={self.width_set}, thresholds={self.thresholds}, stats={self.stats}"
             + f", hop_widths={self.hop_widths}"
+            + (f", rule={self.format.rule}" if self.format.rule is not None else "")
             + ")"
         )
 
@@ -135,8 +121,9 @@ class DynamiqScheme:
         rows = -(-numel // SUPER)
         stats = STATS_BYTES[self.stats]
         cheapest = rows * (record_nbytes(2, self.config.scales) + stats)
-        if self.widths_mode is Widths.FIXED:
-            return rows * (record_nbytes(4, self.config.scales) + stats)
+        fixed = self.format.rule.fixed_width if self.format.rule is not None else None
+        if fixed is not None:
+            return rows * (record_nbytes(fixed, self.config.scales) + stats)
         return max(math.floor(self.bits * numel / 8.0), cheapest)
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:

@@ -4,7 +4,7 @@
 Thresholds on a super-group's summed squared norm ``F`` in the fixed ratio ``T(2->4) = 17/512 *
 T(4->8)`` give, with one scalar ``u``, ``v = C_SLOPE * log2 F + u``: 2 bits below 4, 4 in [4, 8),
 8 from 8 on (16 from 16 with ``max_width=16``); zero super-groups get width 0, non-finite ``F``
-8. ``u`` is found by bisection as in :mod:`.allocation` (budget or target mode); a plain
+8. ``u`` is found by bisection as in the runtime's hull rule (budget or target mode); a plain
 bisection's decisions, evaluated only on the rows still undecided (:class:`_Bracket`).
 docs/allocation.md and docs/dense_gap.md compare it with dqcoll's hull rule.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...kernels.codec import RAW_WIDTH, Scales
-from .allocation import (
+from dqcoll.kernels.codec import RAW_WIDTH, Scales
+from dqcoll.schemes.dynamiq.allocation import (
     BISECTION_STEPS,
     STATS_BYTES,
     Allocation,
@@ -25,7 +25,7 @@ from .allocation import (
     smallest_u_meeting,
     target_energy,
 )
-from .error_model import predicted_vnmse
+from dqcoll.schemes.dynamiq.error_model import predicted_vnmse
 
 __all__ = ["C_SLOPE", "allocate_for_target_paper", "allocate_widths_paper"]
 
@@ -75,7 +75,7 @@ def allocate_widths_paper(
     stats_bytes: int = STATS_BYTES["fp32"],
 ) -> Allocation:
     """The paper's widths for summed squared norms ``norm2`` (fp32 [S]) under a budget of ``bits``
-    per coordinate over ``numel`` coordinates (see :func:`.allocation.allocate_widths`)."""
+    per coordinate over ``numel`` coordinates (as the hull rule's ``allocate_widths``)."""
     stats = stats_bytes * norm2.numel()
     budget = math.floor(bits * numel / 8.0)
     lookup = cost_lookup(scales)
@@ -86,7 +86,7 @@ def allocate_widths_paper(
     log_f, zero = _log2_norms(norm2)
     compiled = _compiled_allocation()
     if compiled is not None:  # the same allocation, compiled (kernels/allocation_numba)
-        from ...kernels import allocation_numba
+        from dqcoll.kernels import allocation_numba
 
         widths = torch.empty(norm2.numel(), dtype=torch.int64)
         status, u, payload = compiled(log_f.numpy(), zero.numpy(), lookup.numpy(), budget - stats,
@@ -136,8 +136,8 @@ def allocate_for_target_paper(
     max_width: int = RAW_WIDTH,
     stats_bytes: int = STATS_BYTES["fp32"],
 ) -> Allocation:
-    """The cheapest widths of the paper's rule whose predicted vNMSE (:mod:`.error_model`) is at
-    most ``target`` (see :func:`.allocation.allocate_for_target`)."""
+    """The cheapest widths of the paper's rule whose predicted vNMSE is at most ``target`` (as
+    the hull rule's ``allocate_for_target``)."""
     stats = stats_bytes * norm2.numel()
     finite_f, energy = target_energy(norm2.detach().to("cpu", torch.float64), mean_sum, valid,
                                      world_size, rho)
@@ -240,10 +240,10 @@ class _Bracket:
 
 def _compiled_allocation() -> Callable[..., tuple[int, float, int]] | None:
     """The compiled allocation where the CPU kernels are numba's; None: the reference above."""
-    from ...kernels import dynamiq_ops
+    from dqcoll.kernels import dynamiq_ops
 
     if dynamiq_ops(torch.device("cpu")).name != "numba":
         return None
-    from ...kernels.allocation_numba import allocate
+    from dqcoll.kernels.allocation_numba import allocate
 
     return allocate
