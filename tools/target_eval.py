@@ -515,18 +515,15 @@ once the crests are measured (not on a first call), `last_info["predicted_vnmse"
 prediction, `predicted_vnmse_upper` its upper bound; the DDP hook's monitored iterations add
 `measured_vnmse` beside them.
 
-What was wrong before (the issue's 1.3-1.7x overshoot on all-MiniLM-L6-v2): the model knew only
-the codec's errors on Gaussian coordinates (`EPSILON`) plus an in-sample factor of 1.16. The
-encoder's gradients have a crest of ~8.9 against the Gaussian's 4.55 (table above), and the
-codec's single-shot error grows with it, to ~2x at 6-8 bits, the widths that carry the error at
-tight targets; hence the overshoot growing as the target tightens. The second call was worse than
-the first because it used the measured correlation as one number for all super-groups: the
-correlated dense rows raise the average, which the model then applied to the uncorrelated sparse
-rows too (over-predicting there, so the allocation moved bits away from where they were needed);
-on the word-vocabulary LM the same average over-predicted by up to 1.8x. Now both are measured
-per width (crest) and per super-group (rho) from the previous call's decoded aggregate, with
-that call's own expected error taken off. The first-call columns show what remains before
-anything is measured."""
+Why both are measured: the codec's errors on Gaussian coordinates (`EPSILON`) alone under-predict
+on real gradients. The encoder's gradients have a crest of ~8.9 against the Gaussian's 4.55
+(table above), and the codec's single-shot error grows with it, to ~2x at 6-8 bits, the widths
+that carry the error at tight targets (a 1.3-1.7x overshoot on all-MiniLM-L6-v2 without the
+crests). One correlation for all super-groups over-predicts on the uncorrelated sparse rows
+(the correlated dense rows raise the average; by up to 1.8x on the word-vocabulary LM), which
+moves bits away from where they are needed. So the crest is measured per width and rho per
+super-group from the previous call's decoded aggregate, with that call's own expected error
+taken off. The first-call columns show what remains before anything is measured."""
 
 
 if __name__ == "__main__":
