@@ -14,7 +14,6 @@ from dqcoll.schemes.dynamiq.error_model import (
     CREST_GAUSSIAN,
     EPSILON,
     ErrorModel,
-    estimate_rho,
     estimate_row_rho,
     measure_crests,
     path_growth,
@@ -53,16 +52,6 @@ def test_growth_factors(n: int) -> None:
     assert path_growth(build_schedule("ring", n), rho=1.0) == pytest.approx(ring_rho1)
     butterfly, ring = (path_growth(build_schedule(a, n)) for a in ("butterfly", "ring"))
     assert butterfly < ring or n == 2
-
-
-def test_rho_estimate_formula_and_range() -> None:
-    """rho_hat = (||S||^2 / F - 1) / (n - 1), clamped to [-1/(n-1), 1]; undefined cases give
-    None."""
-    assert estimate_rho(8.0, 4.0, 5) == pytest.approx(0.25)
-    assert estimate_rho(100.0, 1.0, 3) == 1.0
-    assert estimate_rho(0.0, 1.0, 3) == pytest.approx(-0.5)
-    assert estimate_rho(1.0, 0.0, 3) is None
-    assert estimate_rho(1.0, 1.0, 1) is None
 
 
 def test_bits_and_target_are_exclusive() -> None:

@@ -235,10 +235,3 @@ def estimate_row_rho(rows: torch.Tensor, summed_norm2: torch.Tensor, order: torc
     mean = float((f[ok] * rho[ok]).sum()) / total if total > 0 and world_size > 1 else None
     return out, mean
 
-
-def estimate_rho(decoded_energy: float, summed_energy: float, world_size: int) -> float | None:
-    """``rho_hat = (||S||^2 / F - 1) / (n - 1)``, clamped to its possible range [-1/(n-1), 1]."""
-    if world_size < 2 or not summed_energy > 0.0 or decoded_energy != decoded_energy:
-        return None
-    rho = (decoded_energy / summed_energy - 1.0) / (world_size - 1)
-    return min(1.0, max(-1.0 / (world_size - 1), rho))
