@@ -8,6 +8,7 @@ Prometheus text. Host-side bookkeeping only; it never raises into the call. Docs
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -45,6 +46,9 @@ _DEFAULT_BITS = 5.0
 _NCCL_NAMES = {"allreduce": "AllReduce", "reduce_scatter": "ReduceScatter",
                "all_gather": "AllGather"}
 _FORMAT_VERSION = "dqcoll-1"
+# the record's fields that its Inspector object holds as they are, in this order
+_AS_RECORDED = ("collective", "status", "numel", "dtype", "device", "nbytes", "scheme", "algorithm",
+                "bits_requested")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +107,7 @@ class CallRecord:
             "coll_timing_source": "collective_cpu",
             "coll_algobw_gbs": round(algo_bw, 6),
             "coll_busbw_gbs": round(bus_bw, 6),
-            "collective": self.collective,
-            "status": self.status,
-            "numel": self.numel,
-            "dtype": self.dtype,
-            "device": self.device,
-            "nbytes": self.nbytes,
-            "scheme": self.scheme,
-            "algorithm": self.algorithm,
-            "bits_requested": self.bits_requested,
+            **{name: getattr(self, name) for name in _AS_RECORDED},
             "bits_wire": None if self.bits_wire is None else round(self.bits_wire, 4),
             "wire_bytes": self.wire_bytes,
             "exact_wire_bytes": self.exact_wire_bytes,
@@ -119,12 +115,9 @@ class CallRecord:
             "plan": _plain(self.plan),
             "start_us": self.start_us,
         }
-        return {
-            "header": dict(header) if header is not None else
-            {"rank": self.rank, "n_ranks": self.world_size},
-            "metadata": dict(metadata) if metadata is not None else {},
-            "coll_perf": perf,
-        }
+        return {"header": dict(header if header is not None
+                               else {"rank": self.rank, "n_ranks": self.world_size}),
+                "metadata": dict(metadata or {}), "coll_perf": perf}
 
 
 @dataclasses.dataclass
@@ -180,17 +173,10 @@ def size_class(nbytes: int) -> str:
     if nbytes <= 0:
         return "0B"
     exponent = (int(nbytes) - 1).bit_length()
-    return _SIZE_CLASSES[exponent] if exponent < len(_SIZE_CLASSES) else _size_label(exponent)
-
-
-def _size_label(exponent: int) -> str:
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if exponent >= shift:
             return f"{1 << (exponent - shift)}{unit}"
     return f"{1 << exponent}B"
-
-
-_SIZE_CLASSES = tuple(_size_label(e) for e in range(64))
 
 
 def exact_wire_nbytes(collective: str, nbytes: int, world_size: int) -> int:
@@ -247,14 +233,12 @@ def _plain(value: Any) -> Any:
     """``value`` as JSON can write it: non-finite floats become None, unknown types text."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     try:
-        number = float(value)  # numpy scalars
+        number = float(value)  # floats, numpy scalars
     except (TypeError, ValueError):
         return str(value)
     return number if math.isfinite(number) else None
@@ -272,12 +256,6 @@ def _buffer_facts(buf: Any) -> tuple[int, int, str, str]:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _format_number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    return repr(float(value))
 
 
 class CallMetrics:
@@ -306,13 +284,11 @@ class CallMetrics:
     @classmethod
     def for_transport(cls, transport: Any) -> CallMetrics:
         """The metrics of a communicator over ``transport``; a subgroup view writes no file."""
-        path = envs.metrics_jsonl()
-        if path and getattr(transport, "parent", None) is None:
-            rank = str(transport.rank)
-            path = path.replace("{rank}", rank) if "{rank}" in path else f"{path}.rank{rank}"
-        else:
-            path = ""
-        return cls(transport.rank, transport.world_size, jsonl=path or None)
+        path, rank = envs.metrics_jsonl(), str(transport.rank)
+        if not path or getattr(transport, "parent", None) is not None:
+            return cls(transport.rank, transport.world_size)
+        path = path.replace("{rank}", rank) if "{rank}" in path else f"{path}.rank{rank}"
+        return cls(transport.rank, transport.world_size, jsonl=path)
 
     def record(self, record: CallRecord) -> None:
         """Keep ``record`` (the ring drops the oldest past ``capacity``; the totals keep all)."""
@@ -320,10 +296,7 @@ class CallMetrics:
         with self._lock:
             self._records.append(record)
             self._calls += 1
-            totals = self._totals.get(key)
-            if totals is None:
-                totals = self._totals[key] = Totals()
-            totals.add(record)
+            self._totals.setdefault(key, Totals()).add(record)
             if self.jsonl_path is not None:
                 self._append_jsonl(record)
 
@@ -337,41 +310,32 @@ class CallMetrics:
         call's new ``comm.last_info`` or None; ``scheme`` / ``algorithm``: what the caller asked
         for, used where ``info`` does not say; ``target``: a target error replaced ``bits``."""
         try:
-            record = self._build(collective, buf, seq=seq, measured_s=measured_s,
-                                 wire_bytes=wire_bytes, info=info or {}, scheme=scheme,
-                                 algorithm=algorithm, bits=bits, target=target, error=error,
-                                 start_s=start_s)
+            name = collective if isinstance(collective, str) else collective.value
+            n = self.world_size
+            numel, itemsize, dtype, device = _buffer_facts(buf)
+            if name == Collective.ALL_GATHER.value:
+                numel *= n
+            nbytes = numel * itemsize
+            exact = exact_wire_nbytes(name, nbytes, n)
+            requested = None if bits is None else float(bits)
+            if requested is None and scheme in _BITS_SCHEMES and not target:
+                requested = _DEFAULT_BITS
+            info = info or {}
+            record = CallRecord(
+                collective=name, seq=int(seq), rank=self.rank, world_size=n, numel=numel,
+                dtype=dtype, device=device, nbytes=nbytes,
+                scheme=str(info.get("scheme") or scheme),
+                algorithm=str(info.get("algorithm") or algorithm), bits_requested=requested,
+                bits_wire=8.0 * itemsize * wire_bytes / exact if exact else None,
+                plan=plan_of(info) if info else {}, predicted_us=_predicted_us(info),
+                measured_us=measured_s * 1e6, wire_bytes=int(wire_bytes), exact_wire_bytes=exact,
+                status="ok" if error is None else type(error).__name__,
+                start_us=int((time.time() if start_s is None else start_s) * 1e6))
             self.record(record)
             return record
         except Exception as exc:  # never into the call
             self._warn_once(f"a call's metrics record was dropped: {type(exc).__name__}: {exc}")
             return None
-
-    def _build(self, collective: str | Collective, buf: Any, *, seq: int, measured_s: float,
-               wire_bytes: int, info: Mapping[str, Any], scheme: str, algorithm: str,
-               bits: float | None, target: bool, error: BaseException | None,
-               start_s: float | None) -> CallRecord:
-        name = collective if isinstance(collective, str) else collective.value
-        n = self.world_size
-        numel, itemsize, dtype, device = _buffer_facts(buf)
-        if name == Collective.ALL_GATHER.value:
-            numel *= n
-        nbytes = numel * itemsize
-        exact = exact_wire_nbytes(name, nbytes, n)
-        requested = None if bits is None else float(bits)
-        if requested is None and scheme in _BITS_SCHEMES and not target:
-            requested = _DEFAULT_BITS
-        return CallRecord(
-            collective=name, seq=int(seq), rank=self.rank, world_size=n, numel=numel,
-            dtype=dtype, device=device, nbytes=nbytes,
-            scheme=str(info.get("scheme") or scheme), algorithm=str(info.get("algorithm")
-                                                                    or algorithm),
-            bits_requested=requested,
-            bits_wire=8.0 * itemsize * wire_bytes / exact if exact else None,
-            plan=plan_of(info) if info else {}, predicted_us=_predicted_us(info),
-            measured_us=measured_s * 1e6, wire_bytes=int(wire_bytes), exact_wire_bytes=exact,
-            status="ok" if error is None else type(error).__name__,
-            start_us=int((time.time() if start_s is None else start_s) * 1e6))
 
     @property
     def records(self) -> list[CallRecord]:
@@ -428,7 +392,7 @@ class CallMetrics:
             out.append(f"# TYPE {name} counter")
             for key in keys:
                 labels = self._labels(key)
-                out.append(f"{name}{{{labels}}} {_format_number(getattr(totals[key], field))}")
+                out.append(f"{name}{{{labels}}} {getattr(totals[key], field)}")
         with self._lock:
             held, calls = len(self._records), self._calls
         rank = f'rank="{self.rank}"'
@@ -476,56 +440,37 @@ class CallMetrics:
             log.warning("rank %d: metrics: %s", self.rank, message)
 
 
-class recording:  # lower case: a context manager used as a function
+@contextlib.contextmanager
+def recording(comm: Any, collective: str | Collective, buf: Any, *, scheme: Any = "",
+              algorithm: str = "", bits: float | None = None,
+              target: bool = False) -> Iterator[None]:
     """Record one collective on ``comm`` around the code it wraps, inside its ``in_flight``: wall
     time, ``bytes_sent`` delta and the new ``comm.last_info``; an exception passes on unchanged."""
-
-    __slots__ = ("_algorithm", "_bits", "_buf", "_collective", "_comm", "_info", "_scheme",
-                 "_sent", "_seq", "_start", "_target", "_wall")
-
-    def __init__(self, comm: Any, collective: str | Collective, buf: Any, *,
-                 scheme: Any = "", algorithm: str = "", bits: float | None = None,
-                 target: bool = False, seq: int | None = None) -> None:
-        self._comm = comm
-        self._collective = collective
-        self._buf = buf
-        self._scheme = scheme if isinstance(scheme, str) else _scheme_name(scheme)
-        self._algorithm = algorithm
-        self._bits = bits
-        self._target = target
-        self._seq = seq
-
-    def __enter__(self) -> recording:
-        comm = self._comm
-        if self._seq is None:
-            self._seq = getattr(comm, "_calls", 0)  # what prepare_call's next_step() returns
-        self._info = comm.last_info
-        self._sent = comm.counters["bytes_sent"]
-        self._wall = time.time()
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        elapsed = time.perf_counter() - self._start
-        comm = self._comm
+    if not isinstance(scheme, str):
+        spec = getattr(scheme, "spec", None)
+        scheme = str(getattr(spec, "name", None) or type(scheme).__name__)
+    seq = getattr(comm, "_calls", 0)  # what prepare_call's next_step() returns
+    before, sent = comm.last_info, comm.counters["bytes_sent"]
+    wall, start = time.time(), time.perf_counter()
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        elapsed = time.perf_counter() - start
         metrics = getattr(comm, "metrics", None)
-        if metrics is None:
-            return
-        try:
-            info = comm.last_info
-            wire = comm.counters["bytes_sent"] - self._sent
-            probe = info.get("planner_probe") if info is not self._info else None
-            if probe:  # the planner was made in this call: its probes' time is not the call's
-                elapsed -= float(probe["s"])
-        except Exception:
-            info, wire = None, 0
-        metrics.record_call(
-            self._collective, self._buf, seq=int(self._seq or 0), measured_s=elapsed,
-            wire_bytes=wire, info=None if info is self._info else info, scheme=self._scheme,
-            algorithm=self._algorithm, bits=self._bits, target=self._target, error=exc,
-            start_s=self._wall)
-
-
-def _scheme_name(scheme: Any) -> str:
-    spec = getattr(scheme, "spec", None)
-    return str(getattr(spec, "name", None) or type(scheme).__name__)
+        if metrics is not None:
+            try:
+                info = comm.last_info
+                wire = comm.counters["bytes_sent"] - sent
+                probe = info.get("planner_probe") if info is not before else None
+                if probe:  # the planner was made in this call: its probes' time is not the call's
+                    elapsed -= float(probe["s"])
+            except Exception:
+                info, wire = None, 0
+            metrics.record_call(
+                collective, buf, seq=int(seq), measured_s=elapsed, wire_bytes=wire,
+                info=None if info is before else info, scheme=scheme, algorithm=algorithm,
+                bits=bits, target=target, error=error, start_s=wall)

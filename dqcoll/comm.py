@@ -20,13 +20,7 @@ import torch
 
 from . import agreement, envs, kernels
 from .call_metrics import CallMetrics
-from .errors import (
-    CollectiveTimeoutError,
-    CommAbortedError,
-    DqcollError,
-    InvalidArgumentError,
-    one_line,
-)
+from .errors import CollectiveTimeoutError, CommAbortedError, InvalidArgumentError, one_line
 from .kernels import cpu_runtime
 from .transports.base import Counters, Transport
 
@@ -57,9 +51,8 @@ class Communicator:
     ) -> None:
         self.transport = transport
         self.seed = int(seed)
-        if device is None:  # the transport's own device (an NCCL group's GPU), else the CPU
-            device = getattr(transport, "device", None) or torch.device("cpu")
-        self.device = torch.device(device)
+        # default: the transport's own device (an NCCL group's GPU), else the CPU
+        self.device = torch.device(device or getattr(transport, "device", None) or "cpu")
         self.validate = envs.validate()  # DQCOLL_VALIDATE, as agreed
         self.settings = {**agreement.wire_settings(self.seed), **(settings or {})}
         self.agreement_skipped = agreement.agree_over(
@@ -211,19 +204,15 @@ class Communicator:
             _default = None
 
     def __repr__(self) -> str:
-        return (
-            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
-            f"transport={self.transport.name!r})"
-        )
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, "
+                f"transport={self.transport.name!r})")
 
 
 def get_default_comm() -> Communicator:
     comm = getattr(_thread_default, "comm", None) or _default
     if comm is None:
-        raise InvalidArgumentError(
-            "no communicator: pass comm=..., call dqcoll.init() first, or run inside "
-            "dqcoll.testing.run_local"
-        )
+        raise InvalidArgumentError("no communicator: pass comm=..., call dqcoll.init() first, "
+                                   "or run inside dqcoll.testing.run_local")
     return comm
 
 
@@ -239,9 +228,8 @@ def _env_int(name: str, value: int | None) -> int:
     if value is not None:
         return int(value)
     if name not in os.environ:
-        raise InvalidArgumentError(
-            f"{name} is not set: pass it to dqcoll.init() or launch with torchrun"
-        )
+        raise InvalidArgumentError(f"{name} is not set: pass it to dqcoll.init() or launch with "
+                                   "torchrun")
     return int(os.environ[name])
 
 
@@ -249,7 +237,6 @@ def _probe(addr: str, port: int, timeout_s: float) -> str:
     """What is at ``addr:port`` within ``timeout_s``: ``"open"``, ``"refused"``, ``"timed
     out"`` or the last socket error. Polls while nobody listens yet."""
     deadline = time.monotonic() + timeout_s
-    found = "refused"
     while True:
         remaining = deadline - time.monotonic()
         try:
@@ -269,8 +256,7 @@ def _probe(addr: str, port: int, timeout_s: float) -> str:
 def _store_client(addr: str, port: int, world_size: int, timeout_s: float,
                   rank: int) -> Any:
     """A ``TCPStore`` client of rank 0's store, or an error within ``timeout_s`` saying what is at
-    ``addr:port``. Made on a thread: torch's client can wait forever on a port held by another
-    program."""
+    ``addr:port`` (made on a thread: torch's can wait forever on a port another program holds)."""
     import torch.distributed as dist
 
     start = time.monotonic()
@@ -322,36 +308,29 @@ def _rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: flo
             store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout,
                                   wait_for_workers=False, multi_tenant=True)
         except Exception as exc:
-            text = str(exc)
-            if "EADDRINUSE" in text or "in use" in text.lower():
-                raise CommAbortedError(
-                    f"dqcoll.init: rank 0 of {world_size} cannot serve the store at "
-                    f"{addr}:{port}: the port is in use by another program (EADDRINUSE); "
-                    f"choose a free MASTER_PORT") from None
+            in_use = "EADDRINUSE" in str(exc) or "in use" in str(exc).lower()
             raise CommAbortedError(
                 f"dqcoll.init: rank 0 of {world_size} cannot serve the store at {addr}:{port}: "
-                f"{one_line(exc)}") from None
+                + ("the port is in use by another program (EADDRINUSE); choose a free "
+                   "MASTER_PORT" if in_use else one_line(exc))) from None
     keys = [f"dqcoll/joined/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
     # poll, not store.wait(): rank 0 (the store) may exit at the deadline; report the last poll
     deadline = time.monotonic() + timeout_s
     missing: list[int] | None = None
-    while True:
-        try:
-            if store.check(keys):
-                return store
+    with contextlib.suppress(Exception):  # the store itself went away (rank 0 exited)
+        while not store.check(keys):
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        except Exception:  # the store itself went away (rank 0 exited)
-            break
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        else:
+            return store
     named = f"missing ranks {missing}" if missing else "the store of rank 0 went away"
     raise CollectiveTimeoutError(
         f"dqcoll.init: rank {rank}: {named} (world size {world_size}): not joined within "
         f"the timeout of {timeout_s:g} s at {addr}:{port} (start every rank, or raise "
         f"timeout_s / DQCOLL_TIMEOUT_S)")
-    return store
 
 
 def init(
@@ -395,8 +374,6 @@ def init(
             try:
                 dist.init_process_group("gloo", store=store, rank=r, world_size=n,
                                         timeout=datetime.timedelta(seconds=timeout))
-            except DqcollError:
-                raise
             except Exception as exc:
                 raise CommAbortedError(
                     f"dqcoll.init: rank {r} of {n}: creating the gloo process group at "
@@ -407,15 +384,12 @@ def init(
     elif backend in NCCL_BACKENDS:
         from .transports import init_nccl
 
-        transport = init_nccl(
-            backend, rank=rank, world_size=world_size, master_addr=master_addr,
-            master_port=master_port, timeout_s=timeout, device=device,
-        )
+        transport = init_nccl(backend, rank=rank, world_size=world_size, master_addr=master_addr,
+                              master_port=master_port, timeout_s=timeout, device=device)
         device = transport.device  # type: ignore[attr-defined]  # the rank's GPU
     else:
-        raise InvalidArgumentError(
-            f"unknown backend {backend!r}; expected 'gloo', 'torch' or one of {NCCL_BACKENDS}"
-        )
+        raise InvalidArgumentError(f"unknown backend {backend!r}; expected 'gloo', 'torch' or "
+                                   f"one of {NCCL_BACKENDS}")
     comm = Communicator(transport, seed=seed, device=device)
     set_default_comm(comm)
     return comm

@@ -1,28 +1,25 @@
 """Runs any :class:`~dqcoll.topology.Schedule` with any scheme call over any transport.
 
-:func:`run_schedule` walks the schedule's steps, sends the payloads a rank has for one peer in a
-step as one message (one ``exchange`` per step) and tells the scheme call what each arriving
-payload is for (:mod:`dqcoll.schemes.base`); payload sizes come from the call on both sides, so
-receive buffers are exact. With ``tile_nbytes``, every chunk is cut into ``T`` tiles of whole
-``call.tile_unit`` rows, views of the same call (fine chunk ``c * T + t`` is tile ``t`` of chunk
-``c``), so the result is bit-identical whatever the tile size; ``tiles_in_flight`` tiles run
-round-robin in an order every rank derives alike, one tile's exchange beside another's codec (on
-a side stream for a stream-ordered transport, else on a communication thread). Design and the
-rejected one-call-per-tile: docs/gpu_transport.md, "Tiles and pipelining".
+:func:`run_schedule` sends a rank's payloads for one peer in a step as one message and tells the
+scheme call what each arriving payload is for; payload sizes come from the call on both sides.
+With ``tile_nbytes``, every chunk is cut into ``T`` tiles of whole ``call.tile_unit`` rows (fine
+chunk ``c * T + t`` is tile ``t`` of chunk ``c``), bit-identical whatever the tile size;
+``tiles_in_flight`` tiles run round-robin in an order every rank derives alike, one tile's
+exchange beside another's codec (docs/gpu_transport.md, "Tiles and pipelining").
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import copy
 import dataclasses
 import functools
 import itertools
 import queue
 import threading
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, cast
 
 import torch
 
@@ -89,12 +86,8 @@ def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
                     sends.setdefault(t.dst, []).append(t.chunk)
                 if t.dst == rank:
                     recvs.setdefault(t.src, []).append((t.chunk, t.role))
-            result.append(
-                StepPlan(
-                    sends=tuple((p, tuple(c)) for p, c in sorted(sends.items())),
-                    recvs=tuple((p, tuple(c)) for p, c in sorted(recvs.items())),
-                )
-            )
+            result.append(StepPlan(tuple((p, tuple(c)) for p, c in sorted(sends.items())),
+                                   tuple((p, tuple(c)) for p, c in sorted(recvs.items()))))
         return tuple(result)
 
     return RankPlan(plan(schedule.reduce), plan(schedule.gather), schedule.subtree_sizes())
@@ -126,9 +119,10 @@ def plan_tiles(call: SchemeCall, tile_nbytes: int | None) -> TilePlan | None:
     bounds = list(call.chunk_bounds)
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
     longest = max(lengths, default=0)
-    tiles = -(-longest * unit_nbytes // tile_nbytes) if longest else 1
-    tiles = max(1, min(tiles, -(-longest // unit) if longest else 1))  # a tile holds >= one unit
-    if tiles == 1:
+    if not longest:
+        return None
+    tiles = min(-(-longest * unit_nbytes // tile_nbytes), -(-longest // unit))  # >= one unit each
+    if tiles <= 1:
         return None
     fine = [bounds[0]]
     for lo, length in zip(bounds[:-1], lengths, strict=True):
@@ -176,18 +170,8 @@ class _Exchange:
 class _TileRun:
     """The executor's state for one tile (for the whole buffer when untiled)."""
 
-    def __init__(
-        self,
-        call: SchemeCall,
-        plan: RankPlan,
-        rank: int,
-        n: int,
-        collective: Collective,
-        what: str,
-        *,
-        tile: int = 0,
-        tiles: int = 1,
-    ) -> None:
+    def __init__(self, call: SchemeCall, plan: RankPlan, rank: int, n: int,
+                 collective: Collective, what: str, *, tile: int = 0, tiles: int = 1) -> None:
         self.call = call
         self.rank, self.n = rank, n
         self.subtree = plan.subtree
@@ -239,10 +223,8 @@ class _TileRun:
         recvs = []
         layouts = []
         for peer, items in step.recvs:
-            counts = [self.subtree[peer][c] if phase == "reduce" else self.gather_count
-                      for c, _ in items]
-            sizes = [call.payload_nbytes(self._index(c), count)
-                     for (c, _), count in zip(items, counts, strict=True)]
+            sizes = [call.payload_nbytes(self._index(c), self.subtree[peer][c] if phase == "reduce"
+                                         else self.gather_count) for c, _ in items]
             buffer = (scratch(sum(sizes)) if scratch is not None
                       else torch.empty(sum(sizes), dtype=torch.uint8, device=device))
             if buffer.numel():
@@ -251,11 +233,10 @@ class _TileRun:
         label = f"{self.prefix} {phase} step {index}"
         framer = getattr(call, "frame", None)
         if framer is not None:  # every message in its frame (a pooled buffer's), or none
-            send_frames = [(peer, framer(message)) for peer, message in sends]
-            recv_frames = [(peer, framer(buffer)) for peer, buffer in recvs]
-            if all(f is not None for _, f in (*send_frames, *recv_frames)):
-                return _Exchange(label, [(p, f) for p, f in send_frames if f is not None],
-                                 [(p, f) for p, f in recv_frames if f is not None], layouts,
+            frames = [(peer, framer(tensor)) for peer, tensor in (*sends, *recvs)]
+            if all(frame is not None for _, frame in frames):
+                framed = cast(list[tuple[int, torch.Tensor]], frames)
+                return _Exchange(label, framed[: len(sends)], framed[len(sends) :], layouts,
                                  framed=True)
         return _Exchange(label, sends, recvs, layouts)
 
@@ -288,41 +269,25 @@ class _TileRun:
 # -- how an exchange runs beside the codec ------------------------------------------------------
 
 
-class _Pending(Protocol):
-    def wait(self) -> None: ...
-
-
-class _Driver(Protocol):
-    def submit(self, exchange: _Exchange) -> _Pending: ...
-
-    def close(self) -> None: ...
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
+_Pending = Callable[[], Any]  # waits until a submitted exchange is done (on the compute stream)
 
 
 class _InlineDriver:
-    """Untiled, or one tile in flight: the exchange runs in the calling thread."""
+    """One tile in flight (or untiled): the exchange runs in the calling thread."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
 
     def submit(self, exchange: _Exchange) -> _Pending:
         exchange.run(self.transport)
-        return _Done()
+        return _done
 
     def close(self) -> None:
         pass
 
 
-class _FuturePending:
-    def __init__(self, future: concurrent.futures.Future[None]) -> None:
-        self.future = future
-
-    def wait(self) -> None:
-        self.future.result()
+def _done() -> None:
+    pass
 
 
 class _ThreadDriver:
@@ -333,49 +298,35 @@ class _ThreadDriver:
         self.transport = transport
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.failed: BaseException | None = None
-        self.jobs: queue.SimpleQueue[tuple[_Exchange, concurrent.futures.Future[None]] | None] = (
-            queue.SimpleQueue()
-        )
+        self.jobs: queue.SimpleQueue[tuple[_Exchange, Future[None]] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"dqcoll-comm {name}", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         if self.stream is not None:
             torch.cuda.set_stream(self.stream)
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
+        while (job := self.jobs.get()) is not None:
             exchange, future = job
-            if self.failed is not None:  # the caller raises the first error before reaching this
-                future.set_exception(self.failed)
-                continue
             try:
-                exchange.run(self.transport)
+                if self.failed is None:  # else the caller raises the first error before this one
+                    exchange.run(self.transport)
             except BaseException as exc:  # handed to the waiting thread
                 self.failed = exc
-                future.set_exception(exc)
-                continue
-            future.set_result(None)
+            if self.failed is None:
+                future.set_result(None)
+            else:
+                future.set_exception(self.failed)
 
     def submit(self, exchange: _Exchange) -> _Pending:
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        future: Future[None] = Future()
         self.jobs.put((exchange, future))
-        return _FuturePending(future)
+        return future.result
 
     def close(self) -> None:
         self.jobs.put(None)
 
 
-class _EventPending:
-    def __init__(self, event: Any, stream: Any) -> None:
-        self.event, self.stream = event, stream
-
-    def wait(self) -> None:
-        self.stream.wait_event(self.event)
-
-
-class _StreamDriver:
+class _StreamDriver(_InlineDriver):
     """Exchanges of a stream-ordered transport (NCCL) on a side stream, ordered by events."""
 
     def __init__(self, transport: Transport, device: torch.device) -> None:
@@ -394,10 +345,7 @@ class _StreamDriver:
             tensor.record_stream(self.side)
         done = torch.cuda.Event()
         done.record(self.side)
-        return _EventPending(done, self.compute)
-
-    def close(self) -> None:
-        pass
+        return functools.partial(self.compute.wait_event, done)
 
 
 _side = threading.local()  # .streams: this thread's {device index: communication stream}
@@ -413,7 +361,7 @@ def _side_stream(device: torch.device) -> Any:
 
 
 def _make_driver(transport: Transport, device: torch.device, tiles_in_flight: int,
-                 what: str) -> _Driver:
+                 what: str) -> _InlineDriver | _ThreadDriver:
     if tiles_in_flight <= 1:
         return _InlineDriver(transport)
     if device.type == "cuda" and getattr(transport, "stream_ordered", False):
@@ -453,48 +401,39 @@ def run_schedule(
     if isinstance(info, dict):
         info["tiles"] = tiling.tiles if tiling is not None else 1
     if tiling is None:
-        run = _TileRun(call, plan, rank, n, collective, what)
-        run.start()
-        for position in range(len(run.steps)):
-            exchange = run.prepare(position)
-            exchange.run(transport)
-            run.complete(exchange)
-        return
-    view = _tile_view(call, tiling)
-    runs = [_TileRun(view, plan, rank, n, collective, what, tile=t, tiles=tiling.tiles)
-            for t in range(tiling.tiles)]
-    driver = _make_driver(transport, call.work.device, tiles_in_flight, what)
+        runs, window = [_TileRun(call, plan, rank, n, collective, what)], 1
+    else:
+        view = _tile_view(call, tiling)
+        runs = [_TileRun(view, plan, rank, n, collective, what, tile=t, tiles=tiling.tiles)
+                for t in range(tiling.tiles)]
+        window = tiles_in_flight
+    driver = _make_driver(transport, call.work.device, window, what)
     try:
-        _pipeline(runs, driver, tiles_in_flight)
+        _pipeline(runs, driver, window)
     finally:
         driver.close()
 
 
-def _pipeline(runs: list[_TileRun], driver: _Driver, window: int) -> None:
+def _pipeline(runs: list[_TileRun], driver: _InlineDriver | _ThreadDriver, window: int) -> None:
     """Round-robin over at most ``window`` tiles, in an order that depends only on the tile count,
     the step count and ``window``: the same on every rank."""
     active: collections.deque[tuple[_TileRun, int, _Exchange, _Pending]] = collections.deque()
-    waiting = iter(runs)
-    exhausted = False
+    waiting = collections.deque(runs)
+
+    def submit(run: _TileRun, position: int) -> None:
+        exchange = run.prepare(position)
+        active.append((run, position, exchange, driver.submit(exchange)))
+
     while True:
-        while not exhausted and len(active) < window:
-            run = next(waiting, None)
-            if run is None:
-                exhausted = True
-                break
+        while waiting and len(active) < window:
+            run = waiting.popleft()
             run.start()
             if run.steps:
-                _submit(active, driver, run, 0)
+                submit(run, 0)
         if not active:
             return
-        run, position, exchange, pending = active.popleft()
-        pending.wait()
+        run, position, exchange, wait = active.popleft()
+        wait()
         run.complete(exchange)
         if position + 1 < len(run.steps):
-            _submit(active, driver, run, position + 1)
-
-
-def _submit(active: collections.deque[tuple[_TileRun, int, _Exchange, _Pending]], driver: _Driver,
-            run: _TileRun, position: int) -> None:
-    exchange = run.prepare(position)
-    active.append((run, position, exchange, driver.submit(exchange)))
+            submit(run, position + 1)

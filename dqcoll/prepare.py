@@ -1,11 +1,9 @@
 """A collective's call made ready to check and run: the first step below the public functions.
 
-:func:`prepare_call` turns a :class:`Request` (the caller's arguments) into a :class:`PreparedCall`:
-the call's identity, the scheme with its options, a named algorithm's schedule, torch views of the
-buffers and the input's largest binary exponent. Nothing here raises for a bad argument: a local
-failure is recorded and raised by :mod:`dqcoll.validate` on every rank together, so no rank waits
-for a peer that gave up. Also here: the range scaling (:func:`range_shift`) and the default tile
-size. Imports nothing above it on the call path. docs/design.md §2, step 2.
+:func:`prepare_call` turns a :class:`Request` (the caller's arguments) into a :class:`PreparedCall`.
+Nothing here raises for a bad argument: a local failure is recorded and raised by
+:mod:`dqcoll.validate` on every rank together, so no rank waits for a peer that gave up. Also
+here: the range scaling (:func:`range_shift`). docs/design.md §2, step 2.
 """
 
 from __future__ import annotations
@@ -133,12 +131,7 @@ def prepare_call(request: Request, comm: Communicator) -> PreparedCall:
         call.fail("other", exc if isinstance(exc, DqcollError) else InvalidArgumentError(
             f"rank {comm.rank}: {call.what}: invalid arguments: {type(exc).__name__}: {exc}"))
     if call.error is None and call.collective is not Collective.ALLREDUCE:
-        if call.auto:
-            _refuse_auto_all_gather(call, comm)
-        else:
-            _check_sharded_support(call, comm)
-    if call.error is None and call.collective is not Collective.ALLREDUCE:
-        _check_output(call, request.out, comm)
+        _check_sharded(call, request.out, comm)
     return call
 
 
@@ -170,42 +163,33 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
     if error is not None:
         call.fail("other", error)
         return
+    category = "op"  # what failed, for the argument check's error codes
     try:
         call.op = ReduceOp.parse(request.op)
-    except DqcollError as exc:
-        call.fail("op", exc)
-        return
-    if call.collective is Collective.ALL_GATHER:
-        call.op = ReduceOp.SUM  # an all-gather reduces nothing: no op (nor avg's 1/n) applies
-    try:  # scheme="auto" is checked as dynamiq with the caller's options
+        if call.collective is Collective.ALL_GATHER:
+            call.op = ReduceOp.SUM  # an all-gather reduces nothing: no op (nor avg's 1/n) applies
+        category = "scheme"  # scheme="auto" is checked as dynamiq with the caller's options
         call.scheme = _resolve_scheme("dynamiq" if call.auto else request.scheme, call.options)
-    except DqcollError as exc:
-        call.fail("scheme", exc)
-        return
-    try:  # algorithm="auto": the planner builds the schedule after the argument check
+        category = "algorithm"  # "auto": the planner builds the schedule after the argument check
         if request.algorithm != "auto":
             call.schedule = algorithms.build_schedule(request.algorithm, comm.world_size)
     except DqcollError as exc:
-        call.fail("algorithm", exc)
+        call.fail(category, exc)
         return
     _inspect_input(call, request.buf, comm)
-    if call.error is None and comm.validate and comm.world_size > 1:
-        assert call.tensor is not None
-        _range_check(call, comm)
-
-
-def _range_check(call: PreparedCall, comm: Communicator) -> None:
-    """The input's largest binary exponent: from the scheme's ``survey`` where it takes one (its
-    statistics in the same pass, kept for the call), else its own pass; none under ``auto``."""
-    assert call.tensor is not None and call.op is not None
+    if call.error is not None or not comm.validate or comm.world_size <= 1:
+        return
+    # the range check's largest exponent: from the scheme's ``survey`` where it takes one (its
+    # statistics in the same pass, kept for the call), else its own pass; none under ``auto``
+    assert call.tensor is not None
     survey = None if call.auto else getattr(call.scheme, "survey", None)
     surveyed = (survey(call.tensor, call.op, comm.world_size, call.collective)
                 if survey is not None else None)
     if surveyed is None:
         call.exponent = max_exponent(call.tensor)
-        return
-    largest, call.survey = surveyed
-    call.exponent = exponent_of(largest)
+    else:
+        largest, call.survey = surveyed
+        call.exponent = exponent_of(largest)
 
 
 def _check_numbers(call: PreparedCall, request: Request,
@@ -247,22 +231,16 @@ def _resolve_scheme(scheme: str | Scheme, options: dict[str, Any]) -> Scheme:
     if "target_vnmse" in options and "target_vnmse" not in entry_options:
         raise InvalidArgumentError(
             f"target_vnmse is not supported by scheme {scheme!r} (it sets its error "
-            f"through bits); schemes that take it: {_schemes_with('target_vnmse')}")
+            f"through bits); schemes that take it: "
+            f"{[n for n in schemes.list_schemes() if 'target_vnmse' in schemes.spec(n).options]}")
     return schemes.get(scheme, **{k: v for k, v in options.items()
                                   if k in entry_options or k != "bits"})
 
 
 def _inspect_input(call: PreparedCall, buf: Any, comm: Communicator) -> None:
     """The input buffer as a torch view the scheme takes: dtype, dense, contiguous."""
-    try:
-        tensor = inspect_buffer(buf, "buf", comm)
-    except DqcollError as exc:
-        call.fail("buffer", exc)
-        return
-    except Exception as exc:  # anything that goes wrong while looking at a buffer
-        call.fail("buffer", InvalidArgumentError(
-            f"rank {comm.rank}: buf ({type(buf).__name__}) cannot be used: "
-            f"{type(exc).__name__}: {exc}"))
+    tensor = _view(call, buf, "buf", comm)
+    if tensor is None:
         return
     assert call.scheme is not None
     if tensor.dtype not in call.scheme.spec.dtypes:
@@ -282,38 +260,25 @@ def _inspect_input(call: PreparedCall, buf: Any, comm: Communicator) -> None:
         call.tensor = tensor
 
 
-def _refuse_auto_all_gather(call: PreparedCall, comm: Communicator) -> None:
-    if call.collective is Collective.ALL_GATHER:
+def _check_sharded(call: PreparedCall, out: Any, comm: Communicator) -> None:
+    """A reduce-scatter's or all-gather's scheme (its spec's ``supports_reduce_scatter``) and
+    output: one shard (reduce-scatter) or n shards (all-gather)."""
+    tensor, spec = call.tensor, call.scheme.spec if call.scheme is not None else None
+    assert tensor is not None and spec is not None
+    if call.auto and call.collective is Collective.ALL_GATHER:
         call.fail("scheme", InvalidArgumentError(
             f"rank {comm.rank}: scheme='auto' is for allreduce and reduce_scatter (an "
             f"all-gather's bytes are set by the scheme its shards were made with)"))
-
-
-def _check_sharded_support(call: PreparedCall, comm: Communicator) -> None:
-    """A scheme that declares ``supports_reduce_scatter=False`` is refused, saying why."""
-    spec = call.scheme.spec if call.scheme is not None else None
-    if spec is None or spec.supports_reduce_scatter:
         return
-    call.fail("scheme", InvalidArgumentError(
-        f"rank {comm.rank}: scheme {spec.name!r} cannot run {call.collective.value}: its spec "
-        f"says supports_reduce_scatter=False ({spec.description}: its shards cannot be coded "
-        f"apart from the whole buffer); use allreduce, or one of "
-        f"{[s for s in schemes.list_schemes() if schemes.spec(s).supports_reduce_scatter]}"))
-
-
-def _check_output(call: PreparedCall, out: Any, comm: Communicator) -> None:
-    """The shape rules of reduce-scatter (out = one shard) and all-gather (out = n shards)."""
-    tensor = call.tensor
-    assert tensor is not None
-    try:
-        out_tensor = inspect_buffer(out, "out", comm)
-    except DqcollError as exc:
-        call.fail("buffer", exc)
+    if not call.auto and not spec.supports_reduce_scatter:
+        call.fail("scheme", InvalidArgumentError(
+            f"rank {comm.rank}: scheme {spec.name!r} cannot run {call.collective.value}: its "
+            f"spec says supports_reduce_scatter=False ({spec.description}: its shards cannot be "
+            f"coded apart from the whole buffer); use allreduce, or one of "
+            f"{[s for s in schemes.list_schemes() if schemes.spec(s).supports_reduce_scatter]}"))
         return
-    except Exception as exc:  # anything that goes wrong while looking at a buffer
-        call.fail("buffer", InvalidArgumentError(
-            f"rank {comm.rank}: out ({type(out).__name__}) cannot be used: "
-            f"{type(exc).__name__}: {exc}"))
+    out_tensor = _view(call, out, "out", comm)
+    if out_tensor is None:
         return
     n = comm.world_size
     if call.collective is Collective.REDUCE_SCATTER:
@@ -322,7 +287,6 @@ def _check_output(call: PreparedCall, out: Any, comm: Communicator) -> None:
     else:
         expected, rule = n * tensor.numel(), "out.numel() == world_size x shard.numel()"
         got = out_tensor.numel()
-    problem = None
     if got != expected:
         problem = (
             f"rank {comm.rank}: {call.collective.value} needs {rule}: input has "
@@ -339,10 +303,23 @@ def _check_output(call: PreparedCall, out: Any, comm: Communicator) -> None:
     elif not out_tensor.is_contiguous():
         problem = (f"rank {comm.rank}: expected a contiguous out tensor, got strides "
                    f"{out_tensor.stride()}")
-    if problem is not None:
-        call.fail("buffer", InvalidArgumentError(problem))
+    else:
+        call.out = out_tensor
         return
-    call.out = out_tensor
+    call.fail("buffer", InvalidArgumentError(problem))
+
+
+def _view(call: PreparedCall, buf: Any, name: str, comm: Communicator) -> torch.Tensor | None:
+    """:func:`inspect_buffer`, or None with the failure recorded."""
+    try:
+        return inspect_buffer(buf, name, comm)
+    except DqcollError as exc:
+        call.fail("buffer", exc)
+    except Exception as exc:  # anything that goes wrong while looking at a buffer
+        call.fail("buffer", InvalidArgumentError(
+            f"rank {comm.rank}: {name} ({type(buf).__name__}) cannot be used: "
+            f"{type(exc).__name__}: {exc}"))
+    return None
 
 
 def inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
@@ -354,10 +331,12 @@ def inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
         raise InvalidArgumentError(
             f"{where} is on device {tensor.device}; dqcoll reads and writes cpu or cuda memory")
     if tensor.device.type not in comm.devices:
+        backend = getattr(comm.transport, "backend", None)
+        label = f"{comm.transport.name}/{backend}" if backend else comm.transport.name
         # e.g. a CUDA tensor on a gloo communicator: gloo would be handed device memory
         raise InvalidArgumentError(
             f"{where} is on device {tensor.device}, but this communicator's transport "
-            f"({_transport_label(comm)}) moves {' and '.join(comm.devices)} tensors only: "
+            f"({label}) moves {' and '.join(comm.devices)} tensors only: "
             f"pass a tensor on {comm.devices[0]} (e.g. {name}.to({comm.devices[0]!r}), copied "
             f"back after the call), or create a communicator for {tensor.device.type} tensors "
             + ("(dqcoll.init(backend='nccl'), or backend='torch' over an NCCL group)"
@@ -373,16 +352,6 @@ def inspect_buffer(buf: Any, name: str, comm: Communicator) -> torch.Tensor:
             f"call runs outside inference mode, where torch forbids writing it in place; call "
             f"under torch.inference_mode() (not with async_op=True) or pass a normal tensor")
     return tensor
-
-
-def _transport_label(comm: Communicator) -> str:
-    """The transport's name, with its torch.distributed backend where it has one."""
-    backend = getattr(comm.transport, "backend", None)
-    return f"{comm.transport.name}/{backend}" if backend else str(comm.transport.name)
-
-
-def _schemes_with(option: str) -> list[str]:
-    return [name for name in schemes.list_schemes() if option in schemes.spec(name).options]
 
 
 def _short(value: Any) -> str:
@@ -414,9 +383,7 @@ def max_exponent(tensor: torch.Tensor) -> int:
     top = max(abs(float(low)), abs(float(high)))
     if not math.isfinite(top):  # rare: look past the NaN / Inf values
         flat = tensor.view(-1)
-        finite = torch.where(torch.isfinite(flat), flat, torch.zeros((), dtype=flat.dtype,
-                                                                      device=flat.device))
-        top = float(finite.abs().max())
+        top = float(torch.where(torch.isfinite(flat), flat, 0).abs().max())
     return exponent_of(top)
 
 
@@ -431,13 +398,9 @@ def shift_for(call: PreparedCall, world_size: int, exponent: int) -> int:
         return 0
     if not getattr(call.scheme, "range_scaled", True):
         return 0  # the scheme sums wider and saturates its own results (``none``)
+    spec = call.scheme.spec  # ``none`` sends values as they are: scaling would lose small bits
     return range_shift(exponent, dtype=call.tensor.dtype, world_size=world_size,
-                       exact_sums=_sums_exact_in_wire_dtype(call.scheme))
-
-
-def _sums_exact_in_wire_dtype(scheme: Scheme) -> bool:
-    """Whether the scheme sends values as they are (``none``): scaling would lose small bits."""
-    return scheme.spec.exact_sums and scheme.spec.name == "none"
+                       exact_sums=spec.exact_sums and spec.name == "none")
 
 
 def range_shift(exponent: int, *, dtype: torch.dtype, world_size: int,

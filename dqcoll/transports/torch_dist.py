@@ -1,11 +1,9 @@
 """The ``torch`` transport: any ``torch.distributed`` process group (gloo on CPU, nccl on GPU).
 
-:class:`TorchTransport` runs dqcoll among a job's ranks. Every wait is ``Work.wait(timeout)``;
-failures raise :class:`~dqcoll.errors.CollectiveTimeoutError` / :class:`~dqcoll.errors.PeerError`
-naming the peer and the step. Over a registered group whose CPU backend is gloo (CUDA backend
-NCCL) every CPU (CUDA) message goes on a private group of dqcoll's own
-(:func:`open_private_group`), never matched with the caller's traffic; opening it is
-collective, in the same order on every rank (docs/reliability.md, "dqcoll's own connection").
+Every wait is ``Work.wait(timeout)``; failures raise :class:`~dqcoll.errors.CollectiveTimeoutError`
+/ :class:`~dqcoll.errors.PeerError` naming the peer and the step. Over a group whose CPU backend is
+gloo (CUDA backend NCCL) every CPU (CUDA) message goes on a private group of dqcoll's own
+(:func:`open_private_group`, collective; docs/reliability.md, "dqcoll's own connection").
 ``group`` may also be a bare ``ProcessGroupGloo`` of survivors (:mod:`dqcoll.membership`).
 
 **Message framing (gloo).** Every CPU payload carries a 16-byte header, int64 payload length
@@ -20,6 +18,7 @@ gloo, so :mod:`dqcoll.validate` makes the ranks agree on sizes first. Header byt
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
 import threading
 import zlib
@@ -57,7 +56,7 @@ FRAME_COPY_NBYTES = 1 << 16
 # n x bytes up to which a small all-reduce goes all-to-all (larger: the budgeted scatter-gather)
 GATHERED_ALLREDUCE_NBYTES = 4096
 _ABORT_TAG = 0x7A5E  # a tag no message uses: abort()'s receives never complete
-_private_counts: dict[str, int] = {}
+_private_counts: collections.Counter[str] = collections.Counter()
 _private_lock = threading.Lock()
 
 
@@ -65,9 +64,8 @@ def private_prefix(group_name: str) -> str:
     """The store prefix ``dqcoll-private/<group name>/<k>/`` of the ``k``-th private connection
     this process opens over a group; identical on every rank that opens them in the same order."""
     with _private_lock:
-        count = _private_counts.get(group_name, 0) + 1
-        _private_counts[group_name] = count
-    return f"dqcoll-private/{group_name}/{count}/"
+        _private_counts[group_name] += 1
+        return f"dqcoll-private/{group_name}/{_private_counts[group_name]}/"
 
 
 def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
@@ -76,18 +74,14 @@ def open_private_group(store: Any, prefix: str, rank: int, world_size: int,
 
     Collective: blocks until every rank opened it, at most ``timeout_s``; raises
     :class:`~dqcoll.errors.CollectiveTimeoutError` or :class:`~dqcoll.errors.CommAbortedError`."""
+    if backend not in ("gloo", "nccl"):
+        raise InvalidArgumentError(f"rank {rank}: dqcoll opens private gloo or nccl "
+                                   f"connections, not {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        if backend == "gloo":
-            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
-                                          timeout)
-        elif backend == "nccl":
-            group = _nccl_group(dist.PrefixStore(prefix, store), rank, world_size, timeout)
-        else:
-            raise InvalidArgumentError(f"rank {rank}: dqcoll opens private gloo or nccl "
-                                       f"connections, not {backend!r}")
-    except InvalidArgumentError:
-        raise
+        prefixed = dist.PrefixStore(prefix, store)
+        group = (dist.ProcessGroupGloo(prefixed, rank, world_size, timeout) if backend == "gloo"
+                 else _nccl_group(prefixed, rank, world_size, timeout))
     except Exception as exc:
         text = one_line(exc)
         kind = CollectiveTimeoutError if "imeout" in text or "imed out" in text \
@@ -143,67 +137,46 @@ def _cpu_is_gloo(backend: str) -> bool:
     return name == "gloo" or "cpu:gloo" in name.split(",")
 
 
-def _write_header(frame: torch.Tensor, nbytes: int, tag: int) -> None:
-    """The header (payload bytes, label CRC) into the first HEADER_NBYTES bytes of ``frame``."""
-    frame[:HEADER_NBYTES].copy_(torch.tensor([nbytes, tag], dtype=torch.int64).view(torch.uint8))
-
-
 def _cuda_backend(backend: str) -> str | None:
     """``"nccl"`` where a group of ``backend`` moves CUDA tensors with NCCL, else None."""
     name = backend.lower().replace(" ", "")
     return "nccl" if name == "nccl" or "cuda:nccl" in name.split(",") else None
 
 
+_Pairs = Sequence[tuple[int, torch.Tensor]]
+_Post = tuple[bool, int, torch.Tensor]  # (is a send, peer, tensor): one gloo message
 # (peer, header bytes, expected payload bytes, frame to copy out of or None, buffer)
 _Check = tuple[int, torch.Tensor, int, torch.Tensor | None, torch.Tensor]
 
 
-def _send_posts(sends: Sequence[tuple[int, torch.Tensor]], framed: bool,
-                tag: int) -> list[tuple[bool, int, torch.Tensor]]:
-    """The gloo messages of ``sends``, headers included."""
-    posts: list[tuple[bool, int, torch.Tensor]] = []
-    for peer, tensor in sends:
-        if framed:
-            _write_header(tensor, tensor.numel() - HEADER_NBYTES, tag)
-            posts.append((True, peer, tensor))
-            continue
-        payload = tensor.contiguous()
-        nbytes = payload.numel() * payload.element_size()
-        if nbytes <= FRAME_COPY_NBYTES:  # one message: header and a copy
-            frame = torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
-            frame[HEADER_NBYTES:].copy_(payload.reshape(-1).view(torch.uint8))
-            _write_header(frame, nbytes, tag)
-            posts.append((True, peer, frame))
-        else:
-            header = torch.empty(HEADER_NBYTES, dtype=torch.uint8)
-            _write_header(header, nbytes, tag)
-            posts += [(True, peer, header), (True, peer, payload)]
-    return posts
-
-
-def _recv_posts(recvs: Sequence[tuple[int, torch.Tensor]], framed: bool
-                ) -> tuple[list[tuple[bool, int, torch.Tensor]], list[_Check]]:
-    """The gloo messages of ``recvs`` and the header checks to run once they arrived."""
-    posts: list[tuple[bool, int, torch.Tensor]] = []
+def _gloo_posts(pairs: _Pairs, framed: bool, sending: bool,
+                tag: int) -> tuple[list[_Post], list[_Check]]:
+    """The gloo messages of ``pairs``, headers included, and (receiving) the header checks."""
+    posts: list[_Post] = []
     checks: list[_Check] = []
-    for peer, buffer in recvs:
-        # a header slot reads -1 until a message fills it (a message too short to)
+    for peer, tensor in pairs:
+        frame: torch.Tensor | None = tensor
+        copied = None
         if framed:
-            buffer[:HEADER_NBYTES].fill_(0xFF)
-            posts.append((False, peer, buffer))
-            checks.append((peer, buffer[:HEADER_NBYTES], buffer.numel() - HEADER_NBYTES,
-                           None, buffer))
-            continue
-        nbytes = buffer.numel() * buffer.element_size()
-        if nbytes <= FRAME_COPY_NBYTES:
-            frame = torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
-            frame[:HEADER_NBYTES].fill_(0xFF)
-            posts.append((False, peer, frame))
-            checks.append((peer, frame[:HEADER_NBYTES], nbytes, frame, buffer))
+            nbytes = tensor.numel() - HEADER_NBYTES
         else:
-            header = torch.full((HEADER_NBYTES,), 0xFF, dtype=torch.uint8)
-            posts += [(False, peer, header), (False, peer, buffer)]
-            checks.append((peer, header, nbytes, None, buffer))
+            nbytes = tensor.numel() * tensor.element_size()
+            # a small payload goes as one message: header and a copy
+            frame = copied = (torch.empty(HEADER_NBYTES + nbytes, dtype=torch.uint8)
+                              if nbytes <= FRAME_COPY_NBYTES else None)
+        if frame is None:
+            header = torch.empty(HEADER_NBYTES, dtype=torch.uint8)
+            messages = [header, tensor.contiguous() if sending else tensor]
+        else:
+            header, messages = frame[:HEADER_NBYTES], [frame]
+        if sending:
+            if copied is not None:
+                copied[HEADER_NBYTES:].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            header.copy_(torch.tensor([nbytes, tag], dtype=torch.int64).view(torch.uint8))
+        else:  # a header slot reads -1 until a message fills it (a message too short to)
+            header.fill_(0xFF)
+            checks.append((peer, header, nbytes, copied, tensor))
+        posts += [(sending, peer, message) for message in messages]
     return posts, checks
 
 
@@ -214,14 +187,9 @@ def _is_cuda(tensor: torch.Tensor) -> bool:
 def backend_devices(backend: str) -> tuple[str, ...]:
     """The device types a group's backend moves; an unknown backend is assumed to move both."""
     name = backend.lower()
-    if name == "gloo":
-        return ("cpu",)
-    if name == "nccl":
-        return ("cuda",)
-    if ":" in name:
-        return tuple(sorted({part.split(":", 1)[0].strip() for part in name.split(",")}
-                            & {"cpu", "cuda"})) or ("cpu", "cuda")
-    return ("cpu", "cuda")
+    moved = {"gloo": {"cpu"}, "nccl": {"cuda"}}.get(name) or (
+        {part.split(":", 1)[0].strip() for part in name.split(",")} if ":" in name else set())
+    return tuple(sorted(moved & {"cpu", "cuda"})) or ("cpu", "cuda")
 
 
 class TorchTransport:
@@ -259,13 +227,11 @@ class TorchTransport:
         self.store = store if store is not None else _default_store()  # for dqcoll.membership
         self.store_prefix = store_prefix  # keys of this group's shrinks live under it
         # CPU / CUDA messages go to these where set (private connections), else to self.group
-        self.cpu_group: Any = None
+        self.cpu_group: Any = self.group if standalone and self.backend == "gloo" else None
         self.cuda_group: Any = None
         self.private_prefix: str | None = None
         cuda_backend = None if standalone else _cuda_backend(self.backend)
-        if standalone:
-            self.cpu_group = self.group if self.backend == "gloo" else None
-        elif (_cpu_is_gloo(self.backend) or cuda_backend is not None) and self.world_size > 1:
+        if not standalone and (_cpu_is_gloo(self.backend) or cuda_backend) and self.world_size > 1:
             self.private_prefix = private_prefix(str(getattr(self.group, "group_name", "")))
             group_store = dist.distributed_c10d._get_process_group_store(self.group)
             if _cpu_is_gloo(self.backend):
@@ -287,37 +253,21 @@ class TorchTransport:
                 if "imed out" in text or "imeout" in text:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: timed out after {self.timeout_s:g} s on {whom} "
-                        f"at {what}: {text.splitlines()[0]}"
-                    ) from exc
+                        f"at {what}: {text.splitlines()[0]}") from exc
                 raise PeerError(
-                    f"rank {self.rank}: {whom} failed at {what}: {text.splitlines()[0]}"
-                ) from exc
+                    f"rank {self.rank}: {whom} failed at {what}: {text.splitlines()[0]}") from exc
             if ok is False:
                 raise CollectiveTimeoutError(
-                    f"rank {self.rank}: timed out after {self.timeout_s:g} s on {whom} at {what}"
-                )
+                    f"rank {self.rank}: timed out after {self.timeout_s:g} s on {whom} at {what}")
 
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        *,
-        what: str,
-    ) -> None:
+    def exchange(self, sends: _Pairs, recvs: _Pairs, *, what: str) -> None:
         self._exchange(sends, recvs, what, framed=False)
 
-    def exchange_framed(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        *,
-        what: str,
-    ) -> None:
+    def exchange_framed(self, sends: _Pairs, recvs: _Pairs, *, what: str) -> None:
         """:meth:`exchange` of uint8 frames whose first bytes take the gloo header (no copy)."""
         self._exchange(sends, recvs, what, framed=True)
 
-    def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
-                  recvs: Sequence[tuple[int, torch.Tensor]], what: str, *, framed: bool) -> None:
+    def _exchange(self, sends: _Pairs, recvs: _Pairs, what: str, *, framed: bool) -> None:
         """Post, wait, check, then count the payloads (a frame's room is not payload)."""
         self._post(sends, recvs, what, framed=framed)
         room = HEADER_NBYTES if framed else 0
@@ -326,34 +276,25 @@ class TorchTransport:
         for _, buffer in recvs:
             self.counters.count_recv(buffer.numel() * buffer.element_size() - room)
 
-    def _post(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        what: str,
-        framed: bool = False,
-    ) -> None:
+    def _post(self, sends: _Pairs, recvs: _Pairs, what: str, framed: bool = False) -> None:
         """Post one grouped exchange and wait for it (no counting)."""
         if not sends and not recvs:
             return
-        on_cuda = [_is_cuda(t) for _, t in sends] + [_is_cuda(b) for _, b in recvs]
+        posts = [(True, p, t) for p, t in sends] + [(False, p, b) for p, b in recvs]
+        on_cuda = [_is_cuda(t) for _, _, t in posts]
         if any(on_cuda):
             if not all(on_cuda):
-                peers = _batch_peers([(True, p, t) for p, t in sends]
-                                     + [(False, p, b) for p, b in recvs])
                 raise InvalidArgumentError(
-                    f"rank {self.rank}: the exchange at {what} ({peers}) mixes CUDA and CPU "
-                    f"tensors: an exchange is all on one device")
+                    f"rank {self.rank}: the exchange at {what} ({_batch_peers(posts)}) mixes "
+                    f"CUDA and CPU tensors: an exchange is all on one device")
             skip = HEADER_NBYTES if framed else 0
-            self._run([(True, peer, tensor[skip:] if skip else tensor.contiguous())
-                       for peer, tensor in sends]
-                      + [(False, peer, buffer[skip:] if skip else buffer)
-                         for peer, buffer in recvs], what)
+            self._run([(is_send, peer, t[skip:] if skip else t.contiguous() if is_send else t)
+                       for is_send, peer, t in posts], what)
             return
         tag = zlib.crc32(what.encode())
-        posts = _send_posts(sends, framed, tag)
-        recv_posts, checks = _recv_posts(recvs, framed)
-        self._run(posts + recv_posts, what)
+        send_posts, _ = _gloo_posts(sends, framed, True, tag)
+        recv_posts, checks = _gloo_posts(recvs, framed, False, tag)
+        self._run(send_posts + recv_posts, what)
         self._check_headers(checks, tag, what)
         for _, _, _, copied, buffer in checks:
             if copied is not None:
@@ -378,7 +319,7 @@ class TorchTransport:
                     f"expected; the message is refused (gloo would have kept the buffer's stale "
                     f"tail as data)")
 
-    def _run(self, posts: list[tuple[bool, int, torch.Tensor]], what: str) -> None:
+    def _run(self, posts: list[_Post], what: str) -> None:
         """Post every message and wait for the Works (one per message, or one per batch)."""
         try:
             works = self._start(posts)
@@ -394,10 +335,9 @@ class TorchTransport:
             waits = [(whom, work) for work in works if work is not None]
         self._wait(waits, what)
 
-    def _start(self, posts: list[tuple[bool, int, torch.Tensor]]) -> list[dist.Work]:
-        """Post every (is a send, peer, tensor) in order, straight to a private group's send / recv
-        (no per-message overhead of ``batch_isend_irecv``); the Works: one per message, or one
-        for all on a coalescing backend (NCCL)."""
+    def _start(self, posts: list[_Post]) -> list[dist.Work]:
+        """Post every message in order (on a private group, without ``batch_isend_irecv``'s
+        overhead); the Works: one per message, or one for all on a coalescing backend (NCCL)."""
         on_cuda = _is_cuda(posts[0][2])
         group = self.cuda_group if on_cuda else self.cpu_group
         if group is not None:
@@ -434,8 +374,7 @@ class TorchTransport:
 
     def _gathered_allreduce(self, flat: torch.Tensor, op: str, what: str) -> None:
         """``flat`` (contiguous, CPU) combined in place in rank order from one all-to-all
-        exchange. Point-to-point rather than gloo's all-gather, whose users sometimes aborted
-        in gloo's teardown at exit."""
+        exchange (not gloo's all-gather, whose users sometimes aborted in its teardown at exit)."""
         n, rank = self.world_size, self.rank
         peers = [p for p in range(n) if p != rank]
         copies = torch.empty(n, flat.numel(), dtype=flat.dtype)
@@ -444,9 +383,8 @@ class TorchTransport:
                    f"{what} (small all-reduce, all to all)")
         flat.copy_(combine_in_rank_order(list(copies), op))
         wire = (n - 1) * flat.numel() * flat.element_size()  # headers: counted by _post
-        self.counters["bytes_sent"] += wire
-        self.counters["bytes_recv"] += wire
-        self.counters["allreduce_bytes_sent"] += wire
+        for key in ("bytes_sent", "bytes_recv", "allreduce_bytes_sent"):
+            self.counters[key] += wire
         self.counters["allreduces"] += 1
 
     def native_allreduce(self, tensor: torch.Tensor, *, what: str) -> None:
@@ -454,10 +392,8 @@ class TorchTransport:
         ``scheme="auto"``'s exact path), on the private group where there is one."""
         if self.world_size > 1 and tensor.numel():
             group = self.cuda_group if _is_cuda(tensor) else self.cpu_group
-            if group is not None:
-                work = group.allreduce([tensor])
-            else:
-                work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            work = (group.allreduce([tensor]) if group is not None
+                    else dist.all_reduce(tensor, group=self.group, async_op=True))
             assert work is not None
             self._wait([(f"the all_reduce over the group's {self.world_size} ranks", work)], what)
         self.counters.count_allreduce(tensor.numel() * tensor.element_size(), self.world_size)
@@ -471,9 +407,7 @@ class TorchTransport:
         gets a receive that times out after 1 ms (docs/reliability.md, "Surviving a lost rank")."""
         if self.cpu_group is None:
             return
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
+        for peer in (p for p in range(self.world_size) if p != self.rank):
             try:
                 work = self.cpu_group.recv([torch.empty(1)], peer, _ABORT_TAG)
                 work.wait(datetime.timedelta(milliseconds=1))
@@ -496,7 +430,7 @@ def _coalesces(group: Any, device: torch.device) -> bool:
         return False
 
 
-def _batch_peers(posts: list[tuple[bool, int, torch.Tensor]]) -> str:
+def _batch_peers(posts: list[_Post]) -> str:
     """The peers of a batch of (is a send, peer, tensor): "to ranks 1, 2; from rank 1"."""
     parts = []
     for label, sending in (("to", True), ("from", False)):
