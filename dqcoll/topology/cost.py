@@ -17,15 +17,15 @@ import glob
 import json
 import math
 import os
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from .. import schemes
 from ..errors import InvalidArgumentError
 from .graph import Topology
 from .hierarchical import HierarchicalPlan, Level
 from .placement import build_placed_schedule
-from .schedule import Role, Schedule
+from .schedule import Role, Schedule, Transfer
 
 __all__ = [
     "DEFAULT_KERNEL_RATES",
@@ -56,26 +56,18 @@ class KernelRates:
     stats_ns: float = 0.0  # prologue + epilogue per coordinate (statistics, restore)
 
 
-def _gpu(bytes_compress: float, bytes_decompress: float, bytes_stats: float,
-         gbps: float) -> KernelRates:
-    per_ns = gbps  # GB/s == bytes per ns
-    return KernelRates(bytes_compress / per_ns, bytes_decompress / per_ns, bytes_stats / per_ns)
-
-
 # Bytes per coordinate a kernel moves (compress, decompress-accumulate, statistics + restore):
 # dynamiq reads fp32 and writes ~0.6 B of codes; none copies and adds fp32.
 _GPU_BYTES = {"dynamiq": (4.6, 8.6, 16.0), "none": (8.0, 12.0, 0.0)}
 _GPU_GBPS = {"h100": 1700.0, "h200": 2400.0}
 
 DEFAULT_KERNEL_RATES: dict[tuple[str, str], KernelRates] = {
-    **{(dev, scheme): _gpu(*b, gbps) for dev, gbps in _GPU_GBPS.items()
-       for scheme, b in _GPU_BYTES.items()},
+    **{(dev, scheme): KernelRates(*(x / gbps for x in b))  # GB/s == bytes per ns
+       for dev, gbps in _GPU_GBPS.items() for scheme, b in _GPU_BYTES.items()},
     # per host of two cores (one thread's rates halved); tools/topology_validate.py calibrate
     ("cpu", "dynamiq"): KernelRates(compress_ns=1.2, decompress_ns=0.26, stats_ns=1.54),
     ("cpu", "none"): KernelRates(compress_ns=0.040, decompress_ns=0.041, stats_ns=0.0),
 }
-# A scheme without its own figures is priced like dynamiq on that device (same kind of work).
-_FALLBACK_SCHEME = "dynamiq"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +77,9 @@ class CostParams:
     handshake: bool = True  # the API's argument check (one tiny all-reduce) per call
 
     def rates(self, device_kind: str, scheme: str) -> KernelRates:
-        table = dict(DEFAULT_KERNEL_RATES)
-        table.update(dict(self.kernel_rates))
-        for key in ((device_kind, scheme), (device_kind, _FALLBACK_SCHEME)):
+        """``scheme``'s rates, else dynamiq's on that device (the same kind of work)."""
+        table = {**DEFAULT_KERNEL_RATES, **dict(self.kernel_rates)}
+        for key in ((device_kind, scheme), (device_kind, "dynamiq")):
             if key in table:
                 return table[key]
         raise InvalidArgumentError(
@@ -141,66 +133,39 @@ class CostBreakdown:
     epilogue_us: float
     tiles: int
 
-    @property
-    def wire_us(self) -> float:
-        return sum(s.wire_us for s in self.steps)
 
-    @property
-    def kernel_us(self) -> float:
-        return sum(s.kernel_us for s in self.steps)
-
-    @property
-    def latency_us(self) -> float:
-        return sum(s.latency_us for s in self.steps)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"total_us": self.total_us, "wire_us": self.wire_us, "kernel_us": self.kernel_us,
-                "latency_us": self.latency_us, "prologue_us": self.prologue_us,
-                "epilogue_us": self.epilogue_us, "tiles": self.tiles, "steps": len(self.steps)}
-
-
-def _step_cost(
-    transfers: Iterable[tuple[int, int, int, Role]],
-    topology: Topology,
-    chunk_numel: float,
-    cost: SchemeCost,
-    params: CostParams,
-    is_leaf_send: dict[tuple[int, int], bool],
-) -> StepCost:
-    messages: dict[tuple[int, int], int] = {}
-    device_ns: dict[int, float] = {}
+def _step_cost(transfers: Iterable[Transfer], topology: Topology, cost: SchemeCost,
+               params: CostParams, is_leaf_send: dict[tuple[int, int], bool]) -> StepCost:
+    """One step's cost for chunks of one coordinate."""
+    messages: Counter[tuple[int, int]] = Counter()
+    device_ns: defaultdict[int, float] = defaultdict(float)
     rates = cost.rates
-    for src, dst, chunk, role in transfers:
-        messages[(src, dst)] = messages.get((src, dst), 0) + 1
-        work = 0.0
-        if is_leaf_send.pop((src, chunk), False):
-            device_ns[topology.devices[src]] = (device_ns.get(topology.devices[src], 0.0)
-                                                + rates.compress_ns * chunk_numel)
-        if role is Role.FORWARD:
+    for t in transfers:
+        messages[(t.src, t.dst)] += 1
+        if is_leaf_send.pop((t.src, t.chunk), False):
+            device_ns[topology.devices[t.src]] += rates.compress_ns
+        if t.role is Role.FORWARD:
             work = rates.decompress_ns + rates.compress_ns
-        elif role is Role.FINAL:
+        elif t.role is Role.FINAL:
             work = 2 * rates.decompress_ns + rates.compress_ns
         else:  # ACCUMULATE or GATHER
             work = rates.decompress_ns
-        dev = topology.devices[dst]
-        device_ns[dev] = device_ns.get(dev, 0.0) + work * chunk_numel
-    load: dict[tuple[int, str], float] = {}
+        device_ns[topology.devices[t.dst]] += work
+    load: defaultdict[tuple[int, str], float] = defaultdict(float)
     latency = 0.0
-    per_rank: dict[int, int] = {}
+    per_rank: Counter[int] = Counter()
     for (src, dst), chunks in messages.items():
-        nbytes = chunks * chunk_numel * cost.wire_bytes_per_coord
+        nbytes = chunks * cost.wire_bytes_per_coord
         for resource in topology.route(src, dst):
-            load[resource] = load.get(resource, 0.0) + nbytes
+            load[resource] += nbytes
         latency = max(latency, topology.latency_us(src, dst))
-        per_rank[src] = per_rank.get(src, 0) + 1
-    wire_us = 0.0
-    bottleneck = ""
-    max_bytes = 0.0
+        per_rank[src] += 1
+    wire_us, bottleneck, max_bytes = 0.0, "", 0.0
     for (link_index, side), nbytes in load.items():
         link = topology.links[link_index]
-        t = nbytes / link.bytes_per_us
-        if t > wire_us:
-            wire_us, bottleneck, max_bytes = t, f"{link.name} {side}", nbytes
+        us = nbytes / link.bytes_per_us
+        if us > wire_us:
+            wire_us, bottleneck, max_bytes = us, f"{link.name} {side}", nbytes
     extra_messages = max(per_rank.values(), default=1) - 1
     kernel_us = max(device_ns.values(), default=0.0) / 1e3
     return StepCost(latency + extra_messages * params.message_us, wire_us, kernel_us, max_bytes,
@@ -224,11 +189,8 @@ def _unit_steps(schedule: Schedule, topology: Topology, costs: tuple[SchemeCost,
     received = {(t.dst, t.chunk) for s in schedule.reduce for t in s.transfers}
     leaf = {(t.src, t.chunk): (t.src, t.chunk) not in received
             for s in schedule.reduce for t in s.transfers}
-    result = []
-    for step, cost in zip(schedule.steps, costs, strict=True):
-        transfers = [(t.src, t.dst, t.chunk, t.role) for t in step.transfers]
-        result.append(_step_cost(transfers, topology, 1.0, cost, params, leaf))
-    return tuple(result)
+    return tuple(_step_cost(step.transfers, topology, cost, params, leaf)
+                 for step, cost in zip(schedule.steps, costs, strict=True))
 
 
 def _steps(schedule: Schedule, topology: Topology, numel: int,
@@ -245,28 +207,32 @@ def _steps(schedule: Schedule, topology: Topology, numel: int,
             for s in _unit_steps(schedule, topology, tuple(costs), params)]
 
 
-def _stats_us(topology: Topology, numel: int, params: CostParams, *, stats: bool,
-              stats_ns: float) -> tuple[float, float]:
+def _stats_us(topology: Topology, numel: int, params: CostParams,
+              cost: SchemeCost) -> tuple[float, float]:
     """(prologue, epilogue) of one call: handshake, statistics pass and all-reduce, restore."""
-    n = topology.world_size
-    if n == 1:
+    if topology.world_size == 1:
         return 0.0, 0.0
     tiny = dataclasses.replace(params, handshake=False)
     none = scheme_cost("none", None, "float32", topology.device_kind, tiny)
     butterfly = build_placed_schedule("butterfly", topology)
-    prologue = 0.0
-    if params.handshake:  # ~30 int64 values: latency only
-        prologue += _pipeline(_steps(butterfly, topology, 64, [none] * len(butterfly.steps),
-                                     tiny), 1)
-    epilogue = 0.0
-    if stats:
-        ranks_per_device = max(topology.devices.count(d) for d in set(topology.devices))
-        pass_us = stats_ns * numel * ranks_per_device / 1e3
-        stats_numel = max(1, -(-math.ceil(numel / SUPER) * STATS_BYTES_PER_SUPER // 4))
-        prologue += pass_us / 2 + _pipeline(
-            _steps(butterfly, topology, stats_numel, [none] * len(butterfly.steps), tiny), 1)
-        epilogue += pass_us / 2
-    return prologue, epilogue
+
+    def exchange_us(count: int) -> float:  # a tiny butterfly all-reduce: latency only
+        steps = _steps(butterfly, topology, count, [none] * len(butterfly.steps), tiny)
+        return _pipeline(steps, 1)
+
+    prologue = exchange_us(64) if params.handshake else 0.0  # ~30 int64 values
+    if not cost.has_stats:
+        return prologue, 0.0
+    ranks_per_device = max(topology.devices.count(d) for d in set(topology.devices))
+    pass_us = cost.rates.stats_ns * numel * ranks_per_device / 1e3
+    stats_numel = max(1, -(-math.ceil(numel / SUPER) * STATS_BYTES_PER_SUPER // 4))
+    return prologue + (pass_us / 2 + exchange_us(stats_numel)), pass_us / 2
+
+
+def _breakdown(steps: list[StepCost], tiles: int, prologue: float,
+               epilogue: float) -> CostBreakdown:
+    total = prologue + _pipeline(steps, tiles) + epilogue
+    return CostBreakdown(total, tuple(steps), prologue, epilogue, max(1, int(tiles)))
 
 
 def price_schedule(schedule: Schedule, topology: Topology, numel: int, cost: SchemeCost, *,
@@ -274,10 +240,7 @@ def price_schedule(schedule: Schedule, topology: Topology, numel: int, cost: Sch
     """Time of one all-reduce of ``numel`` coordinates along ``schedule`` with one scheme."""
     params = params or CostParams()
     steps = _steps(schedule, topology, numel, [cost] * len(schedule.steps), params)
-    prologue, epilogue = _stats_us(topology, numel, params, stats=cost.has_stats,
-                                   stats_ns=cost.rates.stats_ns)
-    total = prologue + _pipeline(steps, tiles) + epilogue
-    return CostBreakdown(total, tuple(steps), prologue, epilogue, max(1, int(tiles)))
+    return _breakdown(steps, tiles, *_stats_us(topology, numel, params, cost))
 
 
 def price_allreduce(algorithm: str, topology: Topology, nbytes: int, *, scheme: str,
@@ -297,24 +260,14 @@ def price_hierarchical(plan: HierarchicalPlan, topology: Topology, nbytes: int, 
     """Time of a two-level all-reduce: the plan's flat schedule, each step at its level's scheme."""
     params = params or CostParams()
     numel = max(1, nbytes // DTYPE_NBYTES[dtype])
-    by_level = {
-        Level.INTRA: scheme_cost(plan.intra.scheme, plan.intra.bits, dtype,
-                                 topology.device_kind, params),
-        Level.INTER: scheme_cost(plan.inter.scheme, plan.inter.bits, dtype,
-                                 topology.device_kind, params),
-    }
-    schedule = plan.flat_schedule()
-    steps = _steps(schedule, topology, numel, [by_level[lv] for lv in plan.step_levels()],
-                   params)
-    prologue = epilogue = 0.0
+    by_level = {level: scheme_cost(spec.scheme, spec.bits, dtype, topology.device_kind, params)
+                for level, spec in ((Level.INTRA, plan.intra), (Level.INTER, plan.inter))}
+    steps = _steps(plan.flat_schedule(), topology, numel,
+                   [by_level[lv] for lv in plan.step_levels()], params)
     # each level's statistics priced on the whole topology: a slight overestimate for intra
-    for level, shard in ((Level.INTRA, numel), (Level.INTER, numel // plan.gpus_per_node)):
-        c = by_level[level]
-        p, e = _stats_us(topology, max(shard, 1), params, stats=c.has_stats,
-                         stats_ns=c.rates.stats_ns)
-        prologue, epilogue = prologue + p, epilogue + e
-    total = prologue + _pipeline(steps, tiles) + epilogue
-    return CostBreakdown(total, tuple(steps), prologue, epilogue, max(1, int(tiles)))
+    stats = [_stats_us(topology, max(shard, 1), params, by_level[level])
+             for level, shard in ((Level.INTRA, numel), (Level.INTER, numel // plan.gpus_per_node))]
+    return _breakdown(steps, tiles, sum(p for p, _ in stats), sum(e for _, e in stats))
 
 
 # -- measured kernel rates -------------------------------------------------------------------
@@ -328,10 +281,7 @@ _KERNEL_BYTES = {"compress_ns": 4.6, "decompress_ns": 8.6, "stats_ns": 16.0}
 
 def _device_kind(text: str) -> str:
     low = text.lower()
-    for kind in ("h200", "h100"):
-        if kind in low:
-            return kind
-    return "cpu" if "cpu" in low else low.split()[-1] if low else "cpu"
+    return next((k for k in ("h200", "h100", "cpu") if k in low), low.split()[-1] if low else "cpu")
 
 
 def load_kernel_rates(paths: Iterable[str] | str | None = None
@@ -343,22 +293,16 @@ def load_kernel_rates(paths: Iterable[str] | str | None = None
     elif isinstance(paths, str):
         paths = [paths]
     found: dict[tuple[str, str], dict[str, float]] = {}
-    best_numel: dict[tuple[str, str, str], int] = {}
+    best_numel: dict[tuple[str, str], int] = {}
     for path in paths:
         try:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError):
             continue
-        records = data
-        if isinstance(data, dict):
-            records = data.get("records", data.get("results", []))
-            default_device = str(data.get("device", ""))
-        else:
-            default_device = ""
-        if not isinstance(records, list):
-            continue
-        for rec in records:
+        default_device = str(data.get("device", "")) if isinstance(data, dict) else ""
+        records = data.get("records", data.get("results", [])) if isinstance(data, dict) else data
+        for rec in records if isinstance(records, list) else []:
             if not isinstance(rec, dict):
                 continue
             device = _device_kind(str(rec.get("device", default_device)))
@@ -368,17 +312,12 @@ def load_kernel_rates(paths: Iterable[str] | str | None = None
                                                          "stats_ns") if k in rec}
                 continue
             field = _KERNEL_FIELDS.get(str(rec.get("kernel", "")))
-            if field is None or "gbps" not in rec:
-                continue
-            numel = int(rec.get("numel", 0))
-            mark = (device, "dynamiq", field)
-            if numel < best_numel.get(mark, -1):
-                continue
-            best_numel[mark] = numel
-            found.setdefault((device, "dynamiq"), {})[field] = (
-                _KERNEL_BYTES[field] / max(float(rec["gbps"]), 1e-9))
-    result = {}
-    for key, fields in found.items():
-        base = DEFAULT_KERNEL_RATES.get(key, DEFAULT_KERNEL_RATES[("h100", "dynamiq")])
-        result[key] = dataclasses.replace(base, **fields)
-    return result
+            if field is not None and "gbps" in rec:  # the largest size's rate wins
+                numel = int(rec.get("numel", 0))
+                if numel >= best_numel.get((device, field), -1):
+                    best_numel[(device, field)] = numel
+                    found.setdefault((device, "dynamiq"), {})[field] = (
+                        _KERNEL_BYTES[field] / max(float(rec["gbps"]), 1e-9))
+    return {key: dataclasses.replace(
+        DEFAULT_KERNEL_RATES.get(key, DEFAULT_KERNEL_RATES[("h100", "dynamiq")]), **fields)
+        for key, fields in found.items()}

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import json
 import os
+import pathlib
 from typing import Any
 
 from ..errors import InvalidArgumentError
@@ -66,8 +67,7 @@ class Link:
         return self.bandwidth_gbps * 1e3 / 8.0  # Gb/s -> bytes per microsecond
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind.value, "bandwidth_gbps": self.bandwidth_gbps,
-                "latency_us": self.latency_us}
+        return dict(dataclasses.asdict(self), kind=self.kind.value)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Link:
@@ -165,36 +165,14 @@ class Topology:
         if nodes < 1 or gpus_per_node < 1:
             raise InvalidArgumentError(
                 f"cluster needs nodes >= 1 and gpus_per_node >= 1, got {nodes}x{gpus_per_node}")
-        intra_kind = LinkKind(intra) if not isinstance(intra, LinkKind) else intra
-        if intra_kind is LinkKind.NETWORK:
+        kind = LinkKind(intra)
+        if kind is LinkKind.NETWORK:
             raise InvalidArgumentError("intra must be nvlink, pcie or loopback, not network")
-        intra_spec = LINK_DEFAULTS[intra_kind]
-        inter_spec = LINK_DEFAULTS[LinkKind.NETWORK]
-        bw_intra = intra_spec.bandwidth_gbps if intra_gbps is None else float(intra_gbps)
-        lat_intra = intra_spec.latency_us if intra_latency_us is None else float(intra_latency_us)
-        lat_inter = inter_spec.latency_us if inter_latency_us is None else float(inter_latency_us)
-        links: list[Link] = []
-        ports: list[int] = []
-        nics: list[int] = []
-        hosts: list[int] = []
-        for node in range(nodes):
-            nics.append(len(links))
-            links.append(Link(f"nic{node}", LinkKind.NETWORK, float(inter_gbps), lat_inter))
-            if intra_spec.shared_per_host:
-                shared = len(links)
-                links.append(Link(f"{intra_kind.value}{node}", intra_kind, bw_intra, lat_intra))
-            for local in range(gpus_per_node):
-                if intra_spec.shared_per_host:
-                    ports.append(shared)
-                else:
-                    ports.append(len(links))
-                    links.append(Link(f"{intra_kind.value}{node}.{local}", intra_kind, bw_intra,
-                                      lat_intra))
-                hosts.append(node)
-        label = name or f"{nodes}x{gpus_per_node}-{intra_kind.value}-{inter_gbps:g}g"
-        devices = tuple(hosts) if device_kind == "cpu" else tuple(range(nodes * gpus_per_node))
-        return cls(label, tuple(hosts), tuple(ports), tuple(nics), tuple(links),
-                   devices=devices, device_kind=device_kind)
+        devices = None if device_kind == "cpu" else tuple(range(nodes * gpus_per_node))
+        return cls._hosts(
+            name or f"{nodes}x{gpus_per_node}-{kind.value}-{inter_gbps:g}g", nodes, gpus_per_node,
+            kind, intra_gbps, intra_latency_us, float(inter_gbps), inter_latency_us, devices,
+            device_kind)
 
     @classmethod
     def single_host(
@@ -209,24 +187,37 @@ class Topology:
         name: str | None = None,
     ) -> Topology:
         """``world_size`` ranks on one host; CPU ranks share its cores (``shared_device``)."""
-        link_kind = LinkKind(kind) if not isinstance(kind, LinkKind) else kind
-        spec = LINK_DEFAULTS[link_kind]
-        bw = spec.bandwidth_gbps if bandwidth_gbps is None else float(bandwidth_gbps)
+        link_kind = LinkKind(kind)
+        devices = (0,) * world_size if shared_device else tuple(range(world_size))
+        return cls._hosts(name or f"host{world_size}-{link_kind.value}", 1, world_size, link_kind,
+                          bandwidth_gbps, latency_us, None, None, devices, device_kind)
+
+    @classmethod
+    def _hosts(cls, name: str, nodes: int, per_node: int, kind: LinkKind, gbps: float | None,
+               latency_us: float | None, nic_gbps: float | None, nic_latency_us: float | None,
+               devices: tuple[int, ...] | None, device_kind: str) -> Topology:
+        """Hosts of ``per_node`` ranks behind a NIC each (figures ``None``: the kind's default;
+        ``devices`` ``None``: one per host)."""
+        spec, net = LINK_DEFAULTS[kind], LINK_DEFAULTS[LinkKind.NETWORK]
+        bw = spec.bandwidth_gbps if gbps is None else float(gbps)
         lat = spec.latency_us if latency_us is None else float(latency_us)
-        links = [Link("nic0", LinkKind.NETWORK, LINK_DEFAULTS[LinkKind.NETWORK].bandwidth_gbps,
-                      LINK_DEFAULTS[LinkKind.NETWORK].latency_us)]
-        if spec.shared_per_host:
-            links.append(Link(f"{link_kind.value}0", link_kind, bw, lat))
-            ports = [1] * world_size
-        else:
-            ports = []
-            for r in range(world_size):
-                ports.append(len(links))
-                links.append(Link(f"{link_kind.value}0.{r}", link_kind, bw, lat))
-        devices = [0] * world_size if shared_device else list(range(world_size))
-        label = name or f"host{world_size}-{link_kind.value}"
-        return cls(label, (0,) * world_size, tuple(ports), (0,), tuple(links), tuple(devices),
-                   device_kind=device_kind)
+        nic_bw = net.bandwidth_gbps if nic_gbps is None else nic_gbps
+        nic_lat = net.latency_us if nic_latency_us is None else float(nic_latency_us)
+        links: list[Link] = []
+        ports: list[int] = []
+        nics: list[int] = []
+        for node in range(nodes):
+            nics.append(len(links))
+            links.append(Link(f"nic{node}", LinkKind.NETWORK, nic_bw, nic_lat))
+            for local in range(per_node):
+                if not spec.shared_per_host:  # a port per rank
+                    links.append(Link(f"{kind.value}{node}.{local}", kind, bw, lat))
+                elif local == 0:  # one port per host
+                    links.append(Link(f"{kind.value}{node}", kind, bw, lat))
+                ports.append(len(links) - 1)
+        hosts = tuple(r // per_node for r in range(nodes * per_node))
+        return cls(name, hosts, tuple(ports), tuple(nics), tuple(links),
+                   hosts if devices is None else devices, device_kind=device_kind)
 
     @classmethod
     def flat(
@@ -249,15 +240,9 @@ class Topology:
                    tuple(range(world_size)), links, devices, device_kind=device_kind)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "hosts": list(self.hosts),
-            "ports": list(self.ports),
-            "nics": list(self.nics),
-            "links": [link.to_dict() for link in self.links],
-            "devices": list(self.devices),
-            "device_kind": self.device_kind,
-        }
+        return {"name": self.name, "hosts": list(self.hosts), "ports": list(self.ports),
+                "nics": list(self.nics), "links": [link.to_dict() for link in self.links],
+                "devices": list(self.devices), "device_kind": self.device_kind}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Topology:
@@ -282,13 +267,11 @@ class Topology:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json() + "\n")
+        pathlib.Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        return cls.from_json(pathlib.Path(path).read_text())
 
     def describe(self) -> str:
         g = self.gpus_per_host
