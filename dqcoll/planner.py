@@ -11,10 +11,12 @@ inputs: they hold only on the machine they were fitted on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
 import os
+import pathlib
 import socket
 import threading
 import time
@@ -77,22 +79,14 @@ def _key63(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def host_identity() -> tuple[int, int]:
     """(host key, machine key): host name + network namespace, host name + boot id."""
     name = socket.gethostname()
-    try:
+    netns = boot = ""
+    with contextlib.suppress(OSError):
         netns = str(os.stat("/proc/self/ns/net").st_ino)
-    except OSError:
-        netns = ""
-    boot = _read("/proc/sys/kernel/random/boot_id")
+    with contextlib.suppress(OSError):
+        boot = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text("ascii").strip()
     return _key63(f"{name}/{netns}"), _key63(f"{name}/{boot}")
 
 
@@ -123,13 +117,11 @@ class JobTopology:
     @property
     def two_level(self) -> bool:
         """Whether two-level plans apply: several hosts of the same number (> 1) of ranks."""
-        g = self.ranks_per_host
-        return self.num_hosts > 1 and g is not None and g > 1
+        return self.num_hosts > 1 and (self.ranks_per_host or 0) > 1
 
     def describe(self) -> str:
-        sizes = [len(h) for h in self.hosts]
-        shape = (f"{self.num_hosts} hosts x {self.ranks_per_host} ranks"
-                 if self.ranks_per_host else f"{self.num_hosts} hosts of {sizes} ranks")
+        shape = (f"{self.num_hosts} hosts x {self.ranks_per_host} ranks" if self.ranks_per_host
+                 else f"{self.num_hosts} hosts of {[len(h) for h in self.hosts]} ranks")
         return (f"{self.world_size} ranks: {shape}, {len(set(self.machines))} machine(s), "
                 f"{self.device_kind}")
 
@@ -146,21 +138,15 @@ def discover_job(transport: Any, device: torch.device | None = None, *,
     if n > 1:
         transport.allreduce(slots, "sum", what="planner: hosts")
     keys = slots.cpu().tolist()
-    host_keys, machine_keys = keys[0::2], keys[1::2]
     order: dict[int, list[int]] = {}
-    for r, key in enumerate(host_keys):
+    for r, key in enumerate(keys[0::2]):
         order.setdefault(key, []).append(r)
-    machine_index: dict[int, int] = {}
-    machines = tuple(machine_index.setdefault(k, len(machine_index)) for k in machine_keys)
+    machine_index = {k: i for i, k in enumerate(dict.fromkeys(keys[1::2]))}
+    machines = tuple(machine_index[k] for k in keys[1::2])
     kind = "cpu"
     if device is not None and device.type == "cuda":
-        kind = _gpu_kind(device)
+        kind = "h200" if "h200" in torch.cuda.get_device_name(device).lower() else "h100"
     return JobTopology(tuple(tuple(r) for r in order.values()), machines, kind)
-
-
-def _gpu_kind(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device).lower()
-    return "h200" if "h200" in name else "h100"
 
 
 # -- measured rates ----------------------------------------------------------------------------
@@ -178,27 +164,27 @@ class MeasuredRates:
     def kernel(self, scheme: str) -> KernelRates:
         """``scheme``'s kernel rates (``native-<s>`` falls back to ``<s>``, others to dynamiq)."""
         table = dict(self.kernels)
-        if scheme in table:
-            return table[scheme]
-        if scheme.startswith(NATIVE + "-"):
-            return self.kernel(scheme[len(NATIVE) + 1:])
-        return table["dynamiq"]
+        return (table.get(scheme) or table.get(scheme.removeprefix(NATIVE + "-"))
+                or table["dynamiq"])
 
 
-def _probe_s(transport: Any, peer_to: int | None, peer_from: int | None, what: str,
+def _probe_s(transport: Any, ring: Sequence[int], at: int, what: str,
              device: torch.device) -> float:
-    """Best time of an exchange of :data:`PROBE_NBYTES` (posted by every rank at once)."""
+    """Best time of sending :data:`PROBE_NBYTES` to the next rank of ``ring`` while receiving
+    from the one before (``at``: this rank's place; posted by every rank at once). A ring of
+    fewer than two ranks only takes part: 0."""
     send = torch.zeros(PROBE_NBYTES, dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
+    paired = len(ring) > 1
     best = math.inf
     for size in (PROBE_NBYTES // 8, PROBE_NBYTES, PROBE_NBYTES):
-        sends = [] if peer_to is None else [(peer_to, send[:size])]
-        recvs = [] if peer_from is None else [(peer_from, recv[:size])]
+        sends = [(ring[(at + 1) % len(ring)], send[:size])] if paired else []
+        recvs = [(ring[(at - 1) % len(ring)], recv[:size])] if paired else []
         start = time.perf_counter()
         transport.exchange(sends, recvs, what=f"{what} ({size} B)")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if size == PROBE_NBYTES and (sends or recvs):
+        if size == PROBE_NBYTES and paired:
             best = min(best, time.perf_counter() - start)
     return best if math.isfinite(best) else 0.0
 
@@ -261,41 +247,28 @@ def measure_rates(transport: Any, job: JobTopology, *, device: torch.device | No
     """Measure the job's links and this rank's kernels, and agree the slowest rank's figures.
     Collective: every rank calls it at the same point."""
     device = device or getattr(transport, "device", None) or torch.device("cpu")
-    rank = transport.rank
-    host = job.hosts[job.host_of(rank)]
-    local = host.index(rank)
+    hosts, h = job.hosts, job.host_of(transport.rank)
+    local = hosts[h].index(transport.rank)
     intra_s = inter_s = 0.0
-    if max(len(h) for h in job.hosts) > 1:
-        if len(host) > 1:
-            intra_s = _probe_s(transport, host[(local + 1) % len(host)],
-                               host[(local - 1) % len(host)], f"{what} (intra-host)", device)
-        else:
-            _probe_s(transport, None, None, f"{what} (intra-host)", device)
-    flows = 0
-    if job.num_hosts > 1:
-        h, hosts = job.host_of(rank), job.hosts
-        nxt, prv = hosts[(h + 1) % len(hosts)], hosts[(h - 1) % len(hosts)]
-        common = min(len(x) for x in hosts)
-        flows = common
-        to = nxt[local] if local < common else None
-        frm = prv[local] if local < common else None
-        inter_s = _probe_s(transport, to, frm, f"{what} (inter-host)", device)
+    if max(len(x) for x in hosts) > 1:  # a ring inside each host
+        intra_s = _probe_s(transport, hosts[h], local, f"{what} (intra-host)", device)
+    flows = min(len(x) for x in hosts) if job.num_hosts > 1 else 0
+    if flows:  # a ring across hosts per local index that every host has
+        column = [x[local] for x in hosts] if local < flows else []
+        inter_s = _probe_s(transport, column, h, f"{what} (inter-host)", device)
     kernels = _kernel_ns(device, bits)
     names = sorted(kernels)
-    fields = [intra_s, inter_s] + [getattr(kernels[s], f) for s in names
-                                   for f in ("compress_ns", "decompress_ns", "stats_ns")]
+    fields = [intra_s, inter_s] + [v for s in names for v in dataclasses.astuple(kernels[s])]
     agreed = torch.tensor(fields, dtype=torch.float64, device=device)
     if transport.world_size > 1:
         transport.allreduce(agreed, "max", what=f"{what} (agree)")
     values = agreed.cpu().tolist()
     intra = PROBE_NBYTES * 8 / values[0] / 1e9 if values[0] > 0 else None
     inter = flows * PROBE_NBYTES * 8 / values[1] / 1e9 if values[1] > 0 else None
-    table = []
-    for i, name in enumerate(names):
-        c, d, s = values[2 + 3 * i: 5 + 3 * i]
-        table.append((name, KernelRates(c, d, s)))
+    table = tuple((name, KernelRates(*values[2 + 3 * i: 5 + 3 * i]))
+                  for i, name in enumerate(names))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return MeasuredRates(intra, inter, tuple(table), int(cores or 1))
+    return MeasuredRates(intra, inter, table, int(cores or 1))
 
 
 # -- plans -----------------------------------------------------------------------------------
@@ -329,12 +302,9 @@ class Plan:
                                "bits": self.bits, "predicted_us": round(self.predicted_us, 1),
                                "reason": self.reason}
         if self.levels is not None:
-            out["levels"] = {
-                "hosts": [list(h) for h in self.levels.host_ranks],
-                "intra": {"scheme": self.levels.intra.scheme, "bits": self.levels.intra.bits,
-                          "algorithm": self.levels.intra.algorithm},
-                "inter": {"scheme": self.levels.inter.scheme, "bits": self.levels.inter.bits,
-                          "algorithm": self.levels.inter.algorithm}}
+            out["levels"] = {"hosts": [list(h) for h in self.levels.host_ranks], **{
+                name: {"scheme": level.scheme, "bits": level.bits, "algorithm": level.algorithm}
+                for name, level in (("intra", self.levels.intra), ("inter", self.levels.inter))}}
         out["alternatives"] = [[label, round(us, 1)] for label, us in self.alternatives]
         return out
 
@@ -343,14 +313,10 @@ def _label(scheme: str, algorithm: str, bits: float | None,
            levels: HierarchicalPlan | None) -> str:
     from . import schemes
 
-    def one(s: str, b: float | None) -> str:
-        takes_bits = "bits" in schemes.spec(s).options
-        return s + (f"{b:g}" if takes_bits and b is not None else "")
-
     if levels is not None:
-        return (f"two-level[{levels.intra.algorithm}/{one(levels.intra.scheme, levels.intra.bits)}"
-                f" + {levels.inter.algorithm}/{one(levels.inter.scheme, levels.inter.bits)}]")
-    return f"{algorithm}/{one(scheme, bits)}"
+        return f"two-level[{levels.intra.label} + {levels.inter.label}]"
+    takes_bits = "bits" in schemes.spec(scheme).options and bits is not None
+    return f"{algorithm}/{scheme}" + (f"{bits:g}" if takes_bits else "")
 
 
 class Planner:
@@ -364,8 +330,7 @@ class Planner:
             4 << 20 if job.device_kind == "cpu" else 64 << 20)
         self.graph = self._graph()
         self.params = CostParams(kernel_rates=tuple(
-            ((job.device_kind, name), self._device_rates(name))
-            for name in AUTO_SCHEMES))
+            ((job.device_kind, name), self._device_rates(name)) for name in AUTO_SCHEMES))
         # the group's own all-reduce: none and bf16 at the native kernels' rates
         self.native_params = CostParams(kernel_rates=tuple(
             ((job.device_kind, name), self._device_rates(f"{NATIVE}-{name}"))
@@ -381,11 +346,8 @@ class Planner:
 
     def _device_rates(self, scheme: str) -> KernelRates:
         """Rates per compute device: a machine's cores serve its CPU ranks together."""
-        k = self.rates.kernel(scheme)
-        if self.job.device_kind != "cpu":
-            return k
-        cores = max(1, self.rates.cores_per_machine)
-        return KernelRates(k.compress_ns / cores, k.decompress_ns / cores, k.stats_ns / cores)
+        cores = max(1, self.rates.cores_per_machine) if self.job.device_kind == "cpu" else 1
+        return KernelRates(*(v / cores for v in dataclasses.astuple(self.rates.kernel(scheme))))
 
     def _graph(self) -> Topology:
         """The job as the cost model's graph (docs/design.md §8, "One cost model")."""
@@ -420,31 +382,26 @@ class Planner:
         if collective == "all_gather" and scheme == "auto":
             raise InvalidArgumentError("scheme='auto' is for allreduce and reduce_scatter")
         names = (AUTO_SCHEMES if force is None else (force,)) if scheme == "auto" else (scheme,)
+
+        def bits_of(name: str) -> float | None:  # dynamiq's bits (default 5), others none
+            return (5.0 if bits is None else float(bits)) if name == "dynamiq" else None
+
         out: list[tuple[str, str, float | None, HierarchicalPlan | None]] = []
         algorithms = flat_algorithms(self.job.world_size)
         for name in names:
-            b = (5.0 if bits is None else float(bits)) if name == "dynamiq" else None
-            if (scheme == "auto" and native and name != "dynamiq"
-                    and collective == "allreduce"):
-                out.append((name, NATIVE, b, None))
-                continue
-            out += [(name, algorithm, b, None) for algorithm in algorithms]
-        if scheme == "auto" and force is not None and force != "dynamiq":
+            if scheme == "auto" and native and name != "dynamiq" and collective == "allreduce":
+                out.append((name, NATIVE, bits_of(name), None))
+            else:
+                out += [(name, algorithm, bits_of(name), None) for algorithm in algorithms]
+        if not self.job.two_level or (scheme == "auto" and force not in (None, "dynamiq")):
             return out
-        if self.job.two_level:
-            hosts = self.job.hosts
-            inner = ("none", "bf16") if scheme == "auto" else ("none",)
-            outer = ("dynamiq",) if scheme == "auto" else (scheme,)
-            inter_algorithms = FLAT_ALGORITHMS if len(hosts) > 2 else ("ring",)
-            for lo in inner:
-                for hi in outer:
-                    for algorithm in inter_algorithms:
-                        hi_bits = (5.0 if bits is None else float(bits)) if hi == "dynamiq" \
-                            else None
-                        levels = HierarchicalPlan(
-                            hosts, LevelSpec(lo, algorithm="ring"),
-                            LevelSpec(hi, 5.0 if hi_bits is None else float(hi_bits), algorithm))
-                        out.append((hi, "two-level", hi_bits, levels))
+        hi = "dynamiq" if scheme == "auto" else scheme
+        hi_bits = bits_of(hi)
+        for lo in ("none", "bf16") if scheme == "auto" else ("none",):
+            for algorithm in FLAT_ALGORITHMS if self.job.num_hosts > 2 else ("ring",):
+                inter = LevelSpec(hi, 5.0 if hi_bits is None else hi_bits, algorithm)
+                levels = HierarchicalPlan(self.job.hosts, LevelSpec(lo, algorithm="ring"), inter)
+                out.append((hi, "two-level", hi_bits, levels))
         return out
 
     def predict_us(self, collective: str, scheme: str, algorithm: str, bits: float | None,
@@ -475,13 +432,12 @@ class Planner:
         if cached is not None:
             return cached
         options = self.candidates(collective, scheme, bits, native=native, force=force)
-        stored = None
-        if algorithm == "auto" and scheme != "auto":
-            stored = self.stored_algorithm(nbytes, dtype, scheme)
-            if stored is not None:  # the table's flat algorithm, priced against two levels
-                flat = {(c[0], c[2]) for c in options if c[3] is None}
-                options = [(name, stored, b, None) for name, b in sorted(flat, key=str)] + [
-                    c for c in options if c[3] is not None]
+        stored = (self.stored_algorithm(nbytes, dtype, scheme)
+                  if algorithm == "auto" and scheme != "auto" else None)
+        if stored is not None:  # the table's flat algorithm, priced against two levels
+            flat = {(c[0], c[2]) for c in options if c[3] is None}
+            options = [(name, stored, b, None) for name, b in sorted(flat, key=str)] + [
+                c for c in options if c[3] is not None]
         if algorithm != "auto":
             options = [c for c in options if c[1] == algorithm]
             if not options:
@@ -489,32 +445,30 @@ class Planner:
         typical = int(_SIZE_CLASS_BASE ** (size_class + 0.5)) if nbytes > 0 else 0
         priced = []
         for cand in options:
-            label = _label(cand[0], cand[1], cand[2], cand[3])
-            raw = self.predict_us(collective, *cand, typical, dtype)
-            priced.append((raw * self.factor(label), label, cand))
+            label = _label(*cand)
+            priced.append((self.predict_us(collective, *cand, typical, dtype) * self.factor(label),
+                           label, cand))
         priced.sort(key=lambda p: (p[0], p[1]))
         best_us, best_label, best = priced[0]
         reason = f"least predicted time ({best_us / 1e3:.2f} ms)"
         held = self._incumbent.get(key)
-        for us, label, cand in priced[1:]:
-            if label == held and label in self.factors and best_label in self.factors \
-                    and us * (1 - SWITCH_MARGIN) <= best_us:
-                best_us, best_label, best = us, label, cand
-                reason = (f"kept: predicted within {SWITCH_MARGIN:.0%} of the best "
-                          f"({priced[0][1]})")
-                break
+        kept = next((p for p in priced[1:]
+                     if p[1] == held and held in self.factors and best_label in self.factors
+                     and p[0] * (1 - SWITCH_MARGIN) <= best_us), None)
+        if kept is not None:
+            best_us, best_label, best = kept
+            reason = f"kept: predicted within {SWITCH_MARGIN:.0%} of the best ({priced[0][1]})"
         if stored is not None and best[1] == stored:
             reason += f"; flat algorithm from the stored table {self.table_key}"
-        for us, label, cand in priced[1:]:
-            close = us <= EXPLORE_WITHIN * best_us
-            if close and label not in self.factors and best_label in self.factors:
-                best_us, best_label, best = us, label, cand
-                reason = (f"explored once: predicted within {EXPLORE_WITHIN:g}x of the best and "
-                          f"never measured")
-                break
+        explored = next((p for p in priced[1:] if p[0] <= EXPLORE_WITHIN * best_us
+                         and p[1] not in self.factors and best_label in self.factors), None)
+        if explored is not None:
+            best_us, best_label, best = explored
+            reason = (f"explored once: predicted within {EXPLORE_WITHIN:g}x of the best and "
+                      f"never measured")
         plan = Plan(collective, best[0], best[1], best[2], best[3], best_us, reason,
                     tuple((label, us) for us, label, _ in priced), dtype)
-        if best_label in self.factors or not reason.startswith("explored"):
+        if explored is None:  # an explored plan is not yet the one in use
             self._incumbent[key] = best_label
         self._cache[key] = plan
         return plan
@@ -575,11 +529,9 @@ class Planner:
 
     def describe(self) -> str:
         r = self.rates
-        links = []
-        if r.intra_gbps is not None:
-            links.append(f"intra-host {r.intra_gbps:.2f} Gb/s per flow")
-        if r.inter_gbps is not None:
-            links.append(f"inter-host {r.inter_gbps:.2f} Gb/s per host port")
+        links = [f"{name} {gbps:.2f} Gb/s per {unit}" for name, gbps, unit in (
+            ("intra-host", r.intra_gbps, "flow"), ("inter-host", r.inter_gbps, "host port"))
+            if gbps is not None]
         kernels = ", ".join(f"{name} {k.compress_ns:.2f}/{k.decompress_ns:.2f} ns"
                             for name, k in r.kernels)
         return (f"{self.job.describe()}; measured: {', '.join(links) or 'no links'}; kernels "
@@ -597,11 +549,11 @@ def build_planner(transport: Any, device: torch.device | None = None, *,
     """The planner of a communicator over ``transport`` (collective); the probes' bytes are
     left out of the transport's counters and kept in :attr:`Planner.probe_nbytes`."""
     counters = getattr(transport, "counters", None)
-    before = dict(counters) if counters is not None else None
+    before = dict(counters or {})
     job = discover_job(transport, device)
     rates = measure_rates(transport, job, device=device, bits=bits, what=f"{what} probe")
     planner = Planner(job, rates)
-    if counters is not None and before is not None:
+    if counters is not None:
         planner.probe_nbytes = counters["bytes_sent"] - before["bytes_sent"]
         counters.update(before)
     return planner
@@ -610,9 +562,3 @@ def build_planner(transport: Any, device: torch.device | None = None, *,
 def fingerprint(plan: Plan) -> int:
     """A 31-bit digest of a plan's decision (for checks that every rank made the same)."""
     return zlib.crc32(repr((plan.collective, plan.label)).encode()) & 0x7FFFFFFF
-
-
-def plans_for_sizes(planner: Planner, sizes: Sequence[int], *, collective: str = "allreduce",
-                    dtype: str = "float32", scheme: str = "auto",
-                    bits: float | None = None) -> list[Plan]:
-    return [planner.plan(collective, n, dtype, scheme=scheme, bits=bits) for n in sizes]
