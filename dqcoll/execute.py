@@ -11,8 +11,10 @@ leaves the communicator dead; every call is recorded in ``comm.metrics``. docs/d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,39 +60,37 @@ def run(request: Request, comm: Communicator) -> None:
             comm, request.collective, request.buf, scheme=request.scheme,
             algorithm=request.algorithm, bits=request.bits,
             target=request.scheme_options.get("target_vnmse") is not None):
+        call = prepare_call(request, comm)
         if request.is_planned:
-            _run_planned(request, comm)
-        else:
-            _run_checked(request, comm)
+            _run_planned(call, comm, request)
+            return
+        exponent = validate.handshake(call, comm)
+        with dead_on_failure(comm, call.what):
+            _execute(call, comm, shift_for(call, comm.world_size, exponent))
 
 
-def _run_checked(request: Request, comm: Communicator) -> None:
-    """A collective with a named (or given) scheme: prepare, argument check, execute."""
-    call = prepare_call(request, comm)
-    exponent = validate.handshake(call, comm)
+@contextlib.contextmanager
+def dead_on_failure(comm: Communicator, what: str) -> Iterator[None]:
+    """A failure inside marks ``comm`` dead: messages of the call may still be in flight, and
+    the next call could read them as its own."""
     try:
-        _execute(call, comm, shift_for(call, comm.world_size, exponent))
+        yield
     except BaseException as exc:
-        # messages of this call may still be in flight: the next call could read them as its own
-        comm.mark_dead(f"{call.what} failed: {type(exc).__name__}: {exc}")
+        comm.mark_dead(f"{what} failed: {type(exc).__name__}: {exc}")
         raise
 
 
-def _run_planned(request: Request, comm: Communicator) -> None:
-    """A planned call: prepare, argument check (carrying this rank's time of the previous
-    planned call, whose maximum calibrates the planner), plan, run the plan."""
-    call = prepare_call(request, comm)
+def _run_planned(call: PreparedCall, comm: Communicator, request: Request) -> None:
+    """A planned call: argument check (carrying this rank's time of the previous planned call,
+    whose maximum calibrates the planner), plan, run the plan."""
     extra = [comm.last_plan_us] if comm.validate else None  # DQCOLL_VALIDATE=0: uncalibrated
     exponent = validate.handshake(call, comm, extra)
-    try:
+    with dead_on_failure(comm, call.what):
         made = comm.planner is None
         probe_start = time.perf_counter()
         plan = _plan(call, comm, request, extra[0] if extra else 0)
         start = time.perf_counter()
         _run_plan(call, comm, plan, exponent)
-    except BaseException as exc:
-        comm.mark_dead(f"{call.what} failed: {type(exc).__name__}: {exc}")
-        raise
     if made and comm.planner is not None:  # made in this call: its probes are not the call's
         comm.last_info["planner_probe"] = {"bytes": comm.planner.probe_nbytes,
                                            "s": start - probe_start}
@@ -133,19 +133,16 @@ def _run_plan(call: PreparedCall, comm: Communicator, plan: planner_mod.Plan | N
               exponent: int) -> None:
     """Run ``plan`` (None: the one flat algorithm): native, two levels or a flat schedule."""
     n = comm.world_size
-    if plan is None:
-        call.schedule = algorithms.build_schedule(planner_mod.flat_algorithms(n)[0], n)
-    elif plan.algorithm == planner_mod.NATIVE:
+    if plan is not None and plan.algorithm == planner_mod.NATIVE:
         _native_allreduce(call, comm, plan.scheme)
-        return
-    elif plan.levels is not None:
+    elif plan is not None and plan.levels is not None:
         _run_two_level(call, comm, plan.levels)
-        return
     else:
-        if call.auto and plan.scheme != "dynamiq":
+        if plan is not None and call.auto and plan.scheme != "dynamiq":
             call.scheme = schemes.get(plan.scheme)
-        call.schedule = algorithms.build_schedule(plan.algorithm, n)
-    _execute(call, comm, shift_for(call, n, exponent))
+        algorithm = planner_mod.flat_algorithms(n)[0] if plan is None else plan.algorithm
+        call.schedule = algorithms.build_schedule(algorithm, n)
+        _execute(call, comm, shift_for(call, n, exponent))
 
 
 def _run_two_level(call: PreparedCall, comm: Communicator, levels: Any) -> None:
@@ -239,23 +236,18 @@ def _restore(call: PreparedCall, comm: Communicator, coded: SchemeCall, shift: i
     # wait; a CPU buffer waits first, so a failure leaves it untouched (docs/gpu_transport.md).
     if getattr(comm.transport, "stream_ordered", False) and target.device.type != "cuda":
         comm.transport.synchronize(what=f"{call.what} (last transfers)")  # type: ignore[attr-defined]
-    result: torch.Tensor | None = None
-    if call.collective is Collective.REDUCE_SCATTER:
-        finish_shard = getattr(coded, "finish_shard", None)
-        if finish_shard is not None:  # decode this rank's shard only
-            result = torch.empty_like(target) if shift else target
-            finish_shard(comm.rank, result)
-        else:
-            full = torch.empty_like(flat)
-            coded.finish(full)
-            result = full.view(comm.world_size, -1)[comm.rank]
-    elif shift:
-        result = torch.empty_like(target)
-        coded.finish(result)
+    finish_shard = getattr(coded, "finish_shard", None)
+    if call.collective is Collective.REDUCE_SCATTER and finish_shard is None:
+        full = torch.empty_like(flat)
+        coded.finish(full)
+        result = full.view(comm.world_size, -1)[comm.rank]
     else:
-        coded.finish(target)
+        result = torch.empty_like(target) if shift else target
+        if finish_shard is not None and call.collective is Collective.REDUCE_SCATTER:
+            finish_shard(comm.rank, result)  # decode this rank's shard only
+        else:
+            coded.finish(result)
     if shift:
-        assert result is not None
         unscale_into(result, shift, target)
-    elif result is not None and result is not target:
+    elif result is not target:
         target.copy_(result)

@@ -20,7 +20,7 @@ import torch
 from .call_metrics import recording
 from .comm import Communicator, get_default_comm
 from .errors import InvalidArgumentError
-from .execute import launch
+from .execute import dead_on_failure, launch
 from .levels import run_levels
 from .prepare import inspect_buffer
 from .topology.hierarchical import HierarchicalPlan
@@ -74,14 +74,11 @@ def run_hierarchical(collective: Collective | str, buf: Any, out: Any, plan: Hie
         call_step = comm.next_step()
         what = f"hierarchical {kind.value}#{call_step}"
         tensor, target = _check(kind, buf, out, plan, comm, what)
-        try:
+        with dead_on_failure(comm, what):  # another host may be in another level
             comm.last_info = run_levels(kind, tensor, target, plan, comm,
                                         seed=comm.seed if seed is None else int(seed),
                                         step=call_step if step is None else int(step), op=op,
                                         launch=launch)
-        except BaseException as exc:  # a level failed, another host may be in another level
-            comm.mark_dead(f"{what} failed: {type(exc).__name__}: {exc}")
-            raise
     return buf if kind is Collective.ALLREDUCE else out
 
 
@@ -103,14 +100,12 @@ def _check(kind: Collective, buf: Any, out: Any, plan: HierarchicalPlan, comm: C
                                        f"out must be None")
         return tensor, None
     target = inspect_buffer(out, "out", comm)
-    if kind is Collective.REDUCE_SCATTER:
-        expected, rule = n * target.numel(), "buf.numel() == world_size x out.numel()"
-        got = tensor.numel()
-    else:
-        expected, rule = n * tensor.numel(), "out.numel() == world_size x shard.numel()"
-        got = target.numel()
+    scatter = kind is Collective.REDUCE_SCATTER
+    whole, part = (tensor, target) if scatter else (target, tensor)
+    rule = ("buf.numel() == world_size x out.numel()" if scatter
+            else "out.numel() == world_size x shard.numel()")
     problem = None
-    if got != expected:
+    if whole.numel() != n * part.numel():
         problem = (f"needs {rule}: buf has {tensor.numel()} elements, out {target.numel()}, "
                    f"world size {n}")
     elif target.dtype != tensor.dtype or target.device != tensor.device:
