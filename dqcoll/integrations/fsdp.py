@@ -72,10 +72,9 @@ class FsdpCompression:
         if (group.group_name, tensor.device.type) not in self._agreed:
             self.agree(group, tensor.device)
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok, step=self.step)
-        if decision.compress and tensor.device.type == "cuda":
-            reason = self.cuda_lane_unavailable()
-            if reason is not None:
-                decision = Decision(False, f"{role.value}: CUDA tensors: {reason}")
+        if (decision.compress and tensor.device.type == "cuda"
+                and (reason := self.cuda_lane_unavailable()) is not None):
+            decision = Decision(False, f"{role.value}: CUDA tensors: {reason}")
         if not decision.compress:
             self.exact_calls[role] += 1
             self.exact_bytes[role] += exact_nbytes(role, tensor.numel() * tensor.element_size(),

@@ -3,16 +3,14 @@
 The DDP hook, the FSDP2 classes and the ``dqcoll`` backend run their compressed calls on a
 :class:`Lane`: its own connection (gloo for CPU tensors, dqcoll's NCCL transport for CUDA ones),
 one thread running the calls in issue order, CUDA stream order (:class:`CudaOrder`), one or two
-levels, agreed settings and per-role counters. Details: docs/fsdp.md, docs/design.md (§1, §6).
-(dqcoll's own ``async_op`` handles return a ``concurrent.futures.Future``, which FSDP2 and DDP
-cannot wait on.)
+levels, agreed settings and per-role counters (not ``async_op`` handles: FSDP2 and DDP cannot
+wait on their ``concurrent.futures.Future``). Details: docs/fsdp.md, docs/design.md (§1, §6).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -74,8 +72,9 @@ def _plain_block_codec(rule: RoleRule) -> BlockCodec | None:
     if rule.is_exact or rule.scheme == "auto" or rule.target is not None:
         return None
     scheme = schemes.get(rule.scheme, **({"bits": rule.bits} if rule.bits is not None else {}))
-    plain = isinstance(scheme, BlockCodec) and type(scheme).prepare is BlockCodec.prepare
-    return scheme if plain else None
+    if isinstance(scheme, BlockCodec) and type(scheme).prepare is BlockCodec.prepare:
+        return scheme
+    return None
 
 
 def nccl_lane_binding() -> tuple[str | None, str]:
@@ -163,12 +162,9 @@ def exact_nbytes(role: Role, tensor_nbytes: int, world_size: int) -> int:
 
 def summed_counters(lanes: Iterable[Lane]) -> dict[str, dict[str, int]]:
     """The lanes' counters summed per role (every role, zeros included), as plain dicts."""
-    totals = {role.value: dict(RoleCounters()) for role in Role}
-    for lane in lanes:
-        for role, counters in lane.counters.items():
-            for key, value in counters.items():
-                totals[role.value][key] += value
-    return totals
+    lanes = list(lanes)
+    return {role.value: {key: sum(lane.counters[role][key] for lane in lanes)
+                         for key in RoleCounters.KEYS} for role in Role}
 
 
 class LaneWork(dist.Work):
@@ -267,7 +263,6 @@ class Lane(BlockCollectives):
         self.counters = {role: RoleCounters() for role in Role}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"dqcoll-lane {name} rank {rank}")
-        self._lock = threading.Lock()
         self._init_blocks()
 
     def _connect(self, store: Any, prefix: str, timeout_s: float, gather_nbytes: int,
@@ -285,8 +280,7 @@ class Lane(BlockCollectives):
         if binding is None and group is not None:
             return TorchTransport(group, timeout_s=timeout_s), self.device
         if binding is None:
-            raise UnsupportedError(f"rank {self.rank}: lane {self.name} on {self.device}: "
-                                   f"{reason}")
+            raise UnsupportedError(f"rank {self.rank}: lane {self.name} on {self.device}: {reason}")
         from ..transports.nccl_common import exchange_unique_id  # CUDA only: loaded on use
 
         prefixed = dist.PrefixStore(prefix, store)
@@ -330,8 +324,7 @@ class Lane(BlockCollectives):
     def probe(self, role: Role, numel: int, out_numel: int, dtype: torch.dtype) -> dist.Work:
         """The path check of a call that runs exact elsewhere, queued in issue order; its Work
         raises :class:`MismatchError` where another rank's call was compressed."""
-        with self._lock:
-            done = self._pool.submit(self._check_path, role, False, numel, out_numel, dtype)
+        done = self._pool.submit(self._check_path, role, False, numel, out_numel, dtype)
         return LaneWork(done, None)
 
     def submit(self, role: Role, tensor_nbytes: int, numel: int, run: Callable[[], Any],
@@ -358,15 +351,11 @@ class Lane(BlockCollectives):
             counters["exact_bytes"] += exact_nbytes(role, tensor_nbytes, self.world_size)
             return done
 
-        with self._lock:
-            done = self._pool.submit(job)
-        return LaneWork(done, result, order)
+        return LaneWork(self._pool.submit(job), result, order)
 
     def flush(self) -> None:
         """Return once every call queued so far has run (on CUDA: been queued on the stream)."""
-        with self._lock:
-            done = self._pool.submit(lambda: None)
-        done.result()
+        self._pool.submit(lambda: None).result()
 
     def abort(self, reason: str) -> None:
         """Close the lane's connection now (a lost peer): calls blocked on it fail at once."""

@@ -43,8 +43,7 @@ class BlockCollectives:
         return buf[:numel]
 
     def _padded(self, src: torch.Tensor, rows: int, numel: int, block: int) -> torch.Tensor:
-        """``src`` as ``rows`` float32 rows of ``numel`` zero-padded to whole blocks (a view of
-        ``src`` where it is that already)."""
+        """``src`` as ``rows`` float32 rows zero-padded to whole blocks (``src`` where it is)."""
         padded = -(-numel // block) * block
         if padded == numel and src.dtype == torch.float32:
             return src.reshape(rows, numel)

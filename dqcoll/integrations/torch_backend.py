@@ -75,9 +75,8 @@ class DqcollProcessGroup(dist.ProcessGroup):
         self._store = store
         self._timeout_s = timeout.total_seconds()
         self.cuda_lane: Lane | None = None
-        cuda = "torch has no CUDA"
-        if torch.cuda.is_available():
-            cuda = "available" if self._cuda_lane_reason is None else "unavailable"
+        cuda = ("torch has no CUDA" if not torch.cuda.is_available()
+                else "available" if self._cuda_lane_reason is None else "unavailable")
         # the ranks agree on the policy and the CUDA lane here, or all raise MismatchError
         self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
                          name="backend", prefix="dqcoll-lane/", settings={"CUDA lane": cuda},
@@ -96,9 +95,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
         # a Python process group has no C++ backend to hold its name: torch's registry has it
         return dist.distributed_c10d._world.pg_names[self]
 
-    @property
-    def pg_name(self) -> str:
-        return self.group_name
+    pg_name = group_name
 
     def __repr__(self) -> str:
         return f"DqcollProcessGroup(rank={self._rank}, world_size={self._world_size})"
@@ -111,11 +108,10 @@ class DqcollProcessGroup(dist.ProcessGroup):
     def _route(self, role: Role, tensor: torch.Tensor, op_ok: bool = True) -> str:
         """Where this call goes: ``"lane"``, ``"checked"`` (exact only for its size:
         :meth:`_exact_checked`) or ``"exact"``."""
-        if not tensor.is_floating_point() or not tensor.is_contiguous():
+        if (not tensor.is_floating_point() or not tensor.is_contiguous()
+                or (tensor.device.type == "cuda" and self._cuda_lane_reason is not None)):
             return "exact"
         decision = self.policy.decide(role, tensor, reducing_op_ok=op_ok)
-        if tensor.device.type == "cuda" and self._cuda_lane_reason is not None:
-            return "exact"
         if not decision.compress and decision.reason not in self._logged:
             self._logged.add(decision.reason)
             log.info("dqcoll backend: exact %s (%s)", role.value, decision.reason)
