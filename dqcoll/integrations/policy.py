@@ -1,11 +1,10 @@
 """Which collectives are compressed, with which scheme and bits: :class:`CompressionPolicy`.
 
 One :class:`RoleRule` per :class:`Role`, as ZeRO++ does: ``weights`` (the parameters' all-gather,
-qwZ), ``gradients`` (the gradients' reduce-scatter, qgZ) and ``allreduce`` (DDP's buckets), plus
-``min_nbytes``, ``warmup_steps``, ``seed``, the levels and the DDP hook's ``error_feedback`` and
-``monitor_every``; the text form is ``DQCOLL_POLICY`` (:meth:`CompressionPolicy.parse`). Defaults,
-levels and the text form: docs/fsdp.md ("The policy"). One scheme for every role was rejected:
-the weights' all-gather sums nothing, so a deterministic block format with a cheaper codec wins.
+qwZ), ``gradients`` (the gradients' reduce-scatter, qgZ) and ``allreduce`` (DDP's buckets); the
+text form is ``DQCOLL_POLICY`` (docs/fsdp.md, "The policy"). One scheme for every role was
+rejected: the weights' all-gather sums nothing, so a deterministic block format with a cheaper
+codec wins.
 """
 
 from __future__ import annotations
@@ -51,26 +50,20 @@ class RoleRule:
 
     def __post_init__(self) -> None:
         spec = self.spec  # an unknown name raises
-        if self.target is not None:
-            if self.bits is not None:
-                raise InvalidArgumentError(f"scheme {self.scheme!r}: bits or a target, not both")
-            if "target_vnmse" not in spec.options:
-                raise InvalidArgumentError(
-                    f"a target vNMSE needs a scheme with an error model, not {self.scheme!r}")
-            if not math.isfinite(self.target) or self.target <= 0:
-                raise InvalidArgumentError(
-                    f"scheme {self.scheme!r}: target must be a finite positive vNMSE, got "
-                    f"{self.target}")
+        if self.target is not None and self.bits is not None:
+            raise InvalidArgumentError(f"scheme {self.scheme!r}: bits or a target, not both")
+        if self.target is not None and "target_vnmse" not in spec.options:
+            raise InvalidArgumentError(
+                f"a target vNMSE needs a scheme with an error model, not {self.scheme!r}")
         if self.bits is not None and "bits" not in spec.options:
             raise InvalidArgumentError(
                 f"scheme {self.scheme!r} has a fixed format and takes no bits (got {self.bits})")
-        if self.bits is not None:
-            # refused now, not at the first compressed call
-            if not math.isfinite(self.bits) or self.bits <= 0:
+        for name, value, kind in (("target", self.target, "vNMSE"), ("bits", self.bits, "number")):
+            if value is not None and (not math.isfinite(value) or value <= 0):
                 raise InvalidArgumentError(
-                    f"scheme {self.scheme!r}: bits must be a finite positive number, got "
-                    f"{self.bits}")
-            schemes.get("dynamiq" if self.scheme == "auto" else self.scheme, bits=self.bits)
+                    f"scheme {self.scheme!r}: {name} must be a finite positive {kind}, got {value}")
+        if self.bits is not None:
+            schemes.get(spec.name, bits=self.bits)  # refused now, not at the first call
 
     @property
     def is_exact(self) -> bool:
@@ -89,12 +82,11 @@ class RoleRule:
 
     @classmethod
     def parse(cls, text: str) -> RoleRule:
-        name, _, rest = text.strip().partition(":")
-        rest = rest.strip()
+        name, _, rest = (part.strip() for part in text.partition(":"))
         try:
             if rest.startswith("target="):
-                return cls(name.strip(), target=float(rest[len("target="):]))
-            return cls(name.strip(), float(rest) if rest else None)
+                return cls(name, target=float(rest[len("target="):]))
+            return cls(name, float(rest) if rest else None)
         except ValueError as exc:  # InvalidArgumentError is a ValueError too
             raise InvalidArgumentError(f"bad role rule {text!r}: {exc}") from None
 
@@ -158,13 +150,11 @@ class CompressionPolicy:
         or ``scheme:target=v``); keys it leaves out keep ``base``'s values (default: defaults)."""
         fields: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
-            key, sep, value = item.partition("=")
-            key, value = key.strip(), value.strip()
+            key, sep, value = (part.strip() for part in item.partition("="))
             if not sep or not value:
                 raise InvalidArgumentError(f"DQCOLL_POLICY: expected key=value, got {item!r}")
             if key in fields:
-                raise InvalidArgumentError(
-                    f"DQCOLL_POLICY {text!r}: key {key!r} given twice")
+                raise InvalidArgumentError(f"DQCOLL_POLICY {text!r}: key {key!r} given twice")
             if key in ("weights", "gradients", "allreduce"):
                 try:
                     fields[key] = RoleRule.parse(value)
@@ -210,9 +200,8 @@ class CompressionPolicy:
     def refuse_hook_only(self, integration: str) -> None:
         """Raise :class:`InvalidArgumentError` if the policy asks for the DDP hook's error feedback
         or monitor, which ``integration`` would ignore."""
-        asked = [f"{name}={value}" for name, value in
-                 (("error_feedback", int(self.error_feedback)),
-                  ("monitor_every", self.monitor_every)) if value]
+        asked = [f"{key}={int(getattr(self, key))}" for key in ("error_feedback", "monitor_every")
+                 if getattr(self, key)]
         if asked:
             raise InvalidArgumentError(
                 f"{integration}: {', '.join(asked)} is the DDP hook's (DynamiqState); the "
@@ -223,12 +212,10 @@ class CompressionPolicy:
 
     def nodes(self, world_size: int) -> int:
         """Ranks per node of a fixed two-level path, or 0 (the planner decides)."""
-        if self.intra_node == "flat":
-            return 0
         local = self.local_world_size
-        if local is None or not 1 < local < world_size or world_size % local:
+        if self.intra_node == "flat" or local is None or not 1 < local < world_size:
             return 0
-        return local
+        return 0 if world_size % local else local
 
     def decide(self, role: Role, tensor: torch.Tensor, *, reducing_op_ok: bool = True,
                step: int = 0) -> Decision:

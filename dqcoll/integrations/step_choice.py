@@ -1,19 +1,8 @@
-"""The DDP hook's 16-bit mode: which 16-bit format it sends (:class:`SixteenBitFormat`) and, with
-``scheme="auto"``, whether a step runs it or compresses (:class:`StepChoice`).
-
-The 16-bit mode is torch's ``fp16_compress_hook`` or ``bf16_compress_hook``, whichever rounds
-this job's gradients closer: each rank sums both formats' squared rounding error over the fp32
-buckets of one iteration, and at the next iteration's first bucket the ranks add their sums (one
-small all-reduce) and take the smaller, the same on every rank (bf16 until then). fp16 values
-beyond its range saturate instead of becoming infinite (:func:`sixteen_bit_wire`).
-
-The warm-up's steps time the 16-bit mode, the ``samples + 1`` steps after it the compressed one
-(the first step of each mode untimed); the ranks then agree on the slowest rank's median of each
-and run the faster mode, the same on every rank, and every ``recheck_every`` steps the other mode
-is timed again. A step runs from its first bucket to the next step's first bucket; monitored
-steps are not timed, and steps in which a bucket ran a plan the planner tries once are left out
-while two other samples remain. Needs :data:`MIN_WARMUP` warm-up steps.
-Rationale and rejected alternatives: docs/ddp.md ("Does compressing pay for this job?").
+"""The DDP hook's 16-bit mode: which 16-bit format it sends (:class:`SixteenBitFormat`: fp16 or
+bf16, whichever rounds the job's gradients closer) and, with ``scheme="auto"``, whether a step
+runs it or compresses (:class:`StepChoice`: the faster by the slowest rank's median step time).
+A step runs from its first bucket to the next step's first bucket. How both are measured, and
+why: docs/ddp.md ("Warm-up", "Does compressing pay for this job?").
 """
 
 from __future__ import annotations
@@ -47,11 +36,13 @@ class Choice:
 
 
 class StepChoice:
-    """Which mode each iteration of a DDP hook with ``scheme="auto"`` runs (module docstring).
+    """Which mode each iteration of a DDP hook with ``scheme="auto"`` runs.
 
-    ``enabled=False``: every step after the warm-up is compressed; only the 16-bit steps are
-    counted. ``agree`` is called on every rank at the same iteration with ``[16-bit median s,
-    compressed median s]`` and returns the values agreed over the ranks (the maximum).
+    The warm-up times the 16-bit mode, the ``samples + 1`` steps after it the compressed one (the
+    first step of each untimed); then the faster runs, the other timed again every
+    ``recheck_every`` steps. ``enabled=False`` (or under :data:`MIN_WARMUP` warm-up steps): every
+    step after the warm-up is compressed. ``agree`` is called on every rank at the same iteration
+    with ``[16-bit median s, compressed median s]`` and returns the maximum over the ranks.
     """
 
     def __init__(self, warmup_steps: int, enabled: bool,
@@ -86,12 +77,8 @@ class StepChoice:
                                               started[0] not in self._excluded))
         self._excluded.clear()
         previous = self.mode
-        if not self.enabled:
+        if not self.enabled or iteration <= self.warmup_steps:
             self.mode = SIXTEEN_BIT if iteration < self.warmup_steps else COMPRESSED
-        elif iteration < self.warmup_steps:
-            self.mode = SIXTEEN_BIT
-        elif iteration == self.warmup_steps:
-            self.mode = COMPRESSED
         elif iteration == self._decide_at:
             self._decide(iteration)
             self._probe_at = iteration + self.recheck_every
@@ -108,9 +95,8 @@ class StepChoice:
         return self.mode
 
     def exclude(self, iteration: int) -> None:
-        """``iteration`` is no sample: one of its buckets ran a plan the planner tried once
-        (called before the next iteration begins; the planner's plans, hence the exclusions,
-        are the same on every rank, and the decision's iteration does not depend on them)."""
+        """``iteration`` is no sample: one of its buckets ran a plan the planner tried once (called
+        before the next iteration begins; the decision's iteration does not depend on it)."""
         self._excluded.add(iteration)
 
     def _decide(self, iteration: int) -> None:
@@ -153,7 +139,7 @@ def sixteen_bit_wire(buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
 
 
 class SixteenBitFormat:
-    """The 16-bit mode's format, measured on the job's gradients (module docstring).
+    """The 16-bit mode's format, measured on the job's gradients (bf16 until then).
 
     ``measuring(i)``: whether iteration ``i``'s fp32 buckets are to be :meth:`observe`-d
     (iteration 0, and every ``every``-th with ``every``); :meth:`decide` at the next iteration's
@@ -172,8 +158,8 @@ class SixteenBitFormat:
         return "fp16" if self.dtype == torch.float16 else "bf16"
 
     def measuring(self, iteration: int) -> bool:
-        return self.active and (iteration == 0 or (bool(self.every)
-                                and iteration % self.every == 0))
+        every = self.every or 0
+        return self.active and (iteration == 0 or (every > 0 and iteration % every == 0))
 
     def observe(self, iteration: int, buf: torch.Tensor, n: int) -> None:
         """Add this rank's squared rounding error of ``buf`` in each format."""

@@ -1,22 +1,17 @@
 """A PyTorch DDP communication hook that averages gradient buckets with any dqcoll scheme.
 
-``model.register_comm_hook(DynamiqState(...), dynamiq_hook)``. Warm-up iterations, and the 16-bit
-steps ``scheme="auto"``'s step-time check chooses, average fp32 buckets as torch's
-``fp16_compress_hook`` or ``bf16_compress_hook`` does, whichever rounds the job's gradients
-closer (:mod:`.step_choice`), and others with the group's exact all-reduce;
-``scheme="none"`` is DDP without a hook. Compressed buckets run ``dqcoll.allreduce(op="avg")``
-asynchronously on a :class:`~dqcoll.integrations.lane.Lane` (bucket ``i`` on lane ``i % lanes``),
-their futures completed in bucket order, the result bit-identical on every rank. Options: error
-feedback, the vNMSE monitor (synchronous), a vNMSE target that the monitor calibrates, and going
-on after a lost rank (``fault_tolerant``, :meth:`DynamiqState.shrink`, :func:`resync`). The lanes
-are made with the state or at :meth:`DynamiqState.prepare`, never inside backward. Reference:
-docs/ddp.md; the lost rank: docs/reliability.md ("DDP").
+``model.register_comm_hook(DynamiqState(...), dynamiq_hook)``. Compressed buckets run
+``dqcoll.allreduce(op="avg")`` on :class:`~dqcoll.integrations.lane.Lane` s (bucket ``i`` on lane
+``i % lanes``), completed in bucket order, bit-identical on every rank; warm-up and 16-bit steps
+(:mod:`.step_choice`) send fp32 buckets as torch's fp16 or bf16 hook does. docs/ddp.md; a lost
+rank (``fault_tolerant``, :func:`resync`): docs/reliability.md ("DDP").
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
@@ -73,8 +68,7 @@ class HookRuntime:
             raise InvalidArgumentError(
                 f"calibration_rate must be in (0, 1], got {self.calibration_rate}")
         lanes = self.lanes
-        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
-                                  or lanes < 1):
+        if lanes is not None and (type(lanes) is bool or not isinstance(lanes, int) or lanes < 1):
             raise InvalidArgumentError(f"lanes must be a positive int or None, got {lanes!r}")
 
 
@@ -89,9 +83,8 @@ def ddp_policy(policy: CompressionPolicy | str | None = None, *, scheme: str | N
     :data:`DDP_DEFAULT_POLICY`; None: ``DQCOLL_POLICY`` where set), then the ``allreduce`` role
     and policy ``fields`` given (``None`` leaves a value as it is)."""
     if policy is None:
-        text = envs.policy()
-        policy = CompressionPolicy.parse(text, DDP_DEFAULT_POLICY) if text else DDP_DEFAULT_POLICY
-    elif isinstance(policy, str):
+        policy = envs.policy()
+    if isinstance(policy, str):
         policy = CompressionPolicy.parse(policy, DDP_DEFAULT_POLICY)
     rule = policy.allreduce
     if scheme is not None or bits is not None or target_vnmse is not None:
@@ -107,12 +100,10 @@ def ddp_policy(policy: CompressionPolicy | str | None = None, *, scheme: str | N
 class DynamiqState:
     """State of :func:`dynamiq_hook` for one DDP model (one instance per model, like PowerSGD's).
 
-    What it sends is a :class:`~dqcoll.integrations.policy.CompressionPolicy` made by
-    :func:`ddp_policy` (its ``allreduce`` role is DDP's buckets); the keyword arguments set the
-    parts a DDP user sets most. ``process_group``: DDP's (None: the default group). ``scheme``:
-    ``"auto"`` (the planner's choice per bucket, the same on every rank), any registered scheme,
-    or ``"none"`` (exactly DDP without a hook). Bad names or options raise here, not in backward.
-    Fields and defaults: docs/ddp.md.
+    It sends the policy of :func:`ddp_policy` (its ``allreduce`` role is DDP's buckets).
+    ``process_group``: DDP's (None: the default group). ``scheme``: ``"auto"`` (the planner's
+    choice per bucket), a registered scheme, or ``"none"`` (exactly DDP without a hook). Bad
+    names or options raise here, not in backward. Fields and defaults: docs/ddp.md.
     """
 
     _instances = 0  # states made in this process: the prefix of their lanes' connections
@@ -140,8 +131,6 @@ class DynamiqState:
         self.process_group = process_group
         self.lane_list: list[Lane] = []  # made by prepare(), before the first backward
         self.device = None if run.device is None else torch.device(run.device)
-        self.async_op = bool(run.async_op)
-        self.lanes = run.lanes  # None: decided with the device, at prepare()
         DynamiqState._instances += 1
         self._instance = DynamiqState._instances
         self._in_flight: collections.deque[_Bucket] = collections.deque()
@@ -156,7 +145,7 @@ class DynamiqState:
         self.iteration = 0  # backward passes seen (advanced at each iteration's last bucket)
         self.seed = self.policy.seed
         self.step_choice = StepChoice(  # auto: 16 bits or compressed, by measured step time
-            self.warmup_steps, self.scheme == "auto", self._agree_step_times)
+            self.warmup_steps, self.scheme == "auto", self._agree)
         self.sixteen_bit = SixteenBitFormat(  # fp16 or bf16, by measured rounding error
             self.warmup_steps > 1 or self.step_choice.enabled,
             self.step_choice.recheck_every if self.step_choice.enabled else None)
@@ -167,19 +156,16 @@ class DynamiqState:
 
         self.monitor_every = self.policy.monitor_every
         self.vnmse_history: list[tuple[int, float]] = []  # (iteration, vNMSE over its buckets)
-        # squared error, squared norm of the exact average, predicted error (target mode)
-        self._monitor_sums = [0.0, 0.0, 0.0]
+        self._monitor_sums = [0.0, 0.0, 0.0]  # squared error, squared exact norm, predicted
 
         self.target_vnmse = rule.target
         self.kappa = 1.0  # ErrorModel.kappa: measured / predicted vNMSE, smoothed in log space
-        self.calibration_rate = run.calibration_rate  # weight of each new measurement
         self.kappa_history: list[tuple[int, float]] = []  # (iteration, kappa after it)
         self.bits_history: list[tuple[int, float]] = []  # (iteration, bits per coordinate sent)
         self._bits_sums = [0.0, 0]  # sum of bits * numel over the iteration's buckets, numel
 
         self.fault_tolerant = fault_tolerant
         self.failure: BaseException | None = None  # first failed bucket of this iteration
-        self.failures: list[tuple[int, str]] = []  # (iteration, error) of every failed one
         self.backward_error: BaseException | None = None  # raised at the end of backward
         self.shrunk = False  # True once averaging runs over a communicator of survivors
 
@@ -204,24 +190,19 @@ class DynamiqState:
         """Iterations averaged in 16 bits so far, warm-up included."""
         return self.step_choice.sixteen_bit_steps
 
-    def _agree_step_times(self, values: list[float], op: Any = dist.ReduceOp.MAX
-                          ) -> list[float]:
-        """The slowest rank's values (all-reduce ``op`` on DDP's group, between iterations)."""
+    def _agree(self, values: list[float], op: Any = dist.ReduceOp.MAX) -> list[float]:
+        """All-reduce ``values`` with ``op`` on DDP's group (between iterations)."""
         device = self.device if self.device is not None else torch.device("cpu")
         agreed = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=op, group=self.process_group)
         return [float(v) for v in agreed.tolist()]
 
-    def _agree_sums(self, values: list[float]) -> list[float]:
-        return self._agree_step_times(values, dist.ReduceOp.SUM)
-
     def _begin_iteration(self, iteration: int) -> None:
-        """At an iteration's first bucket: the step-time check times the last step, picks this
-        one's mode."""
+        """At an iteration's first bucket: the 16-bit format, and this step's mode."""
         choice = self.step_choice
         if self.shrunk or choice.iteration == iteration:
             return
-        self.sixteen_bit.decide(iteration, self._agree_sums)
+        self.sixteen_bit.decide(iteration, lambda sums: self._agree(sums, dist.ReduceOp.SUM))
         decided = len(choice.choices)
         choice.begin(iteration, timed=not self._monitor_due(iteration))
         if len(choice.choices) > decided and self.group_rank() == 0:
@@ -231,8 +212,7 @@ class DynamiqState:
                      made.compressed_ms, made.mode)
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
-        """The algorithm of a bucket's all-reduce (``"auto"``: the planner's, the same on every
-        rank)."""
+        """The algorithm of a bucket's all-reduce (``"auto"``: the planner's)."""
         return self.algorithm
 
     def should_monitor(self, iteration: int) -> bool:
@@ -271,15 +251,15 @@ class DynamiqState:
             # discover the job and measure its links now (collective), not in the first backward
             comm.planner = build_planner(comm.transport, comm.device,
                                          what="DynamiqState.prepare planner")
-        self._make_lanes(comm)
+        self._make_lanes()
         return comm
 
     def lane_count(self) -> int:
         """The lanes buckets are spread over (1 until the device is known, and after a shrink)."""
-        if self.shrunk or not self.async_op:
+        if self.shrunk or not self.runtime.async_op:
             return 1
-        if self.lanes is not None:
-            return self.lanes
+        if self.runtime.lanes is not None:
+            return self.runtime.lanes
         return 2 if self.device is not None and self.device.type == "cpu" else 1
 
     def _new_lane(self, index: int, device: torch.device) -> Lane:
@@ -293,20 +273,19 @@ class DynamiqState:
                     prefix=f"dqcoll-ddp/{self._instance}/{name}/lane{index}/", device=device,
                     gather_nbytes=GATHERED_ALLREDUCE_NBYTES, group=group)
 
-    def _make_lanes(self, comm: Communicator) -> None:
-        """Lanes 1, 2, ...: CPU buckets only (each lane is a gloo connection)."""
-        wanted = self.lane_count()
+    def _make_lanes(self) -> None:
+        """Lanes 1, 2, ... beside lane 0: CPU buckets only (each lane is a gloo connection)."""
+        wanted, first = self.lane_count(), self.lane_list[0]
         if len(self.lane_list) >= wanted:
             return
-        device = self.lane_list[0].device
-        if device.type != "cpu":
+        if first.device.type != "cpu":
             raise InvalidArgumentError(
                 f"DynamiqState(lanes={wanted}): more than one lane needs CPU buckets (each lane "
-                f"is a gloo connection); buckets on {device} take lanes=1")
+                f"is a gloo connection); buckets on {first.device} take lanes=1")
         for index in range(len(self.lane_list), wanted):
-            lane = self._new_lane(index, device)
-            if comm.planner is not None:  # the same job and rates, its own calibration
-                lane.comm.planner = comm.planner.fork()
+            lane = self._new_lane(index, first.device)
+            if first.comm.planner is not None:  # the same job and rates, its own calibration
+                lane.comm.planner = first.comm.planner.fork()
             self.lane_list.append(lane)
 
     def lane(self, index: int) -> Lane:
@@ -346,8 +325,7 @@ class DynamiqState:
 
     def record_failure(self, iteration: int, exc: BaseException) -> None:
         """Keep the first failure of an iteration for the training loop (fault_tolerant) and close
-        every lane's connections at once, so peers fail now instead of after their timeout
-        (docs/reliability.md, "DDP")."""
+        every lane's connections, so peers fail now instead of after their timeout."""
         if self.failure is None:
             self.failure = exc
             log.warning("dqcoll ddp: iteration %d: averaging failed (%s: %s); the bucket is "
@@ -355,7 +333,6 @@ class DynamiqState:
                         type(exc).__name__, exc)
             for lane in self.lane_list:
                 lane.abort(f"averaging failed at iteration {iteration}")
-        self.failures.append((iteration, f"{type(exc).__name__}: {exc}"))
 
     def shrink(self, **kwargs: Any) -> Communicator:
         """After a lost rank: average over a communicator of the survivors from now on
@@ -388,12 +365,11 @@ class DynamiqState:
 def _check_policy(policy: CompressionPolicy, runtime: HookRuntime) -> None:
     """Raise now, not at the first backward, for what the hook cannot run."""
     rule = policy.allreduce
-    name = "dynamiq" if rule.scheme == "auto" else rule.scheme
     options = {**(runtime.scheme_options or {}), **rule.options()}
     options.pop("scheme")
     if "bits" in rule.spec.options and rule.target is None:
         options.setdefault("bits", DEFAULT_BITS)
-    schemes.get(name, **options)
+    schemes.get(rule.spec.name, **options)
     if rule.scheme == "auto" and policy.error_feedback:
         raise InvalidArgumentError(
             "DynamiqState: error_feedback needs a fixed scheme (its residual is the chosen "
@@ -412,21 +388,23 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
-def _exact_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """DDP's own averaging without a hook: multiply by 1/n (as the reducer does; dividing by n
-    differs in the last bit), then sum-all-reduce."""
+def _group_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """An uncompressed bucket's average on DDP's group, asynchronously: torch's fp16 or bf16 hook
+    (``state.sixteen_bit``; bit for bit where fp16's range holds) by :func:`_warmup_path`, else
+    DDP's own average, times 1/n as its reducer does (dividing by n differs in the last bit)."""
     if state.shrunk:  # DDP's group still counts the lost rank: average over the survivors
         assert state.comm is not None
         allreduce(buf, op="avg", scheme="none", comm=state.comm)
         return _completed(buf)
-    buf.mul_(1.0 / state.group_size())
-    return _group_average(state, buf, buf)
-
-
-def _group_average(state: DynamiqState, buf: torch.Tensor,
-                   wire: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Sum-all-reduce ``wire`` (already divided by n) on DDP's group, asynchronously, into
-    ``buf``; a failure is raised, or (``fault_tolerant``) recorded with ``buf`` unreduced."""
+    if _warmup_path(state, buf) == "exact":
+        buf.mul_(1.0 / state.group_size())
+        wire = buf
+    else:
+        form = state.sixteen_bit
+        wire = sixteen_bit_wire(buf, state.group_size(), form.dtype)
+        backend = str(dist.get_backend(state.process_group))
+        state.last_info = {"scheme": form.name, "algorithm": f"{backend} all_reduce",
+                           "bits": 16.0, "warmup": state.iteration < state.warmup_steps}
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
     assert work is not None
     iteration = state.iteration
@@ -446,23 +424,10 @@ def _group_average(state: DynamiqState, buf: torch.Tensor,
 
 
 def _warmup_path(state: DynamiqState, buf: torch.Tensor) -> str:
-    """``"16-bit"`` for an fp32 bucket of a 16-bit step, else ``"exact"`` (16-bit buckets
-    already send 16 bits exactly; after a shrink DDP's group still counts the lost rank)."""
+    """``"16-bit"`` for an fp32 bucket of a 16-bit step, else ``"exact"``."""
     if state.scheme == "none" or buf.dtype != torch.float32 or state.shrunk:
         return "exact"
     return "16-bit"
-
-
-def _sixteen_bit_average(state: DynamiqState,
-                         buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A 16-bit step's average: torch's fp16 or bf16 hook (``state.sixteen_bit``), bit for bit
-    where fp16's range holds, asynchronously."""
-    form = state.sixteen_bit
-    wire = sixteen_bit_wire(buf, state.group_size(), form.dtype)
-    backend = str(dist.get_backend(state.process_group))
-    state.last_info = {"scheme": form.name, "algorithm": f"{backend} all_reduce", "bits": 16.0,
-                       "warmup": state.iteration < state.warmup_steps}
-    return _group_average(state, buf, wire)
 
 
 def _residual(state: DynamiqState, index: int, buf: torch.Tensor) -> torch.Tensor:
@@ -483,24 +448,19 @@ def _local_quantization(state: DynamiqState, values: torch.Tensor) -> torch.Tens
 
 
 def _call_options(state: DynamiqState) -> dict[str, Any]:
-    options = dict(state.scheme_options)
-    if state.target_vnmse is not None:
-        options["target_vnmse"] = state.target_vnmse
-        options["error_model"] = ErrorModel(kappa=state.kappa)
-    else:
-        options["bits"] = state.bits
-    return options
+    if state.target_vnmse is None:
+        return {**state.scheme_options, "bits": state.bits}
+    return {**state.scheme_options, "target_vnmse": state.target_vnmse,
+            "error_model": ErrorModel(kappa=state.kappa)}
 
 
 def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -> None:
     """What a completed bucket leaves in the state (runs where its all-reduce completed)."""
     state.last_info = dict(info)
-    u = info.get("u")
-    if u is not None:
-        state.allocation_u[index] = float(u)
-    bits = info.get("bits")
-    if bits is not None:
-        state._bits_sums[0] += float(bits) * numel
+    if info.get("u") is not None:
+        state.allocation_u[index] = float(info["u"])
+    if info.get("bits") is not None:
+        state._bits_sums[0] += float(info["bits"]) * numel
         state._bits_sums[1] += numel
 
 
@@ -520,8 +480,7 @@ class _Bucket:
 
 
 def _release_in_order(state: DynamiqState) -> None:
-    """Complete the finished buckets at the head of the issue order (bookkeeping, then the
-    future); the lock makes two lanes' releases one sequence."""
+    """Release the finished buckets at the head of the issue order (the lock: one sequence)."""
     with state._order:
         while state._in_flight and state._in_flight[0].finished:
             _release(state, state._in_flight.popleft())
@@ -537,20 +496,19 @@ def _release(state: DynamiqState, bucket: _Bucket) -> None:
                 _end_of_iteration(state, bucket.iteration)
         except BaseException as exc:  # bookkeeping must not lose the bucket's future
             error = exc
-    if error is not None and state.fault_tolerant and isinstance(error, DqcollError):
+    if error is None:
+        if bucket.event is not None:  # CUDA: the result is ready once this stream passes it
+            torch.cuda.current_stream(bucket.buf.device).wait_event(bucket.event)
+        bucket.future.set_result(bucket.buf)
+    elif state.fault_tolerant and isinstance(error, DqcollError):
         state.record_failure(bucket.iteration, error)  # the bucket goes back unreduced
         if bucket.last:
             _end_of_iteration(state, bucket.iteration)
         bucket.future.set_result(bucket.buf)
-        return
-    if error is not None:
+    else:
         if isinstance(error, DqcollError) and state.backward_error is None:
             state.backward_error = error  # raised with its type by _raise_after_backward
         bucket.future.set_exception(error)  # type: ignore[arg-type]  # any exception
-        return
-    if bucket.event is not None:  # CUDA: the result is ready once this stream passes the event
-        torch.cuda.current_stream(bucket.buf.device).wait_event(bucket.event)
-    bucket.future.set_result(bucket.buf)
 
 
 def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iteration: int,
@@ -558,8 +516,7 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
     comm = state.communicator(buf.device)
     if state.error_feedback:
         residual = _residual(state, index, buf)
-        message = buf.float() + residual
-        buf.copy_(message)  # what this rank contributes (rounded to the bucket's dtype)
+        buf.copy_(buf.float() + residual)  # what this rank contributes, in the bucket's dtype
         message = buf.float()
         residual.copy_(message - _local_quantization(state, message))
         # a coordinate whose message or quantization is not finite (dynamiq: every coordinate
@@ -567,14 +524,13 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
     options = _call_options(state)
     seed = state.step_seed(iteration)
-    if state.async_op and not state.should_monitor(iteration):
-        state._make_lanes(comm)  # no-op once made (prepare() makes them before any backward)
+    if state.runtime.async_op and not state.should_monitor(iteration):
+        state._make_lanes()  # no-op once made (prepare() makes them before any backward)
         lane = state.lane(index)
         bucket = _Bucket(_future_for(buf), buf, index, iteration, last)
         with state._order:
             state._in_flight.append(bucket)
-        spread = state.lane_count() > 1
-        tile = LANE_TILE_NBYTES if spread else None  # None: the API's default
+        tile = LANE_TILE_NBYTES if state.lane_count() > 1 else None  # None: the API's default
 
         def run() -> None:  # DDP's bucket is flat: the view is the bucket (as Lane's calls)
             allreduce(buf.view(-1), op="avg", scheme=state.scheme,
@@ -645,10 +601,9 @@ def _end_of_iteration(state: DynamiqState, iteration: int) -> None:
 
 
 def _calibrate(state: DynamiqState, iteration: int, measured: float, predicted: float) -> None:
-    """Move kappa towards measured / predicted by a geometric step of ``calibration_rate``; the
-    same on every rank, since the exact average is all-reduced."""
+    """Move kappa a geometric step of ``calibration_rate`` towards measured / predicted."""
     ratio = min(max(measured / predicted, 1.0 / 16), 16.0)  # one noisy step moves kappa <= 16x
-    kappa = state.kappa * ratio**state.calibration_rate
+    kappa = state.kappa * ratio**state.runtime.calibration_rate
     state.kappa = min(max(kappa, 1e-3), 1e3)
     state.kappa_history.append((iteration, state.kappa))
     if state.group_rank() == 0:
@@ -666,10 +621,8 @@ def _raise_after_backward(state: DynamiqState) -> None:
         if error is not None:
             raise error
 
-    try:
+    with contextlib.suppress(RuntimeError):  # RuntimeError: the hook called outside backward
         torch.autograd.Variable._execution_engine.queue_callback(check)
-    except RuntimeError:  # not inside a backward pass (the hook called directly)
-        pass
 
 
 def dynamiq_hook(state: DynamiqState,
@@ -680,7 +633,8 @@ def dynamiq_hook(state: DynamiqState,
     index = bucket.index()
     iteration = state.iteration
     state.bucket_numel[index] = buf.numel()
-    if not state.fault_tolerant and bucket.is_last():
+    last = bucket.is_last()
+    if not state.fault_tolerant and last:
         _raise_after_backward(state)
     try:
         state._begin_iteration(iteration)
@@ -690,27 +644,20 @@ def dynamiq_hook(state: DynamiqState,
         state.record_failure(iteration, exc)
     if buf.dtype == torch.float32 and state.sixteen_bit.measuring(iteration):
         state.sixteen_bit.observe(iteration, buf, state.group_size())
-    if state.should_compress(iteration):
-        try:
-            return _compressed_average(state, buf, index, iteration, bucket.is_last())
-        except (DqcollError, RuntimeError) as exc:  # RuntimeError: torch.distributed's own
-            if not state.fault_tolerant:
-                raise
-            state.record_failure(iteration, exc)
-            if bucket.is_last():
-                _end_of_iteration(state, iteration)
-            return _completed(buf)
-    try:  # a warm-up bucket, or scheme="none"
-        if _warmup_path(state, buf) == "16-bit":
-            return _sixteen_bit_average(state, buf)
-        return _exact_average(state, buf)
-    except (DqcollError, RuntimeError) as exc:
+    compress = state.should_compress(iteration)
+    try:  # the compressed path ends its iteration itself, once the last bucket is averaged
+        if compress:
+            return _compressed_average(state, buf, index, iteration, last)
+        return _group_average(state, buf)  # a warm-up or 16-bit step's bucket, or scheme="none"
+    except (DqcollError, RuntimeError) as exc:  # RuntimeError: torch.distributed's own
         if not state.fault_tolerant:
             raise
         state.record_failure(iteration, exc)
+        if compress and last:
+            _end_of_iteration(state, iteration)
         return _completed(buf)
     finally:
-        if bucket.is_last():
+        if last and not compress:
             _end_of_iteration(state, iteration)
 
 
@@ -725,33 +672,26 @@ def resync(state: DynamiqState, module: torch.nn.Module,
                                    "survivors yet)")
     tensors: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
     if optimizer is not None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                entry = optimizer.state.get(param, {})
-                tensors.extend(v for _, v in sorted(entry.items()) if isinstance(v, torch.Tensor))
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        entries = (sorted(optimizer.state.get(p, {}).items()) for p in params)
+        tensors.extend(v for entry in entries for _, v in entry if isinstance(v, torch.Tensor))
     counters = torch.tensor([state.iteration, step], dtype=torch.int64)
     tensors.append(counters)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for dtype, same_dtype in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same_dtype = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in same_dtype])
         if comm.rank != 0:
             flat.zero_()
         comm.transport.allreduce(flat, "sum", what=f"ddp resync ({dtype})")
-        offset = 0
+        parts = flat.split([t.numel() for t in same_dtype])
         with torch.no_grad():
-            for t in same_dtype:
-                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
+            for t, part in zip(same_dtype, parts, strict=True):
+                t.copy_(part.view(t.shape))
     state.iteration = int(counters[0])
     state.failure = None
     return int(counters[1])
 
 
 # DDP checks the hook's annotations against the real types; this module's are strings.
-dynamiq_hook.__annotations__.update({
-    "state": DynamiqState,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-})
+dynamiq_hook.__annotations__.update(state=DynamiqState, bucket=dist.GradBucket)
+dynamiq_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
