@@ -28,6 +28,7 @@ from ..errors import DqcollError, InvalidArgumentError
 from ..planner import build_planner
 from ..prepare import DEFAULT_BITS
 from ..schemes.dynamiq.error_model import ErrorModel
+from ..schemes.dynamiq.options import resolve_format
 from ..schemes.seeds import derived_seed
 from ..transports.torch_dist import GATHERED_ALLREDUCE_NBYTES
 from .lane import Lane
@@ -450,8 +451,11 @@ def _local_quantization(state: DynamiqState, values: torch.Tensor) -> torch.Tens
 def _call_options(state: DynamiqState) -> dict[str, Any]:
     if state.target_vnmse is None:
         return {**state.scheme_options, "bits": state.bits}
+    # the monitor's calibration rides on the format (its error model, kappa replaced)
+    fmt = resolve_format(state.scheme_options.get("format", "dqcoll"))
+    model = dataclasses.replace(fmt.error_model or ErrorModel(), kappa=state.kappa)
     return {**state.scheme_options, "target_vnmse": state.target_vnmse,
-            "error_model": ErrorModel(kappa=state.kappa)}
+            "format": dataclasses.replace(fmt, error_model=model)}
 
 
 def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -> None:
