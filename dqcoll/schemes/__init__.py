@@ -76,10 +76,8 @@ def _register_builtin() -> None:
     from .thc import THCScheme
     from .topk_block import TopKBlockScheme
 
-    register_scheme(NoneScheme.spec, NoneScheme)  # type: ignore[arg-type]
-    register_scheme(DynamiqScheme.spec, DynamiqScheme)  # type: ignore[arg-type]
-    for scheme in (BF16Scheme, MXFP8Scheme, MXFP6Scheme, MXFP4Scheme, Int8BlockScheme,
-                   Int4BlockScheme, THCScheme, GlobalQSGDScheme, TopKBlockScheme):
+    for scheme in (NoneScheme, DynamiqScheme, BF16Scheme, MXFP8Scheme, MXFP6Scheme, MXFP4Scheme,
+                   Int8BlockScheme, Int4BlockScheme, THCScheme, GlobalQSGDScheme, TopKBlockScheme):
         register_scheme(scheme.spec, scheme)  # type: ignore[arg-type]
 
 

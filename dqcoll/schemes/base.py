@@ -107,7 +107,9 @@ class SchemeCall(Protocol):
 
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        self.decompress_accumulate(chunk, payload, count)
+        return self.compress(chunk, out_count)
 
     def finish(self, out: torch.Tensor) -> None: ...
 

@@ -23,8 +23,6 @@ class BF16Scheme(BlockCodec):
         unbiased=False,
         exact_sums=False,
     )
-    block = 1
-    avg_mode = "post"
 
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
         return 2 * numel

@@ -15,14 +15,21 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..types import Collective, ReduceOp
-from .base import CallContext, SchemeSpec
+from .base import CallContext, SchemeCall, SchemeSpec
 
-__all__ = ["BlockCall", "BlockCodec", "BlockLayout", "split_blocks"]
+__all__ = ["BlockCall", "BlockCodec", "BlockLayout", "LayoutCall", "split_blocks", "view_payload"]
 
 
 def split_blocks(num_blocks: int, parts: int) -> list[int]:
     """Bounds cutting ``num_blocks`` into ``parts`` runs whose lengths differ by at most one."""
     return [c * num_blocks // parts for c in range(parts + 1)]
+
+
+def view_payload(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A flat uint8 payload as ``dtype`` values (copied first where its offset is unaligned)."""
+    if payload.storage_offset() % dtype.itemsize:
+        payload = payload.clone()
+    return payload.view(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +76,10 @@ class BlockLayout:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding."""
-        if not self.sharded and self.padded_numel == self.numel:
-            work = torch.empty(self.numel, dtype=torch.float32, device=x.device)
-            work.copy_(x.reshape(-1))
-            return work
-        work = torch.zeros(self.padded_numel, dtype=torch.float32, device=x.device)
-        if self.sharded:
-            n, shard = self.world_size, self.shard
-            work.view(n, self.shard_padded)[:, :shard] = x.reshape(n, shard)
-        else:
-            work[: self.numel] = x.reshape(-1)
+        alloc = torch.empty if self.padded_numel == self.numel else torch.zeros
+        work = alloc(self.padded_numel, dtype=torch.float32, device=x.device)
+        inner = self.unpad(work)
+        inner.copy_(x.reshape(inner.shape))
         return work
 
     def unpad(self, work: torch.Tensor) -> torch.Tensor:
@@ -127,20 +128,17 @@ class BlockCodec(abc.ABC):
         return self.chunk_nbytes(padded, 1, None)
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
-        flat = x.detach().reshape(-1).float()
-        padded = torch.zeros(-(-flat.numel() // self.block) * self.block, device=flat.device)
-        padded[: flat.numel()] = flat
+        padded = BlockLayout(x.numel(), self.block, 1, False).pad(x.detach())
         state = self.single_shot_state(padded)
-        return {
-            "numel": flat.numel(),
-            "shape": tuple(x.shape),
-            "state": state,
-            "data": self.encode_values(padded, 1, state),
-        }
+        return {"numel": x.numel(), "shape": tuple(x.shape), "state": state,
+                "data": self.encode_values(padded, 1, state)}
 
     def decode(self, payload: dict[str, Any]) -> torch.Tensor:
+        data, state = payload["data"], payload["state"]
         padded = -(-payload["numel"] // self.block) * self.block
-        values = self.decode_values(payload["data"], padded, 1, payload["state"])
+        values = torch.empty(padded, dtype=torch.float32, device=data.device)
+        if not self.decode_into(data, values, 1, state, False):
+            values = self.decode_values(data, padded, 1, state)
         return values[: payload["numel"]].reshape(payload["shape"])
 
     def single_shot_state(self, padded: torch.Tensor) -> Any:
@@ -160,26 +158,35 @@ class BlockCodec(abc.ABC):
         return None
 
 
-class BlockCall:
-    """One collective call of a :class:`BlockCodec` (layout: :class:`BlockLayout`)."""
+class LayoutCall(SchemeCall):
+    """The chunks of a call laid out by :class:`BlockLayout` (subclasses set ``work``)."""
 
-    def __init__(self, codec: BlockCodec, x: torch.Tensor, ctx: CallContext) -> None:
-        self.codec = codec
+    def __init__(self, x: torch.Tensor, ctx: CallContext, block: int) -> None:
         self.numel = x.numel()
         self.op = ctx.op
         self.world_size = ctx.world_size
-        self.layout = BlockLayout.of(self.numel, codec.block, ctx)
-        work = self.layout.pad(x)
+        self.layout = BlockLayout.of(self.numel, block, ctx)
         self.chunk_bounds = self.layout.chunk_bounds()
-        if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
-            work.div_(ctx.world_size)
-        self.work = work
-        self.tile_unit = codec.block  # the executor may cut chunks into tiles of whole blocks
-        self.state = codec.prepare(work, ctx)
+        self.tile_unit = block  # the executor may cut chunks into tiles of whole blocks
         self.info: dict[str, Any] = {}
 
+    def _bounds(self, chunk: int) -> slice:
+        return slice(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1])
+
     def _chunk(self, chunk: int) -> torch.Tensor:
-        return self.work[self.chunk_bounds[chunk] : self.chunk_bounds[chunk + 1]]
+        return self.work[self._bounds(chunk)]
+
+
+class BlockCall(LayoutCall):
+    """One collective call of a :class:`BlockCodec`."""
+
+    def __init__(self, codec: BlockCodec, x: torch.Tensor, ctx: CallContext) -> None:
+        super().__init__(x, ctx, codec.block)
+        self.codec = codec
+        self.work = self.layout.pad(x)
+        if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
+            self.work.div_(ctx.world_size)
+        self.state = codec.prepare(self.work, ctx)
 
     def _state(self, chunk: int) -> Any:
         """The codec state of one chunk (the call's state, unless a subclass slices it)."""

@@ -65,7 +65,6 @@ def int_block_decode_torch(
 class IntBlockScheme(BlockCodec):
     spec: SchemeSpec
     code_bits: int = 8
-    avg_mode = "post"
 
     def __init__(self, block: int = DEFAULT_BLOCK) -> None:
         block = int(block)
@@ -74,7 +73,6 @@ class IntBlockScheme(BlockCodec):
                 f"{self.spec.name}: block must be an even number >= 2, got {block}"
             )
         self.block = block
-        self.qmax = (1 << (self.code_bits - 1)) - 1
         self.spec = _int_spec(self.spec.name, self.code_bits, block)
 
     def __repr__(self) -> str:
@@ -93,10 +91,6 @@ class IntBlockScheme(BlockCodec):
     def decode_values(
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
     ) -> torch.Tensor:
-        if cpu_kernels(payload.device) is not None:
-            out = torch.empty(numel, dtype=torch.float32)
-            self.decode_into(payload, out, count, ctx, False)
-            return out
         return int_block_decode_torch(payload, numel, self.block, self.code_bits)
 
     def decode_into(

@@ -23,7 +23,7 @@ from ..kernels.baselines import cpu_kernels
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .elementwise import BlockLayout
+from .elementwise import BlockCodec, LayoutCall
 from .none import copy_saturating
 
 __all__ = ["SUPER_GROUP", "IntegerSumCall", "IntegerSumCodec", "NonFiniteGroups",
@@ -151,9 +151,7 @@ class IntegerSumCodec(abc.ABC):
         """Wire width of a payload summing ``count`` ranks: just wide enough for the sum."""
         return max(1, (count * self.code_max(state)).bit_length())
 
-    def __repr__(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
-        return f"{type(self).__name__}({options})"
+    __repr__ = BlockCodec.__repr__
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> IntegerSumCall:
         return IntegerSumCall(self, x, ctx)
@@ -176,43 +174,30 @@ class IntegerSumCodec(abc.ABC):
         return out.reshape(payload["shape"])
 
 
-class IntegerSumCall:
-    """One collective call: a :class:`~dqcoll.schemes.elementwise.BlockLayout`, integer
-    accumulators per chunk, and dequantization only of final sums."""
+class IntegerSumCall(LayoutCall):
+    """One collective call: integer accumulators per chunk, dequantization only of final sums."""
 
     def __init__(self, codec: IntegerSumCodec, x: torch.Tensor, ctx: CallContext) -> None:
-        n = ctx.world_size
+        super().__init__(x, ctx, codec.block)
         self.codec = codec
-        self.numel = x.numel()
-        self.op = ctx.op
         self.rank = ctx.rank
-        self.world_size = n
         self.seed, self.step = ctx.seed, ctx.step
-        block = codec.block
-        self.layout = BlockLayout.of(self.numel, block, ctx)
-        work = self.layout.pad(x)
-        self.chunk_bounds = self.layout.chunk_bounds()
-        self.work = work
-        self.tile_unit = block  # the executor may cut chunks into tiles of whole blocks
-        self.state = codec.prepare(work, ctx)
+        self.work = self.layout.pad(x)
+        self.state = codec.prepare(self.work, ctx)
         self.sums: dict[int, torch.Tensor] = {}  # chunk -> int64 partial sum of codes
-        self.info: dict[str, Any] = {}
-
-    def _bounds(self, chunk: int) -> tuple[int, int]:
-        return self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
 
     def _own_codes(self, chunk: int) -> torch.Tensor:
-        lo, hi = self._bounds(chunk)
+        lo, values = self.chunk_bounds[chunk], self._chunk(chunk)
         kernels = cpu_kernels(self.work.device)
         if kernels is not None:
             stream = rng.stream_key(rng.call_key(self.seed, self.step), self.codec.stream)
             key = rng.rank_key(stream, self.rank)  # the key of rank_uniforms
-            codes = self.codec.quantize_fast(kernels, self.work[lo:hi], key, lo, self.state)
+            codes = self.codec.quantize_fast(kernels, values, key, lo, self.state)
             if codes is not None:
                 return codes
-        index = torch.arange(lo, hi, dtype=torch.int64, device=self.work.device)
+        index = torch.arange(lo, lo + values.numel(), dtype=torch.int64, device=values.device)
         uniforms = rank_uniforms(self.seed, self.step, self.codec.stream, self.rank, index)
-        return self.codec.quantize(self.work[lo:hi], uniforms, self.state)
+        return self.codec.quantize(values, uniforms, self.state)
 
     def _sum(self, chunk: int) -> torch.Tensor:
         if chunk not in self.sums:
@@ -220,24 +205,21 @@ class IntegerSumCall:
         return self.sums[chunk]
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
-        lo, hi = self._bounds(chunk)
-        return packed_nbytes(hi - lo, self.codec.code_bits(count, self.state))
+        return packed_nbytes(self._chunk(chunk).numel(), self.codec.code_bits(count, self.state))
 
     def _unpack(self, chunk: int, payload: torch.Tensor, count: int) -> torch.Tensor:
-        lo, hi = self._bounds(chunk)
-        return unpack_bits(payload, self.codec.code_bits(count, self.state), hi - lo)
+        width = self.codec.code_bits(count, self.state)
+        return unpack_bits(payload, width, self._chunk(chunk).numel())
 
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         return pack_bits(self._sum(chunk), self.codec.code_bits(count, self.state))
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        lo, hi = self._bounds(chunk)
-        sums = self._unpack(chunk, payload, count)
+        sums, values = self._unpack(chunk, payload, count), self._chunk(chunk)
         kernels = cpu_kernels(self.work.device)
-        if kernels is not None and self.codec.dequantize_fast(kernels, sums, count, self.state,
-                                                              self.work[lo:hi]):
-            return
-        self.work[lo:hi] = self.codec.dequantize(sums, count, self.state)
+        if kernels is None or not self.codec.dequantize_fast(kernels, sums, count, self.state,
+                                                             values):
+            values.copy_(self.codec.dequantize(sums, count, self.state))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         kernels = cpu_kernels(self.work.device)
@@ -246,12 +228,6 @@ class IntegerSumCall:
             self.sums[chunk] = kernels.unpack_accumulate(self._sum(chunk), payload, width)
             return
         self.sums[chunk] = self._sum(chunk) + self._unpack(chunk, payload, count)
-
-    def decompress_accumulate_recompress(
-        self, chunk: int, payload: torch.Tensor, count: int, out_count: int
-    ) -> torch.Tensor:
-        self.decompress_accumulate(chunk, payload, count)
-        return self.compress(chunk, out_count)
 
     def finish(self, out: torch.Tensor) -> None:
         values = self.codec.finish_values(self.work, self.state)

@@ -115,11 +115,9 @@ def mx_decode_torch(payload: torch.Tensor, numel: int, fmt: ElementFormat) -> to
     """Inverse of :func:`mx_encode_torch`: uint8 payload -> fp32 ``[numel]``."""
     nblocks = numel // MX_BLOCK
     scale_bytes = payload[:nblocks].to(torch.int64)
-    codes = unpack_bits_torch(payload[nblocks:], fmt.bits, numel).view(nblocks, MX_BLOCK)
-    values = decode_table(fmt, payload.device)[codes]
     scale = pow2(scale_bytes - E8M0_BIAS)
     scale = torch.where(scale_bytes == E8M0_NAN, torch.full_like(scale, math.nan), scale)
-    return (values * scale[:, None]).reshape(-1)
+    return mx_decode_global_torch(payload[nblocks:], numel, scale, fmt)
 
 
 def mx_encode_global_torch(
@@ -149,7 +147,6 @@ class MXScheme(BlockCodec):
     spec: SchemeSpec
     elements: tuple[str, ...] = ()
     block = MX_BLOCK
-    avg_mode = "post"
 
     def __init__(self, element: str | None = None, scale: str | ScaleMode = "ocp") -> None:
         element = (element or self.elements[0]).lower()
@@ -224,10 +221,6 @@ class MXScheme(BlockCodec):
     def decode_values(
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
     ) -> torch.Tensor:
-        if cpu_kernels(payload.device) is not None:
-            out = torch.empty(numel, dtype=torch.float32)
-            self.decode_into(payload, out, count, ctx, False)
-            return out
         scale = self._scale(ctx, count)
         if scale is None:
             return mx_decode_torch(payload, numel, self.format)
@@ -252,9 +245,7 @@ class MXScheme(BlockCodec):
             payload, work, self.format, self._scale(ctx, count), self._scale(ctx, out_count))
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> BlockCall:
-        if self.scale is ScaleMode.GLOBAL:
-            return _GlobalScaleCall(self, x, ctx)
-        return BlockCall(self, x, ctx)
+        return (_GlobalScaleCall if self.scale is ScaleMode.GLOBAL else BlockCall)(self, x, ctx)
 
 
 class _GlobalScaleCall(BlockCall):

@@ -19,7 +19,7 @@ import torch
 from .. import scratch
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
-from .elementwise import BlockCall, BlockCodec, BlockLayout
+from .elementwise import BlockCall, BlockCodec, LayoutCall, view_payload
 
 __all__ = ["ExactSumCall", "NoneScheme", "copy_saturating"]
 
@@ -56,13 +56,6 @@ def copy_saturating(out: torch.Tensor, values: torch.Tensor) -> None:
     out.copy_(values.reshape(out.shape))
 
 
-def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A flat uint8 payload as ``dtype`` values (copied first where its offset is unaligned)."""
-    if payload.storage_offset() % dtype.itemsize:
-        payload = payload.clone()
-    return payload.view(dtype)
-
-
 class NoneScheme(BlockCodec):
     spec = SchemeSpec(
         name="none",
@@ -74,8 +67,6 @@ class NoneScheme(BlockCodec):
         exact_sums=True,
         options=("wire_dtype",),
     )
-    block = 1
-    avg_mode = "post"
 
     def __init__(self, wire_dtype: torch.dtype | None = None) -> None:
         self.wire_dtype = wire_dtype
@@ -107,20 +98,17 @@ class NoneScheme(BlockCodec):
     def decode_values(
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
     ) -> torch.Tensor:
-        return _view(payload, ctx).float()
+        return view_payload(payload, ctx).float()
 
 
-class ExactSumCall:
+class ExactSumCall(LayoutCall):
     """One collective call of ``none`` without ``wire_dtype``: partial sums accumulate in fp64;
     ``work`` (fp32, which the executor sizes tiles by) receives the decoded final sums and
     gathered shards, input-dtype values exact in fp32."""
 
     def __init__(self, x: torch.Tensor, ctx: CallContext) -> None:
-        self.numel = x.numel()
-        self.op = ctx.op
-        self.world_size = ctx.world_size
+        super().__init__(x, ctx, 1)  # blocks of 1: no padding
         self.dtype = x.dtype
-        self.layout = BlockLayout.of(self.numel, 1, ctx)  # blocks of 1: no padding
         self.values = x.reshape(-1)  # this rank's own values, sent as they are
         # the communicator's reused buffers on the CPU (dqcoll.scratch); None elsewhere
         self.pool = scratch.pool_for(ctx.state, x.device)
@@ -128,9 +116,6 @@ class ExactSumCall:
         self._wide: torch.Tensor | None = None
         self._widened: set[int] = set()
         self.work = self._take(self.numel, torch.float32)
-        self.chunk_bounds = self.layout.chunk_bounds()
-        self.tile_unit = 1  # the executor may cut chunks into tiles of any length
-        self.info: dict[str, Any] = {}
         # the simulator replays ``none`` as a block codec in this dtype
         self.state = self.dtype
         if ctx.schedule is not None:
@@ -143,19 +128,13 @@ class ExactSumCall:
     def _wire_payload(self, subtree: Any, collective: Collective) -> int:
         """Payload bytes of the call over every rank."""
         n = self.world_size
-        sizes = [self.chunk_bounds[c + 1] - self.chunk_bounds[c] for c in range(n)]
         total = 0
         if collective is not Collective.ALL_GATHER:
-            for row in subtree:
-                for size, count in zip(sizes, row, strict=True):
-                    if count < n:
-                        total += size * self._wire_dtype(count).itemsize
+            total += sum(self.payload_nbytes(chunk, count) for row in subtree
+                         for chunk, count in enumerate(row) if count < n)
         if collective is not Collective.REDUCE_SCATTER:
-            total += (n - 1) * sum(sizes) * self.dtype.itemsize
+            total += (n - 1) * self.numel * self.dtype.itemsize
         return total
-
-    def _bounds(self, chunk: int) -> slice:
-        return slice(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1])
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised ``dtype`` buffer of ``numel`` for this call (pooled on the CPU)."""
@@ -184,8 +163,7 @@ class ExactSumCall:
         return sums
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
-        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        return (hi - lo) * self._wire_dtype(count).itemsize
+        return self._chunk(chunk).numel() * self._wire_dtype(count).itemsize
 
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         if count == 1:  # one rank's own values, as they are
@@ -204,20 +182,14 @@ class ExactSumCall:
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         # a final sum, or (all-gather) one rank's shard: values of the input dtype
-        self.work[self._bounds(chunk)] = _view(payload, self._wire_dtype(count))
+        self._chunk(chunk).copy_(view_payload(payload, self._wire_dtype(count)))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        _widen_into(self._sums(chunk), _view(payload, self._wire_dtype(count)), add=True)
-
-    def decompress_accumulate_recompress(
-        self, chunk: int, payload: torch.Tensor, count: int, out_count: int
-    ) -> torch.Tensor:
-        self.decompress_accumulate(chunk, payload, count)
-        return self.compress(chunk, out_count)
+        _widen_into(self._sums(chunk), view_payload(payload, self._wire_dtype(count)), add=True)
 
     def finish_shard(self, rank: int, out: torch.Tensor) -> None:
         """Reduce-scatter: this rank's shard (its decoded final sums)."""
-        out.copy_(self.work[self._bounds(rank)].view(out.shape))
+        out.copy_(self._chunk(rank).view(out.shape))
 
     def finish(self, out: torch.Tensor) -> None:
         """All-reduce and all-gather: every chunk holds input-dtype values, so the cast is exact."""

@@ -16,7 +16,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..types import ReduceOp
 from .base import CallContext, SchemeSpec
-from .elementwise import BlockLayout, split_blocks
+from .elementwise import BlockLayout, LayoutCall, split_blocks, view_payload
 
 __all__ = ["TOPK_BLOCK", "TopKBlockCall", "TopKBlockScheme"]
 
@@ -69,12 +69,10 @@ class TopKBlockScheme:
         return self.keep_blocks(nblocks) * TOPK_BLOCK * 4 + nblocks
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
-        flat = x.detach().reshape(-1).float()
-        padded = torch.zeros(-(-flat.numel() // TOPK_BLOCK) * TOPK_BLOCK, device=flat.device)
-        padded[: flat.numel()] = flat
+        padded = BlockLayout(x.numel(), TOPK_BLOCK, 1, False).pad(x.detach())
         bitmap = self.local_bitmap(padded)
         kept = torch.nonzero(bitmap).squeeze(1)
-        return {"numel": flat.numel(), "shape": tuple(x.shape), "bitmap": bitmap,
+        return {"numel": x.numel(), "shape": tuple(x.shape), "bitmap": bitmap,
                 "data": padded.view(-1, TOPK_BLOCK)[kept].reshape(-1)}
 
     def decode(self, payload: dict[str, Any]) -> torch.Tensor:
@@ -84,26 +82,13 @@ class TopKBlockScheme:
         return out.reshape(-1)[: payload["numel"]].reshape(payload["shape"])
 
 
-def _as_fp32(payload: torch.Tensor) -> torch.Tensor:
-    """A uint8 payload viewed as fp32 (copied first if it does not start on a 4-byte boundary)."""
-    if payload.storage_offset() % 4:
-        payload = payload.clone()
-    return payload.view(torch.float32)
-
-
-class TopKBlockCall:
+class TopKBlockCall(LayoutCall):
     """One call: the bitmap all-reduce, the compacted union, dense fp32 hops."""
 
-    tile_unit = TOPK_BLOCK  # the executor may cut chunks into tiles of whole blocks
-
     def __init__(self, scheme: TopKBlockScheme, x: torch.Tensor, ctx: CallContext) -> None:
-        n = ctx.world_size
-        self.numel = x.numel()
-        self.op = ctx.op
-        self.world_size = n
-        self.layout = BlockLayout.of(self.numel, TOPK_BLOCK, ctx)
-        padded = self.layout.pad(x)
-        self.padded = padded
+        super().__init__(x, ctx, TOPK_BLOCK)
+        n = self.world_size
+        self.padded = padded = self.layout.pad(x)
         bitmap = scheme.local_bitmap(padded)
         ctx.reduce(bitmap, "max", f"{ctx.what} block bitmap")
         self.union = torch.nonzero(bitmap).squeeze(1)  # sorted block indices
@@ -117,29 +102,20 @@ class TopKBlockCall:
             row_bounds = split_blocks(rows, n)
         self.chunk_bounds = [r * TOPK_BLOCK for r in row_bounds]
         total_blocks = padded.numel() // TOPK_BLOCK
-        self.info: dict[str, Any] = {"kept_blocks": rows, "blocks": total_blocks,
-                                     "density": rows / max(total_blocks, 1)}
-
-    def _chunk(self, chunk: int) -> torch.Tensor:
-        return self.work[self.chunk_bounds[chunk] : self.chunk_bounds[chunk + 1]]
+        self.info = {"kept_blocks": rows, "blocks": total_blocks,
+                     "density": rows / max(total_blocks, 1)}
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
-        return 4 * (self.chunk_bounds[chunk + 1] - self.chunk_bounds[chunk])
+        return 4 * self._chunk(chunk).numel()
 
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         return self._chunk(chunk).contiguous().view(torch.uint8).clone()
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        self._chunk(chunk).copy_(_as_fp32(payload))
+        self._chunk(chunk).copy_(view_payload(payload, torch.float32))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        self._chunk(chunk).add_(_as_fp32(payload))
-
-    def decompress_accumulate_recompress(
-        self, chunk: int, payload: torch.Tensor, count: int, out_count: int
-    ) -> torch.Tensor:
-        self.decompress_accumulate(chunk, payload, count)
-        return self.compress(chunk, out_count)
+        self._chunk(chunk).add_(view_payload(payload, torch.float32))
 
     def finish(self, out: torch.Tensor) -> None:
         full = torch.zeros_like(self.padded).view(-1, TOPK_BLOCK)
