@@ -1,14 +1,11 @@
 """Settings every rank must share, agreed once where ranks start to talk: never per call.
 
 Settings that change which messages a collective sends (:func:`wire_settings`, an integration's
-compression policy) are agreed before any payload moves: ranks that differ would fail uncleanly
-later (gloo aborts on a longer message than expected; ranks on different paths wait until the
-timeout). :func:`agree_over` runs when a communicator over a transport in
-:data:`AGREED_TRANSPORTS` is created: one all-reduce of hashes, a second with every rank's text only
-where they differ, so the :class:`~dqcoll.errors.MismatchError` every rank raises names each value.
-:func:`agree_through_store` does the same through a key-value store (the FSDP2 classes). Not
-agreed: ``DQCOLL_TUNING_DIR`` (the argument check compares each call's algorithm) and the settings
-no message depends on (kernels, threads, timeout, log level).
+policy) are agreed before any payload moves, as ranks that differ would fail uncleanly later.
+:func:`agree_over` (a new communicator over :data:`AGREED_TRANSPORTS`): one all-reduce of hashes,
+then only where they differ one of every rank's text, so that the
+:class:`~dqcoll.errors.MismatchError` every rank raises names each value.
+:func:`agree_through_store`: the same through a key-value store (the FSDP2 classes).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import torch
 from . import envs
 from .errors import CollectiveTimeoutError, MismatchError
 
-__all__ = ["AGREED_TRANSPORTS", "SKIPPED", "agree_over", "agree_through_store",
+__all__ = ["AGREED_TRANSPORTS", "SKIPPED", "agree_over", "agree_through_store", "hash62",
            "wire_settings"]
 
 # transports whose ranks are processes of their own: a communicator over one agrees at creation
@@ -46,9 +43,9 @@ def wire_settings(seed: int) -> dict[str, str]:
     }
 
 
-def _hash(text: str) -> int:
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _LIMIT
+def hash62(text: str) -> int:
+    """A 62-bit hash of ``text`` (collisions of probability 2**-62)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _LIMIT
 
 
 def _text(settings: Mapping[str, str]) -> str:
@@ -56,12 +53,7 @@ def _text(settings: Mapping[str, str]) -> str:
 
 
 def _parse(text: str) -> dict[str, str]:
-    out = {}
-    for line in text.splitlines():
-        name, sep, value = line.partition("=")
-        if sep:
-            out[name] = value
-    return out
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
 def agree_over(transport: Any, settings: Mapping[str, str], *, what: str) -> str | None:
@@ -76,7 +68,7 @@ def agree_over(transport: Any, settings: Mapping[str, str], *, what: str) -> str
     if len(settings) > SLOTS:
         raise ValueError(f"at most {SLOTS} settings are agreed, got {len(settings)}")
     names = sorted(settings)
-    hashes = [_hash(" ".join(names)), *(_hash(f"{k}={settings[k]}") for k in names)]
+    hashes = [hash62(" ".join(names)), *(hash62(f"{k}={settings[k]}") for k in names)]
     hashes += [0] * (1 + SLOTS - len(hashes))
     values = torch.tensor(hashes, dtype=torch.int64)
     # on the transport's device: an NCCL group's small all-reduces take its GPU's tensors
@@ -91,9 +83,7 @@ def agree_over(transport: Any, settings: Mapping[str, str], *, what: str) -> str
     rows = TEXT_NBYTES // 8
     texts = torch.zeros(transport.world_size, rows, dtype=torch.int64)
     mine = _text(settings).encode()[:TEXT_NBYTES]
-    if mine:
-        texts[transport.rank].view(torch.uint8)[: len(mine)] = torch.frombuffer(
-            bytearray(mine), dtype=torch.uint8)
+    texts[transport.rank].view(torch.uint8)[: len(mine)] = torch.tensor(list(mine))
     texts = texts.to(device)
     transport.allreduce(texts, "sum", what=f"{what}: settings of every rank")
     texts = texts.cpu()

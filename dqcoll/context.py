@@ -15,12 +15,7 @@ from .topology.schedule import Schedule
 from .transports.base import Transport
 from .types import Collective, ReduceOp
 
-__all__ = ["call_context", "schedule_shape"]
-
-
-def schedule_shape(schedule: Schedule) -> ScheduleShape:
-    """The numbers of ``schedule`` an error model needs."""
-    return ScheduleShape(schedule.algorithm, schedule.world_size, schedule.subtree_sizes())
+__all__ = ["call_context"]
 
 
 def call_context(
@@ -39,6 +34,7 @@ def call_context(
     def reduce(tensor: torch.Tensor, op: str, what: str) -> None:
         transport.allreduce(tensor, op, what=what)
 
+    shape = None if schedule is None else ScheduleShape(  # the numbers an error model needs
+        schedule.algorithm, schedule.world_size, schedule.subtree_sizes())
     return CallContext(transport.rank, transport.world_size, op, seed, step, collective, what,
-                       reduce, schedule_shape(schedule) if schedule is not None else None, state,
-                       survey)
+                       reduce, shape, state, survey)

@@ -7,7 +7,6 @@ at call time, not at import (tests and launchers set them later); a malformed on
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 
@@ -19,7 +18,6 @@ __all__ = [
     "check_timeout_s",
     "cpu_threads",
     "kernels",
-    "local_world_size",
     "log_level",
     "metrics_jsonl",
     "metrics_records",
@@ -95,13 +93,35 @@ def _get(name: str) -> str:
     return os.environ.get(name, ENV_VARS[name][0])
 
 
+def _choice(name: str, choices: tuple[str, ...], *, empty: bool = False) -> str:
+    """``name``'s value in the case of ``choices``, if one of them (or empty, where allowed)."""
+    value = _get(name).strip()
+    value = value.upper() if choices[0].isupper() else value.lower()
+    if value not in choices and (value or not empty):
+        raise InvalidArgumentError(f"{name} must be one of {', '.join(choices)}"
+                                   f"{' or empty' if empty else ''}, got {value!r}")
+    return value
+
+
+def _integer(name: str, minimum: int) -> int:
+    """``name``'s integer value, at least ``minimum`` (0 or 1)."""
+    value = _get(name).strip()
+    try:
+        number = int(value)
+    except ValueError:
+        number = minimum - 1
+    if number < minimum:
+        kind = "positive" if minimum else "non-negative"
+        raise InvalidArgumentError(f"{name} must be a {kind} integer, got {value!r}")
+    return number
+
+
 def check_timeout_s(value: object, name: str = "timeout_s") -> float:
     """``value`` as a finite, positive number of seconds, or an error naming ``name``."""
     try:
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError, OverflowError):
-        raise InvalidArgumentError(
-            f"{name} must be a finite positive number of seconds, got {value!r}") from None
+        seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
         raise InvalidArgumentError(
             f"{name} must be a finite positive number of seconds, got {value!r}")
@@ -112,54 +132,24 @@ def timeout_s() -> float:
     return check_timeout_s(_get("DQCOLL_TIMEOUT_S").strip(), "DQCOLL_TIMEOUT_S")
 
 
-KERNEL_CHOICES = ("auto", "torch", "triton", "numba")
-
-
 def kernels() -> str:
-    value = _get("DQCOLL_KERNELS").strip().lower()
-    if value not in KERNEL_CHOICES:
-        raise InvalidArgumentError(
-            f"DQCOLL_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
-    return value
+    return _choice("DQCOLL_KERNELS", ("auto", "torch", "triton", "numba"))
 
 
 def cpu_threads() -> int | None:
     """The DQCOLL_CPU_THREADS setting, or None for the default (see ENV_VARS)."""
-    value = _get("DQCOLL_CPU_THREADS").strip()
-    if not value:
-        return None
-    try:
-        threads = int(value)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}") from None
-    if threads < 1:
-        raise InvalidArgumentError(
-            f"DQCOLL_CPU_THREADS must be a positive integer, got {value!r}")
-    return threads
+    return _integer("DQCOLL_CPU_THREADS", 1) if _get("DQCOLL_CPU_THREADS").strip() else None
 
 
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 def validate() -> bool:
-    value = _get("DQCOLL_VALIDATE").strip().lower()
-    if value not in _TRUE + _FALSE:
-        raise InvalidArgumentError(
-            f"DQCOLL_VALIDATE must be one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
-    return value in _TRUE
-
-
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    return _choice("DQCOLL_VALIDATE", (*_TRUE, "0", "false", "no", "off")) in _TRUE
 
 
 def log_level() -> str:
-    value = _get("DQCOLL_LOG_LEVEL").strip().upper()
-    if value not in _LOG_LEVELS or not isinstance(logging.getLevelName(value), int):
-        raise InvalidArgumentError(
-            f"DQCOLL_LOG_LEVEL must be one of {', '.join(_LOG_LEVELS)}, got {value!r}")
-    return value
+    return _choice("DQCOLL_LOG_LEVEL", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
 
 
 def tuning_dir() -> str:
@@ -170,18 +160,9 @@ def tuning_dir() -> str:
     return value
 
 
-AUTO_CHOICES = ("none", "bf16", "dynamiq")
-
-
 def auto_force() -> str | None:
     """The DQCOLL_AUTO_FORCE setting, or None (see ENV_VARS)."""
-    value = _get("DQCOLL_AUTO_FORCE").strip().lower()
-    if not value:
-        return None
-    if value not in AUTO_CHOICES:
-        raise InvalidArgumentError(
-            f"DQCOLL_AUTO_FORCE must be one of {', '.join(AUTO_CHOICES)} or empty, got {value!r}")
-    return value
+    return _choice("DQCOLL_AUTO_FORCE", ("none", "bf16", "dynamiq"), empty=True) or None
 
 
 def policy() -> str:
@@ -189,25 +170,9 @@ def policy() -> str:
     return _get("DQCOLL_POLICY").strip()
 
 
-def local_world_size() -> int | None:
-    """torchrun's ``LOCAL_WORLD_SIZE`` (ranks on this machine), or None when unset or not a
-    positive integer."""
-    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
-
-
 def metrics_records() -> int:
     """The DQCOLL_METRICS_RECORDS setting (see ENV_VARS)."""
-    value = _get("DQCOLL_METRICS_RECORDS").strip()
-    try:
-        records = int(value)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"DQCOLL_METRICS_RECORDS must be a non-negative integer, got {value!r}") from None
-    if records < 0:
-        raise InvalidArgumentError(
-            f"DQCOLL_METRICS_RECORDS must be a non-negative integer, got {value!r}")
-    return records
+    return _integer("DQCOLL_METRICS_RECORDS", 0)
 
 
 def metrics_jsonl() -> str:

@@ -19,7 +19,7 @@ import torch
 
 from .interop import caller_stream
 
-__all__ = ["CollectiveHandle", "drain", "failed", "shutdown", "submit"]
+__all__ = ["CollectiveHandle", "drain", "shutdown", "submit"]
 
 
 class CollectiveHandle:
@@ -54,10 +54,8 @@ class CollectiveHandle:
                 f"{self.what}: not finished after waiting {timeout_s:g} s on the host"
             )
         done = self._future.result()  # raises the collective's error, if it had one
-        if done is not None:
-            stream = caller_stream(self._buf)
-            if stream is not None:
-                stream.wait_event(done)
+        if done is not None:  # a CUDA buffer: its caller's stream
+            caller_stream(self._buf).wait_event(done)
         return self._result
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], None]) -> None:
@@ -79,28 +77,19 @@ class _Worker:
             tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
         self.last: concurrent.futures.Future[Any] | None = None
         self.streams: dict[int, Any] = {}  # CUDA device index -> the worker's side stream
-        self.thread = threading.Thread(target=self._loop, name=f"dqcoll-async {name}",
-                                       daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._loop, name=f"dqcoll-async {name}", daemon=True).start()
 
     def _loop(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:  # stop(): the communicator was closed or collected
-                return
+        # a None job ends the thread: the communicator was closed or collected
+        while (job := self.jobs.get()) is not None:
             fn, future = job
             del job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the handle's wait()
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the handle's wait()
+                    future.set_exception(exc)
             del fn, future  # keep no reference to the communicator between jobs
-
-    def stop(self) -> None:
-        """End the thread once the jobs queued so far have run."""
-        self.jobs.put(None)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -123,9 +112,8 @@ def _worker(comm: Any) -> _Worker:
     with _LOCK:
         worker = _WORKERS.get(comm)
         if worker is None:
-            worker = _Worker(f"rank {comm.rank}")
-            _WORKERS[comm] = worker
-            weakref.finalize(comm, worker.stop)  # garbage collection ends the thread too
+            worker = _WORKERS[comm] = _Worker(f"rank {comm.rank}")
+            weakref.finalize(comm, worker.jobs.put, None)  # garbage collection ends the thread too
         return worker
 
 
@@ -134,7 +122,7 @@ def shutdown(comm: Any) -> None:
     with _LOCK:
         worker = _WORKERS.pop(comm, None)
     if worker is not None:
-        worker.stop()
+        worker.jobs.put(None)
 
 
 def drain(comm: Any, timeout_s: float | None = None) -> bool:
@@ -147,23 +135,18 @@ def drain(comm: Any, timeout_s: float | None = None) -> bool:
     return True
 
 
-def failed(error: BaseException, *, buf: Any, result: Any, what: str) -> CollectiveHandle:
-    """A handle that is already completed with ``error`` (raised by its ``wait()``)."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    future.set_exception(error)
-    return CollectiveHandle(future, result, buf, what)
-
-
 def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,
            what: str) -> CollectiveHandle:
     """Run ``run()`` (one whole collective on ``comm``) on the communicator's worker; on a
     closed or dead communicator the handle holds the error at once."""
-    if getattr(comm, "closed", False) or getattr(comm, "dead", None) is not None:
+    if comm.closed or comm.dead is not None:
         try:
             with comm.in_flight(what):  # raises the closed / dead communicator's error
                 pass
         except Exception as exc:
-            return failed(exc, buf=buf, result=result, what=what)
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_exception(exc)
+            return CollectiveHandle(future, result, buf, what)
     worker = _worker(comm)
     stream = caller_stream(buf)
     if stream is None:

@@ -20,7 +20,6 @@ __all__ = [
     "buffer_device",
     "buffer_kind",
     "caller_stream",
-    "current_stream",
     "host_to_device",
     "stream_scope",
 ]
@@ -68,13 +67,6 @@ def as_torch_view(buf: Any, *, name: str = "buf") -> torch.Tensor:
     )
 
 
-def current_stream(tensor: torch.Tensor) -> Any:
-    """The caller's current stream for ``tensor``'s device (None on CPU)."""
-    if tensor.device.type == "cuda":
-        return torch.cuda.current_stream(tensor.device)
-    return None
-
-
 # DLPack device types (dlpack.h DLDeviceType): kDLCUDA = 2, kDLCUDAManaged = 13.
 _DLPACK_CUDA_TYPES = (2, 13)
 
@@ -115,10 +107,7 @@ def caller_stream(buf: Any) -> Any:
 def stream_scope(buf: Any) -> Iterator[None]:
     """Inside, torch's current stream is CuPy's current one for a CuPy ``buf``; else a no-op."""
     stream = caller_stream(buf) if buffer_kind(buf) == "cupy" else None
-    if stream is None:
-        yield
-        return
-    with torch.cuda.stream(stream):
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
         yield
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .comm import Communicator
 from .prepare import Request
-from .topology.hierarchical import HierarchicalPlan, LevelSpec
+from .topology.hierarchical import HierarchicalPlan
 from .transports.subgroup import SubgroupTransport
 from .types import Collective
 
@@ -40,12 +40,10 @@ def run_levels(kind: Collective, tensor: torch.Tensor, target: torch.Tensor | No
     run = _Run(plan, comm, seed=seed, step=step, op=op, launch=launch)
     if kind is Collective.ALLREDUCE:
         run.allreduce(tensor.view(-1))
-    elif kind is Collective.REDUCE_SCATTER:
-        assert target is not None
-        run.reduce_scatter(tensor.view(-1), target.view(-1))
     else:
         assert target is not None
-        run.all_gather(tensor.view(-1), target.view(-1))
+        levels = run.reduce_scatter if kind is Collective.REDUCE_SCATTER else run.all_gather
+        levels(tensor.view(-1), target.view(-1))
     return run.info(kind)
 
 
@@ -89,11 +87,13 @@ class _Run:
         self.phases: list[dict[str, Any]] = []
 
     def _level(self, collective: Collective, buf: torch.Tensor, out: torch.Tensor | None,
-               spec: LevelSpec, level: str, phase: int) -> None:
-        """One level's collective, an ordinary request over the level's communicator."""
+               phase: int) -> None:
+        """One level's collective (the inter-host level in phase ACROSS, else the intra-host
+        one), an ordinary request over the level's communicator."""
+        level, spec, comm = (("inter", self.plan.inter, self.inter) if phase == ACROSS
+                             else ("intra", self.plan.intra, self.intra))
         options = dict(spec.options)
         bits = None if "target_vnmse" in options else spec.bits
-        comm = self.intra if level == "intra" else self.inter
         self.launch(Request(collective, buf, out, op=self.op, scheme=spec.scheme, bits=bits,
                        algorithm=spec.algorithm, comm=comm, seed=_phase_seed(self.seed, phase),
                        step=self.step, scheme_options=options))
@@ -106,18 +106,11 @@ class _Run:
     def _to_local_major(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
         """``flat`` (at most ``n x shard`` elements, global rank order) as a new buffer of
         ``n x shard`` in local-major order, zero-padded; ``flat`` itself where nothing moves."""
-        total = self.n * shard
-        if flat.numel() == total and self.order is None:
-            return flat
-        if flat.numel() == total:
-            padded = flat
-        else:
-            padded = torch.empty(total, dtype=flat.dtype, device=flat.device)
-            padded[: flat.numel()] = flat
-            padded[flat.numel():] = 0
+        if flat.numel() < self.n * shard:
+            flat = torch.cat([flat, flat.new_zeros(self.n * shard - flat.numel())])
         if self.order is None:
-            return padded
-        return padded.view(self.n, shard).index_select(0, self._index(flat)).view(-1)
+            return flat
+        return flat.view(self.n, shard).index_select(0, self._index(flat)).view(-1)
 
     def _from_local_major(self, work: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
         """Write ``work`` (local-major) into ``flat`` in global rank order, cut to its length."""
@@ -134,28 +127,25 @@ class _Run:
     def allreduce(self, flat: torch.Tensor) -> None:
         shard = -(-flat.numel() // self.n)
         work = self._to_local_major(flat, shard)
-        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
-        plan = self.plan
-        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
-        self._level(Collective.ALLREDUCE, part, None, plan.inter, "inter", ACROSS)
-        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
+        part = flat.new_empty(self.hosts * shard)
+        self._level(Collective.REDUCE_SCATTER, work, part, INTRA_REDUCE)
+        self._level(Collective.ALLREDUCE, part, None, ACROSS)
+        self._level(Collective.ALL_GATHER, part, work, INTRA_GATHER)
         self._from_local_major(work, flat, shard)
 
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         shard = out.numel()
         work = self._to_local_major(flat, shard)
-        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
-        plan = self.plan
-        self._level(Collective.REDUCE_SCATTER, work, part, plan.intra, "intra", INTRA_REDUCE)
-        self._level(Collective.REDUCE_SCATTER, part, out, plan.inter, "inter", ACROSS)
+        part = flat.new_empty(self.hosts * shard)
+        self._level(Collective.REDUCE_SCATTER, work, part, INTRA_REDUCE)
+        self._level(Collective.REDUCE_SCATTER, part, out, ACROSS)
 
     def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         shard = flat.numel()
-        part = torch.empty(self.hosts * shard, dtype=flat.dtype, device=flat.device)
+        part = flat.new_empty(self.hosts * shard)
         work = out if self.order is None else torch.empty_like(out)
-        plan = self.plan
-        self._level(Collective.ALL_GATHER, flat, part, plan.inter, "inter", ACROSS)
-        self._level(Collective.ALL_GATHER, part, work, plan.intra, "intra", INTRA_GATHER)
+        self._level(Collective.ALL_GATHER, flat, part, ACROSS)
+        self._level(Collective.ALL_GATHER, part, work, INTRA_GATHER)
         self._from_local_major(work, out, shard)
 
     def info(self, kind: Collective) -> dict[str, Any]:

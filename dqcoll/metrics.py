@@ -31,8 +31,7 @@ def vnmse(estimate: Any, exact: Any) -> float:
         pairs = [(_as_float64(e), _as_float64(x)) for e, x in zip(estimate, exact, strict=True)]
     else:
         pairs = [(_as_float64(estimate), _as_float64(exact))]
-    err = 0.0
-    norm = 0.0
+    err = norm = 0.0
     for e, x in pairs:
         if e.shape != x.shape:
             raise ValueError(f"shape mismatch: estimate {tuple(e.shape)} vs exact {tuple(x.shape)}")

@@ -9,6 +9,7 @@ docs/design.md §6.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -33,13 +34,9 @@ class ScratchPool:
         """An uninitialised uint8 buffer of ``nbytes`` (like ``torch.empty``) that no other
         buffer of this call shares, with FRAME_HEADROOM bytes of its block in front of it."""
         need = int(nbytes) + FRAME_HEADROOM
-        best, best_size = -1, 0
-        for i, block in enumerate(self._free):
-            size = block.numel()
-            if size >= need and (best < 0 or size < best_size):
-                best, best_size = i, size
-        if best >= 0:
-            block = self._free.pop(best)
+        fits = [i for i, block in enumerate(self._free) if block.numel() >= need]
+        if fits:  # the smallest block that fits
+            block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
             size = max(MIN_BLOCK_NBYTES, 1 << (need - 1).bit_length())
             block = torch.empty(size, dtype=torch.uint8)
@@ -81,21 +78,18 @@ def pool_for(state: dict[Any, Any] | None, device: torch.device) -> ScratchPool 
     return pool
 
 
-_ADAPTED = [False]
 # glibc's largest dynamic mmap threshold on 64-bit (32 MiB), less a page for the chunk header
 ADAPT_NBYTES = (32 << 20) - 4096
 
 
+@functools.cache
 def _adapt_malloc() -> None:
     """Free one block of :data:`ADAPT_NBYTES` through the C allocator, once per process.
 
     Freeing it raises glibc's dynamic mmap threshold (mallopt(3)), so later blocks up to that
     size come from the heap without page faults, as they would once the process freed large
     blocks itself (the pool frees none); other allocators ignore it."""
-    if not _ADAPTED[0]:
-        _ADAPTED[0] = True
-        block = torch.empty(ADAPT_NBYTES, dtype=torch.uint8)
-        del block
+    torch.empty(ADAPT_NBYTES, dtype=torch.uint8)
 
 
 def discard(state: dict[Any, Any] | None) -> None:

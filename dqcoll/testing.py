@@ -55,11 +55,10 @@ def run_local(
     for t in threads:
         t.join()
     if return_exceptions:
-        return [errors[r] if errors[r] is not None else results[r] for r in range(world_size)]
-    root = [e for e in errors if e is not None and not isinstance(e, CommAbortedError)]
-    if root:
-        raise root[0]
-    aborted = [e for e in errors if e is not None]
-    if aborted:
-        raise aborted[0]
+        return [results[r] if e is None else e for r, e in enumerate(errors)]
+    # the first root cause, else the first abort
+    raised = sorted((e for e in errors if e is not None),
+                    key=lambda e: isinstance(e, CommAbortedError))
+    if raised:
+        raise raised[0]
     return results

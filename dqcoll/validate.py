@@ -9,28 +9,21 @@ error, the others :class:`~dqcoll.errors.PeerError`; disagreeing ranks raise
 
 from __future__ import annotations
 
-import hashlib
 import zlib
 
 import torch
 
+from .agreement import hash62
 from .comm import Communicator
 from .errors import InvalidArgumentError, MismatchError, PeerError
 from .interop import host_to_device
-from .prepare import INT_LIMIT, NO_EXPONENT, PreparedCall
+from .prepare import NO_EXPONENT, PreparedCall
 from .types import Collective
 
 __all__ = ["EXTRA_SLOTS", "fingerprint", "handshake"]
 
-_ERROR_CODES = {
-    "buffer": 1,
-    "dtype": 2,
-    "layout": 3,
-    "scheme": 4,
-    "algorithm": 5,
-    "op": 6,
-    "other": 7,
-}
+_ERROR_CODES = {name: code for code, name in enumerate(
+    ("buffer", "dtype", "layout", "scheme", "algorithm", "op", "other"), start=1)}
 _ERROR_NAMES = {v: k for k, v in _ERROR_CODES.items()}
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Everything that changes the number, sizes or meaning of the messages must be here. ``seed``
@@ -51,12 +44,6 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _hash62(value: object) -> int:
-    """A 62-bit hash of a value's text (collisions of probability 2**-62)."""
-    digest = hashlib.blake2b(str(value).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (INT_LIMIT - 1)
-
-
 def fingerprint(call: PreparedCall) -> tuple[int, ...]:
     """The int64 fields of :data:`_FIELDS` for a call that passed its local checks: what every
     rank must agree on (``scheme="auto"`` is fingerprinted as ``auto``)."""
@@ -71,8 +58,8 @@ def fingerprint(call: PreparedCall) -> tuple[int, ...]:
         _crc(name + repr(scheme)),
         _crc(algorithm),
         _crc(op.value),
-        _hash62(int(call.seed)),
-        _hash62(f"{int(call.step)}/{call.call}"),
+        hash62(str(int(call.seed))),
+        hash62(f"{int(call.step)}/{call.call}"),
         int(call.tile_nbytes),
         int(call.tiles_in_flight),
         kind,
@@ -129,7 +116,6 @@ def _exchange(call: PreparedCall, comm: Communicator, fields: tuple[int, ...],
               extra: list[int] | None) -> torch.Tensor:
     """The handshake's all-reduce; a failure of the exchange itself leaves the communicator dead."""
     n, k, m = comm.world_size, len(_FIELDS), EXTRA_SLOTS
-    assert extra is None or len(extra) == m
     vector = torch.zeros(2 * k + n + m + 1, dtype=torch.int64)
     if extra:
         vector[2 * k + n : 2 * k + n + m] = torch.tensor(extra, dtype=torch.int64)

@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidArgumentError
 from .base import Counters, Transport, ring_allreduce_nbytes
+from .local import LocalHub
 
 __all__ = [
     "Counters",
@@ -55,10 +57,6 @@ def list_transports() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _local_factory(hub: Any, rank: int) -> Transport:
-    return hub.transport(rank)  # type: ignore[no-any-return]
-
-
 def _torch_factory(group: Any = None, **kwargs: Any) -> Transport:
     from .torch_dist import TorchTransport
 
@@ -89,27 +87,15 @@ def init_nccl(requested: str = "nccl", **kwargs: Any) -> Transport:
     return cupy_nccl.init_transport(**kwargs)
 
 
-def _nccl_factory(**kwargs: Any) -> Transport:
-    return init_nccl("nccl", **kwargs)
-
-
-def _nccl4py_factory(**kwargs: Any) -> Transport:
-    return init_nccl("nccl4py", **kwargs)
-
-
-def _cupy_nccl_factory(**kwargs: Any) -> Transport:
-    return init_nccl("nccl-cupy", **kwargs)
-
-
-register_transport(TransportSpec("local", _local_factory, "ranks as threads in one process",
+register_transport(TransportSpec("local", LocalHub.transport, "ranks as threads in one process",
                                  ("cpu", "cuda")))
 register_transport(TransportSpec("torch", _torch_factory,
                                  "an existing torch.distributed group (gloo, nccl)",
                                  ("cpu", "cuda")))
-register_transport(TransportSpec("nccl", _nccl_factory,
+register_transport(TransportSpec("nccl", functools.partial(init_nccl, "nccl"),
                                  "NCCL: nccl4py where importable, else CuPy's bindings "
                                  "(one GPU per process)", ("cuda",)))
-register_transport(TransportSpec("nccl4py", _nccl4py_factory,
+register_transport(TransportSpec("nccl4py", functools.partial(init_nccl, "nccl4py"),
                                  "NCCL through nccl4py (one GPU per process)", ("cuda",)))
-register_transport(TransportSpec("nccl-cupy", _cupy_nccl_factory,
+register_transport(TransportSpec("nccl-cupy", functools.partial(init_nccl, "nccl-cupy"),
                                  "NCCL through CuPy's bindings (one GPU per process)", ("cuda",)))

@@ -28,11 +28,10 @@ class Counters(dict[str, int]):
             "messages_sent", "messages_recv", "allreduces")
 
     def __init__(self) -> None:
-        super().__init__({key: 0 for key in self.KEYS})
+        super().__init__(dict.fromkeys(self.KEYS, 0))
 
     def reset(self) -> None:
-        for key in self.KEYS:
-            self[key] = 0
+        self.update(dict.fromkeys(self.KEYS, 0))
 
     def count_send(self, nbytes: int) -> None:
         self["bytes_sent"] += nbytes

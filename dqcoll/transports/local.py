@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
 
 from .. import envs
 from ..errors import CollectiveTimeoutError, CommAbortedError, InvalidArgumentError, PeerError
-from .base import ALLREDUCE_OPS, Counters, check_peers
+from .base import ALLREDUCE_OPS, Counters, check_peers, combine_in_rank_order
 
 __all__ = ["LocalHub", "LocalTransport"]
 
@@ -54,18 +53,12 @@ class LocalHub:
             raise CommAbortedError(f"communicator aborted: {self._aborted}")
 
     def _wait(self, ready, *, rank: int, waiting_for: str, what: str) -> None:  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            self._check_aborted()
-            if ready():
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CollectiveTimeoutError(
-                    f"rank {rank}: timed out after {self.timeout_s:g} s waiting for {waiting_for} "
-                    f"at {what}"
-                )
-            self._cond.wait(min(remaining, 1.0))
+        if not self._cond.wait_for(lambda: self._aborted is not None or ready(), self.timeout_s):
+            raise CollectiveTimeoutError(
+                f"rank {rank}: timed out after {self.timeout_s:g} s waiting for {waiting_for} "
+                f"at {what}"
+            )
+        self._check_aborted()
 
 
 class LocalTransport:
@@ -93,24 +86,20 @@ class LocalTransport:
             hub._check_aborted()
             for peer, tensor in sends:
                 hub._mailboxes[(self.rank, peer)].append(_deposit(tensor))
-                self.counters.count_send(tensor.numel() * tensor.element_size())
+                self.counters.count_send(tensor.nbytes)
             hub._cond.notify_all()
             for peer, buffer in recvs:
                 box = hub._mailboxes[(peer, self.rank)]
                 hub._wait(lambda box=box: len(box) > 0, rank=self.rank,
                           waiting_for=f"a message from rank {peer}", what=what)
                 message = _read(box.popleft())
-                nbytes = buffer.numel() * buffer.element_size()
-                got = message.numel() * message.element_size()
-                if got != nbytes:
-                    reason = (f"rank {self.rank}: rank {peer} sent {got} bytes at {what}, "
-                              f"{nbytes} expected; the message is refused")
-                    if hub._aborted is None:
-                        hub._aborted = reason
-                    hub._cond.notify_all()
+                if message.nbytes != buffer.nbytes:
+                    reason = (f"rank {self.rank}: rank {peer} sent {message.nbytes} bytes at "
+                              f"{what}, {buffer.nbytes} expected; the message is refused")
+                    hub.abort(reason)  # the condition's lock is re-entrant
                     raise PeerError(reason)
                 buffer.copy_(message.view(buffer.dtype).view(buffer.shape))
-                self.counters.count_recv(nbytes)
+                self.counters.count_recv(buffer.nbytes)
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
         if op not in ALLREDUCE_OPS:
@@ -131,21 +120,14 @@ class LocalTransport:
                 raise InvalidArgumentError(
                     f"rank {self.rank}: small all-reduce at {what} got shapes {sorted(shapes)}"
                 )
-            result = _read(slots[0]).clone()  # type: ignore[arg-type]
-            for other in slots[1:]:
-                other = _read(other).to(result.device)  # type: ignore[arg-type]
-                if op == "sum":
-                    result.add_(other)
-                elif op == "max":
-                    torch.maximum(result, other, out=result)
-                else:
-                    torch.minimum(result, other, out=result)
+            copies = [_read(s) for s in slots if s is not None]  # all are, after the wait
+            result = combine_in_rank_order([c.to(copies[0].device) for c in copies], op)
             hub._reduce_reads[seq] = hub._reduce_reads.get(seq, 0) + 1
             if hub._reduce_reads[seq] == n:
                 del hub._reduce_slots[seq]
                 del hub._reduce_reads[seq]
         tensor.copy_(result)
-        self.counters.count_allreduce(tensor.numel() * tensor.element_size(), n)
+        self.counters.count_allreduce(tensor.nbytes, n)
 
     def barrier(self, *, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1), "sum", what=what)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import InvalidArgumentError
-from .base import ALLREDUCE_OPS, Counters, Transport
+from .base import ALLREDUCE_OPS, Counters, Transport, combine_in_rank_order
 
 __all__ = ["SubgroupTransport"]
 
@@ -57,35 +57,22 @@ class SubgroupTransport:
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
-        k = self.world_size
-        if k == 1:
+        if self.world_size == 1 or tensor.numel() == 0:
             return
         mine = tensor.detach().contiguous().clone()
-        peers = [p for p in range(k) if p != self.rank]
-        flat = mine.view(-1).view(torch.uint8) if mine.numel() else mine.view(-1)
-        received = {p: torch.empty_like(flat) for p in peers}
-        if flat.numel():
-            self.exchange([(p, flat) for p in peers], list(received.items()), what=what)
+        flat = mine.view(-1).view(torch.uint8)
+        received = {p: torch.empty_like(flat) for p in range(self.world_size) if p != self.rank}
+        self.exchange([(p, flat) for p in received], list(received.items()), what=what)
         parts = [mine if p == self.rank else received[p].view(mine.dtype).view(mine.shape)
-                 for p in range(k)]
-        result = parts[0].clone()
-        for other in parts[1:]:
-            if op == "sum":
-                result.add_(other)
-            elif op == "max":
-                torch.maximum(result, other, out=result)
-            else:
-                torch.minimum(result, other, out=result)
-        tensor.copy_(result)
+                 for p in range(self.world_size)]
+        tensor.copy_(combine_in_rank_order(parts, op))
 
     def barrier(self, *, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1, device=self.device), "sum", what=what)
 
     def synchronize(self, *, what: str = "synchronize") -> None:
         """The parent's host wait for what is queued (stream-ordered parents only)."""
-        wait = getattr(self.parent, "synchronize", None)
-        if wait is not None:
-            wait(what=what)
+        self.parent.synchronize(what=what)  # type: ignore[attr-defined]
 
     def abort(self, reason: str) -> None:
         self.parent.abort(reason)
