@@ -54,6 +54,8 @@ class Communicator:
         # default: the transport's own device (an NCCL group's GPU), else the CPU
         self.device = torch.device(device or getattr(transport, "device", None) or "cpu")
         self.validate = envs.validate()  # DQCOLL_VALIDATE, as agreed
+        if os.environ.get("DQCOLL_LOG_LEVEL"):  # unset: the application's logging config stands
+            log.setLevel(envs.log_level())
         self.settings = {**agreement.wire_settings(self.seed), **(settings or {})}
         self.agreement_skipped = agreement.agree_over(
             transport, self.settings,

@@ -53,7 +53,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "matching arguments (length, dtype, scheme, ...) and valid inputs. 0 skips it (saves one "
         "latency). Read when a communicator is created; its ranks must agree (checked then).",
     ),
-    "DQCOLL_LOG_LEVEL": ("WARNING", "Log level of the 'dqcoll' logger."),
+    "DQCOLL_LOG_LEVEL": ("WARNING", "Log level of the 'dqcoll' logger, set when a communicator "
+                         "is created; unset, the application's logging configuration stands."),
     "DQCOLL_POLICY": (
         "",
         "Per-role compression policy of the FSDP2 classes and of the 'dqcoll' torch.distributed "

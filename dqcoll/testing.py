@@ -35,9 +35,9 @@ def run_local(
     errors: list[BaseException | None] = [None] * world_size
 
     def body(rank: int) -> None:
-        comm = Communicator(hub.transport(rank), seed=seed, device=device)
-        set_default_comm(comm, thread_local=True)
-        try:
+        try:  # a failed communicator creation is this rank's error too, never a lost result
+            comm = Communicator(hub.transport(rank), seed=seed, device=device)
+            set_default_comm(comm, thread_local=True)
             results[rank] = fn(comm, *args)
         except BaseException as exc:
             errors[rank] = exc

@@ -268,6 +268,26 @@ def test_malformed_env_values_raise_naming_them(monkeypatch, name, value):
     assert repr(value) in str(info.value)
 
 
+def test_log_level_is_applied_when_a_communicator_is_created(monkeypatch):
+    """``DQCOLL_LOG_LEVEL`` sets the ``dqcoll`` logger's level when a communicator is created
+    (unset, the application's own logging configuration stands); a malformed value raises
+    there, naming it."""
+    import logging
+
+    logger = logging.getLogger("dqcoll")
+    monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
+    monkeypatch.setenv("DQCOLL_LOG_LEVEL", "DEBUG")
+    run_local(2, lambda comm: None)
+    assert logger.level == logging.DEBUG
+    monkeypatch.delenv("DQCOLL_LOG_LEVEL")
+    logger.setLevel(logging.ERROR)
+    run_local(2, lambda comm: None)
+    assert logger.level == logging.ERROR
+    monkeypatch.setenv("DQCOLL_LOG_LEVEL", "LOUD")
+    with pytest.raises(InvalidArgumentError, match="DQCOLL_LOG_LEVEL"):
+        run_local(2, lambda comm: None)
+
+
 def test_nan_timeout_is_refused_before_any_wait(monkeypatch):
     """``DQCOLL_TIMEOUT_S=nan`` makes an in-process group and ``dqcoll.init`` raise at once,
     naming the value (with it, in-process ranks would wait forever for a missing one, and
