@@ -250,11 +250,11 @@ def test_hull_cost_counts_equal_the_row_by_row_rule(ties: bool) -> None:
     f[7] = float("inf")
     scales = C.Scales.HIERARCHICAL4X32
     errors = A.MEASURED_ERRORS[(C.Levels.TUNED, scales)]
-    hull, offsets, top = A._hull_widths(C.FINE_WIDTHS, 16, errors, scales)
-    log_f, zero = A._log_energies(f)
+    rows = A._Rows.of(f, width_set=C.FINE_WIDTHS, errors=errors, scales=scales, max_width=16)
+    log_f, zero, hull, offsets, top = rows.log_f, rows.zero, rows.hull, rows.offsets, rows.top
     shifts = {1: 0.0, 3: 1.7, 8: -0.3}
     lookup = A.cost_lookup(scales)
-    fast = A._HullCost(log_f, zero, shifts, hull, offsets, top, lookup)
+    fast = A._HullCost(rows, shifts, lookup)
     nan = torch.isnan(log_f)
     probes = torch.linspace(-60, 60, 241).tolist()
     probes += [offsets[2] - float(log_f[10]), offsets[3] - float(log_f[11]) - 1.7]

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...kernels import dynamiq_ops
 from ...kernels.codec import (
     ALL_WIDTHS,
     FINE_WIDTHS,
@@ -69,6 +70,7 @@ MEASURED_ERRORS: dict[tuple[enum.Enum, enum.Enum], dict[int, float]] = {
 }
 # dqcoll's format (format 3) without hop widths: the defaults of allocate_widths
 _FORMAT3_ERRORS = MEASURED_ERRORS[(Levels.TUNED, Scales.HIERARCHICAL4X32)]
+Classes = dict[int, tuple[float, float]]  # count class -> (alpha_c, tau_c): :func:`count_classes`
 # by-count rules break ties (bf16 norms repeat) by row index, far below distinct norms' spacing
 _TIE_BREAK = 2.0**-30
 
@@ -96,9 +98,8 @@ def min_bits(scales: Scales = Scales.HIERARCHICAL4X32,
     return (record_nbytes(2, scales) + stats_bytes) * 8.0 / 256
 
 
-def hull_offsets(
-    widths: tuple[int, ...], errors: dict[int, float], scales: Scales
-) -> tuple[list[int], list[float]]:
+def hull_offsets(widths: tuple[int, ...], errors: dict[int, float],
+                 scales: Scales) -> tuple[list[int], list[float]]:
     """Widths on the lower convex hull of (record bytes, error) and their thresholds
     ``o_i = log2((B_i - B_{i-1}) / (e_{i-1} - e_i))`` (``o_0 = -inf``)."""
     pts = sorted((record_nbytes(w, scales), errors[w], w) for w in widths)
@@ -113,18 +114,16 @@ def hull_offsets(
             else:
                 break
         hull.append(p)
-    offsets = [-math.inf]
-    for (b1, e1, _), (b2, e2, _) in itertools.pairwise(hull):
-        offsets.append(math.log2((b2 - b1) / (e1 - e2)))
+    offsets = [-math.inf, *(math.log2((b2 - b1) / (e1 - e2))
+                            for (b1, e1, _), (b2, e2, _) in itertools.pairwise(hull))]
     return [w for _, _, w in hull], offsets
 
 
 def _hull_widths(width_set: Sequence[int], max_width: int, errors: dict[int, float] | None,
                  scales: Scales) -> tuple[list[int], list[float], int]:
     """The hull's widths, offsets and widest coded width (errors None: ``4**-w``)."""
-    widths_all = tuple(w for w in width_set if w != RAW_WIDTH)
-    if max_width == RAW_WIDTH:
-        widths_all = (*widths_all, RAW_WIDTH)
+    raw = (RAW_WIDTH,) if max_width == RAW_WIDTH else ()
+    widths_all = (*(w for w in width_set if w != RAW_WIDTH), *raw)
     if errors is None:
         errors = {w: 4.0**-w for w in widths_all}
     hull, offsets = hull_offsets(widths_all, errors, scales)
@@ -153,22 +152,10 @@ def _cost_table(scales: Scales) -> torch.Tensor:
                          for w in range(RAW_WIDTH + 1)], dtype=torch.int64)
 
 
-def _log_energies(norm2: torch.Tensor, energy_exponent: float = 1.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a * log2 F, F == 0)`` per row in float64 (an overflowed norm: ``log2 F = 128``)."""
-    f = norm2.double()
-    zero = f == 0
-    log_f = torch.log2(torch.where(zero, 1.0, f))
-    log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)
-    if energy_exponent != 1.0:
-        log_f = log_f * energy_exponent
-    return log_f, zero
-
-
 @dataclasses.dataclass(frozen=True)
 class _Rows:
-    """The all-reduced norms as the hull rule reads them: float64 on the host, so that every
-    rank and device type computes the same widths."""
+    """The all-reduced norms as the hull rule reads them (float64 on the host: the same widths
+    on every rank and device type)."""
 
     log_f: torch.Tensor  # a * log2 F (+ the tie break in the by-count rules)
     zero: torch.Tensor  # F == 0: width 0
@@ -183,7 +170,12 @@ class _Rows:
            scales: Scales, max_width: int, energy_exponent: float = 1.0,
            tie_break: bool = False) -> _Rows:
         hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
-        log_f, zero = _log_energies(norm2.detach().to("cpu"), energy_exponent)
+        f = norm2.detach().to("cpu").double()
+        zero = f == 0
+        log_f = torch.log2(torch.where(zero, 1.0, f))
+        log_f = torch.where(torch.isposinf(log_f), 128.0, log_f)  # an overflowed norm
+        if energy_exponent != 1.0:
+            log_f = log_f * energy_exponent
         nan = torch.isnan(log_f)
         if tie_break:
             rows = log_f.numel()
@@ -200,22 +192,19 @@ class _Rows:
         return _hull_rule(self.log_f, self.zero, self.nan, self.hull, self.offsets, self.top, u,
                           shift)
 
-    def class_widths(self, u: float, shifts: dict[int, float]) -> dict[int, torch.Tensor]:
-        return {c: self.widths(u, shift) for c, shift in shifts.items()}
+    def class_widths(self, u: float, shifts: dict[int, float], classes: Classes,
+                     lookup: torch.Tensor) -> tuple[dict[int, torch.Tensor], int]:
+        """Each class's widths at ``u`` and their traffic-weighted payload bytes (``tau_c``
+        times class c's bytes, rounded up)."""
+        ws = {c: self.widths(u, shift) for c, shift in shifts.items()}
+        return ws, math.ceil(sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items()))
 
     def bracket(self, shifts: Sequence[float] = (0.0,)) -> tuple[float, float]:
         """``u`` with every finite row at the narrowest width, and at the widest."""
         top = float(torch.where(self.finite, self.log_f, -math.inf).max())
         low = float(torch.where(self.finite, self.log_f, math.inf).min())
-        u_lo = self.offsets[1] - top - max(shifts) - 1.0
-        u_hi = self.offsets[-1] - low - min(shifts) + 1.0
-        return u_lo, u_hi
-
-    def cost(self, shifts: dict[int, float], lookup: torch.Tensor,
-             energies: torch.Tensor | None = None,
-             correlated: torch.Tensor | None = None) -> _HullCost:
-        return _HullCost(self.log_f, self.zero, shifts, self.hull, self.offsets, self.top,
-                         lookup, energies, correlated)
+        return (self.offsets[1] - top - max(shifts) - 1.0,
+                self.offsets[-1] - low - min(shifts) + 1.0)
 
 
 def target_energy(f: torch.Tensor, mean_sum: torch.Tensor, valid: torch.Tensor,
@@ -230,9 +219,20 @@ def target_energy(f: torch.Tensor, mean_sum: torch.Tensor, valid: torch.Tensor,
     return finite_f, energy
 
 
-def _count_shifts(classes: dict[int, tuple[float, float]]) -> dict[int, float]:
+def _count_shifts(classes: Classes) -> dict[int, float]:
     """Per count class ``c``: the key shift ``log2(alpha_c / tau_c)``."""
     return {c: math.log2(a / t) for c, (a, t) in classes.items()}
+
+
+def _bisect(low: Callable[[float], bool], u_lo: float, u_hi: float) -> tuple[float, float]:
+    """Halve ``[u_lo, u_hi]`` BISECTION_STEPS times, keeping ``low(u_lo)``, not ``low(u_hi)``."""
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (u_lo + u_hi)
+        if low(mid):
+            u_lo = mid
+        else:
+            u_hi = mid
+    return u_lo, u_hi
 
 
 def _largest_u_fitting(fits: Callable[[float], bool], u_lo: float, u_hi: float
@@ -242,13 +242,7 @@ def _largest_u_fitting(fits: Callable[[float], bool], u_lo: float, u_hi: float
         return u_lo, True
     if fits(u_hi):
         return u_hi, False
-    for _ in range(BISECTION_STEPS):
-        mid = 0.5 * (u_lo + u_hi)
-        if fits(mid):
-            u_lo = mid
-        else:
-            u_hi = mid
-    return u_lo, False
+    return _bisect(fits, u_lo, u_hi)[0], False
 
 
 def smallest_u_meeting(error: Callable[[float], float], target: float, u_lo: float,
@@ -259,49 +253,39 @@ def smallest_u_meeting(error: Callable[[float], float], target: float, u_lo: flo
         return u_lo
     if error(u_hi) > target:
         return u_hi
-    for _ in range(BISECTION_STEPS):
-        mid = 0.5 * (u_lo + u_hi)
-        if error(mid) <= target:
-            u_hi = mid
-        else:
-            u_lo = mid
-    return u_hi
+    return _bisect(lambda u: error(u) > target, u_lo, u_hi)[1]
 
 
 class _HullCost:
     """Cost of the hull rule at a given ``u`` by binary searches in each class's sorted keys,
     corrected to the predicate's own boundary: every count equals the row-by-row evaluation's."""
 
-    def __init__(self, log_f: torch.Tensor, zero: torch.Tensor, shifts: dict[int, float],
-                 hull: list[int], offsets: list[float], top: int, lookup: torch.Tensor,
+    def __init__(self, rows: _Rows, shifts: dict[int, float], lookup: torch.Tensor,
                  energies: torch.Tensor | None = None,
                  correlated: torch.Tensor | None = None) -> None:
-        import numpy as np
-
-        keys = log_f.numpy()
+        keys = rows.log_f.numpy()
         nan = np.isnan(keys)
-        zero_np = zero.numpy()
+        zero_np = rows.zero.numpy()
         live = ~zero_np & ~nan
         order = np.argsort(keys[live], kind="stable")
         base = keys[live][order]
         self.keys = {c: base + shift if shift else base for c, shift in shifts.items()}
-        self.hull = hull
-        # target mode: prefix sums of the rows' energies (and of ``F_s rho_s``) in key order
-        self.prefix = None if energies is None else np.concatenate(
-            [[0.0], np.cumsum(energies.numpy()[live][order])])
-        self.prefix_rho = None if correlated is None else np.concatenate(
-            [[0.0], np.cumsum(correlated.numpy()[live][order])])
+        self.hull = hull = rows.hull
+
+        def prefix(values: torch.Tensor | None) -> np.ndarray | None:
+            """Target mode: prefix sums of ``values`` in key order."""
+            return None if values is None else np.concatenate(
+                [[0.0], np.cumsum(values.numpy()[live][order])])
+
+        self.prefix, self.prefix_rho = prefix(energies), prefix(correlated)  # F_s, F_s rho_s
         costs = lookup.tolist()
         self.bytes = [int(costs[w]) for w in hull]
-        self.offsets = offsets[1:]
-        self.offsets_np = np.asarray(self.offsets, dtype=np.float64)
-        self.fixed = int(nan[~zero_np].sum()) * int(costs[top])  # NaN rows: the widest width
+        self.offsets = np.asarray(rows.offsets[1:], dtype=np.float64)
+        self.fixed = int(nan[~zero_np].sum()) * int(costs[rows.top])  # NaN rows: the widest width
 
     @staticmethod
-    def _fix(g, u: float, off: float, i: int) -> int:  # type: ignore[no-untyped-def]
+    def _fix(g: np.ndarray, u: float, off: float, i: int) -> int:
         """Move ``i`` (a binary search's guess) to the first index with ``g[i] + u >= off``."""
-        import numpy as np
-
         n = g.shape[0]
         while i > 0 and float(g[i - 1]) + u >= off:  # step back over whole runs of equal keys
             i = int(np.searchsorted(g, g[i - 1], side="left"))
@@ -310,12 +294,10 @@ class _HullCost:
         return i
 
     def class_bytes(self, c: int, u: float) -> int:
-        """Payload bytes of class ``c`` at ``u`` (width ``hull[k]`` from ``starts[k]`` on)."""
-        g = self.keys[c]
-        starts = self._starts(c, u)
-        ends = [*starts[1:], g.shape[0]]
-        total = sum(b * (hi - lo) for b, lo, hi in zip(self.bytes, starts, ends, strict=True))
-        return total + self.fixed
+        """Payload bytes of class ``c`` at ``u``."""
+        spans = self._spans(c, u)
+        return sum(b * (hi - lo) for b, (lo, hi) in zip(self.bytes, spans, strict=True)) \
+            + self.fixed
 
     def class_error(self, c: int, u: float, unit_error: list[float],
                     correlated: bool = False) -> float:
@@ -323,18 +305,14 @@ class _HullCost:
         ``F_s rho_s`` with ``correlated``)."""
         prefix = self.prefix_rho if correlated else self.prefix
         assert prefix is not None
-        starts = self._starts(c, u)
-        ends = [*starts[1:], self.keys[c].shape[0]]
         return sum(unit_error[w] * float(prefix[hi] - prefix[lo])
-                   for w, lo, hi in zip(self.hull, starts, ends, strict=True))
+                   for w, (lo, hi) in zip(self.hull, self._spans(c, u), strict=True))
 
-    def _starts(self, c: int, u: float) -> list[int]:
-        """Index of the first row at width ``hull[k]`` or wider, for every k."""
-        import numpy as np
-
+    def _spans(self, c: int, u: float) -> list[tuple[int, int]]:
+        """The sorted rows ``[first, end)`` of class ``c`` at width ``hull[k]``, for every k."""
         g = self.keys[c]
         n = g.shape[0]
-        offsets = self.offsets_np
+        offsets = self.offsets
         guess = np.searchsorted(g, offsets - u, side="left")  # one call for every threshold
         # where fl(g + u) >= off disagrees with g >= off - u (rounding), correct the guess
         before = g[np.maximum(guess - 1, 0)] + u >= offsets
@@ -342,14 +320,8 @@ class _HullCost:
         wrong = ((guess > 0) & before) | ((guess < n) & at)
         starts = [0, *guess.tolist()]
         for k in np.flatnonzero(wrong).tolist():
-            starts[k + 1] = self._fix(g, u, self.offsets[k], starts[k + 1])
-        return starts
-
-
-def _classes_cost(ws: dict[int, torch.Tensor], classes: dict[int, tuple[float, float]],
-                  lookup: torch.Tensor) -> float:
-    """Traffic-weighted payload bytes of per-class widths (``tau_c`` times class c's bytes)."""
-    return sum(classes[c][1] * float(lookup[w].sum()) for c, w in ws.items())
+            starts[k + 1] = self._fix(g, u, float(offsets[k]), starts[k + 1])
+        return list(itertools.pairwise([*starts, n]))
 
 
 def allocate_widths(
@@ -373,29 +345,25 @@ def allocate_widths(
     lookup = cost_lookup(scales)
     stats = stats_bytes * norm2.numel()
     budget = math.floor(bits * numel / 8.0)
-
-    def cost(widths: torch.Tensor) -> int:
-        return int(lookup[widths].sum().item())
-
-    if not rows.searchable:
-        widths = rows.widths(0.0)
-        payload = cost(widths)
-        return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
-    fast = rows.cost({0: 0.0}, lookup)
-    u, over = _largest_u_fitting(lambda u: fast.class_bytes(0, u) + stats <= budget,
-                                 *rows.bracket())
-    widths = rows.widths(u)
-    return Allocation(widths, u, cost(widths), stats, budget, over)
+    searched = rows.searchable
+    u, over = float("nan"), False
+    if searched:
+        fast = _HullCost(rows, {0: 0.0}, lookup)
+        u, over = _largest_u_fitting(lambda u: fast.class_bytes(0, u) + stats <= budget,
+                                     *rows.bracket())
+    widths = rows.widths(u if searched else 0.0)
+    payload = int(lookup[widths].sum().item())
+    return Allocation(widths, u, payload, stats, budget,
+                      over if searched else payload + stats > budget)
 
 
-def count_classes(subtree: Any) -> dict[int, tuple[float, float]]:
+def count_classes(subtree: Any) -> Classes:
     """Per partial-sum size ``c`` (the executor's ``count``): ``(alpha_c, tau_c)``, the error
     weight (quantizations of a ``c``-rank partial sum per chunk, times ``c``) and the share of
-    the all-reduce's transfers that carry it, from ``subtree[rank][chunk]`` (sequences or an
-    array). Classes and floats are those of a plain loop, chunk by chunk, rank by rank."""
+    the all-reduce's transfers that carry it, from ``subtree[rank][chunk]``, as a plain loop."""
     sizes = np.asarray(subtree, dtype=np.int64)
-    n = sizes.shape[0] if sizes.ndim == 2 else len(subtree)
-    chunks = sizes.shape[1] if sizes.ndim == 2 and n else 0
+    n = len(subtree)
+    chunks = sizes.shape[1] if sizes.ndim == 2 else 0
     sends: dict[int, float] = {}
     if chunks:
         column_major = sizes.T.reshape(-1)  # chunk by chunk, rank by rank
@@ -424,7 +392,7 @@ def allocate_widths_by_count(
     norm2: torch.Tensor,
     numel: int,
     bits: float,
-    classes: dict[int, tuple[float, float]],
+    classes: Classes,
     *,
     scales: Scales,
     width_set: Sequence[int],
@@ -445,8 +413,7 @@ def allocate_widths_by_count(
 
     def result(u: float, over: bool, searched: bool = True
                ) -> tuple[dict[int, torch.Tensor], Allocation]:
-        ws = rows.class_widths(u, shifts)
-        payload = math.ceil(_classes_cost(ws, classes, lookup))
+        ws, payload = rows.class_widths(u, shifts, classes, lookup)
         return ws, Allocation(ws[max(ws)], u if searched else float("nan"), payload, stats,
                               budget, over)
 
@@ -454,7 +421,7 @@ def allocate_widths_by_count(
         return result(0.0, False, searched=False)
     if _numba_allocation():
         return _by_count_compiled(rows, shifts, classes, lookup, stats, budget)
-    fast = rows.cost(shifts, lookup.long())
+    fast = _HullCost(rows, shifts, lookup.long())
 
     def fits(u: float) -> bool:  # cost(class_widths(u)) + stats <= budget, bit for bit
         return sum(classes[c][1] * float(fast.class_bytes(c, u)) for c in shifts) + stats \
@@ -465,17 +432,13 @@ def allocate_widths_by_count(
 
 def _numba_allocation() -> bool:
     """Whether the compiled search runs (where the CPU kernels are numba's)."""
-    from ...kernels import dynamiq_ops
-
     return dynamiq_ops(torch.device("cpu")).name == "numba"
 
 
-def _by_count_compiled(rows: _Rows, shifts: dict[int, float],
-                       classes: dict[int, tuple[float, float]], lookup: torch.Tensor,
-                       stats: int, budget: int) -> tuple[dict[int, torch.Tensor], Allocation]:
+def _by_count_compiled(rows: _Rows, shifts: dict[int, float], classes: Classes,
+                       lookup: torch.Tensor, stats: int, budget: int
+                       ) -> tuple[dict[int, torch.Tensor], Allocation]:
     """:func:`allocate_widths_by_count`'s search, compiled: bit for bit the same result."""
-    import numpy as np
-
     from ...kernels.allocation_numba import hull_by_count
 
     order = list(shifts)
@@ -497,7 +460,7 @@ def allocate_for_target_by_count(
     mean_sum: torch.Tensor,
     valid: torch.Tensor,
     target: float,
-    classes: dict[int, tuple[float, float]],
+    classes: Classes,
     *,
     world_size: int,
     rho: float,
@@ -528,14 +491,13 @@ def allocate_for_target_by_count(
     unit = unit_error.tolist()
 
     def result(u: float, predicted: float) -> tuple[dict[int, torch.Tensor], Allocation]:
-        ws = rows.class_widths(u, shifts)
-        payload = math.ceil(_classes_cost(ws, classes, lookup))
+        ws, payload = rows.class_widths(u, shifts, classes, lookup)
         return ws, Allocation(ws[max(ws)], u, payload, stats, payload + stats, False, predicted,
                               predicted <= target)
 
     if not rows.searchable or energy <= 0.0:
         return result(0.0, 0.0)
-    fast = rows.cost(shifts, lookup.long(), finite_f, correlated)
+    fast = _HullCost(rows, shifts, lookup.long(), finite_f, correlated)
 
     def error(u: float) -> float:
         if correlated is not None:
@@ -570,18 +532,16 @@ def allocate_for_target(
     stats = stats_bytes * norm2.numel()
     finite_f, energy = target_energy(norm2.detach().to("cpu", torch.float64), mean_sum, valid,
                                       world_size, rho)
-    lookup = cost_lookup(scales)
 
     def error(widths: torch.Tensor) -> float:
         return predicted_vnmse(widths, finite_f, energy, error_per_energy)
 
-    def result(widths: torch.Tensor, u: float) -> Allocation:
-        payload = int(lookup[widths].sum().item())
-        predicted = error(widths)
-        return Allocation(widths, u, payload, stats, payload + stats, False, predicted,
-                          predicted <= target)
-
-    if not bool(rows.finite.any()):  # zero rows get no record, NaN rows 8 bits
-        return result(torch.where(rows.zero, 0, 8), float("nan"))
-    u = smallest_u_meeting(lambda u: error(rows.widths(u)), target, *rows.bracket())
-    return result(rows.widths(u), u)
+    if bool(rows.finite.any()):
+        u = smallest_u_meeting(lambda u: error(rows.widths(u)), target, *rows.bracket())
+        widths = rows.widths(u)
+    else:  # zero rows get no record, NaN rows 8 bits
+        u, widths = float("nan"), torch.where(rows.zero, 0, 8)
+    payload = int(cost_lookup(scales)[widths].sum().item())
+    predicted = error(widths)
+    return Allocation(widths, u, payload, stats, payload + stats, False, predicted,
+                      predicted <= target)

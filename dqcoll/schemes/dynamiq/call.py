@@ -1,27 +1,18 @@
 """One ``dynamiq`` collective call: the per-call planning, then the per-hop operations.
 
-The constructor plans the call in named steps (docs/design.md §2, step 5): layout (fp32 rows of
-256, the super-groups; the shard layout pads each shard on its own so chunk ``c`` is shard
-``c``), statistics (per super-group bf16 squared norms, one small sum all-reduce), allocation
-(widths from the summed norms, identical on every rank: :mod:`.allocation`, or the format's own
-rule; ``energy_exponent`` and ``target_vnmse`` as in
-docs/accuracy.md and docs/target_vnmse.md), kernel choice (the torch reference where the device's
-kernels lack a width or scale), reorder (rows sorted by width, centred, written once into the
-work rows), geometry (:class:`.geometry.Geometry`) and info (``comm.last_info``). Each hop then
-runs the fused decompress-accumulate-recompress per run of equal width; at the end each rank adds
-back the summed means and undoes the reorder.
-
-Random numbers are keyed by the original coordinate index, so chunking, reordering and tiling do
-not change them. On CUDA the host reads the device once per call (the summed statistics); the
-tables that go back are copied from pinned memory on the caller's stream. State kept on the
-communicator between calls (CPU work buffers, target mode's measured ``rho`` and crests, at most
-:data:`RHO_ENTRIES` keys) is listed in docs/design.md §6.
+The constructor plans the call in the steps of docs/design.md §2 (step 5): layout, statistics
+(one small sum all-reduce), allocation, kernel choice, reorder (rows sorted by width, centred,
+written once into the work rows), geometry and info (``comm.last_info``). Each hop then runs the
+fused decompress-accumulate-recompress per run of equal width; at the end each rank adds back the
+summed means and undoes the reorder. Random numbers are keyed by the original coordinate index.
+On CUDA the host reads the device once per call. The state kept between calls: design.md §6.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -47,6 +38,7 @@ from ...types import Collective, ReduceOp
 from ..base import CallContext
 from .allocation import (
     Allocation,
+    Classes,
     allocate_for_target,
     allocate_for_target_by_count,
     allocate_widths,
@@ -67,8 +59,7 @@ __all__ = ["RHO_ENTRIES", "DynamiqCall", "SchemeSettings"]
 
 
 class SchemeSettings(Protocol):
-    """What a call reads from its scheme (:class:`.scheme.DynamiqScheme` provides it). A
-    protocol, so that this module does not import the scheme module that imports it."""
+    """What a call reads from its :class:`.scheme.DynamiqScheme` (a protocol: no import circle)."""
 
     format: DynamiqFormat
     config: CodecConfig
@@ -88,40 +79,32 @@ class SchemeSettings(Protocol):
     @property
     def measured_errors(self) -> dict[int, float] | None: ...
 
-# Below this many super-groups the budget covers the tail's padding too (see _allocate_budget).
+
+# Below this many super-groups the budget covers the tail's padding too (_allocate_for_budget).
 _EXACT_BUDGET_ROWS = 64
-# Target mode's correlation estimates kept per communicator: (numel, collective, algorithm) keys,
-# least recently used first out. A float each; a training loop has a few dozen bucket sizes.
+# Target mode's estimates kept per communicator and kind, per (numel, collective, algorithm) key
 RHO_ENTRIES = 1024
 _INPUT_BUFFER = "dynamiq.input"
 _WORK_BUFFER = "dynamiq.work"
 
 log = logging.getLogger("dqcoll")
-_warned: set[str] = set()
 
 
+@functools.cache  # once per distinct reason, not per call
 def _warn_once(message: str) -> None:
-    """Log a fallback to the reference once per distinct reason (not per call)."""
-    if message not in _warned:
-        _warned.add(message)
-        log.warning("%s", message)
-
-
-# -- state kept on the communicator -------------------------------------------------------------
+    log.warning("%s", message)
 
 
 def _state_buffer(ctx: CallContext, name: str, rows: int,
                   device: torch.device) -> torch.Tensor | None:
-    """An fp32 ``[rows, 256]`` buffer of a CPU call kept on the communicator under ``name``
-    (None without communicator state, or off the CPU): one per (name, device), of the largest
-    row count seen, so calls do not pay a fresh buffer's page faults. Changes no result."""
+    """A CPU call's fp32 ``[rows, 256]`` buffer kept on the communicator (the largest so far, no
+    fresh page faults per call), or None without communicator state or off the CPU."""
     if ctx.state is None or device.type != "cpu":
         return None
     key = (name, str(device))
     buffer = ctx.state.get(key)
     if not isinstance(buffer, torch.Tensor) or buffer.shape[0] < rows:
-        buffer = torch.empty((rows, SUPER), dtype=torch.float32, device=device)
-        ctx.state[key] = buffer
+        buffer = ctx.state[key] = torch.empty((rows, SUPER), dtype=torch.float32, device=device)
     return buffer[:rows]
 
 
@@ -132,36 +115,21 @@ def _kept_buffer_nbytes(ctx: CallContext) -> int:
                and isinstance(value, torch.Tensor))
 
 
-class _RhoEstimates:
-    """Target mode's measured correlation ``rho`` per (numel, collective, algorithm), kept in the
-    communicator's state under one key: an LRU of at most :data:`RHO_ENTRIES` entries. Every rank
-    measures the same estimate from the identical decoded aggregate, so every rank reads the same
-    value at the next call."""
-
-    _KEY = "dynamiq.rho"
-
-    def __init__(self, state: dict[Any, Any] | None, kind: str = "rho") -> None:
-        self.table: collections.OrderedDict[tuple[Any, ...], Any] | None = None
-        if state is not None:
-            self.table = state.setdefault(self._KEY if kind == "rho" else f"dynamiq.{kind}",
-                                          collections.OrderedDict())
-
-    def get(self, key: tuple[Any, ...]) -> Any:
-        if self.table is None or key not in self.table:
-            return None
-        self.table.move_to_end(key)
-        return self.table[key]
-
-    def put(self, key: tuple[Any, ...], rho: Any) -> None:
-        if self.table is None:
-            return
-        self.table[key] = rho
-        self.table.move_to_end(key)
-        while len(self.table) > RHO_ENTRIES:
-            self.table.popitem(last=False)
+def _recall(state: dict[Any, Any] | None, kind: str, key: tuple[Any, ...]) -> Any:
+    """Target mode's estimate ``kind`` that the last call of ``key`` measured, or None (an LRU)."""
+    table = None if state is None else state.get(f"dynamiq.{kind}")
+    if table is None or key not in table:
+        return None
+    table.move_to_end(key)
+    return table[key]
 
 
-# -- the steps' intermediate results ------------------------------------------------------------
+def _remember(state: dict[Any, Any], kind: str, key: tuple[Any, ...], value: Any) -> None:
+    table = state.setdefault(f"dynamiq.{kind}", collections.OrderedDict())
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > RHO_ENTRIES:
+        table.popitem(last=False)
 
 
 @dataclasses.dataclass
@@ -173,10 +141,6 @@ class _Layout:
     valid: torch.Tensor  # int64: valid (unpadded) coordinates of each row
     row_chunk: torch.Tensor  # int64: the chunk each row belongs to (0 without shards)
     shard_row_counts: torch.Tensor | None  # int64 [n]: rows per shard (shard layout)
-
-    @property
-    def rows(self) -> int:
-        return int(self.flat.shape[0])
 
 
 @dataclasses.dataclass
@@ -191,12 +155,10 @@ class _Statistics:
     summed: torch.Tensor  # fp32 [2, rows]: the ranks' summed means and squared norms
 
 
-def _shard_layout(x: torch.Tensor, n: int, device: torch.device
-                  ) -> tuple[_Layout, tuple[int, int], bool]:
-    """Shard ``c`` = coordinates ``[c * shard, (c + 1) * shard)``, padded to whole rows on its
-    own; rows past the end (no valid coordinate, when ``numel % n``) dropped. Returns the layout,
-    ``(shard, shard_rows)`` and whether rows were dropped."""
-    numel = x.numel()
+def _shard_layout(x: torch.Tensor, n: int) -> tuple[_Layout, tuple[int, int], bool]:
+    """Shard ``c`` = coordinates ``[c * shard, (c + 1) * shard)`` padded to whole rows on its own,
+    rows past the end dropped: ``(layout, (shard, shard_rows), whether rows were dropped)``."""
+    numel, device = x.numel(), x.device
     shard = -(-numel // n)
     shard_rows = -(-shard // SUPER)
     flat = torch.zeros(n, shard_rows * SUPER, dtype=torch.float32, device=device)
@@ -212,10 +174,8 @@ def _shard_layout(x: torch.Tensor, n: int, device: torch.device
     row_chunk = torch.arange(n, dtype=torch.int64).repeat_interleave(shard_rows)
     flat = flat.view(n * shard_rows, SUPER)
     uneven = bool(numel % n)
-    if uneven:  # drop the rows past the end (a row with no valid coordinate)
+    if uneven:  # rows kept picked on the host (a device mask would make the host wait)
         exists = valid > 0
-        # the rows kept, picked on the host and gathered on the device (a boolean mask on the
-        # device would make the host wait for its count)
         kept = host_to_device(torch.nonzero(exists).squeeze(1), device, torch.int64)
         flat, row_start, valid, row_chunk = (
             flat.index_select(0, kept), row_start[exists], valid[exists], row_chunk[exists])
@@ -223,17 +183,17 @@ def _shard_layout(x: torch.Tensor, n: int, device: torch.device
     return layout, (shard, shard_rows), uneven
 
 
-def _tail_layout(x: torch.Tensor, ctx: CallContext, device: torch.device) -> _Layout:
-    """The input's rows in order, the tail padded with zeros (the input itself where it is
-    fp32, contiguous and whole rows; else a copy into the communicator's kept buffer)."""
+def _tail_layout(x: torch.Tensor, ctx: CallContext) -> _Layout:
+    """The input's rows in order (the input itself where it is whole fp32 rows), the tail
+    padded with zeros."""
     numel = x.numel()
     rows = -(-numel // SUPER)
     if numel == rows * SUPER and x.dtype == torch.float32 and x.is_contiguous():
         flat = x.view(rows, SUPER)  # the input itself: read, never written below
     else:
-        kept = _state_buffer(ctx, _INPUT_BUFFER, rows, device)
+        kept = _state_buffer(ctx, _INPUT_BUFFER, rows, x.device)
         flat = (kept if kept is not None
-                else torch.empty(rows, SUPER, dtype=torch.float32, device=device))
+                else torch.empty(rows, SUPER, dtype=torch.float32, device=x.device))
         flat.view(-1)[:numel] = x.reshape(-1)
         flat.view(-1)[numel:] = 0.0  # the tail's padding
     row_start = torch.arange(rows, dtype=torch.int64) * SUPER
@@ -244,10 +204,8 @@ def _tail_layout(x: torch.Tensor, ctx: CallContext, device: torch.device) -> _La
 
 @dataclasses.dataclass(frozen=True)
 class Survey:
-    """This rank's statistics of an all-reduce's input, taken in the range check's pass before
-    the argument check (:func:`survey`), for the call to use instead of a pass of its own: the
-    rows are the input itself (whole rows of fp32), so the call's statistics of the same rows,
-    divisor and centring are these, bit for bit."""
+    """This rank's statistics of an all-reduce's input (whole fp32 rows), taken in the range
+    check's pass (:func:`survey`): the call's own of the same rows, divisor and centring."""
 
     data_ptr: int  # the input's first element
     rows: int
@@ -265,8 +223,8 @@ class Survey:
 def survey(scheme: SchemeSettings, x: torch.Tensor, op: ReduceOp, world_size: int,
            collective: Collective) -> tuple[float, Survey] | None:
     """``(largest finite |x|, the statistics of x's rows)`` in one pass where the call would take
-    them with the compiled split statistics from the input itself (a CPU all-reduce of fp32 whole
-    rows, balanced by rows); None elsewhere. Saves the call a pass over its input."""
+    the compiled split statistics of the input itself (a CPU all-reduce of whole fp32 rows, not
+    by shards); None elsewhere."""
     if (collective is not Collective.ALLREDUCE or scheme.balance is Balance.SHARDS
             or scheme.reference_only or scheme.stats not in ("fp32", "norm16")
             or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
@@ -286,20 +244,13 @@ def survey(scheme: SchemeSettings, x: torch.Tensor, op: ReduceOp, world_size: in
 
 def _keep_underflowed_rows(norm2: torch.Tensor, centred: torch.Tensor) -> torch.Tensor:
     """``norm2`` with the smallest normal norm for a non-zero row whose squares all underflow fp32,
-    so that it still gets a record (width 0 would leave each rank its own values). On the CPU
-    only the zero rows are scanned; on a device every row (no host wait for their count)."""
+    so that it still gets a record (width 0 would leave each rank its own values)."""
     tiny = torch.finfo(torch.float32).tiny
     if norm2.device.type != "cpu":
         return torch.where((norm2 == 0) & (centred != 0).any(dim=1), tiny, norm2)
     empty = torch.nonzero(norm2 == 0).squeeze(1)
-    if not empty.numel():
-        return norm2
     lost = empty[(centred[empty] != 0).any(dim=1)]
-    if not lost.numel():
-        return norm2
-    norm2 = norm2.clone()
-    norm2[lost] = tiny
-    return norm2
+    return norm2.index_fill(0, lost, tiny) if lost.numel() else norm2
 
 
 def wire_norms16(norm2: torch.Tensor) -> torch.Tensor:
@@ -314,17 +265,14 @@ def local_statistics(ops: DynamiqOps, stats: str, flat: torch.Tensor, valid: tor
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, str]:
     """This rank's statistics of its rows (original order): ``(rows, centred rows or None,
     means, squared norms, the kernels that ran)``. With ``split`` (the compiled split statistics,
-    ``stats`` fp32 or norm16) the rows come back as they are (the gather divides by ``divisor``
-    and centres; ``surveyed``, where given, holds these statistics already); else they are
-    divided by ``divisor`` (a new buffer: ``flat`` may be the caller's tensor) and centred
-    here."""
+    ``stats`` fp32 or norm16, or ``surveyed``'s) the rows come back as they are, for the gather
+    to divide and centre; else divided by ``divisor`` into a new buffer and centred here."""
     if split:
         assert ops.stats is not None
-        if surveyed is not None:  # taken with the range check
-            return flat, None, surveyed.mean, surveyed.norm2, ops.name
         # norm16: no centring (zero means; center_gather then writes x / divisor itself)
-        mean, norm2 = ops.stats(flat, valid, divisor=divisor, centre=stats == "fp32",
-                                keep_underflowed=True)
+        mean, norm2 = ((surveyed.mean, surveyed.norm2) if surveyed is not None
+                       else ops.stats(flat, valid, divisor=divisor, centre=stats == "fp32",
+                                      keep_underflowed=True))
         return flat, None, mean, norm2, ops.name
     if divisor != 1:
         flat = flat / divisor
@@ -334,14 +282,12 @@ def local_statistics(ops: DynamiqOps, stats: str, flat: torch.Tensor, valid: tor
     else:
         centred, mean, norm2 = ops.stats_center(flat, valid)
         kernel = ops.name
-    # (the split statistics check their zero norms themselves)
     return flat, centred, mean, _keep_underflowed_rows(norm2, centred), kernel
 
 
 def statistics_wire(stats: str, mean: torch.Tensor, norm2: torch.Tensor) -> torch.Tensor:
-    """What the ``stats`` option sends of a rank's statistics: bf16 mean and norm (4 B per
-    super-group, summed in bf16), the bf16 norm alone (2 B; the means are zero without
-    centring), or fp32 mean and norm (8 B)."""
+    """What the ``stats`` option sends of a rank's statistics: bf16 mean and norm, the bf16 norm
+    alone (norm16: no centring) or fp32 mean and norm."""
     if stats == "bf16":
         return torch.stack([mean.to(torch.bfloat16), wire_norms16(norm2)])
     if stats == "norm16":
@@ -351,8 +297,7 @@ def statistics_wire(stats: str, mean: torch.Tensor, norm2: torch.Tensor) -> torc
 
 def _reduce_statistics(stats: str, mean: torch.Tensor, norm2: torch.Tensor,
                        ctx: CallContext) -> torch.Tensor:
-    """The ranks' summed ``[means, squared norms]`` (fp32 ``[2, rows]``), by one small
-    uncompressed all-reduce of :func:`statistics_wire`."""
+    """The ranks' summed ``[means, squared norms]`` (fp32 ``[2, rows]``)."""
     wire = statistics_wire(stats, mean, norm2)
     ctx.reduce(wire, "sum", f"{ctx.what} statistics")
     if stats == "norm16":
@@ -360,43 +305,9 @@ def _reduce_statistics(stats: str, mean: torch.Tensor, norm2: torch.Tensor,
     return wire.float() if stats == "bf16" else wire
 
 
-def _used_widths(widths: torch.Tensor) -> set[int]:
-    return set(np.flatnonzero(np.bincount(widths.numpy(), minlength=1)).tolist())
-
-
-# -- allocation rules by format ------------------------------------------------------------------
-
-
-def _allocate_budget(scheme: SchemeSettings, norm2: torch.Tensor, numel: int) -> Allocation:
-    """One width per super-group under ``scheme.bits`` over ``numel`` coordinates, by the format's
-    rule (the hull rule by default)."""
-    fmt = scheme.format
-    common: dict[str, Any] = dict(scales=scheme.config.scales, stats_bytes=scheme.stats_bytes,
-                                  max_width=fmt.max_width,
-                                  energy_exponent=scheme.energy_exponent)
-    if fmt.rule is not None:
-        return fmt.rule.budget(norm2, numel, scheme.bits, **common)
-    return allocate_widths(norm2, numel, scheme.bits, width_set=fmt.width_choices,
-                           errors=scheme.measured_errors, **common)
-
-
-def _allocate_target(scheme: SchemeSettings, summed: torch.Tensor, valid: torch.Tensor,
-                     world_size: int, rho: float, error_per_energy: torch.Tensor,
-                     target: float) -> Allocation:
-    """The cheapest widths (one per super-group) whose predicted vNMSE meets ``target``, by the
-    format's rule."""
-    fmt = scheme.format
-    allocate = fmt.rule.target if fmt.rule is not None else allocate_for_target
-    return allocate(summed[1], summed[0], valid, target, world_size=world_size, rho=rho,
-                    error_per_energy=error_per_energy, scales=scheme.config.scales,
-                    width_set=fmt.width_choices, errors=scheme.measured_errors,
-                    max_width=fmt.max_width, stats_bytes=scheme.stats_bytes)
-
-
 @dataclasses.dataclass
 class _TargetRecord:
-    """Target mode's inputs of the error model for one call, and what its decoded aggregate
-    teaches the next call of the same key (:meth:`measure`)."""
+    """Target mode's inputs of the error model for one call."""
 
     key: tuple[Any, ...]  # (numel, collective, algorithm)
     source: str  # "error_model", "earlier call" or "default"
@@ -409,8 +320,7 @@ class _TargetRecord:
 
     def measure(self, work: torch.Tensor, order_np: np.ndarray, widths: torch.Tensor,
                 world_size: int, info: dict[str, Any]) -> None:
-        """Estimate the ranks' correlation from the decoded aggregate (identical on every rank,
-        so every rank stores the same estimate) for the next call."""
+        """Estimate rho and the crests from the decoded aggregate for the next call."""
         if self.state is None or not self.whole_result:
             return
         moments = row_moments(work)
@@ -419,40 +329,41 @@ class _TargetRecord:
             row_rho, rho = estimate_row_rho(work, self.summed_norm2.cpu()[order], order,
                                             world_size, self.row_error_terms[:, order],
                                             moments[0])
-            _RhoEstimates(self.state, "row_rho").put(self.key, row_rho)
+            _remember(self.state, "row_rho", self.key, row_rho)
             if rho is not None:
-                _RhoEstimates(self.state).put(self.key, rho)
+                _remember(self.state, "rho", self.key, rho)
                 info["rho_measured"] = rho
         # the crests of what each width carried: the sink's widths of the decoded aggregate
         crests = measure_crests(work, widths[order], moments)
         if crests:
-            _RhoEstimates(self.state, "crests").put(self.key, crests)
+            _remember(self.state, "crests", self.key, crests)
             info["crests_measured"] = crests
 
 
-Classes = dict[int, tuple[float, float]]  # count class -> (weight, share of the transfers)
+def _hull_options(scheme: SchemeSettings) -> dict[str, Any]:
+    return dict(scales=scheme.config.scales, width_set=scheme.format.width_choices,
+                errors=scheme.measured_errors, stats_bytes=scheme.stats_bytes,
+                max_width=scheme.max_width)
 
 
 def _allocate_for_budget(scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
                          numel: int, classes: Classes
                          ) -> tuple[dict[int, torch.Tensor] | None, Allocation]:
-    """Widths under ``scheme.bits``: ``(per-class widths or None, the allocation)``."""
-    # A short tail (e.g. 1026 = 4 * 256 + 2) costs a whole record. In a small buffer that
-    # starved every other super-group (2 ranks, 5 bits, 1026 coordinates: vNMSE 0.56), so
-    # below 64 super-groups the tail's padding is budgeted too (at most 255 * bits / 8
-    # bytes over; info["over_budget"] then says so). From 64 super-groups on, the tail is
-    # under 2 % of the budget and the budget is exact.
-    rows = layout.rows
+    """Widths under ``scheme.bits``: ``(per-class widths or None, the allocation)``, by the hull
+    rule per count class, else by the format's rule (the hull rule by default)."""
+    # A short tail costs a whole record, which starved a small buffer's other super-groups:
+    # below 64 the tail's padding is budgeted too (info["over_budget"] then says so).
+    rows, rule = layout.flat.shape[0], scheme.format.rule
     budget_numel = (numel if rows >= _EXACT_BUDGET_ROWS
                     else min(rows * SUPER, numel + SUPER - 1))
-    if not classes:
-        return None, _allocate_budget(scheme, summed[1], budget_numel)
-    return allocate_widths_by_count(
-        summed[1], budget_numel, scheme.bits, classes,
-        scales=scheme.config.scales,
-        width_set=scheme.format.width_choices, errors=scheme.measured_errors,
-        stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
-        energy_exponent=scheme.energy_exponent)
+    options = dict(_hull_options(scheme), energy_exponent=scheme.energy_exponent)
+    if classes:
+        return allocate_widths_by_count(summed[1], budget_numel, scheme.bits, classes, **options)
+    if rule is not None:
+        return None, rule.budget(summed[1], budget_numel, scheme.bits, scales=scheme.config.scales,
+                                 stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
+                                 energy_exponent=scheme.energy_exponent)
+    return None, allocate_widths(summed[1], budget_numel, scheme.bits, **options)
 
 
 def _allocate_for_target(scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
@@ -462,18 +373,14 @@ def _allocate_for_target(scheme: SchemeSettings, layout: _Layout, summed: torch.
     previous call of this size measured (rho 0 and the Gaussian's crests at first)."""
     assert scheme.target_vnmse is not None
     schedule, model, n = ctx.schedule, scheme.error_model, ctx.world_size
-    rho = model.rho
-    source = "error_model"
     key = (numel, ctx.collective.value, schedule.algorithm if schedule is not None else "")
-    row_rho = None
+    rho, source, row_rho = model.rho, "error_model", None
     if rho is None:
-        recalled = _RhoEstimates(ctx.state).get(key)
+        recalled = _recall(ctx.state, "rho", key)
         rho = 0.0 if recalled is None else float(recalled)
         source = "default" if recalled is None else "earlier call"
-        row_rho = _RhoEstimates(ctx.state, "row_rho").get(key)
-    crests = model.crests
-    if crests is None:
-        crests = _RhoEstimates(ctx.state, "crests").get(key)
+        row_rho = _recall(ctx.state, "row_rho", key)
+    crests = model.crests if model.crests is not None else _recall(ctx.state, "crests", key)
     # the allocation meets the target with the prediction's upper bound (model.spread)
     target = scheme.target_vnmse / model.spread
     hop: dict[int, torch.Tensor] | None = None
@@ -481,51 +388,43 @@ def _allocate_for_target(scheme: SchemeSettings, layout: _Layout, summed: torch.
         assert schedule is not None
         table = model.unit_error(schedule, scheme.config, crests)
         hop, allocation = allocate_for_target_by_count(
-            summed[1], summed[0], layout.valid, target, classes,
-            world_size=n, rho=rho, unit_error=table, scales=scheme.config.scales,
-            width_set=scheme.format.width_choices, errors=scheme.measured_errors,
-            stats_bytes=scheme.stats_bytes, max_width=scheme.max_width, row_rho=row_rho)
+            summed[1], summed[0], layout.valid, target, classes, world_size=n, rho=rho,
+            unit_error=table, row_rho=row_rho, **_hull_options(scheme))
     else:
         table = model.error_per_energy(schedule, scheme.config, rho, crests)
-        allocation = _allocate_target(scheme, summed, layout.valid, n, rho, table, target)
+        rule = scheme.format.rule
+        allocation = (rule.target if rule is not None else allocate_for_target)(
+            summed[1], summed[0], layout.valid, target, world_size=n, rho=rho,
+            error_per_energy=table, **_hull_options(scheme))
     # each row's expected error, taken off its decoded energy when rho is measured
     terms = row_error_terms(summed[1], hop or {0: allocation.widths}, classes or None, table, n)
     # after a reduce-scatter only this rank's shard is decoded: nothing to measure
-    record = _TargetRecord(key, source, rho, crests, terms, summed[1], ctx.state,
-                           ctx.collective is Collective.ALLREDUCE)
-    return hop, allocation, record
+    return hop, allocation, _TargetRecord(key, source, rho, crests, terms, summed[1], ctx.state,
+                                          ctx.collective is Collective.ALLREDUCE)
 
 
 def _sort_order(widths: np.ndarray, hop: dict[int, torch.Tensor] | None,
                 row_chunk: torch.Tensor, n: int) -> np.ndarray:
-    """The rows' order: by width within each chunk (shard), or with hop widths by the sum of
-    the class widths, striped over the ``n`` chunks. A stable argsort of 16-bit keys is a radix
-    sort (0.2 ms at 2^16 rows, torch's stable argsort 1.4 ms)."""
+    """The rows' order: by width within each chunk (shard), or with hop widths by the sum of the
+    class widths (sorted for every class), striped over the ``n`` chunks so that each holds the
+    same mix of widths at every count. 16-bit keys take NumPy's (faster) radix sort."""
     rows = widths.shape[0]
     if hop is None:
         key = row_chunk.numpy() * 32 + widths  # widths <= 16 < 32
         return np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
                           kind="stable")
-    # Every class's widths are monotone in F: sorted by their sum, rows are sorted for every
-    # class. Striped over the n chunks (sorted row i -> chunk i mod n, sorted again within each
-    # chunk) so that every chunk holds the same mix of widths at every count and each rank's
-    # traffic meets the budget whichever (chunk, count) pairs it sends.
     hop_key = torch.stack(list(hop.values())).sum(0).numpy()
-    # a sum of at most 16 per class: 16-bit keys take NumPy's radix sort (0.36 ms at 49152 rows
-    # against 1.5 ms for int64 keys); the same stable order
     if hop_key.size and int(hop_key.max()) < 1 << 16:
         hop_key = hop_key.astype(np.uint16)
     by_key = np.argsort(hop_key, kind="stable")
-    # the stable sort by stripe (i mod n), written out: stripe c = rows c, c + n, ...
     return by_key[np.concatenate([np.arange(c, rows, n) for c in range(n)])]
 
 
 def _compiled_restore(ops: DynamiqOps, kernels: dict[str, str], work: torch.Tensor,
                       mean: torch.Tensor, base: torch.Tensor, valid: torch.Tensor,
                       out: torch.Tensor) -> bool:
-    """Restore sorted rows into the flat ``out`` with ``ops.restore`` where it applies (a
-    contiguous ``out`` on the rows' device); False where the torch restore must run. Records
-    which ran in ``kernels``."""
+    """Restore sorted rows into ``out`` with ``ops.restore`` where it applies (a contiguous
+    ``out`` on the rows' device); False where the torch restore must run."""
     if ops.restore is not None and out.is_contiguous() and out.device == work.device:
         kernels["restore"] = ops.name
         ops.restore(work, mean, base, valid, out.view(-1))
@@ -536,8 +435,7 @@ def _compiled_restore(ops: DynamiqOps, kernels: dict[str, str], work: torch.Tens
 
 def _scatter_restore(work: torch.Tensor, mean: torch.Tensor, base: torch.Tensor,
                      valid: torch.Tensor, out: torch.Tensor) -> None:
-    """The torch restore by coordinate index: each sorted row's valid values plus its mean, at
-    ``base + j`` of ``out`` (for layouts whose rows are not the output's rows in order)."""
+    """The torch restore by coordinate index: each sorted row's valid values plus its mean."""
     device = work.device
     value = work + mean.to(device)[:, None]
     coord = torch.arange(SUPER, device=device)
@@ -550,9 +448,8 @@ def _scatter_restore(work: torch.Tensor, mean: torch.Tensor, base: torch.Tensor,
 
 def _overlaps(incoming: Segments, outgoing: Segments,
               scales: Scales) -> list[tuple[int, int, int, int, int, int]]:
-    """The pieces of a chunk where an incoming and an outgoing segment (width, first row, end
-    row, byte offset) overlap, in row order: ``(incoming width, outgoing width, first row, end
-    row, incoming byte offset, outgoing byte offset)`` (both tables order the rows alike)."""
+    """Where an incoming and an outgoing segment overlap, in row order: ``(incoming width,
+    outgoing width, first row, end row, incoming byte offset, outgoing byte offset)``."""
     pieces = []
     i = j = 0
     while i < len(incoming) and j < len(outgoing):
@@ -573,69 +470,46 @@ def _uncovered(covered: list[tuple[int, int]], rows: int, unwritten: np.ndarray 
                ) -> list[tuple[int, int, bool]]:
     """Rows ``[0, rows)`` outside every ``covered`` span, cut into runs of rows whose work rows
     were left unwritten (``unwritten``) and the others: ``(first, end, unwritten)``."""
-    gaps, end = [], 0
-    for a, b in sorted(covered):
-        if a > end:
-            gaps.append((end, a))
-        end = max(end, b)
-    if end < rows:
-        gaps.append((end, rows))
-    if unwritten is None:
-        return [(a, b, False) for a, b in gaps]
-    spans = []
-    for a, b in gaps:
-        flags = unwritten[a:b]
-        cuts = [a, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1 + a).tolist(), b]
-        spans += [(c, d, bool(unwritten[c])) for c, d in itertools.pairwise(cuts) if d > c]
-    return spans
+    kind = np.zeros(rows, np.int8) if unwritten is None else unwritten.astype(np.int8)
+    for a, b in covered:
+        kind[a:b] = -1
+    cuts = [0, *(np.flatnonzero(kind[1:] != kind[:-1]) + 1).tolist(), rows]
+    return [(a, b, bool(kind[a])) for a, b in itertools.pairwise(cuts) if b > a and kind[a] >= 0]
 
 
 def _call_info(scheme: SchemeSettings, ctx: CallContext, numel: int, allocation: Allocation,
                target: _TargetRecord | None, wire_payload: int | None,
                kernels: dict[str, str]) -> dict[str, Any]:
-    """What the call chose (``comm.last_info``). ``wire_payload``: with hop widths, what the
-    all-reduce sends in all, over every rank (:meth:`.geometry.Geometry.hop_wire_payload`)."""
+    """What the call chose (``comm.last_info``); ``wire_payload`` with hop widths only."""
     n = ctx.world_size
     crests = target.crests if target is not None else None
     histogram = np.bincount(allocation.widths.numpy(), minlength=RAW_WIDTH + 1)
     bits_used = 8.0 * allocation.total_nbytes / max(numel, 1)
-    if wire_payload is not None:
-        # Each non-sink rank sends its partial sum of a chunk once (count = its subtree), the
-        # sink's encoding (count n) is forwarded n - 1 times. Per rank it is 2 (n - 1) / n of
-        # the records, as without hop widths, and the statistics come on top.
+    if wire_payload is not None:  # per rank 2 (n - 1) / n of it, as without hop widths
         bits_used = 8.0 * (wire_payload / (2 * (n - 1)) + allocation.stats_nbytes) \
             / max(numel, 1)
     return {
         "bits": bits_used,
-        # the all-reduce's payload bytes over all ranks (hop widths; else 2 (n - 1) times
-        # the records of "widths")
-        "wire_payload_nbytes": wire_payload,
+        "wire_payload_nbytes": wire_payload,  # over all ranks, with hop widths (else None)
         "u": allocation.u,
-        "over_budget": allocation.total_nbytes > math.floor(scheme.bits * numel / 8)
-        if scheme.target_vnmse is None else False,
+        "over_budget": target is None
+        and allocation.total_nbytes > math.floor(scheme.bits * numel / 8),
         "predicted_vnmse": allocation.predicted_vnmse,
-        # target mode: the prediction's upper bound (predicted times ErrorModel.spread)
+        # target mode only: the prediction's upper bound (times ErrorModel.spread), rho and its
+        # source ("error_model", "earlier call" or "default": 0), the crests per width used
+        # (None: the Gaussian's), and whether the upper bound meets the target with the data's
+        # crests known (False on a first call)
         "predicted_vnmse_upper": allocation.predicted_vnmse * scheme.error_model.spread
-        if scheme.target_vnmse is not None else float("nan"),
+        if target is not None else float("nan"),
         "rho": target.rho if target is not None else None,
-        # target mode: the per-width crests the model used (None: the Gaussian's, i.e. not
-        # measured yet)
         "crests": crests,
-        # target mode: where rho came from ("error_model": fixed by ErrorModel.rho,
-        # "earlier call": measured by the last call of this size, "default": 0, none yet)
         "rho_source": target.source if target is not None else None,
-        # target mode: True only when the upper bound meets the target with the data's
-        # crests known (measured by an earlier call or given); False on a first call
         "target_met": (allocation.target_met and crests is not None)
         if allocation.target_met is not None else None,
         "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
         "kernels": kernels,  # the same dict: the codec steps add themselves as they run
-        # the bit allocation (host code): "numba" where a compiled bisection ran (the hull
-        # rule with hop widths, the all-reduce's default), "torch" for the hull rule without
-        # hop widths and target mode
-        "allocation_impl": allocation.kernel,
-        # CPU buffers the communicator keeps for dynamiq after this call (_state_buffer)
-        "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),
+        "allocation_impl": allocation.kernel,  # "numba": the compiled search (hop widths)
+        "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),  # the CPU buffers kept (_state_buffer)
     }
 
 
@@ -650,12 +524,10 @@ class DynamiqCall:
         self.world_size = ctx.world_size
         self.key = rng.call_key(ctx.seed, ctx.step)
         self.numel = x.numel()
-        # What ran, step by step (comm.last_info["kernels"]); filled in as the steps run.
         self.kernels: dict[str, str] = {}
         self.ops = dynamiq_ops(x.device)
         if scheme.reference_only and self.ops.name != "torch":
             self.ops = torch_ops()
-        # payloads and message buffers reused across the communicator's CPU calls (release())
         self.pool = scratch.pool_for(ctx.state, x.device)
         layout = self._lay_out(scheme, x, ctx)
         statistics = self._statistics(scheme, layout, ctx)
@@ -666,32 +538,25 @@ class DynamiqCall:
         self.chunk_bounds = self._chunk_bounds(layout)
         self.info = self._describe(scheme, ctx)
 
-    # -- 1. layout ----------------------------------------------------------------------------
-
     def _lay_out(self, scheme: SchemeSettings, x: torch.Tensor, ctx: CallContext) -> _Layout:
-        """The rows: shards padded on their own (reduce-scatter, all-gather, the all-reduce with
-        ``balance="shards"``), or the whole input with its tail padded."""
+        """The rows: shards padded on their own, or the whole input with its tail padded."""
         self.sharded = (ctx.collective is not Collective.ALLREDUCE
                         or scheme.balance is Balance.SHARDS)
         self.uneven = False  # sharded with numel % n != 0 (all-reduce only): shards differ
         self.shard: tuple[int, int] | None = None  # (shard, shard_rows) in the shard layout
         if not self.sharded:
-            return _tail_layout(x, ctx, x.device)
+            return _tail_layout(x, ctx)
         if self.numel % self.world_size and ctx.collective is not Collective.ALLREDUCE:
             raise InvalidArgumentError(
                 f"{ctx.what}: {self.numel} elements do not split into {self.world_size} equal "
                 f"shards")
-        layout, self.shard, self.uneven = _shard_layout(x, self.world_size, x.device)
+        layout, self.shard, self.uneven = _shard_layout(x, self.world_size)
         return layout
-
-    # -- 2. statistics ------------------------------------------------------------------------
 
     def _statistics(self, scheme: SchemeSettings, layout: _Layout,
                     ctx: CallContext) -> _Statistics:
-        """Scale for avg, the local statistics and centring (rows in the original order), then
-        one small uncompressed all-reduce of the statistics. The fast paths that split
-        stats_center write the centred rows only once, already in the sorted order (step 5),
-        dividing by n for avg on the way; the others divide and centre here and gather later."""
+        """The local statistics (rows in the original order), then their all-reduce. The split
+        statistics leave dividing and centring to the reorder's gather; the others do it here."""
         prep = self.ops
         # width 0 only where every rank's row of x / n - mean is +-0 (see _reorder)
         self.zero_rows_exact = scheme.stats in ("fp32", "norm16")
@@ -703,23 +568,18 @@ class DynamiqCall:
                          else None)
         flat, centred, mean, norm2, self.kernels["stats"] = local_statistics(
             prep, scheme.stats, layout.flat, layout.valid, divisor, split, self.surveyed)
-        summed = _reduce_statistics(scheme.stats, mean, norm2, ctx)
-        return _Statistics(prep, flat, centred, mean, divisor, summed)
-
-    # -- 3. allocation ------------------------------------------------------------------------
+        return _Statistics(prep, flat, centred, mean, divisor,
+                           _reduce_statistics(scheme.stats, mean, norm2, ctx))
 
     def _allocate(self, scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
                   ctx: CallContext) -> None:
-        """Widths from the summed norms (identical on every rank): under the bit budget, or the
-        cheapest whose predicted error meets ``target_vnmse``; per count class with hop widths.
-        Sets ``allocation``, ``hop`` (class -> widths, or None), ``hop_tau`` (class -> its
+        """Sets ``allocation``, ``hop`` (class -> widths, or None), ``hop_tau`` (class -> its
         share of the transfers) and ``target`` (target mode's record, or None)."""
         self.target: _TargetRecord | None = None
-        hop_widths = (scheme.hop_widths and not self.sharded and ctx.schedule is not None
-                      and (scheme.format.rule is None
-                           or scheme.format.rule.fixed_width is None))
+        rule = scheme.format.rule
         classes = (count_classes(ctx.schedule.subtree_sizes())
-                   if hop_widths and ctx.schedule is not None else {})
+                   if scheme.hop_widths and not self.sharded and ctx.schedule is not None
+                   and (rule is None or rule.fixed_width is None) else {})
         if scheme.target_vnmse is not None:
             self.hop, self.allocation, self.target = _allocate_for_target(
                 scheme, layout, summed, self.numel, ctx, classes)
@@ -728,17 +588,13 @@ class DynamiqCall:
                                                              self.numel, classes)
         self.hop_tau = {c: t for c, (_, t) in classes.items()} if self.hop is not None else {}
 
-    # -- 4. kernel choice ---------------------------------------------------------------------
-
     def _choose_codec_kernels(self, scheme: SchemeSettings, ctx: CallContext) -> None:
-        """Kernels that do not implement a width this call uses (or the scales) leave the whole
-        call's codec to the reference ops (the same bytes, slower). Where the last decode can
-        write straight into the output (``ops.decode_restore``, all-reduce, not target mode,
-        which measures the decoded work rows), decompress only records (rows, records) in
-        ``deferred`` and finish decodes them into ``out``."""
-        used = _used_widths(self.allocation.widths)
-        for class_widths in (self.hop or {}).values():
-            used |= _used_widths(class_widths)
+        """The reference ops (the same bytes) where the kernels lack a width or the scales. Where
+        the last decode can write straight into the output (all-reduce, not target mode, which
+        measures the work rows), decompress defers the records to finish (``deferred``)."""
+        used: set[int] = set()
+        for widths in (self.allocation.widths, *(self.hop or {}).values()):
+            used.update(np.flatnonzero(np.bincount(widths.numpy())).tolist())
         if not self.ops.implements(self.config.scales, used):
             _warn_once(f"dynamiq: the {self.ops.name} kernels do not implement widths "
                        f"{sorted(used)} with {self.config.scales.value} scales; such calls run "
@@ -748,35 +604,23 @@ class DynamiqCall:
             [] if (ctx.collective is Collective.ALLREDUCE and self.ops.decode_restore is not None
                    and scheme.target_vnmse is None) else None)
 
-    # -- 5. reorder ---------------------------------------------------------------------------
-
     def _reorder(self, layout: _Layout, statistics: _Statistics, ctx: CallContext
                  ) -> tuple[np.ndarray, np.ndarray]:
-        """Sort the rows by width (within each shard when sharded; with hop widths striped over
-        the chunks) and write the work rows, means, valid counts and global indices in that
-        order. Returns the order and the sorted widths (host). The row tables are built in NumPy
-        on the host (:func:`_sort_order`): in torch ops the per-row indexing and scans around
-        the sort cost more per call than the sort itself."""
-        rows, device = layout.rows, layout.flat.device
+        """Sort the rows (:func:`_sort_order`) and write the work rows, means, valid counts and
+        global indices in that order. Returns the order and the sorted widths (host NumPy)."""
+        rows, device = layout.flat.shape[0], layout.flat.device
         widths_np = self.allocation.widths.numpy()
         order_np = _sort_order(widths_np, self.hop, layout.row_chunk, self.world_size)
-        # the tables the device reads come from pinned memory, queued on the caller's stream
-        # (a copy from pageable memory would wait for the stream: host_to_device)
         self.order_np = order_np
         self.order = host_to_device(torch.from_numpy(order_np), device, torch.int64)
         sorted_widths = widths_np[order_np]
         prep = statistics.ops
-        # Width-0 rows, where every rank's centred values are +-0 (the summed norm is 0 only
-        # where each rank's is: fp32 sums of non-negative norms, or bf16 ones of norms that
-        # wire_norms16 keeps non-zero; and the underflow check leaves a rank's norm 0 only for
-        # a row of +-0): an all-reduce whose last decode is the fused one never reads their
-        # work rows, and restores them as the mean (c + m == m + 0 for c = +-0: where m is -0
-        # every rank's row was all -0, and its centred values +0; without centring m is +0).
-        # Half of a ReLU MLP's gradient.
+        # Width-0 rows (every rank's centred values +-0, by the underflow check): an all-reduce
+        # whose last decode is the fused one never reads their work rows and restores them as
+        # the mean (c + m == m + 0 for c = +-0). Half of a ReLU MLP's gradient.
         self.unwritten: np.ndarray | None = None
-        # (the input's address, sorted rows that are all +0 in the input): where the call's
-        # output is its input, those of the width-0 rows whose mean is +-0 already hold what
-        # their restore would write (m + 0 = +0), and the last decode leaves them as they are
+        # (the input's address, sorted rows all +0 in it): where the output is the input, the
+        # width-0 rows among them with a mean of +-0 already hold what their restore would write
         self.plus_zero_in: tuple[int, np.ndarray] | None = None
         zero = sorted_widths == 0
         if (statistics.centred is None and self.zero_rows_exact and self.deferred is not None
@@ -805,19 +649,14 @@ class DynamiqCall:
                                          device, torch.int64)
         return order_np, sorted_widths
 
-    # -- 6. geometry --------------------------------------------------------------------------
-
     def _byte_geometry(self, sorted_widths: np.ndarray, order: np.ndarray) -> None:
         """The records' offsets and runs (:class:`.geometry.Geometry`)."""
         self.geometry = Geometry(sorted_widths, order, self.config.scales, self.hop,
                                  self.hop_tau)
 
     def _chunk_bounds(self, layout: _Layout) -> list[int]:
-        """The first sorted row of each of the ``n`` chunks, and the end
-        (:meth:`.geometry.Geometry.chunk_bounds`)."""
+        """:meth:`.geometry.Geometry.chunk_bounds`."""
         return self.geometry.chunk_bounds(self.world_size, layout.shard_row_counts)
-
-    # -- 7. info ------------------------------------------------------------------------------
 
     def _describe(self, scheme: SchemeSettings, ctx: CallContext) -> dict[str, Any]:
         """What the call chose (``comm.last_info``: :func:`_call_info`)."""
@@ -855,9 +694,7 @@ class DynamiqCall:
 
     def _restore_means(self, a: int, b: int, out: torch.Tensor) -> None:
         """Width-0 rows ``[a, b)`` restored as their means (``m + 0``) into the flat ``out``,
-        except those that already hold it: rows that were all +0 in the input, where ``out`` is
-        the input (``plus_zero_in``) and the mean is +-0. Half of a ReLU MLP's gradient rows,
-        ~1 ms of writes per 7.3 M coordinates on one core."""
+        except those that already hold it (``plus_zero_in`` with a mean of +-0)."""
         assert self.ops.restore_mean is not None
         mean, base, valid = self.mean_sorted[a:b], self.index_base[a:b], self.valid_sorted[a:b]
         if self.plus_zero_in is not None and out.data_ptr() == self.plus_zero_in[0]:
@@ -870,11 +707,8 @@ class DynamiqCall:
         self.kernels["restore_mean"] = self.ops.name
         self.ops.restore_mean(mean, base, valid, out)
 
-    # -- chunk geometry -----------------------------------------------------------------------
-
     def _segments(self, chunk: int, count: int | None = None) -> Segments:
-        """(width, first row, end row, byte offset in the chunk payload) of each run in a chunk
-        (of this view's ``chunk_bounds``; the geometry's memo is shared by the tile views)."""
+        """:meth:`.geometry.Geometry.segments` of a chunk of this (tile) view."""
         return self.geometry.segments(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1],
                                       count)
 
@@ -882,24 +716,21 @@ class DynamiqCall:
         return self.geometry.payload_nbytes(self.chunk_bounds[chunk],
                                             self.chunk_bounds[chunk + 1], count)
 
-    def _records(
-        self, payload: torch.Tensor, width: int, a: int, b: int, offset: int
-    ) -> torch.Tensor:
+    def _records(self, payload: torch.Tensor, width: int, a: int, b: int,
+                 offset: int) -> torch.Tensor:
         size = record_nbytes(width, self.config.scales)
         return payload[offset : offset + (b - a) * size].view(b - a, size)
 
-    # -- per-hop operations -------------------------------------------------------------------
-
     def scratch(self, nbytes: int) -> torch.Tensor:
-        """An uninitialised uint8 buffer for this call's payloads and messages: from the
-        communicator's pool on the CPU (:mod:`dqcoll.scratch`, no page faults), else new."""
+        """An uninitialised uint8 buffer for this call's payloads and messages (from the
+        communicator's pool on the CPU, :mod:`dqcoll.scratch`)."""
         if self.pool is not None:
             return self.pool.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.work.device)
 
     def frame(self, buffer: torch.Tensor) -> torch.Tensor | None:
-        """``buffer`` (from :meth:`scratch`) with the room for a message header before it, for
-        a framed exchange (:meth:`dqcoll.scratch.ScratchPool.frame`); None without a pool."""
+        """``buffer`` (from :meth:`scratch`) framed for a message header
+        (:meth:`dqcoll.scratch.ScratchPool.frame`); None without a pool."""
         return self.pool.frame(buffer) if self.pool is not None else None
 
     def release(self) -> None:
@@ -957,9 +788,8 @@ class DynamiqCall:
 
     def _hop_widths_step(self, chunk: int, payload: torch.Tensor, count: int,
                          out_count: int) -> torch.Tensor:
-        """The hop when widths depend on the count: rows whose width stays the same take the
-        fused decode-accumulate-encode; where it changes, decode-accumulate at the incoming
-        width, then encode at the outgoing one (both tables order the rows alike)."""
+        """The hop when widths depend on the count: the fused step where a row's width stays,
+        else decode-accumulate at the incoming width and encode at the outgoing one."""
         out = self.scratch(self.payload_nbytes(chunk, out_count))
         pieces = _overlaps(self._segments(chunk, count), self._segments(chunk, out_count),
                            self.config.scales)
@@ -968,10 +798,8 @@ class DynamiqCall:
                               self.world_size, self.key, self.config, out)
             return out
         for w_in, w_out, a, b, off_in, off_out in pieces:
-            size_in = record_nbytes(w_in, self.config.scales)
-            size_out = record_nbytes(w_out, self.config.scales)
-            records = payload[off_in : off_in + (b - a) * size_in].view(b - a, size_in)
-            target = out[off_out : off_out + (b - a) * size_out].view(b - a, size_out)
+            records = self._records(payload, w_in, a, b, off_in)
+            target = self._records(out, w_out, a, b, off_out)
             if w_in == w_out:
                 self.ops.decode_accumulate_encode(
                     records, w_in, self.work[a:b], self.index_base[a:b], self.rank,
@@ -983,21 +811,18 @@ class DynamiqCall:
         return out
 
     def finish_shard(self, shard: int, out: torch.Tensor) -> None:
-        """Restore only shard ``shard`` (a reduce-scatter's own) into ``out`` (one shard's
-        coordinates): the rows of chunk ``shard``, which the sharded layout keeps together."""
+        """Restore only shard ``shard`` (a reduce-scatter's own) into ``out``."""
         if self.shard is None or self.deferred:
             raise InvalidArgumentError("finish_shard needs a sharded call (reduce-scatter)")
-        size = self.shard[0]
         a, b = self.chunk_bounds[shard], self.chunk_bounds[shard + 1]
-        work, mean = self.work[a:b], self.mean_sorted[a:b]
-        base = self.index_base[a:b] - shard * size  # coordinates within the shard
-        valid = self.valid_sorted[a:b]
-        if not _compiled_restore(self.ops, self.kernels, work, mean, base, valid, out):
-            _scatter_restore(work, mean, base, valid, out)
+        rows = (self.work[a:b], self.mean_sorted[a:b],
+                self.index_base[a:b] - shard * self.shard[0],  # coordinates within the shard
+                self.valid_sorted[a:b])
+        if not _compiled_restore(self.ops, self.kernels, *rows, out):
+            _scatter_restore(*rows, out)
 
     def finish(self, out: torch.Tensor) -> None:
-        # (deferred records, or rows left unwritten: an all-zero buffer has neither records nor
-        # written work rows)
+        # (an all-zero buffer has neither deferred records nor written work rows)
         if self.deferred is not None and (self.deferred or self.unwritten is not None):
             if (self.ops.decode_restore is not None and out.dtype == torch.float32
                     and out.is_contiguous() and out.device == self.work.device):
@@ -1015,11 +840,11 @@ class DynamiqCall:
         if self.target is not None:
             self.target.measure(self.work, self.order_np, self.allocation.widths,
                                 self.world_size, self.info)
-        if _compiled_restore(self.ops, self.kernels, self.work, self.mean_sorted, self.index_base,
-                             self.valid_sorted, out):
+        rows = (self.work, self.mean_sorted, self.index_base, self.valid_sorted)
+        if _compiled_restore(self.ops, self.kernels, *rows, out):
             return
         if self.uneven:  # rows past the end were dropped: scatter by coordinate index
-            _scatter_restore(self.work, self.mean_sorted, self.index_base, self.valid_sorted, out)
+            _scatter_restore(*rows, out)
             return
         restored = torch.empty_like(self.work)
         restored[self.order] = self.work + self.mean_sorted[:, None]

@@ -20,15 +20,17 @@ Runs = list[tuple[int, int, int]]  # (width, first row, end row) of equal non-ze
 Segments = list[tuple[int, int, int, int]]  # (width, first row, end row, byte offset in chunk)
 
 
-def _runs(sorted_widths: np.ndarray, rows: int) -> Runs:
-    """Maximal runs (width, first row, end row) of equal non-zero width."""
-    runs = []
+def _offsets_and_runs(sizes: np.ndarray, sorted_widths: np.ndarray) -> tuple[np.ndarray, Runs]:
+    """Each sorted row's byte offset (and the end), and the maximal runs of equal non-zero
+    width."""
+    rows = sorted_widths.shape[0]
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(sizes[sorted_widths], out=offsets[1:])
     change = np.flatnonzero(sorted_widths[1:] != sorted_widths[:-1]) + 1
-    for a, b in itertools.pairwise([0, *change.tolist(), rows]):
-        width = int(sorted_widths[a]) if b > a else 0
-        if width:
-            runs.append((width, a, b))
-    return runs
+    runs = [(int(sorted_widths[a]), a, b)
+            for a, b in itertools.pairwise([0, *change.tolist(), rows])
+            if b > a and sorted_widths[a]]
+    return offsets, runs
 
 
 class Geometry:
@@ -38,45 +40,31 @@ class Geometry:
 
     def __init__(self, sorted_widths: np.ndarray, order: np.ndarray, scales: Scales,
                  hop: dict[int, torch.Tensor] | None, hop_tau: dict[int, float]) -> None:
-        rows = sorted_widths.shape[0]
-        self.rows = rows
-        self.striped = hop is not None  # chunk c holds sorted rows c, c + n, ...
+        rows = self.rows = sorted_widths.shape[0]
         sizes = cost_lookup(scales).numpy()
-        offsets = np.zeros(rows + 1, dtype=np.int64)
-        np.cumsum(sizes[sorted_widths], out=offsets[1:])
-        self.row_offsets: np.ndarray = offsets
-        self.runs = _runs(sorted_widths, rows)
+        self.row_offsets, self.runs = _offsets_and_runs(sizes, sorted_widths)
         self.by_count: dict[int, tuple[np.ndarray, Runs]] = {}
-        # (first row, end row, count class) -> segments; each class's run starts
+        # (first row, end row, count class) -> segments
         self._segment_cache: dict[tuple[int, int, int | None], Segments] = {}
-        self._run_starts: dict[int | None, list[int]] = {}
         if hop is None:
             return
         avg = np.zeros(rows + 1, dtype=np.float64)
         for c, class_widths in hop.items():
-            class_sorted = class_widths.numpy()[order]
-            class_offsets = np.zeros(rows + 1, dtype=np.int64)
-            np.cumsum(sizes[class_sorted], out=class_offsets[1:])
-            avg += hop_tau[c] * class_offsets.astype(np.float64)
-            self.by_count[c] = (class_offsets, _runs(class_sorted, rows))
+            self.by_count[c] = _offsets_and_runs(sizes, class_widths.numpy()[order])
+            avg += hop_tau[c] * self.by_count[c][0].astype(np.float64)
         self.row_offsets = avg
 
     def chunk_bounds(self, n: int, shard_row_counts: torch.Tensor | None) -> list[int]:
         """The first sorted row of each of the ``n`` chunks, and the end: striped with hop widths,
         shards given ``shard_row_counts``, else chunks of (nearly) equal bytes."""
         rows = self.rows
-        if self.striped:  # chunk c: sorted rows c, c + n, ... (the call's stripe c)
+        if self.by_count:  # hop widths: chunk c holds sorted rows c, c + n, ... (stripe c)
             return [0, *np.cumsum([rows // n + (c < rows % n) for c in range(n)]).tolist()]
         if shard_row_counts is not None:
             return [0, *torch.cumsum(shard_row_counts, 0).tolist()]
-        offsets = self.row_offsets  # the records' own offsets (no hop widths)
-        total = int(offsets[-1])
-        bounds = [0]
-        for c in range(1, n):
-            target = (c * total + n // 2) // n
-            bounds.append(max(bounds[-1], int(np.searchsorted(offsets, target))))
-        bounds.append(rows)
-        return bounds
+        total = int(self.row_offsets[-1])  # the records' own offsets (no hop widths)
+        targets = [(c * total + n // 2) // n for c in range(1, n)]
+        return [0, *np.searchsorted(self.row_offsets, targets).tolist(), rows]
 
     def _tables(self, count: int | None) -> tuple[np.ndarray, Runs]:
         if self.by_count and count is not None:
@@ -87,24 +75,19 @@ class Geometry:
         """(width, first row, end row, byte offset in the chunk payload) of each run in sorted
         rows ``[lo, hi)``, cached per (rows, count)."""
         key = (lo, hi, count if self.by_count else None)
-        cached = self._segment_cache.get(key)
-        if cached is not None:
-            return cached
-        row_offsets, runs = self._tables(count)
-        starts = self._run_starts.get(key[2])
-        if starts is None:
-            starts = self._run_starts[key[2]] = [start for _, start, _ in runs]
-        base = int(row_offsets[lo])
-        segments = []
-        for i in range(max(0, bisect.bisect_right(starts, lo) - 1), len(runs)):
-            width, start, stop = runs[i]
-            if start >= hi:
-                break
-            a, b = max(lo, start), min(hi, stop)
-            if a < b:
-                segments.append((width, a, b, int(row_offsets[a]) - base))
-        self._segment_cache[key] = segments
-        return segments
+        if key not in self._segment_cache:
+            row_offsets, runs = self._tables(count)
+            base = int(row_offsets[lo])
+            first = max(0, bisect.bisect_right(runs, lo, key=lambda run: run[1]) - 1)
+            segments = []
+            for width, start, stop in runs[first:]:
+                if start >= hi:
+                    break
+                a, b = max(lo, start), min(hi, stop)
+                if a < b:
+                    segments.append((width, a, b, int(row_offsets[a]) - base))
+            self._segment_cache[key] = segments
+        return self._segment_cache[key]
 
     def payload_nbytes(self, lo: int, hi: int, count: int) -> int:
         """Bytes of the records of sorted rows ``[lo, hi)`` at partial-sum size ``count``."""

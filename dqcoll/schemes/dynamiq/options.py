@@ -1,9 +1,8 @@
 """The ``dynamiq`` scheme's options, parsed and checked once at construction.
 
-A user sets :data:`USER_OPTIONS`; ``format`` names a registered :class:`DynamiqFormat`
-(:data:`FORMATS`: ``"dqcoll"``, the default) or is one. Other formats (the DynamiQ paper's
-configuration, the ablations' variants) are built and registered by the lab
-(``dqcoll_lab.dynamiq``), which may give a format its own :class:`AllocationRule`.
+A user sets :data:`USER_OPTIONS`; ``format`` names a registered :class:`DynamiqFormat` or is one.
+The lab (``dqcoll_lab.dynamiq``) registers the others (the paper's, the ablations' variants),
+which may bring their own :class:`AllocationRule`.
 """
 
 from __future__ import annotations
@@ -60,14 +59,13 @@ class AllocationRule(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DynamiqFormat:
-    """What a format fixes: the codec's levels and scales (``scales`` may be a torch-only
-    :class:`~dqcoll.kernels.codec.ProtoScales`), ``width_set`` (``"fine"``: 2-8, ``"paper"``:
-    {2, 4, 8}), ``thresholds`` (``"measured"``: the hull of the codec's own errors, ``"paper"``:
-    ``4**-w``), ``stats`` (``"norm16"`` 2 B, ``"bf16"`` mean and norm 4 B, ``"fp32"`` 8 B per
+    """What a format fixes (docs/dense_gap.md measures each field): the codec's ``levels`` and
+    ``scales`` (or a torch-only :class:`~dqcoll.kernels.codec.ProtoScales`), ``width_set``
+    ("fine": 2-8, "paper": {2, 4, 8}), ``thresholds`` ("measured": the hull of the codec's own
+    errors, "paper": ``4**-w``), ``stats`` ("norm16" 2 B, "bf16" 4 B, "fp32" 8 B per
     super-group), ``hop_widths`` (widths per partial-sum size, all-reduce only), ``max_width``
-    (16: raw super-groups allowed; 8: the paper's), ``rule`` (None: the hull rule) and
-    ``error_model`` (target mode's; None: :class:`.error_model.ErrorModel`'s defaults).
-    docs/dense_gap.md measures each field."""
+    (16: raw super-groups allowed), ``rule`` (None: the hull rule), ``error_model`` (target
+    mode's; None: :class:`.error_model.ErrorModel`'s defaults)."""
 
     levels: Levels = Levels.TUNED
     scales: Scales | ProtoScales = Scales.HIERARCHICAL4X32
@@ -109,14 +107,10 @@ def parse_enum(enum_type: Any, value: Any, name: str) -> Any:
 
 def parse_flag(value: Any, name: str) -> bool:
     """A boolean option: a bool, ``1``/``0`` or a string such as ``"false"`` (command line)."""
-    if isinstance(value, bool | np.bool_):
+    if isinstance(value, int | np.bool_) and value in (0, 1):  # bool is an int
         return bool(value)
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE or text in _FALSE:
-            return text in _TRUE
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
     raise InvalidArgumentError(
         f"dynamiq: {name} must be true or false (True/False, 1/0, or one of the strings "
         f"{list(_TRUE + _FALSE)}), got {value!r}")
@@ -149,14 +143,10 @@ def check_format(fmt: DynamiqFormat) -> DynamiqFormat:
         raise bad("levels", [e.value for e in Levels])
     if not isinstance(fmt.scales, Scales | ProtoScales):
         raise bad("scales", [e.value for e in (*Scales, *ProtoScales)])
-    if fmt.width_set not in ("fine", "paper"):
-        raise bad("width_set", ("fine", "paper"))
-    if fmt.thresholds not in ("measured", "paper"):
-        raise bad("thresholds", ("measured", "paper"))
-    if fmt.stats not in STATS_BYTES:
-        raise bad("stats", STATS_BYTES)
-    if fmt.max_width not in (8, RAW_WIDTH):
-        raise bad("max_width", (8, RAW_WIDTH))
+    for name, choices in (("width_set", ("fine", "paper")), ("thresholds", ("measured", "paper")),
+                          ("stats", STATS_BYTES), ("max_width", (8, RAW_WIDTH))):
+        if getattr(fmt, name) not in choices:
+            raise bad(name, choices)
     if fmt.thresholds == "measured" and (fmt.levels, fmt.scales) not in MEASURED_ERRORS:
         raise InvalidArgumentError(
             f"dynamiq: thresholds='measured' has no measured errors for "
@@ -164,12 +154,16 @@ def check_format(fmt: DynamiqFormat) -> DynamiqFormat:
     return fmt
 
 
+def _number(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"dynamiq: {name} must be a number, got {value!r}") from None
+
+
 def parse_bits(bits: Any, fmt: DynamiqFormat) -> float:
     """The bit budget per coordinate, at least the format's floor when the widths vary."""
-    try:
-        value = float(bits)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"dynamiq: bits must be a number, got {bits!r}") from None
+    value = _number(bits, "bits")
     floor = min_bits(fmt.scales, STATS_BYTES[fmt.stats])  # type: ignore[arg-type]
     fixed = fmt.rule is not None and fmt.rule.fixed_width is not None
     if not math.isfinite(value) or (not fixed and value < floor):
@@ -184,11 +178,7 @@ def parse_target(target_vnmse: Any, fmt: DynamiqFormat) -> float | None:
     """``target_vnmse``: None, or a positive finite number for a format the error model knows."""
     if target_vnmse is None:
         return None
-    try:
-        target = float(target_vnmse)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"dynamiq: target_vnmse must be a number, got {target_vnmse!r}") from None
+    target = _number(target_vnmse, "target_vnmse")
     if not (math.isfinite(target) and target > 0):
         raise InvalidArgumentError(
             f"dynamiq: target_vnmse must be positive and finite, got {target_vnmse!r}")
@@ -202,11 +192,7 @@ def parse_target(target_vnmse: Any, fmt: DynamiqFormat) -> float | None:
 
 def parse_energy_exponent(energy_exponent: Any, target_vnmse: float | None) -> float:
     """``energy_exponent`` in [0, 1]; only 1 (the default) with ``target_vnmse``."""
-    try:
-        value = float(energy_exponent)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"dynamiq: energy_exponent must be a number, got {energy_exponent!r}") from None
+    value = _number(energy_exponent, "energy_exponent")
     if not 0.0 <= value <= 1.0:
         raise InvalidArgumentError(
             f"dynamiq: energy_exponent must be in [0, 1], got {energy_exponent!r}")

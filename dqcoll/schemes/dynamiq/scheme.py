@@ -89,25 +89,21 @@ class DynamiqScheme:
     @property
     def measured_errors(self) -> dict[int, float] | None:
         """The hull rule's errors per width: measured for the codec, or None (``4**-w``)."""
-        if self.thresholds == "measured":
-            return MEASURED_ERRORS[(self.config.levels, self.config.scales)]
-        return None
+        return (MEASURED_ERRORS[(self.config.levels, self.config.scales)]
+                if self.thresholds == "measured" else None)
 
     def __repr__(self) -> str:
         c = self.config
         budget = (f"target_vnmse={self.target_vnmse:g}, model={self.error_model}"
                   if self.target_vnmse is not None else f"bits={self.bits:g}")
-        return (
-            f"DynamiqScheme({budget}, max_width={self.max_width}, levels={c.levels.value}, "
-            f"scales={c.scales.value}, "
-            f"rounding={c.rounding.value}, balance={self.balance.value}"
-            + (f", energy_exponent={self.energy_exponent:g}" if self.energy_exponent != 1.0
-               else "")
-            + f", width_set={self.width_set}, thresholds={self.thresholds}, stats={self.stats}"
-            + f", hop_widths={self.hop_widths}"
-            + (f", rule={self.format.rule}" if self.format.rule is not None else "")
-            + ")"
-        )
+        exponent = (f", energy_exponent={self.energy_exponent:g}"
+                    if self.energy_exponent != 1.0 else "")
+        rule = f", rule={self.format.rule}" if self.format.rule is not None else ""
+        return (f"DynamiqScheme({budget}, max_width={self.max_width}, levels={c.levels.value}, "
+                f"scales={c.scales.value}, rounding={c.rounding.value}, "
+                f"balance={self.balance.value}{exponent}, width_set={self.width_set}, "
+                f"thresholds={self.thresholds}, stats={self.stats}, "
+                f"hop_widths={self.hop_widths}{rule})")
 
     def begin(self, x: torch.Tensor, ctx: CallContext) -> DynamiqCall:
         return DynamiqCall(self, x, ctx)
@@ -118,13 +114,10 @@ class DynamiqScheme:
         return survey(self, x, op, world_size, collective)
 
     def wire_nbytes(self, numel: int) -> int:
-        rows = -(-numel // SUPER)
-        stats = STATS_BYTES[self.stats]
-        cheapest = rows * (record_nbytes(2, self.config.scales) + stats)
         fixed = self.format.rule.fixed_width if self.format.rule is not None else None
-        if fixed is not None:
-            return rows * (record_nbytes(fixed, self.config.scales) + stats)
-        return max(math.floor(self.bits * numel / 8.0), cheapest)
+        width = 2 if fixed is None else fixed  # the cheapest records, or the rule's one width
+        records = -(-numel // SUPER) * (record_nbytes(width, self.config.scales) + self.stats_bytes)
+        return records if fixed is not None else max(math.floor(self.bits * numel / 8.0), records)
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
         """Compress one tensor on its own (statistics local, world size 1)."""
