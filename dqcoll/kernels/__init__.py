@@ -18,7 +18,7 @@ import torch
 from .. import envs
 from ..errors import UnsupportedError
 from . import codec
-from .cpu_runtime import numba_available
+from .cpu_runtime import import_problem, numba_available
 from .ops import DynamiqOps, check_format
 
 __all__ = ["DynamiqOps", "check_format", "dynamiq_ops", "numba_available", "torch_ops",
@@ -30,11 +30,7 @@ log = logging.getLogger("dqcoll")
 @functools.lru_cache(maxsize=1)
 def triton_available() -> str | None:
     """None when Triton can be used, else the reason it cannot (checked once per process)."""
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install
-        return f"triton is not importable ({exc.__class__.__name__}: {exc})"
-    return None
+    return import_problem("triton")
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,18 +46,6 @@ def torch_ops() -> DynamiqOps:
     )
 
 
-def _triton_ops() -> DynamiqOps:
-    from . import dynamiq_triton  # type: ignore[attr-defined]
-
-    return dynamiq_triton.OPS  # type: ignore[no-any-return]
-
-
-def _numba_ops() -> DynamiqOps:
-    from . import dynamiq_numba
-
-    return dynamiq_numba.OPS
-
-
 _logged: set[str] = set()  # fallback reasons already logged: one per distinct reason, for good
 
 
@@ -74,34 +58,31 @@ def _fallback(why: str, device: torch.device) -> DynamiqOps:
 
 def dynamiq_ops(device: torch.device) -> DynamiqOps:
     choice = envs.kernels()
+    forced = choice != "auto"
+    if not forced:
+        choice = {"cpu": "numba", "cuda": "triton"}.get(device.type, "torch")
     if choice == "torch":
         return torch_ops()
-    if choice == "numba" or (choice == "auto" and device.type == "cpu"):
-        reason = numba_available()
-        if choice == "numba":
-            if reason is not None:
-                raise UnsupportedError(f"DQCOLL_KERNELS=numba was requested but {reason}")
-            if device.type != "cpu":
-                raise UnsupportedError(
-                    f"DQCOLL_KERNELS=numba was requested but the numba kernels take CPU tensors, "
-                    f"got {device.type} tensors")
-            return _numba_ops()
-        if reason is not None:
-            return _fallback(reason, device)
-        return _numba_ops()
-    if choice == "auto" and device.type != "cuda":
-        return torch_ops()
-    reason = triton_available()
-    if choice == "triton":
-        if reason is not None:
-            raise UnsupportedError(f"DQCOLL_KERNELS=triton was requested but {reason}")
-        return _triton_ops()
+    reason = numba_available() if choice == "numba" else triton_available()
     if reason is not None:
+        if forced:
+            raise UnsupportedError(f"DQCOLL_KERNELS={choice} was requested but {reason}")
         return _fallback(reason, device)
+    if choice == "numba":
+        if device.type != "cpu":
+            raise UnsupportedError(
+                f"DQCOLL_KERNELS=numba was requested but the numba kernels take CPU tensors, "
+                f"got {device.type} tensors")
+        from . import dynamiq_numba
+
+        return dynamiq_numba.OPS
     try:
-        return _triton_ops()
+        from . import dynamiq_triton  # type: ignore[attr-defined]
     except ImportError as exc:
+        if forced:
+            raise
         return _fallback(f"Triton kernels are not available ({exc})", device)
+    return dynamiq_triton.OPS  # type: ignore[no-any-return]
 
 
 # a warm-up longer than this is compiling (loading cached kernels takes well under a second)

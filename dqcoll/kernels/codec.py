@@ -100,9 +100,7 @@ GROUP = 16  # coordinates per group (one uint8 scale code)
 GROUPS = SUPER // GROUP
 FLAT_BLOCK = 32  # coordinates per bf16 scale in the flat-scales ablation
 WIDTHS = (2, 4, 8)  # the paper's widths (and the default allocation's)
-# Every code width the format can hold: 256 * w bits is always whole bytes, codes are one LSB-first
-# bitstream (code j at bit j * w of the code bytes), so 3, 5, 6 and 7 bits cost nothing extra.
-FINE_WIDTHS = (2, 3, 4, 5, 6, 7, 8)
+FINE_WIDTHS = (2, 3, 4, 5, 6, 7, 8)  # every code width the format can hold (whole bytes per 256)
 RAW_WIDTH = 16  # optional: fp16 values relative to one bf16 unit, for outliers and tight targets
 ALL_WIDTHS = (*FINE_WIDTHS, RAW_WIDTH)
 # The paper's epsilons (levels="nonuniform") for 2 / 4 / 8 bits; 3, 5, 6, 7 bits use the tuned ones.
@@ -127,19 +125,14 @@ class Levels(enum.Enum):
 class Scales(enum.Enum):
     HIERARCHICAL = "hierarchical"  # uint8 code per group of 16 + bf16 unit (18 B)
     FLAT = "flat"  # bf16 scale per 32 coordinates (16 B)
-    # 4-bit codes per group of 32: unit = bf16_ceil(max_g s_g / 16), q_g = clamp(ceil(s_g /
-    # unit), 1, 16), stored q_g - 1, two per byte (group g at bit 4 * (g % 2) of byte g // 2),
-    # then the bf16 unit (4 + 2 = 6 B)
-    HIERARCHICAL4X32 = "hierarchical4x32"
+    HIERARCHICAL4X32 = "hierarchical4x32"  # 4-bit code per group of 32 + bf16 unit (6 B)
 
 
 class ProtoScales(enum.Enum):
-    """Prototype scale encodings, kept out of :class:`Scales` so that the compiled
-    kernels, which iterate over :class:`Scales`, never see them (the scheme runs them on the
-    torch reference)."""
+    """Prototype scale encodings, kept out of :class:`Scales` so that the compiled kernels, which
+    iterate over :class:`Scales`, never see them (the scheme runs them on the torch reference)."""
 
-    # Scales.HIERARCHICAL4X32's 4-bit codes per group of 16 (8 + 2 bytes)
-    HIERARCHICAL4 = "hierarchical4"
+    HIERARCHICAL4 = "hierarchical4"  # 4-bit codes per group of 16 (8 + 2 bytes)
 
 
 class RoundingMode(enum.Enum):
@@ -158,6 +151,8 @@ class CodecConfig:
 
 
 FORMAT3 = CodecConfig(levels=Levels.TUNED, scales=Scales.HIERARCHICAL4X32)
+_SCALE_NBYTES = {Scales.HIERARCHICAL: GROUPS + 2, ProtoScales.HIERARCHICAL4: GROUPS // 2 + 2,
+                 Scales.HIERARCHICAL4X32: GROUPS // 4 + 2, Scales.FLAT: 2 * SUPER // FLAT_BLOCK}
 
 
 def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
@@ -168,18 +163,7 @@ def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
         return 2 * SUPER + 2  # 256 fp16 values + one bf16 unit, whatever the scales mode
     if width not in FINE_WIDTHS:
         raise ValueError(f"width must be 0 or one of {ALL_WIDTHS}, got {width}")
-    codes = SUPER * width // 8
-    return codes + _scale_nbytes(scales)
-
-
-def _scale_nbytes(scales: Scales) -> int:
-    if scales is Scales.HIERARCHICAL:
-        return GROUPS + 2
-    if scales is ProtoScales.HIERARCHICAL4:
-        return GROUPS // 2 + 2
-    if scales is Scales.HIERARCHICAL4X32:
-        return GROUPS // 4 + 2
-    return 2 * SUPER // FLAT_BLOCK
+    return SUPER * width // 8 + _SCALE_NBYTES[scales]
 
 
 @functools.cache
@@ -203,10 +187,8 @@ def code_table(width: int, levels: Levels, device: torch.device | str = "cpu") -
     """fp32 value of each of the ``2**width`` codes: ``sign(l) * m_|l|`` for code ``l + R``;
     codes above ``2R`` (only code 3 at 2 bits) are never written and decode to 0."""
     mags = _magnitudes(width, levels)
-    top = len(mags) - 1
-    values = [0.0] * (2**width)
-    for level in range(-top, top + 1):
-        values[level + top] = mags[abs(level)] * (1.0 if level >= 0 else -1.0)
+    values = [-m for m in reversed(mags[1:])] + list(mags)
+    values += [0.0] * (2**width - len(values))
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
@@ -216,18 +198,8 @@ def bf16_ceil(v: torch.Tensor) -> torch.Tensor:
     stays NaN."""
     bits = v.contiguous().view(torch.int32).to(torch.int64)
     rounded = (bits + 0xFFFF) >> 16  # positive patterns only: no sign bit to worry about
-    nan = torch.isnan(v)
-    rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)  # canonical NaN
+    rounded = torch.where(torch.isnan(v), 0x7FC0, rounded)  # canonical NaN
     return rounded.to(torch.int16).view(torch.bfloat16)
-
-
-def _on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
-    """``t`` (a per-row table, e.g. ``valid``, often on the host) on ``device``: from the host to
-    a GPU through pinned memory, queued on the current stream
-    (:func:`dqcoll.interop.host_to_device`; a copy from pageable memory would make the host
-    wait for the stream)."""
-    return host_to_device(t, device, t.dtype if dtype is None else dtype)
 
 
 def tree_sum(v: torch.Tensor) -> torch.Tensor:
@@ -248,21 +220,20 @@ def stats_center_torch(
     followed by zero padding. The mean is over the valid coordinates, and padding stays exactly
     zero after centring. Returns ``(centred [S, 256], mean [S], norm2 [S])``.
     """
-    counts = _on_device(valid, x.device, torch.float32)
-    return _centre(x, valid, tree_sum(x) / counts)
+    return _centre(x, valid, tree_sum(x) / host_to_device(valid, x.device, torch.float32))
 
 
 def _centre(
     x: torch.Tensor, valid: torch.Tensor, mean: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(x - mean, mean, squared norm)`` per row, the padding past ``valid`` kept exactly 0."""
+    """``(x - mean, mean, squared norm)`` per row, the padding past ``valid`` kept exactly 0
+    (``valid``, often on the host, reaches a GPU through pinned memory: no host wait)."""
     centred = x - mean[:, None]
-    partial = valid < SUPER
-    if bool(partial.any()):
-        pad = torch.arange(SUPER, device=x.device)[None, :] >= _on_device(valid, x.device)[:, None]
-        centred = centred.masked_fill(pad, 0.0)
-    norm2 = tree_sum(centred * centred)
-    return centred, mean, norm2
+    if bool((valid < SUPER).any()):
+        on_device = host_to_device(valid, x.device, valid.dtype)
+        centred = centred.masked_fill(torch.arange(SUPER, device=x.device) >= on_device[:, None],
+                                      0.0)
+    return centred, mean, tree_sum(centred * centred)
 
 
 def stats_center_rounded_torch(
@@ -271,7 +242,7 @@ def stats_center_rounded_torch(
     """:func:`stats_center_torch` with the mean rounded to bf16 (nearest even) *before* centring:
     the rounded mean is what this rank sends (16-bit statistics) and what is added back, so the
     centred values plus the mean are the input up to fp32 rounding. Norm is of the centred rows."""
-    counts = _on_device(valid, x.device, torch.float32)
+    counts = host_to_device(valid, x.device, torch.float32)
     mean = (tree_sum(x) / counts).to(torch.bfloat16).float()
     if not centre:  # statistics without the mean (prototype "norm16")
         mean = torch.zeros_like(mean)
@@ -279,40 +250,19 @@ def stats_center_rounded_torch(
 
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """int64 ``[k, 256]`` codes below ``2**width`` -> uint8 ``[k, 32 * width]``, LSB-first."""
-    if 8 % width:
-        return _pack_bitstream(codes, width)
-    per_byte = 8 // width
-    c = codes.view(codes.shape[0], SUPER // per_byte, per_byte)
-    packed = torch.zeros(c.shape[:2], dtype=torch.int64, device=codes.device)
-    for j in range(per_byte):
-        packed |= c[..., j] << (j * width)  # code j of the byte at bits [j*width, (j+1)*width)
-    return packed.to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, width: int) -> torch.Tensor:
-    """uint8 ``[k, 32 * width]`` -> int64 ``[k, 256]`` codes (inverse of :func:`pack_codes`)."""
-    if 8 % width:
-        return _unpack_bitstream(packed, width)
-    per_byte = 8 // width
-    mask = (1 << width) - 1
-    b = packed.to(torch.int64)
-    parts = [(b >> (j * width)) & mask for j in range(per_byte)]
-    return torch.stack(parts, dim=-1).reshape(packed.shape[0], SUPER)
-
-
-def _pack_bitstream(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """Widths 3, 5, 6, 7: every 8 codes make ``width`` bytes (code j at bit j * width)."""
+    """int64 ``[k, 256]`` codes below ``2**width`` -> uint8 ``[k, 32 * width]``, LSB-first: every
+    8 codes make one ``8 * width``-bit word (code j at bit j * width), stored as ``width`` bytes."""
     k = codes.shape[0]
     c = codes.view(k, SUPER // 8, 8)
     word = torch.zeros(c.shape[:2], dtype=torch.int64, device=codes.device)
     for j in range(8):
-        word |= c[..., j] << (j * width)  # 8 * width <= 56 bits
+        word |= c[..., j] << (j * width)  # up to 64 bits: the sign bit wraps, the bytes do not
     parts = [(word >> (8 * i)) & 0xFF for i in range(width)]
     return torch.stack(parts, dim=-1).reshape(k, SUPER * width // 8).to(torch.uint8)
 
 
-def _unpack_bitstream(packed: torch.Tensor, width: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 ``[k, 32 * width]`` -> int64 ``[k, 256]`` codes (inverse of :func:`pack_codes`)."""
     k = packed.shape[0]
     b = packed.to(torch.int64).view(k, SUPER // 8, width)
     word = torch.zeros(b.shape[:2], dtype=torch.int64, device=packed.device)
@@ -327,42 +277,34 @@ def _scales_encode(x: torch.Tensor, scales: Scales) -> tuple[torch.Tensor, torch
     bytes [k, 18 or 16]."""
     k = x.shape[0]
     if scales is Scales.FLAT:
-        absmax = x.abs().view(k, SUPER // FLAT_BLOCK, FLAT_BLOCK).amax(-1)
-        scale = bf16_ceil(absmax)
-        return scale.float(), scale.view(torch.uint8).view(k, 2 * SUPER // FLAT_BLOCK)
+        scale = bf16_ceil(x.abs().view(k, SUPER // FLAT_BLOCK, FLAT_BLOCK).amax(-1))
+        return scale.float(), scale.view(torch.uint8)  # [k, 16]
     size = 2 * GROUP if scales is Scales.HIERARCHICAL4X32 else GROUP
     group = x.abs().view(k, SUPER // size, size).amax(-1)  # [k, 16 or 8]; NaN propagates
-    top = group.amax(-1)  # [k]
     levels = 255 if scales is Scales.HIERARCHICAL else GROUP_CODE_LEVELS
-    unit = bf16_ceil(top / float(levels))
-    unit32 = unit.float()
-    ratio = torch.ceil(group / unit32[:, None])
-    q = torch.where(
-        (unit32[:, None] > 0) & torch.isfinite(unit32[:, None]),
-        ratio.clamp(1.0, float(levels)),
-        torch.ones_like(ratio),
-    ).to(torch.uint8)
-    decoded = q.float() * unit32[:, None]
+    unit = bf16_ceil(group.amax(-1) / float(levels))
+    unit32 = unit.float()[:, None]
+    ratio = torch.ceil(group / unit32)
+    usable = (unit32 > 0) & torch.isfinite(unit32)
+    q = torch.where(usable, ratio.clamp(1.0, float(levels)), 1.0).to(torch.uint8)
+    decoded = q.float() * unit32
     if scales is not Scales.HIERARCHICAL:
         nib = q.to(torch.int64) - 1
         q = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)  # [k, 8]
-    meta = torch.cat([q, unit.view(torch.uint8).view(k, 2)], dim=1)
-    return decoded, meta
+    return decoded, torch.cat([q, unit.view(torch.uint8).view(k, 2)], dim=1)
 
 
 def _scales_decode(meta: torch.Tensor, scales: Scales) -> torch.Tensor:
     if scales is Scales.FLAT:
         scale = meta.contiguous().view(torch.bfloat16).float()  # [k, 8]
         return scale.repeat_interleave(FLAT_BLOCK, dim=1)
-    if scales is not Scales.HIERARCHICAL:  # 4-bit codes
-        codes = meta.shape[1] - 2
-        b = meta[:, :codes].to(torch.int64)
-        q = (torch.stack([b & 0xF, b >> 4], dim=-1).reshape(-1, 2 * codes) + 1).float()
-        unit = meta[:, codes:].contiguous().view(torch.bfloat16).float()
-        return (q * unit).repeat_interleave(SUPER // (2 * codes), dim=1)
-    q = meta[:, :GROUPS].float()
-    unit = meta[:, GROUPS:].contiguous().view(torch.bfloat16).float()  # [k, 1]
-    return (q * unit).repeat_interleave(GROUP, dim=1)
+    codes = meta.shape[1] - 2
+    q = meta[:, :codes]
+    if scales is not Scales.HIERARCHICAL:  # 4-bit codes, two per byte
+        b = q.to(torch.int64)
+        q = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(-1, 2 * codes) + 1
+    unit = meta[:, codes:].contiguous().view(torch.bfloat16).float()  # [k, 1]
+    return (q.float() * unit).repeat_interleave(SUPER // q.shape[1], dim=1)
 
 
 TINY_SCALE = 2.0**-64  # below it a scale's reciprocal could overflow: prescale by 2**64
@@ -370,49 +312,27 @@ PRESCALE = 2.0**64
 
 
 def _normalise(x: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
-    """``y = clamp((x * s) * inv, -1, 1)`` per block of ``256 / B`` coordinates with decoded scale
-    ``D`` (``block_scale`` [k, B]): ``s = 2**64`` where ``D < 2**-64`` (exact: a power of two, and
-    ``|x| <= D``), else 1, and ``inv = fp32(1 / (D * s))`` -- one division per block, none per
-    coordinate, and finite even for denormal scales. ``y = 0`` where ``D`` is 0 or not finite."""
+    """``y`` of the module docstring's Rounding per block of ``256 / B`` coordinates, given the
+    decoded scales ``D`` (``block_scale`` [k, B])."""
     ok = (block_scale > 0) & torch.isfinite(block_scale)
     pre = torch.where(block_scale < TINY_SCALE, PRESCALE, 1.0)
     inverse = torch.where(ok, 1.0 / torch.where(ok, block_scale * pre, 1.0), 0.0)
-    block = SUPER // block_scale.shape[1]
-    ok = ok.repeat_interleave(block, dim=1)
-    pre = pre.repeat_interleave(block, dim=1)
-    inverse = inverse.repeat_interleave(block, dim=1)
+    ok, pre, inverse = (t.repeat_interleave(SUPER // block_scale.shape[1], dim=1)
+                        for t in (ok, pre, inverse))
     return torch.where(ok, (x * pre) * inverse, 0.0).clamp(-1.0, 1.0)
 
 
-def _encode_rows(
-    x: torch.Tensor,
-    width: int,
-    index_base: torch.Tensor,
-    rank: int,
-    world_size: int,
-    key: int,
-    config: CodecConfig,
-    uniforms: torch.Tensor | None = None,
-) -> torch.Tensor:
-    k = x.shape[0]
+def _encode_rows(x: torch.Tensor, width: int, u: torch.Tensor, config: CodecConfig) -> torch.Tensor:
     block_scale, meta = _scales_encode(x, config.scales)
     y = _normalise(x, block_scale)
     a = y.abs()
     mags = level_magnitudes(width, config.levels, x.device)
     top = mags.numel() - 1
     r = torch.searchsorted(mags[1:top].contiguous(), a.contiguous(), right=True)
-    lo = mags[r]
-    hi = mags[r + 1]
-    index = index_base[:, None] + torch.arange(SUPER, device=x.device)
-    if uniforms is not None:
-        u = uniforms
-    else:
-        u = rng.rounding_uniforms(
-            key, rank, world_size, index, config.rounding is RoundingMode.CORRELATED
-        )
+    lo, hi = mags[r], mags[r + 1]
     level = r + ((a - lo) > u * (hi - lo)).to(torch.int64)
     codes = torch.where(y < 0, top - level, top + level)
-    return torch.cat([pack_codes(codes, width), meta], dim=1).reshape(k, -1)
+    return torch.cat([pack_codes(codes, width), meta], dim=1)
 
 
 def encode_torch(
@@ -445,22 +365,25 @@ def encode_torch(
         out = torch.empty(
             (x.shape[0], record_nbytes(width, config.scales)), dtype=torch.uint8, device=x.device
         )
+    correlated = config.rounding is RoundingMode.CORRELATED
     for start in range(0, x.shape[0], _ROWS_PER_BLOCK):
-        stop = min(start + _ROWS_PER_BLOCK, x.shape[0])
-        out[start:stop] = _encode_rows(
-            x[start:stop], width, index_base[start:stop], rank, world_size, key, config,
-            None if uniforms is None else uniforms[start:stop],
-        )
+        rows = slice(start, start + _ROWS_PER_BLOCK)
+        if uniforms is None:
+            index = index_base[rows, None] + torch.arange(SUPER, device=x.device)
+            u = rng.rounding_uniforms(key, rank, world_size, index, correlated)
+        else:
+            u = uniforms[rows]
+        out[rows] = _encode_rows(x[rows], width, u, config)
     return out
 
 
 def _encode_raw(x: torch.Tensor) -> torch.Tensor:
     """Width 16: ``unit = bf16_ceil(max |x|)`` per super-group, values ``fp16(y)`` rounded to
     nearest even with ``y`` normalised by ``unit`` as the other widths are by ``D_g`` (no
-    overflow; relative precision 2**-11 except below
-    6e-5 * unit where fp16 is subnormal). Record: 512 bytes of fp16 (little-endian) + 2 of unit.
-    Deterministic (no random numbers): the error, ~1e-7 relative per hop, is far below the other
-    widths', and partial sums stay accurate when re-rounded at every hop."""
+    overflow; relative precision 2**-11 except below 6e-5 * unit where fp16 is subnormal).
+    Record: 512 bytes of fp16 (little-endian) + 2 of unit. Deterministic (no random numbers): the
+    error, ~1e-7 relative per hop, is far below the other widths', and partial sums stay accurate
+    when re-rounded at every hop."""
     k = x.shape[0]
     unit = bf16_ceil(x.abs().amax(1))  # NaN for a non-finite row
     values = _normalise(x, unit.float()[:, None])
@@ -469,10 +392,9 @@ def _encode_raw(x: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_raw(records: torch.Tensor) -> torch.Tensor:
-    k = records.shape[0]
-    values = records[:, : 2 * SUPER].contiguous().view(torch.float16).float()
+    values = records[:, : 2 * SUPER].contiguous().view(torch.float16).float()  # [k, 256]
     unit = records[:, 2 * SUPER :].contiguous().view(torch.bfloat16).float()  # [k, 1]
-    return values.view(k, SUPER) * unit
+    return values * unit
 
 
 def decode_torch(records: torch.Tensor, width: int, config: CodecConfig, *,
@@ -481,11 +403,10 @@ def decode_torch(records: torch.Tensor, width: int, config: CodecConfig, *,
     if width == RAW_WIDTH:
         values = _decode_raw(records)
         return values if out is None else out.copy_(values)
-    k = records.shape[0]
     code_bytes = SUPER * width // 8
     codes = unpack_codes(records[:, :code_bytes], width)
     values = code_table(width, config.levels, records.device)[codes]
-    scale = _scales_decode(records[:, code_bytes:], config.scales).view(k, SUPER)
+    scale = _scales_decode(records[:, code_bytes:], config.scales)  # [k, 256]
     return torch.mul(values, scale, out=out) if out is not None else values * scale
 
 
@@ -510,13 +431,10 @@ def decode_accumulate_encode_torch(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The per-hop operation: ``acc += decode(records)``, then encode ``acc`` (same width; the
-    records go into ``out`` when given).
-
-    Scales are recomputed from the new partial sum, so nothing overflows or clips. With
-    ``keep_sum=False`` the caller declares it will not read ``acc`` again (the executor never
-    does: a forwarded partial sum is dead until the all-gather overwrites it, and the sink
-    decodes its own bytes over it), so a fast path may skip writing it back (1 KiB per
-    super-group of the fused kernel's traffic); ``acc``'s contents are then unspecified."""
+    records go into ``out`` when given). Scales are recomputed from the new partial sum, so
+    nothing overflows or clips. With ``keep_sum=False`` the caller will not read ``acc`` again
+    (the executor never does), so a fast path may skip writing it back; ``acc``'s contents are
+    then unspecified."""
     decode_accumulate_torch(records, width, config, acc)
     return encode_torch(acc, width, index_base, rank, world_size, key, config, out=out)
 
@@ -530,6 +448,6 @@ def restore_torch(
     flat; the cast to its dtype rounds to nearest even)."""
     value = work + mean[:, None]
     coord = torch.arange(SUPER, device=work.device)
-    keep = coord[None, :] < _on_device(valid, work.device)[:, None]
-    target = _on_device(index_base, work.device)[:, None] + coord[None, :]
+    keep = coord[None, :] < host_to_device(valid, work.device, valid.dtype)[:, None]
+    target = host_to_device(index_base, work.device, index_base.dtype)[:, None] + coord[None, :]
     out[target[keep]] = value[keep].to(out.dtype)

@@ -10,9 +10,9 @@ torch reference rounds twice), ``error_model="numpy"`` (inf/NaN as in torch) and
 ``boundscheck=False`` (kernels guard their indices; none is derived from a value that can be NaN).
 
 Process-wide state, bounded, changing no byte: the local-rank claims of live CPU communicators
-(:func:`claim_local_ranks` / :func:`release_local_ranks`; :func:`cpu_threads` divides the cores by
-the largest claim), the thread pool of :func:`run_rows` (``max(2, cores)`` threads, made at the
-first split call), and :func:`numba_available` and the core count, read once.
+(:func:`claim_local_ranks`; :func:`cpu_threads` divides the cores by the largest claim), the
+thread pool of :func:`run_rows` (``max(2, cores)`` threads, started at the first split call), and
+:func:`numba_available` and the core count, read once.
 
 Rejected: numba's ``parallel=True``: its default threading layer is not safe when several Python
 threads call parallel kernels at once (the ``local`` transport's ranks do), and the safe layers
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import logging
+import importlib
 import os
 import threading
 import weakref
@@ -37,14 +37,12 @@ __all__ = [
     "MIN_ROWS_PER_THREAD",
     "claim_local_ranks",
     "cpu_threads",
+    "import_problem",
     "local_ranks",
     "numba_available",
-    "ranks_per_core",
     "release_local_ranks",
     "run_rows",
 ]
-
-log = logging.getLogger("dqcoll")
 
 JIT_OPTIONS: dict[str, Any] = dict(
     nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False
@@ -59,17 +57,28 @@ _claims: dict[int, tuple[int, weakref.finalize]] = {}
 _local_ranks = 1  # max over _claims (1 with none), recomputed on every change, read per launch
 # Reentrant: a claim's finalizer may run from a garbage collection inside a locked section.
 _lock = threading.RLock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+# Read once: os.cpu_count() reads /sys on every call (~1 ms per all-reduce of 60 launches when the
+# machine is busy).
+_CORES = os.cpu_count() or 1
+# An executor starts its threads on submit: none before the first split call.
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, _CORES),
+                                              thread_name_prefix="dqcoll-cpu")
+
+
+def import_problem(module: str) -> str | None:
+    """None when ``module`` imports, else why not (ImportError, or a broken install such as an
+    llvmlite or numpy mismatch)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        return f"{module} is not importable ({exc.__class__.__name__}: {exc})"
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def numba_available() -> str | None:
     """None when numba can be used, else the reason it cannot."""
-    try:
-        import numba  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install (llvmlite, numpy mismatch)
-        return f"numba is not importable ({exc.__class__.__name__}: {exc})"
-    return None
+    return import_problem("numba")
 
 
 def claim_local_ranks(owner: object, ranks: int) -> None:
@@ -89,10 +98,9 @@ def release_local_ranks(owner: object) -> None:
     """Drop ``owner``'s claim (nothing if it has none): communicators call this when they are
     closed or die."""
     with _lock:
-        claim = _claims.pop(id(owner), None)
+        claim = _claims.get(id(owner))
         if claim is not None:
-            claim[1].detach()
-            _recount()
+            claim[1]()  # a finalizer runs once: _drop_claim now, nothing at collection
 
 
 def local_ranks() -> int:
@@ -112,34 +120,10 @@ def _recount() -> None:
     _local_ranks = max((ranks for ranks, _ in _claims.values()), default=1)
 
 
-@functools.lru_cache(maxsize=1)
-def _cores() -> int:
-    """``os.cpu_count()``, read once (it reads /sys on every call: ~1 ms per all-reduce of
-    60 launches when the machine is busy)."""
-    return os.cpu_count() or 1
-
-
-def ranks_per_core() -> float:
-    """Ranks of this machine per core, at least 1 (:func:`local_ranks` over the cores): how many
-    times its CPU time a CPU-bound piece of work takes when every rank runs one at once."""
-    return max(1.0, _local_ranks / _cores())
-
-
 def cpu_threads() -> int:
     """Threads one rank's kernels use: ``DQCOLL_CPU_THREADS``, else cores / :func:`local_ranks`."""
     configured = envs.cpu_threads()
-    if configured is not None:
-        return configured
-    return max(1, _cores() // _local_ranks)
-
-
-def _get_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(2, _cores()), thread_name_prefix="dqcoll-cpu")
-        return _pool
+    return max(1, _CORES // _local_ranks) if configured is None else configured
 
 
 def run_rows(kernel: Callable[..., Any], rows: int, *args: Any, threads: int | None = None) -> None:
@@ -152,8 +136,7 @@ def run_rows(kernel: Callable[..., Any], rows: int, *args: Any, threads: int | N
             kernel(0, rows, *args)
         return
     cuts = [rows * p // parts for p in range(parts + 1)]
-    pool = _get_pool()
-    futures = [pool.submit(kernel, cuts[p], cuts[p + 1], *args) for p in range(1, parts)]
+    futures = [_pool.submit(kernel, cuts[p], cuts[p + 1], *args) for p in range(1, parts)]
     kernel(cuts[0], cuts[1], *args)
     for future in futures:
         future.result()

@@ -61,10 +61,8 @@ def _table_cpu(name: str) -> torch.Tensor:
         sign = -1.0 if code >> (fmt.ebits + fmt.mbits) else 1.0
         biased = (code >> fmt.mbits) & ((1 << fmt.ebits) - 1)
         mant = code & ((1 << fmt.mbits) - 1)
-        if biased == 0:
-            magnitude = mant * 2.0 ** (fmt.emin - fmt.mbits)
-        else:
-            magnitude = (1 + mant / 2**fmt.mbits) * 2.0 ** (biased - fmt.bias)
+        significand = mant + (1 << fmt.mbits if biased else 0)  # subnormals: no implicit 1
+        magnitude = significand * 2.0 ** (max(biased, 1) - fmt.bias - fmt.mbits)  # exact
         values.append(sign * magnitude if magnitude <= fmt.max_value else math.nan)
     return torch.tensor(values, dtype=torch.float32)
 

@@ -50,7 +50,6 @@ __all__ = [
     "feistel_rounds",
     "mix32",
     "mix32_int",
-    "mul32",
     "permutation_index",
     "permutation_table",
     "permute_rank",
@@ -99,17 +98,12 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (32 - bits)) - 1)
 
 
-def mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """``(a * c) mod 2**32`` on int32 bit patterns (wrapping multiply)."""
-    return a * _signed(c)
-
-
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """``mix32`` on an int32 tensor holding uint32 bit patterns."""
+    """``mix32`` on an int32 tensor holding uint32 bit patterns (int32 multiplication wraps)."""
     x = x ^ _shr(x, 16)
-    x = mul32(x, _M1)
+    x = x * _signed(_M1)
     x = x ^ _shr(x, 15)
-    x = mul32(x, _M2)
+    x = x * _signed(_M2)
     return x ^ _shr(x, 15)
 
 

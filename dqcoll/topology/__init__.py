@@ -9,11 +9,7 @@ from .algorithms import build_schedule
 from .checker import ScheduleError, check_schedule
 from .detect import parse_topology
 from .graph import Link, LinkKind, Topology
-from .hierarchical import (
-    HierarchicalPlan,
-    LevelSpec,
-    build_hierarchical_plan,
-)
+from .hierarchical import HierarchicalPlan, LevelSpec, build_hierarchical_plan
 from .placement import build_placed_schedule
 from .schedule import Phase, Role, Schedule, Step, Transfer
 

@@ -30,20 +30,14 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
-    """A schedule builder and what it can do."""
+    """A schedule builder (any world size >= 1)."""
 
     name: str
     build: Callable[[int], Schedule]
     description: str
-    min_world_size: int = 1
-    max_world_size: int | None = None
-    # longest chain of re-quantizations of one partial sum, as a function of n
-    depth: Callable[[int], int] = lambda n: max(n - 1, 0)
 
     def supports(self, world_size: int) -> bool:
-        if world_size < self.min_world_size:
-            return False
-        return self.max_world_size is None or world_size <= self.max_world_size
+        return world_size >= 1
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -57,35 +51,23 @@ def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
 
 
 def get(name: str) -> AlgorithmSpec:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
+    if name not in _REGISTRY:
         raise InvalidArgumentError(
-            f"unknown algorithm {name!r}; registered algorithms: {sorted(_REGISTRY)}"
-        ) from None
+            f"unknown algorithm {name!r}; registered algorithms: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
 
 
 def list_algorithms() -> list[str]:
     return sorted(_REGISTRY)
 
 
+@functools.lru_cache(maxsize=32)  # bounded: a schedule grows as n**2
 def build_schedule(name: str, world_size: int) -> Schedule:
-    """The schedule of algorithm ``name`` for ``world_size`` ranks (cached, :func:`_built`)."""
+    """The schedule of algorithm ``name`` for ``world_size`` ranks (cached)."""
     spec = get(name)
     if not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}")
-    if not spec.supports(world_size):
-        raise InvalidArgumentError(
-            f"algorithm {name!r} supports world sizes {spec.min_world_size}.."
-            f"{spec.max_world_size or 'any'}, got {world_size}"
-        )
-    return _built(name, world_size)
-
-
-@functools.lru_cache(maxsize=32)
-def _built(name: str, world_size: int) -> Schedule:
-    """A registered algorithm's schedule; bounded cache, as a schedule grows as ``n**2``."""
-    return _REGISTRY[name].build(world_size)
+    return spec.build(world_size)
 
 
 def build_ring_schedule(world_size: int) -> Schedule:
@@ -97,10 +79,6 @@ def build_ring_schedule(world_size: int) -> Schedule:
     return assign_roles("ring", n, reduce, gather)
 
 
-def _lowbit_index(v: int) -> int:
-    return (v & -v).bit_length() - 1
-
-
 def build_butterfly_schedule(world_size: int) -> Schedule:
     n = world_size
     levels = (n - 1).bit_length()  # ceil(log2 n) for n >= 1
@@ -108,7 +86,7 @@ def build_butterfly_schedule(world_size: int) -> Schedule:
     gather: list[list[tuple[int, int, int]]] = [[] for _ in range(levels)]
     for chunk in range(n):
         for v in range(1, n):
-            k = _lowbit_index(v)
+            k = (v & -v).bit_length() - 1  # v's lowest set bit
             src = (chunk + v) % n
             dst = (chunk + v - (1 << k)) % n
             reduce[k].append((src, dst, chunk))
@@ -121,30 +99,15 @@ def build_direct_schedule(world_size: int) -> Schedule:
     n = world_size
     reduce = [[(r, c, c) for c in range(n) for r in range(n) if r != c]]
     gather = [[(c, r, c) for c in range(n) for r in range(n) if r != c]]
-    return assign_roles("direct", n, reduce if n > 1 else [], gather if n > 1 else [])
+    return assign_roles("direct", n, reduce, gather)
 
 
-register_algorithm(
-    AlgorithmSpec(
-        name="ring",
-        build=build_ring_schedule,
-        description="path c+1 -> ... -> c; bandwidth-optimal, depth n-1",
-        depth=lambda n: max(n - 1, 0),
-    )
-)
-register_algorithm(
-    AlgorithmSpec(
-        name="butterfly",
-        build=build_butterfly_schedule,
-        description="binomial in-trees shifted per chunk; ring's bytes, depth ceil(log2 n)",
-        depth=lambda n: max(bin(v).count("1") for v in range(n)),
-    )
-)
-register_algorithm(
-    AlgorithmSpec(
-        name="direct",
-        build=build_direct_schedule,
-        description="two-shot: every chunk straight to its sink and back; depth 1",
-        depth=lambda n: 1 if n > 1 else 0,
-    )
-)
+for _spec in (
+    AlgorithmSpec("ring", build_ring_schedule,
+                  "path c+1 -> ... -> c; bandwidth-optimal, depth n-1"),
+    AlgorithmSpec("butterfly", build_butterfly_schedule,
+                  "binomial in-trees shifted per chunk; ring's bytes, depth ceil(log2 n)"),
+    AlgorithmSpec("direct", build_direct_schedule,
+                  "two-shot: every chunk straight to its sink and back; depth 1"),
+):
+    register_algorithm(_spec)

@@ -9,7 +9,9 @@ shape (:func:`~dqcoll.topology.schedule.assign_roles`).
 
 from __future__ import annotations
 
-from .schedule import Phase, Role, Schedule
+from collections import Counter
+
+from .schedule import Phase, Role, Schedule, Transfer
 
 __all__ = ["ScheduleError", "check_schedule"]
 
@@ -25,40 +27,31 @@ def check_schedule(schedule: Schedule) -> None:
         raise ScheduleError(f"world_size must be >= 1, got {n}")
     held = [[frozenset([r]) for _ in range(n)] for r in range(n)]  # held[rank][chunk]
     sent = [[False] * n for _ in range(n)]
-    pending_children: dict[tuple[int, int], int] = {}
-    for step in schedule.reduce:
-        if step.phase is not Phase.REDUCE:
-            raise ScheduleError("a gather step inside the reduce phase")
-        for t in step.transfers:
-            pending_children[(t.dst, t.chunk)] = pending_children.get((t.dst, t.chunk), 0) + 1
+    if any(step.phase is not Phase.REDUCE for step in schedule.reduce):
+        raise ScheduleError("a gather step inside the reduce phase")
+    pending_children = Counter((t.dst, t.chunk) for step in schedule.reduce for t in step.transfers)
     for index, step in enumerate(schedule.reduce):
         incoming: list[tuple[int, int, frozenset[int]]] = []
         for t in step.transfers:
-            _check_ranks(t.src, t.dst, t.chunk, n, index)
+            _check_ranks(t, n, index)
             if sent[t.src][t.chunk]:
-                raise ScheduleError(
-                    f"reduce step {index}: rank {t.src} sends chunk {t.chunk} twice"
-                )
-            if pending_children.get((t.src, t.chunk), 0):
-                raise ScheduleError(
-                    f"reduce step {index}: rank {t.src} sends chunk {t.chunk} before all its "
-                    f"children arrived"
-                )
+                raise ScheduleError(f"reduce step {index}: rank {t.src} sends chunk {t.chunk} "
+                                    "twice")
+            if pending_children[(t.src, t.chunk)]:
+                raise ScheduleError(f"reduce step {index}: rank {t.src} sends chunk {t.chunk} "
+                                    "before all its children arrived")
             if t.src == schedule.sink(t.chunk):
                 raise ScheduleError(f"reduce step {index}: sink {t.src} sends its own chunk")
             sent[t.src][t.chunk] = True
             incoming.append((t.dst, t.chunk, held[t.src][t.chunk]))
         for dst, chunk, contribution in incoming:
             if sent[dst][chunk]:
-                raise ScheduleError(
-                    f"reduce step {index}: rank {dst} receives chunk {chunk} after sending it"
-                )
+                raise ScheduleError(f"reduce step {index}: rank {dst} receives chunk {chunk} "
+                                    "after sending it")
             overlap = held[dst][chunk] & contribution
             if overlap:
-                raise ScheduleError(
-                    f"reduce step {index}: chunk {chunk} counts ranks {sorted(overlap)} twice at "
-                    f"rank {dst}"
-                )
+                raise ScheduleError(f"reduce step {index}: chunk {chunk} counts ranks "
+                                    f"{sorted(overlap)} twice at rank {dst}")
             held[dst][chunk] = held[dst][chunk] | contribution
             pending_children[(dst, chunk)] -= 1
     _check_roles(schedule)
@@ -67,12 +60,8 @@ def check_schedule(schedule: Schedule) -> None:
         sink = schedule.sink(chunk)
         if held[sink][chunk] != everyone:
             missing = sorted(everyone - held[sink][chunk])
-            raise ScheduleError(
-                f"chunk {chunk}: sink {sink} misses contributions of ranks {missing}"
-            )
-        for rank in range(n):
-            if rank != sink and not sent[rank][chunk]:
-                raise ScheduleError(f"chunk {chunk}: rank {rank} never sends its contribution")
+            raise ScheduleError(f"chunk {chunk}: sink {sink} misses contributions of ranks "
+                                f"{missing}")  # so every other rank has sent its contribution
 
     final = [[schedule.sink(c) == r for c in range(n)] for r in range(n)]
     for index, step in enumerate(schedule.gather):
@@ -80,13 +69,12 @@ def check_schedule(schedule: Schedule) -> None:
             raise ScheduleError("a reduce step inside the gather phase")
         arrivals = []
         for t in step.transfers:
-            _check_ranks(t.src, t.dst, t.chunk, n, index)
+            _check_ranks(t, n, index)
             if t.role is not Role.GATHER:
                 raise ScheduleError(f"gather step {index}: transfer {t} has role {t.role.value}")
             if not final[t.src][t.chunk]:
-                raise ScheduleError(
-                    f"gather step {index}: rank {t.src} forwards chunk {t.chunk} before it has it"
-                )
+                raise ScheduleError(f"gather step {index}: rank {t.src} forwards chunk {t.chunk} "
+                                    "before it has it")
             arrivals.append((t.dst, t.chunk))
         for dst, chunk in arrivals:
             if final[dst][chunk]:
@@ -98,12 +86,12 @@ def check_schedule(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {rank} never receives the result of chunk {chunk}")
 
 
-def _check_ranks(src: int, dst: int, chunk: int, n: int, index: int) -> None:
-    for name, value in (("src", src), ("dst", dst), ("chunk", chunk)):
-        if not 0 <= value < n:
-            raise ScheduleError(f"step {index}: {name}={value} outside [0, {n})")
-    if src == dst:
-        raise ScheduleError(f"step {index}: rank {src} sends chunk {chunk} to itself")
+def _check_ranks(t: Transfer, n: int, index: int) -> None:
+    for name in ("src", "dst", "chunk"):
+        if not 0 <= getattr(t, name) < n:
+            raise ScheduleError(f"step {index}: {name}={getattr(t, name)} outside [0, {n})")
+    if t.src == t.dst:
+        raise ScheduleError(f"step {index}: rank {t.src} sends chunk {t.chunk} to itself")
 
 
 def _check_roles(schedule: Schedule) -> None:

@@ -13,7 +13,6 @@ import dataclasses
 import glob
 import os
 import re
-import shutil
 import subprocess
 
 from ..errors import InvalidArgumentError
@@ -31,17 +30,16 @@ class Detection:
 
 
 def _env_int(env: dict[str, str], name: str) -> int | None:
-    value = env.get(name)
     try:
-        return int(value) if value is not None else None
-    except ValueError:
+        return int(env[name])
+    except (KeyError, ValueError):
         return None
 
 
 def _nvidia_topo(run: bool) -> str | None:
-    if not run or shutil.which("nvidia-smi") is None:
+    if not run:
         return None
-    try:
+    try:  # without nvidia-smi: FileNotFoundError
         result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
                                 timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
@@ -51,29 +49,21 @@ def _nvidia_topo(run: bool) -> str | None:
 
 def parse_nvidia_topo(text: str) -> tuple[int, bool]:
     """(number of GPUs, whether any pair is joined by NVLink) from ``nvidia-smi topo -m``."""
-    gpus = 0
-    nvlink = False
-    for line in text.splitlines():
-        if re.match(r"^GPU\d+\s", line):  # rows; the header line starts with blanks
-            gpus += 1
-            nvlink = nvlink or bool(re.search(r"\bNV\d+\b", line))
-    return gpus, nvlink
+    rows = [line for line in text.splitlines() if re.match(r"^GPU\d+\s", line)]  # header: blanks
+    return len(rows), any(re.search(r"\bNV\d+\b", line) for line in rows)
 
 
 def _nic_gbps(sys_net: str) -> float | None:
-    best = None
+    gbps = []
     for path in glob.glob(os.path.join(sys_net, "*", "speed")):
-        iface = os.path.basename(os.path.dirname(path))
-        if iface == "lo":
+        if os.path.basename(os.path.dirname(path)) == "lo":
             continue
         try:
             with open(path) as f:
-                mbps = int(f.read().strip())
+                gbps.append(int(f.read().strip()) / 1000.0)
         except (OSError, ValueError):
-            continue  # virtual interfaces raise EINVAL or report -1
-        if mbps > 0:
-            best = max(best or 0.0, mbps / 1000.0)
-    return best
+            continue  # virtual interfaces raise EINVAL (or report -1, dropped below)
+    return max((g for g in gbps if g > 0), default=None)
 
 
 def detect(
@@ -86,14 +76,10 @@ def detect(
 ) -> Detection:
     """Detect the topology; arguments exist so tests can feed each source."""
     env = dict(os.environ) if env is None else env
-    notes: list[str] = []
     n = world_size if world_size is not None else _env_int(env, "WORLD_SIZE")
+    notes = ["WORLD_SIZE not set: one rank" if n is None else f"world size {n}"]
+    n = 1 if n is None else n
     local = _env_int(env, "LOCAL_WORLD_SIZE")
-    if n is None:
-        n = 1
-        notes.append("WORLD_SIZE not set: one rank")
-    else:
-        notes.append(f"world size {n}")
     if local is None or local < 1 or n % local:
         if local is not None:
             notes.append(f"LOCAL_WORLD_SIZE={local} does not divide {n}: one host")

@@ -2,13 +2,11 @@
 
 Over ``H`` hosts of ``G`` ranks the all-reduce is a reduce-scatter inside each host, an all-reduce
 of each part among the same-local-rank peers of all hosts (the ``inter`` level, so every byte on
-the network is its scheme's) and an all-gather inside each host. A :class:`HierarchicalPlan` reads
-two ways that agree: :meth:`~HierarchicalPlan.flat_schedule`, one schedule over all ranks that the
-checker proves and the cost model prices (:meth:`~HierarchicalPlan.step_levels`), and
-:func:`dqcoll.hierarchical.run_hierarchical`, which runs each level as an ordinary collective (this
-package only plans). A level's algorithm may be ``"auto"``: such a plan runs, but has no flat
-schedule. docs/topology.md §2. Rejected: a scheme per transfer in the Schedule IR (a partial sum
-cannot change format mid-tree; separate levels keep each scheme's call whole).
+the network is its scheme's) and an all-gather inside each host. A plan reads two ways that agree:
+one schedule over all ranks (:meth:`~HierarchicalPlan.flat_schedule`, checked and priced), and
+:mod:`dqcoll.hierarchical`'s run of each level as an ordinary collective. A level's algorithm may
+be ``"auto"``: such a plan runs, but has no flat schedule. docs/topology.md §2. Rejected: a scheme
+per transfer in the Schedule IR (a partial sum cannot change format mid-tree).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from .algorithms import build_schedule
 from .graph import Topology
-from .schedule import Schedule, assign_roles
+from .schedule import Schedule, Step, assign_roles
 
 __all__ = [
     "HierarchicalPlan",
@@ -62,7 +60,7 @@ class HierarchicalPlan:
 
     def __post_init__(self) -> None:
         sizes = {len(r) for r in self.host_ranks}
-        if len(sizes) != 1 or not self.host_ranks:
+        if len(sizes) != 1:
             raise InvalidArgumentError(
                 f"hierarchical plans need the same number of ranks on every host, got "
                 f"{[len(r) for r in self.host_ranks]}")
@@ -107,30 +105,27 @@ class HierarchicalPlan:
         return tuple(ranks[j] for ranks in self.host_ranks)
 
     @functools.cached_property
-    def intra_schedule(self) -> Schedule:
-        return build_schedule(self.intra.algorithm, self.gpus_per_node)
-
-    @functools.cached_property
     def inter_schedule(self) -> Schedule:
         return build_schedule(self.inter.algorithm, self.nodes)
 
-    def _intra_steps(self, steps) -> list[list[tuple[int, int, int]]]:  # type: ignore[no-untyped-def]
-        # Local transfer (a -> b, shard j) on every host h, for every chunk (h', j) of shard j.
-        hr = self.host_ranks
-        return [[(hr[h][t.src], hr[h][t.dst], hr[k][t.chunk]) for t in s.transfers
-                 for h in range(self.nodes) for k in range(self.nodes)] for s in steps]
-
-    def _inter_steps(self, steps) -> list[list[tuple[int, int, int]]]:  # type: ignore[no-untyped-def]
-        # Host transfer (x -> y, chunk k) for every local rank j: chunk (k, j).
-        hr = self.host_ranks
-        return [[(hr[t.src][j], hr[t.dst][j], hr[t.chunk][j]) for t in s.transfers
-                 for j in range(self.gpus_per_node)] for s in steps]
-
     @functools.cached_property
     def _flat(self) -> tuple[Schedule, tuple[Level, ...]]:
-        intra, inter = self.intra_schedule, self.inter_schedule
-        reduce = self._intra_steps(intra.reduce) + self._inter_steps(inter.reduce)
-        gather = self._inter_steps(inter.gather) + self._intra_steps(intra.gather)
+        hr, hosts = self.host_ranks, range(self.nodes)
+        intra = build_schedule(self.intra.algorithm, self.gpus_per_node)
+        inter = self.inter_schedule
+
+        def local(steps: tuple[Step, ...]) -> list[list[tuple[int, int, int]]]:
+            # Local transfer (a -> b, shard j) on every host h, for every chunk (h', j) of shard j.
+            return [[(hr[h][t.src], hr[h][t.dst], hr[k][t.chunk]) for t in s.transfers
+                     for h in hosts for k in hosts] for s in steps]
+
+        def across(steps: tuple[Step, ...]) -> list[list[tuple[int, int, int]]]:
+            # Host transfer (x -> y, chunk k) for every local rank j: chunk (k, j).
+            return [[(hr[t.src][j], hr[t.dst][j], hr[t.chunk][j]) for t in s.transfers
+                     for j in range(self.gpus_per_node)] for s in steps]
+
+        reduce = local(intra.reduce) + across(inter.reduce)
+        gather = across(inter.gather) + local(intra.gather)
         schedule = assign_roles(self.name, self.world_size, reduce, gather)
         levels = ((Level.INTRA,) * len(intra.reduce) + (Level.INTER,) * len(inter.reduce)
                   + (Level.INTER,) * len(inter.gather) + (Level.INTRA,) * len(intra.gather))

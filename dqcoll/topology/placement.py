@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from ..errors import InvalidArgumentError
 from .algorithms import build_schedule
 from .graph import Topology
-from .schedule import Schedule, assign_roles
+from .schedule import Schedule, Step, assign_roles
 
 __all__ = ["build_placed_schedule", "placement_order", "relabel_schedule"]
 
@@ -24,18 +24,16 @@ def placement_order(topology: Topology) -> tuple[int, ...]:
     return tuple(sorted(range(topology.world_size), key=lambda r: (topology.hosts[r], r)))
 
 
-def relabel_schedule(schedule: Schedule, order: Sequence[int], *, algorithm: str | None = None
-                     ) -> Schedule:
+def relabel_schedule(schedule: Schedule, order: Sequence[int]) -> Schedule:
     """Map positions (and chunks) ``p`` to ranks ``order[p]``; see the module docstring."""
     n = schedule.world_size
     if sorted(order) != list(range(n)):
         raise InvalidArgumentError(f"order must be a permutation of 0..{n - 1}, got {list(order)}")
 
-    def steps(seq):  # type: ignore[no-untyped-def]
-        return [[(order[t.src], order[t.dst], order[t.chunk]) for t in s.transfers] for s in seq]
+    def relabel(steps: Sequence[Step]) -> list[list[tuple[int, int, int]]]:
+        return [[(order[t.src], order[t.dst], order[t.chunk]) for t in s.transfers] for s in steps]
 
-    return assign_roles(algorithm or schedule.algorithm, n, steps(schedule.reduce),
-                        steps(schedule.gather))
+    return assign_roles(schedule.algorithm, n, relabel(schedule.reduce), relabel(schedule.gather))
 
 
 def build_placed_schedule(name: str, topology: Topology) -> Schedule:

@@ -66,9 +66,6 @@ class Schedule:
     def steps(self) -> tuple[Step, ...]:
         return self.reduce + self.gather
 
-    def num_transfers(self) -> int:
-        return sum(len(s.transfers) for s in self.steps)
-
     def depth(self, chunk: int) -> int:
         """Longest path (in transfers) from a leaf to the sink of ``chunk`` in the reduce phase."""
         depth = {r: 0 for r in range(self.world_size)}
@@ -92,32 +89,19 @@ class Schedule:
         def steps(seq: Sequence[Step]) -> list[list[list[int | str]]]:
             return [[[t.src, t.dst, t.chunk, t.role.value] for t in s.transfers] for s in seq]
 
-        return json.dumps(
-            {
-                "algorithm": self.algorithm,
-                "world_size": self.world_size,
-                "reduce": steps(self.reduce),
-                "gather": steps(self.gather),
-            }
-        )
+        return json.dumps({"algorithm": self.algorithm, "world_size": self.world_size,
+                           "reduce": steps(self.reduce), "gather": steps(self.gather)})
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
         data = json.loads(text)
 
-        def steps(seq: list[list[list[int | str]]], phase: Phase) -> tuple[Step, ...]:
-            return tuple(
-                Step(phase, tuple(Transfer(int(a), int(b), int(c), Role(str(r)))
-                                  for a, b, c, r in s))
-                for s in seq
-            )
+        def steps(phase: Phase) -> tuple[Step, ...]:
+            return tuple(Step(phase, tuple(Transfer(int(a), int(b), int(c), Role(str(r)))
+                                           for a, b, c, r in s)) for s in data[phase.value])
 
-        return cls(
-            algorithm=data["algorithm"],
-            world_size=int(data["world_size"]),
-            reduce=steps(data["reduce"], Phase.REDUCE),
-            gather=steps(data["gather"], Phase.GATHER),
-        )
+        return cls(data["algorithm"], int(data["world_size"]), steps(Phase.REDUCE),
+                   steps(Phase.GATHER))
 
 
 def assign_roles(
@@ -131,29 +115,17 @@ def assign_roles(
     ``ACCUMULATE``, gather ones ``GATHER``. Sorted per step: the schedule fixes the order."""
     reduce_steps = [sorted(set(step)) for step in reduce]
     gather_steps = [sorted(set(step)) for step in gather]
-    last: dict[tuple[int, int], tuple[int, int]] = {}  # (dst, chunk) -> (step index, src)
-    for index, step in enumerate(reduce_steps):
-        for src, dst, chunk in step:
-            key = (dst, chunk)
-            if key not in last or (index, src) > last[key]:
-                last[key] = (index, src)
+    # (dst, chunk) -> (step index, src) of its last receipt: steps are sorted, so the last written
+    last = {(d, c): (i, s) for i, step in enumerate(reduce_steps) for s, d, c in step}
 
     def role(index: int, src: int, dst: int, chunk: int) -> Role:
         if last[(dst, chunk)] != (index, src):
             return Role.ACCUMULATE
         return Role.FINAL if dst == chunk else Role.FORWARD
 
-    return Schedule(
-        algorithm=algorithm,
-        world_size=world_size,
-        reduce=tuple(
-            Step(Phase.REDUCE, tuple(Transfer(s, d, c, role(i, s, d, c)) for s, d, c in step))
-            for i, step in enumerate(reduce_steps)
-            if step
-        ),
-        gather=tuple(
-            Step(Phase.GATHER, tuple(Transfer(s, d, c, Role.GATHER) for s, d, c in step))
-            for step in gather_steps
-            if step
-        ),
-    )
+    reduce_out = tuple(
+        Step(Phase.REDUCE, tuple(Transfer(s, d, c, role(i, s, d, c)) for s, d, c in step))
+        for i, step in enumerate(reduce_steps) if step)
+    gather_out = tuple(Step(Phase.GATHER, tuple(Transfer(s, d, c, Role.GATHER) for s, d, c in step))
+                       for step in gather_steps if step)
+    return Schedule(algorithm, world_size, reduce_out, gather_out)
