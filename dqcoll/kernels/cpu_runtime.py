@@ -66,8 +66,7 @@ _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, _CORES),
 
 
 def import_problem(module: str) -> str | None:
-    """None when ``module`` imports, else why not (ImportError, or a broken install such as an
-    llvmlite or numpy mismatch)."""
+    """None when ``module`` imports, else why not (ImportError, or a broken install)."""
     try:
         importlib.import_module(module)
     except Exception as exc:

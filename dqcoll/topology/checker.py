@@ -105,13 +105,9 @@ def _check_roles(schedule: Schedule) -> None:
         *rest, (_, _, last_role) = arrivals
         expected = Role.FINAL if dst == schedule.sink(chunk) else Role.FORWARD
         if last_role is not expected:
-            raise ScheduleError(
-                f"chunk {chunk} at rank {dst}: last child has role {last_role.value}, expected "
-                f"{expected.value}"
-            )
+            raise ScheduleError(f"chunk {chunk} at rank {dst}: last child has role "
+                                f"{last_role.value}, expected {expected.value}")
         for _, src, role in rest:
             if role is not Role.ACCUMULATE:
-                raise ScheduleError(
-                    f"chunk {chunk} at rank {dst}: child {src} has role {role.value}, expected "
-                    f"accumulate"
-                )
+                raise ScheduleError(f"chunk {chunk} at rank {dst}: child {src} has role "
+                                    f"{role.value}, expected accumulate")
