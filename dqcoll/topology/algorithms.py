@@ -61,12 +61,17 @@ def list_algorithms() -> list[str]:
     return sorted(_REGISTRY)
 
 
-@functools.lru_cache(maxsize=32)  # bounded: a schedule grows as n**2
 def build_schedule(name: str, world_size: int) -> Schedule:
     """The schedule of algorithm ``name`` for ``world_size`` ranks (cached)."""
-    spec = get(name)
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"algorithm must be a name, got {name!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}")
+    return _build(get(name), world_size)
+
+
+@functools.lru_cache(maxsize=32)  # bounded: a schedule grows as n**2
+def _build(spec: AlgorithmSpec, world_size: int) -> Schedule:
     return spec.build(world_size)
 
 
