@@ -1,18 +1,17 @@
 """The scheme protocol: how a compression scheme plugs into the executor (docs/design.md §1, §5).
 
-:meth:`Scheme.begin` makes a :class:`SchemeCall` per collective call, which may all-reduce small
-statistics through ``ctx.reduce``, never a transport. The call owns an fp32 buffer ``work`` cut
-into chunks by ``chunk_bounds``; the executor calls ``compress(chunk, count=1)`` at a leaf,
-``decompress_accumulate`` per non-last child, the fused ``decompress_accumulate_recompress`` for
-the last (at the sink then ``decompress`` of its own output), ``decompress`` on an all-gather
-receive and ``finish(out)`` at the end. ``count`` is the number of ranks a payload sums; payloads
-are flat ``uint8`` tensors whose size both sides know from ``payload_nbytes``.
+:meth:`Scheme.begin` makes a :class:`SchemeCall` per collective call (statistics only through
+``ctx.reduce``, never a transport). Its fp32 ``work`` is cut into chunks by ``chunk_bounds``; the
+executor calls ``compress(chunk, count=1)`` at a leaf, ``decompress_accumulate`` per non-last
+child, ``decompress_accumulate_recompress`` for the last (at the sink then ``decompress`` of its
+own output), ``decompress`` on an all-gather receive and ``finish(out)`` at the end. ``count``:
+the ranks a payload sums; payloads are flat ``uint8`` of ``payload_nbytes`` bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -49,11 +48,9 @@ class SchemeSpec:
     options: tuple[str, ...] = ()  # keyword options accepted by the factory
 
 
-class Reducer(Protocol):
-    """Reduces ``tensor`` in place across the call's ranks (``op``: "sum", "max" or "min"), with
-    the same bits on every rank; ``what`` labels the step in error messages."""
-
-    def __call__(self, tensor: torch.Tensor, op: str, what: str) -> None: ...
+# ``reduce(tensor, op, what)``: ``tensor`` reduced in place across the call's ranks (``op``: "sum",
+# "max" or "min"), the same bits on every rank; ``what`` labels the step in error messages.
+Reducer = Callable[[torch.Tensor, str, str], None]
 
 
 def no_reduce(tensor: torch.Tensor, op: str, what: str) -> None:

@@ -1,8 +1,7 @@
 """Packing integer codes of any width into bytes, LSB-first, for the baseline schemes.
 
-Code ``j`` of width ``w`` occupies bits ``[j w, (j + 1) w)`` of the little-endian bit string, the
-same order as DynamiQ's codes. :func:`pack_bits` / :func:`unpack_bits` run the compiled CPU
-kernels where offered, else the references ``*_torch``; both give the same bytes.
+Code ``j`` of width ``w`` occupies bits ``[j w, (j + 1) w)`` of the little-endian bit string, as
+DynamiQ's codes. The ``*_torch`` references define the bytes; CPU tensors run compiled kernels.
 """
 
 from __future__ import annotations
@@ -22,17 +21,13 @@ def packed_nbytes(count: int, width: int) -> int:
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative int codes below ``2**width`` (any shape) -> flat uint8, LSB-first."""
     kernels = cpu_kernels(codes.device)
-    if kernels is not None:
-        return kernels.pack_bits(codes, width)  # type: ignore[no-any-return]
-    return pack_bits_torch(codes, width)
+    return (pack_bits_torch if kernels is None else kernels.pack_bits)(codes, width)
 
 
 def unpack_bits(payload: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """Flat uint8 -> int64 ``[count]`` codes (inverse of :func:`pack_bits`)."""
     kernels = cpu_kernels(payload.device)
-    if kernels is not None:
-        return kernels.unpack_bits(payload, width, count)  # type: ignore[no-any-return]
-    return unpack_bits_torch(payload, width, count)
+    return (unpack_bits_torch if kernels is None else kernels.unpack_bits)(payload, width, count)
 
 
 def pack_bits_torch(codes: torch.Tensor, width: int) -> torch.Tensor:
@@ -75,12 +70,8 @@ def unpack_bits_torch(payload: torch.Tensor, width: int, count: int) -> torch.Te
         )
     data = payload.reshape(-1)[:nbytes].to(torch.int64)
     device = data.device
-    if width % 8 == 0:
-        grid = data.view(count, width // 8)
-        out = torch.zeros(count, dtype=torch.int64, device=device)
-        for k in range(width // 8):
-            out |= grid[:, k] << (8 * k)
-        return out
+    if width % 8 == 0:  # whole bytes, little-endian (disjoint bits: the sum is their OR)
+        return (data.view(count, width // 8) << torch.arange(0, width, 8, device=device)).sum(1)
     if 8 % width == 0:
         per_byte = 8 // width
         mask = (1 << width) - 1

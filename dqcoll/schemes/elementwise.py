@@ -1,9 +1,6 @@
-"""Shared machinery for schemes that code each block of coordinates on its own.
-
-A block scheme (``none``, ``bf16``, MX, int blocks) says how to code a run of whole blocks
-(:class:`BlockCodec`); :class:`BlockCall` pads, cuts ``n`` chunks, runs the hops and writes back.
-Compiled paths override :meth:`BlockCodec.decode_into` and ``decode_accumulate_encode``.
-"""
+"""Shared machinery for schemes that code each block of coordinates on its own (``none``,
+``bf16``, MX, int blocks): a :class:`BlockCodec` codes a run of whole blocks, a
+:class:`BlockCall` pads (:class:`BlockLayout`), cuts ``n`` chunks, runs the hops and writes back."""
 
 from __future__ import annotations
 
@@ -34,9 +31,8 @@ def view_payload(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class BlockLayout:
-    """Where a call's ``numel`` input elements sit in its padded fp32 buffer of whole blocks.
-
-    All-reduce pads the tail and cuts ``n`` balanced chunks; reduce-scatter / all-gather
+    """Where a call's ``numel`` input elements sit in its padded fp32 buffer of whole blocks:
+    all-reduce pads the tail and cuts ``n`` balanced chunks; reduce-scatter / all-gather
     (``sharded``) pad each shard on its own, so that chunk ``c`` is shard ``c``."""
 
     numel: int
@@ -198,19 +194,17 @@ class BlockCall(LayoutCall):
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         return self.codec.encode_values(self._chunk(chunk), count, self._state(chunk))
 
-    def _decode(self, chunk: int, payload: torch.Tensor, count: int) -> torch.Tensor:
-        values = self._chunk(chunk)
-        return self.codec.decode_values(payload, values.numel(), count, self._state(chunk))
+    def _decode(self, chunk: int, payload: torch.Tensor, count: int, accumulate: bool) -> None:
+        values, state = self._chunk(chunk), self._state(chunk)
+        if not self.codec.decode_into(payload, values, count, state, accumulate):
+            decoded = self.codec.decode_values(payload, values.numel(), count, state)
+            (values.add_ if accumulate else values.copy_)(decoded)
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        values = self._chunk(chunk)
-        if not self.codec.decode_into(payload, values, count, self._state(chunk), False):
-            values.copy_(self._decode(chunk, payload, count))
+        self._decode(chunk, payload, count, accumulate=False)
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        values = self._chunk(chunk)
-        if not self.codec.decode_into(payload, values, count, self._state(chunk), True):
-            values.add_(self._decode(chunk, payload, count))
+        self._decode(chunk, payload, count, accumulate=True)
 
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int

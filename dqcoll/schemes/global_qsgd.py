@@ -1,9 +1,8 @@
 """``global_qsgd``: one global max, int8 codes with 1/n of the range each, exact integer sums.
 
 One max all-reduce gives ``G = max |x|``; each of ``n`` ranks gets ``L = floor(127 / n)`` levels
-per sign, ``delta = G / L``, code ``q = floor(x / delta + u) + L`` in ``[0, 2L]`` (unbiased). ``n``
-codes sum to at most 254: one byte per coordinate, exact partial sums (:mod:`.integer_sum`), the
-result ``(S - n L) * delta``. More than 127 ranks raise.
+per sign, ``delta = G / L``, code ``q = floor(x / delta + u) + L`` in ``[0, 2L]`` (unbiased); the
+sums fit one byte, the result ``(S - n L) * delta``. More than 127 ranks raise.
 """
 
 from __future__ import annotations
@@ -65,9 +64,6 @@ class GlobalQSGDScheme(IntegerSumCodec):
             )
         g, _, nonfinite = global_statistic(work, ctx, _largest, f"{ctx.what} global max")
         return _State(levels, g / levels if math.isfinite(g) else math.nan, nonfinite)
-
-    def code_max(self, state: Any) -> int:
-        return 2 * (state.levels if state is not None else INT8_MAX)
 
     def code_bits(self, count: int, state: Any) -> int:
         return 8

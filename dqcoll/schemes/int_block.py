@@ -3,14 +3,13 @@
 Per block of ``block`` coordinates (default 128): ``scale = amax / qmax`` in fp32 (``qmax`` = 127
 or 7), codes ``q = clamp(round(x / scale), -qmax, qmax)`` (half to even), decoded as ``q * scale``.
 Payload of ``B`` blocks: ``B`` little-endian fp32 scales, then the codes ``q + qmax`` packed
-LSB-first. ``b + 32 / block`` bits per coordinate. Every hop requantizes with fresh scales, so the
-result is biased; a non-finite block decodes as NaN on every rank.
-:func:`int_block_encode_torch` / :func:`int_block_decode_torch` are the spec; CPU tensors run the
-compiled kernels (same bytes).
+LSB-first. Every hop requantizes with fresh scales (biased); a non-finite block decodes as NaN.
+The ``*_torch`` functions are the spec; CPU tensors run compiled kernels (same bytes).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -57,13 +56,10 @@ def int_block_decode_torch(
     scale = payload[: 4 * nblocks].clone().view(torch.float32)
     codes = unpack_bits_torch(payload[4 * nblocks :], code_bits, numel) - qmax
     values = codes.view(nblocks, block).to(torch.float32) * scale[:, None]
-    nonfinite = ~torch.isfinite(scale)
-    values = torch.where(nonfinite[:, None], torch.full_like(values, float("nan")), values)
-    return values.reshape(-1)
+    return torch.where(torch.isfinite(scale)[:, None], values, math.nan).reshape(-1)
 
 
 class IntBlockScheme(BlockCodec):
-    spec: SchemeSpec
     code_bits: int = 8
 
     def __init__(self, block: int = DEFAULT_BLOCK) -> None:
@@ -83,10 +79,8 @@ class IntBlockScheme(BlockCodec):
 
     def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
         kernels = cpu_kernels(values.device)
-        if kernels is not None:
-            return kernels.int_block_encode(  # type: ignore[no-any-return]
-                values, self.block, self.code_bits)
-        return int_block_encode_torch(values, self.block, self.code_bits)
+        encode = int_block_encode_torch if kernels is None else kernels.int_block_encode
+        return encode(values, self.block, self.code_bits)  # type: ignore[no-any-return]
 
     def decode_values(
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
@@ -97,10 +91,9 @@ class IntBlockScheme(BlockCodec):
         self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
     ) -> bool:
         kernels = cpu_kernels(out.device)
-        if kernels is None:
-            return False
-        kernels.int_block_decode(payload, out, self.block, self.code_bits, accumulate)
-        return True
+        if kernels is not None:
+            kernels.int_block_decode(payload, out, self.block, self.code_bits, accumulate)
+        return kernels is not None
 
     def decode_accumulate_encode(
         self, payload: torch.Tensor, work: torch.Tensor, count: int, out_count: int, ctx: Any

@@ -1,10 +1,9 @@
 """Shared machinery for schemes whose partial sums are exact integers (``thc``, ``global_qsgd``).
 
-Each rank quantizes once, stochastically and unbiased, to codes in ``[0, code_max]`` on a grid
-every rank shares; the collective then only adds integers, packed at the width
+Each rank quantizes once, stochastically (:func:`rank_uniforms`), to non-negative integer codes
+on a grid every rank shares; hops only add integers, packed at the width
 :meth:`IntegerSumCodec.code_bits` gives for ``count``, and only the final sum is dequantized, so
-every schedule gives bit-identical results. The uniforms (:func:`rank_uniforms`) are keyed by seed,
-step, stream, rank and padded coordinate index. Non-finite inputs: :func:`global_statistic`.
+every schedule gives the same bits. Non-finite inputs: :func:`global_statistic`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from ..kernels.baselines import cpu_kernels
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .elementwise import BlockCodec, LayoutCall
+from .elementwise import BlockCodec, BlockLayout, LayoutCall
 from .none import copy_saturating
 
 __all__ = ["SUPER_GROUP", "IntegerSumCall", "IntegerSumCodec", "NonFiniteGroups",
@@ -54,9 +53,7 @@ class NonFiniteGroups:
         """The non-finite super-groups agreed by one max all-reduce; None where no rank has any."""
         numel = work.numel()
         groups = -(-numel // SUPER_GROUP)
-        padded = torch.zeros(groups * SUPER_GROUP, dtype=work.dtype, device=work.device)
-        padded[:numel] = work
-        rows = padded.view(groups, SUPER_GROUP)
+        rows = BlockLayout(numel, SUPER_GROUP, 1, False).pad(work).view(groups, SUPER_GROUP)
         flags = torch.cat((torch.isposinf(rows).any(1), torch.isneginf(rows).any(1),
                            torch.isnan(rows).any(1))).float()
         ctx.reduce(flags, "max", f"{what}: non-finite super-groups")
@@ -87,10 +84,9 @@ def global_statistic(
     local: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
     what: str,
 ) -> tuple[float, Any, NonFiniteGroups | None]:
-    """The max over the ranks of ``local(work)``'s statistic (a 1-element fp32 tensor, ``inf``
-    where ``work`` holds a non-finite value), what ``local`` computed beside it, and the
-    non-finite super-groups. Where the max is ``inf``, two more small all-reduces zero the
-    non-finite super-groups on every rank and take the statistic of the rest."""
+    """The max over the ranks of ``local(work)``'s statistic (1-element fp32, ``inf`` where
+    ``work`` holds a non-finite value), what ``local`` computed beside it, and the non-finite
+    super-groups: where the max is ``inf``, two more all-reduces zero them and retake it."""
     stat, extra = local(work)
     ctx.reduce(stat, "max", what)
     value = float(stat[0])
@@ -118,12 +114,12 @@ class IntegerSumCodec(abc.ABC):
         """Per-call state (global statistics); may transform ``work`` in place (a rotation)."""
 
     @abc.abstractmethod
-    def code_max(self, state: Any) -> int:
-        """Largest code of one rank's contribution (codes are in ``[0, code_max]``)."""
+    def code_bits(self, count: int, state: Any) -> int:
+        """Wire width of a payload summing ``count`` ranks (``state`` None: single-shot)."""
 
     @abc.abstractmethod
     def quantize(self, values: torch.Tensor, uniforms: torch.Tensor, state: Any) -> torch.Tensor:
-        """fp32 values -> int64 codes in ``[0, code_max]``, stochastic rounding by ``uniforms``."""
+        """fp32 values -> non-negative int64 codes, stochastic rounding by ``uniforms``."""
 
     @abc.abstractmethod
     def dequantize(self, sums: torch.Tensor, count: int, state: Any) -> torch.Tensor:
@@ -136,20 +132,15 @@ class IntegerSumCodec(abc.ABC):
     def quantize_fast(
         self, kernels: ModuleType, values: torch.Tensor, key: int, index_base: int, state: Any
     ) -> torch.Tensor | None:
-        """:meth:`quantize` of ``values`` on the uniforms of coordinates ``index_base + i`` under
-        the rank's hash ``key``, with the compiled ``kernels``; None where none applies."""
+        """:meth:`quantize` by the compiled ``kernels``, on the uniforms of coordinates
+        ``index_base + i`` under the rank's hash ``key``; None where none applies."""
         return None
 
     def dequantize_fast(
         self, kernels: ModuleType, sums: torch.Tensor, count: int, state: Any, out: torch.Tensor
     ) -> bool:
-        """:meth:`dequantize` into the fp32 ``out`` with the compiled ``kernels``; False where
-        none applies."""
+        """:meth:`dequantize` into the fp32 ``out`` by the compiled ``kernels``; False: none."""
         return False
-
-    def code_bits(self, count: int, state: Any) -> int:
-        """Wire width of a payload summing ``count`` ranks: just wide enough for the sum."""
-        return max(1, (count * self.code_max(state)).bit_length())
 
     __repr__ = BlockCodec.__repr__
 

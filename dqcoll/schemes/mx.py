@@ -1,14 +1,13 @@
 """``mxfp8`` / ``mxfp6`` / ``mxfp4``: OCP Microscaling (MX v1.0) block formats, over any schedule.
 
-Per block of 32 coordinates (OCP MX v1.0 §5, §6.3): a shared scale ``X = 2**e`` as E8M0 (one byte
-``e + 127``, ``0xFF`` = NaN), ``e = floor(log2(amax)) - emax_elem`` clamped to [-127, 127]
-(``amax = 0``: -127); elements ``P_i = quantize(V_i / X)``, round-to-nearest-even, saturating at
-the largest finite element (:data:`FORMATS`); decoded as ``X * P_i``. Payload of ``B`` blocks:
-``B`` scale bytes, then the element codes packed LSB-first (:mod:`.bitpack`). A non-finite partial
-sum makes its block's scale NaN. Every hop re-encodes with fresh scales (biased).
-``scale="global"`` (the DynamiQ paper's variant): one bf16 max all-reduce of each block's absmax
-first; a payload summing ``count`` ranks uses the scale ``bf16_up(count * G / max_elem)``, so no
-scale travels. The ``*_torch`` functions are the spec; CPU tensors run compiled kernels.
+Per block of 32 (OCP MX v1.0 §5, §6.3): a shared scale ``X = 2**e`` as E8M0 (byte ``e + 127``;
+``0xFF`` = NaN, for a non-finite block), ``e = floor(log2(amax)) - emax_elem`` clamped to
+[-127, 127] (``amax = 0``: -127); elements ``P_i = quantize(V_i / X)``, round-to-nearest-even,
+saturating (:data:`FORMATS`); decoded as ``X * P_i``. Payload: the blocks' scale bytes, then the
+element codes packed LSB-first. Every hop re-encodes with fresh scales (biased).
+``scale="global"`` (the DynamiQ paper's variant): a bf16 max all-reduce of each block's absmax
+``G`` first; a payload summing ``count`` ranks uses the scale ``bf16_up(count * G / max_elem)``,
+so no scale travels. The ``*_torch`` functions are the spec; CPU tensors run compiled kernels.
 """
 
 from __future__ import annotations
@@ -105,10 +104,9 @@ def mx_encode_torch(values: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     shared = torch.where(positive, shared, torch.full_like(shared, -E8M0_BIAS))
     shared = shared.clamp(-E8M0_BIAS, E8M0_BIAS)  # E8M0 covers 2**-127 .. 2**127
     scale_bytes = torch.where(finite, shared + E8M0_BIAS, torch.full_like(shared, E8M0_NAN))
-    scaled = blocks * pow2(-shared)[:, None]  # a power of two: exact unless it underflows
-    codes = encode_elements(scaled, fmt)
-    codes = torch.where(finite[:, None], codes, torch.zeros_like(codes))
-    return torch.cat([scale_bytes.to(torch.uint8), pack_bits_torch(codes, fmt.bits)])
+    # dividing by a power of two is exact unless it underflows; a NaN scale zeroes the codes
+    scale = torch.where(finite, pow2(shared), math.nan)
+    return torch.cat([scale_bytes.to(torch.uint8), mx_encode_global_torch(values, scale, fmt)])
 
 
 def mx_decode_torch(payload: torch.Tensor, numel: int, fmt: ElementFormat) -> torch.Tensor:
@@ -144,7 +142,6 @@ def mx_decode_global_torch(
 class MXScheme(BlockCodec):
     """Shared implementation; the registered names fix the element family."""
 
-    spec: SchemeSpec
     elements: tuple[str, ...] = ()
     block = MX_BLOCK
 
@@ -173,17 +170,13 @@ class MXScheme(BlockCodec):
         return f"{type(self).__name__}(element={self.element!r}, scale={self.scale.value!r})"
 
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
-        codes = packed_nbytes(numel, self.format.bits)
-        if self.scale is ScaleMode.GLOBAL:
-            return codes
-        return numel // MX_BLOCK + codes
+        scales = 0 if self.scale is ScaleMode.GLOBAL else numel // MX_BLOCK
+        return scales + packed_nbytes(numel, self.format.bits)
 
     def wire_nbytes(self, numel: int) -> int:
         """Single-shot bytes: codes and scales (global variant: 2 bytes of block maximum)."""
-        nbytes = super().wire_nbytes(numel)
-        if self.scale is ScaleMode.GLOBAL:
-            nbytes += 2 * -(-numel // MX_BLOCK)
-        return nbytes
+        maxima = 2 * -(-numel // MX_BLOCK) if self.scale is ScaleMode.GLOBAL else 0
+        return super().wire_nbytes(numel) + maxima
 
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
         if self.scale is ScaleMode.OCP:
@@ -230,10 +223,9 @@ class MXScheme(BlockCodec):
         self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
     ) -> bool:
         kernels = cpu_kernels(out.device)
-        if kernels is None:
-            return False
-        kernels.mx_decode(payload, out, self.format, self._scale(ctx, count), accumulate)
-        return True
+        if kernels is not None:
+            kernels.mx_decode(payload, out, self.format, self._scale(ctx, count), accumulate)
+        return kernels is not None
 
     def decode_accumulate_encode(
         self, payload: torch.Tensor, work: torch.Tensor, count: int, out_count: int, ctx: Any
@@ -252,8 +244,8 @@ class _GlobalScaleCall(BlockCall):
     """The global variant's codec state per chunk is that chunk's slice of the block maxima."""
 
     def _state(self, chunk: int) -> torch.Tensor:
-        lo, hi = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
-        return self.state[lo // MX_BLOCK : hi // MX_BLOCK]  # type: ignore[no-any-return]
+        bounds = self._bounds(chunk)
+        return self.state[bounds.start // MX_BLOCK : bounds.stop // MX_BLOCK]  # type: ignore
 
 
 def _mx_spec(name: str, bits: int, elements: str) -> SchemeSpec:

@@ -3,10 +3,9 @@
 The result is the sum of the ranks' inputs rounded once to the input dtype, saturating, the same
 bits on every rank for every algorithm and collective: one rank's values travel in the input
 dtype, partial sums of ``2 .. n-1`` ranks in fp64, and the sink's final payload (``avg``: divided
-first) in the input dtype again. Non-finite inputs stay in their coordinate; no range scaling.
-The price: a ring sends ``(s + 8 (n - 2) + s (n - 1)) / n`` bytes per coordinate instead of
-``2 s (n - 1) / n`` (``s`` the dtype's size). ``wire_dtype=`` forces one dtype for every payload
-(rounded at every hop; not exact).
+first) in the input dtype again (a ring: ``(s + 8 (n - 2) + s (n - 1)) / n`` bytes a coordinate,
+``s`` the dtype's size). Non-finite inputs stay in their coordinate; no range scaling.
+``wire_dtype=`` forces one dtype for every payload (rounded at every hop; not exact).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ _WIDE = torch.float64  # partial sums of 2..n-1 ranks
 
 
 def _widen_into(acc: torch.Tensor, values: torch.Tensor, *, add: bool) -> None:
-    """``acc`` (fp64) ``+=`` (or ``=``, ``add=False``) ``values`` widened exactly: torch's result,
-    through NumPy on the CPU (faster mixed-dtype loops; bf16 widened to fp32 first)."""
+    """``acc`` (fp64) ``+=`` (``add=False``: ``=``) ``values``; through NumPy on CPU (faster)."""
     if acc.device.type != "cpu":
         if add:
             acc += values
@@ -102,9 +100,8 @@ class NoneScheme(BlockCodec):
 
 
 class ExactSumCall(LayoutCall):
-    """One collective call of ``none`` without ``wire_dtype``: partial sums accumulate in fp64;
-    ``work`` (fp32, which the executor sizes tiles by) receives the decoded final sums and
-    gathered shards, input-dtype values exact in fp32."""
+    """One call of ``none`` without ``wire_dtype``: partial sums accumulate in fp64; ``work``
+    (fp32) receives the final sums and gathered shards, input-dtype values exact in fp32."""
 
     def __init__(self, x: torch.Tensor, ctx: CallContext) -> None:
         super().__init__(x, ctx, 1)  # blocks of 1: no padding
@@ -126,7 +123,6 @@ class ExactSumCall(LayoutCall):
         return self.dtype if count in (1, self.world_size) else _WIDE
 
     def _wire_payload(self, subtree: Any, collective: Collective) -> int:
-        """Payload bytes of the call over every rank."""
         n = self.world_size
         total = 0
         if collective is not Collective.ALL_GATHER:
@@ -167,18 +163,16 @@ class ExactSumCall(LayoutCall):
 
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         if count == 1:  # one rank's own values, as they are
-            own = self.values[self._bounds(chunk)]
-            payload = self._take(own.numel(), self.dtype)
-            payload.copy_(own)
-            return payload.view(torch.uint8)
-        values = self._sums(chunk)
-        if count == self.world_size:  # the final sum: rounded once, saturating
-            if self.op is ReduceOp.AVG:
+            values = self.values[self._bounds(chunk)]
+        else:
+            values = self._sums(chunk)
+            if count < self.world_size:
+                return values.view(torch.uint8)
+            if self.op is ReduceOp.AVG:  # the final sum: rounded once, saturating
                 values = values / self.world_size
-            final = self._take(values.numel(), self.dtype)
-            copy_saturating(final, values)
-            return final.view(torch.uint8)
-        return values.view(torch.uint8)
+        payload = self._take(values.numel(), self.dtype)
+        copy_saturating(payload, values)
+        return payload.view(torch.uint8)
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         # a final sum, or (all-gather) one rank's shard: values of the input dtype

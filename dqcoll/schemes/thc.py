@@ -1,11 +1,10 @@
 """``thc``: Tensor Homomorphic Compression: rotate, clamp, 4-bit uniform codes, exact integer sums.
 
-Per call, every rank alike from the call's seed and step: a shared random permutation of the
-padded buffer, then a randomized Hadamard transform in blocks of ``rotation_block`` (random signs,
-then ``H / sqrt(B)``), so one global range fits every block; one max all-reduce of each rank's
-RMS gives ``T = clamp * max_rms`` (non-finite inputs: :func:`.integer_sum.global_statistic`).
-Each rank clamps to ``[-T, T]`` and rounds stochastically to 16 levels (``delta = 2T / 15``,
-code ``floor((y + T) / delta + u)``). Codes add exactly (:mod:`.integer_sum`), a payload summing
+Per call, alike on every rank from its seed and step: a shared random permutation of the padded
+buffer, then a randomized Hadamard transform in blocks of ``rotation_block`` (random signs, then
+``H / sqrt(B)``); one max all-reduce of the ranks' RMS gives ``T = clamp * max_rms``. Each rank
+clamps to ``[-T, T]`` and rounds stochastically to 16 levels (``delta = 2T / 15``, code
+``floor((y + T) / delta + u)``). Codes add exactly (:mod:`.integer_sum`), a payload summing
 ``count`` ranks ``ceil(log2(15 count + 1))`` bits wide; the final ``S * delta - n T`` is decoded
 once and rotated back. Biased by clamping; ``clamp=2.5`` minimizes clipping plus rounding error
 for Gaussian coordinates at 16 levels.
@@ -35,14 +34,13 @@ _STREAM = 0x54484321  # "THC!"
 def fwht(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform of each row of ``x`` ``[k, B]``; its own inverse."""
     k, size = x.shape
-    y = x
     h = 1
     while h < size:
-        y = y.reshape(k, size // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = torch.stack((a + b, a - b), dim=2)
+        x = x.reshape(k, size // (2 * h), 2, h)
+        a, b = x[:, :, 0, :], x[:, :, 1, :]
+        x = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return y.reshape(k, size) * (1.0 / math.sqrt(size))
+    return x.reshape(k, size) * (1.0 / math.sqrt(size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +115,8 @@ class THCScheme(IntegerSumCodec):
         limit = self.clamp * rms
         return _State(segment, perm, signs, limit, 2.0 * limit / (LEVELS - 1), nonfinite)
 
-    def code_max(self, state: Any) -> int:
-        return LEVELS - 1
+    def code_bits(self, count: int, state: Any) -> int:
+        return max(1, (count * (LEVELS - 1)).bit_length())  # just wide enough for the sum
 
     def quantize(self, values: torch.Tensor, uniforms: torch.Tensor, state: Any) -> torch.Tensor:
         if not math.isfinite(state.delta) or state.delta == 0.0:

@@ -1,9 +1,9 @@
 """``topk_block``: Omni-Reduce-style block sparsification: keep the largest 256-coordinate blocks.
 
 Each rank marks its top ``ceil(density * blocks)`` blocks by L2 norm in a uint8 bitmap; one max
-all-reduce agrees on their union, whose blocks travel densely as fp32 (every rank's own values)
-and are summed at each hop; other blocks are zero in the result (biased). For reduce-scatter /
-all-gather chunk ``c`` is the union's blocks inside shard ``c`` (unequal sizes).
+all-reduce agrees on their union, whose blocks travel densely as fp32 and are summed at each hop;
+other blocks are zero in the result (biased). Reduce-scatter / all-gather: chunk ``c`` is the
+union's blocks inside shard ``c``.
 """
 
 from __future__ import annotations
