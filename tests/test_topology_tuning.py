@@ -146,6 +146,19 @@ def test_simulate_cli_json(capsys):
     assert report["command"].startswith("dqcoll simulate --world-size 4")
 
 
+def test_cli_reports_a_bad_scheme_spec_without_a_traceback(capsys):
+    """A bad argument ends the command with its message and exit status 2: the runtime's
+    command for a format nobody registered, the lab's for an option nobody has."""
+    from dqcoll.cli.main import main as dqcoll_main
+    from dqcoll_lab.cli.main import main as lab_main
+
+    assert dqcoll_main(["simulate", "-n", "4", "--scheme", "dynamiq:format=format3"]) == 2
+    assert "dqcoll simulate: error: dynamiq: format must be one of" in capsys.readouterr().err
+    assert lab_main(["simulate", "-n", "4", "--scheme", "dynamiq:colour=blue"]) == 2
+    err = capsys.readouterr().err
+    assert "dqcoll-lab simulate: error:" in err and "research options" in err
+
+
 def test_simulate_cli_scheme_specs_and_large_n(capsys):
     """--scheme takes a spec (the paper's DynamiQ with a research knob through the lab's
     command, MXFP8 with global scales); past PRICE_TRANSFERS the cost model is skipped, said so

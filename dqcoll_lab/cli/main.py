@@ -31,8 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv)  # prints usage / error and exits
         return 2
+    from dqcoll.errors import InvalidArgumentError
+
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except InvalidArgumentError as exc:  # a bad argument: its message, not a traceback
+        print(f"dqcoll-lab {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

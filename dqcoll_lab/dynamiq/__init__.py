@@ -228,10 +228,10 @@ def scheme_spec(text: str) -> str:
         key, value = key.strip(), value.strip()
         if key == "format":
             preset = value
-        elif key in RESEARCH_OPTIONS:
-            knobs[key] = value
-        else:
+        elif key in USER_OPTIONS:
             user.append(item)
+        else:  # a research knob (an unknown one raises in research_format, naming them all)
+            knobs[key] = value
     if not knobs:
         return text
     return f"dynamiq:{';'.join([*user, f'format={format_name(preset, **knobs)}'])}"
