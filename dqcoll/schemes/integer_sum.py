@@ -154,7 +154,7 @@ class IntegerSumCodec(abc.ABC):
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
         """One rank's codes for ``x`` alone (statistics local, world size 1)."""
         ctx = CallContext(0, 1, ReduceOp.SUM, self.seed, 0, Collective.ALLREDUCE, "encode")
-        call = IntegerSumCall(self, x.detach().reshape(-1), ctx)
+        call = self.begin(x.detach().reshape(-1), ctx)
         return {"shape": tuple(x.shape), "call": call, "data": call.compress(0, 1)}
 
     def decode(self, payload: dict[str, Any]) -> torch.Tensor:

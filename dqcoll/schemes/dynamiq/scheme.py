@@ -6,15 +6,14 @@ compressor. Each collective call plans itself in a :class:`~.call.DynamiqCall`; 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from ...kernels.codec import SUPER, CodecConfig, ProtoScales, RoundingMode, record_nbytes
-from ...types import Collective, ReduceOp
 from ..base import FLOAT_DTYPES, CallContext, SchemeSpec
+from ..integer_sum import IntegerSumCodec
 from .allocation import MEASURED_ERRORS, STATS_BYTES
-from .call import DynamiqCall, Survey, survey
+from .call import DynamiqCall, survey
 from .error_model import ErrorModel
 from .options import (
     USER_OPTIONS,
@@ -80,17 +79,11 @@ class DynamiqScheme:
         self.hop_widths, self.max_width = fmt.hop_widths, fmt.max_width
         # prototype scale encodings exist in the torch reference only
         self.reference_only = isinstance(fmt.scales, ProtoScales)
-
-    @property
-    def stats_bytes(self) -> int:
-        """Statistics bytes per super-group on the wire."""
-        return STATS_BYTES[self.stats]
-
-    @property
-    def measured_errors(self) -> dict[int, float] | None:
-        """The hull rule's errors per width: measured for the codec, or None (``4**-w``)."""
-        return (MEASURED_ERRORS[(self.config.levels, self.config.scales)]
-                if self.thresholds == "measured" else None)
+        self.stats_bytes = STATS_BYTES[self.stats]  # statistics bytes per super-group
+        # the hull rule's errors per width: measured for the codec, or None (``4**-w``)
+        self.measured_errors: dict[int, float] | None = (
+            MEASURED_ERRORS[(self.config.levels, self.config.scales)]
+            if self.thresholds == "measured" else None)
 
     def __repr__(self) -> str:
         c = self.config
@@ -108,10 +101,7 @@ class DynamiqScheme:
     def begin(self, x: torch.Tensor, ctx: CallContext) -> DynamiqCall:
         return DynamiqCall(self, x, ctx)
 
-    def survey(self, x: torch.Tensor, op: ReduceOp, world_size: int,
-               collective: Collective) -> tuple[float, Survey] | None:
-        """The range check's pass with the call's statistics in it (:func:`.call.survey`)."""
-        return survey(self, x, op, world_size, collective)
+    survey = survey  # the range check's pass with the call's statistics in it
 
     def wire_nbytes(self, numel: int) -> int:
         fixed = self.format.rule.fixed_width if self.format.rule is not None else None
@@ -119,15 +109,6 @@ class DynamiqScheme:
         records = -(-numel // SUPER) * (record_nbytes(width, self.config.scales) + self.stats_bytes)
         return records if fixed is not None else max(math.floor(self.bits * numel / 8.0), records)
 
-    def encode(self, x: torch.Tensor) -> dict[str, Any]:
-        """Compress one tensor on its own (statistics local, world size 1)."""
-        ctx = CallContext(0, 1, ReduceOp.SUM, self.seed, 0, Collective.ALLREDUCE, "encode")
-        call = DynamiqCall(self, x.detach().reshape(-1), ctx)
-        return {"shape": tuple(x.shape), "call": call, "data": call.compress(0, 1)}
-
-    def decode(self, payload: dict[str, Any]) -> torch.Tensor:
-        call: DynamiqCall = payload["call"]
-        call.decompress(0, payload["data"], 1)
-        out = torch.empty(call.numel, dtype=torch.float32, device=call.work.device)
-        call.finish(out)
-        return out.reshape(payload["shape"])
+    # single-shot use: one rank's call with local statistics (IntegerSumCodec's, on begin)
+    encode = IntegerSumCodec.encode
+    decode = IntegerSumCodec.decode
