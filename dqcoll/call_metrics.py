@@ -1,8 +1,5 @@
-"""What each collective did: one :class:`CallRecord` per call, kept in ``comm.metrics``.
-
-:class:`recording` records a call when it ends, ok or not. :class:`CallMetrics` keeps the
-latest records in a ring and totals of every call, exported as NCCL Inspector JSON lines and
-Prometheus text. Host-side bookkeeping only; it never raises into the call. Docs: docs/metrics.md.
+"""What each collective did (docs/metrics.md): one :class:`CallRecord` per call, kept in a ring
+in ``comm.metrics`` with totals of every call, written as NCCL Inspector JSON and Prometheus text.
 """
 
 from __future__ import annotations
@@ -75,38 +72,21 @@ class CallRecord:
     status: str
     start_us: int = 0  # the wall clock (Unix time, microseconds) when the call started
 
-    @property
-    def size_class(self) -> str:
-        return size_class(self.nbytes)
-
-    @property
-    def msg_size_bytes(self) -> int:
-        """NCCL's message size: the buffer for all-reduce, one rank's shard otherwise."""
-        if self.collective == Collective.ALLREDUCE.value or self.world_size < 1:
-            return self.nbytes
-        return self.nbytes // self.world_size
-
-    def bandwidths_gbs(self) -> tuple[float, float]:
-        """(algorithm bandwidth, bus bandwidth) in GB/s, as nccl-tests define them."""
-        if self.measured_us <= 0:
-            return 0.0, 0.0
-        algo = self.nbytes / (self.measured_us * 1e3)
-        n = max(self.world_size, 1)
-        factor = 2 * (n - 1) / n if self.collective == Collective.ALLREDUCE.value else (n - 1) / n
-        return algo, algo * factor
-
     def to_inspector(self, header: Mapping[str, Any] | None = None,
                      metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The record as one NCCL Inspector object: ``header``, ``metadata``, ``coll_perf``."""
-        algo_bw, bus_bw = self.bandwidths_gbs()
+        n = max(self.world_size, 1)
+        allreduce = self.collective == Collective.ALLREDUCE.value
+        algo_bw = self.nbytes / (self.measured_us * 1e3) if self.measured_us > 0 else 0.0
         perf: dict[str, Any] = {
             "coll": _NCCL_NAMES.get(self.collective, self.collective),
             "coll_sn": self.seq,
-            "coll_msg_size_bytes": self.msg_size_bytes,
+            "coll_msg_size_bytes": self.nbytes if allreduce else self.nbytes // n,  # one shard
             "coll_exec_time_us": round(self.measured_us, 3),
             "coll_timing_source": "collective_cpu",
+            # nccl-tests' algorithm and bus bandwidths, GB/s
             "coll_algobw_gbs": round(algo_bw, 6),
-            "coll_busbw_gbs": round(bus_bw, 6),
+            "coll_busbw_gbs": round(algo_bw * ((2 * (n - 1) if allreduce else n - 1) / n), 6),
             **{name: getattr(self, name) for name in _AS_RECORDED},
             "bits_wire": None if self.bits_wire is None else round(self.bits_wire, 4),
             "wire_bytes": self.wire_bytes,
@@ -190,8 +170,7 @@ def exact_wire_nbytes(collective: str, nbytes: int, world_size: int) -> int:
 
 
 def _level(info: Mapping[str, Any]) -> dict[str, Any]:
-    return {"scheme": info.get("scheme"), "algorithm": info.get("algorithm"),
-            "bits": info.get("bits")}
+    return {key: info.get(key) for key in ("scheme", "algorithm", "bits")}
 
 
 def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,19 +193,9 @@ def plan_of(info: Mapping[str, Any]) -> dict[str, Any]:
         levels = {"kind": "flat", **_level(info)}
     planned = info.get("planned")
     if isinstance(planned, Mapping):
-        levels["planner"] = {"label": planned.get("label"), "reason": planned.get("reason"),
-                             "predicted_us": planned.get("predicted_us"),
-                             "alternatives": planned.get("alternatives")}
+        levels["planner"] = {key: planned.get(key)
+                             for key in ("label", "reason", "predicted_us", "alternatives")}
     return levels
-
-
-def _predicted_us(info: Mapping[str, Any]) -> float | None:
-    """``info["predicted_us"]`` (the planner's), or None where absent or not finite."""
-    value = info.get("predicted_us")
-    if value is None:
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
 
 
 def _plain(value: Any) -> Any:
@@ -290,25 +259,16 @@ class CallMetrics:
         path = path.replace("{rank}", rank) if "{rank}" in path else f"{path}.rank{rank}"
         return cls(transport.rank, transport.world_size, jsonl=path)
 
-    def record(self, record: CallRecord) -> None:
-        """Keep ``record`` (the ring drops the oldest past ``capacity``; the totals keep all)."""
-        key = (record.collective, record.scheme, record.algorithm, record.size_class)
-        with self._lock:
-            self._records.append(record)
-            self._calls += 1
-            self._totals.setdefault(key, Totals()).add(record)
-            if self.jsonl_path is not None:
-                self._append_jsonl(record)
-
     def record_call(self, collective: str | Collective, buf: Any, *, seq: int,
                     measured_s: float, wire_bytes: int, info: Mapping[str, Any] | None = None,
                     scheme: str = "", algorithm: str = "", bits: float | None = None,
                     target: bool = False, error: BaseException | None = None,
                     start_s: float | None = None) -> CallRecord | None:
-        """Build and keep the record of one call; returns it, or None where it could not be built
-        (logged once). ``buf``: the caller's input (all-gather: this rank's shard); ``info``: the
-        call's new ``comm.last_info`` or None; ``scheme`` / ``algorithm``: what the caller asked
-        for, used where ``info`` does not say; ``target``: a target error replaced ``bits``."""
+        """Build and keep the record of one call (the ring drops the oldest past ``capacity``, the
+        totals keep all); returns it, or None where it could not be built (logged once). ``buf``:
+        the caller's input (all-gather: this rank's shard); ``info``: the call's new
+        ``comm.last_info`` or None; ``scheme`` / ``algorithm``: what the caller asked for, used
+        where ``info`` does not say; ``target``: a target error replaced ``bits``."""
         try:
             name = collective if isinstance(collective, str) else collective.value
             n = self.world_size
@@ -321,17 +281,26 @@ class CallMetrics:
             if requested is None and scheme in _BITS_SCHEMES and not target:
                 requested = _DEFAULT_BITS
             info = info or {}
+            predicted = info.get("predicted_us")  # the planner's, where it planned the call
+            predicted = None if predicted is None else float(predicted)
             record = CallRecord(
                 collective=name, seq=int(seq), rank=self.rank, world_size=n, numel=numel,
                 dtype=dtype, device=device, nbytes=nbytes,
                 scheme=str(info.get("scheme") or scheme),
                 algorithm=str(info.get("algorithm") or algorithm), bits_requested=requested,
                 bits_wire=8.0 * itemsize * wire_bytes / exact if exact else None,
-                plan=plan_of(info) if info else {}, predicted_us=_predicted_us(info),
+                plan=plan_of(info) if info else {},
+                predicted_us=predicted if predicted is None or math.isfinite(predicted) else None,
                 measured_us=measured_s * 1e6, wire_bytes=int(wire_bytes), exact_wire_bytes=exact,
                 status="ok" if error is None else type(error).__name__,
                 start_us=int((time.time() if start_s is None else start_s) * 1e6))
-            self.record(record)
+            key = (name, record.scheme, record.algorithm, size_class(nbytes))
+            with self._lock:
+                self._records.append(record)
+                self._calls += 1
+                self._totals.setdefault(key, Totals()).add(record)
+                if self.jsonl_path is not None:
+                    self._append_jsonl(record)
             return record
         except Exception as exc:  # never into the call
             self._warn_once(f"a call's metrics record was dropped: {type(exc).__name__}: {exc}")
@@ -352,12 +321,6 @@ class CallMetrics:
         """A copy of the running totals per (collective, scheme, algorithm, size class)."""
         with self._lock:
             return {key: dataclasses.replace(t) for key, t in self._totals.items()}
-
-    def __iter__(self) -> Iterator[CallRecord]:
-        return iter(self.records)
-
-    def __len__(self) -> int:
-        return len(self._records)
 
     @property
     def last(self) -> CallRecord | None:
@@ -388,11 +351,8 @@ class CallMetrics:
         keys = sorted(totals)
         out: list[str] = []
         for name, field, text in _COUNTERS:
-            out.append(f"# HELP {name} {text}")
-            out.append(f"# TYPE {name} counter")
-            for key in keys:
-                labels = self._labels(key)
-                out.append(f"{name}{{{labels}}} {getattr(totals[key], field)}")
+            out += [f"# HELP {name} {text}", f"# TYPE {name} counter"]
+            out += [f"{name}{{{self._labels(key)}}} {getattr(totals[key], field)}" for key in keys]
         with self._lock:
             held, calls = len(self._records), self._calls
         rank = f'rank="{self.rank}"'
@@ -406,9 +366,8 @@ class CallMetrics:
         return "\n".join(out) + "\n"
 
     def _labels(self, key: TotalsKey) -> str:
-        collective, scheme, algorithm, size = key
-        pairs = (("collective", collective), ("scheme", scheme), ("algorithm", algorithm),
-                 ("size_class", size), ("rank", str(self.rank)))
+        pairs = (*zip(("collective", "scheme", "algorithm", "size_class"), key, strict=True),
+                 ("rank", str(self.rank)))
         return ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
 
     def _append_jsonl(self, record: CallRecord) -> None:

@@ -1,11 +1,6 @@
-"""Runs any :class:`~dqcoll.topology.Schedule` with any scheme call over any transport.
-
-:func:`run_schedule` sends a rank's payloads for one peer in a step as one message and tells the
-scheme call what each arriving payload is for; payload sizes come from the call on both sides.
-With ``tile_nbytes``, every chunk is cut into ``T`` tiles of whole ``call.tile_unit`` rows (fine
-chunk ``c * T + t`` is tile ``t`` of chunk ``c``), bit-identical whatever the tile size;
-``tiles_in_flight`` tiles run round-robin in an order every rank derives alike, one tile's
-exchange beside another's codec (docs/gpu_transport.md, "Tiles and pipelining").
+"""Runs any :class:`~dqcoll.topology.Schedule` with any scheme call over any transport, one
+message per peer and step, cut into tiles that pipeline exchange and codec (docs/gpu_transport.md,
+"Tiles and pipelining").
 """
 
 from __future__ import annotations
@@ -119,16 +114,12 @@ def plan_tiles(call: SchemeCall, tile_nbytes: int | None) -> TilePlan | None:
     bounds = list(call.chunk_bounds)
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
     longest = max(lengths, default=0)
-    if not longest:
-        return None
     tiles = min(-(-longest * unit_nbytes // tile_nbytes), -(-longest // unit))  # >= one unit each
-    if tiles <= 1:
+    if tiles <= 1:  # also no chunk with work
         return None
     fine = [bounds[0]]
     for lo, length in zip(bounds[:-1], lengths, strict=True):
-        blocks = length // unit
-        for t in range(1, tiles):
-            fine.append(lo + (t * blocks // tiles) * unit)
+        fine += [lo + (t * (length // unit) // tiles) * unit for t in range(1, tiles)]
         fine.append(lo + length)  # a remainder that is not a whole unit stays in the last tile
     return TilePlan(tiles, tuple(fine), unit_nbytes)
 
@@ -140,12 +131,6 @@ def tile_nbytes_for(numel: int, world_size: int, tiles: int) -> int:
         return 0
     chunk_nbytes = -(-numel // max(1, world_size)) * 4  # fp32 work
     return max(1, -(-chunk_nbytes // tiles))
-
-
-def _tile_view(call: SchemeCall, plan: TilePlan) -> SchemeCall:
-    view = copy.copy(call)  # shares work, state and every per-chunk table with the call
-    view.chunk_bounds = list(plan.bounds)
-    return view
 
 
 # -- one tile's walk through the schedule ---------------------------------------------------------
@@ -206,18 +191,15 @@ class _TileRun:
     def prepare(self, position: int) -> _Exchange:
         phase, index, step = self.steps[position]
         call = self.call
-        device = call.work.device
         payload_of = self._leaf_or_forward if phase == "reduce" else self.final.__getitem__
-        scratch = getattr(call, "scratch", None)  # the call's reused byte buffers, if any
+        # byte buffers: the call's reused ones, if it has them
+        alloc = getattr(call, "scratch", None) or functools.partial(
+            torch.empty, dtype=torch.uint8, device=call.work.device)
         sends = []
         for peer, chunks in step.sends:
             parts = [payload_of(c) for c in chunks]
-            if len(parts) == 1:
-                message = parts[0]
-            elif scratch is not None:
-                message = torch.cat(parts, out=scratch(sum(p.numel() for p in parts)))
-            else:
-                message = torch.cat(parts)
+            message = (parts[0] if len(parts) == 1
+                       else torch.cat(parts, out=alloc(sum(p.numel() for p in parts))))
             if message.numel():
                 sends.append((peer, message))
         recvs = []
@@ -225,8 +207,7 @@ class _TileRun:
         for peer, items in step.recvs:
             sizes = [call.payload_nbytes(self._index(c), self.subtree[peer][c] if phase == "reduce"
                                          else self.gather_count) for c, _ in items]
-            buffer = (scratch(sum(sizes)) if scratch is not None
-                      else torch.empty(sum(sizes), dtype=torch.uint8, device=device))
+            buffer = alloc(sum(sizes))
             if buffer.numel():
                 recvs.append((peer, buffer))
             layouts.append((peer, items, sizes, buffer))
@@ -257,12 +238,10 @@ class _TileRun:
                     call.decompress_accumulate(index, payload, count)
                 elif role is Role.FORWARD:
                     self.outgoing[chunk] = call.decompress_accumulate_recompress(
-                        index, payload, count, subtree[rank][chunk]
-                    )
+                        index, payload, count, subtree[rank][chunk])
                 else:  # Role.FINAL: the sink recompresses once more and decodes its own bytes
                     self.final[chunk] = call.decompress_accumulate_recompress(
-                        index, payload, count, n
-                    )
+                        index, payload, count, n)
                     call.decompress(index, self.final[chunk], n)
 
 
@@ -273,21 +252,16 @@ _Pending = Callable[[], Any]  # waits until a submitted exchange is done (on the
 
 
 class _InlineDriver:
-    """One tile in flight (or untiled): the exchange runs in the calling thread."""
+    """One tile in flight (or untiled): the exchange runs in the calling thread when waited for."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
 
     def submit(self, exchange: _Exchange) -> _Pending:
-        exchange.run(self.transport)
-        return _done
+        return functools.partial(exchange.run, self.transport)
 
     def close(self) -> None:
         pass
-
-
-def _done() -> None:
-    pass
 
 
 class _ThreadDriver:
@@ -326,13 +300,20 @@ class _ThreadDriver:
         self.jobs.put(None)
 
 
+_side = threading.local()  # .streams: this thread's {device index: communication stream}
+
+
 class _StreamDriver(_InlineDriver):
     """Exchanges of a stream-ordered transport (NCCL) on a side stream, ordered by events."""
 
     def __init__(self, transport: Transport, device: torch.device) -> None:
         self.transport = transport
         self.compute = torch.cuda.current_stream(device)
-        self.side = _side_stream(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        streams = _side.__dict__.setdefault("streams", {})  # one per (device, thread)
+        if index not in streams:
+            streams[index] = torch.cuda.Stream(device=index)
+        self.side = streams[index]
 
     def submit(self, exchange: _Exchange) -> _Pending:
         ready = torch.cuda.Event()
@@ -346,18 +327,6 @@ class _StreamDriver(_InlineDriver):
         done = torch.cuda.Event()
         done.record(self.side)
         return functools.partial(self.compute.wait_event, done)
-
-
-_side = threading.local()  # .streams: this thread's {device index: communication stream}
-
-
-def _side_stream(device: torch.device) -> Any:
-    """One communication stream per (device, thread), dropped with the thread."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    streams: dict[int, Any] = _side.__dict__.setdefault("streams", {})
-    if index not in streams:
-        streams[index] = torch.cuda.Stream(device=index)
-    return streams[index]
 
 
 def _make_driver(transport: Transport, device: torch.device, tiles_in_flight: int,
@@ -403,7 +372,8 @@ def run_schedule(
     if tiling is None:
         runs, window = [_TileRun(call, plan, rank, n, collective, what)], 1
     else:
-        view = _tile_view(call, tiling)
+        view = copy.copy(call)  # shares work, state and every per-chunk table with the call
+        view.chunk_bounds = list(tiling.bounds)
         runs = [_TileRun(view, plan, rank, n, collective, what, tile=t, tiles=tiling.tiles)
                 for t in range(tiling.tiles)]
         window = tiles_in_flight

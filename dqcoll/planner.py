@@ -1,18 +1,13 @@
-"""The planner: how a collective runs, decided from the job's own topology and measured rates.
-
-:func:`build_planner` discovers the job (:func:`discover_job`: which ranks share a host, which a
-machine) and measures its links and kernels (:func:`measure_rates`); :meth:`Planner.plan` prices
-every flat and two-level candidate with one cost model (:mod:`dqcoll.topology.cost`) and returns a
-:class:`Plan`, calibrated by measured calls (:meth:`Planner.observe`). Every input is agreed, so
-every rank computes the same plan without a message. Design: docs/design.md §8; use:
-docs/planner.md. Fitted constants (link speeds from ``/sys``, overlap shares) are rejected as
-inputs: they hold only on the machine they were fitted on.
+"""The planner: how a collective runs, decided from the job's own topology and measured rates
+(docs/design.md §8; use: docs/planner.md). Fitted constants (link speeds from ``/sys``, overlap
+shares) are not inputs: they hold only on the machine they were fitted on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -27,6 +22,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidArgumentError
+from .executor import DEFAULT_CUDA_TILE_NBYTES, DEFAULT_TILE_NBYTES
 from .topology.cost import (
     DTYPE_NBYTES,
     CostParams,
@@ -189,22 +185,15 @@ def _probe_s(transport: Any, ring: Sequence[int], at: int, what: str,
     return best if math.isfinite(best) else 0.0
 
 
-_KERNELS: dict[tuple[str, float], dict[str, KernelRates]] = {}
-_KERNELS_LOCK = threading.Lock()
+_KERNELS_LOCK = threading.Lock()  # kernel rates are measured once per process and device
 
 
-def _kernel_ns(device: torch.device, bits: float) -> dict[str, KernelRates]:
-    """Each scheme's kernel ns per coordinate here, measured once per process and device."""
-    key = (str(device), float(bits))
-    with _KERNELS_LOCK:
-        if key not in _KERNELS:
-            _KERNELS[key] = _probe_kernels(device, bits)
-        return _KERNELS[key]
-
-
-def _probe_kernels(device: torch.device, bits: float) -> dict[str, KernelRates]:
+@functools.cache
+def _kernel_ns(where: str, bits: float) -> dict[str, KernelRates]:
+    """Each scheme's kernel ns per coordinate on device ``where``."""
     from . import schemes
 
+    device = torch.device(where)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(KERNEL_PROBE_NUMEL, generator=g).to(device)
     y = torch.randn(KERNEL_PROBE_NUMEL, generator=g).to(device)
@@ -256,7 +245,8 @@ def measure_rates(transport: Any, job: JobTopology, *, device: torch.device | No
     if flows:  # a ring across hosts per local index that every host has
         column = [x[local] for x in hosts] if local < flows else []
         inter_s = _probe_s(transport, column, h, f"{what} (inter-host)", device)
-    kernels = _kernel_ns(device, bits)
+    with _KERNELS_LOCK:
+        kernels = _kernel_ns(str(device), float(bits))
     names = sorted(kernels)
     fields = [intra_s, inter_s] + [v for s in names for v in dataclasses.astuple(kernels[s])]
     agreed = torch.tensor(fields, dtype=torch.float64, device=device)
@@ -322,12 +312,11 @@ def _label(scheme: str, algorithm: str, bits: float | None,
 class Planner:
     """Plans for one communicator's calls; ``job`` and ``rates`` must be the same on every rank."""
 
-    def __init__(self, job: JobTopology, rates: MeasuredRates, *,
-                 tile_nbytes: int | None = None) -> None:
+    def __init__(self, job: JobTopology, rates: MeasuredRates) -> None:
         self.job = job
         self.rates = rates
-        self.tile_nbytes = tile_nbytes if tile_nbytes is not None else (
-            4 << 20 if job.device_kind == "cpu" else 64 << 20)
+        self.tile_nbytes = DEFAULT_TILE_NBYTES if job.device_kind == "cpu" else (
+            DEFAULT_CUDA_TILE_NBYTES)
         self.graph = self._graph()
         self.params = CostParams(kernel_rates=tuple(
             ((job.device_kind, name), self._device_rates(name)) for name in AUTO_SCHEMES))
@@ -351,9 +340,8 @@ class Planner:
 
     def _graph(self) -> Topology:
         """The job as the cost model's graph (docs/design.md §8, "One cost model")."""
-        job, rates = self.job, self.rates
-        intra = rates.intra_gbps or 1e4
-        inter = rates.inter_gbps or 1e4
+        job = self.job
+        intra, inter = self.rates.intra_gbps or 1e4, self.rates.inter_gbps or 1e4
         links: list[Link] = []
         nics: list[int] = []
         hosts = [0] * job.world_size
@@ -364,8 +352,7 @@ class Planner:
             for r in ranks:
                 hosts[r] = h
                 ports[r] = len(links)
-                links.append(Link(f"local{h}.{r}", LinkKind.LOOPBACK, intra,
-                                  LINK_LATENCY_US))
+                links.append(Link(f"local{h}.{r}", LinkKind.LOOPBACK, intra, LINK_LATENCY_US))
         devices = (tuple(job.machines) if job.device_kind == "cpu"
                    else tuple(range(job.world_size)))
         return Topology("job", tuple(hosts), tuple(ports), tuple(nics), tuple(links), devices,
@@ -443,12 +430,9 @@ class Planner:
             if not options:
                 raise InvalidArgumentError(f"no {collective} plan with algorithm {algorithm!r}")
         typical = int(_SIZE_CLASS_BASE ** (size_class + 0.5)) if nbytes > 0 else 0
-        priced = []
-        for cand in options:
-            label = _label(*cand)
-            priced.append((self.predict_us(collective, *cand, typical, dtype) * self.factor(label),
-                           label, cand))
-        priced.sort(key=lambda p: (p[0], p[1]))
+        labelled = [(_label(*cand), cand) for cand in options]
+        priced = sorted(((self.predict_us(collective, *cand, typical, dtype) * self.factor(label),
+                          label, cand) for label, cand in labelled), key=lambda p: (p[0], p[1]))
         best_us, best_label, best = priced[0]
         reason = f"least predicted time ({best_us / 1e3:.2f} ms)"
         held = self._incumbent.get(key)
@@ -495,18 +479,16 @@ class Planner:
     def fork(self) -> Planner:
         """A copy with its own calibration, for a communicator whose calls interleave with this
         one's in an order that differs between ranks (a DDP hook's lane)."""
-        twin = Planner(self.job, self.rates, tile_nbytes=self.tile_nbytes)
+        twin = Planner(self.job, self.rates)
         twin.factors = dict(self.factors)
         return twin
 
     def factor(self, label: str) -> float:
         """Measured / predicted of a candidate: its own, else the geometric mean of all measured."""
-        own = self.factors.get(label)
-        if own is not None:
-            return own
-        if not self.factors:
-            return 1.0
-        return math.exp(sum(math.log(f) for f in self.factors.values()) / len(self.factors))
+        if label in self.factors:
+            return self.factors[label]
+        logs = [math.log(f) for f in self.factors.values()]
+        return math.exp(sum(logs) / len(logs)) if logs else 1.0
 
     def observe(self, plan: Plan, measured_us: float, nbytes: int | None = None) -> None:
         """``plan`` ran a call of ``nbytes`` (default: its size class's) in ``measured_us`` (the

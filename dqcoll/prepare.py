@@ -1,9 +1,6 @@
-"""A collective's call made ready to check and run: the first step below the public functions.
-
-:func:`prepare_call` turns a :class:`Request` (the caller's arguments) into a :class:`PreparedCall`.
-Nothing here raises for a bad argument: a local failure is recorded and raised by
-:mod:`dqcoll.validate` on every rank together, so no rank waits for a peer that gave up. Also
-here: the range scaling (:func:`range_shift`). docs/design.md §2, step 2.
+"""A collective's call made ready to check and run (docs/design.md §2, step 2), and the range
+scaling (:func:`range_shift`). Nothing here raises for a bad argument: a local failure is recorded
+and raised by :mod:`dqcoll.validate` on every rank together.
 """
 
 from __future__ import annotations
@@ -100,8 +97,7 @@ class PreparedCall:
     tile_nbytes: Any
     tiles_in_flight: Any
     auto: bool  # scheme="auto": checked as dynamiq, fingerprinted as "auto"
-    # the scheme's options: ``bits`` (resolved) unless ``target_vnmse`` is given
-    options: dict[str, Any]
+    options: dict[str, Any]  # the scheme's: ``bits`` (resolved) unless ``target_vnmse`` is given
     bits: Any
     target: Any  # target_vnmse, or None
     # what the checks resolved (None until they pass)
@@ -111,10 +107,8 @@ class PreparedCall:
     schedule: Schedule | None = None
     op: ReduceOp | None = None
     exponent: int = NO_EXPONENT  # binary exponent of the largest finite |value| (frexp)
-    # what the scheme took of the input in the range check's pass (its ``survey``), or None
-    survey: Any = None
-    # this rank's local failure, raised by the argument check on every rank together
-    error: DqcollError | None = None
+    survey: Any = None  # what the scheme took of the input in the range check's pass, or None
+    error: DqcollError | None = None  # this rank's local failure
     category: str = ""  # "buffer", "dtype", "layout", "scheme", "algorithm", "op" or "other"
 
     def fail(self, category: str, error: DqcollError) -> None:
@@ -159,10 +153,7 @@ def _identify(request: Request, comm: Communicator) -> PreparedCall:
 
 def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
     """The local checks of the arguments and the input buffer; the first failure is recorded."""
-    error = _check_numbers(call, request, comm)
-    if error is not None:
-        call.fail("other", error)
-        return
+    _check_numbers(call, request, comm)
     category = "op"  # what failed, for the argument check's error codes
     try:
         call.op = ReduceOp.parse(request.op)
@@ -192,11 +183,10 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
         call.exponent = exponent_of(largest)
 
 
-def _check_numbers(call: PreparedCall, request: Request,
-                   comm: Communicator) -> DqcollError | None:
+def _check_numbers(call: PreparedCall, request: Request, comm: Communicator) -> None:
     """``bits`` / ``target_vnmse`` (not both), ``seed``, ``step``, tiling: kind and range."""
     if call.target is not None and request.bits is not None:
-        return InvalidArgumentError(
+        raise InvalidArgumentError(
             f"rank {comm.rank}: give bits or target_vnmse, not both (bits={request.bits!r}, "
             f"target_vnmse={call.target!r})")
     for name, value, kind in (("bits", call.bits, numbers.Real),
@@ -207,20 +197,19 @@ def _check_numbers(call: PreparedCall, request: Request,
                               ("target_vnmse", call.options.get("target_vnmse", 1.0),
                                numbers.Real)):
         if isinstance(value, bool) or not isinstance(value, kind):
-            return InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"rank {comm.rank}: {name} must be "
                 f"{'a number' if kind is numbers.Real else 'an integer'}, got {_short(value)} "
                 f"({type(value).__name__})")
         if kind is numbers.Real and not _is_finite(value):
-            return InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"rank {comm.rank}: {name} must be a finite number, got {_short(value)}")
     tile_nbytes, tiles_in_flight = int(call.tile_nbytes), int(call.tiles_in_flight)
     if not (0 <= tile_nbytes < INT_LIMIT and 1 <= tiles_in_flight < INT_LIMIT):
-        return InvalidArgumentError(
+        raise InvalidArgumentError(
             f"rank {comm.rank}: tile_nbytes must be in [0, 2**62) (0: untiled) and "
             f"tiles_in_flight in [1, 2**62), got tile_nbytes={_short(tile_nbytes)}, "
             f"tiles_in_flight={_short(tiles_in_flight)}")
-    return None
 
 
 def _resolve_scheme(scheme: str | Scheme, options: dict[str, Any]) -> Scheme:
@@ -280,18 +269,15 @@ def _check_sharded(call: PreparedCall, out: Any, comm: Communicator) -> None:
     out_tensor = _view(call, out, "out", comm)
     if out_tensor is None:
         return
-    n = comm.world_size
-    if call.collective is Collective.REDUCE_SCATTER:
-        expected, rule = tensor.numel(), "world_size x out.numel() == buf.numel()"
-        got = n * out_tensor.numel()
-    else:
-        expected, rule = n * tensor.numel(), "out.numel() == world_size x shard.numel()"
-        got = out_tensor.numel()
-    if got != expected:
+    n, scatter = comm.world_size, call.collective is Collective.REDUCE_SCATTER
+    shard, whole = (out_tensor, tensor) if scatter else (tensor, out_tensor)
+    if n * shard.numel() != whole.numel():
+        rule = ("world_size x out.numel() == buf.numel()" if scatter
+                else "out.numel() == world_size x shard.numel()")
         problem = (
             f"rank {comm.rank}: {call.collective.value} needs {rule}: input has "
             f"{tensor.numel()} elements, out has {out_tensor.numel()}, world size {n}")
-        if call.collective is Collective.REDUCE_SCATTER and tensor.numel() % n:
+        if scatter and tensor.numel() % n:
             padded = -(-tensor.numel() // n) * n
             problem += (f" ({tensor.numel()} does not split into {n} equal shards: unequal "
                         f"shards are not supported; pad the buffer to {padded} elements)")
@@ -394,10 +380,8 @@ def exponent_of(largest: float) -> int:
 
 def shift_for(call: PreparedCall, world_size: int, exponent: int) -> int:
     """:func:`range_shift` for a checked call; ``exponent``: the argument check's maximum."""
-    if exponent == NO_EXPONENT or call.tensor is None or call.scheme is None:
-        return 0
-    if not getattr(call.scheme, "range_scaled", True):
-        return 0  # the scheme sums wider and saturates its own results (``none``)
+    if call.tensor is None or call.scheme is None or not getattr(call.scheme, "range_scaled", True):
+        return 0  # unchecked, or the scheme sums wider and saturates its own results (``none``)
     spec = call.scheme.spec  # ``none`` sends values as they are: scaling would lose small bits
     return range_shift(exponent, dtype=call.tensor.dtype, world_size=world_size,
                        exact_sums=spec.exact_sums and spec.name == "none")
