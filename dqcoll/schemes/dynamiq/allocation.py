@@ -1,13 +1,7 @@
 """Bit allocation of dqcoll's format (format 3): one width per super-group from the all-reduced
-statistics, and per partial-sum size with hop widths (docs/dense_gap.md, "The format").
-
-The *hull rule*: over the widths on the lower convex hull of (record bytes ``B_w``, measured error
-``e_w``; :data:`MEASURED_ERRORS`, or ``4**-w``), a super-group of summed squared norm ``F`` gets
-width ``hull[k]`` from ``log2 F + u >= o_k`` on (:func:`hull_offsets`). One ``u`` is bisected: the
-largest that fits the budget (:func:`allocate_widths`, :func:`allocate_widths_by_count`) or the
-smallest whose predicted vNMSE meets a target (:func:`allocate_for_target`, ``..._by_count``).
-Inputs are all-reduced, so every rank computes the same widths. Zero super-groups get width 0,
-NaN ones the widest coded width. The paper's rule is the lab's (``dqcoll_lab.dynamiq``).
+statistics (so every rank computes the same), and per partial-sum size with hop widths. The hull
+rule and its one parameter ``u``, bisected under a budget or against a target vNMSE, are
+docs/dense_gap.md's ("The format"); the paper's rule is the lab's (``dqcoll_lab.dynamiq``).
 """
 
 from __future__ import annotations
@@ -119,17 +113,6 @@ def hull_offsets(widths: tuple[int, ...], errors: dict[int, float],
     return [w for _, _, w in hull], offsets
 
 
-def _hull_widths(width_set: Sequence[int], max_width: int, errors: dict[int, float] | None,
-                 scales: Scales) -> tuple[list[int], list[float], int]:
-    """The hull's widths, offsets and widest coded width (errors None: ``4**-w``)."""
-    raw = (RAW_WIDTH,) if max_width == RAW_WIDTH else ()
-    widths_all = (*(w for w in width_set if w != RAW_WIDTH), *raw)
-    if errors is None:
-        errors = {w: 4.0**-w for w in widths_all}
-    hull, offsets = hull_offsets(widths_all, errors, scales)
-    return hull, offsets, max(w for w in hull if w != RAW_WIDTH)
-
-
 def _hull_rule(log_f: torch.Tensor, zero: torch.Tensor, nan: torch.Tensor, hull: list[int],
                offsets: list[float], top: int, u: float, shift: float = 0.0) -> torch.Tensor:
     """Each row's width by the hull rule (NaN rows: the widest coded width; zero rows: 0)."""
@@ -169,7 +152,11 @@ class _Rows:
     def of(cls, norm2: torch.Tensor, *, width_set: Sequence[int], errors: dict[int, float] | None,
            scales: Scales, max_width: int, energy_exponent: float = 1.0,
            tie_break: bool = False) -> _Rows:
-        hull, offsets, top = _hull_widths(width_set, max_width, errors, scales)
+        raw = (RAW_WIDTH,) if max_width == RAW_WIDTH else ()
+        widths = (*(w for w in width_set if w != RAW_WIDTH), *raw)
+        if errors is None:
+            errors = {w: 4.0**-w for w in widths}
+        hull, offsets = hull_offsets(widths, errors, scales)
         f = norm2.detach().to("cpu").double()
         zero = f == 0
         log_f = torch.log2(torch.where(zero, 1.0, f))
@@ -181,7 +168,7 @@ class _Rows:
             rows = log_f.numel()
             log_f = log_f + torch.arange(rows, dtype=torch.float64) * _TIE_BREAK / max(rows, 1)
         finite = torch.isfinite(log_f) & ~zero
-        return cls(log_f, zero, nan, finite, hull, offsets, top)
+        return cls(log_f, zero, nan, finite, hull, offsets, max(w for w in hull if w != RAW_WIDTH))
 
     @property
     def searchable(self) -> bool:
@@ -217,11 +204,6 @@ def target_energy(f: torch.Tensor, mean_sum: torch.Tensor, valid: torch.Tensor,
     counts = valid.detach().to("cpu", torch.float64)
     energy += float((counts * means * means).nan_to_num(0.0, 0.0, 0.0).sum())
     return finite_f, energy
-
-
-def _count_shifts(classes: Classes) -> dict[int, float]:
-    """Per count class ``c``: the key shift ``log2(alpha_c / tau_c)``."""
-    return {c: math.log2(a / t) for c, (a, t) in classes.items()}
 
 
 def _bisect(low: Callable[[float], bool], u_lo: float, u_hi: float) -> tuple[float, float]:
@@ -409,7 +391,7 @@ def allocate_widths_by_count(
     stats = stats_bytes * norm2.numel()
     budget = math.floor(bits * numel / 8.0)
     lookup = cost_lookup(scales).double()
-    shifts = _count_shifts(classes)
+    shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}  # log2(alpha_c / tau_c)
 
     def result(u: float, over: bool, searched: bool = True
                ) -> tuple[dict[int, torch.Tensor], Allocation]:
@@ -419,40 +401,28 @@ def allocate_widths_by_count(
 
     if not rows.searchable:
         return result(0.0, False, searched=False)
-    if _numba_allocation():
-        return _by_count_compiled(rows, shifts, classes, lookup, stats, budget)
+    bracket = rows.bracket(list(shifts.values()))
+    if dynamiq_ops(torch.device("cpu")).name == "numba":  # the compiled search, bit for bit
+        from ...kernels.allocation_numba import hull_by_count
+
+        widths = torch.empty((len(shifts), rows.log_f.numel()), dtype=torch.int64)
+        u, over, traffic = hull_by_count(
+            rows.log_f.numpy(), rows.zero.numpy(), rows.nan.numpy(),
+            np.array(list(shifts.values()), dtype=np.float64),
+            np.array([t for _, t in classes.values()], dtype=np.float64),
+            np.array(rows.hull, dtype=np.int64), np.array(rows.offsets, dtype=np.float64),
+            lookup.long().numpy(), rows.top, stats, budget, *bracket, BISECTION_STEPS,
+            widths.numpy())
+        ws = dict(zip(shifts, widths, strict=True))
+        return ws, Allocation(ws[max(ws)], u, math.ceil(traffic), stats, budget, over,
+                              kernel="numba")
     fast = _HullCost(rows, shifts, lookup.long())
 
     def fits(u: float) -> bool:  # cost(class_widths(u)) + stats <= budget, bit for bit
         return sum(classes[c][1] * float(fast.class_bytes(c, u)) for c in shifts) + stats \
             <= budget
 
-    return result(*_largest_u_fitting(fits, *rows.bracket(list(shifts.values()))))
-
-
-def _numba_allocation() -> bool:
-    """Whether the compiled search runs (where the CPU kernels are numba's)."""
-    return dynamiq_ops(torch.device("cpu")).name == "numba"
-
-
-def _by_count_compiled(rows: _Rows, shifts: dict[int, float], classes: Classes,
-                       lookup: torch.Tensor, stats: int, budget: int
-                       ) -> tuple[dict[int, torch.Tensor], Allocation]:
-    """:func:`allocate_widths_by_count`'s search, compiled: bit for bit the same result."""
-    from ...kernels.allocation_numba import hull_by_count
-
-    order = list(shifts)
-    widths = torch.empty((len(order), rows.log_f.numel()), dtype=torch.int64)
-    u, over, traffic = hull_by_count(
-        rows.log_f.numpy(), rows.zero.numpy(), rows.nan.numpy(),
-        np.array([shifts[c] for c in order], dtype=np.float64),
-        np.array([classes[c][1] for c in order], dtype=np.float64),
-        np.array(rows.hull, dtype=np.int64), np.array(rows.offsets, dtype=np.float64),
-        lookup.long().numpy(), rows.top, stats, budget, *rows.bracket(list(shifts.values())),
-        BISECTION_STEPS, widths.numpy())
-    ws = {c: widths[i] for i, c in enumerate(order)}
-    return ws, Allocation(ws[max(ws)], u, math.ceil(traffic), stats, budget, over,
-                          kernel="numba")
+    return result(*_largest_u_fitting(fits, *bracket))
 
 
 def allocate_for_target_by_count(
@@ -486,7 +456,7 @@ def allocate_for_target_by_count(
         correlated = finite_f * row_rho.detach().to("cpu", torch.float64)
         energy += (world_size - 1) * (float(correlated.sum()) - rho * float(finite_f.sum()))
     lookup = cost_lookup(scales).double()
-    shifts = _count_shifts(classes)
+    shifts = {c: math.log2(a / t) for c, (a, t) in classes.items()}  # log2(alpha_c / tau_c)
     weights = {c: a * (1.0 + (c - 1) * rho) / world_size for c, (a, _) in classes.items()}
     unit = unit_error.tolist()
 

@@ -1,11 +1,7 @@
-"""One ``dynamiq`` collective call: the per-call planning, then the per-hop operations.
-
-The constructor plans the call in the steps of docs/design.md §2 (step 5): layout, statistics
-(one small sum all-reduce), allocation, kernel choice, reorder (rows sorted by width, centred,
-written once into the work rows), geometry and info (``comm.last_info``). Each hop then runs the
-fused decompress-accumulate-recompress per run of equal width; at the end each rank adds back the
-summed means and undoes the reorder. Random numbers are keyed by the original coordinate index.
-On CUDA the host reads the device once per call. The state kept between calls: design.md §6.
+"""One ``dynamiq`` collective call: the planning steps of docs/design.md §2 (step 5), one method
+each, then the per-hop operations; at the end each rank adds back the summed means and undoes the
+reorder. Random numbers are keyed by the original coordinate index; the state kept between calls
+is design.md §6's.
 """
 
 from __future__ import annotations
@@ -72,12 +68,8 @@ class SchemeSettings(Protocol):
     hop_widths: bool
     max_width: int
     reference_only: bool
-
-    @property
-    def stats_bytes(self) -> int: ...
-
-    @property
-    def measured_errors(self) -> dict[int, float] | None: ...
+    stats_bytes: int
+    measured_errors: dict[int, float] | None
 
 
 # Below this many super-groups the budget covers the tail's padding too (_allocate_for_budget).
@@ -97,8 +89,7 @@ def _warn_once(message: str) -> None:
 
 def _state_buffer(ctx: CallContext, name: str, rows: int,
                   device: torch.device) -> torch.Tensor | None:
-    """A CPU call's fp32 ``[rows, 256]`` buffer kept on the communicator (the largest so far, no
-    fresh page faults per call), or None without communicator state or off the CPU."""
+    """A CPU call's fp32 ``[rows, 256]`` buffer kept on the communicator (design.md §6), or None."""
     if ctx.state is None or device.type != "cpu":
         return None
     key = (name, str(device))
@@ -106,13 +97,6 @@ def _state_buffer(ctx: CallContext, name: str, rows: int,
     if not isinstance(buffer, torch.Tensor) or buffer.shape[0] < rows:
         buffer = ctx.state[key] = torch.empty((rows, SUPER), dtype=torch.float32, device=device)
     return buffer[:rows]
-
-
-def _kept_buffer_nbytes(ctx: CallContext) -> int:
-    """Bytes of the buffers :func:`_state_buffer` keeps on this call's communicator."""
-    return sum(value.nbytes for key, value in (ctx.state or {}).items()
-               if isinstance(key, tuple) and key[:1] in ((_INPUT_BUFFER,), (_WORK_BUFFER,))
-               and isinstance(value, torch.Tensor))
 
 
 def _recall(state: dict[Any, Any] | None, kind: str, key: tuple[Any, ...]) -> Any:
@@ -184,8 +168,7 @@ def _shard_layout(x: torch.Tensor, n: int) -> tuple[_Layout, tuple[int, int], bo
 
 
 def _tail_layout(x: torch.Tensor, ctx: CallContext) -> _Layout:
-    """The input's rows in order (the input itself where it is whole fp32 rows), the tail
-    padded with zeros."""
+    """The input's rows (the input itself where whole fp32 rows), the tail padded with zeros."""
     numel = x.numel()
     rows = -(-numel // SUPER)
     if numel == rows * SUPER and x.dtype == torch.float32 and x.is_contiguous():
@@ -315,13 +298,14 @@ class _TargetRecord:
     crests: dict[int, float] | None
     row_error_terms: torch.Tensor  # each row's expected error (the estimate's reference)
     summed_norm2: torch.Tensor
-    state: dict[Any, Any] | None  # the communicator's state, where the estimates go
-    whole_result: bool  # all-reduce: every row is decoded (a reduce-scatter decodes one shard)
+    # the communicator's state, where the estimates go; None: nothing to measure (no state, or
+    # a reduce-scatter, which decodes one shard only)
+    state: dict[Any, Any] | None
 
     def measure(self, work: torch.Tensor, order_np: np.ndarray, widths: torch.Tensor,
                 world_size: int, info: dict[str, Any]) -> None:
         """Estimate rho and the crests from the decoded aggregate for the next call."""
-        if self.state is None or not self.whole_result:
+        if self.state is None:
             return
         moments = row_moments(work)
         order = torch.from_numpy(order_np)  # the host's copy: no read of the device's
@@ -346,31 +330,10 @@ def _hull_options(scheme: SchemeSettings) -> dict[str, Any]:
                 max_width=scheme.max_width)
 
 
-def _allocate_for_budget(scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
-                         numel: int, classes: Classes
-                         ) -> tuple[dict[int, torch.Tensor] | None, Allocation]:
-    """Widths under ``scheme.bits``: ``(per-class widths or None, the allocation)``, by the hull
-    rule per count class, else by the format's rule (the hull rule by default)."""
-    # A short tail costs a whole record, which starved a small buffer's other super-groups:
-    # below 64 the tail's padding is budgeted too (info["over_budget"] then says so).
-    rows, rule = layout.flat.shape[0], scheme.format.rule
-    budget_numel = (numel if rows >= _EXACT_BUDGET_ROWS
-                    else min(rows * SUPER, numel + SUPER - 1))
-    options = dict(_hull_options(scheme), energy_exponent=scheme.energy_exponent)
-    if classes:
-        return allocate_widths_by_count(summed[1], budget_numel, scheme.bits, classes, **options)
-    if rule is not None:
-        return None, rule.budget(summed[1], budget_numel, scheme.bits, scales=scheme.config.scales,
-                                 stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
-                                 energy_exponent=scheme.energy_exponent)
-    return None, allocate_widths(summed[1], budget_numel, scheme.bits, **options)
-
-
 def _allocate_for_target(scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
                          numel: int, ctx: CallContext, classes: Classes
                          ) -> tuple[dict[int, torch.Tensor] | None, Allocation, _TargetRecord]:
-    """The cheapest widths whose predicted error meets ``target_vnmse``, with the estimates the
-    previous call of this size measured (rho 0 and the Gaussian's crests at first)."""
+    """The cheapest widths meeting ``target_vnmse``, by the estimates of the last call's size."""
     assert scheme.target_vnmse is not None
     schedule, model, n = ctx.schedule, scheme.error_model, ctx.world_size
     key = (numel, ctx.collective.value, schedule.algorithm if schedule is not None else "")
@@ -398,9 +361,9 @@ def _allocate_for_target(scheme: SchemeSettings, layout: _Layout, summed: torch.
             error_per_energy=table, **_hull_options(scheme))
     # each row's expected error, taken off its decoded energy when rho is measured
     terms = row_error_terms(summed[1], hop or {0: allocation.widths}, classes or None, table, n)
-    # after a reduce-scatter only this rank's shard is decoded: nothing to measure
-    return hop, allocation, _TargetRecord(key, source, rho, crests, terms, summed[1], ctx.state,
-                                          ctx.collective is Collective.ALLREDUCE)
+    whole = ctx.collective is Collective.ALLREDUCE
+    return hop, allocation, _TargetRecord(key, source, rho, crests, terms, summed[1],
+                                          ctx.state if whole else None)
 
 
 def _sort_order(widths: np.ndarray, hop: dict[int, torch.Tensor] | None,
@@ -418,32 +381,6 @@ def _sort_order(widths: np.ndarray, hop: dict[int, torch.Tensor] | None,
         hop_key = hop_key.astype(np.uint16)
     by_key = np.argsort(hop_key, kind="stable")
     return by_key[np.concatenate([np.arange(c, rows, n) for c in range(n)])]
-
-
-def _compiled_restore(ops: DynamiqOps, kernels: dict[str, str], work: torch.Tensor,
-                      mean: torch.Tensor, base: torch.Tensor, valid: torch.Tensor,
-                      out: torch.Tensor) -> bool:
-    """Restore sorted rows into ``out`` with ``ops.restore`` where it applies (a contiguous
-    ``out`` on the rows' device); False where the torch restore must run."""
-    if ops.restore is not None and out.is_contiguous() and out.device == work.device:
-        kernels["restore"] = ops.name
-        ops.restore(work, mean, base, valid, out.view(-1))
-        return True
-    kernels["restore"] = "torch"
-    return False
-
-
-def _scatter_restore(work: torch.Tensor, mean: torch.Tensor, base: torch.Tensor,
-                     valid: torch.Tensor, out: torch.Tensor) -> None:
-    """The torch restore by coordinate index: each sorted row's valid values plus its mean."""
-    device = work.device
-    value = work + mean.to(device)[:, None]
-    coord = torch.arange(SUPER, device=device)
-    keep = coord[None, :] < host_to_device(valid, device, valid.dtype)[:, None]
-    target = base.to(device)[:, None] + coord[None, :]
-    result = torch.zeros(out.numel(), dtype=torch.float32, device=device)
-    result[target[keep]] = value[keep]
-    out.copy_(result.reshape(out.shape))
 
 
 def _overlaps(incoming: Segments, outgoing: Segments,
@@ -475,42 +412,6 @@ def _uncovered(covered: list[tuple[int, int]], rows: int, unwritten: np.ndarray 
         kind[a:b] = -1
     cuts = [0, *(np.flatnonzero(kind[1:] != kind[:-1]) + 1).tolist(), rows]
     return [(a, b, bool(kind[a])) for a, b in itertools.pairwise(cuts) if b > a and kind[a] >= 0]
-
-
-def _call_info(scheme: SchemeSettings, ctx: CallContext, numel: int, allocation: Allocation,
-               target: _TargetRecord | None, wire_payload: int | None,
-               kernels: dict[str, str]) -> dict[str, Any]:
-    """What the call chose (``comm.last_info``); ``wire_payload`` with hop widths only."""
-    n = ctx.world_size
-    crests = target.crests if target is not None else None
-    histogram = np.bincount(allocation.widths.numpy(), minlength=RAW_WIDTH + 1)
-    bits_used = 8.0 * allocation.total_nbytes / max(numel, 1)
-    if wire_payload is not None:  # per rank 2 (n - 1) / n of it, as without hop widths
-        bits_used = 8.0 * (wire_payload / (2 * (n - 1)) + allocation.stats_nbytes) \
-            / max(numel, 1)
-    return {
-        "bits": bits_used,
-        "wire_payload_nbytes": wire_payload,  # over all ranks, with hop widths (else None)
-        "u": allocation.u,
-        "over_budget": target is None
-        and allocation.total_nbytes > math.floor(scheme.bits * numel / 8),
-        "predicted_vnmse": allocation.predicted_vnmse,
-        # target mode only: the prediction's upper bound (times ErrorModel.spread), rho and its
-        # source ("error_model", "earlier call" or "default": 0), the crests per width used
-        # (None: the Gaussian's), and whether the upper bound meets the target with the data's
-        # crests known (False on a first call)
-        "predicted_vnmse_upper": allocation.predicted_vnmse * scheme.error_model.spread
-        if target is not None else float("nan"),
-        "rho": target.rho if target is not None else None,
-        "crests": crests,
-        "rho_source": target.source if target is not None else None,
-        "target_met": (allocation.target_met and crests is not None)
-        if allocation.target_met is not None else None,
-        "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
-        "kernels": kernels,  # the same dict: the codec steps add themselves as they run
-        "allocation_impl": allocation.kernel,  # "numba": the compiled search (hop widths)
-        "kept_buffer_nbytes": _kept_buffer_nbytes(ctx),  # the CPU buffers kept (_state_buffer)
-    }
 
 
 class DynamiqCall:
@@ -580,13 +481,28 @@ class DynamiqCall:
         classes = (count_classes(ctx.schedule.subtree_sizes())
                    if scheme.hop_widths and not self.sharded and ctx.schedule is not None
                    and (rule is None or rule.fixed_width is None) else {})
+        self.hop_tau = {c: t for c, (_, t) in classes.items()}  # with hop widths (classes) only
+        self.hop: dict[int, torch.Tensor] | None = None
         if scheme.target_vnmse is not None:
             self.hop, self.allocation, self.target = _allocate_for_target(
                 scheme, layout, summed, self.numel, ctx, classes)
+            return
+        # A short tail costs a whole record, which starved a small buffer's other super-groups:
+        # below 64 rows the tail's padding is budgeted too (info["over_budget"] then says so).
+        rows = layout.flat.shape[0]
+        numel = (self.numel if rows >= _EXACT_BUDGET_ROWS
+                 else min(rows * SUPER, self.numel + SUPER - 1))
+        options = dict(_hull_options(scheme), energy_exponent=scheme.energy_exponent)
+        if classes:
+            self.hop, self.allocation = allocate_widths_by_count(summed[1], numel, scheme.bits,
+                                                                 classes, **options)
+        elif rule is not None:
+            self.allocation = rule.budget(
+                summed[1], numel, scheme.bits, scales=scheme.config.scales,
+                stats_bytes=scheme.stats_bytes, max_width=scheme.max_width,
+                energy_exponent=scheme.energy_exponent)
         else:
-            self.hop, self.allocation = _allocate_for_budget(scheme, layout, summed,
-                                                             self.numel, classes)
-        self.hop_tau = {c: t for c, (_, t) in classes.items()} if self.hop is not None else {}
+            self.allocation = allocate_widths(summed[1], numel, scheme.bits, **options)
 
     def _choose_codec_kernels(self, scheme: SchemeSettings, ctx: CallContext) -> None:
         """The reference ops (the same bytes) where the kernels lack a width or the scales. Where
@@ -606,8 +522,7 @@ class DynamiqCall:
 
     def _reorder(self, layout: _Layout, statistics: _Statistics, ctx: CallContext
                  ) -> tuple[np.ndarray, np.ndarray]:
-        """Sort the rows (:func:`_sort_order`) and write the work rows, means, valid counts and
-        global indices in that order. Returns the order and the sorted widths (host NumPy)."""
+        """Sort the rows; write the work rows, means, valid counts and global indices so."""
         rows, device = layout.flat.shape[0], layout.flat.device
         widths_np = self.allocation.widths.numpy()
         order_np = _sort_order(widths_np, self.hop, layout.row_chunk, self.world_size)
@@ -650,23 +565,50 @@ class DynamiqCall:
         return order_np, sorted_widths
 
     def _byte_geometry(self, sorted_widths: np.ndarray, order: np.ndarray) -> None:
-        """The records' offsets and runs (:class:`.geometry.Geometry`)."""
         self.geometry = Geometry(sorted_widths, order, self.config.scales, self.hop,
                                  self.hop_tau)
 
     def _chunk_bounds(self, layout: _Layout) -> list[int]:
-        """:meth:`.geometry.Geometry.chunk_bounds`."""
         return self.geometry.chunk_bounds(self.world_size, layout.shard_row_counts)
 
     def _describe(self, scheme: SchemeSettings, ctx: CallContext) -> dict[str, Any]:
-        """What the call chose (``comm.last_info``: :func:`_call_info`)."""
+        """What the call chose (``comm.last_info``); ``wire_payload`` with hop widths only."""
         wire_payload = None
         if self.hop is not None:
             assert ctx.schedule is not None
             wire_payload = self.geometry.hop_wire_payload(
                 self.chunk_bounds, np.asarray(ctx.schedule.subtree_sizes()), self.world_size)
-        return _call_info(scheme, ctx, self.numel, self.allocation, self.target, wire_payload,
-                          self.kernels)
+        allocation, target, numel, n = self.allocation, self.target, self.numel, ctx.world_size
+        crests = target.crests if target is not None else None
+        histogram = np.bincount(allocation.widths.numpy(), minlength=RAW_WIDTH + 1)
+        sent = (allocation.total_nbytes if wire_payload is None  # per rank 2 (n - 1) / n of it
+                else wire_payload / (2 * (n - 1)) + allocation.stats_nbytes)
+        return {
+            "bits": 8.0 * sent / max(numel, 1),
+            "wire_payload_nbytes": wire_payload,  # over all ranks, with hop widths (else None)
+            "u": allocation.u,
+            "over_budget": target is None
+            and allocation.total_nbytes > math.floor(scheme.bits * numel / 8),
+            "predicted_vnmse": allocation.predicted_vnmse,
+            # target mode only: the prediction's upper bound (times ErrorModel.spread), rho and its
+            # source ("error_model", "earlier call" or "default": 0), the crests per width used
+            # (None: the Gaussian's), and whether the upper bound meets the target with the data's
+            # crests known (False on a first call)
+            "predicted_vnmse_upper": allocation.predicted_vnmse * scheme.error_model.spread
+            if target is not None else float("nan"),
+            "rho": target.rho if target is not None else None,
+            "crests": crests,
+            "rho_source": target.source if target is not None else None,
+            "target_met": (allocation.target_met and crests is not None)
+            if allocation.target_met is not None else None,
+            "widths": {w: int(histogram[w]) for w in (0, *ALL_WIDTHS)},
+            "kernels": self.kernels,  # the same dict: the codec steps add themselves as they run
+            "allocation_impl": allocation.kernel,  # "numba": the compiled search (hop widths)
+            "kept_buffer_nbytes": sum(  # the CPU buffers kept (_state_buffer)
+                value.nbytes for key, value in (ctx.state or {}).items()
+                if isinstance(key, tuple) and key[:1] in ((_INPUT_BUFFER,), (_WORK_BUFFER,))
+                and isinstance(value, torch.Tensor)),
+        }
 
     def _decode_restore(self, out: torch.Tensor) -> None:
         """Decode every deferred record straight into ``out`` (plus its mean, at its original
@@ -708,7 +650,6 @@ class DynamiqCall:
         self.ops.restore_mean(mean, base, valid, out)
 
     def _segments(self, chunk: int, count: int | None = None) -> Segments:
-        """:meth:`.geometry.Geometry.segments` of a chunk of this (tile) view."""
         return self.geometry.segments(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1],
                                       count)
 
@@ -722,15 +663,13 @@ class DynamiqCall:
         return payload[offset : offset + (b - a) * size].view(b - a, size)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
-        """An uninitialised uint8 buffer for this call's payloads and messages (from the
-        communicator's pool on the CPU, :mod:`dqcoll.scratch`)."""
+        """An uninitialised uint8 buffer (on the CPU from the communicator's pool)."""
         if self.pool is not None:
             return self.pool.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.work.device)
 
     def frame(self, buffer: torch.Tensor) -> torch.Tensor | None:
-        """``buffer`` (from :meth:`scratch`) framed for a message header
-        (:meth:`dqcoll.scratch.ScratchPool.frame`); None without a pool."""
+        """:meth:`dqcoll.scratch.ScratchPool.frame` of ``buffer``; None without a pool."""
         return self.pool.frame(buffer) if self.pool is not None else None
 
     def release(self) -> None:
@@ -773,23 +712,9 @@ class DynamiqCall:
     def decompress_accumulate_recompress(
         self, chunk: int, payload: torch.Tensor, count: int, out_count: int
     ) -> torch.Tensor:
+        """The fused step where a row's width stays (every row without hop widths), else
+        decode-accumulate at the incoming width and encode at the outgoing one."""
         self.kernels["decode_accumulate_encode"] = self.ops.name
-        if self.geometry.by_count:
-            return self._hop_widths_step(chunk, payload, count, out_count)
-        out = self.scratch(payload.numel())
-        for width, a, b, offset in self._segments(chunk):
-            self.ops.decode_accumulate_encode(
-                self._records(payload, width, a, b, offset), width, self.work[a:b],
-                self.index_base[a:b], self.rank, self.world_size, self.key, self.config,
-                keep_sum=False,  # nothing reads this partial sum again (decode overwrites it)
-                out=self._records(out, width, a, b, offset),
-            )
-        return out
-
-    def _hop_widths_step(self, chunk: int, payload: torch.Tensor, count: int,
-                         out_count: int) -> torch.Tensor:
-        """The hop when widths depend on the count: the fused step where a row's width stays,
-        else decode-accumulate at the incoming width and encode at the outgoing one."""
         out = self.scratch(self.payload_nbytes(chunk, out_count))
         pieces = _overlaps(self._segments(chunk, count), self._segments(chunk, out_count),
                            self.config.scales)
@@ -800,7 +725,7 @@ class DynamiqCall:
         for w_in, w_out, a, b, off_in, off_out in pieces:
             records = self._records(payload, w_in, a, b, off_in)
             target = self._records(out, w_out, a, b, off_out)
-            if w_in == w_out:
+            if w_in == w_out:  # keep_sum=False: nothing reads this partial sum again
                 self.ops.decode_accumulate_encode(
                     records, w_in, self.work[a:b], self.index_base[a:b], self.rank,
                     self.world_size, self.key, self.config, keep_sum=False, out=target)
@@ -815,11 +740,9 @@ class DynamiqCall:
         if self.shard is None or self.deferred:
             raise InvalidArgumentError("finish_shard needs a sharded call (reduce-scatter)")
         a, b = self.chunk_bounds[shard], self.chunk_bounds[shard + 1]
-        rows = (self.work[a:b], self.mean_sorted[a:b],
-                self.index_base[a:b] - shard * self.shard[0],  # coordinates within the shard
-                self.valid_sorted[a:b])
-        if not _compiled_restore(self.ops, self.kernels, *rows, out):
-            _scatter_restore(*rows, out)
+        self._restore(out, self.work[a:b], self.mean_sorted[a:b],
+                      self.index_base[a:b] - shard * self.shard[0],  # coordinates in the shard
+                      self.valid_sorted[a:b], by_index=True)
 
     def finish(self, out: torch.Tensor) -> None:
         # (an all-zero buffer has neither deferred records nor written work rows)
@@ -840,17 +763,34 @@ class DynamiqCall:
         if self.target is not None:
             self.target.measure(self.work, self.order_np, self.allocation.widths,
                                 self.world_size, self.info)
-        rows = (self.work, self.mean_sorted, self.index_base, self.valid_sorted)
-        if _compiled_restore(self.ops, self.kernels, *rows, out):
+        # uneven: rows past the end were dropped, so the torch restore goes by coordinate index
+        self._restore(out, self.work, self.mean_sorted, self.index_base, self.valid_sorted,
+                      by_index=self.uneven)
+
+    def _restore(self, out: torch.Tensor, work: torch.Tensor, mean: torch.Tensor,
+                 base: torch.Tensor, valid: torch.Tensor, by_index: bool) -> None:
+        """Sorted rows plus their means into ``out`` in the original order: ``ops.restore`` where
+        it applies (a contiguous ``out`` on the rows' device), else torch's, by coordinate index
+        (each row's valid values at ``base``) or by ``order``."""
+        device = work.device
+        if self.ops.restore is not None and out.is_contiguous() and out.device == device:
+            self.kernels["restore"] = self.ops.name
+            self.ops.restore(work, mean, base, valid, out.view(-1))
             return
-        if self.uneven:  # rows past the end were dropped: scatter by coordinate index
-            _scatter_restore(*rows, out)
-            return
-        restored = torch.empty_like(self.work)
-        restored[self.order] = self.work + self.mean_sorted[:, None]
-        if self.shard is not None:
-            shard, shard_rows = self.shard
-            result = restored.view(self.world_size, shard_rows * SUPER)[:, :shard]
+        self.kernels["restore"] = "torch"
+        if by_index:
+            value = work + mean.to(device)[:, None]
+            coord = torch.arange(SUPER, device=device)
+            keep = coord[None, :] < host_to_device(valid, device, valid.dtype)[:, None]
+            target = base.to(device)[:, None] + coord[None, :]
+            result = torch.zeros(out.numel(), dtype=torch.float32, device=device)
+            result[target[keep]] = value[keep]
         else:
-            result = restored.view(-1)[: self.numel]
+            restored = torch.empty_like(work)
+            restored[self.order] = work + mean[:, None]
+            if self.shard is not None:
+                shard, shard_rows = self.shard
+                result = restored.view(self.world_size, shard_rows * SUPER)[:, :shard]
+            else:
+                result = restored.view(-1)[: self.numel]
         out.copy_(result.reshape(out.shape))

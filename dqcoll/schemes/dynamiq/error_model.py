@@ -1,12 +1,7 @@
 """Predicting a DynamiQ all-reduce's vNMSE from the statistics every rank already has
-(``target_vnmse``; the model and its validation: docs/target_vnmse.md, "The model").
-
-Per super-group, one quantization at width ``b`` costs ``eps_b`` (:data:`EPSILON`) scaled to the
-data's crest (:func:`shape_factor`), summed over the schedule's partial sums (:func:`path_growth`),
-with :func:`two_bit_compounding`, :data:`CORRELATED_FACTOR` and :data:`CALIBRATION`, over the
-exact aggregate's energy. The ranks' correlation and the crests are measured after a call from
-its decoded aggregate (identical on every rank: :func:`estimate_row_rho`,
-:func:`measure_crests`) for the next call; the first assumes ``rho = 0`` and a Gaussian crest.
+(``target_vnmse``): the model, its terms and its validation are docs/target_vnmse.md's, "The
+model". The ranks' correlation and the crests are measured from a call's decoded aggregate (the
+same on every rank) for the next call; the first assumes ``rho = 0`` and a Gaussian crest.
 """
 
 from __future__ import annotations
@@ -108,16 +103,12 @@ class ErrorModel:
         indexed 0..16): ``calibration * kappa * gamma * G(eps_b)``."""
         if schedule is None:  # outside a collective: one quantization of local data
             return self.central * self.kappa * self.epsilon(config, crests)
-        return self._per_quantization(schedule, config, crests) * path_growth(schedule, rho)
+        return self.unit_error(schedule, config, crests) * path_growth(schedule, rho)
 
     def unit_error(self, schedule: ScheduleShape, config: CodecConfig,
                    crests: dict[int, float] | None = None) -> torch.Tensor:
         """:meth:`error_per_energy` without the path growth ``H``: the error of one quantization
         of a unit of partial-sum energy (hop widths weigh each partial-sum size on its own)."""
-        return self._per_quantization(schedule, config, crests)
-
-    def _per_quantization(self, schedule: ScheduleShape, config: CodecConfig,
-                          crests: dict[int, float] | None) -> torch.Tensor:
         eps = self.epsilon(config, crests)
         gamma = 1.0
         if config.rounding is RoundingMode.CORRELATED:
@@ -171,14 +162,9 @@ def two_bit_compounding(world_size: int) -> float:
 def path_growth(schedule: ScheduleShape, rho: float = 0.0) -> float:
     """``H``: expected sum over a chunk's quantizations of ``||partial sum||^2``, in units of the
     summed energy ``F``, averaged over chunks."""
-    n = schedule.world_size
-    sizes = schedule.subtree_sizes()
-    total = 0.0
-    for chunk in range(n):
-        for rank in range(n):
-            t = sizes[rank][chunk]
-            total += t * (1.0 + (t - 1) * rho)
-    return total / (n * n)
+    n, sizes = schedule.world_size, schedule.subtree_sizes()
+    return sum(sizes[rank][chunk] * (1.0 + (sizes[rank][chunk] - 1) * rho)
+               for chunk in range(n) for rank in range(n)) / (n * n)
 
 
 def predicted_vnmse(
