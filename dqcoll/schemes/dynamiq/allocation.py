@@ -254,8 +254,7 @@ class _HullCost:
         self.keys = {c: base + shift if shift else base for c, shift in shifts.items()}
         self.hull = hull = rows.hull
 
-        def prefix(values: torch.Tensor | None) -> np.ndarray | None:
-            """Target mode: prefix sums of ``values`` in key order."""
+        def prefix(values: torch.Tensor | None) -> np.ndarray | None:  # in key order
             return None if values is None else np.concatenate(
                 [[0.0], np.cumsum(values.numpy()[live][order])])
 

@@ -209,8 +209,7 @@ def estimate_row_rho(rows: torch.Tensor, summed_norm2: torch.Tensor, order: torc
     decoded = (row_moments(rows)[0] if decoded_energy is None
                else decoded_energy.to("cpu", torch.float64))
     f = summed_norm2.double()
-    a = torch.zeros_like(f) if terms is None else terms[0].to("cpu", torch.float64)
-    b = torch.zeros_like(f) if terms is None else terms[1].to("cpu", torch.float64)
+    a, b = (torch.zeros_like(f),) * 2 if terms is None else terms.to("cpu", torch.float64)
     ok = torch.isfinite(decoded) & torch.isfinite(f) & (f > 0)
     safe_f = torch.where(ok, f, 1.0)
     rho = torch.where(ok, (decoded - a - safe_f) / ((n - 1) * safe_f + b), 0.0)
