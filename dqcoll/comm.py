@@ -358,8 +358,8 @@ def init(
     from .transports.torch_dist import TorchTransport
 
     timeout = envs.timeout_s() if timeout_s is None else envs.check_timeout_s(timeout_s)
+    store = None  # the job's store: the default group's, unless made here
     if backend == "gloo":
-        store = None  # the job's store: the default group's, unless made here
         if dist.is_initialized():
             existing = str(dist.get_backend(group))
             if "gloo" not in existing:
@@ -380,9 +380,8 @@ def init(
                 raise CommAbortedError(
                     f"dqcoll.init: rank {r} of {n}: creating the gloo process group at "
                     f"{addr}:{port} failed: {one_line(exc)}") from None
+    if backend in ("gloo", "torch"):
         transport: Transport = TorchTransport(group, timeout_s=timeout, store=store)
-    elif backend == "torch":
-        transport = TorchTransport(group, timeout_s=timeout)
     elif backend in NCCL_BACKENDS:
         from .transports import init_nccl
 

@@ -1,12 +1,7 @@
 """Running one collective: from a :class:`~dqcoll.prepare.Request` to the caller's buffer.
 
-:func:`launch`, what every public collective calls, runs the call now in the caller's stream scope
-or, with ``async_op=True``, on the communicator's worker (:mod:`dqcoll.handles`). :func:`run` takes
-the call path's steps in order: :func:`dqcoll.prepare.prepare_call` (local checks, recorded),
-:func:`dqcoll.validate.handshake` (every rank raises together), then :func:`_execute` (the scheme's
-call over :func:`dqcoll.executor.run_schedule`, the caller's buffer written last) or, for a planned
-call (:func:`_run_planned`), what :mod:`dqcoll.planner` decides. A failure after the argument check
-leaves the communicator dead; every call is recorded in ``comm.metrics``. docs/design.md §2, §8.
+The steps (prepare, argument check, the scheme's call or the planner's plan, the buffer written
+last) are docs/design.md §2 and §8. A failure after the argument check leaves the communicator dead.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ def launch(request: Request) -> Any:
     comm = request.comm or get_default_comm()
     if request.async_op:
         return handles.submit(comm, lambda: run(request, comm), buf=request.buf,
-                              result=request.result,
-                              what=f"{request.collective.value} (async_op)")
+                              result=request.result, what=f"{request.collective.value} (async_op)")
     handles.drain(comm)
     with stream_scope(request.buf):
         run(request, comm)
@@ -227,11 +221,9 @@ def _restore(call: PreparedCall, comm: Communicator, coded: SchemeCall, shift: i
     """Decode the result into the caller's buffer (reduce-scatter: its shard), unscaled."""
     assert call.tensor is not None
     flat = call.tensor.view(-1)
-    if call.collective is Collective.ALLREDUCE:
-        target = flat
-    else:
-        assert call.out is not None
-        target = call.out.view(-1)
+    out = flat if call.collective is Collective.ALLREDUCE else call.out
+    assert out is not None
+    target = out.view(-1)
     # Stream-ordered (NCCL): a CUDA buffer's decode queues behind the transfers without a host
     # wait; a CPU buffer waits first, so a failure leaves it untouched (docs/gpu_transport.md).
     if getattr(comm.transport, "stream_ordered", False) and target.device.type != "cuda":

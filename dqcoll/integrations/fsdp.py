@@ -1,10 +1,7 @@
 """FSDP2 with dqcoll's collectives: quantized weights' all-gather and gradients' reduce-scatter.
 
-:func:`compress` sets an :class:`AllGather` (the ``weights`` rule, ZeRO++'s qwZ) and a
-:class:`ReduceScatter` (the ``gradients`` rule, qgZ) on every ``fully_shard`` module; calls the
-policy leaves exact run FSDP2's own collectives. Compressed calls run on a
-:class:`~dqcoll.integrations.lane.Lane` per group and device type, whose ranks agree on the
-policy at the group's first call (:meth:`FsdpCompression.agree`). Details: docs/fsdp.md.
+Compressed calls run on a :class:`~dqcoll.integrations.lane.Lane` per group and device type, the
+others on FSDP2's own collectives (docs/fsdp.md, "FSDP2's custom collectives").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Which collectives are compressed, with which scheme and bits: :class:`CompressionPolicy`.
 
-One :class:`RoleRule` per :class:`Role`, as ZeRO++ does: ``weights`` (the parameters' all-gather,
-qwZ), ``gradients`` (the gradients' reduce-scatter, qgZ) and ``allreduce`` (DDP's buckets); the
-text form is ``DQCOLL_POLICY`` (docs/fsdp.md, "The policy"). One scheme for every role was
-rejected: the weights' all-gather sums nothing, so a deterministic block format with a cheaper
-codec wins.
+One :class:`RoleRule` per :class:`Role`, as ZeRO++ does; the text form is ``DQCOLL_POLICY``
+(docs/fsdp.md, "The policy"). One scheme for every role was rejected: the weights' all-gather sums
+nothing, so a deterministic block format with a cheaper codec wins.
 """
 
 from __future__ import annotations
@@ -189,13 +187,11 @@ class CompressionPolicy:
         return cls.parse(envs.policy())
 
     def __str__(self) -> str:
-        return (f"weights={self.weights.label()},gradients={self.gradients.label()},"
-                f"allreduce={self.allreduce.label()},min_nbytes={self.min_nbytes},"
-                f"warmup_steps={self.warmup_steps},intra_node={self.intra_node}"
-                + (f",local_world_size={self.local_world_size}"
-                   if self.local_world_size is not None else "")
-                + f",seed={self.seed},error_feedback={int(self.error_feedback)}"
-                + f",monitor_every={self.monitor_every}")
+        """The ``DQCOLL_POLICY`` text of every field (``local_world_size`` where set)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return ",".join(
+            f"{k}={v.label() if isinstance(v, RoleRule) else int(v) if isinstance(v, bool) else v}"
+            for k, v in values.items() if v is not None)
 
     def refuse_hook_only(self, integration: str) -> None:
         """Raise :class:`InvalidArgumentError` if the policy asks for the DDP hook's error feedback

@@ -1,12 +1,8 @@
 """The cost model: predicted time of an all-reduce along a schedule on a topology.
 
-:func:`price_allreduce` (a flat algorithm placed on the topology), :func:`price_hierarchical` and
-:func:`price_schedule` return a :class:`CostBreakdown`: per step the wire time of the busiest
-resource (a message loads every link on its route, so a shared NIC carries all its ranks' bytes),
-a latency term and the busiest compute device's kernel time, pipelined over ``tiles``, plus the
-statistics prologue, epilogue and argument check. The formula, the kernel rates and their
-validation: docs/topology.md §3. Rejected: LogGP-style per-message gaps; one latency per step plus
-a per-message cost fits the measured runs as well with fewer parameters.
+A :class:`CostBreakdown` per call; the formula, the kernel rates and their validation:
+docs/topology.md §3. Rejected: LogGP-style per-message gaps; one latency per step plus a
+per-message cost fits the measured runs as well with fewer parameters.
 """
 
 from __future__ import annotations
@@ -140,17 +136,13 @@ def _step_cost(transfers: Iterable[Transfer], topology: Topology, cost: SchemeCo
     messages: Counter[tuple[int, int]] = Counter()
     device_ns: defaultdict[int, float] = defaultdict(float)
     rates = cost.rates
+    work = {Role.FORWARD: rates.decompress_ns + rates.compress_ns,  # others: decode (and add)
+            Role.FINAL: 2 * rates.decompress_ns + rates.compress_ns}
     for t in transfers:
         messages[(t.src, t.dst)] += 1
         if is_leaf_send.pop((t.src, t.chunk), False):
             device_ns[topology.devices[t.src]] += rates.compress_ns
-        if t.role is Role.FORWARD:
-            work = rates.decompress_ns + rates.compress_ns
-        elif t.role is Role.FINAL:
-            work = 2 * rates.decompress_ns + rates.compress_ns
-        else:  # ACCUMULATE or GATHER
-            work = rates.decompress_ns
-        device_ns[topology.devices[t.dst]] += work
+        device_ns[topology.devices[t.dst]] += work.get(t.role, rates.decompress_ns)
     load: defaultdict[tuple[int, str], float] = defaultdict(float)
     latency = 0.0
     per_rank: Counter[int] = Counter()

@@ -1,13 +1,10 @@
 """The cluster as a graph: ranks on hosts, joined by links with a bandwidth and a latency.
 
-Routing rule of :class:`Topology`: two ranks of one host talk through their *ports* into the host
-fabric; ranks on different hosts go out through the sender's NIC and in through the receiver's
-(a non-blocking switch between hosts). A link several ranks use (a NIC, a PCIe root) is *one* link,
-so the cost model adds up the bytes of every rank that crosses it; links are full duplex (``tx``
-and ``rx`` are separate resources). Ranks sharing a compute *device* share its throughput. Presets:
-:meth:`Topology.cluster`, :meth:`Topology.single_host`, :meth:`Topology.flat`; docs/topology.md §1.
-:data:`LINK_DEFAULTS` are round numbers near what NCCL reaches, not peaks. Rejected: a general
-graph with shortest-path routing; every target cluster is hosts with a fabric behind one NIC each.
+Routing (docs/topology.md §1): ranks of one host talk through their *ports*; others out through
+the sender's NIC and in through the receiver's. A shared link (a NIC, a PCIe root) is *one* link
+carrying every rank's bytes. :data:`LINK_DEFAULTS` are round numbers near what NCCL reaches, not
+peaks. Rejected: a general graph with shortest-path routing; every target cluster is hosts with a
+fabric behind one NIC each.
 """
 
 from __future__ import annotations
@@ -247,15 +244,11 @@ class Topology:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Topology:
         try:
-            return cls(
-                name=str(data["name"]),
-                hosts=tuple(int(h) for h in data["hosts"]),
-                ports=tuple(int(p) for p in data["ports"]),
-                nics=tuple(int(i) for i in data["nics"]),
-                links=tuple(Link.from_dict(d) for d in data["links"]),
-                devices=tuple(int(d) for d in data.get("devices", range(len(data["hosts"])))),
-                device_kind=str(data.get("device_kind", "cpu")),
-            )
+            name = str(data["name"])
+            ints = {key: tuple(map(int, data[key])) for key in ("hosts", "ports", "nics")}
+            return cls(name, **ints, links=tuple(Link.from_dict(d) for d in data["links"]),
+                       devices=tuple(map(int, data.get("devices", range(len(ints["hosts"]))))),
+                       device_kind=str(data.get("device_kind", "cpu")))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"not a topology description: {exc}") from exc
 

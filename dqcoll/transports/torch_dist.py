@@ -1,10 +1,9 @@
 """The ``torch`` transport: any ``torch.distributed`` process group (gloo on CPU, nccl on GPU).
 
-Every wait is ``Work.wait(timeout)``; failures raise :class:`~dqcoll.errors.CollectiveTimeoutError`
-/ :class:`~dqcoll.errors.PeerError` naming the peer and the step. Over a group whose CPU backend is
-gloo (CUDA backend NCCL) every CPU (CUDA) message goes on a private group of dqcoll's own
-(:func:`open_private_group`, collective; docs/reliability.md, "dqcoll's own connection").
-``group`` may also be a bare ``ProcessGroupGloo`` of survivors (:mod:`dqcoll.membership`).
+Every wait has the timeout; failures raise :class:`~dqcoll.errors.CollectiveTimeoutError` /
+:class:`~dqcoll.errors.PeerError` naming the peer and the step. A gloo (NCCL) group's CPU (CUDA)
+messages go on a private group of dqcoll's own (:func:`open_private_group`; docs/reliability.md,
+"dqcoll's own connection"); ``group`` may be a bare ``ProcessGroupGloo`` (:mod:`dqcoll.membership`).
 
 **Message framing (gloo).** Every CPU payload carries a 16-byte header, int64 payload length
 and int64 CRC-32 of the step label: in the frame of :meth:`TorchTransport.exchange_framed`,
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import datetime
 import threading
 import zlib
@@ -57,13 +57,16 @@ FRAME_COPY_NBYTES = 1 << 16
 GATHERED_ALLREDUCE_NBYTES = 4096
 _ABORT_TAG = 0x7A5E  # a tag no message uses: abort()'s receives never complete
 _private_counts: collections.Counter[str] = collections.Counter()
-_private_lock = threading.Lock()
+# Every private connection still open; shut down at the latest at exit, since a ProcessGroupGloo
+# destroyed during interpreter finalisation can SIGABRT the process.
+_PRIVATE: list[Any] = []
+_PRIVATE_LOCK = threading.Lock()
 
 
 def private_prefix(group_name: str) -> str:
     """The store prefix ``dqcoll-private/<group name>/<k>/`` of the ``k``-th private connection
     this process opens over a group; identical on every rank that opens them in the same order."""
-    with _private_lock:
+    with _PRIVATE_LOCK:
         _private_counts[group_name] += 1
         return f"dqcoll-private/{group_name}/{_private_counts[group_name]}/"
 
@@ -105,12 +108,6 @@ def _nccl_group(store: Any, rank: int, world_size: int, timeout: datetime.timede
     return group
 
 
-# Every private connection still open; shut down at the latest at exit, since a ProcessGroupGloo
-# destroyed during interpreter finalisation can SIGABRT the process.
-_PRIVATE: list[Any] = []
-_PRIVATE_LOCK = threading.Lock()
-
-
 def release_private_group(group: Any) -> None:
     """Shut down a connection :func:`open_private_group` opened (once; errors are ignored)."""
     with _PRIVATE_LOCK:
@@ -131,16 +128,17 @@ def _release_all_private_groups() -> None:
         release_private_group(group)
 
 
-def _cpu_is_gloo(backend: str) -> bool:
-    """Whether a group of ``backend`` moves CPU tensors with gloo."""
+def _device_backends(backend: str) -> dict[str, str]:
+    """{device type: backend} of a group's backend string ("gloo", "cpu:gloo,cuda:nccl")."""
     name = backend.lower().replace(" ", "")
-    return name == "gloo" or "cpu:gloo" in name.split(",")
+    if ":" not in name:
+        return {"gloo": {"cpu": "gloo"}, "nccl": {"cuda": "nccl"}}.get(name, {})
+    return dict(part.partition(":")[::2] for part in name.split(","))
 
 
 def _cuda_backend(backend: str) -> str | None:
     """``"nccl"`` where a group of ``backend`` moves CUDA tensors with NCCL, else None."""
-    name = backend.lower().replace(" ", "")
-    return "nccl" if name == "nccl" or "cuda:nccl" in name.split(",") else None
+    return "nccl" if _device_backends(backend).get("cuda") == "nccl" else None
 
 
 _Pairs = Sequence[tuple[int, torch.Tensor]]
@@ -186,10 +184,7 @@ def _is_cuda(tensor: torch.Tensor) -> bool:
 
 def backend_devices(backend: str) -> tuple[str, ...]:
     """The device types a group's backend moves; an unknown backend is assumed to move both."""
-    name = backend.lower()
-    moved = {"gloo": {"cpu"}, "nccl": {"cuda"}}.get(name) or (
-        {part.split(":", 1)[0].strip() for part in name.split(",")} if ":" in name else set())
-    return tuple(sorted(moved & {"cpu", "cuda"})) or ("cpu", "cuda")
+    return tuple(sorted(_device_backends(backend).keys() & {"cpu", "cuda"})) or ("cpu", "cuda")
 
 
 class TorchTransport:
@@ -224,17 +219,21 @@ class TorchTransport:
         # small all-reduces and barriers: the current CUDA device on a CUDA-only group
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if self.devices == ("cuda",) else torch.device("cpu"))
-        self.store = store if store is not None else _default_store()  # for dqcoll.membership
+        if store is None:  # the default group's, if any: for dqcoll.membership
+            with contextlib.suppress(Exception):
+                store = dist.distributed_c10d._get_default_store()
+        self.store = store
         self.store_prefix = store_prefix  # keys of this group's shrinks live under it
         # CPU / CUDA messages go to these where set (private connections), else to self.group
         self.cpu_group: Any = self.group if standalone and self.backend == "gloo" else None
         self.cuda_group: Any = None
         self.private_prefix: str | None = None
+        cpu_gloo = not standalone and _device_backends(self.backend).get("cpu") == "gloo"
         cuda_backend = None if standalone else _cuda_backend(self.backend)
-        if not standalone and (_cpu_is_gloo(self.backend) or cuda_backend) and self.world_size > 1:
+        if (cpu_gloo or cuda_backend) and self.world_size > 1:
             self.private_prefix = private_prefix(str(getattr(self.group, "group_name", "")))
             group_store = dist.distributed_c10d._get_process_group_store(self.group)
-            if _cpu_is_gloo(self.backend):
+            if cpu_gloo:
                 self.cpu_group = open_private_group(group_store, self.private_prefix,
                                                     self.rank, self.world_size, self.timeout_s)
             if cuda_backend is not None:
@@ -295,19 +294,9 @@ class TorchTransport:
         send_posts, _ = _gloo_posts(sends, framed, True, tag)
         recv_posts, checks = _gloo_posts(recvs, framed, False, tag)
         self._run(send_posts + recv_posts, what)
-        self._check_headers(checks, tag, what)
-        for _, _, _, copied, buffer in checks:
-            if copied is not None:
-                buffer.reshape(-1).view(torch.uint8).copy_(copied[HEADER_NBYTES:])
-        self.counters["bytes_sent"] += HEADER_NBYTES * len(sends)
-        self.counters["bytes_recv"] += HEADER_NBYTES * len(recvs)
-
-    def _check_headers(self, checks: list[_Check], tag: int, what: str) -> None:
-        """Raise unless every header carries this exchange's tag and the expected size."""
         headers = (torch.stack([h for _, h, _, _, _ in checks]).view(torch.int64).tolist()
                    if checks else [])
-        for (peer, _, expected, _, _), (got, their_tag) in zip(checks, headers,
-                                                              strict=True):
+        for (peer, _, expected, _, _), (got, their_tag) in zip(checks, headers, strict=True):
             if their_tag != tag:
                 raise MismatchError(
                     f"rank {self.rank}: the message from rank {peer} at {what} belongs to another "
@@ -318,11 +307,33 @@ class TorchTransport:
                     f"rank {self.rank}: rank {peer} sent {got} bytes at {what}, {expected} "
                     f"expected; the message is refused (gloo would have kept the buffer's stale "
                     f"tail as data)")
+        for _, _, _, copied, buffer in checks:
+            if copied is not None:
+                buffer.reshape(-1).view(torch.uint8).copy_(copied[HEADER_NBYTES:])
+        self.counters["bytes_sent"] += HEADER_NBYTES * len(sends)
+        self.counters["bytes_recv"] += HEADER_NBYTES * len(recvs)
 
     def _run(self, posts: list[_Post], what: str) -> None:
-        """Post every message and wait for the Works (one per message, or one per batch)."""
+        """Post every message in order (on a private group, without ``batch_isend_irecv``'s
+        overhead) and wait for the Works: one per message, or one for all on a coalescing
+        backend (NCCL)."""
+        device = posts[0][2].device
+        group = self.cuda_group if _is_cuda(posts[0][2]) else self.cpu_group
+        coalesce = group is not None and _is_cuda(posts[0][2]) and _coalesces(group, device)
         try:
-            works = self._start(posts)
+            if group is None:
+                works = list(dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._global[peer],
+                               self.group) for is_send, peer, tensor in posts]))
+            else:
+                if coalesce:
+                    group._start_coalescing(device)
+                try:
+                    works = [group.send([tensor], peer, 0) if is_send
+                             else group.recv([tensor], peer, 0) for is_send, peer, tensor in posts]
+                finally:
+                    if coalesce:
+                        works = [group._end_coalescing(device)]
         except RuntimeError as exc:
             raise PeerError(f"rank {self.rank}: posting messages ({_batch_peers(posts)}) "
                             f"failed at {what}: {exc}") from exc
@@ -334,26 +345,6 @@ class TorchTransport:
             whom = f"the batch of {len(posts)} messages ({_batch_peers(posts)})"
             waits = [(whom, work) for work in works if work is not None]
         self._wait(waits, what)
-
-    def _start(self, posts: list[_Post]) -> list[dist.Work]:
-        """Post every message in order (on a private group, without ``batch_isend_irecv``'s
-        overhead); the Works: one per message, or one for all on a coalescing backend (NCCL)."""
-        on_cuda = _is_cuda(posts[0][2])
-        group = self.cuda_group if on_cuda else self.cpu_group
-        if group is not None:
-            coalesce = on_cuda and _coalesces(group, posts[0][2].device)
-            if coalesce:
-                group._start_coalescing(posts[0][2].device)
-            try:
-                works = [group.send([tensor], peer, 0) if is_send
-                         else group.recv([tensor], peer, 0) for is_send, peer, tensor in posts]
-            finally:
-                if coalesce:
-                    works = [group._end_coalescing(posts[0][2].device)]
-            return works
-        ops = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._global[peer],
-                          self.group) for is_send, peer, tensor in posts]
-        return list(dist.batch_isend_irecv(ops))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
         """Small all-reduce in rank order: the same bits as every other dqcoll transport. Over
@@ -439,11 +430,3 @@ def _batch_peers(posts: list[_Post]) -> str:
             parts.append(f"{label} rank{'s' if len(peers) > 1 else ''} "
                          + ", ".join(map(str, peers)))
     return "; ".join(parts)
-
-
-def _default_store() -> Any:
-    """The default process group's store, or None."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
