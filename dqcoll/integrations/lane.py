@@ -1,10 +1,8 @@
 """A compression lane: dqcoll's collectives on a connection of their own, as ``torch`` Work.
 
 The DDP hook, the FSDP2 classes and the ``dqcoll`` backend run their compressed calls on a
-:class:`Lane`: its own connection (gloo for CPU tensors, dqcoll's NCCL transport for CUDA ones),
-one thread running the calls in issue order, CUDA stream order (:class:`CudaOrder`), one or two
-levels, agreed settings and per-role counters (not ``async_op`` handles: FSDP2 and DDP cannot
-wait on their ``concurrent.futures.Future``). Details: docs/fsdp.md, docs/design.md (§1, §6).
+:class:`Lane` (docs/fsdp.md; docs/design.md §1): ``torch`` Work, not ``async_op`` handles, since
+FSDP2 and DDP cannot wait on a ``concurrent.futures.Future``.
 """
 
 from __future__ import annotations

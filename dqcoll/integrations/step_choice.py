@@ -1,8 +1,7 @@
-"""The DDP hook's 16-bit mode: which 16-bit format it sends (:class:`SixteenBitFormat`: fp16 or
-bf16, whichever rounds the job's gradients closer) and, with ``scheme="auto"``, whether a step
-runs it or compresses (:class:`StepChoice`: the faster by the slowest rank's median step time).
-A step runs from its first bucket to the next step's first bucket. How both are measured, and
-why: docs/ddp.md ("Warm-up", "Does compressing pay for this job?").
+"""The DDP hook's 16-bit mode: its format (:class:`SixteenBitFormat`: fp16 or bf16, whichever
+rounds the job's gradients closer) and, with ``scheme="auto"``, whether a step runs it or
+compresses (:class:`StepChoice`). How and why: docs/ddp.md ("Warm-up", "Does compressing pay for
+this job?").
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""A drop-in ``torch.distributed`` backend: ``init_process_group("dqcoll")``.
+"""A drop-in ``torch.distributed`` backend: ``init_process_group("dqcoll")`` (docs/fsdp.md).
 
 Importing this module registers ``dqcoll`` (``cpu`` and ``cuda``). :class:`DqcollProcessGroup`
-runs exact calls on wrapped gloo (and NCCL), and the single-tensor all-reduce, reduce-scatter and
-all-gather of large floating-point tensors, as the policy says (``DQCOLL_POLICY`` or
-:func:`set_policy`), on a :class:`~dqcoll.integrations.lane.Lane` per device type. The ranks agree
-on the policy at creation; calls exact only for their size pass the lane's path check, so sizes
-on both sides of ``min_nbytes`` raise :class:`~dqcoll.errors.MismatchError` on every rank instead
-of hanging. Details: docs/fsdp.md. (A C++ ``Backend`` extension would be a compiled plugin per
-torch version, for a codec that is host-driven Python anyway.)
+runs exact calls on wrapped gloo (and NCCL), and large floating-point single-tensor all-reduces,
+reduce-scatters and all-gathers, as the policy says (``DQCOLL_POLICY`` or :func:`set_policy`), on
+a :class:`~dqcoll.integrations.lane.Lane` per device type. Calls exact only for their size pass
+the lane's path check, so sizes on both sides of ``min_nbytes`` raise
+:class:`~dqcoll.errors.MismatchError` on every rank instead of hanging. (Not a C++ ``Backend``:
+that is a compiled plugin per torch version, for a host-driven Python codec.)
 """
 
 from __future__ import annotations
@@ -19,18 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (
-    AllgatherOptions,
-    AllreduceCoalescedOptions,
-    AllreduceOptions,
-    AllToAllOptions,
-    BarrierOptions,
-    BroadcastOptions,
-    GatherOptions,
-    ReduceOptions,
-    ReduceScatterOptions,
-    ScatterOptions,
-)
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
 from .. import envs
 from .lane import Lane, _op_kind, nccl_lane_unavailable_reason, summed_counters
@@ -48,6 +36,19 @@ def set_policy(policy: CompressionPolicy | None) -> None:
     """The policy of process groups created from now on (None: ``DQCOLL_POLICY``)."""
     global _policy
     _policy = policy
+
+
+def _exact_method(method: str, collective: str | None = None) -> Any:
+    """A process-group method that runs ``method`` on the wrapped group, counted under
+    ``collective`` (default: ``method``); options passed as None take torch's defaults."""
+
+    def call(self: DqcollProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+        given = {key: value for key, value in kwargs.items() if value is not None}
+        return getattr(self._exact(collective or method), method)(
+            *(arg for arg in args if arg is not None), **given)
+
+    call.__name__ = call.__qualname__ = method
+    return call
 
 
 class DqcollProcessGroup(dist.ProcessGroup):
@@ -200,80 +201,22 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     all_gather_single = _allgather_base  # type: ignore[assignment]
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor],
-                            opts: AllreduceCoalescedOptions | None = None) -> dist.Work:
-        return self._exact("allreduce_coalesced").allreduce_coalesced(
-            tensors, opts or AllreduceCoalescedOptions())
-
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: AllgatherOptions | None = None) -> dist.Work:
-        return self._exact("allgather").allgather(output_tensors, input_tensors,
-                                                   opts or AllgatherOptions())
-
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            input_list: list[torch.Tensor],
-                            opts: AllgatherOptions | None = None) -> dist.Work:
-        return self._exact("allgather_coalesced").allgather_coalesced(
-            output_lists, input_list, opts or AllgatherOptions())
-
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor],
-                                        opts: AllgatherOptions | None = None) -> dist.Work:
-        """Coalesced all-gathers (``all_gather_single_coalesced`` from torch 2.12)."""
-        return self._exact("all_gather_single_coalesced").allgather_into_tensor_coalesced(
-            outputs, inputs, opts or AllgatherOptions())
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
-
-    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor],
-                                        opts: ReduceScatterOptions | None = None) -> dist.Work:
-        """Coalesced reduce-scatters (``reduce_scatter_single_coalesced`` from torch 2.12)."""
-        return self._exact("reduce_scatter_single_coalesced").reduce_scatter_tensor_coalesced(
-            outputs, inputs, opts or ReduceScatterOptions())
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
-
-    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
-                       input_tensors: list[list[torch.Tensor]],
-                       opts: ReduceScatterOptions | None = None) -> dist.Work:
-        return self._exact("reduce_scatter").reduce_scatter(
-            output_tensors, input_tensors, opts or ReduceScatterOptions())
-
-    def broadcast(self, tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: BroadcastOptions | None = None) -> dist.Work:
-        return self._exact("broadcast").broadcast(tensors, opts or BroadcastOptions())
-
-    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:  # type: ignore[override]
-        return self._exact("barrier").barrier(opts or BarrierOptions())
-
-    def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> dist.Work:  # type: ignore[override]
-        return self._exact("reduce").reduce(tensors, opts or ReduceOptions())
-
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
-               opts: GatherOptions | None = None) -> dist.Work:
-        return self._exact("gather").gather(output_tensors, input_tensors,
-                                            opts or GatherOptions())
-
-    def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
-                input_tensors: list[list[torch.Tensor]],
-                opts: ScatterOptions | None = None) -> dist.Work:
-        return self._exact("scatter").scatter(output_tensors, input_tensors,
-                                              opts or ScatterOptions())
-
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],  # type: ignore[override]
-                 opts: AllToAllOptions | None = None) -> dist.Work:
-        return self._exact("alltoall").alltoall(output_tensors, input_tensors,
-                                                opts or AllToAllOptions())
-
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # type: ignore[override]
-                      output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: AllToAllOptions | None = None) -> dist.Work:
-        """The single-tensor all-to-all (``all_to_all_single`` from torch 2.12)."""
-        return self._exact("all_to_all_single").alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, opts or AllToAllOptions())
-
-    all_to_all_single = alltoall_base  # type: ignore[assignment]
+    # the other collectives run exact; torch 2.12 renamed some (both names lead to one method)
+    allreduce_coalesced = _exact_method("allreduce_coalesced")
+    allgather = _exact_method("allgather")
+    allgather_coalesced = _exact_method("allgather_coalesced")
+    allgather_into_tensor_coalesced = all_gather_single_coalesced = _exact_method(
+        "allgather_into_tensor_coalesced", "all_gather_single_coalesced")
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced = _exact_method(
+        "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced")
+    reduce_scatter = _exact_method("reduce_scatter")
+    broadcast = _exact_method("broadcast")
+    barrier = _exact_method("barrier")
+    reduce = _exact_method("reduce")
+    gather = _exact_method("gather")
+    scatter = _exact_method("scatter")
+    alltoall = _exact_method("alltoall")
+    alltoall_base = all_to_all_single = _exact_method("alltoall_base", "all_to_all_single")
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         return self._exact("send").send(tensors, dst, tag)

@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -483,14 +484,6 @@ class _Bucket:
     event: Any = None  # CUDA: the event after which the result is ready
 
 
-def _release_in_order(state: DynamiqState) -> None:
-    """Release the finished buckets at the head of the issue order (the lock: one sequence)."""
-    with state._order:
-        while state._in_flight and state._in_flight[0].finished:
-            _release(state, state._in_flight.popleft())
-        state._order.notify_all()
-
-
 def _release(state: DynamiqState, bucket: _Bucket) -> None:
     error = bucket.error
     if error is None:
@@ -528,18 +521,19 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
     options = _call_options(state)
     seed = state.step_seed(iteration)
+
+    def run(on: Communicator, tile: int | None = None) -> None:  # None: the API's default tile
+        allreduce(buf.view(-1), op="avg", scheme=state.scheme,
+                  algorithm=state.bucket_algorithm(buf), comm=on, seed=seed, step=index,
+                  tile_nbytes=tile, **options)
+
     if state.runtime.async_op and not state.should_monitor(iteration):
         state._make_lanes()  # no-op once made (prepare() makes them before any backward)
         lane = state.lane(index)
         bucket = _Bucket(_future_for(buf), buf, index, iteration, last)
         with state._order:
             state._in_flight.append(bucket)
-        tile = LANE_TILE_NBYTES if state.lane_count() > 1 else None  # None: the API's default
-
-        def run() -> None:  # DDP's bucket is flat: the view is the bucket (as Lane's calls)
-            allreduce(buf.view(-1), op="avg", scheme=state.scheme,
-                      algorithm=state.bucket_algorithm(buf), comm=lane.comm, seed=seed,
-                      step=index, tile_nbytes=tile, **options)
+        tile = LANE_TILE_NBYTES if state.lane_count() > 1 else None
 
         def done(finished: concurrent.futures.Future[Any]) -> None:
             bucket.error = finished.exception()
@@ -549,10 +543,13 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
                     state.step_choice.exclude(iteration)  # a trial plan: not a sample
                 bucket.event = finished.result()
             bucket.finished = True
-            _release_in_order(state)
+            with state._order:  # release the finished buckets at the head of the issue order
+                while state._in_flight and state._in_flight[0].finished:
+                    _release(state, state._in_flight.popleft())
+                state._order.notify_all()
 
-        work = lane.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(), run,
-                           buf, (buf,))
+        work = lane.submit(Role.ALLREDUCE, buf.numel() * buf.element_size(), buf.numel(),
+                           functools.partial(run, lane.comm, tile), buf, (buf,))
         work.add_done_callback(done)
         return bucket.future
     state.drain()  # nothing of this state may be in flight beside the exact all-reduce
@@ -564,8 +561,7 @@ def _compressed_average(state: DynamiqState, buf: torch.Tensor, index: int, iter
         else:
             dist.all_reduce(exact, group=state.process_group)
         exact /= state.group_size()
-    allreduce(buf, op="avg", scheme=state.scheme, algorithm=state.bucket_algorithm(buf),
-              comm=comm, seed=seed, step=index, **options)
+    run(comm)
     _record(state, comm.last_info, index, buf.numel())
     if exact is not None:
         norm2 = float(exact.square().sum())
