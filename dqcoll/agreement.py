@@ -10,6 +10,7 @@ then only where they differ one of every rank's text, so that the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Mapping
@@ -115,11 +116,9 @@ def agree_through_store(store: Any, prefix: str, rank: int, world_size: int,
     # all read before any goes on: a raising rank 0 may exit, and the store it serves with it
     done = [f"{prefix}read/{r}" for r in range(world_size)]
     store.set(done[rank], "1")
-    try:
+    with contextlib.suppress(Exception):  # the store went away once everyone had read
         while not store.check(done) and time.monotonic() < deadline:
             time.sleep(0.002)
-    except Exception:  # the store went away once everyone had read: this rank has its answer
-        pass
     if any(other != found[rank] for other in found):
         raise MismatchError(_describe(rank, what, found))
 

@@ -1,4 +1,5 @@
-"""Every ``DQCOLL_*`` environment variable (:data:`ENV_VARS`), typed and documented in one place.
+"""Every ``DQCOLL_*`` environment variable (:data:`ENV_VARS`), typed and documented in one place:
+each reader below returns its variable's value as ENV_VARS describes it.
 
 Nothing else in dqcoll reads ``os.environ`` for its own settings. Values are read and validated
 at call time, not at import (tests and launchers set them later); a malformed one raises
@@ -12,20 +13,8 @@ import os
 
 from .errors import InvalidArgumentError
 
-__all__ = [
-    "ENV_VARS",
-    "auto_force",
-    "check_timeout_s",
-    "cpu_threads",
-    "kernels",
-    "log_level",
-    "metrics_jsonl",
-    "metrics_records",
-    "policy",
-    "timeout_s",
-    "tuning_dir",
-    "validate",
-]
+__all__ = ["ENV_VARS", "auto_force", "check_timeout_s", "cpu_threads", "kernels", "log_level",
+           "metrics_jsonl", "metrics_records", "policy", "timeout_s", "tuning_dir", "validate"]
 
 # name -> (default, description)
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -138,7 +127,6 @@ def kernels() -> str:
 
 
 def cpu_threads() -> int | None:
-    """The DQCOLL_CPU_THREADS setting, or None for the default (see ENV_VARS)."""
     return _integer("DQCOLL_CPU_THREADS", 1) if _get("DQCOLL_CPU_THREADS").strip() else None
 
 
@@ -162,20 +150,16 @@ def tuning_dir() -> str:
 
 
 def auto_force() -> str | None:
-    """The DQCOLL_AUTO_FORCE setting, or None (see ENV_VARS)."""
     return _choice("DQCOLL_AUTO_FORCE", ("none", "bf16", "dynamiq"), empty=True) or None
 
 
 def policy() -> str:
-    """The DQCOLL_POLICY text (see :mod:`dqcoll.integrations.policy`); empty for the defaults."""
     return _get("DQCOLL_POLICY").strip()
 
 
 def metrics_records() -> int:
-    """The DQCOLL_METRICS_RECORDS setting (see ENV_VARS)."""
     return _integer("DQCOLL_METRICS_RECORDS", 0)
 
 
 def metrics_jsonl() -> str:
-    """The DQCOLL_METRICS_JSONL path, or empty for none (see ENV_VARS)."""
     return _get("DQCOLL_METRICS_JSONL").strip()

@@ -1,8 +1,5 @@
-"""Asynchronous collectives: what ``dqcoll.allreduce(..., async_op=True)`` returns.
-
-:func:`submit` runs the collective on a per-communicator worker thread in issue order (on CUDA
-on a side stream, after the caller's stream); :meth:`CollectiveHandle.wait` returns the buffer
-or raises its error. A thread, since the codec work is host-driven. Docs: docs/gpu_transport.md,
+"""Asynchronous collectives: what ``dqcoll.allreduce(..., async_op=True)`` returns, run on a
+per-communicator worker thread (the codec work is host-driven); docs/gpu_transport.md,
 "async_op=True".
 """
 
@@ -51,8 +48,7 @@ class CollectiveHandle:
         finished, _ = concurrent.futures.wait([self._future], timeout=timeout_s)
         if not finished:
             raise TimeoutError(
-                f"{self.what}: not finished after waiting {timeout_s:g} s on the host"
-            )
+                f"{self.what}: not finished after waiting {timeout_s:g} s on the host")
         done = self._future.result()  # raises the collective's error, if it had one
         if done is not None:  # a CUDA buffer: its caller's stream
             caller_stream(self._buf).wait_event(done)
@@ -96,12 +92,6 @@ class _Worker:
         self.jobs.put((fn, future))
         self.last = future
         return future
-
-    def side_stream(self, device: torch.device) -> Any:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self.streams:
-            self.streams[index] = torch.cuda.Stream(device=index)
-        return self.streams[index]
 
 
 _WORKERS: weakref.WeakKeyDictionary[Any, _Worker] = weakref.WeakKeyDictionary()
@@ -153,10 +143,12 @@ def submit(comm: Any, run: Callable[[], None], *, buf: Any, result: Any,
         return CollectiveHandle(worker.submit(run), result, buf, what)
     ready = torch.cuda.Event()
     ready.record(stream)
-    device = stream.device
+    index = stream.device.index  # a stream's device always has its index
 
     def job() -> Any:
-        side = worker.side_stream(device)
+        if index not in worker.streams:
+            worker.streams[index] = torch.cuda.Stream(device=index)
+        side = worker.streams[index]
         side.wait_event(ready)
         with torch.cuda.stream(side):
             run()

@@ -15,14 +15,8 @@ import torch
 
 from .errors import InvalidArgumentError
 
-__all__ = [
-    "as_torch_view",
-    "buffer_device",
-    "buffer_kind",
-    "caller_stream",
-    "host_to_device",
-    "stream_scope",
-]
+__all__ = ["as_torch_view", "buffer_device", "buffer_kind", "caller_stream", "host_to_device",
+           "stream_scope"]
 
 
 def buffer_kind(buf: Any) -> str:
@@ -45,26 +39,22 @@ def as_torch_view(buf: Any, *, name: str = "buf") -> torch.Tensor:
     if kind == "numpy":
         if not buf.flags.writeable:
             raise InvalidArgumentError(
-                f"{name}: the NumPy array is read-only; it is updated in place"
-            )
+                f"{name}: the NumPy array is read-only; it is updated in place")
         if buf.dtype.name == "bfloat16":  # ml_dtypes: torch cannot wrap it directly
             return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
         try:
             return torch.from_numpy(buf)
         except TypeError as exc:
             raise InvalidArgumentError(
-                f"{name}: unsupported NumPy dtype {buf.dtype}: {exc}"
-            ) from None
+                f"{name}: unsupported NumPy dtype {buf.dtype}: {exc}") from None
     if kind in ("cupy", "dlpack"):
         try:
             return torch.from_dlpack(buf)
         except Exception as exc:
             raise InvalidArgumentError(
-                f"{name}: cannot wrap {type(buf).__name__} via DLPack: {exc}"
-            ) from exc
+                f"{name}: cannot wrap {type(buf).__name__} via DLPack: {exc}") from exc
     raise InvalidArgumentError(
-        f"{name}: expected a torch tensor, a NumPy array or a CuPy array, got {type(buf).__name__}"
-    )
+        f"{name}: expected a torch tensor, a NumPy array or a CuPy array, got {type(buf).__name__}")
 
 
 # DLPack device types (dlpack.h DLDeviceType): kDLCUDA = 2, kDLCUDAManaged = 13.

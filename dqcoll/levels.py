@@ -37,7 +37,7 @@ def run_levels(kind: Collective, tensor: torch.Tensor, target: torch.Tensor | No
                op: str, launch: Callable[[Request], Any]) -> dict[str, Any]:
     """Run ``plan``'s levels on checked buffers, each request through ``launch``; returns the
     call's ``last_info`` (``target``: a reduce-scatter's or all-gather's output)."""
-    run = _Run(plan, comm, seed=seed, step=step, op=op, launch=launch)
+    run = _Run(plan, comm, tensor.device, seed=seed, step=step, op=op, launch=launch)
     if kind is Collective.ALLREDUCE:
         run.allreduce(tensor.view(-1))
     else:
@@ -75,15 +75,15 @@ def _order_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
 class _Run:
     """One call of a plan on one rank: its levels' communicators, seeds and calls."""
 
-    def __init__(self, plan: HierarchicalPlan, comm: Communicator, *, seed: int, step: int,
-                 op: str, launch: Callable[[Request], Any]) -> None:
-        self.plan, self.seed, self.step, self.op = plan, seed, step, op
-        self.launch = launch
+    def __init__(self, plan: HierarchicalPlan, comm: Communicator, device: torch.device, *,
+                 seed: int, step: int, op: str, launch: Callable[[Request], Any]) -> None:
+        self.plan, self.seed, self.step, self.op, self.launch = plan, seed, step, op, launch
         self.n, self.hosts = plan.world_size, plan.nodes
         self.intra = _subgroup(comm, plan.intra_group(comm.rank))
         self.inter = _subgroup(comm, plan.inter_group(comm.rank))
         order = plan.local_major_ranks
-        self.order = None if order == tuple(range(self.n)) else order  # None: no reordering
+        # the row index of local-major order; None: no reordering
+        self.index = None if order == tuple(range(self.n)) else _order_index(order, device)
         self.phases: list[dict[str, Any]] = []
 
     def _level(self, collective: Collective, buf: torch.Tensor, out: torch.Tensor | None,
@@ -99,29 +99,25 @@ class _Run:
                        step=self.step, scheme_options=options))
         self.phases.append({**comm.last_info, "level": level, "collective": collective.value})
 
-    def _index(self, like: torch.Tensor) -> torch.Tensor:
-        assert self.order is not None
-        return _order_index(self.order, like.device)
-
     def _to_local_major(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
         """``flat`` (at most ``n x shard`` elements, global rank order) as a new buffer of
         ``n x shard`` in local-major order, zero-padded; ``flat`` itself where nothing moves."""
         if flat.numel() < self.n * shard:
             flat = torch.cat([flat, flat.new_zeros(self.n * shard - flat.numel())])
-        if self.order is None:
+        if self.index is None:
             return flat
-        return flat.view(self.n, shard).index_select(0, self._index(flat)).view(-1)
+        return flat.view(self.n, shard).index_select(0, self.index).view(-1)
 
     def _from_local_major(self, work: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
         """Write ``work`` (local-major) into ``flat`` in global rank order, cut to its length."""
         if work is flat:
             return
-        if self.order is not None:
+        if self.index is not None:
             rows = work.view(self.n, shard)
             if flat.numel() == work.numel():
-                flat.view(self.n, shard).index_copy_(0, self._index(flat), rows)
+                flat.view(self.n, shard).index_copy_(0, self.index, rows)
                 return
-            work = torch.empty_like(rows).index_copy_(0, self._index(flat), rows).view(-1)
+            work = torch.empty_like(rows).index_copy_(0, self.index, rows).view(-1)
         flat.copy_(work[: flat.numel()])
 
     def allreduce(self, flat: torch.Tensor) -> None:
@@ -143,7 +139,7 @@ class _Run:
     def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         shard = flat.numel()
         part = flat.new_empty(self.hosts * shard)
-        work = out if self.order is None else torch.empty_like(out)
+        work = out if self.index is None else torch.empty_like(out)
         self._level(Collective.ALL_GATHER, flat, part, ACROSS)
         self._level(Collective.ALL_GATHER, part, work, INTRA_GATHER)
         self._from_local_major(work, out, shard)

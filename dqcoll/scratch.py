@@ -1,10 +1,8 @@
 """Byte buffers a communicator reuses from one CPU call to the next (payloads, receive buffers).
 
-torch's CPU allocator has no cache (a page fault per fresh 4 KiB). :class:`ScratchPool` (per
-communicator, :func:`pool_for`) gives each :meth:`~ScratchPool.take` of a call its own block,
-:data:`~dqcoll.types.FRAME_HEADROOM` bytes in (room for a framed exchange's header). A failed
-call drops the pool (:func:`discard`): a timed-out receive may still be written. Docs:
-docs/design.md §6.
+torch's CPU allocator has no cache (a page fault per fresh 4 KiB); the pool's blocks and lifetime:
+docs/design.md §6. A failed call drops the pool (:func:`discard`): a timed-out receive may still
+be written.
 """
 
 from __future__ import annotations
@@ -84,11 +82,9 @@ ADAPT_NBYTES = (32 << 20) - 4096
 
 @functools.cache
 def _adapt_malloc() -> None:
-    """Free one block of :data:`ADAPT_NBYTES` through the C allocator, once per process.
-
-    Freeing it raises glibc's dynamic mmap threshold (mallopt(3)), so later blocks up to that
-    size come from the heap without page faults, as they would once the process freed large
-    blocks itself (the pool frees none); other allocators ignore it."""
+    """Free one block of :data:`ADAPT_NBYTES` once per process: it raises glibc's dynamic mmap
+    threshold (mallopt(3)), so the pool's blocks (it frees none) come from the heap without page
+    faults; other allocators ignore it."""
     torch.empty(ADAPT_NBYTES, dtype=torch.uint8)
 
 

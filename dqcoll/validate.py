@@ -74,7 +74,13 @@ def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = 
     :data:`~dqcoll.prepare.NO_EXPONENT` without a check. ``extra`` (:data:`EXTRA_SLOTS` ints) is
     replaced in place by its maximum over ranks (and runs the exchange even when validation is off).
     """
-    fields = _fingerprint_or_error(call, comm)
+    fields: tuple[int, ...] = ()
+    if call.error is None:
+        try:
+            fields = fingerprint(call)
+        except Exception as exc:  # this rank's error
+            call.fail("other", InvalidArgumentError(f"rank {comm.rank}: {call.what}: invalid "
+                                                    f"arguments: {type(exc).__name__}: {exc}"))
     n = comm.world_size
     if (not comm.validate and extra is None) or n == 1:
         if call.error is not None:
@@ -98,18 +104,6 @@ def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = 
         raise MismatchError(f"rank {comm.rank}: {call.what}: ranks disagree on "
                             f"{_describe(call, differ)}")
     return int(vector[-1])
-
-
-def _fingerprint_or_error(call: PreparedCall, comm: Communicator) -> tuple[int, ...]:
-    """:func:`fingerprint`, with any exception in it made this rank's error."""
-    if call.error is not None:
-        return ()
-    try:
-        return fingerprint(call)
-    except Exception as exc:
-        call.fail("other", InvalidArgumentError(
-            f"rank {comm.rank}: {call.what}: invalid arguments: {type(exc).__name__}: {exc}"))
-        return ()
 
 
 def _exchange(call: PreparedCall, comm: Communicator, fields: tuple[int, ...],

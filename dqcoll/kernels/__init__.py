@@ -36,14 +36,8 @@ def triton_available() -> str | None:
 @functools.lru_cache(maxsize=1)
 def torch_ops() -> DynamiqOps:
     """The torch reference's DynamiQ operations (any device; the definition of the bytes)."""
-    return DynamiqOps(
-        name="torch",
-        stats_center=codec.stats_center_torch,
-        encode=codec.encode_torch,
-        decode=codec.decode_torch,
-        decode_accumulate=codec.decode_accumulate_torch,
-        decode_accumulate_encode=codec.decode_accumulate_encode_torch,
-    )
+    return DynamiqOps("torch", codec.stats_center_torch, codec.encode_torch, codec.decode_torch,
+                      codec.decode_accumulate_torch, codec.decode_accumulate_encode_torch)
 
 
 _logged: set[str] = set()  # fallback reasons already logged: one per distinct reason, for good

@@ -1,18 +1,13 @@
 """Runtime of the compiled CPU kernels: is numba usable, the JIT options, and the row-split threads.
 
 Every compiled CPU kernel (``*_numba.py`` here) is a top-level ``@njit`` function with
-:data:`JIT_OPTIONS` over rows ``[lo, hi)`` of whole arrays; :func:`run_rows` cuts a call into row
-ranges on a process-wide thread pool. No reduction crosses rows, so the bytes do not depend on
-the threads. The options (docs/design.md §7): ``nogil`` (the communication thread and the
-``local`` transport's ranks run beside a kernel), ``cache`` (the JIT is paid once per machine;
-top-level functions because numba does not cache closures), ``fastmath=False`` and no FMA (the
-torch reference rounds twice), ``error_model="numpy"`` (inf/NaN as in torch) and
-``boundscheck=False`` (kernels guard their indices; none is derived from a value that can be NaN).
-
-Process-wide state, bounded, changing no byte: the local-rank claims of live CPU communicators
-(:func:`claim_local_ranks`; :func:`cpu_threads` divides the cores by the largest claim), the
-thread pool of :func:`run_rows` (``max(2, cores)`` threads, started at the first split call), and
-:func:`numba_available` and the core count, read once.
+:data:`JIT_OPTIONS` over rows ``[lo, hi)``; :func:`run_rows` cuts a call into row ranges on a
+process-wide thread pool, so the bytes do not depend on the threads (docs/kernels.md, "Structure"
+and "Byte-exactness rules"; the process-wide state: docs/design.md, "CPU runtime"). Options not
+explained there: ``nogil`` (the communication thread and the ``local`` ranks run beside a kernel),
+``cache`` (hence top-level functions: numba caches no closures), ``error_model="numpy"`` (inf/NaN
+as in torch), ``boundscheck=False`` (kernels guard their indices; none is derived from a value
+that can be NaN).
 
 Rejected: numba's ``parallel=True``: its default threading layer is not safe when several Python
 threads call parallel kernels at once (the ``local`` transport's ranks do), and the safe layers
@@ -32,21 +27,11 @@ from typing import Any
 
 from .. import envs
 
-__all__ = [
-    "JIT_OPTIONS",
-    "MIN_ROWS_PER_THREAD",
-    "claim_local_ranks",
-    "cpu_threads",
-    "import_problem",
-    "local_ranks",
-    "numba_available",
-    "release_local_ranks",
-    "run_rows",
-]
+__all__ = ["JIT_OPTIONS", "MIN_ROWS_PER_THREAD", "claim_local_ranks", "cpu_threads",
+           "import_problem", "local_ranks", "numba_available", "release_local_ranks", "run_rows"]
 
-JIT_OPTIONS: dict[str, Any] = dict(
-    nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False
-)
+JIT_OPTIONS: dict[str, Any] = dict(nogil=True, cache=True, fastmath=False, error_model="numpy",
+                                   boundscheck=False)
 # Fewer rows than this per thread run on the calling thread alone: a range of 64 super-groups is
 # 64 KiB of fp32 work, ~0.1 ms of encode, where handing it to a pool thread (~20 us) starts to
 # show.
@@ -94,8 +79,7 @@ def claim_local_ranks(owner: object, ranks: int) -> None:
 
 
 def release_local_ranks(owner: object) -> None:
-    """Drop ``owner``'s claim (nothing if it has none): communicators call this when they are
-    closed or die."""
+    """Drop ``owner``'s claim, if any (a communicator that is closed or dies)."""
     with _lock:
         claim = _claims.get(id(owner))
         if claim is not None:
@@ -103,8 +87,7 @@ def release_local_ranks(owner: object) -> None:
 
 
 def local_ranks() -> int:
-    """The largest number of ranks a live communicator says share this machine's cores (1 when
-    no communicator claims any)."""
+    """The largest claim of a live communicator (1 when none claims any)."""
     return _local_ranks
 
 

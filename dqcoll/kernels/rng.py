@@ -38,27 +38,10 @@ import functools
 
 import torch
 
-__all__ = [
-    "MASK32",
-    "PERMUTATION_RUN",
-    "PERMUTATION_TABLE",
-    "STREAM_JITTER",
-    "STREAM_PERM",
-    "STREAM_TABLE",
-    "call_key",
-    "coord_hash",
-    "feistel_rounds",
-    "mix32",
-    "mix32_int",
-    "permutation_index",
-    "permutation_table",
-    "permute_rank",
-    "rank_key",
-    "rounding_uniforms",
-    "stream_key",
-    "to_uint32_bits",
-    "uniform24",
-]
+__all__ = ["MASK32", "PERMUTATION_RUN", "PERMUTATION_TABLE", "STREAM_JITTER", "STREAM_PERM",
+           "STREAM_TABLE", "call_key", "coord_hash", "feistel_rounds", "mix32", "mix32_int",
+           "permutation_index", "permutation_table", "permute_rank", "rank_key",
+           "rounding_uniforms", "stream_key", "to_uint32_bits", "uniform24"]
 
 MASK32 = 0xFFFFFFFF
 _M1 = 0x21F0AAAD

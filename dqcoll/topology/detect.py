@@ -1,10 +1,7 @@
-"""Where a :class:`~dqcoll.topology.graph.Topology` comes from: this machine, or a description.
-
-:func:`parse_topology` reads a short text (a preset shape, a JSON file, or ``"detect"``);
-:func:`detect_topology` detects this job's topology from the torchrun variables, ``nvidia-smi topo
--m`` and the fastest NIC in ``/sys/class/net``, with the fallbacks of docs/topology.md §1 (nothing
-to go on: one CPU rank). Detection only reads: it never probes the network nor raises for a
-missing tool; :attr:`Detection.notes` says what each source gave.
+"""Where a :class:`~dqcoll.topology.graph.Topology` comes from: a short text
+(:func:`parse_topology`) or this machine (:func:`detect`: the sources and fallbacks of
+docs/topology.md §1). Detection only reads: it never probes the network nor raises for a missing
+tool; :attr:`Detection.notes` says what each source gave.
 """
 
 from __future__ import annotations
@@ -36,9 +33,7 @@ def _env_int(env: dict[str, str], name: str) -> int | None:
         return None
 
 
-def _nvidia_topo(run: bool) -> str | None:
-    if not run:
-        return None
+def _nvidia_topo() -> str | None:
     try:  # without nvidia-smi: FileNotFoundError
         result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
                                 timeout=10, check=False)
@@ -66,14 +61,9 @@ def _nic_gbps(sys_net: str) -> float | None:
     return max((g for g in gbps if g > 0), default=None)
 
 
-def detect(
-    *,
-    world_size: int | None = None,
-    env: dict[str, str] | None = None,
-    nvidia_smi: bool = True,
-    sys_net: str = "/sys/class/net",
-    topo_text: str | None = None,
-) -> Detection:
+def detect(*, world_size: int | None = None, env: dict[str, str] | None = None,
+           nvidia_smi: bool = True, sys_net: str = "/sys/class/net",
+           topo_text: str | None = None) -> Detection:
     """Detect the topology; arguments exist so tests can feed each source."""
     env = dict(os.environ) if env is None else env
     n = world_size if world_size is not None else _env_int(env, "WORLD_SIZE")
@@ -85,14 +75,12 @@ def detect(
             notes.append(f"LOCAL_WORLD_SIZE={local} does not divide {n}: one host")
         local = n
     hosts = n // local
-    text = topo_text if topo_text is not None else _nvidia_topo(nvidia_smi)
+    text = topo_text if topo_text is not None else _nvidia_topo() if nvidia_smi else None
     gpus, nvlink = parse_nvidia_topo(text) if text else (0, False)
     nic = _nic_gbps(sys_net)
-    if nic is None:
-        nic = FALLBACK_INTER_GBPS
-        notes.append(f"no NIC speed in {sys_net}: assuming {nic:g} Gb/s")
-    else:
-        notes.append(f"fastest NIC {nic:g} Gb/s")
+    notes.append(f"fastest NIC {nic:g} Gb/s" if nic is not None
+                 else f"no NIC speed in {sys_net}: assuming {FALLBACK_INTER_GBPS:g} Gb/s")
+    nic = FALLBACK_INTER_GBPS if nic is None else nic
     if gpus:
         intra = LinkKind.NVLINK if nvlink else LinkKind.PCIE
         notes.append(f"nvidia-smi: {gpus} GPU(s), {intra.value}")

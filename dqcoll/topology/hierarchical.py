@@ -1,12 +1,10 @@
 """Hierarchical plans as data: a scheme, bits and algorithm per level of the topology.
 
-Over ``H`` hosts of ``G`` ranks the all-reduce is a reduce-scatter inside each host, an all-reduce
-of each part among the same-local-rank peers of all hosts (the ``inter`` level, so every byte on
-the network is its scheme's) and an all-gather inside each host. A plan reads two ways that agree:
-one schedule over all ranks (:meth:`~HierarchicalPlan.flat_schedule`, checked and priced), and
-:mod:`dqcoll.hierarchical`'s run of each level as an ordinary collective. A level's algorithm may
-be ``"auto"``: such a plan runs, but has no flat schedule. docs/topology.md §2. Rejected: a scheme
-per transfer in the Schedule IR (a partial sum cannot change format mid-tree).
+A plan reads two ways that agree: one schedule over all ranks
+(:meth:`~HierarchicalPlan.flat_schedule`, checked and priced; none where a level's algorithm is
+``"auto"``) and :mod:`dqcoll.levels`' run of each level as an ordinary collective; the layout and
+phases: docs/topology.md §2. Rejected: a scheme per transfer in the Schedule IR (a partial sum
+cannot change format mid-tree).
 """
 
 from __future__ import annotations
@@ -21,12 +19,7 @@ from .algorithms import build_schedule
 from .graph import Topology
 from .schedule import Schedule, Step, assign_roles
 
-__all__ = [
-    "HierarchicalPlan",
-    "Level",
-    "LevelSpec",
-    "build_hierarchical_plan",
-]
+__all__ = ["HierarchicalPlan", "Level", "LevelSpec", "build_hierarchical_plan"]
 
 
 class Level(enum.Enum):
@@ -140,12 +133,8 @@ class HierarchicalPlan:
         return self._flat[1]
 
 
-def build_hierarchical_plan(
-    topology: Topology,
-    *,
-    intra: LevelSpec | None = None,
-    inter: LevelSpec | None = None,
-) -> HierarchicalPlan:
+def build_hierarchical_plan(topology: Topology, *, intra: LevelSpec | None = None,
+                            inter: LevelSpec | None = None) -> HierarchicalPlan:
     """The plan for ``topology`` (every host must hold the same number of ranks). Defaults:
     uncompressed ring inside hosts, dynamiq (5 bits) butterfly across them."""
     host_ranks = tuple(topology.host_ranks(h) for h in range(topology.num_hosts))

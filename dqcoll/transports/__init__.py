@@ -13,17 +13,8 @@ from ..errors import InvalidArgumentError
 from .base import Counters, Transport, ring_allreduce_nbytes
 from .local import LocalHub
 
-__all__ = [
-    "Counters",
-    "Transport",
-    "TransportSpec",
-    "get",
-    "init_nccl",
-    "list_transports",
-    "nccl_binding",
-    "register_transport",
-    "ring_allreduce_nbytes",
-]
+__all__ = ["Counters", "Transport", "TransportSpec", "get", "init_nccl", "list_transports",
+           "nccl_binding", "register_transport", "ring_allreduce_nbytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +36,10 @@ def register_transport(spec: TransportSpec) -> TransportSpec:
 
 
 def get(name: str) -> TransportSpec:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
+    if name not in _REGISTRY:
         raise InvalidArgumentError(
-            f"unknown transport {name!r}; registered transports: {sorted(_REGISTRY)}"
-        ) from None
+            f"unknown transport {name!r}; registered transports: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
 
 
 def list_transports() -> list[str]:

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ..types import FRAME_HEADROOM
 
 __all__ = ["ALLREDUCE_OPS", "FRAME_HEADROOM", "Counters", "Transport", "combine_in_rank_order",
@@ -56,20 +57,15 @@ Exchange = Callable[[Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, tor
 
 def combine_in_rank_order(copies: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     """Rank 0's to rank n-1's copies combined left to right into a new tensor."""
+    combine = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
     acc = copies[0].clone()
     for other in copies[1:]:
-        if op == "sum":
-            acc.add_(other)
-        elif op == "max":
-            torch.maximum(acc, other, out=acc)
-        else:
-            torch.minimum(acc, other, out=acc)
+        combine(acc, other, out=acc)
     return acc
 
 
-def reduce_in_rank_order(
-    post: Exchange, rank: int, world_size: int, flat: torch.Tensor, op: str, what: str
-) -> torch.Tensor:
+def reduce_in_rank_order(post: Exchange, rank: int, world_size: int, flat: torch.Tensor, op: str,
+                         what: str) -> torch.Tensor:
     """A small all-reduce whose result is the same bits on every transport (native ones add in
     their own order, so DynamiQ's widths would depend on the transport): scatter, combine in
     rank order, gather. ``post(sends, recvs, what)`` runs one grouped exchange."""
@@ -92,33 +88,21 @@ def reduce_in_rank_order(
     return out
 
 
-def check_peers(
-    sends: Sequence[tuple[int, torch.Tensor]],
-    recvs: Sequence[tuple[int, torch.Tensor]],
-    rank: int,
-    world_size: int,
-) -> None:
+def check_peers(sends: Sequence[tuple[int, torch.Tensor]],
+                recvs: Sequence[tuple[int, torch.Tensor]], rank: int, world_size: int) -> None:
     """An exchange sends to and receives from each peer at most once, and only real peers."""
-    from ..errors import InvalidArgumentError
-
     for kind, items in (("send to", sends), ("receive from", recvs)):
         peers = [peer for peer, _ in items]
         if len(set(peers)) != len(peers):
             raise InvalidArgumentError(
-                f"rank {rank}: one exchange may {kind} each peer once: {peers}"
-            )
+                f"rank {rank}: one exchange may {kind} each peer once: {peers}")
         for peer in peers:
             if not 0 <= peer < world_size or peer == rank:
                 raise InvalidArgumentError(f"rank {rank}: cannot {kind} rank {peer}")
 
 
-def exchange_framed(
-    transport: Transport,
-    sends: Sequence[tuple[int, torch.Tensor]],
-    recvs: Sequence[tuple[int, torch.Tensor]],
-    *,
-    what: str,
-) -> None:
+def exchange_framed(transport: Transport, sends: Sequence[tuple[int, torch.Tensor]],
+                    recvs: Sequence[tuple[int, torch.Tensor]], *, what: str) -> None:
     """``transport.exchange`` of uint8 frames: the first :data:`FRAME_HEADROOM` bytes are the
     transport's to use (gloo's header), the payload follows; checks and counts as ``exchange``."""
     own = getattr(transport, "exchange_framed", None)
@@ -143,13 +127,8 @@ class Transport(Protocol):
     counters: Counters
     name: str
 
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        *,
-        what: str,
-    ) -> None: ...
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, torch.Tensor]], *, what: str) -> None: ...
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None: ...
 

@@ -54,10 +54,8 @@ class LocalHub:
 
     def _wait(self, ready, *, rank: int, waiting_for: str, what: str) -> None:  # type: ignore[no-untyped-def]
         if not self._cond.wait_for(lambda: self._aborted is not None or ready(), self.timeout_s):
-            raise CollectiveTimeoutError(
-                f"rank {rank}: timed out after {self.timeout_s:g} s waiting for {waiting_for} "
-                f"at {what}"
-            )
+            raise CollectiveTimeoutError(f"rank {rank}: timed out after {self.timeout_s:g} s "
+                                         f"waiting for {waiting_for} at {what}")
         self._check_aborted()
 
 
@@ -73,13 +71,8 @@ class LocalTransport:
         self.world_size = hub.world_size
         self.counters = Counters()
 
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        *,
-        what: str,
-    ) -> None:
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, torch.Tensor]], *, what: str) -> None:
         hub = self.hub
         check_peers(sends, recvs, self.rank, self.world_size)
         with hub._cond:

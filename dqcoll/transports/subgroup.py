@@ -37,16 +37,10 @@ class SubgroupTransport:
         self.counters: Counters = parent.counters  # the same object: bytes go on its wire
         self.stream_ordered: bool = bool(getattr(parent, "stream_ordered", False))
         self.device = getattr(parent, "device", None) or torch.device("cpu")
-        self.devices: tuple[str, ...] = tuple(getattr(parent, "devices", None)
-                                              or ("cpu", "cuda"))
+        self.devices: tuple[str, ...] = tuple(getattr(parent, "devices", None) or ("cpu", "cuda"))
 
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        *,
-        what: str,
-    ) -> None:
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, torch.Tensor]], *, what: str) -> None:
         for peer, _ in (*sends, *recvs):
             if not 0 <= peer < self.world_size:
                 raise InvalidArgumentError(
