@@ -18,16 +18,8 @@ import torch
 
 from ..types import Collective, ReduceOp
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "CallContext",
-    "Reducer",
-    "ScheduleShape",
-    "Scheme",
-    "SchemeCall",
-    "SchemeSpec",
-    "no_reduce",
-]
+__all__ = ["FLOAT_DTYPES", "CallContext", "Reducer", "ScheduleShape", "Scheme", "SchemeCall",
+           "SchemeSpec", "no_reduce"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -40,23 +40,9 @@ class BlockLayout:
     world_size: int
     sharded: bool
 
-    @classmethod
-    def of(cls, numel: int, block: int, ctx: CallContext) -> BlockLayout:
-        n = ctx.world_size
-        sharded = ctx.collective is not Collective.ALLREDUCE
-        if sharded and numel % n:
-            raise InvalidArgumentError(
-                f"{ctx.what}: {numel} elements do not split into {n} equal shards"
-            )
-        return cls(numel, block, n, sharded)
-
-    @property
-    def shard(self) -> int:
-        return self.numel // self.world_size
-
     @property
     def shard_padded(self) -> int:
-        return -(-self.shard // self.block) * self.block
+        return -(-(self.numel // self.world_size) // self.block) * self.block
 
     @property
     def padded_numel(self) -> int:
@@ -81,7 +67,7 @@ class BlockLayout:
     def unpad(self, work: torch.Tensor) -> torch.Tensor:
         """The input's elements of a padded buffer, in the input's order (a view)."""
         if self.sharded:
-            return work.view(self.world_size, self.shard_padded)[:, : self.shard]
+            return work.view(self.world_size, self.shard_padded)[:, : self.numel // self.world_size]
         return work[: self.numel]
 
 
@@ -120,8 +106,7 @@ class BlockCodec(abc.ABC):
         return BlockCall(self, x, ctx)
 
     def wire_nbytes(self, numel: int) -> int:
-        padded = -(-numel // self.block) * self.block
-        return self.chunk_nbytes(padded, 1, None)
+        return self.chunk_nbytes(BlockLayout(numel, self.block, 1, False).padded_numel, 1, None)
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
         padded = BlockLayout(x.numel(), self.block, 1, False).pad(x.detach())
@@ -161,7 +146,11 @@ class LayoutCall(SchemeCall):
         self.numel = x.numel()
         self.op = ctx.op
         self.world_size = ctx.world_size
-        self.layout = BlockLayout.of(self.numel, block, ctx)
+        sharded = ctx.collective is not Collective.ALLREDUCE
+        if sharded and self.numel % self.world_size:
+            raise InvalidArgumentError(f"{ctx.what}: {self.numel} elements do not split into "
+                                       f"{self.world_size} equal shards")
+        self.layout = BlockLayout(self.numel, block, self.world_size, sharded)
         self.chunk_bounds = self.layout.chunk_bounds()
         self.tile_unit = block  # the executor may cut chunks into tiles of whole blocks
         self.info: dict[str, Any] = {}
@@ -213,8 +202,7 @@ class BlockCall(LayoutCall):
                                                     out_count, self._state(chunk))
         if fused is not None:
             return fused
-        self.decompress_accumulate(chunk, payload, count)
-        return self.compress(chunk, out_count)
+        return super().decompress_accumulate_recompress(chunk, payload, count, out_count)
 
     def finish(self, out: torch.Tensor) -> None:
         result = self.layout.unpad(self.work)

@@ -21,7 +21,6 @@ from .integer_sum import IntegerSumCodec, NonFiniteGroups, global_statistic
 __all__ = ["GlobalQSGDScheme"]
 
 INT8_MAX = 127
-_STREAM = 0x51534744  # "QSGD"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +47,7 @@ class GlobalQSGDScheme(IntegerSumCodec):
         needs_global_stats=True,
         options=("seed",),
     )
-    block = 1
-    stream = _STREAM
+    stream = 0x51534744  # "QSGD": its random stream
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = int(seed)

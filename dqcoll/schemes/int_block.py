@@ -20,14 +20,8 @@ from .base import SchemeSpec
 from .bitpack import pack_bits_torch, packed_nbytes, unpack_bits_torch
 from .elementwise import BlockCodec
 
-__all__ = [
-    "DEFAULT_BLOCK",
-    "Int4BlockScheme",
-    "Int8BlockScheme",
-    "IntBlockScheme",
-    "int_block_decode_torch",
-    "int_block_encode_torch",
-]
+__all__ = ["DEFAULT_BLOCK", "Int4BlockScheme", "Int8BlockScheme", "IntBlockScheme",
+           "int_block_decode_torch", "int_block_encode_torch"]
 
 # 128: the MX formats' metadata rate (0.25 bit per coordinate), so the two compare at equal cost.
 DEFAULT_BLOCK = 128
@@ -63,13 +57,11 @@ class IntBlockScheme(BlockCodec):
     code_bits: int = 8
 
     def __init__(self, block: int = DEFAULT_BLOCK) -> None:
-        block = int(block)
-        if block < 2 or block % 2:
+        self.block = int(block)
+        if self.block < 2 or self.block % 2:
             raise InvalidArgumentError(
-                f"{self.spec.name}: block must be an even number >= 2, got {block}"
-            )
-        self.block = block
-        self.spec = _int_spec(self.spec.name, self.code_bits, block)
+                f"{self.spec.name}: block must be an even number >= 2, got {self.block}")
+        self.spec = _int_spec(self.spec.name, self.code_bits, self.block)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block={self.block})"

@@ -171,23 +171,22 @@ class IntegerSumCall(LayoutCall):
     def __init__(self, codec: IntegerSumCodec, x: torch.Tensor, ctx: CallContext) -> None:
         super().__init__(x, ctx, codec.block)
         self.codec = codec
-        self.rank = ctx.rank
-        self.seed, self.step = ctx.seed, ctx.step
+        # the rank's random-number key: rank_uniforms's
+        self.key = rng.rank_key(rng.stream_key(rng.call_key(ctx.seed, ctx.step), codec.stream),
+                                ctx.rank)
         self.work = self.layout.pad(x)
         self.state = codec.prepare(self.work, ctx)
+        self.kernels = cpu_kernels(self.work.device)  # None: the torch reference
         self.sums: dict[int, torch.Tensor] = {}  # chunk -> int64 partial sum of codes
 
     def _own_codes(self, chunk: int) -> torch.Tensor:
         lo, values = self.chunk_bounds[chunk], self._chunk(chunk)
-        kernels = cpu_kernels(self.work.device)
-        if kernels is not None:
-            stream = rng.stream_key(rng.call_key(self.seed, self.step), self.codec.stream)
-            key = rng.rank_key(stream, self.rank)  # the key of rank_uniforms
-            codes = self.codec.quantize_fast(kernels, values, key, lo, self.state)
+        if self.kernels is not None:
+            codes = self.codec.quantize_fast(self.kernels, values, self.key, lo, self.state)
             if codes is not None:
                 return codes
         index = torch.arange(lo, lo + values.numel(), dtype=torch.int64, device=values.device)
-        uniforms = rank_uniforms(self.seed, self.step, self.codec.stream, self.rank, index)
+        uniforms = rng.uniform24(rng.coord_hash(self.key, index))
         return self.codec.quantize(values, uniforms, self.state)
 
     def _sum(self, chunk: int) -> torch.Tensor:
@@ -207,16 +206,14 @@ class IntegerSumCall(LayoutCall):
 
     def decompress(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         sums, values = self._unpack(chunk, payload, count), self._chunk(chunk)
-        kernels = cpu_kernels(self.work.device)
-        if kernels is None or not self.codec.dequantize_fast(kernels, sums, count, self.state,
-                                                             values):
+        if self.kernels is None or not self.codec.dequantize_fast(self.kernels, sums, count,
+                                                                  self.state, values):
             values.copy_(self.codec.dequantize(sums, count, self.state))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        kernels = cpu_kernels(self.work.device)
-        if kernels is not None:
+        if self.kernels is not None:
             width = self.codec.code_bits(count, self.state)
-            self.sums[chunk] = kernels.unpack_accumulate(self._sum(chunk), payload, width)
+            self.sums[chunk] = self.kernels.unpack_accumulate(self._sum(chunk), payload, width)
             return
         self.sums[chunk] = self._sum(chunk) + self._unpack(chunk, payload, count)
 

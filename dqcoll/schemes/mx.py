@@ -26,24 +26,10 @@ from .base import CallContext, SchemeSpec
 from .bitpack import pack_bits_torch, packed_nbytes, unpack_bits_torch
 from .elementwise import BlockCall, BlockCodec
 
-__all__ = [
-    "FORMATS",
-    "MX_BLOCK",
-    "ElementFormat",
-    "MXFP4Scheme",
-    "MXFP6Scheme",
-    "MXFP8Scheme",
-    "MXScheme",
-    "ScaleMode",
-    "bf16_round_up",
-    "decode_table",
-    "encode_elements",
-    "mx_decode_global_torch",
-    "mx_decode_torch",
-    "mx_encode_global_torch",
-    "mx_encode_torch",
-    "pow2",
-]
+__all__ = ["FORMATS", "MX_BLOCK", "ElementFormat", "MXFP4Scheme", "MXFP6Scheme", "MXFP8Scheme",
+           "MXScheme", "ScaleMode", "bf16_round_up", "decode_table", "encode_elements",
+           "mx_decode_global_torch", "mx_decode_torch", "mx_encode_global_torch",
+           "mx_encode_torch", "pow2"]
 
 MX_BLOCK = 32  # elements per shared scale (OCP MX v1.0)
 E8M0_BIAS = 127
@@ -146,20 +132,17 @@ class MXScheme(BlockCodec):
     block = MX_BLOCK
 
     def __init__(self, element: str | None = None, scale: str | ScaleMode = "ocp") -> None:
-        element = (element or self.elements[0]).lower()
-        if element not in self.elements:
-            raise InvalidArgumentError(
-                f"{self.spec.name}: element must be one of {list(self.elements)}, got {element!r}"
-            )
+        self.element = (element or self.elements[0]).lower()
+        if self.element not in self.elements:
+            raise InvalidArgumentError(f"{self.spec.name}: element must be one of "
+                                       f"{list(self.elements)}, got {self.element!r}")
         try:
             self.scale = scale if isinstance(scale, ScaleMode) else ScaleMode(str(scale).lower())
         except ValueError:
             raise InvalidArgumentError(
                 f"{self.spec.name}: scale must be one of {[m.value for m in ScaleMode]}, "
-                f"got {scale!r}"
-            ) from None
-        self.element = element
-        self.format = FORMATS[element]
+                f"got {scale!r}") from None
+        self.format = FORMATS[self.element]
         if self.scale is ScaleMode.GLOBAL:
             # the bf16 block maxima (16 bits per block) travel through the statistics all-reduce
             self.spec = dataclasses.replace(

@@ -28,10 +28,7 @@ _WIDE = torch.float64  # partial sums of 2..n-1 ranks
 def _widen_into(acc: torch.Tensor, values: torch.Tensor, *, add: bool) -> None:
     """``acc`` (fp64) ``+=`` (``add=False``: ``=``) ``values``; through NumPy on CPU (faster)."""
     if acc.device.type != "cpu":
-        if add:
-            acc += values
-        else:
-            acc.copy_(values)
+        (acc.add_ if add else acc.copy_)(values)
         return
     if values.dtype == torch.bfloat16:
         values = values.float()
@@ -77,18 +74,16 @@ class NoneScheme(BlockCodec):
     def begin(  # type: ignore[override]  # the exact path is not a block codec's call
         self, x: torch.Tensor, ctx: CallContext
     ) -> BlockCall | ExactSumCall:
-        if self.wire_dtype is None:
-            return ExactSumCall(x, ctx)
-        call = super().begin(x, ctx)
-        call.state = self.wire_dtype
-        return call
+        return ExactSumCall(x, ctx) if self.wire_dtype is None else super().begin(x, ctx)
+
+    def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
+        return self.wire_dtype
 
     def single_shot_state(self, padded: torch.Tensor) -> Any:
         return self.wire_dtype or torch.float32
 
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
-        dtype: torch.dtype = state or self.wire_dtype or torch.float32
-        return numel * dtype.itemsize
+        return numel * (state or self.wire_dtype or torch.float32).itemsize
 
     def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
         return values.to(ctx).view(torch.uint8).reshape(-1)
@@ -109,28 +104,21 @@ class ExactSumCall(LayoutCall):
         self.values = x.reshape(-1)  # this rank's own values, sent as they are
         # the communicator's reused buffers on the CPU (dqcoll.scratch); None elsewhere
         self.pool = scratch.pool_for(ctx.state, x.device)
-        # the fp64 partial sums, widened chunk by chunk at first use (:meth:`_sums`)
-        self._wide: torch.Tensor | None = None
+        self._wide: torch.Tensor | None = None  # fp64 partial sums, widened at first use
         self._widened: set[int] = set()
         self.work = self._take(self.numel, torch.float32)
         # the simulator replays ``none`` as a block codec in this dtype
         self.state = self.dtype
-        if ctx.schedule is not None:
-            self.info["wire_payload_nbytes"] = self._wire_payload(
-                ctx.schedule.subtree_sizes(), ctx.collective)
+        if ctx.schedule is not None:  # the bytes all ranks send: the partial sums, then shards
+            n = self.world_size
+            sums = 0 if ctx.collective is Collective.ALL_GATHER else sum(
+                self.payload_nbytes(chunk, count) for row in ctx.schedule.subtree_sizes()
+                for chunk, count in enumerate(row) if count < n)
+            gathers = 0 if ctx.collective is Collective.REDUCE_SCATTER else n - 1
+            self.info["wire_payload_nbytes"] = sums + gathers * self.numel * self.dtype.itemsize
 
     def _wire_dtype(self, count: int) -> torch.dtype:
         return self.dtype if count in (1, self.world_size) else _WIDE
-
-    def _wire_payload(self, subtree: Any, collective: Collective) -> int:
-        n = self.world_size
-        total = 0
-        if collective is not Collective.ALL_GATHER:
-            total += sum(self.payload_nbytes(chunk, count) for row in subtree
-                         for chunk, count in enumerate(row) if count < n)
-        if collective is not Collective.REDUCE_SCATTER:
-            total += (n - 1) * self.numel * self.dtype.itemsize
-        return total
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised ``dtype`` buffer of ``numel`` for this call (pooled on the CPU)."""

@@ -28,7 +28,6 @@ from .seeds import derived_seed
 __all__ = ["LEVELS", "THCScheme", "fwht"]
 
 LEVELS = 16  # 4-bit codes
-_STREAM = 0x54484321  # "THC!"
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -64,19 +63,16 @@ class THCScheme(IntegerSumCodec):
         needs_global_stats=True,
         options=("clamp", "rotation_block", "seed"),
     )
-    stream = _STREAM
+    stream = 0x54484321  # "THC!": its random stream
 
     def __init__(self, clamp: float = 2.5, rotation_block: int = 1024, seed: int = 0) -> None:
-        rotation_block = int(rotation_block)
-        if rotation_block < 1 or rotation_block & (rotation_block - 1):
+        self.block = int(rotation_block)
+        if self.block < 1 or self.block & (self.block - 1):
             raise InvalidArgumentError(
-                f"thc: rotation_block must be a power of two, got {rotation_block}"
-            )
-        clamp = float(clamp)
-        if not clamp > 0:
-            raise InvalidArgumentError(f"thc: clamp must be positive, got {clamp}")
-        self.block = rotation_block
-        self.clamp = clamp
+                f"thc: rotation_block must be a power of two, got {self.block}")
+        self.clamp = float(clamp)
+        if not self.clamp > 0:
+            raise InvalidArgumentError(f"thc: clamp must be positive, got {self.clamp}")
         self.seed = int(seed)
 
     def __repr__(self) -> str:
@@ -93,9 +89,8 @@ class THCScheme(IntegerSumCodec):
         return out
 
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> _State:
-        n = ctx.world_size
         sharded = ctx.collective is not Collective.ALLREDUCE
-        segment = work.numel() // n if sharded else work.numel()
+        segment = work.numel() // ctx.world_size if sharded else work.numel()
         g = torch.Generator().manual_seed(derived_seed(ctx.seed, ctx.step, "thc-rotation"))
         perm = torch.randperm(segment, generator=g).to(work.device)
         signs = (torch.randint(0, 2, (segment,), generator=g) * 2 - 1).float().to(work.device)

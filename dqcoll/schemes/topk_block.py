@@ -37,10 +37,9 @@ class TopKBlockScheme:
     block = TOPK_BLOCK
 
     def __init__(self, density: float = 0.125) -> None:
-        density = float(density)
-        if not 0.0 < density <= 1.0:
-            raise InvalidArgumentError(f"topk_block: density must be in (0, 1], got {density}")
-        self.density = density
+        self.density = float(density)
+        if not 0.0 < self.density <= 1.0:
+            raise InvalidArgumentError(f"topk_block: density must be in (0, 1], got {self.density}")
 
     def __repr__(self) -> str:
         return f"TopKBlockScheme(density={self.density:g})"
