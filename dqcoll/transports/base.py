@@ -57,8 +57,7 @@ Exchange = Callable[[Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, tor
 
 def combine_in_rank_order(copies: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     """Rank 0's to rank n-1's copies combined left to right into a new tensor."""
-    combine: Callable[..., torch.Tensor] = {"sum": torch.add, "max": torch.maximum,
-                                             "min": torch.minimum}[op]
+    combine = getattr(torch, {"sum": "add", "max": "maximum", "min": "minimum"}[op])
     acc = copies[0].clone()
     for other in copies[1:]:
         combine(acc, other, out=acc)
