@@ -33,13 +33,18 @@ from dqcoll.kernels.codec import Levels, ProtoScales, Scales
 from dqcoll.schemes.dynamiq import DynamiqFormat, DynamiqScheme, register_format
 from dqcoll.schemes.dynamiq.allocation import (
     MEASURED_ERRORS,
-    STATS_BYTES,
     Allocation,
     cost_lookup,
     target_energy,
 )
 from dqcoll.schemes.dynamiq.error_model import predicted_vnmse
-from dqcoll.schemes.dynamiq.options import FORMATS, USER_OPTIONS, parse_enum, parse_flag
+from dqcoll.schemes.dynamiq.options import (
+    FORMATS,
+    USER_OPTIONS,
+    check_format,
+    parse_enum,
+    parse_flag,
+)
 
 from .allocation_paper import allocate_for_target_paper, allocate_widths_paper
 
@@ -89,12 +94,16 @@ class FixedRule:
 
     fixed_width: int | None = FIXED_WIDTH
 
+    @staticmethod
+    def _widths(norm2: torch.Tensor, scales: Scales, stats_bytes: int
+                ) -> tuple[torch.Tensor, int, int]:
+        """Every row at :data:`FIXED_WIDTH`: ``(widths, payload bytes, statistics bytes)``."""
+        widths = torch.full((norm2.numel(),), FIXED_WIDTH, dtype=torch.int64)
+        return widths, int(cost_lookup(scales)[widths].sum().item()), stats_bytes * norm2.numel()
+
     def budget(self, norm2: torch.Tensor, numel: int, bits: float, *, scales: Scales,
                stats_bytes: int, max_width: int, energy_exponent: float) -> Allocation:
-        rows = norm2.numel()
-        widths = torch.full((rows,), FIXED_WIDTH, dtype=torch.int64)
-        payload = int(cost_lookup(scales)[widths].sum().item())
-        stats = stats_bytes * rows
+        widths, payload, stats = self._widths(norm2, scales, stats_bytes)
         budget = math.floor(bits * numel / 8.0)
         return Allocation(widths, float("nan"), payload, stats, budget, payload + stats > budget)
 
@@ -102,11 +111,9 @@ class FixedRule:
                target: float, *, world_size: int, rho: float, error_per_energy: torch.Tensor,
                scales: Scales, width_set: tuple[int, ...], errors: dict[int, float] | None,
                stats_bytes: int, max_width: int) -> Allocation:
-        widths = torch.full((norm2.numel(),), FIXED_WIDTH, dtype=torch.int64)
+        widths, payload, stats = self._widths(norm2, scales, stats_bytes)
         finite_f, energy = target_energy(norm2.detach().to("cpu", torch.float64), mean_sum,
                                          valid, world_size, rho)
-        payload = int(cost_lookup(scales)[widths].sum().item())
-        stats = stats_bytes * norm2.numel()
         predicted = predicted_vnmse(widths, finite_f, energy, error_per_energy)
         return Allocation(widths, float("nan"), payload, stats, payload + stats, False,
                           predicted, predicted <= target)
@@ -148,22 +155,21 @@ def research_format(format: str = "dqcoll", **knobs: Any) -> DynamiqFormat:
             f"research options {list(RESEARCH_OPTIONS)}")
     preset = FORMATS[format]
     fixed = preset.rule is not None and preset.rule.fixed_width is not None
-    widths = parse_enum_widths(knobs.get("widths", "fixed" if fixed else "variable"))
-    max_width = knobs.get("max_width")
-    max_width = preset.max_width if max_width is None else max_width
-    if max_width not in (8, 16, "8", "16"):
-        raise InvalidArgumentError(f"dynamiq: max_width must be 8 or 16, got {max_width!r}")
-    fields = dict(
+    widths = _choice(str(knobs.get("widths", "fixed" if fixed else "variable")).lower(),
+                     ("variable", "fixed"), "widths")
+    max_width = knobs.get("max_width", preset.max_width)
+    if isinstance(max_width, str) and max_width.strip().isdigit():  # the command line's text
+        max_width = int(max_width)
+    fields = dict(  # the values' ranges are checked by the runtime's check_format, below
         levels=parse_enum(Levels, knobs.get("levels", preset.levels), "levels"),
         scales=_scales(knobs.get("scales", preset.scales)),
-        width_set=_choice(knobs.get("width_set", preset.width_set), ("fine", "paper"),
-                          "width_set"),
+        width_set=knobs.get("width_set", preset.width_set),
         thresholds=_choice(knobs.get("thresholds",
                                      _PRESET_THRESHOLDS.get(format, preset.thresholds)),
                            ("auto", "measured", "paper"), "thresholds"),
-        stats=_choice(knobs.get("stats", preset.stats), STATS_BYTES, "stats"),
+        stats=knobs.get("stats", preset.stats),
         hop_widths=parse_flag(knobs.get("hop_widths", preset.hop_widths), "hop_widths"),
-        max_width=int(max_width),
+        max_width=max_width,
         error_model=knobs.get("error_model", preset.error_model),
     )
     measured = (fields["levels"], fields["scales"]) in MEASURED_ERRORS
@@ -173,12 +179,7 @@ def research_format(format: str = "dqcoll", **knobs: Any) -> DynamiqFormat:
         fields["rule"] = FixedRule()
     elif fields["width_set"] == "paper" and fields["thresholds"] == "paper":
         fields["rule"] = PaperRule()
-    return DynamiqFormat(**fields)
-
-
-def parse_enum_widths(value: Any) -> str:
-    """``widths``: ``"variable"`` (the allocation's) or ``"fixed"`` (:class:`FixedRule`)."""
-    return _choice(str(getattr(value, "value", value)).lower(), ("variable", "fixed"), "widths")
+    return check_format(DynamiqFormat(**fields))
 
 
 def scheme_options(**options: Any) -> dict[str, Any]:

@@ -46,7 +46,8 @@ class AllocationRule(Protocol):
     per super-group from the summed squared norms, identical on every rank. ``fixed_width``: the
     one width a rule always gives (the budget is then not checked against the floor), or None."""
 
-    fixed_width: int | None
+    @property
+    def fixed_width(self) -> int | None: ...
 
     def budget(self, norm2: torch.Tensor, numel: int, bits: float, *, scales: Scales,
                stats_bytes: int, max_width: int, energy_exponent: float) -> Allocation: ...
