@@ -40,12 +40,15 @@ def set_policy(policy: CompressionPolicy | None) -> None:
 
 def _exact_method(method: str, collective: str | None = None) -> Any:
     """A process-group method that runs ``method`` on the wrapped group, counted under
-    ``collective`` (default: ``method``); options passed as None take torch's defaults."""
+    ``collective`` (default: ``method``); trailing options passed as None take torch's defaults
+    (a None before another argument is passed on: dropping it would shift the ones after it)."""
 
     def call(self: DqcollProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
         given = {key: value for key, value in kwargs.items() if value is not None}
-        return getattr(self._exact(collective or method), method)(
-            *(arg for arg in args if arg is not None), **given)
+        positional = list(args)
+        while positional and positional[-1] is None:
+            positional.pop()
+        return getattr(self._exact(collective or method), method)(*positional, **given)
 
     call.__name__ = call.__qualname__ = method
     return call
