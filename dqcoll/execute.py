@@ -109,10 +109,8 @@ def _plan(call: PreparedCall, comm: Communicator, request: Request, previous_us:
             comm.transport, comm.device, what=f"{call.what} planner")
     elif comm.last_plan is not None and previous_us > 0:
         planner.observe(comm.last_plan, float(previous_us), comm.last_plan_nbytes)
-    nbytes = tensor.numel() * tensor.element_size()
-    if call.collective is Collective.ALL_GATHER:
-        nbytes *= n  # priced on the gathered buffer
-    comm.last_plan_nbytes = nbytes
+    gathered = n if call.collective is Collective.ALL_GATHER else 1  # priced on the gathered buffer
+    nbytes = comm.last_plan_nbytes = tensor.numel() * tensor.element_size() * gathered
     return planner.plan(
         call.collective.value, nbytes, str(tensor.dtype).replace("torch.", ""),
         scheme="auto" if call.auto else scheme.spec.name,

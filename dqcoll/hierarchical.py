@@ -1,14 +1,7 @@
 """Two-level collectives for a plan the caller gives (:func:`run_hierarchical` and its three
-wrappers), each level with its own scheme, run by :func:`dqcoll.levels.run_levels`.
-
-Each level is an ordinary collective over a subgroup view of the caller's transport (``intra``: the
-ranks of one host; ``inter``: those of one local index, in host order) on a local-major buffer
-(:attr:`HierarchicalPlan.local_major_ranks`). Phases, layout, and why a reduce-scatter shard is bit
-for bit the all-reduce's part with ``none`` inside hosts: docs/topology.md §2; the all-gather goes
-across hosts first so that each shard crosses the network once. Every rank of ``comm`` calls with
-the same plan, sizes and dtype; each level runs with the call's step and a seed of its phase. Local
-argument errors raise before anything moves; a failed level leaves ``comm`` dead (another host may
-be in another level). Rejected: running plans from :mod:`dqcoll.topology` (a circular import).
+wrappers), each level with its own scheme, run by :func:`dqcoll.levels.run_levels`; levels, layout
+and phases: docs/topology.md §2. Every rank of ``comm`` calls with the same plan, sizes and dtype;
+local argument errors raise before anything moves; a failed level leaves ``comm`` dead.
 """
 
 from __future__ import annotations
@@ -91,21 +84,16 @@ def _check(kind: Collective, buf: Any, out: Any, plan: HierarchicalPlan, comm: C
             f"rank {comm.rank}: {what}: the plan is for {plan.world_size} ranks "
             f"({plan.nodes} hosts x {plan.gpus_per_node}), the communicator has {n}")
     tensor = inspect_buffer(buf, "buf", comm)
-    if not tensor.is_contiguous():
-        raise InvalidArgumentError(f"rank {comm.rank}: {what}: buf is not contiguous (strides "
-                                   f"{tensor.stride()})")
-    if kind is Collective.ALLREDUCE:
-        if out is not None:
-            raise InvalidArgumentError(f"rank {comm.rank}: {what}: an all-reduce is in place; "
-                                       f"out must be None")
-        return tensor, None
-    target = inspect_buffer(out, "out", comm)
+    target = None if kind is Collective.ALLREDUCE else inspect_buffer(out, "out", comm)
     scatter = kind is Collective.REDUCE_SCATTER
-    whole, part = (tensor, target) if scatter else (target, tensor)
-    rule = ("buf.numel() == world_size x out.numel()" if scatter
-            else "out.numel() == world_size x shard.numel()")
     problem = None
-    if whole.numel() != n * part.numel():
+    if not tensor.is_contiguous():
+        problem = f"buf is not contiguous (strides {tensor.stride()})"
+    elif target is None:
+        problem = None if out is None else "an all-reduce is in place; out must be None"
+    elif (tensor if scatter else target).numel() != n * (target if scatter else tensor).numel():
+        rule = ("buf.numel() == world_size x out.numel()" if scatter
+                else "out.numel() == world_size x shard.numel()")
         problem = (f"needs {rule}: buf has {tensor.numel()} elements, out {target.numel()}, "
                    f"world size {n}")
     elif target.dtype != tensor.dtype or target.device != tensor.device:
@@ -116,5 +104,3 @@ def _check(kind: Collective, buf: Any, out: Any, plan: HierarchicalPlan, comm: C
     if problem is not None:
         raise InvalidArgumentError(f"rank {comm.rank}: {what}: {problem}")
     return tensor, target
-
-

@@ -1,8 +1,9 @@
 """The levels of a two-level plan, run on checked buffers: :func:`run_levels`, the package's one
 two-level implementation, for the planner's plans (:mod:`dqcoll.execute`) and callers' plans
-(:mod:`dqcoll.hierarchical`, which describes the layout, phases and seeds). Each level is an
-ordinary :class:`~dqcoll.prepare.Request` over a subgroup view of the caller's transport, handed
-to the caller's ``launch``, so this module imports neither the executor nor the public API.
+(:mod:`dqcoll.hierarchical`); layout and phases: docs/topology.md §2. Each level is an ordinary
+:class:`~dqcoll.prepare.Request` (the call's step, a seed per phase) over a subgroup view of the
+caller's transport, handed to the caller's ``launch``, so this module imports neither the executor
+nor the public API.
 """
 
 from __future__ import annotations
@@ -88,8 +89,7 @@ class _Run:
 
     def _level(self, collective: Collective, buf: torch.Tensor, out: torch.Tensor | None,
                phase: int) -> None:
-        """One level's collective (the inter-host level in phase ACROSS, else the intra-host
-        one), an ordinary request over the level's communicator."""
+        """One level's collective (phase ACROSS: inter-host), a request over its communicator."""
         level, spec, comm = (("inter", self.plan.inter, self.inter) if phase == ACROSS
                              else ("intra", self.plan.intra, self.intra))
         options = dict(spec.options)
@@ -140,6 +140,7 @@ class _Run:
         shard = flat.numel()
         part = flat.new_empty(self.hosts * shard)
         work = out if self.index is None else torch.empty_like(out)
+        # across hosts first: each shard crosses the network once
         self._level(Collective.ALL_GATHER, flat, part, ACROSS)
         self._level(Collective.ALL_GATHER, part, work, INTRA_GATHER)
         self._from_local_major(work, out, shard)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import math
 import os
 import pathlib
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .agreement import hash62
 from .errors import InvalidArgumentError
 from .executor import DEFAULT_CUDA_TILE_NBYTES, DEFAULT_TILE_NBYTES
 from .topology.cost import (
@@ -71,10 +71,6 @@ _SIZE_CLASS_BASE = 2.0
 # -- the job ---------------------------------------------------------------------------------
 
 
-def _key63(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
 def host_identity() -> tuple[int, int]:
     """(host key, machine key): host name + network namespace, host name + boot id."""
     name = socket.gethostname()
@@ -83,7 +79,7 @@ def host_identity() -> tuple[int, int]:
         netns = str(os.stat("/proc/self/ns/net").st_ino)
     with contextlib.suppress(OSError):
         boot = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text("ascii").strip()
-    return _key63(f"{name}/{netns}"), _key63(f"{name}/{boot}")
+    return hash62(f"{name}/{netns}"), hash62(f"{name}/{boot}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,12 +297,9 @@ class Plan:
 
 def _label(scheme: str, algorithm: str, bits: float | None,
            levels: HierarchicalPlan | None) -> str:
-    from . import schemes
-
     if levels is not None:
         return f"two-level[{levels.intra.label} + {levels.inter.label}]"
-    takes_bits = "bits" in schemes.spec(scheme).options and bits is not None
-    return f"{algorithm}/{scheme}" + (f"{bits:g}" if takes_bits else "")
+    return f"{algorithm}/{scheme}" if bits is None else LevelSpec(scheme, bits, algorithm).label
 
 
 class Planner:
@@ -327,7 +320,6 @@ class Planner:
         # label -> measured / predicted, for every plan that ran (:meth:`observe`)
         self.factors: dict[str, float] = {}
         self._cache: dict[tuple[Any, ...], Plan] = {}
-        self._table_key: str | None = None
         self._incumbent: dict[tuple[Any, ...], str] = {}  # the plan in use per cache key
         self.probe_nbytes = 0  # what this rank sent to measure the links (build_planner)
 
@@ -468,13 +460,11 @@ class Planner:
         algorithm = dict(entry.flat_by_scheme).get(scheme) if entry is not None else None
         return algorithm if algorithm in ("ring", "butterfly", "direct") else None
 
-    @property
+    @functools.cached_property
     def table_key(self) -> str:
-        if self._table_key is None:
-            from .topology import tuning
+        from .topology import tuning
 
-            self._table_key = tuning.detected_key(self.job.world_size)
-        return self._table_key
+        return tuning.detected_key(self.job.world_size)
 
     def fork(self) -> Planner:
         """A copy with its own calibration, for a communicator whose calls interleave with this
@@ -530,14 +520,13 @@ def build_planner(transport: Any, device: torch.device | None = None, *,
                   bits: float = 5.0, what: str = "planner") -> Planner:
     """The planner of a communicator over ``transport`` (collective); the probes' bytes are
     left out of the transport's counters and kept in :attr:`Planner.probe_nbytes`."""
-    counters = getattr(transport, "counters", None)
-    before = dict(counters or {})
+    counters = transport.counters
+    before = dict(counters)
     job = discover_job(transport, device)
     rates = measure_rates(transport, job, device=device, bits=bits, what=f"{what} probe")
     planner = Planner(job, rates)
-    if counters is not None:
-        planner.probe_nbytes = counters["bytes_sent"] - before["bytes_sent"]
-        counters.update(before)
+    planner.probe_nbytes = counters["bytes_sent"] - before["bytes_sent"]
+    counters.update(before)
     return planner
 
 

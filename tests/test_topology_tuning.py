@@ -92,12 +92,12 @@ def test_planner_reads_a_stored_table_for_the_job(tmp_path, monkeypatch):
                ("dynamiq", KernelRates(4.0, 0.8, 1.6)))
     p = planner.Planner(planner.JobTopology(((0, 1, 2, 3, 4, 5),), (0,) * 6),
                         planner.MeasuredRates(10.0, None, kernels, 2))
-    p._table_key = "mine"
+    p.table_key = "mine"
     assert p.stored_algorithm(1 << 20, "float32", "dynamiq") == "ring"
     plan = p.plan("allreduce", 1 << 20, "float32", scheme="dynamiq")
     assert plan.algorithm == "ring" and "stored table mine" in plan.reason
     assert p.stored_algorithm(1 << 20, "float32", "int8_block") is None
-    p._table_key = "other"
+    p.table_key = "other"
     assert p.stored_algorithm(1 << 20, "float32", "dynamiq") is None
 
 

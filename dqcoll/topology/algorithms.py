@@ -1,10 +1,7 @@
 """Schedule builders and their registry (:func:`build_schedule`, :func:`register_algorithm`).
 
-Every builder returns a :class:`~dqcoll.topology.schedule.Schedule` in which chunk ``c`` is reduced
-onto rank ``c``: ``ring`` (path ``c+1 -> ... -> c``, depth ``n-1``), ``butterfly`` (a binomial
-tree per chunk on ``v = (r - c) mod n``: ``v`` sends at step ``lowbit(v)`` to ``v - lowbit(v)``,
-so one peer per step, the ring's bytes, depth ``ceil(log2 n)``, any ``n``) and ``direct``
-(two-shot: every chunk straight to its sink and back, depth 1). Builders know rank numbers only.
+Every builder's schedule reduces chunk ``c`` onto rank ``c`` (each one's shape: its registration's
+description); builders know rank numbers only.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .schedule import Phase, Role, Schedule, Transfer
+from .schedule import Phase, Role, Schedule, Transfer, assign_roles
 
 __all__ = ["ScheduleError", "check_schedule"]
 
@@ -40,7 +40,7 @@ def check_schedule(schedule: Schedule) -> None:
             if pending_children[(t.src, t.chunk)]:
                 raise ScheduleError(f"reduce step {index}: rank {t.src} sends chunk {t.chunk} "
                                     "before all its children arrived")
-            if t.src == schedule.sink(t.chunk):
+            if t.src == t.chunk:
                 raise ScheduleError(f"reduce step {index}: sink {t.src} sends its own chunk")
             sent[t.src][t.chunk] = True
             incoming.append((t.dst, t.chunk, held[t.src][t.chunk]))
@@ -57,13 +57,12 @@ def check_schedule(schedule: Schedule) -> None:
     _check_roles(schedule)
     everyone = frozenset(range(n))
     for chunk in range(n):
-        sink = schedule.sink(chunk)
-        if held[sink][chunk] != everyone:
-            missing = sorted(everyone - held[sink][chunk])
-            raise ScheduleError(f"chunk {chunk}: sink {sink} misses contributions of ranks "
+        if held[chunk][chunk] != everyone:
+            missing = sorted(everyone - held[chunk][chunk])
+            raise ScheduleError(f"chunk {chunk}: sink {chunk} misses contributions of ranks "
                                 f"{missing}")  # so every other rank has sent its contribution
 
-    final = [[schedule.sink(c) == r for c in range(n)] for r in range(n)]
+    final = [[c == r for c in range(n)] for r in range(n)]
     for index, step in enumerate(schedule.gather):
         if step.phase is not Phase.GATHER:
             raise ScheduleError("a reduce step inside the gather phase")
@@ -95,19 +94,13 @@ def _check_ranks(t: Transfer, n: int, index: int) -> None:
 
 
 def _check_roles(schedule: Schedule) -> None:
-    """Each (receiver, chunk) has exactly one last child, FINAL at the sink, FORWARD elsewhere."""
-    order: dict[tuple[int, int], list[tuple[int, int, Role]]] = {}
-    for index, step in enumerate(schedule.reduce):
+    """Each reduce transfer has the role :func:`assign_roles` derives from the tree's shape."""
+    triples = [[(t.src, t.dst, t.chunk) for t in step.transfers] for step in schedule.reduce]
+    derived = {(t.src, t.dst, t.chunk): t.role for step in assign_roles(
+        schedule.algorithm, schedule.world_size, triples, ()).reduce for t in step.transfers}
+    for step in schedule.reduce:
         for t in step.transfers:
-            order.setdefault((t.dst, t.chunk), []).append((index, t.src, t.role))
-    for (dst, chunk), arrivals in order.items():
-        arrivals.sort()
-        *rest, (_, _, last_role) = arrivals
-        expected = Role.FINAL if dst == schedule.sink(chunk) else Role.FORWARD
-        if last_role is not expected:
-            raise ScheduleError(f"chunk {chunk} at rank {dst}: last child has role "
-                                f"{last_role.value}, expected {expected.value}")
-        for _, src, role in rest:
-            if role is not Role.ACCUMULATE:
-                raise ScheduleError(f"chunk {chunk} at rank {dst}: child {src} has role "
-                                    f"{role.value}, expected accumulate")
+            expected = derived[(t.src, t.dst, t.chunk)]
+            if t.role is not expected:
+                raise ScheduleError(f"chunk {t.chunk} at rank {t.dst}: child {t.src} has role "
+                                    f"{t.role.value}, expected {expected.value}")

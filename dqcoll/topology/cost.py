@@ -13,6 +13,7 @@ import glob
 import json
 import math
 import os
+import pathlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -192,7 +193,7 @@ def _steps(schedule: Schedule, topology: Topology, numel: int,
         raise InvalidArgumentError(
             f"schedule is for {schedule.world_size} ranks, topology {topology.name!r} has "
             f"{topology.world_size}")
-    chunk_numel = numel / schedule.num_chunks
+    chunk_numel = numel / schedule.world_size
     return [dataclasses.replace(s, wire_us=s.wire_us * chunk_numel,
                                 kernel_us=s.kernel_us * chunk_numel,
                                 max_link_bytes=s.max_link_bytes * chunk_numel)
@@ -239,7 +240,6 @@ def price_allreduce(algorithm: str, topology: Topology, nbytes: int, *, scheme: 
                     bits: float | None = None, dtype: str = "float32", tiles: int = 1,
                     params: CostParams | None = None) -> CostBreakdown:
     """Time of ``allreduce`` of ``nbytes`` (uncompressed), a flat algorithm placed on the graph."""
-    params = params or CostParams()
     numel = max(1, nbytes // DTYPE_NBYTES[dtype])
     cost = scheme_cost(scheme, bits, dtype, topology.device_kind, params)
     schedule = build_placed_schedule(algorithm, topology)
@@ -268,7 +268,8 @@ def price_hierarchical(plan: HierarchicalPlan, topology: Topology, nbytes: int, 
 _KERNEL_FIELDS = {"encode": "compress_ns", "compress": "compress_ns",
                   "decode_accumulate": "decompress_ns", "decompress_accumulate": "decompress_ns",
                   "decode": "decompress_ns", "stats_center": "stats_ns", "stats": "stats_ns"}
-_KERNEL_BYTES = {"compress_ns": 4.6, "decompress_ns": 8.6, "stats_ns": 16.0}
+_KERNEL_BYTES = dict(zip(("compress_ns", "decompress_ns", "stats_ns"), _GPU_BYTES["dynamiq"],
+                         strict=True))
 
 
 def _device_kind(text: str) -> str:
@@ -288,16 +289,15 @@ def load_kernel_rates(paths: Iterable[str] | str | None = None
     best_numel: dict[tuple[str, str], int] = {}
     for path in paths:
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = json.loads(pathlib.Path(path).read_text())
         except (OSError, ValueError):
             continue
-        default_device = str(data.get("device", "")) if isinstance(data, dict) else ""
-        records = data.get("records", data.get("results", [])) if isinstance(data, dict) else data
+        data = data if isinstance(data, dict) else {"records": data}
+        records = data.get("records", data.get("results", []))
         for rec in records if isinstance(records, list) else []:
             if not isinstance(rec, dict):
                 continue
-            device = _device_kind(str(rec.get("device", default_device)))
+            device = _device_kind(str(rec.get("device", data.get("device", ""))))
             if "compress_ns" in rec and "decompress_ns" in rec:
                 key = (device, str(rec.get("scheme", "dynamiq")))
                 found[key] = {k: float(rec[k]) for k in ("compress_ns", "decompress_ns",

@@ -87,11 +87,8 @@ def detect(*, world_size: int | None = None, env: dict[str, str] | None = None,
         topology = Topology.cluster(hosts, local, intra=intra, inter_gbps=nic)
     else:
         notes.append("no GPU found: CPU ranks sharing each host's cores over loopback")
-        if hosts == 1:
-            topology = Topology.single_host(n)
-        else:
-            topology = Topology.cluster(hosts, local, intra="loopback", inter_gbps=nic,
-                                        device_kind="cpu")
+        topology = Topology.single_host(n) if hosts == 1 else Topology.cluster(
+            hosts, local, intra="loopback", inter_gbps=nic, device_kind="cpu")
     return Detection(topology, tuple(notes))
 
 

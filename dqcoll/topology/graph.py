@@ -158,18 +158,35 @@ class Topology:
         name: str | None = None,
     ) -> Topology:
         """``nodes`` hosts of ``gpus_per_node`` GPUs, ranks numbered host-major (as torchrun
-        does), one NIC of ``inter_gbps`` per node shared by its GPUs."""
+        does), one NIC of ``inter_gbps`` per node shared by its GPUs (figures ``None``: the link
+        kind's :data:`LINK_DEFAULTS`)."""
         if nodes < 1 or gpus_per_node < 1:
             raise InvalidArgumentError(
                 f"cluster needs nodes >= 1 and gpus_per_node >= 1, got {nodes}x{gpus_per_node}")
         kind = LinkKind(intra)
         if kind is LinkKind.NETWORK:
             raise InvalidArgumentError("intra must be nvlink, pcie or loopback, not network")
-        devices = None if device_kind == "cpu" else tuple(range(nodes * gpus_per_node))
-        return cls._hosts(
-            name or f"{nodes}x{gpus_per_node}-{kind.value}-{inter_gbps:g}g", nodes, gpus_per_node,
-            kind, intra_gbps, intra_latency_us, float(inter_gbps), inter_latency_us, devices,
-            device_kind)
+        spec, net = LINK_DEFAULTS[kind], LINK_DEFAULTS[LinkKind.NETWORK]
+        bw = spec.bandwidth_gbps if intra_gbps is None else float(intra_gbps)
+        lat = spec.latency_us if intra_latency_us is None else float(intra_latency_us)
+        nic_lat = net.latency_us if inter_latency_us is None else float(inter_latency_us)
+        links: list[Link] = []
+        ports: list[int] = []
+        nics: list[int] = []
+        for node in range(nodes):
+            nics.append(len(links))
+            links.append(Link(f"nic{node}", LinkKind.NETWORK, float(inter_gbps), nic_lat))
+            for local in range(gpus_per_node):
+                if not spec.shared_per_host:  # a port per rank
+                    links.append(Link(f"{kind.value}{node}.{local}", kind, bw, lat))
+                elif local == 0:  # one port per host
+                    links.append(Link(f"{kind.value}{node}", kind, bw, lat))
+                ports.append(len(links) - 1)
+        hosts = tuple(r // gpus_per_node for r in range(nodes * gpus_per_node))
+        return cls(name or f"{nodes}x{gpus_per_node}-{kind.value}-{inter_gbps:g}g", hosts,
+                   tuple(ports), tuple(nics), tuple(links),
+                   hosts if device_kind == "cpu" else tuple(range(len(hosts))),
+                   device_kind=device_kind)
 
     @classmethod
     def single_host(
@@ -185,36 +202,11 @@ class Topology:
     ) -> Topology:
         """``world_size`` ranks on one host; CPU ranks share its cores (``shared_device``)."""
         link_kind = LinkKind(kind)
-        devices = (0,) * world_size if shared_device else tuple(range(world_size))
-        return cls._hosts(name or f"host{world_size}-{link_kind.value}", 1, world_size, link_kind,
-                          bandwidth_gbps, latency_us, None, None, devices, device_kind)
-
-    @classmethod
-    def _hosts(cls, name: str, nodes: int, per_node: int, kind: LinkKind, gbps: float | None,
-               latency_us: float | None, nic_gbps: float | None, nic_latency_us: float | None,
-               devices: tuple[int, ...] | None, device_kind: str) -> Topology:
-        """Hosts of ``per_node`` ranks behind a NIC each (figures ``None``: the kind's default;
-        ``devices`` ``None``: one per host)."""
-        spec, net = LINK_DEFAULTS[kind], LINK_DEFAULTS[LinkKind.NETWORK]
-        bw = spec.bandwidth_gbps if gbps is None else float(gbps)
-        lat = spec.latency_us if latency_us is None else float(latency_us)
-        nic_bw = net.bandwidth_gbps if nic_gbps is None else nic_gbps
-        nic_lat = net.latency_us if nic_latency_us is None else float(nic_latency_us)
-        links: list[Link] = []
-        ports: list[int] = []
-        nics: list[int] = []
-        for node in range(nodes):
-            nics.append(len(links))
-            links.append(Link(f"nic{node}", LinkKind.NETWORK, nic_bw, nic_lat))
-            for local in range(per_node):
-                if not spec.shared_per_host:  # a port per rank
-                    links.append(Link(f"{kind.value}{node}.{local}", kind, bw, lat))
-                elif local == 0:  # one port per host
-                    links.append(Link(f"{kind.value}{node}", kind, bw, lat))
-                ports.append(len(links) - 1)
-        hosts = tuple(r // per_node for r in range(nodes * per_node))
-        return cls(name, hosts, tuple(ports), tuple(nics), tuple(links),
-                   hosts if devices is None else devices, device_kind=device_kind)
+        one = cls.cluster(1, world_size, intra=link_kind, intra_gbps=bandwidth_gbps,
+                          intra_latency_us=latency_us, device_kind=device_kind,
+                          name=name or f"host{world_size}-{link_kind.value}")
+        return dataclasses.replace(one, devices=(0,) * world_size if shared_device
+                                   else tuple(range(world_size)))
 
     @classmethod
     def flat(
@@ -237,9 +229,7 @@ class Topology:
                    tuple(range(world_size)), links, devices, device_kind=device_kind)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "hosts": list(self.hosts), "ports": list(self.ports),
-                "nics": list(self.nics), "links": [link.to_dict() for link in self.links],
-                "devices": list(self.devices), "device_kind": self.device_kind}
+        return dict(dataclasses.asdict(self), links=[link.to_dict() for link in self.links])
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Topology:

@@ -1,10 +1,7 @@
-"""Hierarchical plans as data: a scheme, bits and algorithm per level of the topology.
-
-A plan reads two ways that agree: one schedule over all ranks
-(:meth:`~HierarchicalPlan.flat_schedule`, checked and priced; none where a level's algorithm is
-``"auto"``) and :mod:`dqcoll.levels`' run of each level as an ordinary collective; the layout and
-phases: docs/topology.md §2. Rejected: a scheme per transfer in the Schedule IR (a partial sum
-cannot change format mid-tree).
+"""Hierarchical plans as data: a scheme, bits and algorithm per level of the topology, read as one
+schedule over all ranks (:meth:`~HierarchicalPlan.flat_schedule`, checked and priced) or as
+:mod:`dqcoll.levels`' run of each level; layout and phases: docs/topology.md §2. Rejected: a scheme
+per transfer in the Schedule IR (a partial sum cannot change format mid-tree).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Flat schedules placed on a topology: which rank plays which position of an algorithm.
-
-:func:`build_placed_schedule` gives positions to ranks host-major (:func:`placement_order`), so a
-ring crosses each NIC once per direction and the butterfly's heavy first steps stay inside hosts.
-:func:`relabel_schedule` maps position and chunk ``p`` to rank ``order[p]`` (chunk ``c``'s sink is
-still rank ``c``) and derives the roles again. Rejected: searching rank orders with the cost
-model; host-major order is optimal for the ring and within a few percent for the butterfly.
+"""Flat schedules placed on a topology host-major (:func:`build_placed_schedule`; why:
+docs/topology.md §2). Rejected: searching rank orders with the cost model; host-major order is
+optimal for the ring and within a few percent for the butterfly.
 """
 
 from __future__ import annotations
@@ -25,7 +21,8 @@ def placement_order(topology: Topology) -> tuple[int, ...]:
 
 
 def relabel_schedule(schedule: Schedule, order: Sequence[int]) -> Schedule:
-    """Map positions (and chunks) ``p`` to ranks ``order[p]``; see the module docstring."""
+    """Positions and chunks ``p`` renamed rank ``order[p]`` (chunk ``c`` still ends on rank
+    ``c``), the roles derived again."""
     n = schedule.world_size
     if sorted(order) != list(range(n)):
         raise InvalidArgumentError(f"order must be a permutation of 0..{n - 1}, got {list(order)}")

@@ -56,13 +56,6 @@ class Schedule:
     gather: tuple[Step, ...]
 
     @property
-    def num_chunks(self) -> int:
-        return self.world_size
-
-    def sink(self, chunk: int) -> int:
-        return chunk
-
-    @property
     def steps(self) -> tuple[Step, ...]:
         return self.reduce + self.gather
 
@@ -73,7 +66,7 @@ class Schedule:
             for t in step.transfers:
                 if t.chunk == chunk:
                     depth[t.dst] = max(depth[t.dst], depth[t.src] + 1)
-        return depth[self.sink(chunk)]
+        return depth[chunk]
 
     def subtree_sizes(self) -> tuple[tuple[int, ...], ...]:
         """``sizes[rank][chunk]``: how many ranks' contributions the partial sum that ``rank``
