@@ -1,10 +1,6 @@
-"""The public collectives: ``allreduce``, ``reduce_scatter`` and ``all_gather``.
-
-Each hands its arguments as one :class:`~dqcoll.prepare.Request` to
-:func:`dqcoll.execute.launch` (prepare, argument check on every rank, execute, write the caller's
-buffer last). On CUDA all work is queued on the caller's current stream. Only the package front,
-the integrations, the CLI and ``dqcoll_lab`` import this module (tests/test_layers.py). The path
-of one call: docs/design.md §2.
+"""The public collectives: each hands its arguments as one :class:`~dqcoll.prepare.Request` to
+:func:`dqcoll.execute.launch`. The path of one call (on CUDA, all on the caller's current
+stream): docs/design.md §2. Who may import this module: tests/test_layers.py.
 """
 
 from __future__ import annotations

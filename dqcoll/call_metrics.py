@@ -72,8 +72,7 @@ class CallRecord:
     status: str
     start_us: int = 0  # the wall clock (Unix time, microseconds) when the call started
 
-    def to_inspector(self, header: Mapping[str, Any] | None = None,
-                     metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def to_inspector(self, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The record as one NCCL Inspector object: ``header``, ``metadata``, ``coll_perf``."""
         n = max(self.world_size, 1)
         allreduce = self.collective == Collective.ALLREDUCE.value
@@ -95,8 +94,7 @@ class CallRecord:
             "plan": _plain(self.plan),
             "start_us": self.start_us,
         }
-        return {"header": dict(header if header is not None
-                               else {"rank": self.rank, "n_ranks": self.world_size}),
+        return {"header": {"rank": self.rank, "n_ranks": self.world_size},
                 "metadata": dict(metadata or {}), "coll_perf": perf}
 
 
@@ -241,12 +239,10 @@ class CallMetrics:
         self.capacity = envs.metrics_records() if capacity is None else int(capacity)
         self._records: collections.deque[CallRecord] = collections.deque(maxlen=self.capacity)
         self._totals: dict[TotalsKey, Totals] = {}
-        self._calls = 0  # records ever added (the ring keeps the last ``capacity``)
         self._lock = threading.Lock()
         self.jsonl_path = jsonl
         self._jsonl: TextIO | None = None
         self._warned = False
-        self._header = {"rank": self.rank, "n_ranks": self.world_size}
         self._metadata = {"inspector_output_format_version": _FORMAT_VERSION,
                           "hostname": socket.gethostname(), "pid": os.getpid()}
 
@@ -297,7 +293,6 @@ class CallMetrics:
             key = (name, record.scheme, record.algorithm, size_class(nbytes))
             with self._lock:
                 self._records.append(record)
-                self._calls += 1
                 self._totals.setdefault(key, Totals()).add(record)
                 if self.jsonl_path is not None:
                     self._append_jsonl(record)
@@ -315,7 +310,8 @@ class CallMetrics:
     @property
     def calls(self) -> int:
         """Calls recorded since the communicator was made (the ring may hold fewer)."""
-        return self._calls
+        with self._lock:
+            return sum(t.calls for t in self._totals.values())
 
     def totals(self) -> dict[TotalsKey, Totals]:
         """A copy of the running totals per (collective, scheme, algorithm, size class)."""
@@ -331,7 +327,7 @@ class CallMetrics:
     def inspector_line(self, record: CallRecord) -> str:
         """``record`` as one NCCL Inspector JSON line (no newline)."""
         metadata = {**self._metadata, "dump_timestamp_us": int(time.time() * 1e6)}
-        return json.dumps(record.to_inspector(self._header, metadata), allow_nan=False)
+        return json.dumps(record.to_inspector(metadata), allow_nan=False)
 
     def to_jsonl(self, target: str | os.PathLike[str] | IO[str]) -> int:
         """Append the ring's records as NCCL Inspector JSON lines to a path or open text file;
@@ -354,7 +350,7 @@ class CallMetrics:
             out += [f"# HELP {name} {text}", f"# TYPE {name} counter"]
             out += [f"{name}{{{self._labels(key)}}} {getattr(totals[key], field)}" for key in keys]
         with self._lock:
-            held, calls = len(self._records), self._calls
+            held, calls = len(self._records), sum(t.calls for t in self._totals.values())
         rank = f'rank="{self.rank}"'
         out += ["# HELP dqcoll_metrics_records Call records held in the ring (comm.metrics).",
                 "# TYPE dqcoll_metrics_records gauge",
@@ -371,7 +367,6 @@ class CallMetrics:
         return ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
 
     def _append_jsonl(self, record: CallRecord) -> None:
-        """Append ``record`` to the JSONL file; a failure logs once and stops the file."""
         try:
             if self._jsonl is None:
                 assert self.jsonl_path is not None
@@ -408,7 +403,7 @@ def recording(comm: Any, collective: str | Collective, buf: Any, *, scheme: Any 
     if not isinstance(scheme, str):
         spec = getattr(scheme, "spec", None)
         scheme = str(getattr(spec, "name", None) or type(scheme).__name__)
-    seq = getattr(comm, "_calls", 0)  # what prepare_call's next_step() returns
+    seq = comm._calls  # what prepare_call's next_step() returns
     before, sent = comm.last_info, comm.counters["bytes_sent"]
     wall, start = time.time(), time.perf_counter()
     error: BaseException | None = None
@@ -419,17 +414,15 @@ def recording(comm: Any, collective: str | Collective, buf: Any, *, scheme: Any 
         raise
     finally:
         elapsed = time.perf_counter() - start
-        metrics = getattr(comm, "metrics", None)
-        if metrics is not None:
-            try:
-                info = comm.last_info
-                wire = comm.counters["bytes_sent"] - sent
-                probe = info.get("planner_probe") if info is not before else None
-                if probe:  # the planner was made in this call: its probes' time is not the call's
-                    elapsed -= float(probe["s"])
-            except Exception:
-                info, wire = None, 0
-            metrics.record_call(
-                collective, buf, seq=int(seq), measured_s=elapsed, wire_bytes=wire,
-                info=None if info is before else info, scheme=scheme, algorithm=algorithm,
-                bits=bits, target=target, error=error, start_s=wall)
+        try:
+            info = comm.last_info
+            wire = comm.counters["bytes_sent"] - sent
+            probe = info.get("planner_probe") if info is not before else None
+            if probe:  # the planner was made in this call: its probes' time is not the call's
+                elapsed -= float(probe["s"])
+        except Exception:
+            info, wire = None, 0
+        comm.metrics.record_call(
+            collective, buf, seq=int(seq), measured_s=elapsed, wire_bytes=wire,
+            info=None if info is before else info, scheme=scheme, algorithm=algorithm,
+            bits=bits, target=target, error=error, start_s=wall)

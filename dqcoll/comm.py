@@ -51,7 +51,6 @@ class Communicator:
     ) -> None:
         self.transport = transport
         self.seed = int(seed)
-        # default: the transport's own device (an NCCL group's GPU), else the CPU
         self.device = torch.device(device or getattr(transport, "device", None) or "cpu")
         self.validate = envs.validate()  # DQCOLL_VALIDATE, as agreed
         if os.environ.get("DQCOLL_LOG_LEVEL"):  # unset: the application's logging config stands
@@ -148,13 +147,9 @@ class Communicator:
 
     def shrink(self, *, exclude: Sequence[int] | None = None, wait_s: float | None = None,
                timeout_s: float | None = None, store: Any = None) -> Communicator:
-        """A new communicator over the ranks still alive (call on every survivor; gloo only).
-
-        It replaces this one (now dead) as the default; ``members``: its ranks' original numbers.
-        ``exclude``: ranks known dead, else survivors wait up to ``wait_s`` for late ones. On a
-        healthy communicator raises :class:`~dqcoll.errors.InvalidArgumentError` after ``2 x
-        wait_s``. Protocol: docs/reliability.md, "Surviving a lost rank".
-        """
+        """A new communicator over the ranks still alive (call on every survivor; gloo only) that
+        replaces this one (now dead) as the default; ``exclude``, ``wait_s``, ``members`` and the
+        errors: docs/reliability.md, "Surviving a lost rank"."""
         from . import handles, membership
 
         if self.closed or self.shrinks:
@@ -235,19 +230,19 @@ def _env_int(name: str, value: int | None) -> int:
     return int(os.environ[name])
 
 
-def _probe(addr: str, port: int, timeout_s: float) -> str:
-    """What is at ``addr:port`` within ``timeout_s``: ``"open"``, ``"refused"``, ``"timed
-    out"`` or the last socket error. Polls while nobody listens yet."""
+def _probe(addr: str, port: int, timeout_s: float) -> str | None:
+    """None once something accepts a connection at ``addr:port`` within ``timeout_s``, else what
+    the last attempt found (polls while nobody listens yet)."""
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
         try:
             with socket.create_connection((addr, port), timeout=max(0.05, min(1.0, remaining))):
-                return "open"
+                return None
         except ConnectionRefusedError:
-            found = "refused"
+            found = "nobody listens there (connection refused)"
         except TimeoutError:
-            found = "timed out"
+            found = "connection attempts went unanswered"
         except OSError as exc:
             found = f"{type(exc).__name__}: {exc}"
         if remaining <= 0:
@@ -264,11 +259,9 @@ def _store_client(addr: str, port: int, world_size: int, timeout_s: float,
     start = time.monotonic()
     found = _probe(addr, port, timeout_s)
     where = f"dqcoll.init: rank {rank} of {world_size}: the store of rank 0 at {addr}:{port}"
-    if found != "open":
-        what = {"refused": "nobody listens there (connection refused)",
-                "timed out": "connection attempts went unanswered"}.get(found, found)
+    if found is not None:
         raise CollectiveTimeoutError(
-            f"{where} could not be reached within {timeout_s:g} s: {what} (missing rank: 0, "
+            f"{where} could not be reached within {timeout_s:g} s: {found} (missing rank: 0, "
             f"or a wrong MASTER_ADDR/MASTER_PORT)")
     result: dict[str, Any] = {}
 

@@ -1,8 +1,5 @@
-"""The :class:`~dqcoll.schemes.base.CallContext` of one collective call, from a transport.
-
-Binds ``ctx.reduce`` and ``ctx.schedule`` to the call's transport and schedule, so the schemes
-import neither (docs/design.md §1).
-"""
+"""The :class:`~dqcoll.schemes.base.CallContext` of one call: ``ctx.reduce`` and ``ctx.schedule``
+bound to its transport and schedule, so the schemes import neither (docs/design.md §1)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Every ``DQCOLL_*`` environment variable (:data:`ENV_VARS`), typed and documented in one place:
-each reader below returns its variable's value as ENV_VARS describes it.
+"""Every ``DQCOLL_*`` environment variable (:data:`ENV_VARS`), typed and documented in one place.
 
-Nothing else in dqcoll reads ``os.environ`` for its own settings. Values are read and validated
-at call time, not at import (tests and launchers set them later); a malformed one raises
-:class:`~dqcoll.errors.InvalidArgumentError` naming the variable.
+Read and validated at call time, not at import (tests and launchers set them later); a malformed
+value raises :class:`~dqcoll.errors.InvalidArgumentError` naming the variable.
 """
 
 from __future__ import annotations

@@ -250,8 +250,7 @@ def _inspect_input(call: PreparedCall, buf: Any, comm: Communicator) -> None:
 
 
 def _check_sharded(call: PreparedCall, out: Any, comm: Communicator) -> None:
-    """A reduce-scatter's or all-gather's scheme (its spec's ``supports_reduce_scatter``) and
-    output: one shard (reduce-scatter) or n shards (all-gather)."""
+    """A reduce-scatter's or all-gather's scheme and output (one shard, or n shards)."""
     tensor, spec = call.tensor, call.scheme.spec if call.scheme is not None else None
     assert tensor is not None and spec is not None
     if call.auto and call.collective is Collective.ALL_GATHER:

@@ -1,9 +1,4 @@
-"""Run several ranks in one process, for tests, examples and notebooks.
-
-``run_local(world_size, fn, *args)`` calls ``fn(comm, *args)`` on one thread per rank over the
-``local`` transport, with the rank's communicator as its default. When a rank raises, the group
-is aborted and the first root-cause exception is re-raised after every thread has ended.
-"""
+"""Run several ranks in one process, for tests, examples and notebooks (:func:`run_local`)."""
 
 from __future__ import annotations
 
@@ -29,7 +24,10 @@ def run_local(
     timeout_s: float | None = None,
     return_exceptions: bool = False,
 ) -> list[Any]:
-    """Each rank's return value, in rank order (its exception instead, if ``return_exceptions``)."""
+    """``fn(comm, *args)`` on one thread per rank over the ``local`` transport, the rank's
+    communicator its default; returns each rank's value in rank order (its exception instead, if
+    ``return_exceptions``). Else when a rank raises, the group is aborted and the first root
+    cause re-raised after every thread has ended."""
     hub = LocalHub(world_size, timeout_s=timeout_s)
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size

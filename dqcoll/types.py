@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from .errors import InvalidArgumentError
+
 __all__ = ["FRAME_HEADROOM", "Collective", "ReduceOp"]
 
 # Bytes in front of each payload of a framed exchange (transports.base.exchange_framed), where
@@ -22,8 +24,6 @@ class ReduceOp(enum.Enum):
         try:
             return cls(str(value).lower())
         except ValueError:
-            from .errors import InvalidArgumentError
-
             raise InvalidArgumentError(
                 f"unknown op {value!r}; expected one of {[op.value for op in cls]}"
             ) from None

@@ -1,10 +1,6 @@
-"""The argument check across ranks: every rank raises together, before any data moves.
-
-:func:`handshake` runs one tiny all-reduce (max) of the int64 vector ``[fields, -fields, error
-code by rank, extra, exponent]``: the :func:`fingerprint`, each rank's local error code,
-:data:`EXTRA_SLOTS` and the input's largest binary exponent. The faulty rank raises its own
-error, the others :class:`~dqcoll.errors.PeerError`; disagreeing ranks raise
-:class:`~dqcoll.errors.MismatchError`. Rationale: docs/reliability.md, "Argument check".
+"""The argument check across ranks: every rank raises together, before any data moves; one
+tiny all-reduce (max) of ``[fields, -fields, error code by rank, extra, exponent]`` (int64).
+Rationale: docs/reliability.md, "Argument check"; the vector: docs/design.md §2 step 3.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ from .types import Collective
 
 __all__ = ["EXTRA_SLOTS", "fingerprint", "handshake"]
 
-_ERROR_CODES = {name: code for code, name in enumerate(
-    ("buffer", "dtype", "layout", "scheme", "algorithm", "op", "other"), start=1)}
-_ERROR_NAMES = {v: k for k, v in _ERROR_CODES.items()}
+# a failure's category (prepare.PreparedCall.category) travels as its position here plus 1
+_CATEGORIES = ("buffer", "dtype", "layout", "scheme", "algorithm", "op", "other")
 _DTYPE_IDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Everything that changes the number, sizes or meaning of the messages must be here. ``seed``
 # and ``step`` travel as 62-bit hashes of their whole value; the call counter is hashed with
@@ -40,10 +35,6 @@ _COLLECTIVE_IDS = {Collective.ALLREDUCE: 1, Collective.REDUCE_SCATTER: 2,
 EXTRA_SLOTS = 1
 
 
-def _crc(text: str) -> int:
-    return zlib.crc32(text.encode())
-
-
 def fingerprint(call: PreparedCall) -> tuple[int, ...]:
     """The int64 fields of :data:`_FIELDS` for a call that passed its local checks: what every
     rank must agree on (``scheme="auto"`` is fingerprinted as ``auto``)."""
@@ -55,9 +46,9 @@ def fingerprint(call: PreparedCall) -> tuple[int, ...]:
     return (
         tensor.numel(),
         _DTYPE_IDS[tensor.dtype],
-        _crc(name + repr(scheme)),
-        _crc(algorithm),
-        _crc(op.value),
+        zlib.crc32((name + repr(scheme)).encode()),
+        zlib.crc32(algorithm.encode()),
+        zlib.crc32(op.value.encode()),
         hash62(str(int(call.seed))),
         hash62(f"{int(call.step)}/{call.call}"),
         int(call.tile_nbytes),
@@ -93,7 +84,7 @@ def handshake(call: PreparedCall, comm: Communicator, extra: list[int] | None = 
         extra[:] = vector[2 * k + n : 2 * k + n + m].tolist()
     if call.error is not None:
         raise call.error
-    bad = [(r, _ERROR_NAMES.get(c, "other")) for r, c in enumerate(codes) if c]
+    bad = [(r, _CATEGORIES[min(c, len(_CATEGORIES)) - 1]) for r, c in enumerate(codes) if c]
     if bad:
         listed = ", ".join(f"rank {r} ({cat})" for r, cat in bad)
         raise PeerError(f"rank {comm.rank}: {call.what} not run: invalid input on {listed}")
@@ -119,7 +110,7 @@ def _exchange(call: PreparedCall, comm: Communicator, fields: tuple[int, ...],
         vector[k : 2 * k] = -values
         vector[-1] = call.exponent
     else:
-        vector[2 * k + comm.rank] = _ERROR_CODES[call.category]
+        vector[2 * k + comm.rank] = _CATEGORIES.index(call.category) + 1
         vector[-1] = NO_EXPONENT
     vector = host_to_device(vector, comm.device, torch.int64)  # the host waits only at .cpu()
     try:
