@@ -106,12 +106,9 @@ ALL_WIDTHS = (*FINE_WIDTHS, RAW_WIDTH)
 # The paper's epsilons (levels="nonuniform") for 2 / 4 / 8 bits; 3, 5, 6, 7 bits use the tuned ones.
 EPSILON = {2: 0.23, 3: 0.35, 4: 0.18, 5: 0.15, 6: 0.10, 7: 0.07, 8: 0.10}
 # levels="tuned": per width, the epsilon with the least single-quantization vNMSE of N(0, 1)
-# (groups of 16, uint8 scales; docs/dense_gap.md): 4 bits 0.0130 (paper's 0.18: 0.0133),
-# 8 bits 4.4e-5 (paper's 0.10: 7.9e-5, worse than uniform levels' 4.7e-5).
 EPSILON_TUNED = {2: 0.23, 3: 0.35, 4: 0.23, 5: 0.15, 6: 0.10, 7: 0.07, 8: 0.04}
 GROUP_CODE_LEVELS = 16  # scales="hierarchical4": 4-bit group codes
-# Rows of super-groups the reference processes at once. Its int64 hash temporaries (8 B per
-# coordinate) then stay in cache: 128-256 rows encode about twice as fast as 4096. Results do not
+# Rows the reference encodes at once (its int64 hash temporaries stay in cache); results do not
 # depend on it.
 _ROWS_PER_BLOCK = 256
 
@@ -214,12 +211,9 @@ def tree_sum(v: torch.Tensor) -> torch.Tensor:
 def stats_center_torch(
     x: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per super-group mean and squared L2 norm after centring, and the centred values.
-
-    ``x`` is fp32 ``[S, 256]``; row ``i`` holds ``valid[i]`` (int, 1..256) valid coordinates
-    followed by zero padding. The mean is over the valid coordinates, and padding stays exactly
-    zero after centring. Returns ``(centred [S, 256], mean [S], norm2 [S])``.
-    """
+    """``(centred rows, means, squared norms after centring)`` of fp32 ``x [S, 256]`` whose row
+    ``i`` holds ``valid[i]`` (1..256) coordinates, then zero padding (kept exactly 0); each mean
+    is over its row's valid coordinates."""
     return _centre(x, valid, tree_sum(x) / host_to_device(valid, x.device, torch.float32))
 
 
@@ -350,11 +344,9 @@ def encode_torch(
     """Encode fp32 ``x [k, 256]`` at ``width`` bits -> records uint8 ``[k, record_nbytes]``
     (written into ``out`` when given, e.g. a view of the payload; every fast path takes it).
 
-    ``index_base[i]`` is the global index of row ``i``'s first coordinate (its super-group index
-    times 256 in the caller's buffer), which keys the random numbers; ``rank``/``world_size`` and
-    the call ``key`` select this rank's uniforms. ``uniforms`` (fp32 ``[k, 256]``), when given,
-    are used instead: the simulator passes the very uniforms :func:`rng.rounding_uniforms` gives
-    each row's own rank, to encode rows of many ranks in one call.
+    ``index_base[i]``, the global index of row ``i``'s first coordinate, keys the random numbers;
+    ``rank``/``world_size`` and the call ``key`` select this rank's. ``uniforms`` (fp32 ``[k,
+    256]``) replace them (the simulator's rows of many ranks, each with its own rank's).
     """
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != SUPER:
         raise ValueError(f"expected fp32 [k, {SUPER}], got {x.dtype} {tuple(x.shape)}")

@@ -28,6 +28,7 @@ from ...kernels.codec import (
     CodecConfig,
     Scales,
     record_nbytes,
+    restore_torch,
     stats_center_rounded_torch,
 )
 from ...types import Collective, ReduceOp
@@ -72,8 +73,7 @@ class SchemeSettings(Protocol):
     measured_errors: dict[int, float] | None
 
 
-# Below this many super-groups the budget covers the tail's padding too (_allocate_for_budget).
-_EXACT_BUDGET_ROWS = 64
+_EXACT_BUDGET_ROWS = 64  # see DynamiqCall._allocate
 # Target mode's estimates kept per communicator and kind, per (numel, collective, algorithm) key
 RHO_ENTRIES = 1024
 _INPUT_BUFFER = "dynamiq.input"
@@ -123,7 +123,6 @@ class _Layout:
     flat: torch.Tensor  # fp32 [rows, 256]: the padded input (may be the caller's: never written)
     row_start: torch.Tensor  # int64: global index of each row's first coordinate
     valid: torch.Tensor  # int64: valid (unpadded) coordinates of each row
-    row_chunk: torch.Tensor  # int64: the chunk each row belongs to (0 without shards)
     shard_row_counts: torch.Tensor | None  # int64 [n]: rows per shard (shard layout)
 
 
@@ -139,9 +138,9 @@ class _Statistics:
     summed: torch.Tensor  # fp32 [2, rows]: the ranks' summed means and squared norms
 
 
-def _shard_layout(x: torch.Tensor, n: int) -> tuple[_Layout, tuple[int, int], bool]:
+def _shard_layout(x: torch.Tensor, n: int) -> tuple[_Layout, tuple[int, int]]:
     """Shard ``c`` = coordinates ``[c * shard, (c + 1) * shard)`` padded to whole rows on its own,
-    rows past the end dropped: ``(layout, (shard, shard_rows), whether rows were dropped)``."""
+    rows past the end dropped: ``(layout, (shard, shard_rows))``."""
     numel, device = x.numel(), x.device
     shard = -(-numel // n)
     shard_rows = -(-shard // SUPER)
@@ -155,16 +154,13 @@ def _shard_layout(x: torch.Tensor, n: int) -> tuple[_Layout, tuple[int, int], bo
     row_start = (torch.arange(n, dtype=torch.int64)[:, None] * shard
                  + in_shard[None, :] * SUPER).reshape(-1)
     valid = (lengths[:, None] - in_shard[None, :] * SUPER).clamp(max=SUPER).reshape(-1)
-    row_chunk = torch.arange(n, dtype=torch.int64).repeat_interleave(shard_rows)
     flat = flat.view(n * shard_rows, SUPER)
-    uneven = bool(numel % n)
-    if uneven:  # rows kept picked on the host (a device mask would make the host wait)
+    if numel % n:  # rows kept picked on the host (a device mask would make the host wait)
         exists = valid > 0
         kept = host_to_device(torch.nonzero(exists).squeeze(1), device, torch.int64)
-        flat, row_start, valid, row_chunk = (
-            flat.index_select(0, kept), row_start[exists], valid[exists], row_chunk[exists])
-    layout = _Layout(flat, row_start, valid, row_chunk, -(-lengths // SUPER))
-    return layout, (shard, shard_rows), uneven
+        flat, row_start, valid = flat.index_select(0, kept), row_start[exists], valid[exists]
+    layout = _Layout(flat, row_start, valid, -(-lengths // SUPER))
+    return layout, (shard, shard_rows)
 
 
 def _tail_layout(x: torch.Tensor, ctx: CallContext) -> _Layout:
@@ -181,8 +177,7 @@ def _tail_layout(x: torch.Tensor, ctx: CallContext) -> _Layout:
         flat.view(-1)[numel:] = 0.0  # the tail's padding
     row_start = torch.arange(rows, dtype=torch.int64) * SUPER
     valid = (numel - row_start).clamp(max=SUPER)
-    row_chunk = torch.zeros(rows, dtype=torch.int64)
-    return _Layout(flat.view(rows, SUPER), row_start, valid, row_chunk, None)
+    return _Layout(flat.view(rows, SUPER), row_start, valid, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,13 +362,15 @@ def _allocate_for_target(scheme: SchemeSettings, layout: _Layout, summed: torch.
 
 
 def _sort_order(widths: np.ndarray, hop: dict[int, torch.Tensor] | None,
-                row_chunk: torch.Tensor, n: int) -> np.ndarray:
-    """The rows' order: by width within each chunk (shard), or with hop widths by the sum of the
+                shard_row_counts: torch.Tensor | None, n: int) -> np.ndarray:
+    """The rows' order: by width within each shard (chunk), or with hop widths by the sum of the
     class widths (sorted for every class), striped over the ``n`` chunks so that each holds the
     same mix of widths at every count. 16-bit keys take NumPy's (faster) radix sort."""
     rows = widths.shape[0]
     if hop is None:
-        key = row_chunk.numpy() * 32 + widths  # widths <= 16 < 32
+        chunk = (0 if shard_row_counts is None
+                 else np.repeat(np.arange(n, dtype=np.int64), shard_row_counts.numpy()))
+        key = chunk * 32 + widths  # widths <= 16 < 32
         return np.argsort(key.astype(np.uint16 if n * 32 <= 1 << 16 else np.int64),
                           kind="stable")
     hop_key = torch.stack(list(hop.values())).sum(0).numpy()
@@ -443,7 +440,6 @@ class DynamiqCall:
         """The rows: shards padded on their own, or the whole input with its tail padded."""
         self.sharded = (ctx.collective is not Collective.ALLREDUCE
                         or scheme.balance is Balance.SHARDS)
-        self.uneven = False  # sharded with numel % n != 0 (all-reduce only): shards differ
         self.shard: tuple[int, int] | None = None  # (shard, shard_rows) in the shard layout
         if not self.sharded:
             return _tail_layout(x, ctx)
@@ -451,7 +447,7 @@ class DynamiqCall:
             raise InvalidArgumentError(
                 f"{ctx.what}: {self.numel} elements do not split into {self.world_size} equal "
                 f"shards")
-        layout, self.shard, self.uneven = _shard_layout(x, self.world_size)
+        layout, self.shard = _shard_layout(x, self.world_size)
         return layout
 
     def _statistics(self, scheme: SchemeSettings, layout: _Layout,
@@ -459,9 +455,8 @@ class DynamiqCall:
         """The local statistics (rows in the original order), then their all-reduce. The split
         statistics leave dividing and centring to the reorder's gather; the others do it here."""
         prep = self.ops
-        # width 0 only where every rank's row of x / n - mean is +-0 (see _reorder)
-        self.zero_rows_exact = scheme.stats in ("fp32", "norm16")
-        split = prep.stats is not None and prep.center_gather is not None and self.zero_rows_exact
+        split = (prep.stats is not None and prep.center_gather is not None
+                 and scheme.stats in ("fp32", "norm16"))
         divisor = self.world_size if ctx.op is ReduceOp.AVG else 1
         # the statistics the range check's pass took, where they are this call's
         self.surveyed = (ctx.survey if split and isinstance(ctx.survey, Survey)
@@ -474,21 +469,20 @@ class DynamiqCall:
 
     def _allocate(self, scheme: SchemeSettings, layout: _Layout, summed: torch.Tensor,
                   ctx: CallContext) -> None:
-        """Sets ``allocation``, ``hop`` (class -> widths, or None), ``hop_tau`` (class -> its
-        share of the transfers) and ``target`` (target mode's record, or None)."""
+        """Sets ``allocation``, ``hop`` (class -> widths, or None) and ``target`` (target mode's
+        record, or None)."""
         self.target: _TargetRecord | None = None
         rule = scheme.format.rule
         classes = (count_classes(ctx.schedule.subtree_sizes())
                    if scheme.hop_widths and not self.sharded and ctx.schedule is not None
                    and (rule is None or rule.fixed_width is None) else {})
-        self.hop_tau = {c: t for c, (_, t) in classes.items()}  # with hop widths (classes) only
         self.hop: dict[int, torch.Tensor] | None = None
         if scheme.target_vnmse is not None:
             self.hop, self.allocation, self.target = _allocate_for_target(
                 scheme, layout, summed, self.numel, ctx, classes)
             return
         # A short tail costs a whole record, which starved a small buffer's other super-groups:
-        # below 64 rows the tail's padding is budgeted too (info["over_budget"] then says so).
+        # below _EXACT_BUDGET_ROWS the tail's padding is budgeted too (info["over_budget"] says so).
         rows = layout.flat.shape[0]
         numel = (self.numel if rows >= _EXACT_BUDGET_ROWS
                  else min(rows * SUPER, self.numel + SUPER - 1))
@@ -517,28 +511,28 @@ class DynamiqCall:
                        f"the torch reference (the same bytes, slower)")
             self.ops = torch_ops()
         self.deferred: list[tuple[int, int, int, torch.Tensor]] | None = (
-            [] if (ctx.collective is Collective.ALLREDUCE and self.ops.decode_restore is not None
-                   and scheme.target_vnmse is None) else None)
+            [] if (ctx.collective is Collective.ALLREDUCE and scheme.target_vnmse is None
+                   and self.ops.decode_restore_runs is not None) else None)
 
     def _reorder(self, layout: _Layout, statistics: _Statistics, ctx: CallContext
                  ) -> tuple[np.ndarray, np.ndarray]:
         """Sort the rows; write the work rows, means, valid counts and global indices so."""
         rows, device = layout.flat.shape[0], layout.flat.device
         widths_np = self.allocation.widths.numpy()
-        order_np = _sort_order(widths_np, self.hop, layout.row_chunk, self.world_size)
+        order_np = _sort_order(widths_np, self.hop, layout.shard_row_counts, self.world_size)
         self.order_np = order_np
         self.order = host_to_device(torch.from_numpy(order_np), device, torch.int64)
         sorted_widths = widths_np[order_np]
         prep = statistics.ops
-        # Width-0 rows (every rank's centred values +-0, by the underflow check): an all-reduce
-        # whose last decode is the fused one never reads their work rows and restores them as
-        # the mean (c + m == m + 0 for c = +-0). Half of a ReLU MLP's gradient.
+        # Width-0 rows (with the split statistics, every rank's centred values +-0 by the underflow
+        # check): an all-reduce whose last decode is the fused one never reads their work rows and
+        # restores them as the mean (c + m == m + 0 for c = +-0). Half of a ReLU MLP's gradient.
         self.unwritten: np.ndarray | None = None
         # (the input's address, sorted rows all +0 in it): where the output is the input, the
         # width-0 rows among them with a mean of +-0 already hold what their restore would write
         self.plus_zero_in: tuple[int, np.ndarray] | None = None
         zero = sorted_widths == 0
-        if (statistics.centred is None and self.zero_rows_exact and self.deferred is not None
+        if (statistics.centred is None and self.deferred is not None
                 and self.ops.restore_mean is not None and bool(zero.any())):
             self.unwritten = zero
             if self.surveyed is not None and not self.sharded:
@@ -565,8 +559,7 @@ class DynamiqCall:
         return order_np, sorted_widths
 
     def _byte_geometry(self, sorted_widths: np.ndarray, order: np.ndarray) -> None:
-        self.geometry = Geometry(sorted_widths, order, self.config.scales, self.hop,
-                                 self.hop_tau)
+        self.geometry = Geometry(sorted_widths, order, self.config.scales, self.hop)
 
     def _chunk_bounds(self, layout: _Layout) -> list[int]:
         return self.geometry.chunk_bounds(self.world_size, layout.shard_row_counts)
@@ -590,10 +583,8 @@ class DynamiqCall:
             "over_budget": target is None
             and allocation.total_nbytes > math.floor(scheme.bits * numel / 8),
             "predicted_vnmse": allocation.predicted_vnmse,
-            # target mode only: the prediction's upper bound (times ErrorModel.spread), rho and its
-            # source ("error_model", "earlier call" or "default": 0), the crests per width used
-            # (None: the Gaussian's), and whether the upper bound meets the target with the data's
-            # crests known (False on a first call)
+            # target mode only (docs/target_vnmse.md): rho and its source (_TargetRecord), the
+            # crests per width used (None: the Gaussian's); target_met is False on a first call
             "predicted_vnmse_upper": allocation.predicted_vnmse * scheme.error_model.spread
             if target is not None else float("nan"),
             "rho": target.rho if target is not None else None,
@@ -613,17 +604,12 @@ class DynamiqCall:
     def _decode_restore(self, out: torch.Tensor) -> None:
         """Decode every deferred record straight into ``out`` (plus its mean, at its original
         place); the rows no record covers (width 0) are restored from ``work``."""
-        assert self.deferred is not None and self.ops.decode_restore is not None
+        assert self.deferred is not None and self.ops.decode_restore_runs is not None
         rows = self.work.shape[0]
-        if self.ops.decode_restore_runs is not None:
-            self.ops.decode_restore_runs([(records, width, a, b)
-                                          for width, a, b, records in self.deferred],
-                                         self.config, self.mean_sorted, self.index_base,
-                                         self.valid_sorted, out)
-        else:
-            for width, a, b, records in self.deferred:
-                self.ops.decode_restore(records, width, self.config, self.mean_sorted[a:b],
-                                        self.index_base[a:b], self.valid_sorted[a:b], out)
+        self.ops.decode_restore_runs([(records, width, a, b)
+                                      for width, a, b, records in self.deferred],
+                                     self.config, self.mean_sorted, self.index_base,
+                                     self.valid_sorted, out)
         spans = _uncovered([(a, b) for _, a, b, _ in self.deferred], rows, self.unwritten)
         self.deferred.clear()
         for c, d, unwritten in spans:  # views, not copies: width-0 rows can be half of a gradient's
@@ -649,9 +635,8 @@ class DynamiqCall:
         self.kernels["restore_mean"] = self.ops.name
         self.ops.restore_mean(mean, base, valid, out)
 
-    def _segments(self, chunk: int, count: int | None = None) -> Segments:
-        return self.geometry.segments(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1],
-                                      count)
+    def _segments(self, chunk: int, count: int) -> Segments:
+        return self.geometry.segments(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1], count)
 
     def payload_nbytes(self, chunk: int, count: int) -> int:
         return self.geometry.payload_nbytes(self.chunk_bounds[chunk],
@@ -742,13 +727,13 @@ class DynamiqCall:
         a, b = self.chunk_bounds[shard], self.chunk_bounds[shard + 1]
         self._restore(out, self.work[a:b], self.mean_sorted[a:b],
                       self.index_base[a:b] - shard * self.shard[0],  # coordinates in the shard
-                      self.valid_sorted[a:b], by_index=True)
+                      self.valid_sorted[a:b])
 
     def finish(self, out: torch.Tensor) -> None:
         # (an all-zero buffer has neither deferred records nor written work rows)
         if self.deferred is not None and (self.deferred or self.unwritten is not None):
-            if (self.ops.decode_restore is not None and out.dtype == torch.float32
-                    and out.is_contiguous() and out.device == self.work.device):
+            if (out.dtype == torch.float32 and out.is_contiguous()
+                    and out.device == self.work.device):
                 self.kernels["decode_restore"] = self.ops.name
                 self._decode_restore(out.view(-1))
                 return
@@ -763,34 +748,19 @@ class DynamiqCall:
         if self.target is not None:
             self.target.measure(self.work, self.order_np, self.allocation.widths,
                                 self.world_size, self.info)
-        # uneven: rows past the end were dropped, so the torch restore goes by coordinate index
-        self._restore(out, self.work, self.mean_sorted, self.index_base, self.valid_sorted,
-                      by_index=self.uneven)
+        self._restore(out, self.work, self.mean_sorted, self.index_base, self.valid_sorted)
 
     def _restore(self, out: torch.Tensor, work: torch.Tensor, mean: torch.Tensor,
-                 base: torch.Tensor, valid: torch.Tensor, by_index: bool) -> None:
-        """Sorted rows plus their means into ``out`` in the original order: ``ops.restore`` where
-        it applies (a contiguous ``out`` on the rows' device), else torch's, by coordinate index
-        (each row's valid values at ``base``) or by ``order``."""
+                 base: torch.Tensor, valid: torch.Tensor) -> None:
+        """Sorted rows plus their means into ``out``, each row's valid values at ``base``:
+        ``ops.restore`` where it applies (a contiguous ``out`` on the rows' device), else the
+        torch reference's through an fp32 buffer."""
         device = work.device
         if self.ops.restore is not None and out.is_contiguous() and out.device == device:
             self.kernels["restore"] = self.ops.name
             self.ops.restore(work, mean, base, valid, out.view(-1))
             return
         self.kernels["restore"] = "torch"
-        if by_index:
-            value = work + mean.to(device)[:, None]
-            coord = torch.arange(SUPER, device=device)
-            keep = coord[None, :] < host_to_device(valid, device, valid.dtype)[:, None]
-            target = base.to(device)[:, None] + coord[None, :]
-            result = torch.zeros(out.numel(), dtype=torch.float32, device=device)
-            result[target[keep]] = value[keep]
-        else:
-            restored = torch.empty_like(work)
-            restored[self.order] = work + mean[:, None]
-            if self.shard is not None:
-                shard, shard_rows = self.shard
-                result = restored.view(self.world_size, shard_rows * SUPER)[:, :shard]
-            else:
-                result = restored.view(-1)[: self.numel]
+        result = torch.zeros(out.numel(), dtype=torch.float32, device=device)
+        restore_torch(work, mean.to(device), base, valid, result)
         out.copy_(result.reshape(out.shape))

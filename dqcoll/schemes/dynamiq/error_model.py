@@ -113,7 +113,7 @@ class ErrorModel:
         gamma = 1.0
         if config.rounding is RoundingMode.CORRELATED:
             gamma = CORRELATED_FACTOR.get(schedule.algorithm, _DEFAULT_CORRELATED_FACTOR)
-        eps[2] *= two_bit_compounding(schedule.world_size)
+        eps[2] *= 1.0 + 0.2 * math.log2(max(schedule.world_size, 1))  # 2-bit errors compound
         return self.central * self.kappa * gamma * eps
 
 
@@ -152,11 +152,6 @@ def measure_crests(rows: torch.Tensor, widths: torch.Tensor,
         if total > 0.0:
             crests[int(width)] = float(peak[pick].sum()) / total
     return crests
-
-
-def two_bit_compounding(world_size: int) -> float:
-    """Measured excess of 2-bit errors over ``eps H`` (docs/target_vnmse.md): ``1 + 0.2 log2 n``."""
-    return 1.0 + 0.2 * math.log2(max(world_size, 1))
 
 
 def path_growth(schedule: ScheduleShape, rho: float = 0.0) -> float:

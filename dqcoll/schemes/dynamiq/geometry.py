@@ -1,6 +1,6 @@
 """Where one ``dynamiq`` call's records lie (step 6 of :mod:`.call`): byte offsets, runs of equal
 width, the ``n`` chunks and each chunk's segments, over the rows in the call's sorted order; with
-hop widths per count class, the chunks following their traffic-weighted average.
+hop widths per count class, the chunks striped.
 """
 
 from __future__ import annotations
@@ -39,20 +39,14 @@ class Geometry:
     views, so :meth:`segments` is memoised."""
 
     def __init__(self, sorted_widths: np.ndarray, order: np.ndarray, scales: Scales,
-                 hop: dict[int, torch.Tensor] | None, hop_tau: dict[int, float]) -> None:
-        rows = self.rows = sorted_widths.shape[0]
+                 hop: dict[int, torch.Tensor] | None) -> None:
+        self.rows = sorted_widths.shape[0]
         sizes = cost_lookup(scales).numpy()
         self.row_offsets, self.runs = _offsets_and_runs(sizes, sorted_widths)
-        self.by_count: dict[int, tuple[np.ndarray, Runs]] = {}
+        self.by_count: dict[int, tuple[np.ndarray, Runs]] = {
+            c: _offsets_and_runs(sizes, widths.numpy()[order]) for c, widths in (hop or {}).items()}
         # (first row, end row, count class) -> segments
         self._segment_cache: dict[tuple[int, int, int | None], Segments] = {}
-        if hop is None:
-            return
-        avg = np.zeros(rows + 1, dtype=np.float64)
-        for c, class_widths in hop.items():
-            self.by_count[c] = _offsets_and_runs(sizes, class_widths.numpy()[order])
-            avg += hop_tau[c] * self.by_count[c][0].astype(np.float64)
-        self.row_offsets = avg
 
     def chunk_bounds(self, n: int, shard_row_counts: torch.Tensor | None) -> list[int]:
         """The first sorted row of each of the ``n`` chunks, and the end: striped with hop widths,
@@ -62,16 +56,14 @@ class Geometry:
             return [0, *np.cumsum([rows // n + (c < rows % n) for c in range(n)]).tolist()]
         if shard_row_counts is not None:
             return [0, *torch.cumsum(shard_row_counts, 0).tolist()]
-        total = int(self.row_offsets[-1])  # the records' own offsets (no hop widths)
+        total = int(self.row_offsets[-1])
         targets = [(c * total + n // 2) // n for c in range(1, n)]
         return [0, *np.searchsorted(self.row_offsets, targets).tolist(), rows]
 
-    def _tables(self, count: int | None) -> tuple[np.ndarray, Runs]:
-        if self.by_count and count is not None:
-            return self.by_count[count]
-        return self.row_offsets, self.runs
+    def _tables(self, count: int) -> tuple[np.ndarray, Runs]:
+        return self.by_count[count] if self.by_count else (self.row_offsets, self.runs)
 
-    def segments(self, lo: int, hi: int, count: int | None = None) -> Segments:
+    def segments(self, lo: int, hi: int, count: int) -> Segments:
         """(width, first row, end row, byte offset in the chunk payload) of each run in sorted
         rows ``[lo, hi)``, cached per (rows, count)."""
         key = (lo, hi, count if self.by_count else None)
