@@ -10,14 +10,13 @@ import copy
 import dataclasses
 import functools
 import itertools
-import queue
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
+from .handles import Worker
 from .schemes.base import SchemeCall
 from .topology.schedule import Role, Schedule, Step
 from .transports.base import Transport, exchange_framed
@@ -71,21 +70,19 @@ class RankPlan:
 def rank_plan(schedule: Schedule, rank: int) -> RankPlan:
     """Rank ``rank``'s sends and receives per step of ``schedule`` (cached)."""
 
-    def plan(steps: Sequence[Step]) -> tuple[StepPlan, ...]:
-        result = []
-        for step in steps:
-            sends: dict[int, list[int]] = {}
-            recvs: dict[int, list[tuple[int, Role]]] = {}
-            for t in step.transfers:  # sorted by (src, dst, chunk)
-                if t.src == rank:
-                    sends.setdefault(t.dst, []).append(t.chunk)
-                if t.dst == rank:
-                    recvs.setdefault(t.src, []).append((t.chunk, t.role))
-            result.append(StepPlan(tuple((p, tuple(c)) for p, c in sorted(sends.items())),
-                                   tuple((p, tuple(c)) for p, c in sorted(recvs.items()))))
-        return tuple(result)
+    def plan(step: Step) -> StepPlan:
+        sends: dict[int, list[int]] = {}
+        recvs: dict[int, list[tuple[int, Role]]] = {}
+        for t in step.transfers:  # sorted by (src, dst, chunk)
+            if t.src == rank:
+                sends.setdefault(t.dst, []).append(t.chunk)
+            if t.dst == rank:
+                recvs.setdefault(t.src, []).append((t.chunk, t.role))
+        return StepPlan(tuple((p, tuple(c)) for p, c in sorted(sends.items())),
+                        tuple((p, tuple(c)) for p, c in sorted(recvs.items())))
 
-    return RankPlan(plan(schedule.reduce), plan(schedule.gather), schedule.subtree_sizes())
+    return RankPlan(tuple(map(plan, schedule.reduce)), tuple(map(plan, schedule.gather)),
+                    schedule.subtree_sizes())
 
 
 # -- tiles ----------------------------------------------------------------------------------------
@@ -145,7 +142,6 @@ class _Exchange:
     framed: bool = False  # sends and recvs are frames (transports.base.exchange_framed)
 
     def run(self, transport: Transport) -> None:
-        """Exchange the messages over ``transport`` (blocking)."""
         if self.framed:
             exchange_framed(transport, self.sends, self.recvs, what=self.label)
         else:
@@ -202,8 +198,7 @@ class _TileRun:
                        else torch.cat(parts, out=alloc(sum(p.numel() for p in parts))))
             if message.numel():
                 sends.append((peer, message))
-        recvs = []
-        layouts = []
+        recvs, layouts = [], []
         for peer, items in step.recvs:
             sizes = [call.payload_nbytes(self._index(c), self.subtree[peer][c] if phase == "reduce"
                                          else self.gather_count) for c, _ in items]
@@ -265,39 +260,31 @@ class _InlineDriver:
 
 
 class _ThreadDriver:
-    """Exchanges of a host-blocking transport on one thread, in order, on the caller's CUDA
+    """Exchanges of a host-blocking transport on a worker thread, in order, on the caller's CUDA
     stream; a daemon, so an exchange stuck until its timeout cannot hold up exit."""
 
     def __init__(self, transport: Transport, device: torch.device, name: str) -> None:
         self.transport = transport
-        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.failed: BaseException | None = None
-        self.jobs: queue.SimpleQueue[tuple[_Exchange, Future[None]] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=f"dqcoll-comm {name}", daemon=True)
-        self.thread.start()
+        self.worker = Worker(f"dqcoll-comm {name}")
+        if device.type == "cuda":
+            self.worker.submit(functools.partial(torch.cuda.set_stream,
+                                                 torch.cuda.current_stream(device)))
 
-    def _loop(self) -> None:
-        if self.stream is not None:
-            torch.cuda.set_stream(self.stream)
-        while (job := self.jobs.get()) is not None:
-            exchange, future = job
+    def _run(self, exchange: _Exchange) -> None:
+        if self.failed is None:  # else the caller raises the first error before this one
             try:
-                if self.failed is None:  # else the caller raises the first error before this one
-                    exchange.run(self.transport)
+                exchange.run(self.transport)
             except BaseException as exc:  # handed to the waiting thread
                 self.failed = exc
-            if self.failed is None:
-                future.set_result(None)
-            else:
-                future.set_exception(self.failed)
+        if self.failed is not None:
+            raise self.failed
 
     def submit(self, exchange: _Exchange) -> _Pending:
-        future: Future[None] = Future()
-        self.jobs.put((exchange, future))
-        return future.result
+        return self.worker.submit(functools.partial(self._run, exchange)).result
 
     def close(self) -> None:
-        self.jobs.put(None)
+        self.worker.jobs.put(None)
 
 
 _side = threading.local()  # .streams: this thread's {device index: communication stream}
@@ -358,17 +345,14 @@ def run_schedule(
     included, decoded from the same bytes. ``tile_nbytes`` (None or 0: untiled) and
     ``tiles_in_flight`` must be the same on every rank; ``call.info["tiles"]`` gets the tile count.
     """
-    rank = transport.rank
-    n = transport.world_size
+    rank, n = transport.rank, transport.world_size
     if schedule.world_size != n:
         raise ValueError(f"schedule is for {schedule.world_size} ranks, transport has {n}")
     if tiles_in_flight < 1:
         raise ValueError(f"tiles_in_flight must be >= 1, got {tiles_in_flight}")
     plan = rank_plan(schedule, rank)
     tiling = plan_tiles(call, tile_nbytes)
-    info = getattr(call, "info", None)
-    if isinstance(info, dict):
-        info["tiles"] = tiling.tiles if tiling is not None else 1
+    call.info["tiles"] = tiling.tiles if tiling is not None else 1
     if tiling is None:
         runs, window = [_TileRun(call, plan, rank, n, collective, what)], 1
     else:

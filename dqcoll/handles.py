@@ -33,9 +33,7 @@ class CollectiveHandle:
         """True once the collective is done: queued work finished on the device too."""
         if not self._future.done():
             return False
-        if self._future.exception() is not None:
-            return True
-        done = self._future.result()
+        done = None if self._future.exception() is not None else self._future.result()
         return done is None or bool(done.query())
 
     def wait(self, timeout_s: float | None = None) -> Any:
@@ -65,15 +63,16 @@ class CollectiveHandle:
         return f"CollectiveHandle({self.what!r}, {state})"
 
 
-class _Worker:
-    """One thread per communicator that runs its asynchronous collectives in issue order."""
+class Worker:
+    """A daemon thread that runs its jobs in issue order (a communicator's asynchronous
+    collectives; the executor's exchanges)."""
 
     def __init__(self, name: str) -> None:
         self.jobs: queue.SimpleQueue[
             tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
         self.last: concurrent.futures.Future[Any] | None = None
         self.streams: dict[int, Any] = {}  # CUDA device index -> the worker's side stream
-        threading.Thread(target=self._loop, name=f"dqcoll-async {name}", daemon=True).start()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def _loop(self) -> None:
         # a None job ends the thread: the communicator was closed or collected
@@ -94,15 +93,15 @@ class _Worker:
         return future
 
 
-_WORKERS: weakref.WeakKeyDictionary[Any, _Worker] = weakref.WeakKeyDictionary()
+_WORKERS: weakref.WeakKeyDictionary[Any, Worker] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def _worker(comm: Any) -> _Worker:
+def _worker(comm: Any) -> Worker:
     with _LOCK:
         worker = _WORKERS.get(comm)
         if worker is None:
-            worker = _WORKERS[comm] = _Worker(f"rank {comm.rank}")
+            worker = _WORKERS[comm] = Worker(f"dqcoll-async rank {comm.rank}")
             weakref.finalize(comm, worker.jobs.put, None)  # garbage collection ends the thread too
         return worker
 

@@ -1,9 +1,6 @@
-"""Byte buffers a communicator reuses from one CPU call to the next (payloads, receive buffers).
-
-torch's CPU allocator has no cache (a page fault per fresh 4 KiB); the pool's blocks and lifetime:
-docs/design.md §6. A failed call drops the pool (:func:`discard`): a timed-out receive may still
-be written.
-"""
+"""Byte buffers a communicator reuses from one CPU call to the next: torch's CPU allocator has
+no cache (a page fault per fresh 4 KiB). Blocks and lifetime: docs/design.md §6; a failed call
+drops the pool (:func:`discard`): a timed-out receive may still be written."""
 
 from __future__ import annotations
 
@@ -83,8 +80,7 @@ ADAPT_NBYTES = (32 << 20) - 4096
 @functools.cache
 def _adapt_malloc() -> None:
     """Free one block of :data:`ADAPT_NBYTES` once per process: it raises glibc's dynamic mmap
-    threshold (mallopt(3)), so the pool's blocks (it frees none) come from the heap without page
-    faults; other allocators ignore it."""
+    threshold (mallopt(3)), so the pool's blocks come from the heap without page faults."""
     torch.empty(ADAPT_NBYTES, dtype=torch.uint8)
 
 

@@ -81,10 +81,8 @@ register_transport(TransportSpec("local", LocalHub.transport, "ranks as threads 
 register_transport(TransportSpec("torch", _torch_factory,
                                  "an existing torch.distributed group (gloo, nccl)",
                                  ("cpu", "cuda")))
-register_transport(TransportSpec("nccl", functools.partial(init_nccl, "nccl"),
-                                 "NCCL: nccl4py where importable, else CuPy's bindings "
-                                 "(one GPU per process)", ("cuda",)))
-register_transport(TransportSpec("nccl4py", functools.partial(init_nccl, "nccl4py"),
-                                 "NCCL through nccl4py (one GPU per process)", ("cuda",)))
-register_transport(TransportSpec("nccl-cupy", functools.partial(init_nccl, "nccl-cupy"),
-                                 "NCCL through CuPy's bindings (one GPU per process)", ("cuda",)))
+for _name, _text in (("nccl", "NCCL: nccl4py where importable, else CuPy's bindings"),
+                     ("nccl4py", "NCCL through nccl4py"),
+                     ("nccl-cupy", "NCCL through CuPy's bindings")):
+    register_transport(TransportSpec(_name, functools.partial(init_nccl, _name),
+                                     f"{_text} (one GPU per process)", ("cuda",)))

@@ -1,10 +1,6 @@
-"""The transport protocol (:class:`Transport`): what the executor needs from a network.
-
-Every call blocks, is bounded by a timeout and names ``what`` (the step) and the peer in its
-errors. ``exchange``: grouped point-to-point, at most one message per peer and direction, receive
-buffers of exactly the size sent; ``allreduce``: small, in place, identical on every rank.
-Counters count an ``allreduce`` as a ring's bytes. Contract in full: docs/design.md §5.
-"""
+"""The transport protocol (:class:`Transport`), contract in docs/design.md §5 ("A transport"):
+``exchange`` receives into buffers of exactly the size sent; :class:`Counters` count an
+``allreduce`` as a ring's bytes."""
 
 from __future__ import annotations
 
@@ -43,8 +39,8 @@ class Counters(dict[str, int]):
         self["bytes_recv"] += nbytes
         self["messages_recv"] += 1
 
-    def count_allreduce(self, nbytes: int, world_size: int) -> None:
-        wire = ring_allreduce_nbytes(nbytes, world_size)
+    def count_allreduce(self, nbytes: int, world_size: int, *, gathered: bool = False) -> None:
+        wire = (world_size - 1) * nbytes if gathered else ring_allreduce_nbytes(nbytes, world_size)
         self["bytes_sent"] += wire
         self["bytes_recv"] += wire
         self["allreduce_bytes_sent"] += wire
@@ -62,6 +58,17 @@ def combine_in_rank_order(copies: Sequence[torch.Tensor], op: str) -> torch.Tens
     for other in copies[1:]:
         combine(acc, other, out=acc)
     return acc
+
+
+def gather_in_rank_order(post: Exchange, rank: int, world_size: int, flat: torch.Tensor, op: str,
+                         what: str) -> torch.Tensor:
+    """:func:`reduce_in_rank_order`'s bits from one exchange of every rank's copy (as bytes)."""
+    copies = torch.empty(world_size, flat.numel(), dtype=flat.dtype, device=flat.device)
+    copies[rank] = flat
+    peers = [p for p in range(world_size) if p != rank]
+    post([(p, flat.view(torch.uint8)) for p in peers],
+         [(p, copies[p].view(torch.uint8)) for p in peers], what)
+    return combine_in_rank_order(list(copies), op)
 
 
 def reduce_in_rank_order(post: Exchange, rank: int, world_size: int, flat: torch.Tensor, op: str,

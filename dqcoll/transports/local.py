@@ -1,14 +1,13 @@
 """The ``local`` transport: ``n`` ranks as threads of one process (:class:`LocalHub`), for tests.
 
 Messages are copied into the receiver's mailbox when sent (on CUDA with an event, so ranks may
-run on streams of their own). A message of the wrong size raises
-:class:`~dqcoll.errors.PeerError` and aborts the group; :meth:`LocalHub.abort` wakes every
-waiting rank with :class:`~dqcoll.errors.CommAbortedError`.
-"""
+run on streams of their own); one of the wrong size raises :class:`~dqcoll.errors.PeerError`
+and aborts the group, whose ranks then raise :class:`~dqcoll.errors.CommAbortedError`."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -16,7 +15,7 @@ import torch
 
 from .. import envs
 from ..errors import CollectiveTimeoutError, CommAbortedError, InvalidArgumentError, PeerError
-from .base import ALLREDUCE_OPS, Counters, check_peers, combine_in_rank_order
+from .base import ALLREDUCE_OPS, Counters, check_peers, gather_in_rank_order
 
 __all__ = ["LocalHub", "LocalTransport"]
 
@@ -30,13 +29,10 @@ class LocalHub:
         self.world_size = world_size
         self.timeout_s = envs.timeout_s() if timeout_s is None else timeout_s
         self._cond = threading.Condition()
-        self._mailboxes: dict[tuple[int, int], collections.deque[torch.Tensor]] = (
+        # (channel, sender, receiver) -> messages; small all-reduces have a channel of their own
+        self._mailboxes: dict[tuple[str, int, int], collections.deque[torch.Tensor]] = (
             collections.defaultdict(collections.deque)
         )
-        # small all-reduces: sequence number -> deposited tensors, and how many ranks read them
-        self._reduce_slots: dict[int, list[torch.Tensor | None]] = {}
-        self._reduce_reads: dict[int, int] = {}
-        self._reduce_seq = [0] * world_size
         self._aborted: str | None = None
 
     def transport(self, rank: int) -> LocalTransport:
@@ -51,12 +47,6 @@ class LocalHub:
     def _check_aborted(self) -> None:
         if self._aborted is not None:
             raise CommAbortedError(f"communicator aborted: {self._aborted}")
-
-    def _wait(self, ready, *, rank: int, waiting_for: str, what: str) -> None:  # type: ignore[no-untyped-def]
-        if not self._cond.wait_for(lambda: self._aborted is not None or ready(), self.timeout_s):
-            raise CollectiveTimeoutError(f"rank {rank}: timed out after {self.timeout_s:g} s "
-                                         f"waiting for {waiting_for} at {what}")
-        self._check_aborted()
 
 
 class LocalTransport:
@@ -73,18 +63,27 @@ class LocalTransport:
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
                  recvs: Sequence[tuple[int, torch.Tensor]], *, what: str) -> None:
-        hub = self.hub
         check_peers(sends, recvs, self.rank, self.world_size)
+        self._post(sends, recvs, what, self.counters, "exchange")
+
+    def _post(self, sends: Sequence[tuple[int, torch.Tensor]],
+              recvs: Sequence[tuple[int, torch.Tensor]], what: str, counters: Counters,
+              channel: str) -> None:
+        hub = self.hub
         with hub._cond:
             hub._check_aborted()
             for peer, tensor in sends:
-                hub._mailboxes[(self.rank, peer)].append(_deposit(tensor))
-                self.counters.count_send(tensor.nbytes)
+                hub._mailboxes[(channel, self.rank, peer)].append(_deposit(tensor))
+                counters.count_send(tensor.nbytes)
             hub._cond.notify_all()
             for peer, buffer in recvs:
-                box = hub._mailboxes[(peer, self.rank)]
-                hub._wait(lambda box=box: len(box) > 0, rank=self.rank,
-                          waiting_for=f"a message from rank {peer}", what=what)
+                box = hub._mailboxes[(channel, peer, self.rank)]
+                ready = lambda: hub._aborted is not None or len(box) > 0  # noqa: B023, E731
+                if not hub._cond.wait_for(ready, hub.timeout_s):
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: timed out after {hub.timeout_s:g} s waiting for a "
+                        f"message from rank {peer} at {what}")
+                hub._check_aborted()
                 message = _read(box.popleft())
                 if message.nbytes != buffer.nbytes:
                     reason = (f"rank {self.rank}: rank {peer} sent {message.nbytes} bytes at "
@@ -92,35 +91,17 @@ class LocalTransport:
                     hub.abort(reason)  # the condition's lock is re-entrant
                     raise PeerError(reason)
                 buffer.copy_(message.view(buffer.dtype).view(buffer.shape))
-                self.counters.count_recv(buffer.nbytes)
+                counters.count_recv(buffer.nbytes)
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str) -> None:
+        """Every rank's copy in one exchange on a channel of its own, counted as a ring's bytes."""
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
-        hub = self.hub
-        n = self.world_size
-        with hub._cond:
-            hub._check_aborted()
-            seq = hub._reduce_seq[self.rank]
-            hub._reduce_seq[self.rank] += 1
-            slots = hub._reduce_slots.setdefault(seq, [None] * n)
-            slots[self.rank] = _deposit(tensor)
-            hub._cond.notify_all()
-            hub._wait(lambda: all(s is not None for s in slots), rank=self.rank,
-                      waiting_for="every rank's contribution to a small all-reduce", what=what)
-            shapes = {tuple(s.shape) for s in slots if s is not None}
-            if len(shapes) != 1:
-                raise InvalidArgumentError(
-                    f"rank {self.rank}: small all-reduce at {what} got shapes {sorted(shapes)}"
-                )
-            copies = [_read(s) for s in slots if s is not None]  # all are, after the wait
-            result = combine_in_rank_order([c.to(copies[0].device) for c in copies], op)
-            hub._reduce_reads[seq] = hub._reduce_reads.get(seq, 0) + 1
-            if hub._reduce_reads[seq] == n:
-                del hub._reduce_slots[seq]
-                del hub._reduce_reads[seq]
-        tensor.copy_(result)
-        self.counters.count_allreduce(tensor.nbytes, n)
+        post = functools.partial(self._post, counters=Counters(), channel="allreduce")
+        flat = tensor.detach().reshape(-1)
+        tensor.copy_(gather_in_rank_order(post, self.rank, self.world_size, flat, op, what)
+                     .view(tensor.shape))
+        self.counters.count_allreduce(tensor.nbytes, self.world_size)
 
     def barrier(self, *, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1), "sum", what=what)

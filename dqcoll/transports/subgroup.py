@@ -1,8 +1,5 @@
-"""A view of some ranks of a transport as a transport of their own (hierarchical collectives).
-
-:class:`SubgroupTransport` numbers the members ``0..k-1`` and forwards their messages to the
-parent; counters are the parent's. No torch sub-groups: ``new_group`` needs every rank.
-"""
+"""Some ranks of a transport as a transport of their own, numbered ``0..k-1`` (hierarchical
+collectives): messages and counters are the parent's (not torch's ``new_group``: every rank)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import InvalidArgumentError
-from .base import ALLREDUCE_OPS, Counters, Transport, combine_in_rank_order
+from .base import ALLREDUCE_OPS, Counters, Transport, gather_in_rank_order
 
 __all__ = ["SubgroupTransport"]
 
@@ -53,13 +50,9 @@ class SubgroupTransport:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
         if self.world_size == 1 or tensor.numel() == 0:
             return
-        mine = tensor.detach().contiguous().clone()
-        flat = mine.view(-1).view(torch.uint8)
-        received = {p: torch.empty_like(flat) for p in range(self.world_size) if p != self.rank}
-        self.exchange([(p, flat) for p in received], list(received.items()), what=what)
-        parts = [mine if p == self.rank else received[p].view(mine.dtype).view(mine.shape)
-                 for p in range(self.world_size)]
-        tensor.copy_(combine_in_rank_order(parts, op))
+        flat = tensor.detach().reshape(-1).clone()
+        tensor.copy_(gather_in_rank_order(lambda s, r, w: self.exchange(s, r, what=w), self.rank,
+                                          self.world_size, flat, op, what).view(tensor.shape))
 
     def barrier(self, *, what: str = "barrier") -> None:
         self.allreduce(torch.zeros(1, device=self.device), "sum", what=what)

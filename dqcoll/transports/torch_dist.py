@@ -1,17 +1,14 @@
 """The ``torch`` transport: any ``torch.distributed`` process group (gloo on CPU, nccl on GPU).
 
-Every wait has the timeout; failures raise :class:`~dqcoll.errors.CollectiveTimeoutError` /
-:class:`~dqcoll.errors.PeerError` naming the peer and the step. A gloo (NCCL) group's CPU (CUDA)
-messages go on a private group of dqcoll's own (:func:`open_private_group`; docs/reliability.md,
-"dqcoll's own connection"); ``group`` may be a bare ``ProcessGroupGloo`` (:mod:`dqcoll.membership`).
+A gloo (NCCL) group's CPU (CUDA) messages go on a private group of dqcoll's own
+(:func:`open_private_group`; docs/reliability.md, "dqcoll's own connection"); ``group`` may be a
+bare ``ProcessGroupGloo`` (:mod:`dqcoll.membership`).
 
-**Message framing (gloo).** Every CPU payload carries a 16-byte header, int64 payload length
-and int64 CRC-32 of the step label: in the frame of :meth:`TorchTransport.exchange_framed`,
-copied in front of a payload up to :data:`FRAME_COPY_NBYTES`, else as a message just before it.
-The receiver raises on a short message or one from another step; a longer one aborts inside
-gloo, so :mod:`dqcoll.validate` makes the ranks agree on sizes first. Header bytes count in
-``bytes_sent``, not ``payload_bytes_sent``. CUDA payloads carry no header and go as one
-``batch_isend_irecv`` (a CPU header would split the NCCL group launch and can deadlock).
+**Message framing (gloo).** Every CPU payload carries a 16-byte header (int64 payload length,
+int64 CRC-32 of the step label): in the frame of :meth:`TorchTransport.exchange_framed`, copied
+in front of a payload up to :data:`FRAME_COPY_NBYTES`, else as a message just before it. The
+receiver refuses a short message or one from another step (docs/reliability.md, "Message
+headers (gloo)"). Header bytes count in ``bytes_sent``, not ``payload_bytes_sent``.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ from ..errors import (
     one_line,
 )
 from ..types import FRAME_HEADROOM
-from .base import ALLREDUCE_OPS, Counters, combine_in_rank_order, reduce_in_rank_order
+from .base import ALLREDUCE_OPS, Counters, gather_in_rank_order, reduce_in_rank_order
 
 __all__ = [
     "TorchTransport",
@@ -48,9 +45,7 @@ __all__ = [
     "release_private_group",
 ]
 
-HEADER_NUMEL = 2  # int64: payload bytes, CRC-32 of the step label
-HEADER_NBYTES = 8 * HEADER_NUMEL
-assert HEADER_NBYTES == FRAME_HEADROOM  # a framed payload's header fills its frame's room
+HEADER_NBYTES = FRAME_HEADROOM  # int64 payload bytes, int64 CRC-32 of the step label
 # Unframed payloads up to this size are copied behind their header: one gloo message, not two.
 FRAME_COPY_NBYTES = 1 << 16
 # n x bytes up to which a small all-reduce goes all-to-all (larger: the budgeted scatter-gather)
@@ -114,17 +109,13 @@ def release_private_group(group: Any) -> None:
         if not any(g is group for g in _PRIVATE):
             return
         _PRIVATE[:] = [g for g in _PRIVATE if g is not group]
-    try:
+    with contextlib.suppress(Exception):  # already broken by a lost peer, or shut down by torch
         group.shutdown()
-    except Exception:  # already broken by a lost peer, or shut down by torch
-        pass
 
 
 @atexit.register
 def _release_all_private_groups() -> None:
-    with _PRIVATE_LOCK:
-        groups = list(reversed(_PRIVATE))
-    for group in groups:
+    for group in reversed(_PRIVATE[:]):
         release_private_group(group)
 
 
@@ -286,6 +277,7 @@ class TorchTransport:
                 raise InvalidArgumentError(
                     f"rank {self.rank}: the exchange at {what} ({_batch_peers(posts)}) mixes "
                     f"CUDA and CPU tensors: an exchange is all on one device")
+            # no header: a CPU one would split the NCCL group launch (and can deadlock)
             skip = HEADER_NBYTES if framed else 0
             self._run([(is_send, peer, t[skip:] if skip else t.contiguous() if is_send else t)
                        for is_send, peer, t in posts], what)
@@ -314,9 +306,8 @@ class TorchTransport:
         self.counters["bytes_recv"] += HEADER_NBYTES * len(recvs)
 
     def _run(self, posts: list[_Post], what: str) -> None:
-        """Post every message in order (on a private group, without ``batch_isend_irecv``'s
-        overhead) and wait for the Works: one per message, or one for all on a coalescing
-        backend (NCCL)."""
+        """Post every message in order (on a private group: no ``batch_isend_irecv`` overhead)
+        and wait: a Work per message, or one for all on a coalescing backend (NCCL)."""
         device = posts[0][2].device
         group = self.cuda_group if _is_cuda(posts[0][2]) else self.cpu_group
         coalesce = group is not None and _is_cuda(posts[0][2]) and _coalesces(group, device)
@@ -352,31 +343,16 @@ class TorchTransport:
         if op not in ALLREDUCE_OPS:
             raise InvalidArgumentError(f"allreduce op must be one of {ALLREDUCE_OPS}, got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
+        # all to all, not gloo's all-gather (whose users sometimes aborted at exit)
+        gathered = (self.cpu_group is not None and not _is_cuda(tensor)
+                    and self.world_size * nbytes <= self.gather_nbytes)
         if self.world_size > 1 and tensor.numel():
+            reduce = gather_in_rank_order if gathered else reduce_in_rank_order
+            label = f"{what} (small all-reduce, all to all)" if gathered else what
             flat = tensor.detach().contiguous().reshape(-1)
-            if (self.cpu_group is not None and not _is_cuda(flat)
-                    and self.world_size * nbytes <= self.gather_nbytes):
-                self._gathered_allreduce(flat, op, what)
-                tensor.copy_(flat.view(tensor.shape))
-                return
-            reduced = reduce_in_rank_order(self._post, self.rank, self.world_size, flat, op, what)
-            tensor.copy_(reduced.view(tensor.shape))
-        self.counters.count_allreduce(nbytes, self.world_size)
-
-    def _gathered_allreduce(self, flat: torch.Tensor, op: str, what: str) -> None:
-        """``flat`` (contiguous, CPU) combined in place in rank order from one all-to-all
-        exchange (not gloo's all-gather, whose users sometimes aborted in its teardown at exit)."""
-        n, rank = self.world_size, self.rank
-        peers = [p for p in range(n) if p != rank]
-        copies = torch.empty(n, flat.numel(), dtype=flat.dtype)
-        copies[rank] = flat
-        self._post([(p, flat) for p in peers], [(p, copies[p]) for p in peers],
-                   f"{what} (small all-reduce, all to all)")
-        flat.copy_(combine_in_rank_order(list(copies), op))
-        wire = (n - 1) * flat.numel() * flat.element_size()  # headers: counted by _post
-        for key in ("bytes_sent", "bytes_recv", "allreduce_bytes_sent"):
-            self.counters[key] += wire
-        self.counters["allreduces"] += 1
+            tensor.copy_(reduce(self._post, self.rank, self.world_size, flat, op, label)
+                         .view(tensor.shape))
+        self.counters.count_allreduce(nbytes, self.world_size, gathered=gathered)
 
     def native_allreduce(self, tensor: torch.Tensor, *, what: str) -> None:
         """Sum ``tensor`` in place with gloo's or NCCL's own all-reduce (identical on every rank;
@@ -399,11 +375,10 @@ class TorchTransport:
         if self.cpu_group is None:
             return
         for peer in (p for p in range(self.world_size) if p != self.rank):
-            try:
+            # the expected timeout, or the connection was already closed
+            with contextlib.suppress(Exception):
                 work = self.cpu_group.recv([torch.empty(1)], peer, _ABORT_TAG)
                 work.wait(datetime.timedelta(milliseconds=1))
-            except Exception:  # the expected timeout, or the connection was already closed
-                pass
 
     def close(self) -> None:
         """Shut down this transport's private connections (a group of the caller's stays open)."""
