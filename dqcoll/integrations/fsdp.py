@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_api
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 from .. import agreement, envs
 from ..errors import InvalidArgumentError
@@ -137,15 +138,11 @@ class FsdpCompression:
         self.lanes.clear()
 
 
-class _Comm:
-    """What both classes share: the state, and FSDP2's buffers from ``torch.empty``."""
+class _Comm(DefaultAllocMixin):
+    """What both classes share: the state, and FSDP2's default buffers (``torch.empty``)."""
 
     def __init__(self, state: FsdpCompression) -> None:
         self.state = state
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class AllGather(_Comm, _fsdp_api.AllGather):

@@ -1,13 +1,11 @@
-"""A compression lane: dqcoll's collectives on a connection of their own, as ``torch`` Work.
-
-The DDP hook, the FSDP2 classes and the ``dqcoll`` backend run their compressed calls on a
-:class:`Lane` (docs/fsdp.md; docs/design.md §1): ``torch`` Work, not ``async_op`` handles, since
-FSDP2 and DDP cannot wait on a ``concurrent.futures.Future``.
+"""A compression lane: dqcoll's collectives on a connection of their own, as ``torch`` Work (which
+FSDP2 and DDP can wait on), for the three integrations (docs/fsdp.md; docs/design.md §1).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,11 +53,9 @@ def _op_kind(op: Any) -> tuple[str, float]:
     if kind == dist.ReduceOp.PREMUL_SUM:
         factor = getattr(op, "factor", None)
         if factor is None:  # torch < 2.12 has no .factor; its pickled state is (op, factor)
-            try:
+            with contextlib.suppress(Exception):  # a factor torch does not expose: the exact path
                 state = op.__getstate__()
-            except Exception:  # a factor torch does not expose: the exact path
-                state = None
-            factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+                factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
         if isinstance(factor, (int, float)):
             return "premul", float(factor)
     return "other", 1.0
@@ -95,7 +91,7 @@ def nccl_lane_unavailable_reason() -> str | None:
 
 
 def _nccl_parts(binding: str) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """dqcoll's transport module, the library, the transport class and its library argument."""
+    """The transport module, library, transport class and its library argument of ``binding``."""
     if binding == "nccl4py":
         import nccl.core
 
@@ -220,15 +216,13 @@ class LaneWork(dist.Work):
 
 
 class Lane(BlockCollectives):
-    """dqcoll collectives for one group of ranks, run on one thread (see the module docstring).
+    """dqcoll collectives for one group of ranks, run on one thread.
 
-    Every rank creates its lane at the same point: it rendezvouses in ``store`` under ``prefix``.
-    ``device``: ``cpu`` or a CUDA device (``cuda``: the current one). ``settings`` (beside
-    :func:`policy_settings`) are agreed at creation: ranks that differ raise
-    :class:`MismatchError`. ``check_paths``: every call first checks that all ranks take the same
-    path with the same sizes (off with ``DQCOLL_VALIDATE=0``). ``group``: a CUDA lane without an
-    NCCL binding runs dqcoll's ``torch`` transport over it instead of raising. ``comm``: run on
-    this communicator as it is (the DDP hook's survivors after a shrink).
+    Every rank creates its lane at the same point, rendezvousing in ``store`` under ``prefix``;
+    ranks whose ``settings`` (beside :func:`policy_settings`) differ raise :class:`MismatchError`.
+    ``check_paths``: every call first checks that all ranks take the same path with the same sizes.
+    ``group``: a CUDA lane without an NCCL binding runs the ``torch`` transport over it instead of
+    raising. ``comm``: run on this communicator as it is (the DDP hook's survivors).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, policy: CompressionPolicy,
@@ -265,7 +259,7 @@ class Lane(BlockCollectives):
 
     def _connect(self, store: Any, prefix: str, timeout_s: float, gather_nbytes: int,
                  group: Any) -> tuple[Any, torch.device | None]:
-        """The lane's own transport (gloo on CPU, NCCL on CUDA) and its communicator's device."""
+        """The lane's transport (gloo on CPU, NCCL on CUDA) and its communicator's device."""
         if self.device.type == "cpu":
             self.gloo = open_private_group(store, prefix, self.rank, self.world_size, timeout_s)
             return TorchTransport(self.gloo, timeout_s=timeout_s, gather_nbytes=gather_nbytes), None

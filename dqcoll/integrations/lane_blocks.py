@@ -1,8 +1,5 @@
-"""The block codecs' collectives of a lane, each in one exchange (:class:`BlockCollectives`).
-
-On one level and on CPU, ``int8_block``, ``int4_block`` and ``bf16`` run as one point-to-point
-exchange after a one-exchange argument check, with the bytes of dqcoll's own all-gather and direct
-reduce-scatter. Rationale: docs/fsdp.md ("One exchange per block-codec collective").
+"""The block codecs' collectives of a CPU lane on one level, each in one exchange after a
+one-exchange argument check: docs/fsdp.md ("One exchange per block-codec collective").
 """
 
 from __future__ import annotations

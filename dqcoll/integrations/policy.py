@@ -208,10 +208,9 @@ class CompressionPolicy:
 
     def nodes(self, world_size: int) -> int:
         """Ranks per node of a fixed two-level path, or 0 (the planner decides)."""
-        local = self.local_world_size
-        if self.intra_node == "flat" or local is None or not 1 < local < world_size:
-            return 0
-        return 0 if world_size % local else local
+        local = self.local_world_size or 0
+        flat = self.intra_node == "flat" or not 1 < local < world_size or world_size % local
+        return 0 if flat else local
 
     def decide(self, role: Role, tensor: torch.Tensor, *, reducing_op_ok: bool = True,
                step: int = 0) -> Decision:

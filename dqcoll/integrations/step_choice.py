@@ -1,7 +1,6 @@
-"""The DDP hook's 16-bit mode: its format (:class:`SixteenBitFormat`: fp16 or bf16, whichever
-rounds the job's gradients closer) and, with ``scheme="auto"``, whether a step runs it or
-compresses (:class:`StepChoice`). How and why: docs/ddp.md ("Warm-up", "Does compressing pay for
-this job?").
+"""The DDP hook's 16-bit mode: its format (:class:`SixteenBitFormat`) and, with ``scheme="auto"``,
+whether a step runs it or compresses (:class:`StepChoice`); docs/ddp.md ("Warm-up", "Does
+compressing pay for this job?").
 """
 
 from __future__ import annotations
@@ -35,13 +34,11 @@ class Choice:
 
 
 class StepChoice:
-    """Which mode each iteration of a DDP hook with ``scheme="auto"`` runs.
+    """Which mode each iteration of a DDP hook with ``scheme="auto"`` runs (docs/ddp.md).
 
-    The warm-up times the 16-bit mode, the ``samples + 1`` steps after it the compressed one (the
-    first step of each untimed); then the faster runs, the other timed again every
-    ``recheck_every`` steps. ``enabled=False`` (or under :data:`MIN_WARMUP` warm-up steps): every
-    step after the warm-up is compressed. ``agree`` is called on every rank at the same iteration
-    with ``[16-bit median s, compressed median s]`` and returns the maximum over the ranks.
+    ``enabled=False`` (or under :data:`MIN_WARMUP` warm-up steps): every step after the warm-up is
+    compressed. ``agree`` is called on every rank at the same iteration with ``[16-bit median s,
+    compressed median s]`` and returns the maximum over the ranks.
     """
 
     def __init__(self, warmup_steps: int, enabled: bool,
@@ -138,12 +135,8 @@ def sixteen_bit_wire(buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
 
 
 class SixteenBitFormat:
-    """The 16-bit mode's format, measured on the job's gradients (bf16 until then).
-
-    ``measuring(i)``: whether iteration ``i``'s fp32 buckets are to be :meth:`observe`-d
-    (iteration 0, and every ``every``-th with ``every``); :meth:`decide` at the next iteration's
-    first bucket, on every rank, with ``agree`` summing the ranks' values.
-    """
+    """The 16-bit mode's format, fp16 or bf16, whichever rounds the job's gradients closer (bf16
+    until measured): fp32 buckets of iteration 0 and every ``every``-th are :meth:`observe`-d."""
 
     def __init__(self, active: bool, every: int | None = None) -> None:
         self.active, self.every = active, every

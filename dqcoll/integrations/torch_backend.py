@@ -1,12 +1,9 @@
-"""A drop-in ``torch.distributed`` backend: ``init_process_group("dqcoll")`` (docs/fsdp.md).
+"""A drop-in ``torch.distributed`` backend, registered on import: ``init_process_group("dqcoll")``.
 
-Importing this module registers ``dqcoll`` (``cpu`` and ``cuda``). :class:`DqcollProcessGroup`
-runs exact calls on wrapped gloo (and NCCL), and large floating-point single-tensor all-reduces,
-reduce-scatters and all-gathers, as the policy says (``DQCOLL_POLICY`` or :func:`set_policy`), on
-a :class:`~dqcoll.integrations.lane.Lane` per device type. Calls exact only for their size pass
-the lane's path check, so sizes on both sides of ``min_nbytes`` raise
-:class:`~dqcoll.errors.MismatchError` on every rank instead of hanging. (Not a C++ ``Backend``:
-that is a compiled plugin per torch version, for a host-driven Python codec.)
+Which calls are compressed, and how the others run exact on wrapped gloo (and NCCL): docs/fsdp.md
+("The drop-in backend"). Calls exact only for their size pass the lane's path check, so sizes on
+both sides of ``min_nbytes`` raise :class:`~dqcoll.errors.MismatchError` instead of hanging. (Not
+a C++ ``Backend``: that is a compiled plugin per torch version, for a host-driven Python codec.)
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ def set_policy(policy: CompressionPolicy | None) -> None:
 
 def _exact_method(method: str, collective: str | None = None) -> Any:
     """A process-group method that runs ``method`` on the wrapped group, counted under
-    ``collective`` (default: ``method``); trailing options passed as None take torch's defaults
-    (a None before another argument is passed on: dropping it would shift the ones after it)."""
+    ``collective``; trailing None arguments are dropped (torch's defaults), earlier ones kept."""
 
     def call(self: DqcollProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
         given = {key: value for key, value in kwargs.items() if value is not None}
@@ -60,8 +56,6 @@ class DqcollProcessGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, world_size: int, timeout: datetime.timedelta,
                  policy: CompressionPolicy) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]
-        self._rank = rank
-        self._world_size = world_size
         self.policy = policy
         # the exact collectives: what init_process_group("cpu:gloo,cuda:nccl") would have made
         self.wrapped = dist.ProcessGroup(store, rank, world_size)
@@ -83,13 +77,9 @@ class DqcollProcessGroup(dist.ProcessGroup):
                 else "available" if self._cuda_lane_reason is None else "unavailable")
         # the ranks agree on the policy and the CUDA lane here, or all raise MismatchError
         self.lane = Lane(store, rank, world_size, policy=policy, timeout_s=self._timeout_s,
-                         name="backend", prefix="dqcoll-lane/", settings={"CUDA lane": cuda},
-                         check_paths=True)
+                         name="backend", settings={"CUDA lane": cuda}, check_paths=True)
         self.exact_calls: dict[str, int] = {}
         self._logged: set[str] = set()
-
-    def size(self) -> int:
-        return self._world_size
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -102,10 +92,10 @@ class DqcollProcessGroup(dist.ProcessGroup):
     pg_name = group_name
 
     def __repr__(self) -> str:
-        return f"DqcollProcessGroup(rank={self._rank}, world_size={self._world_size})"
+        return f"DqcollProcessGroup(rank={self.rank()}, world_size={self.size()})"
 
     def _exact(self, what: str) -> dist.ProcessGroup:
-        """The wrapped process group (it routes CUDA tensors to NCCL, CPU ones to gloo)."""
+        """The wrapped process group (CUDA tensors to NCCL, CPU ones to gloo), counting ``what``."""
         self.exact_calls[what] = self.exact_calls.get(what, 0) + 1
         return self.wrapped
 
@@ -123,8 +113,7 @@ class DqcollProcessGroup(dist.ProcessGroup):
 
     def _exact_checked(self, route: str, role: Role, tensor: torch.Tensor, numel: int,
                        out_numel: int, post: Any) -> dist.Work:
-        """``post()``'s exact call, after the lane's path check (:meth:`Lane.probe`) if routed
-        ``"checked"``."""
+        """``post()``'s exact call, after the lane's path check if routed ``"checked"``."""
         if route != "checked":
             return post()
         check = self._lane(tensor).probe(role, numel, out_numel, tensor.dtype)
@@ -140,11 +129,10 @@ class DqcollProcessGroup(dist.ProcessGroup):
         return reason
 
     def _lane(self, tensor: torch.Tensor) -> Lane:
-        """The lane of ``tensor``'s device type (the CUDA one made at its first call)."""
         if tensor.device.type != "cuda":
             return self.lane
         if self.cuda_lane is None:
-            self.cuda_lane = Lane(self._store, self._rank, self._world_size, policy=self.policy,
+            self.cuda_lane = Lane(self._store, self.rank(), self.size(), policy=self.policy,
                                   timeout_s=self._timeout_s, name="backend cuda",
                                   prefix="dqcoll-lane/cuda/", device=tensor.device,
                                   check_paths=True)
@@ -260,21 +248,19 @@ class CheckedWork(dist.Work):
         future: torch.futures.Future[Any] = torch.futures.Future(
             devices=[self._device] if self._device.type == "cuda" else None)
 
-        def forward(done: torch.futures.Future[Any]) -> None:
+        def settle(done: torch.futures.Future[Any], exact: bool = False) -> None:
+            """The check's error, else (once it passed) the exact call's result or error."""
             try:
-                future.set_result(done.value())
-            except Exception as exc:  # the exact call's own error
-                future.set_exception(exc)
-
-        def checked(check: torch.futures.Future[Any]) -> None:
-            try:
-                check.value()
+                value = done.value()
             except Exception as exc:
                 future.set_exception(exc)
                 return
-            inner.add_done_callback(forward)
+            if exact:
+                future.set_result(value)
+            else:
+                inner.add_done_callback(functools.partial(settle, exact=True))
 
-        self._check.get_future().add_done_callback(checked)
+        self._check.get_future().add_done_callback(settle)
         return future
 
 

@@ -1,10 +1,6 @@
-"""A PyTorch DDP communication hook that averages gradient buckets with any dqcoll scheme.
-
-``model.register_comm_hook(DynamiqState(...), dynamiq_hook)``. Compressed buckets run
-``dqcoll.allreduce(op="avg")`` on :class:`~dqcoll.integrations.lane.Lane` s (bucket ``i`` on lane
-``i % lanes``), completed in bucket order, bit-identical on every rank; warm-up and 16-bit steps
-(:mod:`.step_choice`) send fp32 buckets as torch's fp16 or bf16 hook does. docs/ddp.md; a lost
-rank (``fault_tolerant``, :func:`resync`): docs/reliability.md ("DDP").
+"""A PyTorch DDP communication hook that averages gradient buckets with any dqcoll scheme:
+``model.register_comm_hook(DynamiqState(...), dynamiq_hook)``. docs/ddp.md; a lost rank
+(``fault_tolerant``, :func:`resync`): docs/reliability.md ("DDP").
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import threading
@@ -49,13 +46,11 @@ LANE_TILE_NBYTES = 16 << 20
 
 @dataclasses.dataclass(frozen=True)
 class HookRuntime:
-    """How :func:`dynamiq_hook` runs, beside what it sends (the policy): rarely changed.
+    """How :func:`dynamiq_hook` runs, beside what it sends (the policy); docs/ddp.md.
 
-    ``algorithm="auto"``: the planner's choice per bucket. ``async_op=False``: every bucket inside
-    the hook. ``device``: of DDP's buckets (default: ``cuda`` for an NCCL group, else ``cpu``).
-    ``lanes``: buckets averaged at once (None: 2 for CPU buckets, 1 for CUDA ones; the same on
-    every rank). ``calibration_rate``: with an error target, the weight of each monitored
-    measurement. ``scheme_options``: further options of the scheme.
+    ``device``: of DDP's buckets (default: ``cuda`` for an NCCL group, else ``cpu``). ``lanes``:
+    buckets averaged at once (None: 2 for CPU buckets, 1 for CUDA ones). ``calibration_rate``:
+    with an error target, the weight of each monitored measurement.
     """
 
     algorithm: str = "auto"
@@ -100,15 +95,14 @@ def ddp_policy(policy: CompressionPolicy | str | None = None, *, scheme: str | N
 
 
 class DynamiqState:
-    """State of :func:`dynamiq_hook` for one DDP model (one instance per model, like PowerSGD's).
+    """State of :func:`dynamiq_hook` for one DDP model, sending the policy of :func:`ddp_policy`.
 
-    It sends the policy of :func:`ddp_policy` (its ``allreduce`` role is DDP's buckets).
-    ``process_group``: DDP's (None: the default group). ``scheme``: ``"auto"`` (the planner's
-    choice per bucket), a registered scheme, or ``"none"`` (exactly DDP without a hook). Bad
-    names or options raise here, not in backward. Fields and defaults: docs/ddp.md.
+    ``scheme``: ``"auto"`` (the planner's choice per bucket), a registered scheme, or ``"none"``
+    (exactly DDP without a hook). Bad names or options raise here, not in backward. Fields and
+    defaults: docs/ddp.md.
     """
 
-    _instances = 0  # states made in this process: the prefix of their lanes' connections
+    _instances = itertools.count(1)  # numbers the states of this process: their lanes' prefix
 
     def __init__(
         self,
@@ -133,8 +127,7 @@ class DynamiqState:
         self.process_group = process_group
         self.lane_list: list[Lane] = []  # made by prepare(), before the first backward
         self.device = None if run.device is None else torch.device(run.device)
-        DynamiqState._instances += 1
-        self._instance = DynamiqState._instances
+        self._instance = next(DynamiqState._instances)
         self._in_flight: collections.deque[_Bucket] = collections.deque()
         self._order = threading.Condition()  # guards _in_flight; notified as buckets leave
 
@@ -172,8 +165,7 @@ class DynamiqState:
         self.shrunk = False  # True once averaging runs over a communicator of survivors
 
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
-        # comm.last_info of the last compressed bucket (16-bit steps: the group all-reduce's)
-        self.last_info: dict[str, Any] = {}
+        self.last_info: dict[str, Any] = {}  # the last bucket's comm.last_info (or 16-bit call's)
 
         if dist.is_available() and dist.is_initialized() and self.scheme != "none":
             self.prepare()
@@ -193,14 +185,13 @@ class DynamiqState:
         return self.step_choice.sixteen_bit_steps
 
     def _agree(self, values: list[float], op: Any = dist.ReduceOp.MAX) -> list[float]:
-        """All-reduce ``values`` with ``op`` on DDP's group (between iterations)."""
         device = self.device if self.device is not None else torch.device("cpu")
         agreed = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=op, group=self.process_group)
         return [float(v) for v in agreed.tolist()]
 
     def _begin_iteration(self, iteration: int) -> None:
-        """At an iteration's first bucket: the 16-bit format, and this step's mode."""
+        """At an iteration's first bucket: the 16-bit format and this step's mode."""
         choice = self.step_choice
         if self.shrunk or choice.iteration == iteration:
             return
@@ -221,7 +212,6 @@ class DynamiqState:
         return self.should_compress(iteration) and self._monitor_due(iteration)
 
     def _monitor_due(self, iteration: int) -> bool:
-        """Whether ``iteration`` is on the monitor's schedule (if it is compressed)."""
         return self.monitor_every > 0 and (iteration - self.warmup_steps) % self.monitor_every == 0
 
     def step_seed(self, iteration: int) -> int:
@@ -265,7 +255,6 @@ class DynamiqState:
         return 2 if self.device is not None and self.device.type == "cpu" else 1
 
     def _new_lane(self, index: int, device: torch.device) -> Lane:
-        """Lane ``index`` among the group's ranks (every rank makes it at the same point)."""
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         assert group is not None  # torch.distributed is initialised (a lane is being made)
         name = getattr(group, "group_name", "world")
@@ -276,7 +265,6 @@ class DynamiqState:
                     gather_nbytes=GATHERED_ALLREDUCE_NBYTES, group=group)
 
     def _make_lanes(self) -> None:
-        """Lanes 1, 2, ... beside lane 0: CPU buckets only (each lane is a gloo connection)."""
         wanted, first = self.lane_count(), self.lane_list[0]
         if len(self.lane_list) >= wanted:
             return
@@ -391,9 +379,8 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
 
 
 def _group_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """An uncompressed bucket's average on DDP's group, asynchronously: torch's fp16 or bf16 hook
-    (``state.sixteen_bit``; bit for bit where fp16's range holds) by :func:`_warmup_path`, else
-    DDP's own average, times 1/n as its reducer does (dividing by n differs in the last bit)."""
+    """An uncompressed bucket's average on DDP's group: torch's fp16 or bf16 hook (bit for bit
+    where fp16's range holds), else DDP's own (times 1/n: dividing by n differs in the last bit)."""
     if state.shrunk:  # DDP's group still counts the lost rank: average over the survivors
         assert state.comm is not None
         allreduce(buf, op="avg", scheme="none", comm=state.comm)
@@ -442,7 +429,7 @@ def _residual(state: DynamiqState, index: int, buf: torch.Tensor) -> torch.Tenso
 
 
 def _local_quantization(state: DynamiqState, values: torch.Tensor) -> torch.Tensor:
-    """decode(encode(values)) with the scheme's single-shot codec (this rank's statistics)."""
+    """decode(encode(values)) with the scheme's single-shot codec."""
     spec = schemes.spec(state.scheme)
     options = {**state.scheme_options, **({"bits": state.bits} if "bits" in spec.options else {})}
     codec = schemes.get(state.scheme, **options)
@@ -460,7 +447,6 @@ def _call_options(state: DynamiqState) -> dict[str, Any]:
 
 
 def _record(state: DynamiqState, info: dict[str, Any], index: int, numel: int) -> None:
-    """What a completed bucket leaves in the state (runs where its all-reduce completed)."""
     state.last_info = dict(info)
     if info.get("u") is not None:
         state.allocation_u[index] = float(info["u"])
@@ -627,8 +613,7 @@ def _raise_after_backward(state: DynamiqState) -> None:
 
 def dynamiq_hook(state: DynamiqState,
                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the bucket averaged over ``state.process_group`` (see the module
-    docstring). Register with ``model.register_comm_hook(state, dynamiq_hook)``."""
+    """DDP communication hook: the bucket averaged over ``state.process_group`` (docs/ddp.md)."""
     buf = bucket.buffer()
     index = bucket.index()
     iteration = state.iteration
