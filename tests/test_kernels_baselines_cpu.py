@@ -18,7 +18,6 @@ from dqcoll.schemes.bitpack import pack_bits_torch, unpack_bits_torch
 from dqcoll.schemes.global_qsgd import GlobalQSGDScheme
 from dqcoll.schemes.global_qsgd import _State as QSGDState
 from dqcoll.schemes.int_block import int_block_decode_torch, int_block_encode_torch
-from dqcoll.schemes.integer_sum import rank_uniforms
 from dqcoll.schemes.mx import (
     FORMATS,
     MX_BLOCK,
@@ -106,7 +105,7 @@ def _global_scales(x: torch.Tensor, name: str, count: int) -> torch.Tensor:
     """The global variant's block scales for ``x`` as one rank's block maxima, plus a zero and an
     Inf scale (an all-zero and a non-finite block maximum)."""
     codec = _mx_codec(name, "global")
-    gmax = codec.single_shot_state(x)
+    gmax = codec.encode(x)["state"]  # one rank's block maxima
     gmax[0] = 0.0
     gmax[1] = math.inf
     return codec.global_scale(gmax, count)
@@ -218,10 +217,10 @@ def test_thc_quantize_dequantize_match_reference(index_base: int) -> None:
     dequantization gives the reference's fp32 bits at several counts."""
     scheme = THCScheme()
     x = _integer_values(index_base % 97)
-    state = THCState(x.numel(), torch.empty(0), torch.empty(0), 2.5 * 1.7, 2 * 2.5 * 1.7 / 15)
+    state = THCState(torch.empty(0), torch.empty(0), 2.5 * 1.7, 2 * 2.5 * 1.7 / 15)
     key = rng.rank_key(rng.stream_key(rng.call_key(7, 3), scheme.stream), 2)
     index = torch.arange(index_base, index_base + x.numel(), dtype=torch.int64)
-    uniforms = rank_uniforms(7, 3, scheme.stream, 2, index)
+    uniforms = rng.uniform24(rng.coord_hash(key, index))  # the reference call's uniforms
     want = scheme.quantize(x, uniforms, state)
     got = scheme.quantize_fast(K, x, key, index_base, state)
     assert got is not None
@@ -242,7 +241,7 @@ def test_qsgd_quantize_dequantize_match_reference(world_size: int) -> None:
     levels = 127 // world_size
     state = QSGDState(levels, 3.0 / levels)
     key = rng.rank_key(rng.stream_key(rng.call_key(5, 9), scheme.stream), 1)
-    uniforms = rank_uniforms(5, 9, scheme.stream, 1, torch.arange(x.numel()))
+    uniforms = rng.uniform24(rng.coord_hash(key, torch.arange(x.numel())))
     got = scheme.quantize_fast(K, x, key, 0, state)
     assert got is not None
     _assert_same(got, scheme.quantize(x, uniforms, state))

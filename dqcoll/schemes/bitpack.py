@@ -35,28 +35,18 @@ def pack_bits_torch(codes: torch.Tensor, width: int) -> torch.Tensor:
     if not 1 <= width <= 32:
         raise ValueError(f"width must be in [1, 32], got {width}")
     flat = codes.reshape(-1).to(torch.int64)
-    count = flat.numel()
-    nbytes = packed_nbytes(count, width)
-    device = flat.device
+    count, nbytes, device = flat.numel(), packed_nbytes(flat.numel(), width), flat.device
     if width % 8 == 0:  # whole bytes, little-endian
-        parts = [(flat >> (8 * k)) & 0xFF for k in range(width // 8)]
-        return torch.stack(parts, dim=1).reshape(-1).to(torch.uint8)
-    if 8 % width == 0:  # several codes per byte: code j of a byte at bits [j w, (j+1) w)
-        per_byte = 8 // width
-        padded = torch.zeros(nbytes * per_byte, dtype=torch.int64, device=device)
-        padded[:count] = flat
-        grid = padded.view(nbytes, per_byte)
-        out = torch.zeros(nbytes, dtype=torch.int64, device=device)
-        for j in range(per_byte):
-            out |= grid[:, j] << (j * width)
-        return out.to(torch.uint8)
-    # General width (FP6, THC's sums): one bit per byte, regrouped by 8; reference only.
-    shifts = torch.arange(width, device=device)
-    bits = ((flat[:, None] >> shifts[None, :]) & 1).reshape(-1)
-    padded_bits = torch.zeros(nbytes * 8, dtype=torch.int64, device=device)
-    padded_bits[: bits.numel()] = bits
-    weights = (1 << torch.arange(8, device=device)).to(torch.int64)
-    return (padded_bits.view(nbytes, 8) * weights).sum(dim=1).to(torch.uint8)
+        shifts = torch.arange(0, width, 8, device=device)
+        return ((flat[:, None] >> shifts) & 0xFF).reshape(-1).to(torch.uint8)
+    if 8 % width:  # general width (FP6, THC's sums): each bit a code of width 1; reference only
+        flat = ((flat[:, None] >> torch.arange(width, device=device)) & 1).reshape(-1)
+        count, width = flat.numel(), 1
+    per_byte = 8 // width  # code j of a byte at bits [j w, (j + 1) w): disjoint, so sum = OR
+    padded = torch.zeros(nbytes * per_byte, dtype=torch.int64, device=device)
+    padded[:count] = flat
+    shifts = torch.arange(0, 8, width, device=device)
+    return (padded.view(nbytes, per_byte) << shifts).sum(1).to(torch.uint8)
 
 
 def unpack_bits_torch(payload: torch.Tensor, width: int, count: int) -> torch.Tensor:
@@ -72,12 +62,8 @@ def unpack_bits_torch(payload: torch.Tensor, width: int, count: int) -> torch.Te
     device = data.device
     if width % 8 == 0:  # whole bytes, little-endian (disjoint bits: the sum is their OR)
         return (data.view(count, width // 8) << torch.arange(0, width, 8, device=device)).sum(1)
-    if 8 % width == 0:
-        per_byte = 8 // width
-        mask = (1 << width) - 1
-        parts = [(data >> (j * width)) & mask for j in range(per_byte)]
-        return torch.stack(parts, dim=1).reshape(-1)[:count]
-    bits = ((data[:, None] >> torch.arange(8, device=device)[None, :]) & 1).reshape(-1)
-    bits = bits[: count * width].view(count, width)
-    weights = (1 << torch.arange(width, device=device)).to(torch.int64)
-    return (bits * weights).sum(dim=1)
+    if 8 % width:  # general width: its bits as codes of width 1, regrouped
+        bits = unpack_bits_torch(data, 1, count * width).view(count, width)
+        return (bits << torch.arange(width, device=device)).sum(1)
+    shifts = torch.arange(0, 8, width, device=device)
+    return ((data[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]

@@ -46,15 +46,12 @@ class BlockLayout:
 
     @property
     def padded_numel(self) -> int:
-        if self.sharded:
-            return self.world_size * self.shard_padded
-        return -(-self.numel // self.block) * self.block
+        return self.chunk_bounds()[-1]
 
     def chunk_bounds(self) -> list[int]:
         if self.sharded:
             return [c * self.shard_padded for c in range(self.world_size + 1)]
-        return [b * self.block for b in split_blocks(self.padded_numel // self.block,
-                                                     self.world_size)]
+        return [b * self.block for b in split_blocks(-(-self.numel // self.block), self.world_size)]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding."""
@@ -94,8 +91,8 @@ class BlockCodec(abc.ABC):
         """Flat uint8 payload -> fp32 values."""
 
     def __repr__(self) -> str:
-        # Stable across processes: the argument check compares it between ranks.
-        options = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
+        # The factory's options; stable across processes: the argument check compares it.
+        options = ", ".join(f"{k}={getattr(self, k)!r}" for k in sorted(self.spec.options))
         return f"{type(self).__name__}({options})"
 
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
@@ -109,8 +106,10 @@ class BlockCodec(abc.ABC):
         return self.chunk_nbytes(BlockLayout(numel, self.block, 1, False).padded_numel, 1, None)
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
+        """One rank's payload of ``x`` alone (its state :meth:`prepare`'s over one rank)."""
         padded = BlockLayout(x.numel(), self.block, 1, False).pad(x.detach())
-        state = self.single_shot_state(padded)
+        ctx = CallContext(0, 1, ReduceOp.SUM, 0, 0, Collective.ALLREDUCE, "encode")
+        state = self.prepare(padded, ctx)
         return {"numel": x.numel(), "shape": tuple(x.shape), "state": state,
                 "data": self.encode_values(padded, 1, state)}
 
@@ -121,10 +120,6 @@ class BlockCodec(abc.ABC):
         if not self.decode_into(data, values, 1, state, False):
             values = self.decode_values(data, padded, 1, state)
         return values[: payload["numel"]].reshape(payload["shape"])
-
-    def single_shot_state(self, padded: torch.Tensor) -> Any:
-        """Per-call state when the codec is used on one tensor, outside a collective."""
-        return None
 
     def decode_into(
         self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool

@@ -63,9 +63,6 @@ class IntBlockScheme(BlockCodec):
                 f"{self.spec.name}: block must be an even number >= 2, got {self.block}")
         self.spec = _int_spec(self.spec.name, self.code_bits, self.block)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(block={self.block})"
-
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
         return 4 * (numel // self.block) + packed_nbytes(numel, self.code_bits)
 

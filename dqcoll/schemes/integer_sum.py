@@ -1,9 +1,11 @@
 """Shared machinery for schemes whose partial sums are exact integers (``thc``, ``global_qsgd``).
 
-Each rank quantizes once, stochastically (:func:`rank_uniforms`), to non-negative integer codes
-on a grid every rank shares; hops only add integers, packed at the width
-:meth:`IntegerSumCodec.code_bits` gives for ``count``, and only the final sum is dequantized, so
-every schedule gives the same bits. Non-finite inputs: :func:`global_statistic`.
+Each rank quantizes once, stochastically, to non-negative integer codes on a grid every rank
+shares (coordinate ``i``'s uniform: ``rng.uniform24(rng.coord_hash(key, i))``, ``key =
+rng.rank_key(rng.stream_key(rng.call_key(seed, step), stream), rank)``); hops only add
+integers, packed at the width :meth:`IntegerSumCodec.code_bits` gives for ``count``, and only
+the final sum is dequantized, so every schedule gives the same bits. Non-finite inputs:
+:func:`global_statistic`.
 """
 
 from __future__ import annotations
@@ -26,27 +28,18 @@ from .elementwise import BlockCodec, BlockLayout, LayoutCall
 from .none import copy_saturating
 
 __all__ = ["SUPER_GROUP", "IntegerSumCall", "IntegerSumCodec", "NonFiniteGroups",
-           "global_statistic", "rank_uniforms"]
+           "global_statistic"]
 
 SUPER_GROUP = 256  # coordinates a non-finite input may affect (DynamiQ's super-group)
 
 
-def rank_uniforms(
-    seed: int, step: int, stream: int, rank: int, index: torch.Tensor
-) -> torch.Tensor:
-    """fp32 uniforms on [0, 1) (24 random bits) for ``rank`` at int64 coordinate ``index``."""
-    key = rng.rank_key(rng.stream_key(rng.call_key(seed, step), stream), rank)
-    return rng.uniform24(rng.coord_hash(key, index))
-
-
 @dataclasses.dataclass(frozen=True)
 class NonFiniteGroups:
-    """The super-groups of the padded buffer where some rank's input is non-finite, and each
-    one's result: ``+inf`` or ``-inf`` where only that met, else NaN. The same on every rank."""
+    """The coordinates of the super-groups where some rank's input is non-finite, and the result
+    there: ``+inf`` or ``-inf`` where only that met, else NaN. The same on every rank."""
 
-    numel: int
-    bad: torch.Tensor  # bool [groups]
-    value: torch.Tensor  # fp32 [groups]: the result's value in a bad group
+    bad: torch.Tensor  # bool [numel]
+    value: torch.Tensor  # fp32 [numel]: the result's value where ``bad``
 
     @classmethod
     def reduce(cls, work: torch.Tensor, ctx: CallContext, what: str) -> NonFiniteGroups | None:
@@ -63,19 +56,7 @@ class NonFiniteGroups:
             return None
         value = torch.where(nan | (pos & neg), math.nan,
                             torch.where(pos, math.inf, -math.inf)).float()
-        return cls(numel, bad, value)
-
-    def _coords(self, groups: torch.Tensor) -> torch.Tensor:
-        return groups.repeat_interleave(SUPER_GROUP)[: self.numel]
-
-    def clear(self, work: torch.Tensor) -> None:
-        """Zero the bad super-groups of ``work`` (the codec then sees finite values only)."""
-        work.masked_fill_(self._coords(self.bad), 0.0)
-
-    def restore(self, values: torch.Tensor) -> None:
-        """Give the bad super-groups of the decoded ``values`` their non-finite value."""
-        mask = self._coords(self.bad)
-        values[mask] = self._coords(self.value)[mask]
+        return cls(*(t.repeat_interleave(SUPER_GROUP)[:numel] for t in (bad, value)))
 
 
 def global_statistic(
@@ -90,12 +71,10 @@ def global_statistic(
     stat, extra = local(work)
     ctx.reduce(stat, "max", what)
     value = float(stat[0])
-    if math.isfinite(value):
+    groups = None if math.isfinite(value) else NonFiniteGroups.reduce(work, ctx, what)
+    if groups is None:  # finite, or no rank has a non-finite value: the statistic overflowed
         return value, extra, None
-    groups = NonFiniteGroups.reduce(work, ctx, what)
-    if groups is None:  # no rank has a non-finite value: the statistic itself overflowed
-        return value, extra, None
-    groups.clear(work)
+    work.masked_fill_(groups.bad, 0.0)  # the statistic of the finite super-groups only
     stat, extra = local(work)
     ctx.reduce(stat, "max", f"{what} (finite super-groups)")
     return float(stat[0]), extra, groups
@@ -148,7 +127,7 @@ class IntegerSumCodec(abc.ABC):
         return IntegerSumCall(self, x, ctx)
 
     def wire_nbytes(self, numel: int) -> int:
-        padded = -(-numel // self.block) * self.block
+        padded = BlockLayout(numel, self.block, 1, False).padded_numel
         return packed_nbytes(padded, self.code_bits(1, None))
 
     def encode(self, x: torch.Tensor) -> dict[str, Any]:
@@ -171,7 +150,6 @@ class IntegerSumCall(LayoutCall):
     def __init__(self, codec: IntegerSumCodec, x: torch.Tensor, ctx: CallContext) -> None:
         super().__init__(x, ctx, codec.block)
         self.codec = codec
-        # the rank's random-number key: rank_uniforms's
         self.key = rng.rank_key(rng.stream_key(rng.call_key(ctx.seed, ctx.step), codec.stream),
                                 ctx.rank)
         self.work = self.layout.pad(x)
@@ -211,17 +189,17 @@ class IntegerSumCall(LayoutCall):
             values.copy_(self.codec.dequantize(sums, count, self.state))
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
-        if self.kernels is not None:
+        if self.kernels is None:
+            self.sums[chunk] = self._sum(chunk) + self._unpack(chunk, payload, count)
+        else:
             width = self.codec.code_bits(count, self.state)
             self.sums[chunk] = self.kernels.unpack_accumulate(self._sum(chunk), payload, width)
-            return
-        self.sums[chunk] = self._sum(chunk) + self._unpack(chunk, payload, count)
 
     def finish(self, out: torch.Tensor) -> None:
         values = self.codec.finish_values(self.work, self.state)
         nonfinite: NonFiniteGroups | None = getattr(self.state, "nonfinite", None)
         if nonfinite is not None:
-            nonfinite.restore(values)
+            values[nonfinite.bad] = nonfinite.value[nonfinite.bad]
         result = self.layout.unpad(values)
         if self.op is ReduceOp.AVG:
             result = result / self.world_size

@@ -162,20 +162,15 @@ class MXScheme(BlockCodec):
         return super().wire_nbytes(numel) + maxima
 
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
+        """Global variant: each block's absmax rounded up to bf16, max-reduced over the ranks (Inf
+        marks a non-finite block: a max all-reduce of NaN is not portable across backends)."""
         if self.scale is ScaleMode.OCP:
             return None
-        gmax = self.single_shot_state(work).to(torch.bfloat16)  # exact: already bf16 values
+        amax = work.view(-1, MX_BLOCK).abs().amax(dim=1)
+        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
+        gmax = bf16_round_up(amax).to(torch.bfloat16)  # exact: bf16 values
         ctx.reduce(gmax, "max", f"{ctx.what} block maxima")
         return gmax.float()
-
-    def single_shot_state(self, padded: torch.Tensor) -> Any:
-        """Global variant: each block's absmax rounded up to bf16 (Inf marks a non-finite block:
-        a max all-reduce of NaN is not portable across backends)."""
-        if self.scale is ScaleMode.OCP:
-            return None
-        amax = padded.view(-1, MX_BLOCK).abs().amax(dim=1)
-        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
-        return bf16_round_up(amax)
 
     def global_scale(self, block_max: torch.Tensor, count: int) -> torch.Tensor:
         """bf16 scale of a payload summing ``count`` ranks: ``bf16_up(count * G / max_elem)``."""

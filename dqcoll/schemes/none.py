@@ -76,22 +76,30 @@ class NoneScheme(BlockCodec):
     ) -> BlockCall | ExactSumCall:
         return ExactSumCall(x, ctx) if self.wire_dtype is None else super().begin(x, ctx)
 
-    def prepare(self, work: torch.Tensor, ctx: CallContext) -> Any:
-        return self.wire_dtype
-
-    def single_shot_state(self, padded: torch.Tensor) -> Any:
-        return self.wire_dtype or torch.float32
+    def _dtype(self, state: Any) -> torch.dtype:
+        """The payload dtype: the state (an exact call's input dtype), ``wire_dtype``, or fp32."""
+        return state or self.wire_dtype or torch.float32
 
     def chunk_nbytes(self, numel: int, count: int, state: Any) -> int:
-        return numel * (state or self.wire_dtype or torch.float32).itemsize
+        return numel * self._dtype(state).itemsize
 
     def encode_values(self, values: torch.Tensor, count: int, ctx: Any) -> torch.Tensor:
-        return values.to(ctx).view(torch.uint8).reshape(-1)
+        return values.to(self._dtype(ctx)).view(torch.uint8).reshape(-1)
 
     def decode_values(
         self, payload: torch.Tensor, numel: int, count: int, ctx: Any
     ) -> torch.Tensor:
-        return view_payload(payload, ctx).float()
+        return view_payload(payload, self._dtype(ctx)).float()
+
+    def decode_into(
+        self, payload: torch.Tensor, out: torch.Tensor, count: int, ctx: Any, accumulate: bool
+    ) -> bool:
+        """Values that fp32 holds exactly go into ``out`` in one pass, without an fp32 copy."""
+        dtype = self._dtype(ctx)
+        if dtype.itemsize > 4:
+            return False
+        (out.add_ if accumulate else out.copy_)(view_payload(payload, dtype))
+        return True
 
 
 class ExactSumCall(LayoutCall):
@@ -100,15 +108,14 @@ class ExactSumCall(LayoutCall):
 
     def __init__(self, x: torch.Tensor, ctx: CallContext) -> None:
         super().__init__(x, ctx, 1)  # blocks of 1: no padding
-        self.dtype = x.dtype
+        # state: the simulator replays ``none`` as a block codec in this dtype
+        self.dtype = self.state = x.dtype
         self.values = x.reshape(-1)  # this rank's own values, sent as they are
         # the communicator's reused buffers on the CPU (dqcoll.scratch); None elsewhere
         self.pool = scratch.pool_for(ctx.state, x.device)
         self._wide: torch.Tensor | None = None  # fp64 partial sums, widened at first use
         self._widened: set[int] = set()
         self.work = self._take(self.numel, torch.float32)
-        # the simulator replays ``none`` as a block codec in this dtype
-        self.state = self.dtype
         if ctx.schedule is not None:  # the bytes all ranks send: the partial sums, then shards
             n = self.world_size
             sums = 0 if ctx.collective is Collective.ALL_GATHER else sum(

@@ -44,8 +44,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class _State:
-    segment: int  # coordinates per independently rotated segment (buffer, or one shard)
-    perm: torch.Tensor  # int64 [segment]: shared permutation within each segment
+    perm: torch.Tensor  # int64 [segment]: shared permutation within each rotated segment
     signs: torch.Tensor  # fp32 [segment]: shared Rademacher signs
     limit: float  # T: clamp range
     delta: float  # 2 T / 15
@@ -78,14 +77,14 @@ class THCScheme(IntegerSumCodec):
     def __repr__(self) -> str:
         return f"THCScheme(clamp={self.clamp:g}, rotation_block={self.block})"
 
-    def _rotate(self, work: torch.Tensor, state: _State, inverse: bool) -> torch.Tensor:
-        segments = work.view(-1, state.segment)
+    def _rotate(self, work: torch.Tensor, perm: torch.Tensor, signs: torch.Tensor,
+                inverse: bool) -> torch.Tensor:
+        segments = work.view(-1, perm.numel())
         if not inverse:
-            mixed = segments[:, state.perm] * state.signs
-            return fwht(mixed.reshape(-1, self.block)).reshape(segments.shape)
-        unrotated = fwht(segments.reshape(-1, self.block)).reshape(segments.shape) * state.signs
+            return fwht((segments[:, perm] * signs).reshape(-1, self.block)).reshape(segments.shape)
+        unrotated = fwht(segments.reshape(-1, self.block)).reshape(segments.shape) * signs
         out = torch.empty_like(unrotated)
-        out[:, state.perm] = unrotated
+        out[:, perm] = unrotated
         return out
 
     def prepare(self, work: torch.Tensor, ctx: CallContext) -> _State:
@@ -94,10 +93,8 @@ class THCScheme(IntegerSumCodec):
         g = torch.Generator().manual_seed(derived_seed(ctx.seed, ctx.step, "thc-rotation"))
         perm = torch.randperm(segment, generator=g).to(work.device)
         signs = (torch.randint(0, 2, (segment,), generator=g) * 2 - 1).float().to(work.device)
-        partial = _State(segment, perm, signs, 0.0, 0.0)
-
         def rotated_rms(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            rotated = self._rotate(values, partial, inverse=False).reshape(-1)
+            rotated = self._rotate(values, perm, signs, inverse=False).reshape(-1)
             rms = (rotated.double().square().sum() / max(rotated.numel(), 1)).sqrt()
             rms = rms.float().reshape(1)
             rms = torch.where(torch.isfinite(rms), rms, torch.full_like(rms, math.inf))
@@ -108,7 +105,7 @@ class THCScheme(IntegerSumCodec):
                                                    f"{ctx.what} max rms")
         work.copy_(rotated)
         limit = self.clamp * rms
-        return _State(segment, perm, signs, limit, 2.0 * limit / (LEVELS - 1), nonfinite)
+        return _State(perm, signs, limit, 2.0 * limit / (LEVELS - 1), nonfinite)
 
     def code_bits(self, count: int, state: Any) -> int:
         return max(1, (count * (LEVELS - 1)).bit_length())  # just wide enough for the sum
@@ -144,4 +141,4 @@ class THCScheme(IntegerSumCodec):
                                                               dtype=torch.float32)
 
     def finish_values(self, work: torch.Tensor, state: Any) -> torch.Tensor:
-        return self._rotate(work, state, inverse=True).reshape(-1)
+        return self._rotate(work, state.perm, state.signs, inverse=True).reshape(-1)

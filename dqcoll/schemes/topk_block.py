@@ -86,19 +86,17 @@ class TopKBlockCall(LayoutCall):
 
     def __init__(self, scheme: TopKBlockScheme, x: torch.Tensor, ctx: CallContext) -> None:
         super().__init__(x, ctx, TOPK_BLOCK)
-        n = self.world_size
-        self.padded = padded = self.layout.pad(x)
+        padded = self.layout.pad(x)
         bitmap = scheme.local_bitmap(padded)
         ctx.reduce(bitmap, "max", f"{ctx.what} block bitmap")
         self.union = torch.nonzero(bitmap).squeeze(1)  # sorted block indices
         self.work = padded.view(-1, TOPK_BLOCK)[self.union].reshape(-1)  # fp32, union only
         rows = self.union.numel()
-        if self.layout.sharded:
-            per_shard = self.layout.shard_padded // TOPK_BLOCK
-            edges = torch.arange(n + 1, dtype=torch.int64, device=self.union.device) * per_shard
+        if self.layout.sharded:  # the union's blocks inside each shard
+            edges = torch.tensor(self.chunk_bounds, device=self.union.device) // TOPK_BLOCK
             row_bounds = torch.searchsorted(self.union, edges).tolist()
         else:
-            row_bounds = split_blocks(rows, n)
+            row_bounds = split_blocks(rows, self.world_size)
         self.chunk_bounds = [r * TOPK_BLOCK for r in row_bounds]
         total_blocks = padded.numel() // TOPK_BLOCK
         self.info = {"kept_blocks": rows, "blocks": total_blocks,
@@ -117,7 +115,7 @@ class TopKBlockCall(LayoutCall):
         self._chunk(chunk).add_(view_payload(payload, torch.float32))
 
     def finish(self, out: torch.Tensor) -> None:
-        full = torch.zeros_like(self.padded).view(-1, TOPK_BLOCK)
+        full = self.work.new_zeros(self.layout.padded_numel // TOPK_BLOCK, TOPK_BLOCK)
         full[self.union] = self.work.view(-1, TOPK_BLOCK)
         result = self.layout.unpad(full.view(-1))
         if self.op is ReduceOp.AVG:
