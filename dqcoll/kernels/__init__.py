@@ -87,21 +87,16 @@ COMPILE_NOTICE_S = 3.0
 def _compile_notice(what: str, where: str) -> Iterator[None]:
     """Log a line if the block runs longer than :data:`COMPILE_NOTICE_S`, and another when done."""
     start = time.perf_counter()
-    fired = threading.Event()
-
-    def notice() -> None:
-        fired.set()
-        log.warning("dqcoll: compiling the %s (first use on this machine, can take minutes; "
-                    "cached afterwards in %s) ...", what, where)
-
-    timer = threading.Timer(COMPILE_NOTICE_S, notice)
+    notice = ("dqcoll: compiling the %s (first use on this machine, can take minutes; cached "
+              "afterwards in %s) ...", what, where)
+    timer = threading.Timer(COMPILE_NOTICE_S, log.warning, notice)
     timer.daemon = True
     timer.start()
     try:
         yield
     finally:
         timer.cancel()
-        if fired.is_set():
+        if time.perf_counter() - start >= COMPILE_NOTICE_S:
             log.warning("dqcoll: %s compiled in %.0f s", what, time.perf_counter() - start)
 
 

@@ -113,12 +113,9 @@ def run_rows(kernel: Callable[..., Any], rows: int, *args: Any, threads: int | N
     threads (default :func:`cpu_threads`); the calling thread runs the first range."""
     threads = cpu_threads() if threads is None else threads
     parts = max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
-    if parts == 1:
-        if rows:
-            kernel(0, rows, *args)
-        return
     cuts = [rows * p // parts for p in range(parts + 1)]
     futures = [_pool.submit(kernel, cuts[p], cuts[p + 1], *args) for p in range(1, parts)]
-    kernel(cuts[0], cuts[1], *args)
+    if rows:
+        kernel(cuts[0], cuts[1], *args)
     for future in futures:
         future.result()

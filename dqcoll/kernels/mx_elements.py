@@ -54,8 +54,9 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _table_cpu(name: str) -> torch.Tensor:
-    fmt = FORMATS[name]
+def decode_table(fmt: ElementFormat, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 value of every code (codes above the largest finite value, never emitted: NaN);
+    cached per device, so read-only."""
     values = []
     for code in range(1 << fmt.bits):
         sign = -1.0 if code >> (fmt.ebits + fmt.mbits) else 1.0
@@ -64,9 +65,4 @@ def _table_cpu(name: str) -> torch.Tensor:
         significand = mant + (1 << fmt.mbits if biased else 0)  # subnormals: no implicit 1
         magnitude = significand * 2.0 ** (max(biased, 1) - fmt.bias - fmt.mbits)  # exact
         values.append(sign * magnitude if magnitude <= fmt.max_value else math.nan)
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def decode_table(fmt: ElementFormat, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 value of every code (codes above the largest finite value, never emitted: NaN)."""
-    return _table_cpu(fmt.name).to(device)
+    return torch.tensor(values, dtype=torch.float32, device=device)

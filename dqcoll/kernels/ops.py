@@ -52,10 +52,8 @@ class DynamiqOps:
 
     def implements(self, scales: Any, widths: Iterable[int]) -> bool:
         """Whether these kernels encode and decode every one of ``widths`` with ``scales``."""
-        if self.formats is None:
-            return True
-        have = self.formats.get(scales, ())
-        return all(w in have or w in (0, 16) for w in widths)
+        have = () if self.formats is None else self.formats.get(scales, ())
+        return self.formats is None or all(w in have or w in (0, 16) for w in widths)
 
 
 def check_format(formats: Mapping[Any, tuple[int, ...]], width: int, config: Any) -> None:
