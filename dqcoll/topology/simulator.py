@@ -414,7 +414,7 @@ class _BlockAdapter(_Adapter):
         if not self.global_scale:
             return
         padded = x[: -(-self.numel // self.block) * self.block].numpy()
-        gmax = _block_max_bf16_up(padded, self.block)  # = scheme.single_shot_state (tested)
+        gmax = _block_max_bf16_up(padded, self.block)  # = the MX scheme's prepare (tested)
         if self._gmax is None:
             self._gmax = gmax
         else:
