@@ -12,6 +12,7 @@ from .comm import Communicator
 from .executor import DEFAULT_TILES_IN_FLIGHT
 from .prepare import Request
 from .schemes.base import Scheme
+from .topology.hierarchical import HierarchicalPlan
 from .types import Collective, ReduceOp
 
 __all__ = ["all_gather", "allreduce", "reduce_scatter"]
@@ -23,7 +24,7 @@ def allreduce(
     op: str | ReduceOp = "sum",
     scheme: str | Scheme = "dynamiq",
     bits: float | None = None,
-    algorithm: str = "auto",
+    algorithm: str | HierarchicalPlan = "auto",
     comm: Communicator | None = None,
     seed: int | None = None,
     step: int | None = None,
@@ -40,7 +41,9 @@ def allreduce(
     configure it. ``bits``: wire bits per coordinate where the scheme takes them (None: 5).
     ``target_vnmse=`` (dynamiq, instead of ``bits``) picks the fewest bits predicted to meet it.
     ``algorithm``: "ring", "butterfly", "direct" or "auto" (``comm.last_info["planned"]`` says
-    why). ``seed``/``step`` key the random rounding (default: the communicator's seed and call
+    why), or a :class:`~dqcoll.topology.HierarchicalPlan`, run as given: each level with its own
+    scheme, bits and algorithm (the call's scheme options do not apply; docs/topology.md §2).
+    ``seed``/``step`` key the random rounding (default: the communicator's seed and call
     counter). ``async_op=True`` returns a :class:`~dqcoll.handles.CollectiveHandle` instead.
     ``tile_nbytes`` (0: untiled) and ``tiles_in_flight`` set the pipelining; the result does
     not depend on them.
@@ -58,7 +61,7 @@ def reduce_scatter(
     op: str | ReduceOp = "sum",
     scheme: str | Scheme = "dynamiq",
     bits: float | None = None,
-    algorithm: str = "auto",
+    algorithm: str | HierarchicalPlan = "auto",
     comm: Communicator | None = None,
     seed: int | None = None,
     step: int | None = None,
@@ -82,7 +85,7 @@ def all_gather(
     *,
     scheme: str | Scheme = "dynamiq",
     bits: float | None = None,
-    algorithm: str = "auto",
+    algorithm: str | HierarchicalPlan = "auto",
     comm: Communicator | None = None,
     seed: int | None = None,
     step: int | None = None,

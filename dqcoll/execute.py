@@ -50,11 +50,19 @@ def launch(request: Request) -> Any:
 
 def run(request: Request, comm: Communicator) -> None:
     """Prepare, check and run one collective on ``comm``, in the calling thread."""
+    plan = request.plan
     with comm.in_flight(request.collective.value), recording(
-            comm, request.collective, request.buf, scheme=request.scheme,
-            algorithm=request.algorithm, bits=request.bits,
+            comm, request.collective, request.buf,
+            scheme=request.scheme if plan is None else "hierarchical",
+            algorithm=str(request.algorithm if plan is None else plan.name), bits=request.bits,
             target=request.scheme_options.get("target_vnmse") is not None):
         call = prepare_call(request, comm)
+        if plan is not None:  # the caller's two levels, as given; local errors raise here
+            if call.error is not None:
+                raise call.error
+            with dead_on_failure(comm, call.what):
+                _run_levels(call, comm, plan)
+            return
         if request.is_planned:
             _run_planned(call, comm, request)
             return
@@ -146,6 +154,11 @@ def _run_two_level(call: PreparedCall, comm: Communicator, levels: Any) -> None:
         inter = dataclasses.replace(inter, options=options,
                                     bits=float(call.bits) if call.target is None else inter.bits)
         levels = dataclasses.replace(levels, inter=inter)
+    _run_levels(call, comm, levels)
+
+
+def _run_levels(call: PreparedCall, comm: Communicator, levels: Any) -> None:
+    assert call.tensor is not None and call.op is not None
     comm.last_info = run_levels(
         call.collective, call.tensor, call.out, levels, comm, seed=int(call.seed),
         step=int(call.step), op=call.op.value, launch=launch)

@@ -1,6 +1,6 @@
 """The levels of a two-level plan, run on checked buffers: :func:`run_levels`, the package's one
-two-level implementation, for the planner's plans (:mod:`dqcoll.execute`) and callers' plans
-(:mod:`dqcoll.hierarchical`); layout and phases: docs/topology.md §2. Each level is an ordinary
+two-level implementation, for the planner's plans and the callers' (``algorithm=plan``), both
+run by :mod:`dqcoll.execute`; layout and phases: docs/topology.md §2. Each level is an ordinary
 :class:`~dqcoll.prepare.Request` (the call's step, a seed per phase) over a subgroup view of the
 caller's transport, handed to the caller's ``launch``, so this module imports neither the executor
 nor the public API.

@@ -20,6 +20,7 @@ from .executor import DEFAULT_TILES_IN_FLIGHT, default_tile_nbytes
 from .interop import as_torch_view, buffer_device
 from .schemes.base import Scheme
 from .topology import algorithms
+from .topology.hierarchical import HierarchicalPlan
 from .topology.schedule import Schedule
 from .types import Collective, ReduceOp
 
@@ -58,7 +59,7 @@ class Request:
     op: str | ReduceOp = "sum"
     scheme: str | Scheme = "dynamiq"
     bits: float | None = None  # None: DEFAULT_BITS, unless target_vnmse is given
-    algorithm: str = "auto"
+    algorithm: str | HierarchicalPlan = "auto"  # a plan: its two levels as they are given
     comm: Communicator | None = None  # None: the default communicator
     seed: int | None = None  # None: the communicator's seed
     step: int | None = None  # None: the communicator's call counter
@@ -79,7 +80,12 @@ class Request:
     @property
     def is_planned(self) -> bool:
         """Whether :mod:`dqcoll.planner` decides how the call runs (an ``"auto"`` argument)."""
-        return self.is_auto or self.algorithm == "auto"
+        return self.plan is None and (self.is_auto or self.algorithm == "auto")
+
+    @property
+    def plan(self) -> HierarchicalPlan | None:
+        """The caller's two-level plan, or None."""
+        return self.algorithm if isinstance(self.algorithm, HierarchicalPlan) else None
 
 
 @dataclasses.dataclass
@@ -162,13 +168,20 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
         category = "scheme"  # scheme="auto" is checked as dynamiq with the caller's options
         call.scheme = _resolve_scheme("dynamiq" if call.auto else request.scheme, call.options)
         category = "algorithm"  # "auto": the planner builds the schedule after the argument check
-        if request.algorithm != "auto":
-            call.schedule = algorithms.build_schedule(request.algorithm, comm.world_size)
+        plan = request.plan
+        if plan is not None and plan.world_size != comm.world_size:
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: {call.what}: the plan is for {plan.world_size} ranks "
+                f"({plan.nodes} hosts x {plan.gpus_per_node}), the communicator has "
+                f"{comm.world_size}")
+        if plan is None and request.algorithm != "auto":
+            call.schedule = algorithms.build_schedule(str(request.algorithm), comm.world_size)
     except DqcollError as exc:
         call.fail(category, exc)
         return
     _inspect_input(call, request.buf, comm)
-    if call.error is not None or not comm.validate or comm.world_size <= 1:
+    if (call.error is not None or not comm.validate or comm.world_size <= 1
+            or request.plan is not None):  # a plan's levels check their own arguments
         return
     # the range check's largest exponent: from the scheme's ``survey`` where it takes one (its
     # statistics in the same pass, kept for the call), else its own pass; none under ``auto``

@@ -373,7 +373,6 @@ def test_two_level_plan_recorded() -> None:
     all-gather inside), wire bytes equal to the counters' delta over the whole call; the
     levels' sub-communicators write no JSONL file of their own."""
     from dqcoll.call_metrics import recording
-    from dqcoll.hierarchical import hierarchical_allreduce
     from dqcoll.topology.hierarchical import HierarchicalPlan, LevelSpec
     from dqcoll.transports.subgroup import SubgroupTransport
 
@@ -384,7 +383,7 @@ def test_two_level_plan_recorded() -> None:
         before = comm.counters["bytes_sent"]
         buf = _data(comm.rank, 4096)
         with recording(comm, "allreduce", buf, scheme="hierarchical", algorithm=plan.name):
-            hierarchical_allreduce(buf, plan, comm=comm)
+            dqcoll.allreduce(buf, comm=comm, algorithm=plan)
         sub = CallMetrics.for_transport(SubgroupTransport(comm.transport, plan.intra_group(
             comm.rank)))
         return comm.metrics.last, comm.counters["bytes_sent"] - before, sub.jsonl_path

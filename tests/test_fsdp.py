@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from dqcoll import hierarchical, metrics
+import dqcoll
+from dqcoll import metrics
 from dqcoll.errors import InvalidArgumentError
 from dqcoll.integrations import fsdp as dqfsdp
 from dqcoll.integrations.policy import CompressionPolicy, Role, RoleRule
@@ -504,20 +505,18 @@ def _two_level_job(rank: int, world_size: int) -> dict[str, Any]:
         lane.all_gather(mine, gathered, rule=policy.weights).wait()
         summed = grads.clone()
         lane.allreduce(summed, avg=True, rule=policy.allreduce).wait()
-        # the same calls straight through dqcoll.hierarchical, with the lane's plans, seed and
+        # the same calls straight through dqcoll's collectives, with the lane's plans, seed and
         # the steps the lane's calls took (its communicator's call counter: 0, 1, 2)
         direct_rs = torch.full((numel,), float("nan"))
-        hierarchical.hierarchical_reduce_scatter(
-            grads.clone(), direct_rs, lane.two_level_plan(policy.gradients), op="sum",
-            comm=lane.comm, seed=policy.seed, step=0)
+        dqcoll.reduce_scatter(grads.clone(), direct_rs, op="sum", comm=lane.comm,
+                              seed=policy.seed, step=0,
+                              algorithm=lane.two_level_plan(policy.gradients))
         direct_ag = torch.full((world_size * numel,), float("nan"))
-        hierarchical.hierarchical_all_gather(
-            mine.clone(), direct_ag, lane.two_level_plan(policy.weights), comm=lane.comm,
-            seed=policy.seed, step=1)
+        dqcoll.all_gather(mine.clone(), direct_ag, comm=lane.comm, seed=policy.seed, step=1,
+                          algorithm=lane.two_level_plan(policy.weights))
         direct_ar = grads.clone()
-        hierarchical.hierarchical_allreduce(
-            direct_ar, lane.two_level_plan(policy.allreduce), op="avg", comm=lane.comm,
-            seed=policy.seed, step=2)
+        dqcoll.allreduce(direct_ar, op="avg", comm=lane.comm, seed=policy.seed, step=2,
+                         algorithm=lane.two_level_plan(policy.allreduce))
         exact_rs = torch.empty(numel)
         dqfsdp.exact_reduce_scatter(exact_rs, grads.clone())
         exact_ar = grads.clone()
@@ -534,7 +533,7 @@ def test_two_levels(tmp_path: pathlib.Path) -> None:
     node and with the role's scheme across nodes: with scheme none they equal gloo's exact
     collectives bit for bit (integer inputs), shards land at their rank; with dynamiq they are
     close and every rank holds the same all-reduce and all-gather. Each lane call's result is
-    bit for bit that of dqcoll.hierarchical run directly with the lane's plan, seed and step."""
+    bit for bit that of dqcoll's collective run directly with the lane's plan, seed and step."""
     mp.spawn(_worker, args=(4, str(tmp_path / "store"), str(tmp_path), "gloo", _two_level_job),
              nprocs=4, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]

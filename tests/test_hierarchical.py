@@ -1,11 +1,11 @@
-"""dqcoll.hierarchical: all-reduce, reduce-scatter and all-gather of a two-level plan.
+"""All-reduce, reduce-scatter and all-gather of a caller's two-level plan (``algorithm=plan``).
 
 In-process ranks (``run_local``) on 2 x 2, 2 x 3 and 3 x 2 hosts x ranks, numbered node-major
 (torchrun's numbering), local-major (the layout needs no reordering) and scattered. ``none`` at
 both levels must be exact; with ``dynamiq`` across hosts every rank must hold the same bits, and
 a reduce-scatter's shard must be the matching part of the all-reduce of the same buffer with the
-same plan, seed and step (the module docstring of :mod:`dqcoll.hierarchical` says why it holds
-with an exact intra level and the inter level's all-reduce on the reduce-scatter layout).
+same plan, seed and step (it holds with an exact intra level and the inter level's all-reduce on
+the reduce-scatter layout: docs/topology.md §2).
 """
 
 from __future__ import annotations
@@ -20,12 +20,6 @@ from conftest import heavy_tailed, integer_input
 
 import dqcoll
 from dqcoll.errors import CommAbortedError, DqcollError, InvalidArgumentError
-from dqcoll.hierarchical import (
-    hierarchical_all_gather,
-    hierarchical_allreduce,
-    hierarchical_reduce_scatter,
-    run_hierarchical,
-)
 from dqcoll.testing import run_local
 from dqcoll.topology.hierarchical import HierarchicalPlan, LevelSpec
 
@@ -60,17 +54,17 @@ def _exact_body(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> dict[str, 
     out: dict[str, Any] = {}
     for numel in (777, n - 1, 0):  # no multiple of n, fewer elements than ranks, empty
         x = integer_input(r, numel)
-        out[f"ar{numel}"] = hierarchical_allreduce(x, plan, comm=comm)
+        out[f"ar{numel}"] = dqcoll.allreduce(x, comm=comm, algorithm=plan)
         y = integer_input(r, numel) * n
-        out[f"avg{numel}"] = hierarchical_allreduce(y, plan, op="avg", comm=comm)
+        out[f"avg{numel}"] = dqcoll.allreduce(y, op="avg", comm=comm, algorithm=plan)
     for shard in (1001, 1):
         rs = torch.full((shard,), float("nan"))
-        hierarchical_reduce_scatter(integer_input(r, n * shard), rs, plan, comm=comm)
+        dqcoll.reduce_scatter(integer_input(r, n * shard), rs, comm=comm, algorithm=plan)
         avg = torch.full((shard,), float("nan"))
-        run_hierarchical("reduce_scatter", integer_input(r, n * shard) * n, avg, plan,
-                         op="avg", comm=comm)
+        dqcoll.reduce_scatter(integer_input(r, n * shard) * n, avg, op="avg", comm=comm,
+                              algorithm=plan)
         ag = torch.full((n * shard,), float("nan"))
-        hierarchical_all_gather(integer_input(r, shard), ag, plan, comm=comm)
+        dqcoll.all_gather(integer_input(r, shard), ag, comm=comm, algorithm=plan)
         out[f"rs{shard}"], out[f"rsavg{shard}"], out[f"ag{shard}"] = rs, avg, ag
     return out
 
@@ -103,11 +97,11 @@ def _compressed_body(comm: dqcoll.Communicator, plan: HierarchicalPlan, shard: i
     n, r = comm.world_size, comm.rank
     x = heavy_tailed(r, n * shard, seed=3)
     rs = torch.full((shard,), float("nan"))
-    hierarchical_reduce_scatter(x.clone(), rs, plan, op=op, comm=comm, seed=SEED, step=STEP)
-    ar = hierarchical_allreduce(x.clone(), plan, op=op, comm=comm, seed=SEED, step=STEP)
-    odd = hierarchical_allreduce(x[: n * shard - 3].clone(), plan, op=op, comm=comm)
+    dqcoll.reduce_scatter(x.clone(), rs, op=op, comm=comm, seed=SEED, step=STEP, algorithm=plan)
+    ar = dqcoll.allreduce(x.clone(), op=op, comm=comm, seed=SEED, step=STEP, algorithm=plan)
+    odd = dqcoll.allreduce(x[: n * shard - 3].clone(), op=op, comm=comm, algorithm=plan)
     ag = torch.full((n * shard,), float("nan"))
-    hierarchical_all_gather(x[:shard].clone(), ag, plan, comm=comm, seed=SEED, step=STEP)
+    dqcoll.all_gather(x[:shard].clone(), ag, comm=comm, seed=SEED, step=STEP, algorithm=plan)
     return {"rs": rs, "ar": ar, "odd": odd, "ag": ag, "info": dict(comm.last_info)}
 
 
@@ -138,7 +132,7 @@ def test_compressed_across_hosts(hosts: str, shard: int, op: str) -> None:
 
 def _seeded(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> list[torch.Tensor]:
     x = heavy_tailed(comm.rank, 4096, seed=4)
-    return [hierarchical_allreduce(x.clone(), plan, comm=comm, seed=seed, step=step)
+    return [dqcoll.allreduce(x.clone(), comm=comm, seed=seed, step=step, algorithm=plan)
             for seed, step in ((1, 5), (1, 5), (2, 5), (1, 6))]
 
 
@@ -155,11 +149,11 @@ def test_seed_and_step_key_every_level() -> None:
 def _infos(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> list[dict[str, Any]]:
     infos = []
     x = torch.randn(4 * 512)
-    hierarchical_allreduce(x, plan, comm=comm)
+    dqcoll.allreduce(x, comm=comm, algorithm=plan)
     infos.append(comm.last_info)
-    hierarchical_reduce_scatter(x, torch.empty(512), plan, comm=comm)
+    dqcoll.reduce_scatter(x, torch.empty(512), comm=comm, algorithm=plan)
     infos.append(comm.last_info)
-    hierarchical_all_gather(x[:512], torch.empty(4 * 512), plan, comm=comm)
+    dqcoll.all_gather(x[:512], torch.empty(4 * 512), comm=comm, algorithm=plan)
     infos.append(comm.last_info)
     return infos
 
@@ -185,23 +179,22 @@ def test_last_info_names_the_levels() -> None:
 def _bad_arguments(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> list[str]:
     errors = []
     for call in (
-        lambda: hierarchical_reduce_scatter(torch.zeros(10), torch.zeros(3), plan, comm=comm),
-        lambda: hierarchical_all_gather(torch.zeros(3), torch.zeros(10), plan, comm=comm),
-        lambda: hierarchical_allreduce(torch.zeros(8), HierarchicalPlan(
-            ((0, 1, 2), (3, 4, 5)), *EXACT), comm=comm),
-        lambda: run_hierarchical("broadcast", torch.zeros(8), None, plan, comm=comm),
+        lambda: dqcoll.reduce_scatter(torch.zeros(10), torch.zeros(3), comm=comm, algorithm=plan),
+        lambda: dqcoll.all_gather(torch.zeros(3), torch.zeros(10), comm=comm, algorithm=plan),
+        lambda: dqcoll.allreduce(torch.zeros(8), comm=comm, algorithm=HierarchicalPlan(
+            ((0, 1, 2), (3, 4, 5)), *EXACT)),
     ):
         with pytest.raises(InvalidArgumentError) as info:
             call()
         errors.append(str(info.value))
     x = integer_input(comm.rank, 8)
-    hierarchical_allreduce(x, plan, comm=comm)  # the communicator still works
+    dqcoll.allreduce(x, comm=comm, algorithm=plan)  # the communicator still works
     return errors
 
 
 def test_local_argument_errors_raise_before_anything_moves() -> None:
-    """Wrong output sizes, a plan for another world size and an unknown collective raise
-    InvalidArgumentError naming the rank; the communicator stays usable."""
+    """Wrong output sizes and a plan for another world size raise InvalidArgumentError naming the
+    rank; the communicator stays usable."""
     results = run_local(4, _bad_arguments, _plan("2x2", EXACT))
     for rank, errors in enumerate(results):
         assert all(f"rank {rank}" in e for e in errors), errors
@@ -211,10 +204,10 @@ def test_local_argument_errors_raise_before_anything_moves() -> None:
 def _failing_level(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> tuple[str, str]:
     with pytest.raises(DqcollError) as first:
         # every rank a step of its own: the first level's argument check fails on every host
-        hierarchical_allreduce(torch.zeros(64), plan, comm=comm, step=comm.rank)
+        dqcoll.allreduce(torch.zeros(64), comm=comm, step=comm.rank, algorithm=plan)
     assert comm.dead is not None
     with pytest.raises(CommAbortedError) as later:
-        hierarchical_allreduce(torch.zeros(64), plan, comm=comm)
+        dqcoll.allreduce(torch.zeros(64), comm=comm, algorithm=plan)
     return str(first.value), str(later.value)
 
 
@@ -223,13 +216,14 @@ def test_failed_level_marks_the_communicator_dead() -> None:
     the next call raises CommAbortedError naming the failed call."""
     for first, later in run_local(4, _failing_level, _plan("2x2", EXACT)):
         assert "step" in first
-        assert "hierarchical allreduce#0 failed" in later
+        assert "allreduce#0 failed" in later
 
 
 def test_one_two_level_implementation() -> None:
     """dqcoll.levels is the package's only two-level implementation: no other module (the
     transports package, which defines them, aside) makes a SubgroupTransport; the caller-given
-    plans (dqcoll.hierarchical) and the planner's (dqcoll.execute) both run through it."""
+    plans and the planner's both run through it from dqcoll.execute, and the FSDP2 lane hands
+    its plans to the public collectives."""
     root = pathlib.Path(dqcoll.__file__).parent
     makers = []
     for path in root.rglob("*.py"):
@@ -243,12 +237,11 @@ def test_one_two_level_implementation() -> None:
                 if name == "SubgroupTransport":
                     makers.append(f"{relative}:{node.lineno}")
     assert makers == []
-    for module in ("hierarchical.py", "execute.py"):
-        assert "run_levels(" in (root / module).read_text()
+    users = sorted(path.relative_to(root).as_posix() for path in root.rglob("*.py")
+                   if "run_levels(" in path.read_text())
+    assert users == ["execute.py", "levels.py"]
     lane = (root / "integrations" / "lane.py").read_text()
-    assert "hierarchical.hierarchical_reduce_scatter" in lane
-    assert "hierarchical.hierarchical_all_gather" in lane
-    assert "hierarchical.hierarchical_allreduce" in lane
+    assert lane.count("algorithm=plan") == 3  # its reduce-scatter, all-gather and all-reduce
 
 
 def _avg_error_body(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> float:
@@ -256,7 +249,7 @@ def _avg_error_body(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> float:
     n, r = comm.world_size, comm.rank
     rows = [torch.randn(30001, generator=torch.Generator().manual_seed(100 + k)) for k in range(n)]
     exact = torch.stack([t.double() for t in rows]).mean(0)
-    got = hierarchical_allreduce(rows[r].clone(), plan, op="avg", comm=comm)
+    got = dqcoll.allreduce(rows[r].clone(), op="avg", comm=comm, algorithm=plan)
     return float((got.double() - exact).square().sum() / exact.square().sum())
 
 

@@ -34,13 +34,13 @@ ROOT = pathlib.Path(dqcoll.__file__).parent
 
 # package -> modules (dotted, relative to dqcoll) it must not import
 FORBIDDEN = {
-    "topology": ("api", "hierarchical", "comm", "executor", "context", "handles", "transports",
+    "topology": ("api", "levels", "comm", "executor", "context", "handles", "transports",
                  "integrations"),
-    "schemes": ("api", "comm", "executor", "context", "transports", "topology", "hierarchical",
+    "schemes": ("api", "comm", "executor", "context", "transports", "topology", "levels",
                 "integrations"),
-    "kernels": ("api", "comm", "executor", "context", "handles", "hierarchical", "transports",
+    "kernels": ("api", "comm", "executor", "context", "handles", "levels", "transports",
                 "topology", "integrations", "schemes"),
-    "transports": ("api", "comm", "executor", "context", "handles", "hierarchical", "schemes",
+    "transports": ("api", "comm", "executor", "context", "handles", "levels", "schemes",
                    "kernels", "topology", "integrations"),
 }
 # Beside the runtime: may import anything; no runtime module imports it (see the docstring).

@@ -12,7 +12,6 @@ import torch
 import dqcoll
 from dqcoll import planner
 from dqcoll.errors import DqcollError
-from dqcoll.hierarchical import run_hierarchical
 from dqcoll.testing import run_local
 from dqcoll.topology.cost import KernelRates
 
@@ -68,8 +67,8 @@ def _two_level_planner(comm: dqcoll.Communicator) -> planner.Planner:
 
 @pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter"])
 def test_a_two_level_plan_runs_as_the_explicit_two_level_call(collective: str) -> None:
-    """Where the planner picks two levels, the call runs them (:mod:`dqcoll.hierarchical`), and
-    the result is bit for bit the explicit two-level call of the same plan, seed and step."""
+    """Where the planner picks two levels, the call runs them, and the result is bit for bit the
+    explicit two-level call (``algorithm=plan``) of the same plan, seed and step."""
     numel = 4 * 50_000
 
     def body(comm: dqcoll.Communicator) -> dict[str, Any]:
@@ -87,7 +86,11 @@ def test_a_two_level_plan_runs_as_the_explicit_two_level_call(collective: str) -
         assert plan.is_two_level
         info = dict(comm.last_info)
         out = None if collective == "allreduce" else torch.empty(numel // 4)
-        run_hierarchical(collective, y, out, plan.levels, op="avg", comm=comm, seed=3, step=step)
+        if collective == "allreduce":
+            dqcoll.allreduce(y, op="avg", comm=comm, seed=3, step=step, algorithm=plan.levels)
+        else:
+            dqcoll.reduce_scatter(y, out, op="avg", comm=comm, seed=3, step=step,
+                                  algorithm=plan.levels)
         expected = y if collective == "allreduce" else out
         return {"plan": info["planned"], "same": torch.equal(got, expected), "got": got}
 

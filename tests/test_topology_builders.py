@@ -9,7 +9,6 @@ import torch
 import dqcoll
 from dqcoll.context import call_context
 from dqcoll.executor import run_schedule
-from dqcoll.hierarchical import hierarchical_allreduce
 from dqcoll.testing import run_local
 from dqcoll.topology.checker import check_schedule
 from dqcoll.topology.graph import Topology
@@ -124,9 +123,9 @@ def test_hierarchical_allreduce_exact_with_none(nodes, gpus):
 
     def body(comm):
         x = _integers(comm.rank, 777)
-        hierarchical_allreduce(x, plan, comm=comm)
+        dqcoll.allreduce(x, comm=comm, algorithm=plan)
         y = _integers(comm.rank, 777) * n
-        hierarchical_allreduce(y, plan, comm=comm, op="avg")
+        dqcoll.allreduce(y, comm=comm, op="avg", algorithm=plan)
         return x, y
 
     expected = sum(_integers(r, 777) for r in range(n))
@@ -149,7 +148,7 @@ def test_hierarchical_per_level_schemes():
     def body(comm):
         x = data(comm.rank)
         before = comm.counters["payload_bytes_sent"]
-        hierarchical_allreduce(x, plan, comm=comm, seed=3)
+        dqcoll.allreduce(x, comm=comm, seed=3, algorithm=plan)
         return x, comm.counters["payload_bytes_sent"] - before, comm.last_info
 
     results = run_local(8, body)

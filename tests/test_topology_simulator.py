@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import dqcoll
-from dqcoll.hierarchical import hierarchical_allreduce
 from dqcoll.testing import run_local
 from dqcoll.topology.algorithms import build_schedule
 from dqcoll.topology.graph import Topology
@@ -150,7 +149,7 @@ def test_hierarchical_simulation_equivalent_to_execution():
 
     def body(comm):
         x = source.rank_tensor(comm.rank).clone()
-        hierarchical_allreduce(x, plan, comm=comm, seed=0)
+        dqcoll.allreduce(x, comm=comm, seed=0, algorithm=plan)
         return x
 
     measured = dqcoll.metrics.vnmse(run_local(4, body)[0], source.exact_sum())

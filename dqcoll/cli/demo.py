@@ -107,7 +107,6 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
     """Every (scheme, algorithm) row, run by every rank; the rows on rank 0 (empty elsewhere)."""
     import dqcoll
     from dqcoll.errors import InvalidArgumentError
-    from dqcoll.hierarchical import hierarchical_allreduce
     from dqcoll.metrics import vnmse
     from dqcoll.planner import discover_job
     from dqcoll.topology.hierarchical import HierarchicalPlan, LevelSpec
@@ -131,7 +130,7 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
                 raise InvalidArgumentError(f"{job.describe()}: no two levels")
             plan = HierarchicalPlan(job.hosts, LevelSpec("none", algorithm="ring"),
                                     LevelSpec(scheme, args.bits, "ring"))
-            hierarchical_allreduce(x, plan)
+            dqcoll.allreduce(x, algorithm=plan)
             return
         dqcoll.allreduce(x, scheme=scheme, algorithm=algorithm, bits=args.bits,
                          tile_nbytes=tile_nbytes)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import api, hierarchical, schemes
+from .. import api, schemes
 from ..comm import Communicator
 from ..errors import CommAbortedError, InvalidArgumentError, UnsupportedError
 from ..prepare import DEFAULT_BITS
@@ -370,8 +370,8 @@ class Lane(BlockCollectives):
 
         def run() -> None:
             if plan is not None:
-                hierarchical.hierarchical_reduce_scatter(inp.view(-1), out.view(-1), plan, op=op,
-                                                         comm=self.comm)
+                api.reduce_scatter(inp.view(-1), out.view(-1), op=op, comm=self.comm,
+                                   algorithm=plan)
             elif codec is not None and inp.device.type == "cpu":
                 self._scatter_blocks(inp.reshape(-1), out.view(-1), codec, avg)
             else:
@@ -389,8 +389,7 @@ class Lane(BlockCollectives):
 
         def run() -> None:
             if plan is not None:
-                hierarchical.hierarchical_all_gather(shard.view(-1), out.view(-1), plan,
-                                                     comm=self.comm)
+                api.all_gather(shard.view(-1), out.view(-1), comm=self.comm, algorithm=plan)
             elif codec is not None and shard.device.type == "cpu":
                 self._gather_blocks(shard.reshape(-1), out.view(-1), codec)
             else:
@@ -406,7 +405,7 @@ class Lane(BlockCollectives):
 
         def run() -> None:
             if plan is not None:
-                hierarchical.hierarchical_allreduce(buf.view(-1), plan, op=op, comm=self.comm)
+                api.allreduce(buf.view(-1), op=op, comm=self.comm, algorithm=plan)
             else:
                 api.allreduce(buf.view(-1), op=op, comm=self.comm, **rule.options())
 

@@ -901,9 +901,9 @@ def simulate_hierarchical(
     progress: Progress | None = None,
     scratch_dir: str | None = None,
 ) -> SimulationResult:
-    """vNMSE of :func:`dqcoll.hierarchical.hierarchical_allreduce` with an uncompressed intra level:
-    every host's fp32 sum (in local-rank order) is all-reduced across hosts with the inter scheme,
-    shard by shard."""
+    """vNMSE of ``dqcoll.allreduce(x, algorithm=plan)`` with a two-level plan whose intra level is
+    uncompressed: every host's fp32 sum (in local-rank order) is all-reduced across hosts with the
+    inter scheme, shard by shard."""
     if plan.intra.scheme != "none":
         raise UnsupportedError(
             f"the simulator runs hierarchical plans with intra scheme 'none', got "
