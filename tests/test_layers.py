@@ -85,12 +85,14 @@ def test_runtime_does_not_import_the_command_line():
 def test_import_loads_no_evaluation_module():
     """In a fresh interpreter, ``import dqcoll`` and the integrations (DDP hook, FSDP, the
     torch.distributed backend) leave no ``dqcoll.cli`` module in ``sys.modules`` (nor a
-    ``dqcoll.eval`` one: the evaluation is ``dqcoll_lab``'s)."""
+    ``dqcoll.eval`` one: the evaluation is ``dqcoll_lab``'s), and none of the planning tools no
+    call runs (the schedule checker, the simulator, the tuner)."""
     code = (
         "import sys, dqcoll, dqcoll.integrations.torch_ddp, dqcoll.integrations.fsdp, "
         "dqcoll.integrations.torch_backend; "
+        "tools = ['dqcoll.topology.' + t for t in ('checker', 'simulator', 'tuning')]; "
         "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['dqcoll', 'eval'], "
-        "['dqcoll', 'cli'])))"
+        "['dqcoll', 'cli']) or m in tools))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}

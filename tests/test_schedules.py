@@ -7,13 +7,12 @@ import pytest
 from dqcoll.topology import (
     Role,
     Schedule,
-    ScheduleError,
     Step,
     Transfer,
     algorithms,
     build_schedule,
-    check_schedule,
 )
+from dqcoll.topology.checker import ScheduleError, check_schedule
 from dqcoll.topology.schedule import Phase, assign_roles
 
 ALGORITHMS = ["ring", "butterfly", "direct"]

@@ -1,12 +1,12 @@
-"""Planning: schedules as data, their builders and checker, the topology graph, placed and
-hierarchical schedules. The cost model (:mod:`.cost`), the simulator (:mod:`.simulator`) and the
-tuner (:mod:`.tuning`) are imported on use, so ``import dqcoll`` stays light."""
+"""Planning: schedules as data, their builders, the topology graph, placed and hierarchical
+schedules. The tools no call runs are imported on use, so ``import dqcoll`` stays light: the
+schedule checker (:mod:`.checker`), the simulator (:mod:`.simulator`) and the tuner
+(:mod:`.tuning`)."""
 
 from __future__ import annotations
 
 from . import algorithms
 from .algorithms import build_schedule
-from .checker import ScheduleError, check_schedule
 from .detect import parse_topology
 from .graph import Link, LinkKind, Topology
 from .hierarchical import HierarchicalPlan, LevelSpec, build_hierarchical_plan
@@ -21,7 +21,6 @@ __all__ = [
     "Phase",
     "Role",
     "Schedule",
-    "ScheduleError",
     "Step",
     "Topology",
     "Transfer",
@@ -29,6 +28,5 @@ __all__ = [
     "build_hierarchical_plan",
     "build_placed_schedule",
     "build_schedule",
-    "check_schedule",
     "parse_topology",
 ]
