@@ -7,6 +7,7 @@ faster, and bit-identical replicas throughout.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -62,7 +63,7 @@ def test_schedule_and_choice_of_the_faster_mode() -> None:
     assert modes[:WARMUP] == [SIXTEEN_BIT] * WARMUP
     assert modes[WARMUP:decide] == [COMPRESSED] * (SAMPLES + 1)
     assert modes[decide:] == [SIXTEEN_BIT] * (20 - decide)
-    assert agreed == [[1.0, 2.0]]  # iteration 0 and 5 took 100 s: neither is a sample
+    assert agreed == [[1.0, 2.0, 0.0]]  # iteration 0 and 5 took 100 s: neither is a sample
     assert [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms) for c in choice.choices] == [
         (decide, SIXTEEN_BIT, 1000.0, 2000.0)]
     assert choice.sixteen_bit_steps == 20 - SAMPLES - 1
@@ -88,9 +89,32 @@ def test_recheck_runs_the_other_mode_and_follows_a_change() -> None:
     probe = decide + 10
     assert modes[decide:probe] == [SIXTEEN_BIT] * 10
     assert modes[probe:probe + SAMPLES + 1] == [COMPRESSED] * (SAMPLES + 1)
-    assert agreed == [[1.0, 2.0], [1.0, 0.5]]
+    assert agreed == [[1.0, 2.0, 0.0], [1.0, 0.5, 0.0]]
     assert modes[probe + SAMPLES + 1:] == [COMPRESSED] * (30 - probe - SAMPLES - 1)
     assert [c.mode for c in choice.choices] == [SIXTEEN_BIT, COMPRESSED]
+
+
+def _keep(agreed: list[list[float]], values: list[float]) -> list[float]:
+    agreed.append(list(values))
+    return values
+
+
+def test_compressing_must_beat_the_samples_noise() -> None:
+    """Compressed steps faster by less than the samples' spread (the larger mode's median
+    absolute deviation, agreed as the maximum over ranks) keep 16 bits; faster by more, they win.
+    16-bit samples 0.8, 1.2, 0.8, 1.2 s (median 1.0, spread 0.2); compressed 0.9 s, then 0.7 s."""
+    sixteen = (1.0, 0.8, 1.2, 0.8, 1.2)  # iteration 0: not a sample
+    for compressed_s, expected in ((0.9, SIXTEEN_BIT), (0.7, COMPRESSED)):
+        clock, agreed = _Clock(), []
+        choice = StepChoice(WARMUP, True, functools.partial(_keep, agreed), samples=SAMPLES,
+                            clock=clock)
+        for iteration in range(WARMUP + SAMPLES + 2):
+            mode = choice.begin(iteration)
+            clock.now += (sixteen[iteration] if iteration < WARMUP
+                          else 1.0 if mode == SIXTEEN_BIT else compressed_s)
+        assert agreed[0] == pytest.approx([1.0, compressed_s, 0.2])
+        assert choice.choices[0].mode == expected and choice.mode == expected
+        assert choice.choices[0].spread_ms == pytest.approx(200.0)
 
 
 def test_untimed_steps_and_disabled_check() -> None:

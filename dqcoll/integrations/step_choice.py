@@ -24,13 +24,15 @@ MIN_WARMUP = 4  # the fewest warm-up steps that time 16 bits: 3 steps after DDP'
 
 @dataclasses.dataclass
 class Choice:
-    """One agreed choice: at ``iteration``, the slowest rank's median step time of each mode."""
+    """One agreed choice: at ``iteration``, the slowest rank's median step time of each mode and
+    the largest rank's spread of the samples (the larger mode's median absolute deviation)."""
 
     iteration: int
     mode: str
     sixteen_bit_ms: float
     compressed_ms: float
     trial_steps: int = 0  # compressed samples left out: a bucket ran a plan tried once
+    spread_ms: float = 0.0
 
 
 class StepChoice:
@@ -38,7 +40,9 @@ class StepChoice:
 
     ``enabled=False`` (or under :data:`MIN_WARMUP` warm-up steps): every step after the warm-up is
     compressed. ``agree`` is called on every rank at the same iteration with ``[16-bit median s,
-    compressed median s]`` and returns the maximum over the ranks.
+    compressed median s, spread s]`` and returns the maximum over the ranks. Compressing is chosen
+    only where its median beats the 16-bit one by more than the spread: a difference within the
+    samples' own noise keeps the 16-bit mode (torch's hook, exact to 16 bits).
     """
 
     def __init__(self, warmup_steps: int, enabled: bool,
@@ -96,18 +100,24 @@ class StepChoice:
         self._excluded.add(iteration)
 
     def _decide(self, iteration: int) -> None:
-        def median(mode: str) -> float:
+        def samples(mode: str) -> list[float]:
             clean = [s for s, ok in self._periods[mode] if ok]
-            periods = clean if len(clean) >= 2 else [s for s, _ in self._periods[mode]]
+            return clean if len(clean) >= 2 else [s for s, _ in self._periods[mode]]
+
+        def median(periods: list[float]) -> float:
             return statistics.median(periods) if periods else math.inf
 
-        sixteen_s, compressed_s = (float(v) for v in self.agree([median(SIXTEEN_BIT),
-                                                                 median(COMPRESSED)]))
+        def spread(periods: list[float]) -> float:  # the median absolute deviation
+            return median([abs(s - median(periods)) for s in periods]) if periods else 0.0
+
+        sixteen, compressed = samples(SIXTEEN_BIT), samples(COMPRESSED)
+        sixteen_s, compressed_s, spread_s = (float(v) for v in self.agree(
+            [median(sixteen), median(compressed), max(spread(sixteen), spread(compressed))]))
         if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
-            self.mode = COMPRESSED if compressed_s < sixteen_s else SIXTEEN_BIT
+            self.mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
         trials = sum(not ok for _, ok in self._periods[COMPRESSED])
         self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
-                                   trials))
+                                   trials, spread_s * 1e3))
 
     def compressing(self) -> bool:
         """Whether the iteration begun last runs the compressed mode."""

@@ -201,8 +201,8 @@ class DynamiqState:
         if len(choice.choices) > decided and self.group_rank() == 0:
             made = choice.choices[-1]
             log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
-                     "(slowest rank's medians): %s from now on", iteration, made.sixteen_bit_ms,
-                     made.compressed_ms, made.mode)
+                     "(slowest rank's medians; spread %.0f ms): %s from now on", iteration,
+                     made.sixteen_bit_ms, made.compressed_ms, made.spread_ms, made.mode)
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
         """The algorithm of a bucket's all-reduce (``"auto"``: the planner's)."""
