@@ -134,9 +134,11 @@ def sixteen_bit_wire(buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
     wire = buf.to(dtype).div_(n)
     if dtype != torch.float16:
         return wire
+    if not buf.is_cuda and wire.numel():  # a CPU bucket in range: torch's hook exactly
+        low, high = torch.aminmax(wire)  # one reduction, no mask (NaN: checked below)
+        if math.isfinite(float(low)) and math.isfinite(float(high)):
+            return wire
     over = torch.isinf(wire)
-    if not buf.is_cuda and not bool(over.any()):  # a CPU bucket in range: torch's hook exactly
-        return wire
     limit = torch.tensor(FP16_MAX / n, dtype=torch.float16)
     if float(limit) * n > FP16_MAX:
         limit = torch.nextafter(limit, torch.zeros_like(limit))
