@@ -339,19 +339,21 @@ def _check_order(log: list[tuple[Any, ...]], rank: int, calls: int) -> None:
     """Per call of ``rank``: an event recorded on the caller's thread, the lane's thread waits
     for that very event before it runs the work, and the caller's ``wait()`` orders its stream
     after the event the lane recorded after the work."""
-    mine = [e for e in log if e[0] == f"rank {rank}" or f"rank {rank}" in e[0]]
-    caller = [e for e in mine if e[0] == f"rank {rank}"]
-    lane = [e for e in mine if e[0] != f"rank {rank}"]
-    records = [e for e in caller if e[1] == "record_caller"]
-    waits = [e for e in caller if e[1] == "wait"]
-    runs = [e for e in lane if e[1] == "run_after"]
-    dones = [e for e in lane if e[1] == "done"]
+    # (position in the log, entry): event ids are id()s, which a later event may reuse, so
+    # entries are placed by where they stand, not found by value
+    mine = [(i, e) for i, e in enumerate(log) if e[0] == f"rank {rank}" or f"rank {rank}" in e[0]]
+    caller = [(i, e) for i, e in mine if e[0] == f"rank {rank}"]
+    lane = [(i, e) for i, e in mine if e[0] != f"rank {rank}"]
+    records = [(i, e) for i, e in caller if e[1] == "record_caller"]
+    waits = [(i, e) for i, e in caller if e[1] == "wait"]
+    runs = [(i, e) for i, e in lane if e[1] == "run_after"]
+    dones = [(i, e) for i, e in lane if e[1] == "done"]
     assert len(records) == len(runs) == len(dones) == len(waits) == calls, mine
-    assert all("dqcoll-lane" in e[0] for e in lane), lane
-    assert [e[2] for e in records] == [e[2] for e in runs]
-    assert [e[2] for e in dones] == [e[2] for e in waits]
+    assert all("dqcoll-lane" in e[0] for _, e in lane), lane
+    assert [e[2] for _, e in records] == [e[2] for _, e in runs]
+    assert [e[2] for _, e in dones] == [e[2] for _, e in waits]
     for record, run, done, wait in zip(records, runs, dones, waits, strict=True):
-        assert log.index(record) < log.index(run) < log.index(done) < log.index(wait)
+        assert record[0] < run[0] < done[0] < wait[0]
 
 
 def test_fsdp2_cuda_calls_take_the_nccl_lane(gpu_stubs: dict[str, Any],
