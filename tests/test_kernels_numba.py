@@ -539,6 +539,62 @@ def _runs_layout(widths: list[int], rows_per_run: int, config: CodecConfig
     return runs, offset
 
 
+@pytest.mark.parametrize("divisor", [1, 3, 4])
+@pytest.mark.parametrize("scales", [Scales.HIERARCHICAL4X32, Scales.HIERARCHICAL])
+def test_runs_from_a_gather_source_equal_runs_from_the_gathered_rows(divisor: int,
+                                                                     scales: Scales) -> None:
+    """encode_runs and hop_runs with ``source=`` (the rows center_gather would write, made by
+    the kernels themselves: format 3's fused encode and hop in a scratch row, the other
+    pieces gathered into the rows first) write the bytes they write from the gathered rows:
+    every width, raw 16, hop pieces whose width changes, a short last row, a divisor that is
+    not a power of two. The fused kernels leave the rows as they were."""
+    config = (CodecConfig(levels=Levels.TUNED, scales=scales) if scales is Scales.HIERARCHICAL4X32
+              else CodecConfig(scales=scales))
+    g = torch.Generator().manual_seed(5)
+    per = 6
+    widths = [2, 5, 8, 16, 3] if scales is Scales.HIERARCHICAL4X32 else [2, 4, 8, 16, 4]
+    rows = per * len(widths)
+    x = heavy_tailed(1, rows * SUPER, seed=5).view(rows, SUPER).contiguous()
+    valid = torch.full((rows,), SUPER, dtype=torch.int64)
+    valid[7] = 100
+    mean, _ = dynamiq_numba.stats(x, valid, divisor=divisor)
+    order = torch.randperm(rows, generator=g)
+    work = dynamiq_numba.center_gather(x, mean, valid, order, divisor=divisor)
+    source = dynamiq_numba.gather_source(x, mean, valid, order, divisor=divisor)
+    index = torch.randperm(rows, generator=g) * SUPER
+    runs, nbytes = _runs_layout(widths, per, config)
+    written, gathered = (torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2))
+    dynamiq_numba.encode_runs(work, runs, index, 1, 4, KEY, config, written)
+    rows_seen = torch.full_like(work, float("nan"))
+    dynamiq_numba.encode_runs(rows_seen, runs, index, 1, 4, KEY, config, gathered,
+                              source=source)
+    assert torch.equal(written, gathered)
+
+    out_widths = [2, 6, 8, 16, 16] if scales is Scales.HIERARCHICAL4X32 else [2, 8, 8, 16, 16]
+    out_runs, out_nbytes = _runs_layout(out_widths, per, config)
+    pieces = [(w_in, w_out, a, b, off_in, off_out) for (w_in, a, b, off_in), (w_out, _, _, off_out)
+              in zip(runs, out_runs, strict=True)]
+    hop_written, hop_gathered = (torch.zeros(out_nbytes, dtype=torch.uint8) for _ in range(2))
+    dynamiq_numba.hop_runs(written, pieces, work.clone(), index, 1, 4, KEY, config, hop_written)
+    acc = torch.full_like(work, float("nan"))
+    dynamiq_numba.hop_runs(written, pieces, acc, index, 1, 4, KEY, config, hop_gathered,
+                           source=source)
+    assert torch.equal(hop_written, hop_gathered)
+    if scales is Scales.HIERARCHICAL4X32:  # the fused pieces (equal widths 2, 8) left acc alone
+        assert torch.isnan(acc[:per]).all() and torch.isnan(acc[2 * per : 3 * per]).all()
+
+    part = torch.full_like(work, float("nan"))
+    source.write(part, per, 3 * per)
+    assert torch.equal(part[per : 3 * per].view(torch.int32),
+                       work[per : 3 * per].view(torch.int32))
+    assert torch.isnan(part[:per]).all() and torch.isnan(part[3 * per :]).all()
+    with pytest.raises(ValueError, match="rows"):
+        dynamiq_numba.encode_runs(work[:-1], runs[:1], index[:-1], 1, 4, KEY, config, written,
+                                  source=source)
+    with pytest.raises(ValueError, match="outside"):
+        source.write(part, 0, rows + 1)
+
+
 def test_multi_run_launchers_equal_the_single_run_ops() -> None:
     """encode_runs, decode_accumulate_runs, hop_runs (equal and changing widths) and
     decode_restore_runs write the bytes and sums that the single-run launchers write run by

@@ -726,8 +726,8 @@ def _store_u64(typingctx, arr, i, offset, value):  # type: ignore[no-untyped-def
 
 
 @numba.njit(**_inline)
-def _q_accumulate_record(records, i, x, width, table, d, f32, u32):
-    """codec.decode_accumulate_torch of record ``i`` into row ``i`` of ``x`` (HIERARCHICAL4X32;
+def _q_accumulate_record(records, i, x, r, width, table, d, f32, u32):
+    """codec.decode_accumulate_torch of record ``i`` into row ``r`` of ``x`` (HIERARCHICAL4X32;
     ``table``: the decode table; ``d`` [16] scratch for the scales of the groups of 16)."""
     code_nbytes = 32 * width
     dk = code_nbytes + H4_BLOCKS // 2
@@ -749,7 +749,7 @@ def _q_accumulate_record(records, i, x, width, table, d, f32, u32):
                 for dk in range(per_byte):
                     dc = dg * GROUP + dm * per_byte + dk
                     dvalue = table[dat + dk] * dscale
-                    x[i, dc] = x[i, dc] + dvalue
+                    x[r, dc] = x[r, dc] + dvalue
     else:
         # Bitstream widths: 8 codes per w bytes, read as one 8-byte word
         dmask = np.uint64((1 << width) - 1)
@@ -759,7 +759,7 @@ def _q_accumulate_record(records, i, x, width, table, d, f32, u32):
             for dk in range(8):
                 dc = dm * 8 + dk
                 code = np.int64(dword >> np.uint64(dk * width) & dmask)
-                x[i, dc] = x[i, dc] + table[code] * dscale
+                x[r, dc] = x[r, dc] + table[code] * dscale
 
 
 @numba.njit(**JIT_OPTIONS)
@@ -888,8 +888,35 @@ def _q_store_record(out, i, codes, width, bs, unit_bits):
 
 
 @numba.njit(**_inline)
+def _gather_row(src, order, smean, svalid, divide, halve, inverse, divisor, k, hi, o):
+    """``o = `` row ``k`` of :func:`center_gather` (``src[order[k]]`` divided and centred,
+    padding exactly 0, the same expressions), prefetching the source row ``PREFETCH_ROWS``
+    ahead (rows in width-class order: a stream with gaps)."""
+    if k + PREFETCH_ROWS < hi:
+        ahead = src[order[k + PREFETCH_ROWS]]
+        for c in range(0, SUPER, _LINE):
+            _prefetch_read(ahead, c)
+    i = order[k]
+    row = src[i]
+    m = smean[i]
+    v = svalid[i]
+    if divide and halve:  # x * 2**-k: x / 2**k, bit for bit
+        for j in range(SUPER):
+            o[j] = row[j] * inverse - m if j < v else _F0
+    elif divide:
+        for j in range(SUPER):
+            o[j] = row[j] / divisor - m if j < v else _F0
+    elif v == SUPER:
+        for j in range(SUPER):
+            o[j] = row[j] - m
+    else:
+        for j in range(SUPER):
+            o[j] = row[j] - m if j < v else _F0
+
+
+@numba.njit(**_inline)
 def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, hop):
+            ptab, inv_n, correlated, records, table, hop, src, order, smean, svalid, divisor):
     """codec._encode_rows of rows ``[lo, hi)`` of ``x`` (fp32 ``[rows, 256]``; row ``i``'s first
     coordinate has global index ``index_base[i]``) into ``out`` (uint8 ``[rows,
     record_nbytes]``), HIERARCHICAL4X32. With ``hop`` (a literal) each row first adds
@@ -899,9 +926,20 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
     numba-inlined leaves (no call inside, so numba prunes their reference counts); the level
     window is a scalar function LLVM inlines (:func:`_always_inline`); the steps that call
     other functions (the scale spreading, the uniforms) stay here. The machine code is the
-    one-function version's (the same instruction counts, to within spill slots)."""
+    one-function version's (the same instruction counts, to within spill slots).
+
+    Where ``order`` is not empty, row ``i`` is not read from ``x`` (nor written there): it is
+    :func:`center_gather`'s row ``i`` of ``src`` (rows in the original order, divided by
+    ``divisor`` and centred on ``smean``, ``svalid`` valid values each), made in a scratch row
+    while the row is encoded: the same values, so the same bytes, without the pass that writes
+    the centred rows out and the encode's read of them back."""
     _prefer_wide_vectors()
     (t, f32, u32, bs, sa, sb, d, p, u, pv, codes, av, rv) = _q_scratch()
+    grow = np.empty((1, SUPER), np.float32)  # the gathered row
+    growb = grow.view(np.uint32)
+    gather = order.shape[0] != 0
+    divide = divisor != _F1
+    halve, inverse = _power_of_two(divisor)
     ext = _window_table(mags)
     window = (ext[1], ext[2], ext[3], ext[4], ext[5], ext[6], ext[7], ext[8],
               ext[9], ext[10], ext[11], ext[12], ext[13], ext[14], ext[15], ext[16],
@@ -911,9 +949,15 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
     xb = x.view(np.uint32)
     tf = t.view(np.float32)
     for i in range(lo, hi):
-        if hop:  # codec.decode_accumulate_torch of record i into row i
-            _q_accumulate_record(records, i, x, width, table, d, f32, u32)
-        tiny, unit_bits = _q_scales(xb, i, t, tf, f32, u32, bs)
+        if gather:
+            _gather_row(src, order, smean, svalid, divide, halve, inverse, divisor, i, hi,
+                        grow[0])
+            row, rowb, r = grow, growb, 0
+        else:
+            row, rowb, r = x, xb, i
+        if hop:  # codec.decode_accumulate_torch of record i into its row
+            _q_accumulate_record(records, i, row, r, width, table, d, f32, u32)
+        tiny, unit_bits = _q_scales(rowb, r, t, tf, f32, u32, bs)
         # the per-block inverse scales at every coordinate: 8 -> 256 by doubling
         _dup(bs, sa, 8)
         _dup(sa, sb, 16)
@@ -929,10 +973,10 @@ def _q_rows(lo, hi, x, index_base, out, width, mags, nxt, rtab, bins, jitter_key
             _dup(sa, sb, 64)
             _dup(sb, pv, 128)
             for j in range(SUPER):
-                p[j] = x[i, j] * pv[j]
+                p[j] = row[r, j] * pv[j]
         else:
             for j in range(SUPER):
-                p[j] = x[i, j]
+                p[j] = row[r, j]
         # Uniforms (rng.rounding_uniforms): gamma from one mix32 per coordinate (the row's inner
         # hash, two where the row crosses a multiple of 2**32 of the global index); correlated:
         # u = (pi(rank) + gamma) / n, pi per run of 16 from the permutation table.
@@ -1086,51 +1130,51 @@ def encode_w8f(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w2q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
-               jitter_key, perm_key, ptab, inv_n, correlated):
+               jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid, divisor):
     _q_rows(lo, hi, x, index_base, out, 2, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
-            inv_n, correlated, out, mags, False)
+            inv_n, correlated, out, mags, False, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w3q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
-               jitter_key, perm_key, ptab, inv_n, correlated):
+               jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid, divisor):
     _q_rows(lo, hi, x, index_base, out, 3, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
-            inv_n, correlated, out, mags, False)
+            inv_n, correlated, out, mags, False, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w4q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
-               jitter_key, perm_key, ptab, inv_n, correlated):
+               jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid, divisor):
     _q_rows(lo, hi, x, index_base, out, 4, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
-            inv_n, correlated, out, mags, False)
+            inv_n, correlated, out, mags, False, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w5q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
-               jitter_key, perm_key, ptab, inv_n, correlated):
+               jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid, divisor):
     _q_rows(lo, hi, x, index_base, out, 5, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
-            inv_n, correlated, out, mags, False)
+            inv_n, correlated, out, mags, False, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w6q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
-               jitter_key, perm_key, ptab, inv_n, correlated):
+               jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid, divisor):
     _q_rows(lo, hi, x, index_base, out, 6, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
-            inv_n, correlated, out, mags, False)
+            inv_n, correlated, out, mags, False, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w7q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
-               jitter_key, perm_key, ptab, inv_n, correlated):
+               jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid, divisor):
     _q_rows(lo, hi, x, index_base, out, 7, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
-            inv_n, correlated, out, mags, False)
+            inv_n, correlated, out, mags, False, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def encode_w8q(lo, hi, x, index_base, out, mags, nxt, rtab, bins,
-               jitter_key, perm_key, ptab, inv_n, correlated):
+               jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid, divisor):
     _q_rows(lo, hi, x, index_base, out, 8, mags, nxt, rtab, bins, jitter_key, perm_key, ptab,
-            inv_n, correlated, out, mags, False)
+            inv_n, correlated, out, mags, False, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
@@ -1242,51 +1286,58 @@ def hop_w8f(lo, hi, records, table, acc, index_base, out, mags, nxt,
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w2q(lo, hi, records, table, acc, index_base, out, mags, nxt,
-            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid,
+            divisor):
     _q_rows(lo, hi, acc, index_base, out, 2, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, True)
+            ptab, inv_n, correlated, records, table, True, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w3q(lo, hi, records, table, acc, index_base, out, mags, nxt,
-            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid,
+            divisor):
     _q_rows(lo, hi, acc, index_base, out, 3, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, True)
+            ptab, inv_n, correlated, records, table, True, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w4q(lo, hi, records, table, acc, index_base, out, mags, nxt,
-            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid,
+            divisor):
     _q_rows(lo, hi, acc, index_base, out, 4, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, True)
+            ptab, inv_n, correlated, records, table, True, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w5q(lo, hi, records, table, acc, index_base, out, mags, nxt,
-            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid,
+            divisor):
     _q_rows(lo, hi, acc, index_base, out, 5, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, True)
+            ptab, inv_n, correlated, records, table, True, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w6q(lo, hi, records, table, acc, index_base, out, mags, nxt,
-            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid,
+            divisor):
     _q_rows(lo, hi, acc, index_base, out, 6, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, True)
+            ptab, inv_n, correlated, records, table, True, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w7q(lo, hi, records, table, acc, index_base, out, mags, nxt,
-            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid,
+            divisor):
     _q_rows(lo, hi, acc, index_base, out, 7, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, True)
+            ptab, inv_n, correlated, records, table, True, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**JIT_OPTIONS)
 def hop_w8q(lo, hi, records, table, acc, index_base, out, mags, nxt,
-            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated):
+            rtab, bins, jitter_key, perm_key, ptab, inv_n, correlated, src, order, smean, svalid,
+            divisor):
     _q_rows(lo, hi, acc, index_base, out, 8, mags, nxt, rtab, bins, jitter_key, perm_key,
-            ptab, inv_n, correlated, records, table, True)
+            ptab, inv_n, correlated, records, table, True, src, order, smean, svalid, divisor)
 
 
 @numba.njit(**_inline)

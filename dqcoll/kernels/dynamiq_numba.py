@@ -18,6 +18,7 @@ ranks do not compile at different steps).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import threading
@@ -44,6 +45,7 @@ from .ops import DynamiqOps, check_format
 __all__ = [
     "FORMATS",
     "OPS",
+    "GatherSource",
     "center_gather",
     "decode",
     "decode_accumulate",
@@ -53,6 +55,7 @@ __all__ = [
     "decode_restore_runs",
     "encode",
     "encode_runs",
+    "gather_source",
     "hop_runs",
     "max_finite_abs",
     "restore",
@@ -229,14 +232,56 @@ def _divisor(divisor: int) -> np.float32:
     return np.float32(divisor)  # exact, as torch's fp32 ``x / n``
 
 
-def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
-                  order: torch.Tensor, *, divisor: int = 1,
-                  out: torch.Tensor | None = None,
-                  skip: np.ndarray | None = None) -> torch.Tensor:
-    """``stats_center(x / divisor, valid)[0][order]`` with the local ``mean`` :func:`stats`
-    returned: the centred rows, already in ``order``, in one pass (no divided or centred copy in
-    between), into ``out`` when given. Rows ``k`` where ``skip[k]`` (bool, one per output row)
-    are left unwritten."""
+_NO_SKIP = np.zeros(0, np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSource:
+    """:func:`center_gather`'s arguments, checked once: the rows ``encode_runs`` and
+    ``hop_runs`` (``source=``) make themselves, row by row as they encode, instead of reading
+    the centred rows from a buffer a pass wrote before. ``rows``: fp32 ``[rows, 256]`` in the
+    original order; ``mean``, ``valid``: per original row; ``order``: sorted row -> original."""
+
+    rows: np.ndarray
+    mean: np.ndarray
+    valid: np.ndarray
+    order: np.ndarray
+    divisor: np.float32
+
+    def args(self, a: int, b: int) -> tuple[object, ...]:
+        """The gather arguments of the format-3 kernels for sorted rows ``[a, b)``."""
+        return (self.rows, self.order[a:b], self.mean, self.valid, self.divisor)
+
+    def write(self, out: torch.Tensor, a: int, b: int, skip: np.ndarray | None = None,
+              threads: int | None = None) -> None:
+        """:func:`center_gather` of sorted rows ``[a, b)`` into ``out[a:b]`` (rows of ``out``
+        ``k`` with ``skip[k]`` left unwritten)."""
+        rows = self.order.shape[0]
+        _check_inplace("out", out, rows)
+        if not out.is_contiguous():
+            raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
+        if not 0 <= a <= b <= rows:
+            raise ValueError(f"rows [{a}, {b}): outside the {rows} rows")
+        self.write_rows(out.detach().numpy(), a, b,
+                        _NO_SKIP if skip is None else _skip(skip, rows)[a:b], threads)
+
+    def write_rows(self, out: np.ndarray, a: int, b: int, skip: np.ndarray = _NO_SKIP,
+                   threads: int | None = None) -> None:
+        """:meth:`write` into checked fp32 ``[rows, 256]`` NumPy rows (``skip``: rows [a, b)'s
+        flags, or empty)."""
+        run_rows(K.center_gather, b - a, self.rows, self.mean, self.valid, self.order[a:b],
+                 self.divisor, skip, out[a:b], threads=threads)
+
+
+# The format-3 kernels' gather arguments where they read their rows from ``x`` (no gather)
+_NO_GATHER = (np.zeros((0, SUPER), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
+              np.zeros(0, np.int64), np.float32(1))
+
+
+def gather_source(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
+                  order: torch.Tensor, *, divisor: int = 1) -> GatherSource:
+    """The :class:`GatherSource` of :func:`center_gather` with these arguments (the same
+    checks). ``x`` is held, not copied: it must not change while the source is used."""
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     valid_np = _valid(valid, rows)
@@ -247,19 +292,29 @@ def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
                          f"{tuple(order.shape)}")
     if rows and (order_np.min() < 0 or order_np.max() >= rows):
         raise ValueError(f"order: row indices must be in [0, {rows})")
+    return GatherSource(xs, mean_np, valid_np, order_np, _divisor(divisor))
+
+
+def _skip(skip: np.ndarray, rows: int) -> np.ndarray:
+    skip_np = np.ascontiguousarray(skip, dtype=np.uint8).reshape(-1)
+    if skip_np.shape[0] != rows:
+        raise ValueError(f"skip: expected [{rows}], got {skip_np.shape}")
+    return skip_np
+
+
+def center_gather(x: torch.Tensor, mean: torch.Tensor, valid: torch.Tensor,
+                  order: torch.Tensor, *, divisor: int = 1,
+                  out: torch.Tensor | None = None,
+                  skip: np.ndarray | None = None) -> torch.Tensor:
+    """``stats_center(x / divisor, valid)[0][order]`` with the local ``mean`` :func:`stats`
+    returned: the centred rows, already in ``order``, in one pass (no divided or centred copy in
+    between), into ``out`` when given. Rows ``k`` where ``skip[k]`` (bool, one per output row)
+    are left unwritten."""
+    source = gather_source(x, mean, valid, order, divisor=divisor)
+    rows = source.order.shape[0]
     if out is None:
         out = torch.empty((rows, SUPER), dtype=torch.float32)
-    _check_inplace("out", out, rows)
-    if not out.is_contiguous():
-        raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
-    if skip is None:
-        skip_np = np.zeros(0, np.uint8)
-    else:
-        skip_np = np.ascontiguousarray(skip, dtype=np.uint8).reshape(-1)
-        if skip_np.shape[0] != rows:
-            raise ValueError(f"skip: expected [{rows}], got {skip_np.shape}")
-    run_rows(K.center_gather, rows, xs, mean_np, valid_np, order_np, _divisor(divisor), skip_np,
-             out.detach().numpy())
+    source.write(out, 0, rows, skip)
     return out
 
 
@@ -293,7 +348,7 @@ def encode(
         run_rows(K.encode_raw, rows, xs, xs.view(np.uint32), records.numpy())
         return records
     run_rows(_ENCODE[width, config.scales], rows, xs, index, records.numpy(),
-             *_rounding_args(width, config, key, rank, world_size))
+             *_rounding_args(width, config, key, rank, world_size), *_gather_args(config))
     return records
 
 
@@ -359,7 +414,7 @@ def decode_accumulate_encode(
             return result
         run_rows(_HOP[width, config.scales], rows, rec, level_tables(width, config.levels).table,
                  target, index, result.numpy(),
-                 *_rounding_args(width, config, key, rank, world_size))
+                 *_rounding_args(width, config, key, rank, world_size), *_gather_args(config))
     return result
 
 
@@ -511,22 +566,39 @@ def decode_restore_runs(
                  valid_np[a:b], target, threads=threads)
 
 
+def _gather_args(config: CodecConfig, source: GatherSource | None = None, a: int = 0,
+                 b: int = 0) -> tuple[object, ...]:
+    """The trailing gather arguments of ``config``'s encode and hop kernels: the format-3 ones
+    take them (``source``'s rows ``[a, b)``, or none), the others none."""
+    if config.scales is not _Q:
+        return ()
+    return _NO_GATHER if source is None else source.args(a, b)
+
+
 def encode_runs(
     x: torch.Tensor, runs: list[tuple[int, int, int, int]], index_base: torch.Tensor, rank: int,
     world_size: int, key: int, config: CodecConfig, out: torch.Tensor,
+    source: GatherSource | None = None,
 ) -> None:
     """:func:`encode` of several runs of rows of ``x`` into one flat uint8 payload ``out``:
     ``runs`` holds ``(width, first row, end row, byte offset)``. The same kernels with the same
     arguments, so the same bytes; the views are made once per call and the rounding tables
-    once per width, not once per run (a payload has one run per width)."""
+    once per width, not once per run (a payload has one run per width). With ``source``, the
+    rows are ``source``'s (:class:`GatherSource`), not ``x``'s: format 3's kernels gather them
+    as they encode and leave ``x`` as it was; the other formats' runs gather them into ``x``
+    first."""
     threads = cpu_threads()  # once per call, not per run (an environment look-up)
     xs = _rows_f32("x", x)
     rows = xs.shape[0]
     index = _index(index_base, rows)
     payload = _flat_bytes("out", out)
+    _check_source(source, rows)
     tables: dict[int, tuple[object, ...]] = {}
     for width, a, b, offset in runs:
         records = _run_records(payload, width, config, a, b, offset, rows)
+        fused = source is not None and width != RAW_WIDTH and config.scales is _Q
+        if source is not None and not fused:
+            source.write_rows(xs, a, b, threads=threads)
         if width == RAW_WIDTH:
             run_rows(K.encode_raw, b - a, xs[a:b], xs[a:b].view(np.uint32), records,
                      threads=threads)
@@ -534,30 +606,44 @@ def encode_runs(
         if width not in tables:
             tables[width] = _rounding_args(width, config, key, rank, world_size)
         run_rows(_ENCODE[width, config.scales], b - a, xs[a:b], index[a:b], records,
-                 *tables[width], threads=threads)
+                 *tables[width], *_gather_args(config, source if fused else None, a, b),
+                 threads=threads)
+
+
+def _check_source(source: GatherSource | None, rows: int) -> None:
+    if source is not None and source.order.shape[0] != rows:
+        raise ValueError(f"source: {source.order.shape[0]} rows for {rows}")
 
 
 def hop_runs(
     payload: torch.Tensor, pieces: list[tuple[int, int, int, int, int, int]], acc: torch.Tensor,
     index_base: torch.Tensor, rank: int, world_size: int, key: int, config: CodecConfig,
-    out: torch.Tensor,
+    out: torch.Tensor, source: GatherSource | None = None,
 ) -> None:
     """One hop of several runs: ``pieces`` holds ``(incoming width, outgoing width, first row,
     end row, byte offset in payload, byte offset in out)``; each piece's records are decoded
     and added into ``acc``'s rows and the sums encoded into ``out`` at the outgoing width: the
     fused :func:`decode_accumulate_encode` where the widths are equal, else
     :func:`decode_accumulate` then :func:`encode` (the same kernels and arguments, so the same
-    bits and the same sums in ``acc``). Views and checks once per call."""
+    bits and the same sums in ``acc``). Views and checks once per call. With ``source``,
+    ``acc``'s rows are ``source``'s (:class:`GatherSource`) rather than what ``acc`` holds:
+    format 3's fused hop gathers each row, adds and encodes it in a scratch row (``acc`` is
+    not written: the reference's ``keep_sum=False``); the other pieces gather into ``acc``
+    first."""
     threads = cpu_threads()  # once per call, not per run (an environment look-up)
     target = _whole_rows("acc", acc)
     rows = target.shape[0]
     index = _index(index_base, rows)
     src, dst = _flat_bytes("payload", payload), _flat_bytes("out", out)
+    _check_source(source, rows)
     tables: dict[int, tuple[object, ...]] = {}
     for w_in, w_out, a, b, off_in, off_out in pieces:
         rec = _run_records(src, w_in, config, a, b, off_in, rows)
         result = _run_records(dst, w_out, config, a, b, off_out, rows)
         part = target[a:b]
+        fused = source is not None and w_in == w_out != RAW_WIDTH and config.scales is _Q
+        if source is not None and not fused:
+            source.write_rows(target, a, b, threads=threads)
         if w_in == w_out:
             if w_in == RAW_WIDTH:
                 run_rows(K.hop_raw, b - a, rec, part, part.view(np.uint32), result, threads=threads)
@@ -566,7 +652,8 @@ def hop_runs(
                 tables[w_in] = _rounding_args(w_in, config, key, rank, world_size)
             run_rows(_HOP[w_in, config.scales], b - a, rec,
                      level_tables(w_in, config.levels).table, part, index[a:b], result,
-                     *tables[w_in], threads=threads)
+                     *tables[w_in], *_gather_args(config, source if fused else None, a, b),
+                     threads=threads)
             continue
         if w_in == RAW_WIDTH:
             run_rows(K.decode_raw, b - a, rec, part, True, threads=threads)
@@ -579,7 +666,7 @@ def hop_runs(
         if w_out not in tables:
             tables[w_out] = _rounding_args(w_out, config, key, rank, world_size)
         run_rows(_ENCODE[w_out, config.scales], b - a, part, index[a:b], result,
-                 *tables[w_out], threads=threads)
+                 *tables[w_out], *_gather_args(config), threads=threads)
 
 
 def decode_accumulate_runs(payload: torch.Tensor, runs: list[tuple[int, int, int, int]],
@@ -695,6 +782,7 @@ OPS = DynamiqOps(
     restore=restore,
     stats=stats,
     center_gather=center_gather,
+    gather_source=gather_source,
     decode_restore=decode_restore,
     restore_mean=restore_mean,
     decode_restore_runs=decode_restore_runs,

@@ -32,6 +32,10 @@ class DynamiqOps:
     # valid, order, divisor=, out=) -> the centred rows of x / divisor in ``order``, written once
     stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     center_gather: Callable[..., torch.Tensor] | None = None
+    # gather_source(x, mean, valid, order, divisor=) -> a source of center_gather's rows that
+    # encode_runs and hop_runs take as ``source=`` (they gather the rows themselves as they
+    # encode; its ``write(out, a, b, skip)`` gathers rows [a, b) into a buffer)
+    gather_source: Callable[..., Any] | None = None
     # decode_restore(records, width, config, mean, index_base, valid, out): restore(decode(...))
     decode_restore: Callable[..., None] | None = None
     # restore_mean(mean, index_base, valid, out): restore of width-0 rows without reading them

@@ -411,6 +411,39 @@ def _uncovered(covered: list[tuple[int, int]], rows: int, unwritten: np.ndarray 
     return [(a, b, bool(kind[a])) for a, b in itertools.pairwise(cuts) if b > a and kind[a] >= 0]
 
 
+class _LazyRows:
+    """Work rows that a gather source stands for until a step reads them (the CPU all-reduce):
+    the encodes and hops gather each row from the input as they code it (the ring's every row),
+    a pass that writes the centred rows out, and the kernels' read of them back, less."""
+
+    def __init__(self, source: Any, work: torch.Tensor, unwritten: np.ndarray | None) -> None:
+        self.source, self.work, self.unwritten = source, work, unwritten
+        self.rows = np.ones(work.shape[0], np.bool_)  # rows the source still stands for
+
+    def gathers(self, a: int, b: int) -> bool:
+        """Whether the source stands for every row of ``[a, b)`` (the kernels gather them);
+        otherwise those it still stands for are written first."""
+        if self.rows[a:b].all():
+            return True
+        self.materialize(a, b)
+        return False
+
+    def spend(self, a: int, b: int) -> None:
+        """A hop coded rows ``[a, b)`` from the source: their partial sums are spent (as
+        ``keep_sum=False`` leaves them) and their work rows unspecified."""
+        self.rows[a:b] = False
+
+    def materialize(self, a: int, b: int) -> None:
+        """Write the work rows of ``[a, b)`` the source still stands for (as center_gather
+        writes them; the unwritten width-0 rows stay so)."""
+        if not self.rows[a:b].any():
+            return
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], self.rows[a:b], [0])).astype(np.int8)))
+        for c, d in zip(edges[0::2] + a, edges[1::2] + a, strict=True):
+            self.source.write(self.work, int(c), int(d), skip=self.unwritten)
+        self.rows[a:b] = False
+
+
 class DynamiqCall:
     """One collective call: statistics, allocation, reorder, and the per-hop operations."""
 
@@ -538,12 +571,23 @@ class DynamiqCall:
             if self.surveyed is not None and not self.sharded:
                 self.plus_zero_in = (self.surveyed.data_ptr,
                                      self.surveyed.plus_zero[order_np] & zero)
+        # With a gather source the work rows are written only where a step reads them (_LazyRows)
+        self.lazy: _LazyRows | None = None
         if statistics.centred is None:
             assert prep.center_gather is not None and statistics.flat is not None
-            self.work = prep.center_gather(
-                statistics.flat, statistics.mean, layout.valid, self.order,
-                divisor=statistics.divisor, out=_state_buffer(ctx, _WORK_BUFFER, rows, device),
-                **({} if self.unwritten is None else {"skip": self.unwritten}))
+            work = _state_buffer(ctx, _WORK_BUFFER, rows, device)
+            if (prep.gather_source is not None and self.ops is prep and self.deferred is not None
+                    and not self.sharded):
+                self.work = (work if work is not None
+                             else torch.empty((rows, SUPER), dtype=torch.float32, device=device))
+                self.lazy = _LazyRows(prep.gather_source(
+                    statistics.flat, statistics.mean, layout.valid, self.order,
+                    divisor=statistics.divisor), self.work, self.unwritten)
+            else:
+                self.work = prep.center_gather(
+                    statistics.flat, statistics.mean, layout.valid, self.order,
+                    divisor=statistics.divisor, out=work,
+                    **({} if self.unwritten is None else {"skip": self.unwritten}))
             self.kernels["center_gather"] = prep.name
         else:
             self.work = statistics.centred[self.order]
@@ -617,6 +661,7 @@ class DynamiqCall:
                 self._restore_means(c, d, out)
             else:
                 assert self.ops.restore is not None
+                self._materialize(c, d)
                 self.ops.restore(self.work[c:d], self.mean_sorted[c:d], self.index_base[c:d],
                                  self.valid_sorted[c:d], out)
 
@@ -634,6 +679,16 @@ class DynamiqCall:
                 mean, base, valid = mean[rows], base[rows], valid[rows]
         self.kernels["restore_mean"] = self.ops.name
         self.ops.restore_mean(mean, base, valid, out)
+
+    def _rows_of(self, chunk: int) -> tuple[int, int]:
+        return self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+
+    def _gathers(self, chunk: int) -> bool:
+        return self.lazy is not None and self.lazy.gathers(*self._rows_of(chunk))
+
+    def _materialize(self, a: int, b: int) -> None:
+        if self.lazy is not None:
+            self.lazy.materialize(a, b)
 
     def _segments(self, chunk: int, count: int) -> Segments:
         return self.geometry.segments(self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1], count)
@@ -666,9 +721,13 @@ class DynamiqCall:
         self.kernels["encode"] = self.ops.name
         out = self.scratch(self.payload_nbytes(chunk, count))
         if self.ops.encode_runs is not None:
+            # the rows gathered by the kernels stay the source's (a leaf's rows are not spent)
+            source = self.lazy.source if self.lazy and self._gathers(chunk) else None
             self.ops.encode_runs(self.work, self._segments(chunk, count), self.index_base,
-                                 self.rank, self.world_size, self.key, self.config, out)
+                                 self.rank, self.world_size, self.key, self.config, out,
+                                 **({} if source is None else {"source": source}))
             return out
+        self._materialize(*self._rows_of(chunk))
         for width, a, b, offset in self._segments(chunk, count):
             self.ops.encode(self.work[a:b], width, self.index_base[a:b], self.rank,
                             self.world_size, self.key, self.config,
@@ -686,6 +745,7 @@ class DynamiqCall:
 
     def decompress_accumulate(self, chunk: int, payload: torch.Tensor, count: int) -> None:
         self.kernels["decode_accumulate"] = self.ops.name
+        self._materialize(*self._rows_of(chunk))
         if self.ops.decode_accumulate_runs is not None and payload.dim() == 1:
             self.ops.decode_accumulate_runs(payload, self._segments(chunk, count), self.config,
                                             self.work)
@@ -704,9 +764,16 @@ class DynamiqCall:
         pieces = _overlaps(self._segments(chunk, count), self._segments(chunk, out_count),
                            self.config.scales)
         if self.ops.hop_runs is not None and payload.dim() == 1:
+            if self.lazy is not None and self._gathers(chunk):
+                self.ops.hop_runs(payload, pieces, self.work, self.index_base, self.rank,
+                                  self.world_size, self.key, self.config, out,
+                                  source=self.lazy.source)
+                self.lazy.spend(*self._rows_of(chunk))
+                return out
             self.ops.hop_runs(payload, pieces, self.work, self.index_base, self.rank,
                               self.world_size, self.key, self.config, out)
             return out
+        self._materialize(*self._rows_of(chunk))
         for w_in, w_out, a, b, off_in, off_out in pieces:
             records = self._records(payload, w_in, a, b, off_in)
             target = self._records(out, w_out, a, b, off_out)
@@ -737,6 +804,7 @@ class DynamiqCall:
                 self.kernels["decode_restore"] = self.ops.name
                 self._decode_restore(out.view(-1))
                 return
+            self._materialize(0, self.work.shape[0])
             if self.unwritten is not None:  # +0 rows restore as m + 0, the mean they stand for
                 self.work[torch.from_numpy(self.unwritten)] = 0.0
                 self.unwritten = None
@@ -745,6 +813,7 @@ class DynamiqCall:
             for width, a, b, records in self.deferred:  # another output: decode, then restore
                 self.ops.decode(records, width, self.config, out=self.work[a:b])
             self.deferred.clear()
+        self._materialize(0, self.work.shape[0])
         if self.target is not None:
             self.target.measure(self.work, self.order_np, self.allocation.widths,
                                 self.world_size, self.info)
