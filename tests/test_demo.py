@@ -106,3 +106,35 @@ def test_row_missing_on_loopback_shows_where_it_ran(capsys):
     demo._print_table(loop, [("2x2 1gbit", two)])
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "two-level" in ln)
     assert line.split()[2:7] == ["12.500", "1.000e-15", "-", "300.0", "2.00x"]
+
+
+class _PlannedComm:
+    """A communicator whose planned calls report the plans of ``plans`` in turn (label, whether
+    the planner explored it), as ``last_info["planned"]`` does."""
+
+    def __init__(self, plans: list[tuple[str, bool]]) -> None:
+        self.plans, self.last_info, self.calls = plans, {}, 0
+
+    def call(self) -> None:
+        label, explored = self.plans[min(self.calls, len(self.plans) - 1)]
+        reason = "explored once: never measured" if explored else "least predicted time"
+        self.last_info = {"planned": {"label": label, "reason": reason}}
+        self.calls += 1
+
+
+def test_planned_row_is_timed_once_the_planner_settled():
+    """The planned row's untimed calls go on while the planner explores and until two calls in a
+    row ran the same plan (at least PLANNED_WARMUP_CALLS, the demo's first call included; at
+    most PLANNED_WARMUP_MAX)."""
+    early = _PlannedComm([("ring/dynamiq5", False)])
+    assert demo._settle(early.call, early) == demo.PLANNED_WARMUP_CALLS
+    assert early.calls == demo.PLANNED_WARMUP_CALLS - 1  # the first call ran before _settle
+    plans = [("butterfly/dynamiq5", False), ("ring/dynamiq5", True), ("native/bf16", True),
+             ("ring/bf16", True), ("butterfly/dynamiq5", False), ("two-level", True),
+             ("two-level b", True), ("ring/dynamiq5", False), ("ring/dynamiq5", False)]
+    late = _PlannedComm(plans)
+    assert demo._settle(late.call, late) == len(plans) + 1
+    never = _PlannedComm([("a", True)])
+    assert demo._settle(never.call, never) == demo.PLANNED_WARMUP_MAX
+    flipping = _PlannedComm([("a", False), ("b", False)] * 20)
+    assert demo._settle(flipping.call, flipping) == demo.PLANNED_WARMUP_MAX

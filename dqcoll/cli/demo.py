@@ -27,9 +27,10 @@ Rank 0 prints one row per (scheme, algorithm), with the times side by side:
 * ``bits/coord``: the bytes this rank put on the wire (payload, scales, statistics, checks) per
   coordinate, normalised by the all-reduce's 2 (n-1)/n traffic factor, so fp32 reads 32;
 * ``vNMSE`` against the exact sum computed in float64;
-* ``time`` (median of 3 calls after an untimed one; the planned row after 6 untimed calls: the
-  planner's probes and its first measured calls) and ``algbw`` (uncompressed bytes / time,
-  as nccl-tests reports it);
+* ``time`` (median of 3 calls after an untimed one; the planned row after the planner settled:
+  its probes, then its measured calls, the candidates it explores included, until two calls in
+  a row ran the same plan without exploring, at least 6 and at most 24 untimed calls) and
+  ``algbw`` (uncompressed bytes / time, as nccl-tests reports it);
 * ``x fp32``: the ``torch`` row's time on the same network over the row's (>1: faster than
   the fp32 all-reduce a user would otherwise run);
 * ``identical``: whether every rank ended with the same bits.
@@ -43,6 +44,7 @@ shaping ``lo`` (all ranks would share one qdisc: one link, not a port per rank).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -84,8 +86,13 @@ def gradient_like(rank: int, numel: int, *, seed: int = 0) -> torch.Tensor:
 TIMED_CALLS = 3
 # Untimed calls of a planned row (scheme="auto", algorithm="auto") before the timed ones: the
 # first makes the planner (probes), the next are measured and calibrate it, as the first steps of
-# a training job do.
+# a training job do; each candidate predicted close to the best runs once (explored), one a call,
+# so with 8-10 candidates a job's first ~10 calls can include such runs. The row is timed once
+# two calls in a row ran the same plan without exploring (the plan a job then keeps), after at
+# least PLANNED_WARMUP_CALLS and at most PLANNED_WARMUP_MAX calls (the same count on every rank:
+# plans are).
 PLANNED_WARMUP_CALLS = 6
+PLANNED_WARMUP_MAX = 24
 TWO_LEVEL = "two-level"
 # The row every speed-up is relative to: the process group's own fp32 all-reduce (gloo's), what
 # DDP runs without a hook and what a user runs without dqcoll.
@@ -100,6 +107,22 @@ LOOPBACK_TILE_NBYTES = 16 << 20
 
 def _digest(x: torch.Tensor) -> int:
     return zlib.crc32(x.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _settle(call: Any, comm: Any) -> int:
+    """Run planned ``call`` until two in a row ran the same plan without exploring (at least
+    PLANNED_WARMUP_CALLS in all, with the one before, at most PLANNED_WARMUP_MAX); the calls."""
+    labels: list[str | None] = []
+    for calls in range(2, PLANNED_WARMUP_MAX + 1):
+        call()
+        planned = comm.last_info.get("planned")
+        settled = (isinstance(planned, dict)
+                   and not str(planned.get("reason", "")).startswith("explored"))
+        labels.append(planned["label"] if settled else None)
+        if (calls >= PLANNED_WARMUP_CALLS and len(labels) >= 2 and labels[-1] is not None
+                and labels[-1] == labels[-2]):
+            return calls
+    return PLANNED_WARMUP_MAX
 
 
 def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
@@ -135,15 +158,20 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
         dqcoll.allreduce(x, scheme=scheme, algorithm=algorithm, bits=args.bits,
                          tile_nbytes=tile_nbytes)
 
+    def run_fresh(scheme: str, algorithm: str) -> None:
+        run(base.clone(), scheme, algorithm)
+
     for scheme in args.schemes:
         for algorithm in _algorithms(scheme, args):
             # Untimed calls first (one-time costs; a planned row: the planner's probes and its
             # first measured calls, as in the first steps of a job), then the median of
             # TIMED_CALLS calls, each from the same input (a call is in place) and ended by a
             # barrier on every rank.
+            settled = 0
             try:
-                for _ in range(PLANNED_WARMUP_CALLS if algorithm == "auto" else 1):
-                    run(base.clone(), scheme, algorithm)
+                run(base.clone(), scheme, algorithm)
+                if algorithm == "auto":
+                    settled = _settle(functools.partial(run_fresh, scheme, algorithm), comm)
             except InvalidArgumentError as exc:  # the same on every rank: argument check
                 if rank == 0:
                     reason = str(exc).split(";")[0].splitlines()[0][:70]
@@ -174,7 +202,7 @@ def _measure(comm: Any, rank: int, world_size: int, args: argparse.Namespace,
                     "scheme": scheme,
                     "algorithm": algorithm,
                     "status": "ok",
-                    "chosen": chosen if scheme == "auto" else "",
+                    "chosen": f"{chosen} after {settled} calls" if scheme == "auto" else "",
                     "bits_per_coord": float(stats[1]) * 8 / traffic,
                     "vnmse": vnmse(x, exact),
                     "time_ms": float(stats[0]) * 1e3,
