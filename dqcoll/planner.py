@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,10 @@ NATIVE = "native"
 TARGET_BITS = 8.0
 # A candidate never run, predicted within this factor of the chosen one, runs once instead.
 EXPLORE_WITHIN = 2.0
+# A candidate measured only once, predicted within this factor of the chosen one, runs once more:
+# one call measured while other work held the cores (a DDP lane's call beside backward and the
+# other lane) must not rule out a plan for the rest of the job.
+SECOND_LOOK_WITHIN = 1.25
 # A measured plan in use is kept unless another is predicted faster by more than this share:
 # measurements beside other work scatter, and flipping between close plans costs more.
 SWITCH_MARGIN = 0.05
@@ -317,8 +322,10 @@ class Planner:
         self.native_params = CostParams(kernel_rates=tuple(
             ((job.device_kind, name), self._device_rates(f"{NATIVE}-{name}"))
             for name in ("none", "bf16")))
-        # label -> measured / predicted, for every plan that ran (:meth:`observe`)
+        # label -> measured / predicted, for every plan that ran (:meth:`observe`), and how many
+        # measured calls it has had
         self.factors: dict[str, float] = {}
+        self.samples: Counter[str] = Counter()
         self._cache: dict[tuple[Any, ...], Plan] = {}
         self._incumbent: dict[tuple[Any, ...], str] = {}  # the plan in use per cache key
         self.probe_nbytes = 0  # what this rank sent to measure the links (build_planner)
@@ -404,7 +411,8 @@ class Planner:
              bits: float | None = None, algorithm: str = "auto", native: bool = False,
              force: str | None = None) -> Plan:
         """The plan of a call: the least calibrated prediction, or a close candidate never run
-        (explored once). The same on every rank where the planner's inputs are."""
+        (explored once) or measured once (explored again). The same on every rank where the
+        planner's inputs are."""
         size_class = 0 if nbytes <= 0 else int(math.log(nbytes, _SIZE_CLASS_BASE))
         key = (collective, size_class, dtype, scheme, bits, algorithm, native, force)
         cached = self._cache.get(key)
@@ -436,11 +444,16 @@ class Planner:
             reason = f"kept: predicted within {SWITCH_MARGIN:.0%} of the best ({priced[0][1]})"
         if stored is not None and best[1] == stored:
             reason += f"; flat algorithm from the stored table {self.table_key}"
-        explored = next((p for p in priced[1:] if p[0] <= EXPLORE_WITHIN * best_us
-                         and p[1] not in self.factors and best_label in self.factors), None)
+        explored = next((p for p in priced if p[1] != best_label and best_label in self.factors
+                         and ((p[1] not in self.factors and p[0] <= EXPLORE_WITHIN * best_us)
+                              or (self.samples[p[1]] == 1
+                                  and p[0] <= SECOND_LOOK_WITHIN * best_us))), None)
         if explored is not None:
+            again = explored[1] in self.factors
             best_us, best_label, best = explored
-            reason = (f"explored once: predicted within {EXPLORE_WITHIN:g}x of the best and "
+            reason = (f"explored again: predicted within {SECOND_LOOK_WITHIN:g}x of the best "
+                      f"and measured once" if again else
+                      f"explored once: predicted within {EXPLORE_WITHIN:g}x of the best and "
                       f"never measured")
         plan = Plan(collective, best[0], best[1], best[2], best[3], best_us, reason,
                     tuple((label, us) for us, label, _ in priced), dtype)
@@ -471,6 +484,7 @@ class Planner:
         one's in an order that differs between ranks (a DDP hook's lane)."""
         twin = Planner(self.job, self.rates)
         twin.factors = dict(self.factors)
+        twin.samples = Counter(self.samples)
         return twin
 
     def factor(self, label: str) -> float:
@@ -497,6 +511,7 @@ class Planner:
         old = self.factors.get(label)
         self.factors[label] = (old ** (1 - CALIBRATION_RATE)) * (ratio ** CALIBRATION_RATE) \
             if old is not None else ratio
+        self.samples[label] += 1
         self._cache.clear()
 
     def describe(self) -> str:

@@ -144,6 +144,7 @@ def test_a_plan_in_use_is_kept_unless_another_is_clearly_faster():
         raw = p.predict_us("allreduce", plan.scheme, plan.algorithm, plan.bits, None, typical,
                            "float32")
         p.factors[plan.label] = us / raw
+        p.samples[plan.label] = 2  # measured more than once: no second look
         p._cache.clear()
 
     set_predicted(second, 100.0)
@@ -152,3 +153,32 @@ def test_a_plan_in_use_is_kept_unless_another_is_clearly_faster():
     assert again.label == first.label and "kept" in again.reason
     set_predicted(first, 120.0)  # 20 % slower: left for the other
     assert p.plan("allreduce", size, "float32", scheme="dynamiq").label == second.label
+
+
+def test_a_close_candidate_measured_once_gets_a_second_look():
+    """A candidate whose only measured call was slow, but predicted within SECOND_LOOK_WITHIN
+    of the plan in use, runs once more; measured at its usual speed then, it becomes the plan.
+    One measured far off gets no second look."""
+    p = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
+    size = 16 << 20
+    first = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    p.observe(first, first.predicted_us)
+    second = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    assert "explored once" in second.reason
+    p.observe(second, second.predicted_us * 1.15)  # one unlucky call: 15 % slow
+    third = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    assert third.label == second.label and "explored again" in third.reason
+    p.observe(third, third.predicted_us / 1.15 * 0.5)  # its usual speed: well below the first
+    assert p.samples[second.label] == 2
+    fourth = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    assert fourth.label == second.label and "explored" not in fourth.reason
+    fifth = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    assert fifth is fourth  # settled: cached until the next measured call
+
+    far = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
+    first = far.plan("allreduce", size, "float32", scheme="dynamiq")
+    far.observe(first, first.predicted_us)
+    second = far.plan("allreduce", size, "float32", scheme="dynamiq")
+    far.observe(second, second.predicted_us * 2)
+    assert far.plan("allreduce", size, "float32", scheme="dynamiq").label == first.label
+    assert far.fork().samples == far.samples
