@@ -27,8 +27,12 @@ row            what averages the gradients
 =============  ==================================================================================
 
 Every rank: ``torch.set_num_threads(1)``, SGD (lr 1e-3), a fixed batch of ``--batch`` (32) per
-rank, ``bucket_cap_mb=25``. Each row builds DDP around a fresh copy of the same initial model,
-runs ``--warmup`` (3) untimed steps and ``--steps`` (10) timed ones (``zero_grad`` to
+rank, ``bucket_cap_mb=25``. Each row builds DDP around a fresh copy of the same initial model;
+a dqcoll row first runs untimed steps until, for two steps in a row, every lane ran the plan it
+ran the step before and none explored a candidate (at most 24; ``settle_steps`` in the JSON:
+each lane explores one candidate per call, so a job's first steps can include such calls, and
+the timed ones should be the plans it keeps); then every row runs ``--warmup`` (3) untimed
+steps and ``--steps`` (10) timed ones (``zero_grad`` to
 ``optimizer.step``, no barrier between steps, as in training). Each rank times its own steps; the
 row reports the **slowest rank's median** (the largest of the ranks' medians) with that rank's
 p10 and p90, and beside it ``wall_ms_per_step`` (each rank's time for all the timed
@@ -335,6 +339,37 @@ def _time_steps(step: Callable[[], None], args: argparse.Namespace,
     result["cpu_ms_per_rank"] = [round(row[steps + 1], 2) for row in every]
 
 
+# Untimed steps of a planned row beyond --warmup, at most: until every lane kept its plan without
+# exploring for two steps in a row (a lane explores one candidate per call, and each lane and size
+# class explores on its own), so the timed steps are the plans a job keeps.
+SETTLE_MAX_STEPS = 24
+
+
+def _lane_comms(state: Any) -> list[Any]:
+    return [c for c in (getattr(state, "comm", None), *getattr(state, "lane_comms", []))
+            if c is not None]
+
+
+def _settle(step: Callable[[], None], state: Any) -> int:
+    """Untimed steps until, for two steps in a row, every lane ran the plan it ran the step
+    before and none explored (the same count on every rank: the flag is all-reduced); the steps
+    run."""
+    quiet, before = 0, None
+    for steps in range(1, SETTLE_MAX_STEPS + 1):
+        step()
+        plans = [c.last_info.get("planned") or {} for c in _lane_comms(state)]
+        labels = [p.get("label") for p in plans]
+        moving = labels != before or any(
+            str(p.get("reason", "")).startswith("explored") for p in plans)
+        before = labels
+        flag = torch.tensor([1.0 if moving else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        quiet = 0 if flag.item() else quiet + 1
+        if quiet >= 2:
+            return steps
+    return SETTLE_MAX_STEPS
+
+
 def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tensor,
              y: torch.Tensor, world_size: int) -> dict[str, Any]:
     model = copy.deepcopy(base)
@@ -354,20 +389,21 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
         # untimed: the warm-up and the compressed steps the check times; it decides next step
         for _ in range(choice.warmup_steps + choice.samples + 1):
             _train_step(ddp, opt, x, y)
+    if state is not None and row not in ("powersgd", "warmup"):  # dqcoll's planned buckets
+        result["settle_steps"] = _settle(lambda: _train_step(ddp, opt, x, y), state)
     _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)
     if choice is not None and choice.choices:
         result["step_choices"] = [dataclasses.asdict(c) for c in choice.choices]
     sixteen = getattr(state, "sixteen_bit", None)
     if sixteen is not None and sixteen.history:
         result["sixteen_bit_formats"] = [list(entry) for entry in sixteen.history]
-    lanes = [getattr(state, "comm", None), *getattr(state, "lane_comms", [])]
-    planners = [getattr(c, "planner", None) for c in lanes if c is not None]
+    lanes = _lane_comms(state)
+    planners = [getattr(c, "planner", None) for c in lanes]
     if any(p is not None for p in planners):
         # each lane's planner after the timed steps: its last plan and what it measured
         result["plans"] = [((c.last_info.get("planned") or {}).get("label"),
                             {k: round(v, 3) for k, v in (p.factors if p else {}).items()})
-                           for c, p in zip([c for c in lanes if c is not None], planners,
-                                           strict=True)]
+                           for c, p in zip(lanes, planners, strict=True)]
     result.update(_error_step(ddp, state, x, y, world_size))
     if row in NOMINAL_BITS:
         result.update(bits_per_coord=NOMINAL_BITS[row], bits_source="nominal (wire dtype)")

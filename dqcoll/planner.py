@@ -307,6 +307,13 @@ def _label(scheme: str, algorithm: str, bits: float | None,
     return f"{algorithm}/{scheme}" if bits is None else LevelSpec(scheme, bits, algorithm).label
 
 
+def _kind(label: str) -> str:
+    """The kind of plan a label names: ``two-level``, ``native`` or ``flat``."""
+    if label.startswith("two-level"):
+        return "two-level"
+    return NATIVE if label.startswith(NATIVE + "/") else "flat"
+
+
 class Planner:
     """Plans for one communicator's calls; ``job`` and ``rates`` must be the same on every rank."""
 
@@ -488,10 +495,15 @@ class Planner:
         return twin
 
     def factor(self, label: str) -> float:
-        """Measured / predicted of a candidate: its own, else the geometric mean of all measured."""
+        """Measured / predicted of a candidate: its own, else the geometric mean of the measured
+        candidates of its kind (flat, two-level, the group's own all-reduce), else 1. A kind's
+        model error is its own: two levels on CPU ranks measured 3-5x their prediction while the
+        flat rings of the same job measured ~1.1x, and with one mean for all a flat ring never
+        run was priced out of exploration by the two-level calls measured before it."""
         if label in self.factors:
             return self.factors[label]
-        logs = [math.log(f) for f in self.factors.values()]
+        kind = _kind(label)
+        logs = [math.log(f) for other, f in self.factors.items() if _kind(other) == kind]
         return math.exp(sum(logs) / len(logs)) if logs else 1.0
 
     def observe(self, plan: Plan, measured_us: float, nbytes: int | None = None) -> None:

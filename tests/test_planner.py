@@ -182,3 +182,26 @@ def test_a_close_candidate_measured_once_gets_a_second_look():
     far.observe(second, second.predicted_us * 2)
     assert far.plan("allreduce", size, "float32", scheme="dynamiq").label == first.label
     assert far.fork().samples == far.samples
+
+
+def test_a_kind_of_plan_measured_slow_does_not_price_out_the_other_kinds():
+    """Two levels measured 5x their prediction: a flat plan never run is still priced by the
+    model alone (its kind has no measurement), so it runs next instead of being priced 5x too;
+    a flat plan never run beside a measured flat one takes that one's factor."""
+    p = planner.Planner(_job(((0, 1), (2, 3))), _rates(intra=40.0, inter=0.5))
+    size = 64 << 20
+    first = p.plan("allreduce", size, "float32")
+    assert first.is_two_level
+    p.observe(first, first.predicted_us * 5)
+    flat = next(label for label, _ in first.alternatives if not label.startswith("two-level")
+                and not label.startswith("native"))
+    assert p.factor(flat) == 1.0
+    assert p.factor(next(label for label, _ in first.alternatives
+                         if label.startswith("two-level") and label != first.label)
+                    ) == pytest.approx(5.0)
+    second = p.plan("allreduce", size, "float32")
+    assert not second.is_two_level
+    p.observe(second, second.predicted_us * 1.2)
+    other_flat = next(label for label, _ in second.alternatives if label != second.label
+                      and not label.startswith(("two-level", "native")))
+    assert p.factor(other_flat) == pytest.approx(1.2)
