@@ -5,6 +5,7 @@ shares) are not inputs: they hold only on the machine they were fitted on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -61,8 +62,11 @@ SECOND_LOOK_WITHIN = 1.25
 # A measured plan in use is kept unless another is predicted faster by more than this share:
 # measurements beside other work scatter, and flipping between close plans costs more.
 SWITCH_MARGIN = 0.05
-# Weight of one measured call in a candidate's factor (geometric mean).
-CALIBRATION_RATE = 0.5
+# A candidate's factor: the smallest measured / predicted ratio of its last this many measured
+# calls. Calls beside other work (another process on the cores, a DDP lane beside backward) are
+# only ever slower than the plan's own time, so the smallest is its best estimate; the window
+# lets a plan that became slower for good (a link that degraded) be seen so within as many calls.
+CALIBRATION_WINDOW = 4
 # Link probes: bytes per flow, best of two after one of an eighth.
 PROBE_NBYTES = 4 << 20
 # Kernel probe: coordinates per measurement, best of three after one.
@@ -333,6 +337,7 @@ class Planner:
         # measured calls it has had
         self.factors: dict[str, float] = {}
         self.samples: Counter[str] = Counter()
+        self._ratios: dict[str, collections.deque[float]] = {}  # the last measured ratios
         self._cache: dict[tuple[Any, ...], Plan] = {}
         self._incumbent: dict[tuple[Any, ...], str] = {}  # the plan in use per cache key
         self.probe_nbytes = 0  # what this rank sent to measure the links (build_planner)
@@ -492,6 +497,8 @@ class Planner:
         twin = Planner(self.job, self.rates)
         twin.factors = dict(self.factors)
         twin.samples = Counter(self.samples)
+        twin._ratios = {k: collections.deque(v, maxlen=CALIBRATION_WINDOW)
+                        for k, v in self._ratios.items()}
         return twin
 
     def factor(self, label: str) -> float:
@@ -520,9 +527,9 @@ class Planner:
         if raw <= 0:
             return
         ratio = measured_us / raw
-        old = self.factors.get(label)
-        self.factors[label] = (old ** (1 - CALIBRATION_RATE)) * (ratio ** CALIBRATION_RATE) \
-            if old is not None else ratio
+        window = self._ratios.setdefault(label, collections.deque(maxlen=CALIBRATION_WINDOW))
+        window.append(ratio)
+        self.factors[label] = min(window)
         self.samples[label] += 1
         self._cache.clear()
 

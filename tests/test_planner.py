@@ -205,3 +205,19 @@ def test_a_kind_of_plan_measured_slow_does_not_price_out_the_other_kinds():
     other_flat = next(label for label, _ in second.alternatives if label != second.label
                       and not label.startswith(("two-level", "native")))
     assert p.factor(other_flat) == pytest.approx(1.2)
+
+
+def test_a_factor_is_the_best_of_the_last_measured_calls():
+    """One call slowed by other work does not move the plan's factor up (the smallest ratio of
+    the last CALIBRATION_WINDOW calls is kept); a plan slower for good is seen so once its
+    faster calls have left the window."""
+    p = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
+    size = 16 << 20
+    plan = p.plan("allreduce", size, "float32", scheme="dynamiq", algorithm="ring")
+    raw = plan.predicted_us  # nothing measured yet: the model's own prediction
+    for ratio in (1.0, 3.0, 1.1):
+        p.observe(plan, raw * ratio)
+    assert p.factors[plan.label] == pytest.approx(1.0)
+    for _ in range(planner.CALIBRATION_WINDOW):
+        p.observe(plan, raw * 2.0)
+    assert p.factors[plan.label] == pytest.approx(2.0)
