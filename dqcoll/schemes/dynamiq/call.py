@@ -650,18 +650,20 @@ class DynamiqCall:
         place); the rows no record covers (width 0) are restored from ``work``."""
         assert self.deferred is not None and self.ops.decode_restore_runs is not None
         rows = self.work.shape[0]
+        spans = _uncovered([(a, b) for _, a, b, _ in self.deferred], rows, self.unwritten)
+        for c, d, unwritten in spans:  # their rows from the input, before out (maybe it) is written
+            if not unwritten:
+                self._materialize(c, d)
         self.ops.decode_restore_runs([(records, width, a, b)
                                       for width, a, b, records in self.deferred],
                                      self.config, self.mean_sorted, self.index_base,
                                      self.valid_sorted, out)
-        spans = _uncovered([(a, b) for _, a, b, _ in self.deferred], rows, self.unwritten)
         self.deferred.clear()
         for c, d, unwritten in spans:  # views, not copies: width-0 rows can be half of a gradient's
             if unwritten:  # their work rows were never written (see _reorder)
                 self._restore_means(c, d, out)
             else:
                 assert self.ops.restore is not None
-                self._materialize(c, d)
                 self.ops.restore(self.work[c:d], self.mean_sorted[c:d], self.index_base[c:d],
                                  self.valid_sorted[c:d], out)
 
