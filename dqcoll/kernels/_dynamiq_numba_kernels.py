@@ -1710,24 +1710,4 @@ def center_gather(lo, hi, x, mean, valid, order, divisor, skip, out):
     for k in range(lo, hi):
         if skipping and skip[k]:
             continue
-        if k + PREFETCH_ROWS < hi:  # rows in width-class order: a stream with gaps
-            ahead = x[order[k + PREFETCH_ROWS]]
-            for c in range(0, SUPER, _LINE):
-                _prefetch_read(ahead, c)
-        i = order[k]
-        row = x[i]
-        m = mean[i]
-        v = valid[i]
-        o = out[k]
-        if divide and halve:  # x * 2**-k: x / 2**k, bit for bit
-            for j in range(SUPER):
-                o[j] = row[j] * inverse - m if j < v else _F0
-        elif divide:
-            for j in range(SUPER):
-                o[j] = row[j] / divisor - m if j < v else _F0
-        elif v == SUPER:
-            for j in range(SUPER):
-                o[j] = row[j] - m
-        else:
-            for j in range(SUPER):
-                o[j] = row[j] - m if j < v else _F0
+        _gather_row(x, order, mean, valid, divide, halve, inverse, divisor, k, hi, out[k])
