@@ -333,11 +333,10 @@ class Planner:
         self.native_params = CostParams(kernel_rates=tuple(
             ((job.device_kind, name), self._device_rates(f"{NATIVE}-{name}"))
             for name in ("none", "bf16")))
-        # label -> measured / predicted, for every plan that ran (:meth:`observe`), and how many
-        # measured calls it has had
+        # label -> measured / predicted, for every plan that ran (:meth:`observe`): the smallest
+        # of its last measured ratios (``_ratios``)
         self.factors: dict[str, float] = {}
-        self.samples: Counter[str] = Counter()
-        self._ratios: dict[str, collections.deque[float]] = {}  # the last measured ratios
+        self._ratios: dict[str, collections.deque[float]] = {}
         self._cache: dict[tuple[Any, ...], Plan] = {}
         self._incumbent: dict[tuple[Any, ...], str] = {}  # the plan in use per cache key
         self.probe_nbytes = 0  # what this rank sent to measure the links (build_planner)
@@ -458,7 +457,7 @@ class Planner:
             reason += f"; flat algorithm from the stored table {self.table_key}"
         explored = next((p for p in priced if p[1] != best_label and best_label in self.factors
                          and ((p[1] not in self.factors and p[0] <= EXPLORE_WITHIN * best_us)
-                              or (self.samples[p[1]] == 1
+                              or (len(self._ratios.get(p[1], ())) == 1
                                   and p[0] <= SECOND_LOOK_WITHIN * best_us))), None)
         if explored is not None:
             again = explored[1] in self.factors
@@ -496,10 +495,14 @@ class Planner:
         one's in an order that differs between ranks (a DDP hook's lane)."""
         twin = Planner(self.job, self.rates)
         twin.factors = dict(self.factors)
-        twin.samples = Counter(self.samples)
         twin._ratios = {k: collections.deque(v, maxlen=CALIBRATION_WINDOW)
                         for k, v in self._ratios.items()}
         return twin
+
+    @property
+    def samples(self) -> Counter[str]:
+        """Measured calls per plan in its calibration window (at most CALIBRATION_WINDOW)."""
+        return Counter({label: len(window) for label, window in self._ratios.items()})
 
     def factor(self, label: str) -> float:
         """Measured / predicted of a candidate: its own, else the geometric mean of the measured
@@ -530,7 +533,6 @@ class Planner:
         window = self._ratios.setdefault(label, collections.deque(maxlen=CALIBRATION_WINDOW))
         window.append(ratio)
         self.factors[label] = min(window)
-        self.samples[label] += 1
         self._cache.clear()
 
     def describe(self) -> str:

@@ -3,6 +3,7 @@ rates agreed over ranks, plans the same on every rank, calibration from measured
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -144,7 +145,7 @@ def test_a_plan_in_use_is_kept_unless_another_is_clearly_faster():
         raw = p.predict_us("allreduce", plan.scheme, plan.algorithm, plan.bits, None, typical,
                            "float32")
         p.factors[plan.label] = us / raw
-        p.samples[plan.label] = 2  # measured more than once: no second look
+        p._ratios[plan.label] = collections.deque([us / raw] * 2)  # measured twice: no second look
         p._cache.clear()
 
     set_predicted(second, 100.0)
