@@ -386,9 +386,12 @@ def _run_row(row: str, base: nn.Module, args: argparse.Namespace, x: torch.Tenso
     result: dict[str, Any] = {}
     choice = getattr(state, "step_choice", None)
     if row == "defaults" and choice is not None and choice.enabled:
-        # untimed: the warm-up and the compressed steps the check times; it decides next step
-        for _ in range(choice.warmup_steps + choice.samples + 1):
+        # untimed: the warm-up and the compressed steps the check times, until it decides
+        # (one step more for each the planner explored in, at most samples more)
+        for _ in range(choice.warmup_steps + 2 * choice.samples + 1):
             _train_step(ddp, opt, x, y)
+            if choice.choices:
+                break
     if state is not None and row not in ("powersgd", "warmup"):  # dqcoll's planned buckets
         result["settle_steps"] = _settle(lambda: _train_step(ddp, opt, x, y), state)
     _time_steps(lambda: _train_step(ddp, opt, x, y), args, result)

@@ -118,14 +118,16 @@ def test_compressing_must_beat_the_samples_noise() -> None:
 
 
 def test_untimed_steps_and_disabled_check() -> None:
-    """A step begun with timed=False is no sample; without auto, or with a warm-up too short to
-    time 16 bits, every step after the warm-up is compressed and agree is never called."""
+    """A step begun with timed=False is no sample (the compressed mode runs one step more for
+    it); without auto, or with a warm-up too short to time 16 bits, every step after the warm-up
+    is compressed and agree is never called."""
     clock = _Clock()
     choice = StepChoice(WARMUP, True, lambda v: v, samples=SAMPLES, clock=clock)
-    for iteration in range(WARMUP + SAMPLES + 2):
+    for iteration in range(WARMUP + SAMPLES + 3):
         mode = choice.begin(iteration, timed=iteration != WARMUP + 2)
         clock.now += 50.0 if iteration == WARMUP + 2 else (1.0 if mode == SIXTEEN_BIT else 3.0)
     assert (choice.choices[0].sixteen_bit_ms, choice.choices[0].compressed_ms) == (1000.0, 3000.0)
+    assert choice.choices[0].iteration == WARMUP + SAMPLES + 2
 
     for enabled, warmup in ((False, WARMUP), (True, MIN_WARMUP - 1)):
         choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 9.0}, 20, enabled=enabled,
@@ -136,7 +138,7 @@ def test_untimed_steps_and_disabled_check() -> None:
 
 # -- a real DDP job -------------------------------------------------------------------------------
 
-STEPS = 14  # the decision at iteration 11 with the default samples (5)
+STEPS = 18  # the decision at iteration 11 to 16 with the default samples (5)
 
 
 def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
@@ -174,17 +176,20 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]]) -> None:
     """Both ranks make the same choice from the slowest rank's medians (16 bits: 1000 ms against
-    8000), average in 16 bits from the decision on, count the same 16-bit steps and end with
-    bit-identical parameters."""
+    8000) at the same iteration (later by one for each step the planner explored in), average
+    in 16 bits from the decision on, count the same 16-bit steps and end with bit-identical
+    parameters."""
     first, second = two_ranks
     samples = first["samples"]  # DynamiqState's default
-    decide = WARMUP + samples + 1
-    assert first["choices"] == second["choices"] == [(decide, SIXTEEN_BIT, 1000.0, 8000.0)]
+    assert first["choices"] == second["choices"] and len(first["choices"]) == 1
+    decide, mode, sixteen_ms, compressed_ms = first["choices"][0]
+    assert WARMUP + samples + 1 <= decide <= WARMUP + 2 * samples + 1 < STEPS
+    assert (mode, sixteen_ms, compressed_ms) == (SIXTEEN_BIT, 1000.0, 8000.0)
     for result in two_ranks:
         assert result["schemes"][:WARMUP] == ["16-bit"] * WARMUP
         assert "16-bit" not in result["schemes"][WARMUP:decide]
         assert result["schemes"][decide:] == ["16-bit"] * (STEPS - decide)
-        assert result["sixteen_bit_steps"] == STEPS - samples - 1
+        assert result["sixteen_bit_steps"] == STEPS - (decide - WARMUP)
     assert torch.equal(first["params"], second["params"])
 
 
@@ -224,19 +229,26 @@ def test_sixteen_bit_format_schedule_and_decision() -> None:
 
 
 def test_steps_with_a_trial_plan_are_no_samples() -> None:
-    """A compressed step in which a bucket ran a plan the planner tries once (exclude) is left
-    out of the median while at least two clean samples remain: two slow trial steps among
-    three do not make compressed (2 s) lose to 16 bits (3 s); with one clean sample left every
-    sample counts. The decision's iteration is the same either way."""
-    for trials, expected in ((frozenset({WARMUP + 1}), COMPRESSED),
-                             (frozenset({WARMUP + 1, WARMUP + 2}), SIXTEEN_BIT)):
+    """A compressed step in which a bucket ran a plan the planner tries once (exclude) is no
+    sample: the compressed mode runs one step more for each, so that the decision rests on
+    SAMPLES clean steps, and two slow trial steps do not make compressed (2 s) lose to 16 bits
+    (3 s). At most SAMPLES steps more: with every compressed step a trial the decision comes
+    SAMPLES steps late and every sample counts."""
+    decide = WARMUP + SAMPLES + 1
+    for trials, expected, at in (
+            (frozenset({WARMUP + 1}), COMPRESSED, decide + 1),
+            (frozenset({WARMUP + 1, WARMUP + 2}), COMPRESSED, decide + 2),
+            (frozenset(range(WARMUP, decide + SAMPLES)), SIXTEEN_BIT, decide + SAMPLES)):
         clock = _Clock()
         choice = StepChoice(WARMUP, True, lambda v: v, samples=SAMPLES, clock=clock)
-        for iteration in range(WARMUP + SAMPLES + 2):
+        modes = []
+        for iteration in range(decide + SAMPLES + 3):
             mode = choice.begin(iteration)
+            modes.append(mode)
             if iteration in trials:
                 choice.exclude(iteration)
             clock.now += 30.0 if iteration in trials else (3.0 if mode == SIXTEEN_BIT else 2.0)
-        assert [c.iteration for c in choice.choices] == [WARMUP + SAMPLES + 1]
+        assert [c.iteration for c in choice.choices] == [at], (trials, choice.choices)
+        assert modes[WARMUP:at] == [COMPRESSED] * (at - WARMUP)
         assert choice.choices[0].mode == expected, (trials, choice.choices)
-        assert choice.choices[0].trial_steps == len(trials)
+        assert choice.choices[0].trial_steps == len(trials - {WARMUP})  # WARMUP: untimed

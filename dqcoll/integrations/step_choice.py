@@ -31,7 +31,7 @@ class Choice:
     mode: str
     sixteen_bit_ms: float
     compressed_ms: float
-    trial_steps: int = 0  # compressed samples left out: a bucket ran a plan tried once
+    trial_steps: int = 0  # steps of the sampled mode left out: a bucket ran a plan tried once
     spread_ms: float = 0.0
 
 
@@ -42,7 +42,11 @@ class StepChoice:
     compressed. ``agree`` is called on every rank at the same iteration with ``[16-bit median s,
     compressed median s, spread s]`` and returns the maximum over the ranks. Compressing is chosen
     only where its median beats the 16-bit one by more than the spread: a difference within the
-    samples' own noise keeps the 16-bit mode (torch's hook, exact to 16 bits).
+    samples' own noise keeps the 16-bit mode (torch's hook, exact to 16 bits). A step that is
+    no sample (untimed, or one in which a bucket ran a plan the planner tries once:
+    :meth:`exclude`) makes the sampled mode run one step more, up to ``samples`` more, so that
+    the choice rests on ``samples`` steps of the plans the job settles on (which steps are left
+    out, and so the decision's iteration, is the same on every rank: the plans are agreed).
     """
 
     def __init__(self, warmup_steps: int, enabled: bool,
@@ -64,6 +68,8 @@ class StepChoice:
             COMPRESSED: collections.deque(maxlen=samples)}
         self._started: tuple[int, float, str, bool] | None = None  # iteration, t, mode, timed
         self._decide_at = warmup_steps + samples + 1
+        self._decide_by = self._decide_at + samples  # the latest, after steps left out
+        self._trials = 0  # steps of the sampled mode left out since its sampling began
         self._probe_at = -1
         self._excluded: set[int] = set()  # iterations that are no sample (exclude)
 
@@ -73,12 +79,16 @@ class StepChoice:
         now = self.clock()
         started = self._started
         if started is not None and started[0] == iteration - 1 and started[3]:
-            self._periods[started[2]].append((now - started[1],
-                                              started[0] not in self._excluded))
+            clean = started[0] not in self._excluded
+            self._periods[started[2]].append((now - started[1], clean))
+            self._trials += not clean
         self._excluded.clear()
         previous = self.mode
         if not self.enabled or iteration <= self.warmup_steps:
             self.mode = SIXTEEN_BIT if iteration < self.warmup_steps else COMPRESSED
+        elif iteration == self._decide_at and iteration < self._decide_by and sum(
+                ok for _, ok in self._periods[self.mode]) < self.samples:
+            self._decide_at += 1  # a step was left out: one more of this mode
         elif iteration == self._decide_at:
             self._decide(iteration)
             self._probe_at = iteration + self.recheck_every
@@ -86,6 +96,7 @@ class StepChoice:
             self.mode = COMPRESSED if self.mode == SIXTEEN_BIT else SIXTEEN_BIT
             self._periods[self.mode].clear()
             self._decide_at = iteration + self.samples + 1
+            self._decide_by, self._trials = self._decide_at + self.samples, 0
         # the first step of a mode, and the very first step, are not samples
         timed = timed and iteration > 0 and self.mode == previous
         self._started = (iteration, now, self.mode, timed)
@@ -115,9 +126,8 @@ class StepChoice:
             [median(sixteen), median(compressed), max(spread(sixteen), spread(compressed))]))
         if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
             self.mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
-        trials = sum(not ok for _, ok in self._periods[COMPRESSED])
         self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
-                                   trials, spread_s * 1e3))
+                                   self._trials, spread_s * 1e3))
 
     def compressing(self) -> bool:
         """Whether the iteration begun last runs the compressed mode."""
