@@ -152,7 +152,8 @@ def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
     state.step_choice.clock = lambda: ticks["now"]
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    per_step = []
+    per_step: list[str] = []
+    schemes_run: list[Any] = []  # what a compressed step's last bucket ran
     for step in range(STEPS):
         x, y = _batch(rank, step)
         optimizer.zero_grad(set_to_none=True)
@@ -162,8 +163,12 @@ def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
         optimizer.step()
         compressed = state.step_choice.mode == "compressed"
         ticks["now"] += (0.5 if rank == 0 else 8.0) if compressed else 1.0
+        if compressed:
+            schemes_run.append(state.last_info.get("scheme"))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"schemes": per_step, "params": params, "sixteen_bit_steps": state.sixteen_bit_steps,
+            "forces": [lane.comm.auto_force for lane in state.lane_list],
+            "compressed_schemes": schemes_run,
             "samples": state.step_choice.samples,
             "choices": [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms)
                         for c in state.step_choice.choices]}
@@ -190,6 +195,9 @@ def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]])
         assert "16-bit" not in result["schemes"][WARMUP:decide]
         assert result["schemes"][decide:] == ["16-bit"] * (STEPS - decide)
         assert result["sixteen_bit_steps"] == STEPS - (decide - WARMUP)
+        # the compressed mode compresses: its planner considers dynamiq's plans only
+        assert result["compressed_schemes"] and set(result["compressed_schemes"]) == {"dynamiq"}
+        assert set(result["forces"]) == {"dynamiq"}
     assert torch.equal(first["params"], second["params"])
 
 

@@ -258,11 +258,17 @@ class DynamiqState:
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         assert group is not None  # torch.distributed is initialised (a lane is being made)
         name = getattr(group, "group_name", "world")
-        return Lane(dist.distributed_c10d._get_process_group_store(group),
+        lane = Lane(dist.distributed_c10d._get_process_group_store(group),
                     dist.get_rank(group), dist.get_world_size(group), policy=self.policy,
                     timeout_s=envs.timeout_s(), name=f"ddp {self._instance}.{index}",
                     prefix=f"dqcoll-ddp/{self._instance}/{name}/lane{index}/", device=device,
                     gather_nbytes=GATHERED_ALLREDUCE_NBYTES, group=group)
+        if self.step_choice.enabled and lane.comm.auto_force is None:
+            # the step check chooses between 16 bits and compressing; the compressed mode's
+            # planner chooses how to compress (a per-call price cannot see the overlap with
+            # backward that decides whether a 16-bit bucket pays: docs/ddp.md)
+            lane.comm.auto_force = "dynamiq"
+        return lane
 
     def _make_lanes(self) -> None:
         wanted, first = self.lane_count(), self.lane_list[0]
