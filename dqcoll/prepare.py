@@ -184,9 +184,12 @@ def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:
             or request.plan is not None):  # a plan's levels check their own arguments
         return
     # the range check's largest exponent: from the scheme's ``survey`` where it takes one (its
-    # statistics in the same pass, kept for the call), else its own pass; none under ``auto``
+    # statistics in the same pass, kept for the call), else its own pass. ``auto`` surveys as
+    # dynamiq unless forced to another scheme: a plan that runs something else ignores it (a few
+    # percent more than the bare range check), one that runs dynamiq saves its statistics pass
     assert call.tensor is not None
-    survey = None if call.auto else getattr(call.scheme, "survey", None)
+    other = call.auto and comm.auto_force not in (None, "dynamiq")
+    survey = None if other else getattr(call.scheme, "survey", None)
     surveyed = (survey(call.tensor, call.op, comm.world_size, call.collective)
                 if survey is not None else None)
     if surveyed is None:

@@ -4,6 +4,7 @@ explicitly, measured calls calibrate every rank's planner alike, and the refusal
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import dqcoll
 from dqcoll import planner
+from dqcoll import prepare as prepare_module
 from dqcoll.errors import DqcollError
 from dqcoll.testing import run_local
 from dqcoll.topology.cost import KernelRates
@@ -101,6 +103,35 @@ def test_a_two_level_plan_runs_as_the_explicit_two_level_call(collective: str) -
         assert r["same"]
     if collective == "allreduce":
         assert all(torch.equal(r["got"], results[0]["got"]) for r in results)
+
+
+@pytest.mark.parametrize(("force", "own_passes"), [("dynamiq", 0), ("bf16", 1)])
+def test_auto_takes_the_range_check_from_dynamiq_statistics(
+        monkeypatch: pytest.MonkeyPatch, force: str, own_passes: int) -> None:
+    """``auto`` checks its input's range in dynamiq's statistics pass (the survey a dynamiq plan
+    reuses; a plan of another scheme ignores it, test above), so no separate range-check pass
+    runs; forced to another scheme it takes the range check's own pass. Results stay the
+    explicit plan's."""
+    monkeypatch.setenv("DQCOLL_AUTO_FORCE", force)
+    passes: list[int] = []  # the threads (ranks) that ran the range check's own pass
+    real = prepare_module.max_exponent
+    monkeypatch.setattr(prepare_module, "max_exponent",
+                        lambda t: passes.append(threading.get_ident()) or real(t))
+
+    def body(comm: dqcoll.Communicator) -> tuple[str, bool, int]:
+        x, y = _inputs(comm.rank, 1 << 14), _inputs(comm.rank, 1 << 14)
+        step = comm._calls
+        dqcoll.allreduce(x, scheme="auto", op="avg", comm=comm)
+        plan = comm.last_info["planned"]
+        checks = passes.count(threading.get_ident())
+        dqcoll.allreduce(y, scheme=plan["scheme"], algorithm=plan["algorithm"], op="avg",
+                         comm=comm, step=step)
+        return plan["scheme"], torch.equal(x, y), checks
+
+    results = run_local(4, body)
+    assert all(same for _, same, _ in results)
+    assert {scheme for scheme, _, _ in results} == {force}
+    assert [checks for _, _, checks in results] == [own_passes] * 4
 
 
 def test_forced_choice(monkeypatch: pytest.MonkeyPatch) -> None:
