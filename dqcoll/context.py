@@ -25,6 +25,7 @@ def call_context(
     schedule: Schedule | None = None,
     state: dict[Any, Any] | None = None,
     survey: Any = None,
+    own_input: bool = False,
 ) -> CallContext:
     """A call's context whose ``reduce`` is ``transport``'s small all-reduce."""
 
@@ -34,4 +35,4 @@ def call_context(
     shape = None if schedule is None else ScheduleShape(  # the numbers an error model needs
         schedule.algorithm, schedule.world_size, schedule.subtree_sizes())
     return CallContext(transport.rank, transport.world_size, op, seed, step, collective, what,
-                       reduce, shape, state, survey)
+                       reduce, shape, state, survey, own_input)

@@ -190,8 +190,11 @@ def _execute(call: PreparedCall, comm: Communicator, shift: int) -> None:
         return
     if shift:
         x = scaled(x, shift)
+    # the codec may reduce in its input where that is no caller's buffer (an all-gather's is
+    # made here; a two-level plan's levels run on its scratch)
+    own = call.scratch_buffers or call.collective is Collective.ALL_GATHER
     ctx = call_context(comm.transport, op, call.seed, call.step, call.collective, call.what,
-                       schedule, comm.scheme_state, None if shift else call.survey)
+                       schedule, comm.scheme_state, None if shift else call.survey, own)
     try:
         coded = scheme.begin(x, ctx)
         run_schedule(schedule, coded, comm.transport, what=call.what,
@@ -205,6 +208,10 @@ def _execute(call: PreparedCall, comm: Communicator, shift: int) -> None:
     release = getattr(coded, "release", None)  # pooled buffers back (dqcoll.scratch)
     if release is not None:
         release()
+    elif call.collective is Collective.ALL_GATHER:  # its input came from the pool
+        pool = scratch.pool_for(comm.scheme_state, x.device)
+        if pool is not None:
+            pool.release()
     comm.last_info.update(coded.info)
     if shift:
         comm.last_info["range_shift"] = shift
@@ -223,7 +230,19 @@ def _codec_input(call: PreparedCall, comm: Communicator) -> torch.Tensor | None:
         return None
     if call.collective is not Collective.ALL_GATHER:
         return flat
-    x = torch.zeros(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    out = call.out
+    assert out is not None
+    if call.scratch_buffers and out.is_contiguous() and out.dtype == flat.dtype:
+        x = out.view(-1)  # the library's own output buffer: gathered in place
+        rows = x.view(n, -1)
+        rows[: comm.rank].zero_()
+        rows[comm.rank + 1 :].zero_()
+    else:
+        pool = scratch.pool_for(comm.scheme_state, flat.device)
+        if pool is None:
+            x = torch.zeros(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+        else:  # reused from call to call: no page faults (the scheme's call releases it)
+            x = pool.take(n * flat.numel() * flat.element_size()).view(flat.dtype).zero_()
     x.view(n, -1)[comm.rank] = flat
     return x
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import scratch
 from .comm import Communicator
 from .prepare import Request
 from .topology.hierarchical import HierarchicalPlan
@@ -39,12 +40,18 @@ def run_levels(kind: Collective, tensor: torch.Tensor, target: torch.Tensor | No
     """Run ``plan``'s levels on checked buffers, each request through ``launch``; returns the
     call's ``last_info`` (``target``: a reduce-scatter's or all-gather's output)."""
     run = _Run(plan, comm, tensor.device, seed=seed, step=step, op=op, launch=launch)
-    if kind is Collective.ALLREDUCE:
-        run.allreduce(tensor.view(-1))
-    else:
-        assert target is not None
-        levels = run.reduce_scatter if kind is Collective.REDUCE_SCATTER else run.all_gather
-        levels(tensor.view(-1), target.view(-1))
+    try:
+        if kind is Collective.ALLREDUCE:
+            run.allreduce(tensor.view(-1))
+        else:
+            assert target is not None
+            levels = run.reduce_scatter if kind is Collective.REDUCE_SCATTER else run.all_gather
+            levels(tensor.view(-1), target.view(-1))
+    except BaseException:
+        scratch.discard(comm.scheme_state)  # a level's receive may still land in a buffer
+        raise
+    if run.pool is not None:
+        run.pool.release()
     return run.info(kind)
 
 
@@ -86,6 +93,18 @@ class _Run:
         # the row index of local-major order; None: no reordering
         self.index = None if order == tuple(range(self.n)) else _order_index(order, device)
         self.phases: list[dict[str, Any]] = []
+        # the reordered buffer and the level across hosts' part, reused from call to call
+        self.pool = scratch.pool_for(comm.scheme_state, device)
+        self._own: set[int] = set()  # addresses of the buffers made by this call
+
+    def _empty(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """An uninitialised buffer of ``numel`` elements of ``like``'s dtype, for this call."""
+        if self.pool is None:
+            made = like.new_empty(numel)
+        else:
+            made = self.pool.take(numel * like.element_size()).view(like.dtype)
+        self._own.add(made.data_ptr())
+        return made
 
     def _level(self, collective: Collective, buf: torch.Tensor, out: torch.Tensor | None,
                phase: int) -> None:
@@ -94,19 +113,28 @@ class _Run:
                              else ("intra", self.plan.intra, self.intra))
         options = dict(spec.options)
         bits = None if "target_vnmse" in options else spec.bits
+        # a level may reduce in its input (gather in its output) where that is this call's own
+        written = out if collective is Collective.ALL_GATHER else buf
+        assert written is not None
         self.launch(Request(collective, buf, out, op=self.op, scheme=spec.scheme, bits=bits,
                        algorithm=spec.algorithm, comm=comm, seed=_phase_seed(self.seed, phase),
-                       step=self.step, scheme_options=options))
+                       step=self.step, scheme_options=options,
+                       scratch_buffers=written.data_ptr() in self._own))
         self.phases.append({**comm.last_info, "level": level, "collective": collective.value})
 
     def _to_local_major(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
         """``flat`` (at most ``n x shard`` elements, global rank order) as a new buffer of
         ``n x shard`` in local-major order, zero-padded; ``flat`` itself where nothing moves."""
         if flat.numel() < self.n * shard:
-            flat = torch.cat([flat, flat.new_zeros(self.n * shard - flat.numel())])
+            padded = self._empty(flat, self.n * shard)
+            padded[flat.numel():].zero_()
+            padded[: flat.numel()].copy_(flat)
+            flat = padded
         if self.index is None:
             return flat
-        return flat.view(self.n, shard).index_select(0, self.index).view(-1)
+        work = self._empty(flat, self.n * shard)
+        torch.index_select(flat.view(self.n, shard), 0, self.index, out=work.view(self.n, shard))
+        return work
 
     def _from_local_major(self, work: torch.Tensor, flat: torch.Tensor, shard: int) -> None:
         """Write ``work`` (local-major) into ``flat`` in global rank order, cut to its length."""
@@ -117,13 +145,14 @@ class _Run:
             if flat.numel() == work.numel():
                 flat.view(self.n, shard).index_copy_(0, self.index, rows)
                 return
-            work = torch.empty_like(rows).index_copy_(0, self.index, rows).view(-1)
+            ordered = self._empty(work, work.numel()).view(self.n, shard)
+            work = ordered.index_copy_(0, self.index, rows).view(-1)
         flat.copy_(work[: flat.numel()])
 
     def allreduce(self, flat: torch.Tensor) -> None:
         shard = -(-flat.numel() // self.n)
         work = self._to_local_major(flat, shard)
-        part = flat.new_empty(self.hosts * shard)
+        part = self._empty(flat, self.hosts * shard)
         self._level(Collective.REDUCE_SCATTER, work, part, INTRA_REDUCE)
         self._level(Collective.ALLREDUCE, part, None, ACROSS)
         self._level(Collective.ALL_GATHER, part, work, INTRA_GATHER)
@@ -132,14 +161,14 @@ class _Run:
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         shard = out.numel()
         work = self._to_local_major(flat, shard)
-        part = flat.new_empty(self.hosts * shard)
+        part = self._empty(flat, self.hosts * shard)
         self._level(Collective.REDUCE_SCATTER, work, part, INTRA_REDUCE)
         self._level(Collective.REDUCE_SCATTER, part, out, ACROSS)
 
     def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         shard = flat.numel()
-        part = flat.new_empty(self.hosts * shard)
-        work = out if self.index is None else torch.empty_like(out)
+        part = self._empty(flat, self.hosts * shard)
+        work = out if self.index is None else self._empty(out, out.numel())
         # across hosts first: each shard crosses the network once
         self._level(Collective.ALL_GATHER, flat, part, ACROSS)
         self._level(Collective.ALL_GATHER, part, work, INTRA_GATHER)

@@ -67,6 +67,9 @@ class Request:
     tile_nbytes: int | None = None  # None: default_tile_nbytes of the buffer's device
     tiles_in_flight: int = DEFAULT_TILES_IN_FLIGHT
     scheme_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # internal (a two-level plan's levels): ``buf`` and ``out`` are the library's own scratch,
+    # so the call may reduce in the input and write the output before it completes
+    scratch_buffers: bool = False
 
     @property
     def result(self) -> Any:
@@ -116,6 +119,7 @@ class PreparedCall:
     survey: Any = None  # what the scheme took of the input in the range check's pass, or None
     error: DqcollError | None = None  # this rank's local failure
     category: str = ""  # "buffer", "dtype", "layout", "scheme", "algorithm", "op" or "other"
+    scratch_buffers: bool = False  # Request.scratch_buffers
 
     def fail(self, category: str, error: DqcollError) -> None:
         self.error, self.category = error, category
@@ -154,7 +158,7 @@ def _identify(request: Request, comm: Communicator) -> PreparedCall:
         seed=comm.seed if request.seed is None else request.seed,
         step=call_step if request.step is None else request.step,
         tile_nbytes=tile_nbytes, tiles_in_flight=request.tiles_in_flight, auto=request.is_auto,
-        options=options, bits=bits, target=target)
+        options=options, bits=bits, target=target, scratch_buffers=request.scratch_buffers)
 
 
 def _resolve(call: PreparedCall, request: Request, comm: Communicator) -> None:

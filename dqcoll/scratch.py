@@ -14,14 +14,19 @@ from .types import FRAME_HEADROOM
 __all__ = ["ScratchPool", "discard", "pool_for"]
 
 MIN_BLOCK_NBYTES = 1 << 16  # smaller requests still get a block of this size
+# A block no call took for this many calls in a row is dropped: calls that alternate (a
+# two-level plan's reduce-scatter and all-gather on one communicator, DDP's buckets of several
+# sizes) keep their blocks, and the memory of a large call that does not recur is given back.
+KEEP_IDLE_CALLS = 3
 _KEY = ("dqcoll.scratch", "cpu")
 
 
 class ScratchPool:
-    """uint8 blocks handed out once per call and reused by the next."""
+    """uint8 blocks handed out once per call and reused by the next ones."""
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
+        self._idle: list[int] = []  # per free block: the calls in a row that did not take it
         self._used: list[torch.Tensor] = []
         self._framed: dict[int, torch.Tensor] = {}  # address of a handed-out buffer -> its block
 
@@ -31,7 +36,9 @@ class ScratchPool:
         need = int(nbytes) + FRAME_HEADROOM
         fits = [i for i, block in enumerate(self._free) if block.numel() >= need]
         if fits:  # the smallest block that fits
-            block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            i = min(fits, key=lambda i: self._free[i].numel())
+            block = self._free.pop(i)
+            del self._idle[i]
         else:
             size = max(MIN_BLOCK_NBYTES, 1 << (need - 1).bit_length())
             block = torch.empty(size, dtype=torch.uint8)
@@ -50,8 +57,12 @@ class ScratchPool:
         return block[: FRAME_HEADROOM + buffer.numel()]
 
     def release(self) -> None:
-        """The call is over: its blocks are free for the next one; blocks it did not use go."""
-        self._free = self._used
+        """The call is over: its blocks are free for the next one; a block that this call and
+        the :data:`KEEP_IDLE_CALLS` - 1 before it did not take goes."""
+        kept = [(block, idle + 1) for block, idle in zip(self._free, self._idle, strict=True)
+                if idle + 1 < KEEP_IDLE_CALLS]
+        self._free = self._used + [block for block, _ in kept]
+        self._idle = [0] * len(self._used) + [idle for _, idle in kept]
         self._used = []
         self._framed.clear()
 

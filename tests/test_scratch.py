@@ -33,9 +33,32 @@ def test_buffers_of_a_call_are_disjoint_and_reused_by_the_next():
     assert pool.nbytes == held
     assert {t.data_ptr() for t in second} == {t.data_ptr() for t in first}
     pool.release()
-    pool.take(10)  # a smaller call: the blocks it did not use are dropped at its release
+    for _ in range(scratch.KEEP_IDLE_CALLS - 1):  # smaller calls: the other blocks are kept ...
+        pool.take(10)
+        pool.release()
+        assert pool.nbytes == held
+    pool.take(10)  # ... until KEEP_IDLE_CALLS calls in a row did not take them
     pool.release()
     assert pool.nbytes == scratch.MIN_BLOCK_NBYTES
+
+
+def test_calls_that_alternate_keep_their_blocks():
+    """A communicator whose calls alternate between one block and two (a two-level plan's
+    reduce-scatter and all-gather) allocates nothing after the first of each."""
+    pool = scratch.ScratchPool()
+    for _ in range(2):
+        pool.take(1 << 20)
+        pool.release()
+        pool.take(1 << 20)
+        pool.take(1 << 20)
+        pool.release()
+    held = pool.nbytes
+    for _ in range(3):
+        addresses = {pool.take(1 << 20).data_ptr()}
+        pool.release()
+        addresses |= {pool.take(1 << 20).data_ptr(), pool.take(1 << 20).data_ptr()}
+        pool.release()
+        assert pool.nbytes == held and len(addresses) == 2
 
 
 def test_pool_only_for_cpu_calls_of_a_communicator():

@@ -78,6 +78,8 @@ class CallContext:
     state: dict[Any, Any] | None = None
     # the scheme's ``survey`` of this rank's input (None: none, or the input was scaled since)
     survey: Any = None
+    # the input is the library's own scratch: the call may reduce in it (a two-level plan's level)
+    own_input: bool = False
 
 
 @runtime_checkable

@@ -10,16 +10,24 @@ from typing import Any
 
 import torch
 
+from .. import scratch
 from ..errors import InvalidArgumentError
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeCall, SchemeSpec
 
-__all__ = ["BlockCall", "BlockCodec", "BlockLayout", "LayoutCall", "split_blocks", "view_payload"]
+__all__ = ["BlockCall", "BlockCodec", "BlockLayout", "LayoutCall", "same_memory", "split_blocks",
+           "view_payload"]
 
 
 def split_blocks(num_blocks: int, parts: int) -> list[int]:
     """Bounds cutting ``num_blocks`` into ``parts`` runs whose lengths differ by at most one."""
     return [c * num_blocks // parts for c in range(parts + 1)]
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same contiguous elements (a copy would change nothing)."""
+    return (a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
+            and a.is_contiguous() and b.is_contiguous())
 
 
 def view_payload(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,10 +61,16 @@ class BlockLayout:
             return [c * self.shard_padded for c in range(self.world_size + 1)]
         return [b * self.block for b in split_blocks(-(-self.numel // self.block), self.world_size)]
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """A fresh fp32 buffer holding ``x`` (any float dtype) with zero padding."""
-        alloc = torch.empty if self.padded_numel == self.numel else torch.zeros
-        work = alloc(self.padded_numel, dtype=torch.float32, device=x.device)
+    def pad(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """An fp32 buffer holding ``x`` (any float dtype) with zero padding: ``out`` (fp32,
+        :attr:`padded_numel` long, any contents) where given, else a fresh one."""
+        if out is None:
+            alloc = torch.empty if self.padded_numel == self.numel else torch.zeros
+            work = alloc(self.padded_numel, dtype=torch.float32, device=x.device)
+        else:
+            work = out
+            if self.padded_numel != self.numel:
+                work.zero_()
         inner = self.unpad(work)
         inner.copy_(x.reshape(inner.shape))
         return work
@@ -158,12 +172,20 @@ class LayoutCall(SchemeCall):
 
 
 class BlockCall(LayoutCall):
-    """One collective call of a :class:`BlockCodec`."""
+    """One collective call of a :class:`BlockCodec`; on the CPU its padded buffer comes from the
+    communicator's :mod:`~dqcoll.scratch` pool (no page faults from one call to the next)."""
 
     def __init__(self, codec: BlockCodec, x: torch.Tensor, ctx: CallContext) -> None:
         super().__init__(x, ctx, codec.block)
         self.codec = codec
-        self.work = self.layout.pad(x)
+        self.pool = scratch.pool_for(ctx.state, x.device)
+        if (ctx.own_input and x.dtype == torch.float32 and x.is_contiguous()
+                and self.layout.padded_numel == self.numel):
+            self.work = x.view(-1)  # the library's own buffer: reduced in place, no copy
+        else:
+            out = (None if self.pool is None
+                   else self.pool.take(4 * self.layout.padded_numel).view(torch.float32))
+            self.work = self.layout.pad(x, out)
         if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
             self.work.div_(ctx.world_size)
         self.state = codec.prepare(self.work, ctx)
@@ -199,9 +221,23 @@ class BlockCall(LayoutCall):
             return fused
         return super().decompress_accumulate_recompress(chunk, payload, count, out_count)
 
+    def release(self) -> None:
+        """The call returned: its pooled buffer goes back to the communicator's pool."""
+        if self.pool is not None:
+            self.pool.release()
+
+    def finish_shard(self, rank: int, out: torch.Tensor) -> None:
+        """Reduce-scatter: this rank's shard only (chunk ``rank`` of the sharded layout)."""
+        self._write(self.layout.unpad(self.work)[rank], out)
+
     def finish(self, out: torch.Tensor) -> None:
-        result = self.layout.unpad(self.work)
-        if self.op is ReduceOp.AVG and self.codec.avg_mode == "post":
+        self._write(self.layout.unpad(self.work), out)
+
+    def _write(self, result: torch.Tensor, out: torch.Tensor) -> None:
+        average = self.op is ReduceOp.AVG and self.codec.avg_mode == "post"
+        if not average and same_memory(result, out):
+            return  # reduced in the output itself (an all-gather into the library's buffer)
+        if average:
             if out.dtype == torch.float32 and out.is_contiguous():
                 torch.div(result.reshape(out.shape), self.world_size, out=out)
                 return

@@ -18,7 +18,7 @@ import torch
 from .. import scratch
 from ..types import Collective, ReduceOp
 from .base import CallContext, SchemeSpec
-from .elementwise import BlockCall, BlockCodec, LayoutCall, view_payload
+from .elementwise import BlockCall, BlockCodec, LayoutCall, same_memory, view_payload
 
 __all__ = ["ExactSumCall", "NoneScheme", "copy_saturating"]
 
@@ -115,7 +115,11 @@ class ExactSumCall(LayoutCall):
         self.pool = scratch.pool_for(ctx.state, x.device)
         self._wide: torch.Tensor | None = None  # fp64 partial sums, widened at first use
         self._widened: set[int] = set()
-        self.work = self._take(self.numel, torch.float32)
+        if (ctx.own_input and ctx.collective is Collective.ALL_GATHER
+                and x.dtype == torch.float32 and x.is_contiguous()):
+            self.work = self.values  # the library's own buffer: every chunk lands in place
+        else:
+            self.work = self._take(self.numel, torch.float32)
         if ctx.schedule is not None:  # the bytes all ranks send: the partial sums, then shards
             n = self.world_size
             sums = 0 if ctx.collective is Collective.ALL_GATHER else sum(
@@ -182,4 +186,5 @@ class ExactSumCall(LayoutCall):
 
     def finish(self, out: torch.Tensor) -> None:
         """All-reduce and all-gather: every chunk holds input-dtype values, so the cast is exact."""
-        out.copy_(self.work.view(out.shape))
+        if not same_memory(self.work, out):
+            out.copy_(self.work.view(out.shape))
