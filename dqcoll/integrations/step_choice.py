@@ -156,6 +156,9 @@ def sixteen_bit_wire(buf: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
     return torch.where(over & torch.isfinite(buf), saturated, wire)
 
 
+OBSERVE_PIECE = 1 << 18  # coordinates of a bucket SixteenBitFormat.observe takes at a time
+
+
 class SixteenBitFormat:
     """The 16-bit mode's format, fp16 or bf16, whichever rounds the job's gradients closer (bf16
     until measured): fp32 buckets of iteration 0 and every ``every``-th are :meth:`observe`-d."""
@@ -179,10 +182,14 @@ class SixteenBitFormat:
         """Add this rank's squared rounding error of ``buf`` in each format."""
         if self._measured != iteration:
             self._sums, self._measured = [0.0, 0.0], iteration
-        exact = buf.double() / n
-        for k, dtype in enumerate((torch.float16, torch.bfloat16)):
-            error = float((sixteen_bit_wire(buf, n, dtype).double() - exact).square().sum())
-            self._sums[k] += error if math.isfinite(error) else math.inf
+        # in float64, a cache-sized piece at a time: whole-bucket temporaries (8 bytes a
+        # coordinate, fresh pages) made this 8x slower, ~0.4 s of a 10.8 M-coordinate step
+        for part in buf.reshape(-1).split(OBSERVE_PIECE):
+            exact = part.double().div_(n)
+            for k, dtype in enumerate((torch.float16, torch.bfloat16)):
+                wire = sixteen_bit_wire(part, n, dtype).double()
+                error = float(wire.sub_(exact).square_().sum())
+                self._sums[k] += error if math.isfinite(error) else math.inf
 
     def decide(self, iteration: int, agree: Callable[[list[float]], Sequence[float]]) -> None:
         """At ``iteration``'s first bucket: the format from the last iteration's sums, if it
