@@ -338,6 +338,7 @@ class Planner:
         self.factors: dict[str, float] = {}
         self._ratios: dict[str, collections.deque[float]] = {}
         self._cache: dict[tuple[Any, ...], Plan] = {}
+        self._predicted: dict[tuple[Any, ...], float] = {}  # predict_us's, per argument
         self._incumbent: dict[tuple[Any, ...], str] = {}  # the plan in use per cache key
         self.probe_nbytes = 0  # what this rank sent to measure the links (build_planner)
 
@@ -403,7 +404,17 @@ class Planner:
 
     def predict_us(self, collective: str, scheme: str, algorithm: str, bits: float | None,
                    levels: HierarchicalPlan | None, nbytes: int, dtype: str) -> float:
-        """The cost model's time of a candidate, uncalibrated (reduce-scatter, all-gather: half)."""
+        """The cost model's time of a candidate, uncalibrated (reduce-scatter, all-gather: half);
+        kept per argument (the model's inputs do not change once the planner is made, and a
+        call re-prices its candidates after every measured call moves a factor)."""
+        key = (collective, scheme, algorithm, bits, levels, nbytes, dtype)
+        known = self._predicted.get(key)
+        if known is None:
+            known = self._predicted[key] = self._predict_us(*key)
+        return known
+
+    def _predict_us(self, collective: str, scheme: str, algorithm: str, bits: float | None,
+                    levels: HierarchicalPlan | None, nbytes: int, dtype: str) -> float:
         dtype = dtype if dtype in DTYPE_NBYTES else "float32"
         tiles = max(1, -(-nbytes // self.tile_nbytes))
         params = self.params
