@@ -29,6 +29,7 @@ class ScratchPool:
         self._idle: list[int] = []  # per free block: the calls in a row that did not take it
         self._used: list[torch.Tensor] = []
         self._framed: dict[int, torch.Tensor] = {}  # address of a handed-out buffer -> its block
+        self.made = 0  # blocks allocated so far (a call that reuses the pool's adds none)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (like ``torch.empty``) that no other
@@ -42,6 +43,7 @@ class ScratchPool:
         else:
             size = max(MIN_BLOCK_NBYTES, 1 << (need - 1).bit_length())
             block = torch.empty(size, dtype=torch.uint8)
+            self.made += 1
         self._used.append(block)
         buffer = block[FRAME_HEADROOM:need]
         self._framed[buffer.data_ptr()] = block

@@ -261,3 +261,33 @@ def test_avg_with_a_coded_intra_level_is_the_average(intra: str) -> None:
     levels = (LevelSpec(intra, algorithm="ring"), LevelSpec("dynamiq", 5.0, "ring"))
     errors = run_local(4, lambda comm: _avg_error_body(comm, _plan("2x2", levels)))
     assert len(set(errors)) == 1 and errors[0] < 0.03, errors
+
+
+def _pooled_body(comm: dqcoll.Communicator, plan: HierarchicalPlan) -> dict[str, Any]:
+    from dqcoll import levels, scratch
+
+    x = heavy_tailed(comm.rank, 40_000, seed=5)
+    out: dict[str, Any] = {"results": [], "made": []}
+    for _ in range(4):  # the same call, again and again: the same buffers, the same bits
+        out["results"].append(
+            dqcoll.allreduce(x.clone(), comm=comm, seed=SEED, step=STEP, algorithm=plan))
+        comms = [comm, *levels._groups[comm].values()]
+        made = [pool.made for c in comms
+                if (pool := scratch.pool_for(c.scheme_state, x.device)) is not None]
+        out["made"].append(made)
+    return out
+
+
+@pytest.mark.parametrize("intra", ["none", "bf16"])
+def test_repeated_two_level_calls_reuse_their_buffers(intra: str) -> None:
+    """A two-level all-reduce called again allocates no new buffer (the caller's communicator's
+    pool and its levels' keep what the first calls took, though the intra level alternates a
+    reduce-scatter and an all-gather on one communicator) and gives the same bits on every call
+    and every rank."""
+    levels = (LevelSpec(intra, algorithm="ring"), LevelSpec("dynamiq", 5.0, "ring"))
+    results = run_local(4, _pooled_body, _plan("2x2", levels))
+    first = results[0]["results"][0]
+    for got in results:
+        assert all(torch.equal(r, first) for r in got["results"])
+        made = got["made"]
+        assert made[-1] == made[0] and made[0][0] > 0, made  # [0]: the reorder buffer, the part
