@@ -318,6 +318,8 @@ def _kind(label: str) -> str:
     return NATIVE if label.startswith(NATIVE + "/") else "flat"
 
 
+PREDICTIONS_KEPT = 4096  # Planner.predict_us results kept (a few per size and candidate)
+
 class Planner:
     """Plans for one communicator's calls; ``job`` and ``rates`` must be the same on every rank."""
 
@@ -410,6 +412,8 @@ class Planner:
         key = (collective, scheme, algorithm, bits, levels, nbytes, dtype)
         known = self._predicted.get(key)
         if known is None:
+            if len(self._predicted) >= PREDICTIONS_KEPT:  # calls of ever new sizes: start over
+                self._predicted.clear()
             known = self._predicted[key] = self._predict_us(*key)
         return known
 
