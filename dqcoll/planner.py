@@ -320,6 +320,7 @@ def _kind(label: str) -> str:
 
 PREDICTIONS_KEPT = 4096  # Planner.predict_us results kept (a few per size and candidate)
 
+
 class Planner:
     """Plans for one communicator's calls; ``job`` and ``rates`` must be the same on every rank."""
 
