@@ -205,13 +205,7 @@ def _execute(call: PreparedCall, comm: Communicator, shift: int) -> None:
         # a receive that failed may still land in its buffer: no later call reuses it
         scratch.discard(comm.scheme_state)
         raise
-    release = getattr(coded, "release", None)  # pooled buffers back (dqcoll.scratch)
-    if release is not None:
-        release()
-    elif call.collective is Collective.ALL_GATHER:  # its input came from the pool
-        pool = scratch.pool_for(comm.scheme_state, x.device)
-        if pool is not None:
-            pool.release()
+    scratch.release(comm.scheme_state)  # the call's pooled buffers back, whoever took them
     comm.last_info.update(coded.info)
     if shift:
         comm.last_info["range_shift"] = shift
@@ -241,7 +235,7 @@ def _codec_input(call: PreparedCall, comm: Communicator) -> torch.Tensor | None:
         pool = scratch.pool_for(comm.scheme_state, flat.device)
         if pool is None:
             x = torch.zeros(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        else:  # reused from call to call: no page faults (the scheme's call releases it)
+        else:  # reused from call to call: no page faults (released at the call's end)
             x = pool.take(n * flat.numel() * flat.element_size()).view(flat.dtype).zero_()
     x.view(n, -1)[comm.rank] = flat
     return x

@@ -50,8 +50,7 @@ def run_levels(kind: Collective, tensor: torch.Tensor, target: torch.Tensor | No
     except BaseException:
         scratch.discard(comm.scheme_state)  # a level's receive may still land in a buffer
         raise
-    if run.pool is not None:
-        run.pool.release()
+    scratch.release(comm.scheme_state)
     return run.info(kind)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from .types import FRAME_HEADROOM
 
-__all__ = ["ScratchPool", "discard", "pool_for"]
+__all__ = ["ScratchPool", "discard", "pool_for", "release"]
 
 MIN_BLOCK_NBYTES = 1 << 16  # smaller requests still get a block of this size
 # A block no call took for this many calls in a row is dropped: calls that alternate (a
@@ -95,6 +95,14 @@ def _adapt_malloc() -> None:
     """Free one block of :data:`ADAPT_NBYTES` once per process: it raises glibc's dynamic mmap
     threshold (mallopt(3)), so the pool's blocks come from the heap without page faults."""
     torch.empty(ADAPT_NBYTES, dtype=torch.uint8)
+
+
+def release(state: dict[Any, Any] | None) -> None:
+    """A call of the communicator whose ``scheme_state`` is ``state`` returned: its pool's
+    blocks are free for the next call (:meth:`ScratchPool.release`)."""
+    pool = state.get(_KEY) if state is not None else None
+    if isinstance(pool, ScratchPool):
+        pool.release()
 
 
 def discard(state: dict[Any, Any] | None) -> None:

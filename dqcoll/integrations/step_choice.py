@@ -182,8 +182,8 @@ class SixteenBitFormat:
         """Add this rank's squared rounding error of ``buf`` in each format."""
         if self._measured != iteration:
             self._sums, self._measured = [0.0, 0.0], iteration
-        # in float64, a cache-sized piece at a time: whole-bucket temporaries (8 bytes a
-        # coordinate, fresh pages) made this 8x slower, ~0.4 s of a 10.8 M-coordinate step
+        # in float64, a cache-sized piece at a time (docs/ddp.md: whole-bucket temporaries, 8
+        # bytes a coordinate on fresh pages, are 8x slower)
         for part in buf.reshape(-1).split(OBSERVE_PIECE):
             exact = part.double().div_(n)
             for k, dtype in enumerate((torch.float16, torch.bfloat16)):

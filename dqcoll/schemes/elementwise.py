@@ -178,13 +178,13 @@ class BlockCall(LayoutCall):
     def __init__(self, codec: BlockCodec, x: torch.Tensor, ctx: CallContext) -> None:
         super().__init__(x, ctx, codec.block)
         self.codec = codec
-        self.pool = scratch.pool_for(ctx.state, x.device)
+        pool = scratch.pool_for(ctx.state, x.device)
         if (ctx.own_input and x.dtype == torch.float32 and x.is_contiguous()
                 and self.layout.padded_numel == self.numel):
             self.work = x.view(-1)  # the library's own buffer: reduced in place, no copy
         else:
-            out = (None if self.pool is None
-                   else self.pool.take(4 * self.layout.padded_numel).view(torch.float32))
+            out = (None if pool is None
+                   else pool.take(4 * self.layout.padded_numel).view(torch.float32))
             self.work = self.layout.pad(x, out)
         if ctx.op is ReduceOp.AVG and codec.avg_mode == "pre":
             self.work.div_(ctx.world_size)
@@ -220,11 +220,6 @@ class BlockCall(LayoutCall):
         if fused is not None:
             return fused
         return super().decompress_accumulate_recompress(chunk, payload, count, out_count)
-
-    def release(self) -> None:
-        """The call returned: its pooled buffer goes back to the communicator's pool."""
-        if self.pool is not None:
-            self.pool.release()
 
     def finish_shard(self, rank: int, out: torch.Tensor) -> None:
         """Reduce-scatter: this rank's shard only (chunk ``rank`` of the sharded layout)."""

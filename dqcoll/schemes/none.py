@@ -142,11 +142,6 @@ class ExactSumCall(LayoutCall):
         travel from the fp64 buffer without header room, and every rank must frame alike."""
         return self._take(nbytes, torch.uint8)
 
-    def release(self) -> None:
-        """The call returned: its pooled buffers go back to the communicator's pool."""
-        if self.pool is not None:
-            self.pool.release()
-
     def _sums(self, chunk: int) -> torch.Tensor:
         """The fp64 partial sums of ``chunk`` (this rank's values widened at first use)."""
         if self._wide is None:

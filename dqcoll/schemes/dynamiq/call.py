@@ -714,11 +714,6 @@ class DynamiqCall:
         """:meth:`dqcoll.scratch.ScratchPool.frame` of ``buffer``; None without a pool."""
         return self.pool.frame(buffer) if self.pool is not None else None
 
-    def release(self) -> None:
-        """The call returned: its pooled buffers go back to the communicator's pool."""
-        if self.pool is not None:
-            self.pool.release()
-
     def compress(self, chunk: int, count: int) -> torch.Tensor:
         self.kernels["encode"] = self.ops.name
         out = self.scratch(self.payload_nbytes(chunk, count))
