@@ -8,6 +8,7 @@ faster, and bit-identical replicas throughout.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -36,9 +37,11 @@ class _Clock:
 
 def _run(periods: dict[str, float], iterations: int, *, enabled: bool = True,
          warmup: int = WARMUP, slow: frozenset[int] = frozenset(),
-         recheck_every: int = 250) -> tuple[StepChoice, list[str], list[list[float]]]:
+         recheck_every: int = 250,
+         exposed: float | None = None) -> tuple[StepChoice, list[str], list[list[float]]]:
     """Begin ``iterations`` iterations; each takes ``periods[its mode]`` seconds, those in
-    ``slow`` 100 s. Returns the object, each iteration's mode and what ``agree`` was given."""
+    ``slow`` 100 s; each 16-bit one reports ``exposed`` seconds of exposed communication.
+    Returns the object, each iteration's mode and what ``agree`` was given."""
     clock, agreed = _Clock(), []
 
     def agree(values: list[float]) -> list[float]:
@@ -47,49 +50,79 @@ def _run(periods: dict[str, float], iterations: int, *, enabled: bool = True,
 
     choice = StepChoice(warmup, enabled, agree, samples=SAMPLES, recheck_every=recheck_every,
                         clock=clock)
-    modes = []
+    modes: list[str] = []
     for iteration in range(iterations):
-        mode = choice.begin(iteration)
+        after_sixteen = bool(modes) and modes[-1] == SIXTEEN_BIT
+        mode = choice.begin(iteration, exposed=exposed if after_sixteen else None)
         modes.append(mode)
         clock.now += 100.0 if iteration in slow else periods[mode]
     return choice, modes, agreed
 
 
-def test_schedule_and_choice_of_the_faster_mode() -> None:
-    """The warm-up runs 16 bits, the next SAMPLES + 1 steps compressed; then the faster mode by
-    median step time; the first step and a mode's first step are not samples."""
-    choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 2.0}, 20, slow=frozenset({0, 5}))
-    decide = WARMUP + SAMPLES + 1
-    assert modes[:WARMUP] == [SIXTEEN_BIT] * WARMUP
-    assert modes[WARMUP:decide] == [COMPRESSED] * (SAMPLES + 1)
-    assert modes[decide:] == [SIXTEEN_BIT] * (20 - decide)
-    assert agreed == [[1.0, 2.0, 0.0]]  # iteration 0 and 5 took 100 s: neither is a sample
-    assert [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms) for c in choice.choices] == [
-        (decide, SIXTEEN_BIT, 1000.0, 2000.0)]
-    assert choice.sixteen_bit_steps == 20 - SAMPLES - 1
+INF = float("inf")
+UNMEASURED = [INF, INF, 0.0]  # the exposure check's agree where no exposure was reported
 
-    choice, modes, _ = _run({SIXTEEN_BIT: 2.0, COMPRESSED: 1.5}, 20)
-    assert modes[decide:] == [COMPRESSED] * (20 - decide)
+
+def test_schedule_and_choice_of_the_faster_mode() -> None:
+    """The warm-up runs 16 bits, then the compressed mode is tried: a faster one runs SAMPLES
+    + 1 steps and wins by median step time; a slower one stops at its second clean sample (the
+    trial's first step, and the very first step, are not samples)."""
+    choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 2.0}, 20, slow=frozenset({0, 5}))
+    stop = WARMUP + 3
+    assert modes[:WARMUP] == [SIXTEEN_BIT] * WARMUP
+    assert modes[WARMUP:stop] == [COMPRESSED] * 3
+    assert modes[stop:] == [SIXTEEN_BIT] * (20 - stop)
+    assert agreed == [UNMEASURED, [1.0, 2.0, 0.0]]  # iterations 0 and 5 took 100 s: no samples
+    assert [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms) for c in choice.choices] == [
+        (stop, SIXTEEN_BIT, 1000.0, 2000.0)]
+    assert choice.sixteen_bit_steps == 20 - 3
+
+    decide = WARMUP + SAMPLES + 1
+    choice, modes, agreed = _run({SIXTEEN_BIT: 2.0, COMPRESSED: 1.5}, 20)
+    assert modes[WARMUP:] == [COMPRESSED] * (20 - WARMUP)
+    assert agreed == [UNMEASURED] + [[2.0, 1.5, 0.0]] * (decide - WARMUP - 2)
+    assert [(c.iteration, c.mode) for c in choice.choices] == [(decide, COMPRESSED)]
     assert choice.sixteen_bit_steps == WARMUP
 
 
+def test_hidden_communication_skips_the_trial() -> None:
+    """16-bit steps whose averaging leaves no more than their spread exposed after backward: the
+    compressed mode could not win by more than the noise, so it is not tried, after the warm-up
+    nor at a recheck; more exposure than the spread, and it is tried as before."""
+    choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 0.5}, 30, exposed=0.0,
+                                 recheck_every=10)
+    assert modes == [SIXTEEN_BIT] * 30
+    assert agreed == [[1.0, 0.0, 0.0]] * 3  # after the warm-up, at iterations 15 and 25
+    assert [(c.iteration, c.mode, c.exposed_ms) for c in choice.choices] == [
+        (WARMUP, SIXTEEN_BIT, 0.0), (WARMUP + 10, SIXTEEN_BIT, 0.0),
+        (WARMUP + 20, SIXTEEN_BIT, 0.0)]
+    assert math.isnan(choice.choices[0].compressed_ms)
+
+    decide = WARMUP + SAMPLES + 1
+    choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 0.5}, 20, exposed=0.4)
+    assert agreed[0] == [1.0, 0.4, 0.0]
+    assert modes[WARMUP:] == [COMPRESSED] * (20 - WARMUP)
+    assert [(c.iteration, c.mode) for c in choice.choices] == [(decide, COMPRESSED)]
+
+
 def test_recheck_runs_the_other_mode_and_follows_a_change() -> None:
-    """recheck_every steps after a decision the other mode runs SAMPLES + 1 steps and the choice
-    is made again: here 16 bits wins first, then the compressed mode (its steps got faster)."""
+    """recheck_every steps after a decision the other mode is tried again and the choice made
+    again: here 16 bits wins first (the trial stops at its second sample), then the compressed
+    mode (its steps got faster; it runs SAMPLES + 1 steps)."""
     clock, agreed = _Clock(), []
     choice = StepChoice(WARMUP, True, lambda v: agreed.append(v) or v, samples=SAMPLES,
                         recheck_every=10, clock=clock)
-    decide = WARMUP + SAMPLES + 1
+    stop = WARMUP + 3
     modes = []
-    for iteration in range(30):  # the next probe would be at iteration 33
+    for iteration in range(30):  # the next probe would be at iteration 32
         mode = choice.begin(iteration)
         modes.append(mode)
-        compressed_s = 2.0 if iteration < decide + 5 else 0.5
+        compressed_s = 2.0 if iteration < stop + 5 else 0.5
         clock.now += 1.0 if mode == SIXTEEN_BIT else compressed_s
-    probe = decide + 10
-    assert modes[decide:probe] == [SIXTEEN_BIT] * 10
+    probe = stop + 10
+    assert modes[stop:probe] == [SIXTEEN_BIT] * 10
     assert modes[probe:probe + SAMPLES + 1] == [COMPRESSED] * (SAMPLES + 1)
-    assert agreed == [[1.0, 2.0, 0.0], [1.0, 0.5, 0.0]]
+    assert agreed == [UNMEASURED, [1.0, 2.0, 0.0], UNMEASURED, [1.0, 0.5, 0.0], [1.0, 0.5, 0.0]]
     assert modes[probe + SAMPLES + 1:] == [COMPRESSED] * (30 - probe - SAMPLES - 1)
     assert [c.mode for c in choice.choices] == [SIXTEEN_BIT, COMPRESSED]
 
@@ -112,7 +145,7 @@ def test_compressing_must_beat_the_samples_noise() -> None:
             mode = choice.begin(iteration)
             clock.now += (sixteen[iteration] if iteration < WARMUP
                           else 1.0 if mode == SIXTEEN_BIT else compressed_s)
-        assert agreed[0] == pytest.approx([1.0, compressed_s, 0.2])
+        assert agreed[0] == UNMEASURED and agreed[-1] == pytest.approx([1.0, compressed_s, 0.2])
         assert choice.choices[0].mode == expected and choice.mode == expected
         assert choice.choices[0].spread_ms == pytest.approx(200.0)
 
@@ -127,7 +160,7 @@ def test_untimed_steps_and_disabled_check() -> None:
         mode = choice.begin(iteration, timed=iteration != WARMUP + 2)
         clock.now += 50.0 if iteration == WARMUP + 2 else (1.0 if mode == SIXTEEN_BIT else 3.0)
     assert (choice.choices[0].sixteen_bit_ms, choice.choices[0].compressed_ms) == (1000.0, 3000.0)
-    assert choice.choices[0].iteration == WARMUP + SAMPLES + 2
+    assert choice.choices[0].iteration == WARMUP + 4  # its second clean sample: one step later
 
     for enabled, warmup in ((False, WARMUP), (True, MIN_WARMUP - 1)):
         choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 9.0}, 20, enabled=enabled,
@@ -138,18 +171,30 @@ def test_untimed_steps_and_disabled_check() -> None:
 
 # -- a real DDP job -------------------------------------------------------------------------------
 
-STEPS = 18  # the decision at iteration 11 to 16 with the default samples (5)
+STEPS = 18  # a trial's decision at iteration 8 to 13 (after steps the planner explored in)
 
 
-def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
+def _ddp_job(rank: int, world_size: int, exposed: float | None) -> dict[str, Any]:
     """DynamiqState(scheme="auto", warmup_steps=WARMUP) on 2 gloo ranks whose clocks disagree:
     rank 0 sees compressed steps faster (0.5 s against 1 s in 16 bits), rank 1 far slower (8 s
-    against 1 s); the slowest rank's medians are agreed, so both choose 16 bits. Per step: did
-    the hook average in 16 bits itself (its 16-bit path sets last_info["warmup"])?"""
+    against 1 s). The test's clock stands still within a step, so the hook measures no exposed
+    communication; ``exposed`` (seconds) replaces what it reports, if given. Per step: did the
+    hook average in 16 bits itself (its 16-bit path sets last_info["warmup"])?"""
     ticks = {"now": 0.0}
     model = DistributedDataParallel(_MLP(), bucket_cap_mb=0.05)
     state = DynamiqState(scheme="auto", warmup_steps=WARMUP)
     state.step_choice.clock = lambda: ticks["now"]
+    reported: list[float] = []  # what the hook measured
+    begin = state.step_choice.begin
+
+    def begin_reporting(iteration: int, **kwargs: Any) -> str:
+        if kwargs.get("exposed") is not None:
+            reported.append(kwargs["exposed"])
+            if exposed is not None:
+                kwargs["exposed"] = exposed
+        return begin(iteration, **kwargs)
+
+    state.step_choice.begin = begin_reporting  # type: ignore[method-assign]
     model.register_comm_hook(state, dynamiq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     per_step: list[str] = []
@@ -168,27 +213,27 @@ def _ddp_job(rank: int, world_size: int) -> dict[str, Any]:
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"schemes": per_step, "params": params, "sixteen_bit_steps": state.sixteen_bit_steps,
             "forces": [lane.comm.auto_force for lane in state.lane_list],
-            "compressed_schemes": schemes_run,
-            "samples": state.step_choice.samples,
+            "compressed_schemes": schemes_run, "reported": reported,
             "choices": [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms)
                         for c in state.step_choice.choices]}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(tmp_path_factory.mktemp("step_choice"), 2, _ddp_job)
+    return _spawn(tmp_path_factory.mktemp("step_choice"), 2,
+                  functools.partial(_ddp_job, exposed=0.5))
 
 
 def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]]) -> None:
-    """Both ranks make the same choice from the slowest rank's medians (16 bits: 1000 ms against
-    8000) at the same iteration (later by one for each step the planner explored in), average
-    in 16 bits from the decision on, count the same 16-bit steps and end with bit-identical
-    parameters."""
+    """With communication exposed, the compressed mode is tried; both ranks make the same
+    choice from the slowest rank's medians (16 bits: 1000 ms against 8000) at the same
+    iteration (its second clean sample: later by one for each step the planner explored in),
+    average in 16 bits from the decision on, count the same 16-bit steps and end with
+    bit-identical parameters."""
     first, second = two_ranks
-    samples = first["samples"]  # DynamiqState's default
     assert first["choices"] == second["choices"] and len(first["choices"]) == 1
     decide, mode, sixteen_ms, compressed_ms = first["choices"][0]
-    assert WARMUP + samples + 1 <= decide <= WARMUP + 2 * samples + 1 < STEPS
+    assert WARMUP + 3 <= decide <= WARMUP + 3 + 5 < STEPS  # DynamiqState's 5 samples
     assert (mode, sixteen_ms, compressed_ms) == (SIXTEEN_BIT, 1000.0, 8000.0)
     for result in two_ranks:
         assert result["schemes"][:WARMUP] == ["16-bit"] * WARMUP
@@ -198,6 +243,22 @@ def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]])
         # the compressed mode compresses: its planner considers dynamiq's plans only
         assert result["compressed_schemes"] and set(result["compressed_schemes"]) == {"dynamiq"}
         assert set(result["forces"]) == {"dynamiq"}
+    assert torch.equal(first["params"], second["params"])
+
+
+def test_ddp_hidden_communication_is_not_tried(tmp_path: Any) -> None:
+    """The hook's own measurement: after each 16-bit step it reports the time from the last
+    bucket's hand-over to the last average's completion (0 here: the test's clock stands still
+    within a step), no more than the 16-bit steps' spread, so the compressed mode is never
+    tried and every step is averaged in 16 bits, the same on both ranks."""
+    first, second = _spawn(tmp_path, 2, functools.partial(_ddp_job, exposed=None))
+    assert repr(first["choices"]) == repr(second["choices"])  # NaN: no compressed median
+    [(decide, mode, sixteen_ms, compressed_ms)] = first["choices"]
+    assert (decide, mode, sixteen_ms) == (WARMUP, SIXTEEN_BIT, 1000.0)
+    assert math.isnan(compressed_ms)
+    for result in (first, second):
+        assert result["schemes"] == ["16-bit"] * STEPS and result["sixteen_bit_steps"] == STEPS
+        assert result["reported"] == [0.0] * (STEPS - 1) and result["compressed_schemes"] == []
     assert torch.equal(first["params"], second["params"])
 
 

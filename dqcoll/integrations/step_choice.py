@@ -33,6 +33,7 @@ class Choice:
     compressed_ms: float
     trial_steps: int = 0  # steps of the sampled mode left out: a bucket ran a plan tried once
     spread_ms: float = 0.0
+    exposed_ms: float = math.nan  # the slowest rank's median exposed 16-bit communication
 
 
 class StepChoice:
@@ -42,7 +43,16 @@ class StepChoice:
     compressed. ``agree`` is called on every rank at the same iteration with ``[16-bit median s,
     compressed median s, spread s]`` and returns the maximum over the ranks. Compressing is chosen
     only where its median beats the 16-bit one by more than the spread: a difference within the
-    samples' own noise keeps the 16-bit mode (torch's hook, exact to 16 bits). A step that is
+    samples' own noise keeps the 16-bit mode (torch's hook, exact to 16 bits).
+
+    Before the compressed mode is tried (after the warm-up, and at a recheck from 16 bits), the
+    16-bit steps' *exposed* communication bounds what it could gain: ``begin(..., exposed=s)``
+    reports, for the 16-bit step just ended, how long its averaging ran on after backward
+    produced the last bucket. Compressing shortens at most that wait (the codec's CPU comes on
+    top), so where the slowest rank's median of it is within the 16-bit samples' spread
+    (``agree`` then gets ``[16-bit median s, exposed median s, spread s]``) the compressed mode
+    could not win by more than the noise and is not tried: no step pays its error to learn that.
+    A step that is
     no sample (untimed, or one in which a bucket ran a plan the planner tries once:
     :meth:`exclude`) makes the sampled mode run one step more, up to ``samples`` more, so that
     the choice rests on ``samples`` steps of the plans the job settles on (which steps are left
@@ -72,26 +82,37 @@ class StepChoice:
         self._trials = 0  # steps of the sampled mode left out since its sampling began
         self._probe_at = -1
         self._excluded: set[int] = set()  # iterations that are no sample (exclude)
+        self._exposed: collections.deque[float] = collections.deque(
+            maxlen=max(samples, warmup_steps))  # s, of the clean timed 16-bit steps
+        self._exposed_ms = math.nan  # the agreed median at the last check of it
 
-    def begin(self, iteration: int, *, timed: bool = True) -> str:
+    def begin(self, iteration: int, *, timed: bool = True, exposed: float | None = None) -> str:
         """Called at the first bucket of ``iteration``: the mode it runs. ``timed=False``: the
-        iteration's time is not a sample (a monitored step)."""
+        iteration's time is not a sample (a monitored step). ``exposed``: seconds the iteration
+        before ran on after its last bucket was handed over, if it was averaged in 16 bits."""
         now = self.clock()
         started = self._started
         if started is not None and started[0] == iteration - 1 and started[3]:
             clean = started[0] not in self._excluded
             self._periods[started[2]].append((now - started[1], clean))
             self._trials += not clean
+            if clean and started[2] == SIXTEEN_BIT and exposed is not None:
+                self._exposed.append(max(exposed, 0.0))
         self._excluded.clear()
         previous = self.mode
-        if not self.enabled or iteration <= self.warmup_steps:
+        if self.enabled and iteration == self.warmup_steps and self._hidden(iteration):
+            self.mode = SIXTEEN_BIT  # compressing cannot pay: no trial
+        elif not self.enabled or iteration <= self.warmup_steps:
             self.mode = SIXTEEN_BIT if iteration < self.warmup_steps else COMPRESSED
+        elif iteration == self._probe_at and self.mode == SIXTEEN_BIT and self._hidden(iteration):
+            pass  # still nothing to gain: no trial either
+        elif self._trying(iteration) and self._losing(iteration):
+            pass  # the trial already shows no gain beyond the noise: 16 bits from now on
         elif iteration == self._decide_at and iteration < self._decide_by and sum(
                 ok for _, ok in self._periods[self.mode]) < self.samples:
             self._decide_at += 1  # a step was left out: one more of this mode
         elif iteration == self._decide_at:
             self._decide(iteration)
-            self._probe_at = iteration + self.recheck_every
         elif iteration == self._probe_at:
             self.mode = COMPRESSED if self.mode == SIXTEEN_BIT else SIXTEEN_BIT
             self._periods[self.mode].clear()
@@ -105,12 +126,54 @@ class StepChoice:
             self.sixteen_bit_steps += 1
         return self.mode
 
+    def _hidden(self, iteration: int) -> bool:
+        """Whether the 16-bit steps leave too little communication exposed for compressing to
+        win by more than their spread (the same answer on every rank); if so, the choice is
+        recorded and the next recheck set."""
+        sixteen = [s for s, ok in self._periods[SIXTEEN_BIT] if ok]
+        measured = len(sixteen) >= 2 and len(self._exposed) >= 2  # the same on every rank
+        median = statistics.median(sixteen) if measured else math.inf
+        spread = statistics.median([abs(s - median) for s in sixteen]) if measured else 0.0
+        exposed = statistics.median(self._exposed) if measured else math.inf
+        sixteen_s, exposed_s, spread_s = (float(v) for v in self.agree(
+            [median, exposed, spread]))  # every rank agrees, measured or not: no rank waits
+        self._exposed_ms = exposed_s * 1e3 if math.isfinite(exposed_s) else math.nan
+        if not exposed_s <= spread_s:
+            return False  # the trial's choice records the exposure too
+        self.choices.append(Choice(iteration, SIXTEEN_BIT, sixteen_s * 1e3, math.nan,
+                                   spread_ms=spread_s * 1e3, exposed_ms=self._exposed_ms))
+        self._probe_at = iteration + self.recheck_every
+        self._decide_at = self._decide_by = -1
+        return True
+
+    def _trying(self, iteration: int) -> bool:
+        """Whether the compressed mode is being tried and has fewer than ``samples`` clean
+        samples."""
+        return (self.mode == COMPRESSED and iteration <= self._decide_at
+                and sum(ok for _, ok in self._periods[COMPRESSED]) < self.samples)
+
+    def _losing(self, iteration: int) -> bool:
+        """During a trial of the compressed mode, from its second clean sample on: whether the
+        samples so far already fail the rule (the same answer on every rank); if so, the
+        choice of 16 bits is recorded. Each further compressed step would add its error for a
+        gain the samples do not show; a compressed win still waits for all ``samples``."""
+        if sum(ok for _, ok in self._periods[COMPRESSED]) < 2:
+            return False
+        agreed = self._agreed()
+        sixteen_s, compressed_s, spread_s = agreed
+        if compressed_s + spread_s < sixteen_s:
+            return False
+        self._choose(iteration, SIXTEEN_BIT, agreed)
+        self._decide_at = self._decide_by = -1
+        return True
+
     def exclude(self, iteration: int) -> None:
         """``iteration`` is no sample: one of its buckets ran a plan the planner tried once (called
         before the next iteration begins; the decision's iteration does not depend on it)."""
         self._excluded.add(iteration)
 
-    def _decide(self, iteration: int) -> None:
+    def _agreed(self) -> tuple[float, float, float]:
+        """The slowest rank's median step of each mode and the largest spread, in seconds."""
         def samples(mode: str) -> list[float]:
             clean = [s for s, ok in self._periods[mode] if ok]
             return clean if len(clean) >= 2 else [s for s, _ in self._periods[mode]]
@@ -124,10 +187,22 @@ class StepChoice:
         sixteen, compressed = samples(SIXTEEN_BIT), samples(COMPRESSED)
         sixteen_s, compressed_s, spread_s = (float(v) for v in self.agree(
             [median(sixteen), median(compressed), max(spread(sixteen), spread(compressed))]))
+        return sixteen_s, compressed_s, spread_s
+
+    def _choose(self, iteration: int, mode: str, agreed: tuple[float, float, float]) -> None:
+        sixteen_s, compressed_s, spread_s = agreed
+        self.mode = mode
+        self.choices.append(Choice(iteration, mode, sixteen_s * 1e3, compressed_s * 1e3,
+                                   self._trials, spread_s * 1e3, self._exposed_ms))
+        self._probe_at = iteration + self.recheck_every
+
+    def _decide(self, iteration: int) -> None:
+        agreed = self._agreed()
+        sixteen_s, compressed_s, spread_s = agreed
+        mode = self.mode
         if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
-            self.mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
-        self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
-                                   self._trials, spread_s * 1e3))
+            mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
+        self._choose(iteration, mode, agreed)
 
     def compressing(self) -> bool:
         """Whether the iteration begun last runs the compressed mode."""

@@ -165,6 +165,8 @@ class DynamiqState:
         self.shrunk = False  # True once averaging runs over a communicator of survivors
 
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
+        self._handed_over: float | None = None  # clock at the 16-bit step's last bucket
+        self._averaged = -math.inf  # clock when that step's last 16-bit average completed
         self.last_info: dict[str, Any] = {}  # the last bucket's comm.last_info (or 16-bit call's)
 
         if dist.is_available() and dist.is_initialized() and self.scheme != "none":
@@ -197,12 +199,20 @@ class DynamiqState:
             return
         self.sixteen_bit.decide(iteration, lambda sums: self._agree(sums, dist.ReduceOp.SUM))
         decided = len(choice.choices)
-        choice.begin(iteration, timed=not self._monitor_due(iteration))
+        handed_over, self._handed_over = self._handed_over, None
+        exposed = None if handed_over is None else self._averaged - handed_over
+        choice.begin(iteration, timed=not self._monitor_due(iteration), exposed=exposed)
         if len(choice.choices) > decided and self.group_rank() == 0:
             made = choice.choices[-1]
-            log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
-                     "(slowest rank's medians; spread %.0f ms): %s from now on", iteration,
-                     made.sixteen_bit_ms, made.compressed_ms, made.spread_ms, made.mode)
+            if math.isnan(made.compressed_ms):
+                log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms of it "
+                         "exposed communication, within the spread %.0f ms (slowest rank's "
+                         "medians): 16 bits from now on, compressing not tried", iteration,
+                         made.sixteen_bit_ms, made.exposed_ms, made.spread_ms)
+            else:
+                log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
+                         "(slowest rank's medians; spread %.0f ms): %s from now on", iteration,
+                         made.sixteen_bit_ms, made.compressed_ms, made.spread_ms, made.mode)
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
         """The algorithm of a bucket's all-reduce (``"auto"``: the planner's)."""
@@ -413,6 +423,7 @@ def _group_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Futu
             if not state.fault_tolerant:
                 raise
             state.record_failure(iteration, exc)
+        state._averaged = state.step_choice.clock()  # the last to complete: the step's end
         return buf
 
     return work.get_future().then(done)
@@ -636,6 +647,8 @@ def dynamiq_hook(state: DynamiqState,
     if buf.dtype == torch.float32 and state.sixteen_bit.measuring(iteration):
         state.sixteen_bit.observe(iteration, buf, state.group_size())
     compress = state.should_compress(iteration)
+    if last and not compress:  # backward's end: what the 16-bit averaging takes after it is exposed
+        state._handed_over = state.step_choice.clock()
     try:  # the compressed path ends its iteration itself, once the last bucket is averaged
         if compress:
             return _compressed_average(state, buf, index, iteration, last)
