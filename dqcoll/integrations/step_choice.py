@@ -52,8 +52,10 @@ class StepChoice:
     top), so where the slowest rank's median of it is within the 16-bit samples' spread
     (``agree`` then gets ``[16-bit median s, exposed median s, spread s]``) the compressed mode
     could not win by more than the noise and is not tried: no step pays its error to learn that.
-    A step that is
-    no sample (untimed, or one in which a bucket ran a plan the planner tries once:
+
+    A trial of the compressed mode that fails the rule from its second clean sample on stops
+    there (16 bits from the next step); a compressed win waits for ``samples`` samples. A step
+    that is no sample (untimed, or one in which a bucket ran a plan the planner tries once:
     :meth:`exclude`) makes the sampled mode run one step more, up to ``samples`` more, so that
     the choice rests on ``samples`` steps of the plans the job settles on (which steps are left
     out, and so the decision's iteration, is the same on every rank: the plans are agreed).
