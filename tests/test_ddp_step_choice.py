@@ -64,24 +64,20 @@ UNMEASURED = [INF, INF, 0.0]  # the exposure check's agree where no exposure was
 
 
 def test_schedule_and_choice_of_the_faster_mode() -> None:
-    """The warm-up runs 16 bits, then the compressed mode is tried: a faster one runs SAMPLES
-    + 1 steps and wins by median step time; a slower one stops at its second clean sample (the
-    trial's first step, and the very first step, are not samples)."""
+    """The warm-up runs 16 bits, the next SAMPLES + 1 steps compressed; then the faster mode by
+    median step time; the first step and a mode's first step are not samples."""
     choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 2.0}, 20, slow=frozenset({0, 5}))
-    stop = WARMUP + 3
+    decide = WARMUP + SAMPLES + 1
     assert modes[:WARMUP] == [SIXTEEN_BIT] * WARMUP
-    assert modes[WARMUP:stop] == [COMPRESSED] * 3
-    assert modes[stop:] == [SIXTEEN_BIT] * (20 - stop)
+    assert modes[WARMUP:decide] == [COMPRESSED] * (SAMPLES + 1)
+    assert modes[decide:] == [SIXTEEN_BIT] * (20 - decide)
     assert agreed == [UNMEASURED, [1.0, 2.0, 0.0]]  # iterations 0 and 5 took 100 s: no samples
     assert [(c.iteration, c.mode, c.sixteen_bit_ms, c.compressed_ms) for c in choice.choices] == [
-        (stop, SIXTEEN_BIT, 1000.0, 2000.0)]
-    assert choice.sixteen_bit_steps == 20 - 3
+        (decide, SIXTEEN_BIT, 1000.0, 2000.0)]
+    assert choice.sixteen_bit_steps == 20 - SAMPLES - 1
 
-    decide = WARMUP + SAMPLES + 1
-    choice, modes, agreed = _run({SIXTEEN_BIT: 2.0, COMPRESSED: 1.5}, 20)
-    assert modes[WARMUP:] == [COMPRESSED] * (20 - WARMUP)
-    assert agreed == [UNMEASURED] + [[2.0, 1.5, 0.0]] * (decide - WARMUP - 2)
-    assert [(c.iteration, c.mode) for c in choice.choices] == [(decide, COMPRESSED)]
+    choice, modes, _ = _run({SIXTEEN_BIT: 2.0, COMPRESSED: 1.5}, 20)
+    assert modes[decide:] == [COMPRESSED] * (20 - decide)
     assert choice.sixteen_bit_steps == WARMUP
 
 
@@ -106,23 +102,22 @@ def test_hidden_communication_skips_the_trial() -> None:
 
 
 def test_recheck_runs_the_other_mode_and_follows_a_change() -> None:
-    """recheck_every steps after a decision the other mode is tried again and the choice made
-    again: here 16 bits wins first (the trial stops at its second sample), then the compressed
-    mode (its steps got faster; it runs SAMPLES + 1 steps)."""
+    """recheck_every steps after a decision the other mode runs SAMPLES + 1 steps and the choice
+    is made again: here 16 bits wins first, then the compressed mode (its steps got faster)."""
     clock, agreed = _Clock(), []
     choice = StepChoice(WARMUP, True, lambda v: agreed.append(v) or v, samples=SAMPLES,
                         recheck_every=10, clock=clock)
-    stop = WARMUP + 3
+    decide = WARMUP + SAMPLES + 1
     modes = []
-    for iteration in range(30):  # the next probe would be at iteration 32
+    for iteration in range(30):  # the next probe would be at iteration 33
         mode = choice.begin(iteration)
         modes.append(mode)
-        compressed_s = 2.0 if iteration < stop + 5 else 0.5
+        compressed_s = 2.0 if iteration < decide + 5 else 0.5
         clock.now += 1.0 if mode == SIXTEEN_BIT else compressed_s
-    probe = stop + 10
-    assert modes[stop:probe] == [SIXTEEN_BIT] * 10
+    probe = decide + 10
+    assert modes[decide:probe] == [SIXTEEN_BIT] * 10
     assert modes[probe:probe + SAMPLES + 1] == [COMPRESSED] * (SAMPLES + 1)
-    assert agreed == [UNMEASURED, [1.0, 2.0, 0.0], UNMEASURED, [1.0, 0.5, 0.0], [1.0, 0.5, 0.0]]
+    assert agreed == [UNMEASURED, [1.0, 2.0, 0.0], UNMEASURED, [1.0, 0.5, 0.0]]
     assert modes[probe + SAMPLES + 1:] == [COMPRESSED] * (30 - probe - SAMPLES - 1)
     assert [c.mode for c in choice.choices] == [SIXTEEN_BIT, COMPRESSED]
 
@@ -160,7 +155,7 @@ def test_untimed_steps_and_disabled_check() -> None:
         mode = choice.begin(iteration, timed=iteration != WARMUP + 2)
         clock.now += 50.0 if iteration == WARMUP + 2 else (1.0 if mode == SIXTEEN_BIT else 3.0)
     assert (choice.choices[0].sixteen_bit_ms, choice.choices[0].compressed_ms) == (1000.0, 3000.0)
-    assert choice.choices[0].iteration == WARMUP + 4  # its second clean sample: one step later
+    assert choice.choices[0].iteration == WARMUP + SAMPLES + 2
 
     for enabled, warmup in ((False, WARMUP), (True, MIN_WARMUP - 1)):
         choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 9.0}, 20, enabled=enabled,
@@ -171,7 +166,7 @@ def test_untimed_steps_and_disabled_check() -> None:
 
 # -- a real DDP job -------------------------------------------------------------------------------
 
-STEPS = 18  # a trial's decision at iteration 8 to 13 (after steps the planner explored in)
+STEPS = 18  # a trial's decision at iteration 11 to 16 with the default samples (5)
 
 
 def _ddp_job(rank: int, world_size: int, exposed: float | None) -> dict[str, Any]:
@@ -227,13 +222,13 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_ddp_ranks_agree_and_16_bits_takes_over(two_ranks: list[dict[str, Any]]) -> None:
     """With communication exposed, the compressed mode is tried; both ranks make the same
     choice from the slowest rank's medians (16 bits: 1000 ms against 8000) at the same
-    iteration (its second clean sample: later by one for each step the planner explored in),
-    average in 16 bits from the decision on, count the same 16-bit steps and end with
-    bit-identical parameters."""
+    iteration (later by one for each step the planner explored in), average in 16 bits from
+    the decision on, count the same 16-bit steps and end with bit-identical parameters."""
     first, second = two_ranks
     assert first["choices"] == second["choices"] and len(first["choices"]) == 1
     decide, mode, sixteen_ms, compressed_ms = first["choices"][0]
-    assert WARMUP + 3 <= decide <= WARMUP + 3 + 5 < STEPS  # DynamiqState's 5 samples
+    samples = 5  # DynamiqState's default
+    assert WARMUP + samples + 1 <= decide <= WARMUP + 2 * samples + 1 < STEPS
     assert (mode, sixteen_ms, compressed_ms) == (SIXTEEN_BIT, 1000.0, 8000.0)
     for result in two_ranks:
         assert result["schemes"][:WARMUP] == ["16-bit"] * WARMUP

@@ -53,9 +53,7 @@ class StepChoice:
     (``agree`` then gets ``[16-bit median s, exposed median s, spread s]``) the compressed mode
     could not win by more than the noise and is not tried: no step pays its error to learn that.
 
-    A trial of the compressed mode that fails the rule from its second clean sample on stops
-    there (16 bits from the next step); a compressed win waits for ``samples`` samples. A step
-    that is no sample (untimed, or one in which a bucket ran a plan the planner tries once:
+    A step that is no sample (untimed, or one in which a bucket ran a plan the planner tries once:
     :meth:`exclude`) makes the sampled mode run one step more, up to ``samples`` more, so that
     the choice rests on ``samples`` steps of the plans the job settles on (which steps are left
     out, and so the decision's iteration, is the same on every rank: the plans are agreed).
@@ -108,8 +106,6 @@ class StepChoice:
             self.mode = SIXTEEN_BIT if iteration < self.warmup_steps else COMPRESSED
         elif iteration == self._probe_at and self.mode == SIXTEEN_BIT and self._hidden(iteration):
             pass  # still nothing to gain: no trial either
-        elif self._trying(iteration) and self._losing(iteration):
-            pass  # the trial already shows no gain beyond the noise: 16 bits from now on
         elif iteration == self._decide_at and iteration < self._decide_by and sum(
                 ok for _, ok in self._periods[self.mode]) < self.samples:
             self._decide_at += 1  # a step was left out: one more of this mode
@@ -148,34 +144,12 @@ class StepChoice:
         self._decide_at = self._decide_by = -1
         return True
 
-    def _trying(self, iteration: int) -> bool:
-        """Whether the compressed mode is being tried and has fewer than ``samples`` clean
-        samples."""
-        return (self.mode == COMPRESSED and iteration <= self._decide_at
-                and sum(ok for _, ok in self._periods[COMPRESSED]) < self.samples)
-
-    def _losing(self, iteration: int) -> bool:
-        """During a trial of the compressed mode, from its second clean sample on: whether the
-        samples so far already fail the rule (the same answer on every rank); if so, the
-        choice of 16 bits is recorded. Each further compressed step would add its error for a
-        gain the samples do not show; a compressed win still waits for all ``samples``."""
-        if sum(ok for _, ok in self._periods[COMPRESSED]) < 2:
-            return False
-        agreed = self._agreed()
-        sixteen_s, compressed_s, spread_s = agreed
-        if compressed_s + spread_s < sixteen_s:
-            return False
-        self._choose(iteration, SIXTEEN_BIT, agreed)
-        self._decide_at = self._decide_by = -1
-        return True
-
     def exclude(self, iteration: int) -> None:
         """``iteration`` is no sample: one of its buckets ran a plan the planner tried once (called
         before the next iteration begins; the decision's iteration does not depend on it)."""
         self._excluded.add(iteration)
 
-    def _agreed(self) -> tuple[float, float, float]:
-        """The slowest rank's median step of each mode and the largest spread, in seconds."""
+    def _decide(self, iteration: int) -> None:
         def samples(mode: str) -> list[float]:
             clean = [s for s, ok in self._periods[mode] if ok]
             return clean if len(clean) >= 2 else [s for s, _ in self._periods[mode]]
@@ -189,22 +163,11 @@ class StepChoice:
         sixteen, compressed = samples(SIXTEEN_BIT), samples(COMPRESSED)
         sixteen_s, compressed_s, spread_s = (float(v) for v in self.agree(
             [median(sixteen), median(compressed), max(spread(sixteen), spread(compressed))]))
-        return sixteen_s, compressed_s, spread_s
-
-    def _choose(self, iteration: int, mode: str, agreed: tuple[float, float, float]) -> None:
-        sixteen_s, compressed_s, spread_s = agreed
-        self.mode = mode
-        self.choices.append(Choice(iteration, mode, sixteen_s * 1e3, compressed_s * 1e3,
+        if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
+            self.mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
+        self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
                                    self._trials, spread_s * 1e3, self._exposed_ms))
         self._probe_at = iteration + self.recheck_every
-
-    def _decide(self, iteration: int) -> None:
-        agreed = self._agreed()
-        sixteen_s, compressed_s, spread_s = agreed
-        mode = self.mode
-        if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
-            mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
-        self._choose(iteration, mode, agreed)
 
     def compressing(self) -> bool:
         """Whether the iteration begun last runs the compressed mode."""
