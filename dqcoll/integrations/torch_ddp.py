@@ -647,7 +647,9 @@ def dynamiq_hook(state: DynamiqState,
     if buf.dtype == torch.float32 and state.sixteen_bit.measuring(iteration):
         state.sixteen_bit.observe(iteration, buf, state.group_size())
     compress = state.should_compress(iteration)
-    if last and not compress:  # backward's end: what the 16-bit averaging takes after it is exposed
+    if last and not compress and not buf.is_cuda:
+        # backward's end: what the 16-bit averaging takes after it is exposed. Not on CUDA: there
+        # a collective's future completes when it is enqueued, so its callback times nothing.
         state._handed_over = state.step_choice.clock()
     try:  # the compressed path ends its iteration itself, once the last bucket is averaged
         if compress:
