@@ -36,6 +36,15 @@ class Choice:
     exposed_ms: float = math.nan  # the slowest rank's median exposed 16-bit communication
 
 
+def _median(periods: list[float]) -> float:
+    return statistics.median(periods) if periods else math.inf
+
+
+def _spread(periods: list[float]) -> float:
+    """The median absolute deviation (0 without samples)."""
+    return _median([abs(s - _median(periods)) for s in periods]) if periods else 0.0
+
+
 class StepChoice:
     """Which mode each iteration of a DDP hook with ``scheme="auto"`` runs (docs/ddp.md).
 
@@ -129,12 +138,11 @@ class StepChoice:
         win by more than their spread (the same answer on every rank); if so, the choice is
         recorded and the next recheck set."""
         sixteen = [s for s, ok in self._periods[SIXTEEN_BIT] if ok]
+        # measured or not (then [inf, inf, 0]), every rank agrees here: no rank waits
         measured = len(sixteen) >= 2 and len(self._exposed) >= 2  # the same on every rank
-        median = statistics.median(sixteen) if measured else math.inf
-        spread = statistics.median([abs(s - median) for s in sixteen]) if measured else 0.0
-        exposed = statistics.median(self._exposed) if measured else math.inf
+        sixteen, exposed = (sixteen, list(self._exposed)) if measured else ([], [])
         sixteen_s, exposed_s, spread_s = (float(v) for v in self.agree(
-            [median, exposed, spread]))  # every rank agrees, measured or not: no rank waits
+            [_median(sixteen), _median(exposed), _spread(sixteen)]))
         self._exposed_ms = exposed_s * 1e3 if math.isfinite(exposed_s) else math.nan
         if not exposed_s <= spread_s:
             return False  # the trial's choice records the exposure too
@@ -154,15 +162,9 @@ class StepChoice:
             clean = [s for s, ok in self._periods[mode] if ok]
             return clean if len(clean) >= 2 else [s for s, _ in self._periods[mode]]
 
-        def median(periods: list[float]) -> float:
-            return statistics.median(periods) if periods else math.inf
-
-        def spread(periods: list[float]) -> float:  # the median absolute deviation
-            return median([abs(s - median(periods)) for s in periods]) if periods else 0.0
-
         sixteen, compressed = samples(SIXTEEN_BIT), samples(COMPRESSED)
         sixteen_s, compressed_s, spread_s = (float(v) for v in self.agree(
-            [median(sixteen), median(compressed), max(spread(sixteen), spread(compressed))]))
+            [_median(sixteen), _median(compressed), max(_spread(sixteen), _spread(compressed))]))
         if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
             self.mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
         self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
