@@ -434,6 +434,13 @@ class Planner:
                                     dtype=dtype, tiles=tiles, params=params).total_us
         return total if collective == "allreduce" else total / 2
 
+    def least_us(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
+                 bits: float | None = None, force: str | None = None) -> float:
+        """The least calibrated prediction among the plans :meth:`plan` weighs for a call of
+        ``nbytes``, without choosing one (nothing explored, cached or held)."""
+        return min(self.predict_us(collective, *cand, nbytes, dtype) * self.factor(_label(*cand))
+                   for cand in self.candidates(collective, scheme, bits, force=force))
+
     def plan(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
              bits: float | None = None, algorithm: str = "auto", native: bool = False,
              force: str | None = None) -> Plan:

@@ -34,6 +34,7 @@ class Choice:
     trial_steps: int = 0  # steps of the sampled mode left out: a bucket ran a plan tried once
     spread_ms: float = 0.0
     exposed_ms: float = math.nan  # the slowest rank's median exposed 16-bit communication
+    gain_ms: float = math.nan  # the most compressing could save: exposure less the compressed tail
 
 
 def _median(periods: list[float]) -> float:
@@ -55,12 +56,16 @@ class StepChoice:
     samples' own noise keeps the 16-bit mode (torch's hook, exact to 16 bits).
 
     Before the compressed mode is tried (after the warm-up, and at a recheck from 16 bits), the
-    16-bit steps' *exposed* communication bounds what it could gain: ``begin(..., exposed=s)``
-    reports, for the 16-bit step just ended, how long its averaging ran on after backward
-    produced the last bucket. Compressing shortens at most that wait (the codec's CPU comes on
-    top), so where the slowest rank's median of it is within the 16-bit samples' spread
-    (``agree`` then gets ``[16-bit median s, exposed median s, spread s]``) the compressed mode
-    could not win by more than the noise and is not tried: no step pays its error to learn that.
+    16-bit steps' *exposed* communication bounds what it could gain: ``begin(..., exposed=s,
+    tail=s)`` reports, for the 16-bit step just ended, how long its averaging ran on after
+    backward produced the last bucket, and how long the compressed mode would at least take
+    for that bucket after backward (its compressed all-reduce as the planner prices it from the
+    job's measured rates; 0 if unknown). Compressing shortens at most the wait, and its own
+    last bucket still has to be coded and sent (the other buckets' codec CPU comes on top), so
+    the gain is at most exposure less tail. Where the slowest rank's median of that is within
+    the 16-bit samples' spread (``agree`` then gets ``[16-bit median s, gain median s, spread
+    s, exposed median s]``) the compressed mode could not win by more than the noise and is not
+    tried: no step pays its error to learn that.
 
     A step that is no sample (untimed, or one in which a bucket ran a plan the planner tries once:
     :meth:`exclude`) makes the sampled mode run one step more, up to ``samples`` more, so that
@@ -91,14 +96,17 @@ class StepChoice:
         self._trials = 0  # steps of the sampled mode left out since its sampling began
         self._probe_at = -1
         self._excluded: set[int] = set()  # iterations that are no sample (exclude)
-        self._exposed: collections.deque[float] = collections.deque(
-            maxlen=max(samples, warmup_steps))  # s, of the clean timed 16-bit steps
-        self._exposed_ms = math.nan  # the agreed median at the last check of it
+        # (exposed s, gain bound s) of the clean timed 16-bit steps
+        self._exposed: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=max(samples, warmup_steps))
+        self._exposed_ms = self._gain_ms = math.nan  # the agreed medians at the last check
 
-    def begin(self, iteration: int, *, timed: bool = True, exposed: float | None = None) -> str:
+    def begin(self, iteration: int, *, timed: bool = True, exposed: float | None = None,
+              tail: float = 0.0) -> str:
         """Called at the first bucket of ``iteration``: the mode it runs. ``timed=False``: the
         iteration's time is not a sample (a monitored step). ``exposed``: seconds the iteration
-        before ran on after its last bucket was handed over, if it was averaged in 16 bits."""
+        before ran on after its last bucket was handed over, if it was averaged in 16 bits;
+        ``tail``: seconds the compressed mode would at least take for that last bucket."""
         now = self.clock()
         started = self._started
         if started is not None and started[0] == iteration - 1 and started[3]:
@@ -106,7 +114,8 @@ class StepChoice:
             self._periods[started[2]].append((now - started[1], clean))
             self._trials += not clean
             if clean and started[2] == SIXTEEN_BIT and exposed is not None:
-                self._exposed.append(max(exposed, 0.0))
+                exposed = max(exposed, 0.0)
+                self._exposed.append((exposed, max(exposed - max(tail, 0.0), 0.0)))
         self._excluded.clear()
         previous = self.mode
         if self.enabled and iteration == self.warmup_steps and self._hidden(iteration):
@@ -138,16 +147,19 @@ class StepChoice:
         win by more than their spread (the same answer on every rank); if so, the choice is
         recorded and the next recheck set."""
         sixteen = [s for s, ok in self._periods[SIXTEEN_BIT] if ok]
-        # measured or not (then [inf, inf, 0]), every rank agrees here: no rank waits
+        # measured or not (then [inf, inf, 0, inf]), every rank agrees here: no rank waits
         measured = len(sixteen) >= 2 and len(self._exposed) >= 2  # the same on every rank
-        sixteen, exposed = (sixteen, list(self._exposed)) if measured else ([], [])
-        sixteen_s, exposed_s, spread_s = (float(v) for v in self.agree(
-            [_median(sixteen), _median(exposed), _spread(sixteen)]))
+        sixteen, pairs = (sixteen, list(self._exposed)) if measured else ([], [])
+        sixteen_s, gain_s, spread_s, exposed_s = (float(v) for v in self.agree(
+            [_median(sixteen), _median([g for _, g in pairs]), _spread(sixteen),
+             _median([e for e, _ in pairs])]))
         self._exposed_ms = exposed_s * 1e3 if math.isfinite(exposed_s) else math.nan
-        if not exposed_s <= spread_s:
+        self._gain_ms = gain_s * 1e3 if math.isfinite(gain_s) else math.nan
+        if not gain_s <= spread_s:
             return False  # the trial's choice records the exposure too
         self.choices.append(Choice(iteration, SIXTEEN_BIT, sixteen_s * 1e3, math.nan,
-                                   spread_ms=spread_s * 1e3, exposed_ms=self._exposed_ms))
+                                   spread_ms=spread_s * 1e3, exposed_ms=self._exposed_ms,
+                                   gain_ms=self._gain_ms))
         self._probe_at = iteration + self.recheck_every
         self._decide_at = self._decide_by = -1
         return True
@@ -168,7 +180,8 @@ class StepChoice:
         if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
             self.mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
         self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
-                                   self._trials, spread_s * 1e3, self._exposed_ms))
+                                   self._trials, spread_s * 1e3, self._exposed_ms,
+                                   self._gain_ms))
         self._probe_at = iteration + self.recheck_every
 
     def compressing(self) -> bool:

@@ -167,6 +167,7 @@ class DynamiqState:
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
         self._handed_over: float | None = None  # clock at the 16-bit step's last bucket
         self._averaged = -math.inf  # clock when that step's last 16-bit average completed
+        self._tail = 0.0  # s the compressed mode would at least take for that last bucket
         self.last_info: dict[str, Any] = {}  # the last bucket's comm.last_info (or 16-bit call's)
 
         if dist.is_available() and dist.is_initialized() and self.scheme != "none":
@@ -201,18 +202,35 @@ class DynamiqState:
         decided = len(choice.choices)
         handed_over, self._handed_over = self._handed_over, None
         exposed = None if handed_over is None else self._averaged - handed_over
-        choice.begin(iteration, timed=not self._monitor_due(iteration), exposed=exposed)
+        choice.begin(iteration, timed=not self._monitor_due(iteration), exposed=exposed,
+                     tail=self._tail)
         if len(choice.choices) > decided and self.group_rank() == 0:
             made = choice.choices[-1]
             if math.isnan(made.compressed_ms):
                 log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms of it "
-                         "exposed communication, within the spread %.0f ms (slowest rank's "
-                         "medians): 16 bits from now on, compressing not tried", iteration,
-                         made.sixteen_bit_ms, made.exposed_ms, made.spread_ms)
+                         "exposed communication, of which compressing could save %.0f ms, "
+                         "within the spread %.0f ms (slowest rank's medians): 16 bits from now "
+                         "on, compressing not tried", iteration, made.sixteen_bit_ms,
+                         made.exposed_ms, made.gain_ms, made.spread_ms)
             else:
                 log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
                          "(slowest rank's medians; spread %.0f ms): %s from now on", iteration,
                          made.sixteen_bit_ms, made.compressed_ms, made.spread_ms, made.mode)
+
+    def compressed_tail_s(self, index: int, buf: torch.Tensor) -> float:
+        """What the compressed mode would at least take for bucket ``index`` once backward has
+        handed it over: its compressed all-reduce as its lane's planner prices it from the
+        job's measured rates (0 where no planner prices it)."""
+        if not self.lane_list:
+            return 0.0
+        lane = self.lane(index)
+        planner = lane.comm.planner
+        if planner is None:
+            return 0.0
+        dtype = str(buf.dtype).removeprefix("torch.")
+        us = planner.least_us("allreduce", buf.numel() * buf.element_size(), dtype,
+                              scheme=self.scheme, bits=self.bits, force=lane.comm.auto_force)
+        return us / 1e6
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
         """The algorithm of a bucket's all-reduce (``"auto"``: the planner's)."""
@@ -650,6 +668,7 @@ def dynamiq_hook(state: DynamiqState,
     if last and not compress and not buf.is_cuda:
         # backward's end: what the 16-bit averaging takes after it is exposed. Not on CUDA: there
         # a collective's future completes when it is enqueued, so its callback times nothing.
+        state._tail = state.compressed_tail_s(index, buf) if state.step_choice.enabled else 0.0
         state._handed_over = state.step_choice.clock()
     try:  # the compressed path ends its iteration itself, once the last bucket is averaged
         if compress:
