@@ -15,6 +15,9 @@ hook                what averages the gradients
 ``auto``            ``DynamiqState(scheme="auto")``
 ``mxfp8``           ``DynamiqState(scheme="mxfp8")``: a baseline format through dqcoll
 ``int4_block``      ``DynamiqState(scheme="int4_block")``: ZeRO++-style 4-bit blocks through dqcoll
+``dqcoll:<policy>`` ``DynamiqState(policy=<policy>)``: a ``DQCOLL_POLICY`` text read over the
+                    defaults, ``;`` between its keys (``dqcoll:warmup_steps=5;seed=1``): a variant
+                    of the defaults beside them in the same run
 ==================  ===============================================================================
 
 The job: :class:`dqcoll_lab.eval.tinylm.TinyLM`, a GPT-style decoder (learned positions,
@@ -126,11 +129,28 @@ HOOKS: dict[str, str] = {
     "int4_block": "dqcoll DynamiqState(scheme=\"int4_block\")",
 }
 DQCOLL_SCHEMES = {"dqcoll": None, "auto": "auto", "mxfp8": "mxfp8", "int4_block": "int4_block"}
+# "dqcoll:<policy>": DynamiqState(policy=<policy>), a DQCOLL_POLICY text read over the defaults,
+# with ";" between its keys (e.g. "dqcoll:warmup_steps=5;seed=1"): a variant of the defaults
+VARIANT = "dqcoll:"
 REFERENCE = "ddp"
 TARGET_TOLERANCE = 0.01  # the target: within 1 % of the reference's final held-out loss
 HELDOUT_EVERY = 20  # a file is held out when its path hash is divisible by this
 WIRE_BYTES = {"ddp": 4, "fp16_hook": 2}  # torch hooks: bytes per coordinate on the wire
 BUCKET_CAP_MB = 25  # DDP's default
+
+
+def variant_policy(hook: str) -> str | None:
+    """The policy text of a ``dqcoll:<policy>`` hook (keys separated by commas), else None."""
+    return hook[len(VARIANT):].replace(";", ",") if hook.startswith(VARIANT) else None
+
+
+def hook_label(hook: str) -> str:
+    policy = variant_policy(hook)
+    return HOOKS[hook] if policy is None else f'dqcoll DynamiqState(policy="{policy}")'
+
+
+def known_hook(hook: str) -> bool:
+    return hook in HOOKS or (variant_policy(hook) or "") != ""
 
 
 # -- corpus ----------------------------------------------------------------------------------
@@ -248,7 +268,8 @@ def warm_up_schemes(hooks: Sequence[str], world_size: int) -> None:
     from dqcoll.comm import Communicator
     from dqcoll.transports.torch_dist import TorchTransport
 
-    wanted = {DQCOLL_SCHEMES[h] or "dynamiq" for h in hooks if h in DQCOLL_SCHEMES}
+    wanted = {DQCOLL_SCHEMES.get(h) or "dynamiq" for h in hooks
+              if h in DQCOLL_SCHEMES or variant_policy(h)}
     wanted = {"dynamiq" if s == "auto" else s for s in wanted}
     if not wanted:
         return
@@ -273,12 +294,12 @@ def register_hook(hook: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
         return None
     from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
 
-    scheme = DQCOLL_SCHEMES[hook]
+    scheme, policy = DQCOLL_SCHEMES.get(hook), variant_policy(hook)
     try:
-        state = DynamiqState() if scheme is None else DynamiqState(scheme=scheme)
+        state = (DynamiqState(policy=policy) if policy is not None
+                 else DynamiqState() if scheme is None else DynamiqState(scheme=scheme))
     except Exception as exc:  # the same on every rank: the argument check
-        raise HookUnavailable(f"DynamiqState(scheme={scheme!r}) rejected: "
-                              f"{_first_line(exc)}") from None
+        raise HookUnavailable(f"{hook_label(hook)} rejected: {_first_line(exc)}") from None
     ddp.register_comm_hook(state, dynamiq_hook)
     state.prepare()  # communicator, kernels, auto's link probe: before the clock starts
     return state
@@ -347,7 +368,7 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
     for comm in _comms(state):  # from here on: training's bytes only (not auto's link probe)
         comm.counters.reset()
-    out: dict[str, Any] = {"hook": hook, "label": HOOKS[hook], "seed": seed}
+    out: dict[str, Any] = {"hook": hook, "label": hook_label(hook), "seed": seed}
     curve = [{"step": 0, "wall_s": 0.0,
               "loss": heldout_loss(ddp.module, windows, args, rank, world_size)}]
     step_ms: list[float] = []
@@ -463,7 +484,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for hook in dict.fromkeys(r["hook"] for r in runs):
         mine = [r for r in ok if r["hook"] == hook]
         failed = [r for r in runs if r["hook"] == hook and r.get("status") != "ok"]
-        entry: dict[str, Any] = {"label": HOOKS[hook], "seeds": [r["seed"] for r in mine],
+        entry: dict[str, Any] = {"label": hook_label(hook), "seeds": [r["seed"] for r in mine],
                                  "failed": [f"seed {r['seed']}: {r['status']}" for r in failed]}
         if mine:
             keys = ("median_ms", "final_loss", "initial_loss", "wall_s", "bytes_per_step",
@@ -530,7 +551,8 @@ def plot(result: dict[str, Any], path: str | Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     present = {r["hook"] for r in ok}
-    for i, hook in enumerate(HOOKS):  # a colour per hook, the same in every plot
+    # a colour per hook, the same in every plot; variants after the named hooks
+    for i, hook in enumerate([*HOOKS, *sorted(present - set(HOOKS))]):
         if hook not in present:
             continue
         for j, run in enumerate(r for r in ok if r["hook"] == hook):
@@ -538,7 +560,7 @@ def plot(result: dict[str, Any], path: str | Path) -> bool:
             ys = [p["loss"] for p in run["curve"]]
             for ax in axes:
                 ax.plot(xs, ys, color=colours[i % len(colours)], marker=".", linewidth=1,
-                        alpha=0.85, label=HOOKS[hook] if j == 0 else None)
+                        alpha=0.85, label=hook_label(hook) if j == 0 else None)
     targets = sorted({r["target"] for r in ok if r.get("target")})
     finals = [r["final_loss"] for r in ok]
     for target in targets:
@@ -658,7 +680,7 @@ def run_rank(args: argparse.Namespace) -> int:
     for k, seed in enumerate(args.seeds):
         shift = k % len(args.hooks)
         for hook in args.hooks[shift:] + args.hooks[:shift]:
-            entry: dict[str, Any] = {"hook": hook, "label": HOOKS[hook], "seed": seed}
+            entry: dict[str, Any] = {"hook": hook, "label": hook_label(hook), "seed": seed}
             if broken:
                 entry["status"] = "not run: the process group failed in an earlier run"
             else:
@@ -673,11 +695,11 @@ def run_rank(args: argparse.Namespace) -> int:
                 try:
                     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                     if not flag.item() and not entry["status"].startswith("crashed"):
-                        entry = {"hook": hook, "label": HOOKS[hook], "seed": seed,
+                        entry = {"hook": hook, "label": hook_label(hook), "seed": seed,
                                  "status": "crashed on another rank"}
                 except Exception as exc:
                     broken = True
-                    entry = {"hook": hook, "label": HOOKS[hook], "seed": seed,
+                    entry = {"hook": hook, "label": hook_label(hook), "seed": seed,
                              "status": f"crashed: {_first_line(exc)}"}
             runs.append(entry)
             if rank == 0:
@@ -715,7 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--world-size", type=int, default=4,
                    help="ranks to spawn here (ignored under --launcher env)")
     p.add_argument("--hooks", type=_names, default=list(HOOKS),
-                   help=f"comma-separated from {list(HOOKS)}")
+                   help=f"comma-separated from {list(HOOKS)}, or {VARIANT}<policy> (a "
+                        f"DQCOLL_POLICY text over the defaults, ';' between its keys)")
     p.add_argument("--seeds", type=lambda t: [int(s) for s in _names(t)], default=[0, 1, 2],
                    help="comma-separated; each seed: every hook from the same init and data")
     p.add_argument("--steps", type=int, default=300)
@@ -755,9 +778,10 @@ def main(argv: list[str] | None = None) -> int:
         if plot(result, png):
             print(f"# wrote {png}")
         return 0
-    unknown = [h for h in args.hooks if h not in HOOKS]
+    unknown = [h for h in args.hooks if not known_hook(h)]
     if unknown or not args.hooks:
-        parser.error(f"unknown hooks {unknown}; choose from {list(HOOKS)}")
+        parser.error(f"unknown hooks {unknown}; choose from {list(HOOKS)} or "
+                     f"{VARIANT}<policy>")
     if not args.seeds or args.steps < 1 or args.eval_every < 1 or args.eval_windows < 1:
         parser.error("--seeds needs one seed or more; --steps, --eval-every and --eval-windows "
                      "must be >= 1")

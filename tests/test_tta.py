@@ -114,6 +114,22 @@ def test_summary_targets_each_seed_by_its_own_fp32_run_and_pairs_the_speedup():
     assert summary["dqcoll"]["speedup_vs_fp16_s"] == pytest.approx((2.0 + 3.0) / 2)
 
 
+def test_a_variant_hook_is_the_defaults_under_a_policy():
+    """``dqcoll:<policy>`` names DynamiqState(policy=...) with ';' between the policy's keys, read
+    over the defaults; anything else outside the named hooks is refused."""
+    from dqcoll.integrations.torch_ddp import ddp_policy
+
+    hook = "dqcoll:warmup_steps=5;seed=3"
+    assert tta.variant_policy(hook) == "warmup_steps=5,seed=3"
+    assert tta.hook_label(hook) == 'dqcoll DynamiqState(policy="warmup_steps=5,seed=3")'
+    policy = ddp_policy(tta.variant_policy(hook))
+    assert (policy.warmup_steps, policy.seed) == (5, 3)
+    assert policy.allreduce == ddp_policy().allreduce  # the rest: the defaults
+    assert tta.known_hook(hook) and tta.known_hook("fp16_hook")
+    assert not tta.known_hook("dqcoll:") and not tta.known_hook("fp8_hook")
+    assert tta.variant_policy("dqcoll") is None and tta.hook_label("dqcoll") == tta.HOOKS["dqcoll"]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tta") / "tiny.json"
