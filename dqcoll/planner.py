@@ -436,9 +436,11 @@ class Planner:
 
     def least_us(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
                  bits: float | None = None, force: str | None = None) -> float:
-        """The least calibrated prediction among the plans :meth:`plan` weighs for a call of
-        ``nbytes``, without choosing one (nothing explored, cached or held)."""
-        return min(self.predict_us(collective, *cand, nbytes, dtype) * self.factor(_label(*cand))
+        """The cost model's least time among the plans :meth:`plan` weighs for a call of
+        ``nbytes``, uncalibrated (the call alone, not beside other work: measured calls that
+        shared the cores with a backward pass would price it above that), without choosing one
+        (nothing explored, cached or held)."""
+        return min(self.predict_us(collective, *cand, nbytes, dtype)
                    for cand in self.candidates(collective, scheme, bits, force=force))
 
     def plan(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",

@@ -101,6 +101,22 @@ def test_measured_calls_recalibrate_and_close_candidates_are_explored_once():
     assert third.label == second.label and "least predicted" in third.reason
 
 
+def test_least_us_prices_the_call_alone_and_chooses_nothing():
+    """least_us: the cost model's least time among plan()'s candidates at the exact size,
+    uncalibrated by measured calls, and it leaves no trace (the next plan() is what it would
+    have been)."""
+    p = planner.Planner(_job(((0, 1, 2, 3),)), _rates(inter=None))
+    size = (16 << 20) + 4096
+    least = p.least_us("allreduce", size, "float32", scheme="auto", force="dynamiq")
+    candidates = p.candidates("allreduce", "auto", None, force="dynamiq")
+    assert {c[0] for c in candidates} == {"dynamiq"}
+    assert least == min(p.predict_us("allreduce", *c, size, "float32") for c in candidates)
+    assert not p._cache and not p._incumbent
+    first = p.plan("allreduce", size, "float32", scheme="dynamiq")
+    p.observe(first, first.predicted_us * 10)  # measured beside other work: 10x its price
+    assert p.least_us("allreduce", size, "float32", scheme="auto", force="dynamiq") == least
+
+
 def test_size_classes_share_plans():
     """Sizes in one power-of-two class get the same (cached) plan object."""
     p = planner.Planner(_job(((0, 1), (2, 3))), _rates())

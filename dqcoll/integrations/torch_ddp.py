@@ -219,8 +219,8 @@ class DynamiqState:
 
     def compressed_tail_s(self, index: int, buf: torch.Tensor) -> float:
         """What the compressed mode would at least take for bucket ``index`` once backward has
-        handed it over: its compressed all-reduce as its lane's planner prices it from the
-        job's measured rates (0 where no planner prices it)."""
+        handed it over: its compressed all-reduce alone, as its lane's planner's cost model
+        prices it from the job's measured link and codec rates (0 where no planner prices it)."""
         if not self.lane_list:
             return 0.0
         lane = self.lane(index)
