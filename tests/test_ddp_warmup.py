@@ -191,7 +191,7 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 
 def test_warmup_buckets_travel_in_16_bits(three_ranks: list[dict[str, Any]]) -> None:
     """In each warm-up iteration every bucket is all-reduced once by the process group as a
-    16-bit tensor of the step's format (every coordinate once: half of fp32's bytes): bf16 in
+    16-bit tensor of the step's format (every coordinate once: half of fp32's bytes): fp16 in
     iteration 0, then the format the ranks agreed at iteration 1 (one all-reduce of two float64
     sums, the same format on every rank);
     dqcoll's lanes carry nothing, the averaged gradients are values of that format, the same on
@@ -203,7 +203,7 @@ def test_warmup_buckets_travel_in_16_bits(three_ranks: list[dict[str, Any]]) -> 
     for rank, result in enumerate(r["training"] for r in three_ranks):
         for step, it in enumerate(result["steps"][:WARMUP]):
             where = (rank, step, it)
-            name = "bf16" if step == 0 else history[0][1]
+            name = "fp16" if step == 0 else history[0][1]
             torch_dtype = str(DTYPES[name]).replace("torch.", "")
             sixteen = [(d, n) for d, n in it["torch_calls"] if d != "float64"]
             agreements = [(d, n) for d, n in it["torch_calls"] if d == "float64"]
@@ -242,7 +242,7 @@ def test_the_scheme_takes_over_at_warmup_steps(three_ranks: list[dict[str, Any]]
 def test_warmup_is_torchs_hook_of_the_closer_format(three_ranks: list[dict[str, Any]],
                                                     scale: float) -> None:
     """DynamiqState()'s warm-up iterations give the gradients of torch's fp16_compress_hook or
-    bf16_compress_hook bit for bit, on every rank: bf16 in iteration 0, from iteration 1 the
+    bf16_compress_hook bit for bit, on every rank: fp16 in iteration 0, from iteration 1 the
     format whose rounding of iteration 0's gradients has the smaller error summed over the
     ranks (computed in the test from torch's casts). Gradients of ordinary size take fp16;
     gradients 1e5 times smaller, in fp16's subnormal range, take bf16."""
@@ -251,7 +251,7 @@ def test_warmup_is_torchs_hook_of_the_closer_format(three_ranks: list[dict[str, 
     (name,) = expected
     for rank, result in enumerate(r["torch_hooks"][scale] for r in three_ranks):
         assert result["same"] == [True] * WARMUP, (rank, result)
-        assert result["used"] == ["bf16"] + [name] * (WARMUP - 1), (rank, result)
+        assert result["used"] == ["fp16"] + [name] * (WARMUP - 1), (rank, result)
         assert [(i, n) for i, n, *_ in result["history"]] == [(1, name)], result
 
 

@@ -215,12 +215,14 @@ OBSERVE_PIECE = 1 << 18  # coordinates of a bucket SixteenBitFormat.observe take
 
 
 class SixteenBitFormat:
-    """The 16-bit mode's format, fp16 or bf16, whichever rounds the job's gradients closer (bf16
-    until measured): fp32 buckets of iteration 0 and every ``every``-th are :meth:`observe`-d."""
+    """The 16-bit mode's format, fp16 or bf16, whichever rounds the job's gradients closer: fp32
+    buckets of iteration 0 and every ``every``-th are :meth:`observe`-d. Until measured, fp16:
+    torch's default hook's format, so that where the job keeps it the 16-bit mode is that hook
+    bit for bit from the first step."""
 
     def __init__(self, active: bool, every: int | None = None) -> None:
         self.active, self.every = active, every
-        self.dtype = torch.bfloat16
+        self.dtype = torch.float16
         self.history: list[tuple[int, str, float, float]] = []  # iteration, name, fp16, bf16
         self._sums = [0.0, 0.0]
         self._measured: int | None = None
