@@ -27,6 +27,7 @@ from .errors import InvalidArgumentError
 from .executor import DEFAULT_CUDA_TILE_NBYTES, DEFAULT_TILE_NBYTES
 from .topology.cost import (
     DTYPE_NBYTES,
+    CostBreakdown,
     CostParams,
     KernelRates,
     price_allreduce,
@@ -420,6 +421,12 @@ class Planner:
 
     def _predict_us(self, collective: str, scheme: str, algorithm: str, bits: float | None,
                     levels: HierarchicalPlan | None, nbytes: int, dtype: str) -> float:
+        total = self._price(scheme, algorithm, levels, bits, nbytes, dtype).total_us
+        return total if collective == "allreduce" else total / 2
+
+    def _price(self, scheme: str, algorithm: str, levels: HierarchicalPlan | None,
+               bits: float | None, nbytes: int, dtype: str) -> CostBreakdown:
+        """The cost model's breakdown of an all-reduce candidate."""
         dtype = dtype if dtype in DTYPE_NBYTES else "float32"
         tiles = max(1, -(-nbytes // self.tile_nbytes))
         params = self.params
@@ -427,12 +434,10 @@ class Planner:
             algorithm, tiles = "ring" if self.job.world_size > 2 else "direct", 1
             params = self.native_params
         if levels is not None:
-            total = price_hierarchical(levels, self.graph, nbytes, dtype=dtype, tiles=tiles,
-                                       params=params).total_us
-        else:
-            total = price_allreduce(algorithm, self.graph, nbytes, scheme=scheme, bits=bits,
-                                    dtype=dtype, tiles=tiles, params=params).total_us
-        return total if collective == "allreduce" else total / 2
+            return price_hierarchical(levels, self.graph, nbytes, dtype=dtype, tiles=tiles,
+                                      params=params)
+        return price_allreduce(algorithm, self.graph, nbytes, scheme=scheme, bits=bits,
+                               dtype=dtype, tiles=tiles, params=params)
 
     def least_us(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
                  bits: float | None = None, force: str | None = None) -> float:
@@ -442,6 +447,20 @@ class Planner:
         (nothing explored, cached or held)."""
         return min(self.predict_us(collective, *cand, nbytes, dtype)
                    for cand in self.candidates(collective, scheme, bits, force=force))
+
+    def least_codec_us(self, nbytes: int, dtype: str, *, scheme: str = "auto",
+                       bits: float | None = None, force: str | None = None) -> float:
+        """The codec part (the steps' kernel time, on the machine's cores as its ranks share
+        them) of the all-reduce plan :meth:`least_us` prices least."""
+        key = ("codec", scheme, bits, force, nbytes, dtype)
+        known = self._predicted.get(key)
+        if known is None:
+            priced = [(self.predict_us("allreduce", *cand, nbytes, dtype), cand)
+                      for cand in self.candidates("allreduce", scheme, bits, force=force)]
+            name, algorithm, b, levels = min(priced, key=lambda p: p[0])[1]
+            breakdown = self._price(name, algorithm, levels, b, nbytes, dtype)
+            known = self._predicted[key] = sum(step.kernel_us for step in breakdown.steps)
+        return known
 
     def plan(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
              bits: float | None = None, algorithm: str = "auto", native: bool = False,

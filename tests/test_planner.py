@@ -115,6 +115,11 @@ def test_least_us_prices_the_call_alone_and_chooses_nothing():
     first = p.plan("allreduce", size, "float32", scheme="dynamiq")
     p.observe(first, first.predicted_us * 10)  # measured beside other work: 10x its price
     assert p.least_us("allreduce", size, "float32", scheme="auto", force="dynamiq") == least
+    # its codec part: the kernel time of the least-priced plan's steps, a part of its total
+    codec = p.least_codec_us(size, "float32", scheme="auto", force="dynamiq")
+    best = min(candidates, key=lambda c: p.predict_us("allreduce", *c, size, "float32"))
+    steps = p._price(best[0], best[1], best[3], best[2], size, "float32").steps
+    assert codec == sum(step.kernel_us for step in steps) and 0 < codec < least
 
 
 def test_size_classes_share_plans():

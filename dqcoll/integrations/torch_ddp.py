@@ -167,7 +167,7 @@ class DynamiqState:
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
         self._handed_over: float | None = None  # clock at the 16-bit step's last bucket
         self._averaged = -math.inf  # clock when that step's last 16-bit average completed
-        self._tail = 0.0  # s the compressed mode would at least take for that last bucket
+        self._tail = 0.0  # s compressing would at least add to the 16-bit step begun last
         self.last_info: dict[str, Any] = {}  # the last bucket's comm.last_info (or 16-bit call's)
 
         if dist.is_available() and dist.is_initialized() and self.scheme != "none":
@@ -204,6 +204,7 @@ class DynamiqState:
         exposed = None if handed_over is None else self._averaged - handed_over
         choice.begin(iteration, timed=not self._monitor_due(iteration), exposed=exposed,
                      tail=self._tail)
+        self._tail = 0.0  # this iteration's buckets add theirs
         if len(choice.choices) > decided and self.group_rank() == 0:
             made = choice.choices[-1]
             if math.isnan(made.compressed_ms):
@@ -217,19 +218,28 @@ class DynamiqState:
                          "(slowest rank's medians; spread %.0f ms): %s from now on", iteration,
                          made.sixteen_bit_ms, made.compressed_ms, made.spread_ms, made.mode)
 
-    def compressed_tail_s(self, index: int, buf: torch.Tensor) -> float:
-        """What the compressed mode would at least take for bucket ``index`` once backward has
-        handed it over: its compressed all-reduce alone, as its lane's planner's cost model
-        prices it from the job's measured link and codec rates (0 where no planner prices it)."""
+    def compressed_cost_s(self, index: int, buf: torch.Tensor, *, last: bool) -> float:
+        """What compressing bucket ``index`` would at least add to the step beyond its 16-bit
+        average, as its lane's planner's cost model prices it from the job's measured link and
+        codec rates (0 where no planner prices it). The last bucket (handed over when backward
+        ends): its whole compressed all-reduce, which runs after backward. Another bucket: its
+        codec's CPU, where the ranks' compute already keeps this host's cores busy (it then
+        takes cores from backward); else nothing (it runs beside backward on free cores)."""
         if not self.lane_list:
             return 0.0
         lane = self.lane(index)
         planner = lane.comm.planner
-        if planner is None:
+        if planner is None or (not last and not _cores_busy(planner)):
             return 0.0
         dtype = str(buf.dtype).removeprefix("torch.")
-        us = planner.least_us("allreduce", buf.numel() * buf.element_size(), dtype,
-                              scheme=self.scheme, bits=self.bits, force=lane.comm.auto_force)
+        nbytes = buf.numel() * buf.element_size()
+        force = lane.comm.auto_force
+        if last:
+            us = planner.least_us("allreduce", nbytes, dtype, scheme=self.scheme,
+                                  bits=self.bits, force=force)
+        else:
+            us = planner.least_codec_us(nbytes, dtype, scheme=self.scheme, bits=self.bits,
+                                        force=force)
         return us / 1e6
 
     def bucket_algorithm(self, buf: torch.Tensor) -> str:
@@ -410,6 +420,14 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     future = _future_for(tensor)
     future.set_result(tensor)
     return future
+
+
+def _cores_busy(planner: Any) -> bool:
+    """Whether the compute threads (torch's, per rank) of the ranks on this machine fill its
+    cores (the planner's job: which ranks share a machine; its rates: the cores)."""
+    machines = planner.job.machines
+    ranks = max(machines.count(m) for m in set(machines))  # the most on one machine
+    return ranks * torch.get_num_threads() >= max(1, planner.rates.cores_per_machine)
 
 
 def _group_average(state: DynamiqState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -665,11 +683,13 @@ def dynamiq_hook(state: DynamiqState,
     if buf.dtype == torch.float32 and state.sixteen_bit.measuring(iteration):
         state.sixteen_bit.observe(iteration, buf, state.group_size())
     compress = state.should_compress(iteration)
-    if last and not compress and not buf.is_cuda:
-        # backward's end: what the 16-bit averaging takes after it is exposed. Not on CUDA: there
-        # a collective's future completes when it is enqueued, so its callback times nothing.
-        state._tail = state.compressed_tail_s(index, buf) if state.step_choice.enabled else 0.0
-        state._handed_over = state.step_choice.clock()
+    if not compress and not buf.is_cuda and state.step_choice.enabled:
+        # what compressing would add: summed over the step's buckets, the last one's at the
+        # end of backward, whose 16-bit average's wait after it is exposed. Not on CUDA: there a
+        # collective's future completes when it is enqueued, so its callback times nothing.
+        state._tail += state.compressed_cost_s(index, buf, last=last)
+        if last:
+            state._handed_over = state.step_choice.clock()
     try:  # the compressed path ends its iteration itself, once the last bucket is averaged
         if compress:
             return _compressed_average(state, buf, index, iteration, last)
