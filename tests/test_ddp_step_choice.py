@@ -340,3 +340,23 @@ def test_steps_with_a_trial_plan_are_no_samples() -> None:
         assert modes[WARMUP:at] == [COMPRESSED] * (at - WARMUP)
         assert choice.choices[0].mode == expected, (trials, choice.choices)
         assert choice.choices[0].trial_steps == len(trials - {WARMUP})  # WARMUP: untimed
+
+
+def test_cores_are_busy_where_the_ranks_compute_threads_fill_them(monkeypatch: Any) -> None:
+    """The other buckets' codec counts against compressing only where the compute threads of
+    the ranks on one machine (the most on any machine) fill its cores."""
+    from types import SimpleNamespace
+
+    from dqcoll.integrations.torch_ddp import _cores_busy
+
+    def planner(machines: tuple[int, ...], cores: int) -> Any:
+        return SimpleNamespace(job=SimpleNamespace(machines=machines),
+                               rates=SimpleNamespace(cores_per_machine=cores))
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert _cores_busy(planner((0, 0, 0, 0), 2))  # this VM: 4 ranks on 2 cores
+    assert _cores_busy(planner((0, 0, 1, 1), 2))
+    assert not _cores_busy(planner((0, 0, 1, 1), 8))  # 2 single-threaded ranks on 8 cores
+    assert not _cores_busy(planner((0, 1, 2, 3), 2))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert _cores_busy(planner((0, 0, 1, 1), 8))  # 2 ranks x 4 threads

@@ -425,8 +425,7 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
 def _cores_busy(planner: Any) -> bool:
     """Whether the compute threads (torch's, per rank) of the ranks on this machine fill its
     cores (the planner's job: which ranks share a machine; its rates: the cores)."""
-    machines = planner.job.machines
-    ranks = max(machines.count(m) for m in set(machines))  # the most on one machine
+    [(_, ranks)] = collections.Counter(planner.job.machines).most_common(1)  # the most on one
     return ranks * torch.get_num_threads() >= max(1, planner.rates.cores_per_machine)
 
 
