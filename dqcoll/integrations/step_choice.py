@@ -34,7 +34,7 @@ class Choice:
     trial_steps: int = 0  # steps of the sampled mode left out: a bucket ran a plan tried once
     spread_ms: float = 0.0
     exposed_ms: float = math.nan  # the slowest rank's median exposed 16-bit communication
-    gain_ms: float = math.nan  # the most compressing could save: exposure less the compressed tail
+    gain_ms: float = math.nan  # the most compressing could save: exposure less what it adds
 
 
 def _median(periods: list[float]) -> float:
@@ -58,11 +58,11 @@ class StepChoice:
     Before the compressed mode is tried (after the warm-up, and at a recheck from 16 bits), the
     16-bit steps' *exposed* communication bounds what it could gain: ``begin(..., exposed=s,
     tail=s)`` reports, for the 16-bit step just ended, how long its averaging ran on after
-    backward produced the last bucket, and how long the compressed mode would at least take
-    for that bucket after backward (its compressed all-reduce as the planner prices it from the
-    job's measured rates; 0 if unknown). Compressing shortens at most the wait, and its own
-    last bucket still has to be coded and sent (the other buckets' codec CPU comes on top), so
-    the gain is at most exposure less tail. Where the slowest rank's median of that is within
+    backward produced the last bucket, and what compressing that step would at least have
+    added (the DDP hook: the last bucket's compressed all-reduce after backward and, where the
+    compute fills the cores, the other buckets' codec, as the planner prices them from the job's
+    measured rates; 0 if unknown). Compressing shortens at most the wait and adds its own work,
+    so the gain is at most exposure less tail. Where the slowest rank's median of that is within
     the 16-bit samples' spread (``agree`` then gets ``[16-bit median s, gain median s, spread
     s, exposed median s]``) the compressed mode could not win by more than the noise and is not
     tried: no step pays its error to learn that.
@@ -106,7 +106,7 @@ class StepChoice:
         """Called at the first bucket of ``iteration``: the mode it runs. ``timed=False``: the
         iteration's time is not a sample (a monitored step). ``exposed``: seconds the iteration
         before ran on after its last bucket was handed over, if it was averaged in 16 bits;
-        ``tail``: seconds the compressed mode would at least take for that last bucket."""
+        ``tail``: seconds compressing that iteration would at least have added."""
         now = self.clock()
         started = self._started
         if started is not None and started[0] == iteration - 1 and started[3]:
