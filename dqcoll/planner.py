@@ -439,14 +439,20 @@ class Planner:
         return price_allreduce(algorithm, self.graph, nbytes, scheme=scheme, bits=bits,
                                dtype=dtype, tiles=tiles, params=params)
 
+    def _least(self, collective: str, nbytes: int, dtype: str, scheme: str, bits: float | None,
+               force: str | None) -> tuple[float, tuple[Any, ...]]:
+        """(us, candidate) of the cost model's least time among :meth:`plan`'s candidates."""
+        return min(((self.predict_us(collective, *cand, nbytes, dtype), cand)
+                    for cand in self.candidates(collective, scheme, bits, force=force)),
+                   key=lambda priced: priced[0])
+
     def least_us(self, collective: str, nbytes: int, dtype: str, *, scheme: str = "auto",
                  bits: float | None = None, force: str | None = None) -> float:
         """The cost model's least time among the plans :meth:`plan` weighs for a call of
         ``nbytes``, uncalibrated (the call alone, not beside other work: measured calls that
         shared the cores with a backward pass would price it above that), without choosing one
         (nothing explored, cached or held)."""
-        return min(self.predict_us(collective, *cand, nbytes, dtype)
-                   for cand in self.candidates(collective, scheme, bits, force=force))
+        return self._least(collective, nbytes, dtype, scheme, bits, force)[0]
 
     def least_codec_us(self, nbytes: int, dtype: str, *, scheme: str = "auto",
                        bits: float | None = None, force: str | None = None) -> float:
@@ -455,9 +461,8 @@ class Planner:
         key = ("codec", scheme, bits, force, nbytes, dtype)
         known = self._predicted.get(key)
         if known is None:
-            priced = [(self.predict_us("allreduce", *cand, nbytes, dtype), cand)
-                      for cand in self.candidates("allreduce", scheme, bits, force=force)]
-            name, algorithm, b, levels = min(priced, key=lambda p: p[0])[1]
+            name, algorithm, b, levels = self._least("allreduce", nbytes, dtype, scheme, bits,
+                                                     force)[1]
             breakdown = self._price(name, algorithm, levels, b, nbytes, dtype)
             known = self._predicted[key] = sum(step.kernel_us for step in breakdown.steps)
         return known

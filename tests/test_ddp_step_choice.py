@@ -38,10 +38,10 @@ class _Clock:
 def _run(periods: dict[str, float], iterations: int, *, enabled: bool = True,
          warmup: int = WARMUP, slow: frozenset[int] = frozenset(),
          recheck_every: int = 250, exposed: float | None = None,
-         tail: float = 0.0) -> tuple[StepChoice, list[str], list[list[float]]]:
+         cost: float = 0.0) -> tuple[StepChoice, list[str], list[list[float]]]:
     """Begin ``iterations`` iterations; each takes ``periods[its mode]`` seconds, those in
     ``slow`` 100 s; each 16-bit one reports ``exposed`` seconds of exposed communication and a
-    compressed tail of ``tail`` s. Returns the object, each iteration's mode and what ``agree``
+    cost of compressing of ``cost`` s. Returns the object, each iteration's mode and what ``agree``
     was given."""
     clock, agreed = _Clock(), []
 
@@ -54,7 +54,7 @@ def _run(periods: dict[str, float], iterations: int, *, enabled: bool = True,
     modes: list[str] = []
     for iteration in range(iterations):
         after_sixteen = bool(modes) and modes[-1] == SIXTEEN_BIT
-        mode = choice.begin(iteration, exposed=exposed if after_sixteen else None, tail=tail)
+        mode = choice.begin(iteration, exposed=exposed if after_sixteen else None, cost=cost)
         modes.append(mode)
         clock.now += 100.0 if iteration in slow else periods[mode]
     return choice, modes, agreed
@@ -102,16 +102,16 @@ def test_hidden_communication_skips_the_trial() -> None:
     assert [(c.iteration, c.mode) for c in choice.choices] == [(decide, COMPRESSED)]
 
 
-def test_the_compressed_tail_comes_off_the_exposure() -> None:
-    """The compressed mode's own last bucket (``tail``) still runs after backward: what it could
-    save is the exposure less that. 0.4 s exposed, 0.35 s of tail: 0.05 s to gain, within a
-    0.1 s spread, so no trial; 0.2 s of tail leaves 0.2 s, more than the spread: tried."""
+def test_the_cost_of_compressing_comes_off_the_exposure() -> None:
+    """What compressing adds (``cost``: e.g. its own last bucket after backward) comes off what it
+    could save: 0.4 s exposed, 0.35 s of cost: 0.05 s to gain, within a 0.1 s spread, so no
+    trial; 0.2 s of cost leaves 0.2 s, more than the spread: tried."""
     clock = _Clock()
     agreed: list[list[float]] = []
     choice = StepChoice(WARMUP, True, functools.partial(_keep, agreed), samples=SAMPLES,
                         clock=clock)
     for iteration in range(WARMUP + 1):  # 16-bit steps of 1.0 and 1.2 s: spread 0.1 s
-        choice.begin(iteration, exposed=0.4 if iteration > 1 else None, tail=0.35)
+        choice.begin(iteration, exposed=0.4 if iteration > 1 else None, cost=0.35)
         clock.now += 1.0 + 0.2 * (iteration % 2)
     assert choice.mode == SIXTEEN_BIT
     [made] = choice.choices
@@ -119,7 +119,7 @@ def test_the_compressed_tail_comes_off_the_exposure() -> None:
     assert made.gain_ms == pytest.approx(50.0) and made.spread_ms == pytest.approx(100.0)
     assert agreed[0][1] == pytest.approx(0.05) and agreed[0][3] == 0.4
 
-    choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 0.5}, 20, exposed=0.4, tail=0.2)
+    choice, modes, agreed = _run({SIXTEEN_BIT: 1.0, COMPRESSED: 0.5}, 20, exposed=0.4, cost=0.2)
     assert agreed[0][1] == pytest.approx(0.2)
     assert modes[WARMUP:] == [COMPRESSED] * (20 - WARMUP)
     assert choice.choices[0].gain_ms == pytest.approx(200.0)

@@ -57,12 +57,12 @@ class StepChoice:
 
     Before the compressed mode is tried (after the warm-up, and at a recheck from 16 bits), the
     16-bit steps' *exposed* communication bounds what it could gain: ``begin(..., exposed=s,
-    tail=s)`` reports, for the 16-bit step just ended, how long its averaging ran on after
+    cost=s)`` reports, for the 16-bit step just ended, how long its averaging ran on after
     backward produced the last bucket, and what compressing that step would at least have
     added (the DDP hook: the last bucket's compressed all-reduce after backward and, where the
     compute fills the cores, the other buckets' codec, as the planner prices them from the job's
     measured rates; 0 if unknown). Compressing shortens at most the wait and adds its own work,
-    so the gain is at most exposure less tail. Where the slowest rank's median of that is within
+    so the gain is at most exposure less cost. Where the slowest rank's median of that is within
     the 16-bit samples' spread (``agree`` then gets ``[16-bit median s, gain median s, spread
     s, exposed median s]``) the compressed mode could not win by more than the noise and is not
     tried: no step pays its error to learn that.
@@ -102,11 +102,11 @@ class StepChoice:
         self._exposed_ms = self._gain_ms = math.nan  # the agreed medians at the last check
 
     def begin(self, iteration: int, *, timed: bool = True, exposed: float | None = None,
-              tail: float = 0.0) -> str:
+              cost: float = 0.0) -> str:
         """Called at the first bucket of ``iteration``: the mode it runs. ``timed=False``: the
         iteration's time is not a sample (a monitored step). ``exposed``: seconds the iteration
         before ran on after its last bucket was handed over, if it was averaged in 16 bits;
-        ``tail``: seconds compressing that iteration would at least have added."""
+        ``cost``: seconds compressing that iteration would at least have added."""
         now = self.clock()
         started = self._started
         if started is not None and started[0] == iteration - 1 and started[3]:
@@ -115,7 +115,7 @@ class StepChoice:
             self._trials += not clean
             if clean and started[2] == SIXTEEN_BIT and exposed is not None:
                 exposed = max(exposed, 0.0)
-                self._exposed.append((exposed, max(exposed - max(tail, 0.0), 0.0)))
+                self._exposed.append((exposed, max(exposed - max(cost, 0.0), 0.0)))
         self._excluded.clear()
         previous = self.mode
         if self.enabled and iteration == self.warmup_steps and self._hidden(iteration):

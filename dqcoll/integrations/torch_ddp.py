@@ -167,7 +167,7 @@ class DynamiqState:
         self.bucket_numel: dict[int, int] = {}  # bucket index -> elements, as of the last step
         self._handed_over: float | None = None  # clock at the 16-bit step's last bucket
         self._averaged = -math.inf  # clock when that step's last 16-bit average completed
-        self._tail = 0.0  # s compressing would at least add to the 16-bit step begun last
+        self._compress_cost = 0.0  # s compressing would at least add to the 16-bit step begun last
         self.last_info: dict[str, Any] = {}  # the last bucket's comm.last_info (or 16-bit call's)
 
         if dist.is_available() and dist.is_initialized() and self.scheme != "none":
@@ -203,8 +203,8 @@ class DynamiqState:
         handed_over, self._handed_over = self._handed_over, None
         exposed = None if handed_over is None else self._averaged - handed_over
         choice.begin(iteration, timed=not self._monitor_due(iteration), exposed=exposed,
-                     tail=self._tail)
-        self._tail = 0.0  # this iteration's buckets add theirs
+                     cost=self._compress_cost)
+        self._compress_cost = 0.0  # this iteration's buckets add theirs
         if len(choice.choices) > decided and self.group_rank() == 0:
             made = choice.choices[-1]
             if math.isnan(made.compressed_ms):
@@ -686,7 +686,7 @@ def dynamiq_hook(state: DynamiqState,
         # what compressing would add: summed over the step's buckets, the last one's at the
         # end of backward, whose 16-bit average's wait after it is exposed. Not on CUDA: there a
         # collective's future completes when it is enqueued, so its callback times nothing.
-        state._tail += state.compressed_cost_s(index, buf, last=last)
+        state._compress_cost += state.compressed_cost_s(index, buf, last=last)
         if last:
             state._handed_over = state.step_choice.clock()
     try:  # the compressed path ends its iteration itself, once the last bucket is averaged
