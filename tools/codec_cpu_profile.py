@@ -28,7 +28,7 @@ bucket, the median over repeats of the median over ranks, and ``[min-max]`` over
 (of that rank median). Usage::
 
     .venv/bin/python tools/codec_cpu_profile.py [-n 4] [--repeats 7] [--json FILE]
-    .venv/bin/python tools/codec_cpu_profile.py --cprofile 7355392   # cProfile of rank 0's call
+    .venv/bin/python tools/codec_cpu_profile.py --cprofile 7355392   # rank 0: cProfile, thread CPU
 
 The machine's other load shows in ``process_time`` only through cache and frequency effects, not
 as time charged to the ranks, so alternating runs of two checkouts compare the code.
@@ -107,7 +107,10 @@ class Profile:
 
 
 def _patch(profile: Profile, owner: Any, attr: str, name: str) -> None:
-    fn = getattr(owner, attr)
+    fn = getattr(owner, attr, None)
+    if fn is None:
+        raise AttributeError(f"{owner.__name__}.{attr} is gone: update the phases of "
+                             f"tools/codec_cpu_profile.py to the call path")
     if not getattr(fn, "__profiled__", False):
         setattr(owner, attr, profile.wrap(name, fn))
 
@@ -134,7 +137,7 @@ def instrument(profile: Profile) -> None:
                        ("compress", "compress"), ("decompress", "decompress"),
                        ("decompress_accumulate", "decompress_accumulate"),
                        ("decompress_accumulate_recompress", "hop"), ("finish", "finish"),
-                       ("release", "release"), ("scratch", "scratch")):
+                       ("scratch", "scratch")):
         _patch(profile, cls, attr, f"call:{name}")
     _patch(profile, call_mod, "_reduce_statistics", "call:stats_allreduce")
     _patch(profile, call_mod, "survey", "argument check")
@@ -191,7 +194,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     work = [torch.empty_like(b) for b in buckets]
     rows: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
     infos: dict[int, dict[str, Any]] = {}
-    profiler = cProfile.Profile() if args.cprofile and rank == 0 else None
+    # thread CPU time, as the phases
+    profiler = cProfile.Profile(time.thread_time) if args.cprofile and rank == 0 else None
     for repeat in range(args.warmup + args.repeats):
         for index, (size, bucket) in enumerate(zip(sizes, buckets, strict=True)):
             work[index].copy_(bucket)
@@ -222,7 +226,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"rank": rank, "rows": rows, "infos": infos}
     if profiler is not None:
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(40)
+        stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+        stats.print_stats(r"^(?!.*_dynamiq_numba_kernels)", 60)  # the kernels are phases above
         report["cprofile"] = out.getvalue()
     comm.close()
     dist.destroy_process_group()
@@ -319,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--cprofile", type=int, default=0, metavar="SIZE",
-                   help="also print rank 0's cProfile of the calls of this bucket size")
+                   help="also print rank 0's cProfile (thread CPU time, Python only: the kernels "
+                        "are phases) of the calls of this bucket size")
     p.add_argument("--json", default="", metavar="FILE")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
