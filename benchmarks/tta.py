@@ -1,10 +1,10 @@
-"""Time to accuracy: a GPT-style decoder trained from scratch under DDP with every gradient hook.
+"""Time to accuracy: a GPT-style decoder trained from scratch under DDP or FSDP2 with every hook.
 
 Users do not buy a faster all-reduce; they buy reaching the same model quality sooner. This trains
-one real job under PyTorch DDP over gloo once per gradient hook, **in the same run** (the same
+one real job under PyTorch DDP or FSDP2 over gloo once per hook, **in the same run** (the same
 ranks, one hook after another) and with **paired seeds**: for a given seed every hook starts from
 the same weights and sees the same batches in the same order, so the hooks differ only in how the
-gradients are averaged.
+gradients (and, under FSDP2, the weights) travel.
 
 ==================  ===============================================================================
 hook                what averages the gradients
@@ -18,7 +18,22 @@ hook                what averages the gradients
 ``dqcoll:<policy>`` ``DynamiqState(policy=<policy>)``: a ``DQCOLL_POLICY`` text read over the
                     defaults, ``;`` between its keys (``dqcoll:warmup_steps=5;seed=1``): a variant
                     of the defaults beside them in the same run
+``fsdp2``           FSDP2 (``fully_shard`` on every block and on the model), its own collectives:
+                    fp32 parameter all-gathers and gradient reduce-scatters; the FSDP2 reference
+``fsdp2_bf16``      FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``: its gradient
+                    reduce-scatter in bf16, the 16-bit peer of FSDP2 runs
+``fsdp2_dqcoll``    FSDP2 with ``dqcoll.integrations.fsdp.compress(model)``: dqcoll's defaults
+                    (weights in ``int8_block``, gradients in ``dynamiq`` at 5 bits)
+``fsdp2_dqcoll:<p>`` the same under the policy ``<p>`` (``;`` between its keys)
 ==================  ===============================================================================
+
+A hook's family is DDP's or FSDP2's (the ``fsdp2`` ones); each family has its reference, whose
+final loss sets the target (``ddp``, ``fsdp2``), and its 16-bit peer, over which the speed-up is
+reported (``fp16_hook``, ``fsdp2_bf16``). FSDP2 runs evaluate (and measure the gradient error
+against) the exact weights: each evaluation gathers the full parameters into a plain copy of the
+model, so that an FSDP2 hook that gathers weights in fewer bits (``fsdp2_dqcoll``'s ``int8_block``)
+is judged by the model it trains, not by its rounded copy; its training forward and backward run
+on the weights as gathered.
 
 The job: :class:`dqcoll_lab.eval.tinylm.TinyLM`, a GPT-style decoder (learned positions,
 pre-LayerNorm blocks of causal attention and a 4x GELU MLP, output head tied to the embedding) at
@@ -43,21 +58,24 @@ Reported per hook and seed (``runs`` in the JSON) and per hook over the seeds (`
   the evaluations (the slowest rank's: the barriers wait for it);
 * **step time**: every rank times its steps (batch to optimiser step); the slowest rank's median
   with its p10 and p90, and the slowest rank of every step;
-* **target**: within 1 % of the ``ddp`` run's final held-out loss with the same seed
-  (``loss <= 1.01 * final``); **steps and wall-clock to reach it**: at the first evaluation at or
-  below it, and (``wall_to_target_interp_s``) interpolated linearly in loss between that
-  evaluation and the one before; speed-up over the fp16 hook: the fp16 hook's wall-clock to the
-  target over the hook's, per seed, then the mean over seeds;
+* **target**: within 1 % of the family reference's (``ddp``, ``fsdp2``) final held-out loss
+  with the same seed (``loss <= 1.01 * final``); **steps and wall-clock to reach it**: at the
+  first evaluation at or below it, and (``wall_to_target_interp_s``) interpolated linearly in
+  loss between that evaluation and the one before; speed-up over the 16-bit peer (the fp16 hook;
+  FSDP2's bf16 reduce-scatter): the peer's wall-clock to the target over the hook's, per seed,
+  then the mean over seeds;
 * **bytes per step** sent per rank: dqcoll's hooks from their communicators' counters (payload,
   scales, statistics, argument checks, headers) over the compressed steps, plus the 16-bit
   steps' all-reduces in fp16 or bf16 (the warm-up's, and those the step-time check chose:
   ``DynamiqState.sixteen_bit_steps``; on DDP's process group, where dqcoll's counters do not
   see them) computed as for the torch hooks; torch's hooks:
   computed from DDP's bucket sizes, ``2 (n-1)/n`` of each bucket's bytes (a ring all-reduce), in
-  fp16 for the fp16 hook;
-* **gradient vNMSE** of one more (untimed) step after training: the gradients DDP left against
-  the exact average (every rank's own gradients of a copy of the model, all-reduced in float64),
-  ``|g - g_exact|^2 / |g_exact|^2`` over all parameters.
+  fp16 for the fp16 hook; FSDP2's own collectives counted as FSDP2 issues them (each
+  all-gather's and reduce-scatter's ``(n-1)/n`` of its full buffer, in its dtype);
+  ``fsdp2_dqcoll`` from dqcoll's counters (compressed and exact calls);
+* **gradient vNMSE** of one more (untimed) step after training: the gradients DDP (FSDP2,
+  gathered whole) left against the exact average (every rank's own gradients of an exact copy of
+  the model, all-reduced in float64), ``|g - g_exact|^2 / |g_exact|^2`` over all parameters.
 
 Hook order: the hooks run in ``--hooks`` order for the first seed, rotated by one for each further
 seed, so no hook always runs first or last on a machine whose speed drifts.
@@ -82,6 +100,7 @@ hook (the hooks would see different machine states).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -119,8 +138,8 @@ from dqcoll_lab.eval.tinylm import LMConfig, TinyLM  # noqa: E402
 __all__ = ["HOOKS", "Corpus", "is_heldout", "load_corpus", "lr_factor", "main", "reach",
            "render_markdown", "summarize"]
 
-# hook name -> label; also the default order
-HOOKS: dict[str, str] = {
+# hook name -> label; DDP's hooks, in the default order
+DDP_HOOKS: dict[str, str] = {
     "ddp": "DDP default (fp32, no hook)",
     "fp16_hook": "torch fp16_compress_hook",
     "dqcoll": "dqcoll DynamiqState() defaults",
@@ -128,25 +147,47 @@ HOOKS: dict[str, str] = {
     "mxfp8": "dqcoll DynamiqState(scheme=\"mxfp8\")",
     "int4_block": "dqcoll DynamiqState(scheme=\"int4_block\")",
 }
+FSDP2_HOOKS: dict[str, str] = {
+    "fsdp2": "FSDP2, its own collectives (fp32)",
+    "fsdp2_bf16": "FSDP2, reduce_dtype=bf16",
+    "fsdp2_dqcoll": "FSDP2 + dqcoll fsdp.compress() defaults",
+}
+HOOKS = {**DDP_HOOKS, **FSDP2_HOOKS}
 DQCOLL_SCHEMES = {"dqcoll": None, "auto": "auto", "mxfp8": "mxfp8", "int4_block": "int4_block"}
 # "dqcoll:<policy>": DynamiqState(policy=<policy>), a DQCOLL_POLICY text read over the defaults,
-# with ";" between its keys (e.g. "dqcoll:warmup_steps=5;seed=1"): a variant of the defaults
+# with ";" between its keys (e.g. "dqcoll:warmup_steps=5;seed=1"): a variant of the defaults;
+# "fsdp2_dqcoll:<policy>": fsdp.compress under that policy
 VARIANT = "dqcoll:"
-REFERENCE = "ddp"
+FSDP2_VARIANT = "fsdp2_dqcoll:"
+REFERENCES = {"ddp": "ddp", "fsdp2": "fsdp2"}  # family -> the hook whose final loss is the target
+PEERS = {"ddp": "fp16_hook", "fsdp2": "fsdp2_bf16"}  # family -> the 16-bit peer of the speed-up
 TARGET_TOLERANCE = 0.01  # the target: within 1 % of the reference's final held-out loss
 HELDOUT_EVERY = 20  # a file is held out when its path hash is divisible by this
 WIRE_BYTES = {"ddp": 4, "fp16_hook": 2}  # torch hooks: bytes per coordinate on the wire
 BUCKET_CAP_MB = 25  # DDP's default
 
 
+def family(hook: str) -> str:
+    """``"fsdp2"`` for the FSDP2 hooks, ``"ddp"`` for the others."""
+    return "fsdp2" if hook.startswith("fsdp2") else "ddp"
+
+
 def variant_policy(hook: str) -> str | None:
-    """The policy text of a ``dqcoll:<policy>`` hook (keys separated by commas), else None."""
-    return hook[len(VARIANT):].replace(";", ",") if hook.startswith(VARIANT) else None
+    """The policy text of a ``dqcoll:<policy>`` or ``fsdp2_dqcoll:<policy>`` hook (keys separated
+    by commas), else None."""
+    for prefix in (VARIANT, FSDP2_VARIANT):
+        if hook.startswith(prefix):
+            return hook[len(prefix):].replace(";", ",")
+    return None
 
 
 def hook_label(hook: str) -> str:
     policy = variant_policy(hook)
-    return HOOKS[hook] if policy is None else f'dqcoll DynamiqState(policy="{policy}")'
+    if policy is None:
+        return HOOKS[hook]
+    if family(hook) == "fsdp2":
+        return f'FSDP2 + dqcoll fsdp.compress(policy="{policy}")'
+    return f'dqcoll DynamiqState(policy="{policy}")'
 
 
 def known_hook(hook: str) -> bool:
@@ -269,7 +310,15 @@ def warm_up_schemes(hooks: Sequence[str], world_size: int) -> None:
     from dqcoll.transports.torch_dist import TorchTransport
 
     wanted = {DQCOLL_SCHEMES.get(h) or "dynamiq" for h in hooks
-              if h in DQCOLL_SCHEMES or variant_policy(h)}
+              if family(h) == "ddp" and (h in DQCOLL_SCHEMES or variant_policy(h))}
+    for hook in hooks:
+        if family(hook) == "fsdp2" and hook.startswith("fsdp2_dqcoll"):
+            try:
+                policy = fsdp2_policy(hook)
+            except Exception:  # refused: its runs say so
+                continue
+            wanted |= {rule.scheme for rule in (policy.weights, policy.gradients)
+                       if not rule.is_exact}
     wanted = {"dynamiq" if s == "auto" else s for s in wanted}
     if not wanted:
         return
@@ -305,6 +354,93 @@ def register_hook(hook: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
     return state
 
 
+def fsdp2_policy(hook: str) -> Any:
+    """The ``CompressionPolicy`` of an ``fsdp2_dqcoll`` hook: ``DQCOLL_POLICY`` (else the
+    defaults), with a variant's keys read over it."""
+    from dqcoll.integrations.policy import CompressionPolicy
+
+    policy = CompressionPolicy.from_env()
+    text = variant_policy(hook)
+    return policy if text is None else CompressionPolicy.parse(text, policy)
+
+
+def shard(hook: str, model: nn.Module) -> Any:
+    """FSDP2 on ``model`` (``fully_shard`` on every block, then on the model) as ``hook`` wants
+    it; the dqcoll state (None for FSDP2's own collectives)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    options = ({"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}
+               if hook == "fsdp2_bf16" else {})
+    for block in model.blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    if hook in ("fsdp2", "fsdp2_bf16"):
+        return None
+    from dqcoll.integrations import fsdp as dqfsdp
+
+    try:
+        policy = fsdp2_policy(hook)
+    except Exception as exc:  # the same on every rank
+        raise HookUnavailable(f"{hook_label(hook)} rejected: {_first_line(exc)}") from None
+    return dqfsdp.compress(model, policy)
+
+
+class CollectiveBytes:
+    """Bytes this rank sends in the all-gathers and reduce-scatters FSDP2 issues through
+    ``torch.distributed`` (its own collectives), counted while installed: ``(n-1)/n`` of each
+    call's full buffer (the all-gather's output, the reduce-scatter's input), in its dtype, what
+    a ring sends."""
+
+    NAMES = (("all_gather_single", "all_gather_into_tensor"),
+             ("reduce_scatter_single", "reduce_scatter_tensor"))
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self._saved: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> CollectiveBytes:
+        # the name FSDP2 calls (torch 2.13: *_single; earlier: the *_tensor ones), one per kind
+        for position, names in enumerate(self.NAMES):
+            name = next(n for n in names if hasattr(dist, n))
+            original = getattr(dist, name)
+            self._saved.append((name, original))
+            setattr(dist, name, self._counted(original, full=1 - position))
+        return self
+
+    def _counted(self, original: Any, full: int) -> Any:
+        def call(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            n = dist.get_world_size(group)
+            buffer = output if full else input  # the all-gather's output, reduce-scatter's input
+            self.nbytes += (n - 1) * buffer.numel() * buffer.element_size() // n
+            return original(output, input, *args, **kwargs)
+
+        return call
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved:
+            setattr(dist, name, original)
+        self._saved.clear()
+
+
+def unsharded(model: nn.Module, args: argparse.Namespace, seed: int) -> nn.Module:
+    """A plain copy of an FSDP2 model with its exact full weights (collective: every rank
+    gathers every parameter)."""
+    plain = build_model(args, seed)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in model.state_dict().items()}
+    plain.load_state_dict(full)
+    return plain
+
+
+def fsdp2_sent(state: Any) -> int:
+    """Bytes this rank sent through dqcoll's FSDP2 state: its compressed calls' wire bytes and
+    its exact calls' bytes."""
+    summary = state.summary()
+    return int(sum(c["wire_bytes"] for c in summary["compressed"].values())
+               + sum(summary.get("exact_bytes", {}).values()))
+
+
 def _comms(state: Any) -> list[Any]:
     """Every communicator of a dqcoll state (lane 0 and the other lanes)."""
     return [c for c in (getattr(state, "comm", None), *getattr(state, "lane_comms", ()))
@@ -331,13 +467,21 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def gradient_vnmse(ddp: nn.parallel.DistributedDataParallel, x: torch.Tensor,
-                   y: torch.Tensor, world_size: int) -> float:
-    """One untimed step's vNMSE: the gradients DDP averaged against the exact fp64 average."""
-    reference = copy.deepcopy(ddp.module)
+def gradient_vnmse(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
+                   exact_copy: nn.Module | None = None) -> float:
+    """One untimed step's vNMSE: the gradients DDP (or FSDP2, gathered whole) averaged against
+    the exact fp64 average of every rank's gradients of ``exact_copy`` (default: a copy of
+    DDP's module)."""
+    reference = copy.deepcopy(ddp.module) if exact_copy is None else exact_copy
     ddp.zero_grad(set_to_none=True)
     ddp(x, y).backward()
-    averaged = _flat_grads(ddp.module)
+    if exact_copy is None:
+        averaged = _flat_grads(ddp.module)
+    else:  # FSDP2: sharded gradients, gathered
+        averaged = torch.cat([
+            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1)
+            .double() if p.grad is not None else torch.zeros(p.numel(), dtype=torch.float64)
+            for p in ddp.parameters()])
     reference(x, y).backward()
     exact = _flat_grads(reference)
     dist.all_reduce(exact)
@@ -362,15 +506,25 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
     docstring). Collective: every rank calls it with the same arguments."""
     began = time.perf_counter()
     model = build_model(args, seed)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
-    state = register_hook(hook, ddp)
+    sharded = family(hook) == "fsdp2"
+    if sharded:
+        state = shard(hook, model)
+        ddp: nn.Module = model
+        counted_bytes = CollectiveBytes()
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+        state = register_hook(hook, ddp)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
     for comm in _comms(state):  # from here on: training's bytes only (not auto's link probe)
         comm.counters.reset()
     out: dict[str, Any] = {"hook": hook, "label": hook_label(hook), "seed": seed}
-    curve = [{"step": 0, "wall_s": 0.0,
-              "loss": heldout_loss(ddp.module, windows, args, rank, world_size)}]
+
+    def evaluate() -> float:  # FSDP2: the exact weights, gathered into a plain copy
+        plain = unsharded(ddp, args, seed) if sharded else ddp.module
+        return heldout_loss(plain, windows, args, rank, world_size)
+
+    curve = [{"step": 0, "wall_s": 0.0, "loss": evaluate()}]
     step_ms: list[float] = []
     train_loss: list[float] = []
     wall = eval_s = 0.0
@@ -380,8 +534,9 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
         x, y = train_batch(corpus, seed, step, rank, args.batch, args.seq_len)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = ddp(x, y)
-        loss.backward()
+        with counted_bytes if sharded else contextlib.nullcontext():
+            loss = ddp(x, y)
+            loss.backward()
         if args.clip > 0:
             nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
         opt.step()
@@ -392,14 +547,18 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
             dist.barrier()
             pause = time.perf_counter()
             wall += pause - segment
-            curve.append({"step": step + 1, "wall_s": round(wall, 4),
-                          "loss": heldout_loss(ddp.module, windows, args, rank, world_size)})
+            curve.append({"step": step + 1, "wall_s": round(wall, 4), "loss": evaluate()})
             dist.barrier()
             segment = time.perf_counter()
             eval_s += segment - pause
-    # bytes: dqcoll's counters (compressed steps) + warm-up and torch hooks from bucket sizes
-    world_bytes = sum(ring_allreduce_nbytes(b, world_size) for b in bucket_nbytes(ddp))
-    counted = float(sum(c.counters["bytes_sent"] for c in _comms(state)))
+    # bytes: dqcoll's counters (compressed steps) + warm-up and torch hooks from bucket sizes;
+    # FSDP2: its own collectives as counted, or dqcoll's FSDP2 state's counters
+    if sharded:
+        world_bytes = 0.0
+        counted = float(counted_bytes.nbytes if state is None else fsdp2_sent(state))
+    else:
+        world_bytes = sum(ring_allreduce_nbytes(b, world_size) for b in bucket_nbytes(ddp))
+        counted = float(sum(c.counters["bytes_sent"] for c in _comms(state)))
     gathered = _every_rank([*step_ms, wall, eval_s, counted])
     steps = args.steps
     slowest = max((row[:steps] for row in gathered), key=lambda t: percentile(t, 50))
@@ -411,12 +570,21 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
         step_ms=[round(max(row[i] for row in gathered), 2) for i in range(steps)],
         wall_s=max(row[steps] for row in gathered),
         eval_s=max(row[steps + 1] for row in gathered),
-        train_loss_rank0=train_loss,
-        fp32_bytes_per_step=world_bytes)
-    if state is None:
+        train_loss_rank0=train_loss)
+    if sharded:
+        out["bytes_per_step"] = sum(row[steps + 2] for row in gathered) / len(gathered) / steps
+        out["bytes_source"] = (
+            "FSDP2's all-gathers and reduce-scatters as issued, (n-1)/n of each full buffer "
+            "(mean over ranks)" if state is None else
+            "dqcoll's FSDP2 counters: compressed wire bytes and exact calls (mean over ranks)")
+        if state is not None:
+            out["fsdp2_summary"] = state.summary()
+    elif state is None:
+        out["fp32_bytes_per_step"] = world_bytes
         out["bytes_per_step"] = world_bytes * WIRE_BYTES[hook] / 4
         out["bytes_source"] = "computed: 2 (n-1)/n of DDP's bucket bytes, in the wire dtype"
     else:
+        out["fp32_bytes_per_step"] = world_bytes
         # the 16-bit steps (the warm-up's, and those auto's step-time check chose) send their
         # fp32 buckets in fp16 or bf16 on DDP's group, outside dqcoll's counters
         warm = min(steps, state.sixteen_bit_steps)
@@ -430,12 +598,15 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
         out["bytes_source"] = ("dqcoll counters over the compressed steps (mean over ranks) + "
                                "the 16-bit steps' all-reduces computed from bucket sizes")
     x, y = train_batch(corpus, seed, steps, rank, args.batch, args.seq_len)
-    out["vnmse"] = gradient_vnmse(ddp, x, y, world_size)
+    out["vnmse"] = gradient_vnmse(ddp, x, y, world_size,
+                                  unsharded(ddp, args, seed) if sharded else None)
     info = getattr(state, "last_info", None) or {}
     planned = info.get("planned")
     if isinstance(planned, dict) and planned.get("label"):
         out["planned"] = str(planned["label"])  # the last bucket's plan in the vNMSE step
-    if state is not None:
+    if sharded and state is not None:
+        state.close()
+    elif state is not None:
         from dqcoll import handles
 
         state.drain()
@@ -469,19 +640,25 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per run: the seed's target and when the run reached it (added to each run in place);
-    per hook, over the seeds where every run is ok: means of the figures and the paired
-    speed-up over the fp16 hook."""
+    """Per run: the seed's target (its family reference's final loss, + 1 %) and when the run
+    reached it (added to each run in place); per hook, over the seeds where every run is ok:
+    means of the figures and the paired speed-up over its family's 16-bit peer (the
+    ``speedup_vs_fp16_*`` keys: the fp16 hook for DDP, ``fsdp2_bf16`` for FSDP2)."""
     ok = [r for r in runs if r.get("status") == "ok"]
-    reference = {r["seed"]: r["final_loss"] for r in ok if r["hook"] == REFERENCE}
+    finals = {(family(r["hook"]), r["seed"]): r["final_loss"] for r in ok
+              if r["hook"] == REFERENCES[family(r["hook"])]}
     for run in ok:
-        target = reference.get(run["seed"])
+        target = finals.get((family(run["hook"]), run["seed"]))
         run["target"] = None if target is None else target * (1 + TARGET_TOLERANCE)
         run.update(reach(run["curve"], run["target"]) if target is not None
                    else reach([], 0.0))
-    fp16 = {r["seed"]: r for r in ok if r["hook"] == "fp16_hook"}
+    peers = {(family(r["hook"]), r["seed"]): r for r in ok
+             if r["hook"] == PEERS[family(r["hook"])]}
     summary: dict[str, Any] = {}
     for hook in dict.fromkeys(r["hook"] for r in runs):
+        kind = family(hook)
+        reference = {seed: loss for (f, seed), loss in finals.items() if f == kind}
+        fp16 = {seed: run for (f, seed), run in peers.items() if f == kind}
         mine = [r for r in ok if r["hook"] == hook]
         failed = [r for r in runs if r["hook"] == hook and r.get("status") != "ok"]
         entry: dict[str, Any] = {"label": hook_label(hook), "seeds": [r["seed"] for r in mine],
@@ -511,8 +688,10 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
 def render_markdown(result: dict[str, Any]) -> str:
     """The summary as a markdown table (means over the seeds), and what it was run on."""
     prov = result["provenance"]
+    peer = ("vs 16-bit peer" if any(family(h) == "fsdp2" for h in result["summary"])
+            else "vs fp16 hook")
     lines = ["| hook | step (ms) | final held-out loss | vs fp32 | steps to target | "
-             "wall to target (s) | vs fp16 hook | MB/step | vNMSE |",
+             f"wall to target (s) | {peer} | MB/step | vNMSE |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in result["summary"].values():
         if "median_ms" not in entry:
@@ -639,7 +818,8 @@ def provenance(args: argparse.Namespace, world_size: int, params: int,
         "threads_per_rank": torch.get_num_threads(),
         "hooks": args.hooks,
         "seeds": args.seeds,
-        "target": f"held-out loss <= (1 + {TARGET_TOLERANCE:g}) x the {REFERENCE} run's final",
+        "target": (f"held-out loss <= (1 + {TARGET_TOLERANCE:g}) x the final of the family "
+                   f"reference's run (DDP: {REFERENCES['ddp']}, FSDP2: {REFERENCES['fsdp2']})"),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
@@ -736,9 +916,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tta.py", description=__doc__.split("\n")[0])
     p.add_argument("-n", "--world-size", type=int, default=4,
                    help="ranks to spawn here (ignored under --launcher env)")
-    p.add_argument("--hooks", type=_names, default=list(HOOKS),
-                   help=f"comma-separated from {list(HOOKS)}, or {VARIANT}<policy> (a "
-                        f"DQCOLL_POLICY text over the defaults, ';' between its keys)")
+    p.add_argument("--hooks", type=_names, default=list(DDP_HOOKS),
+                   help=f"comma-separated from {list(HOOKS)}, or {VARIANT}<policy> / "
+                        f"{FSDP2_VARIANT}<policy> (a DQCOLL_POLICY text over the defaults, ';' "
+                        f"between its keys); default: DDP's")
     p.add_argument("--seeds", type=lambda t: [int(s) for s in _names(t)], default=[0, 1, 2],
                    help="comma-separated; each seed: every hook from the same init and data")
     p.add_argument("--steps", type=int, default=300)
@@ -780,8 +961,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     unknown = [h for h in args.hooks if not known_hook(h)]
     if unknown or not args.hooks:
-        parser.error(f"unknown hooks {unknown}; choose from {list(HOOKS)} or "
-                     f"{VARIANT}<policy>")
+        parser.error(f"unknown hooks {unknown}; choose from {list(HOOKS)}, {VARIANT}<policy> "
+                     f"or {FSDP2_VARIANT}<policy>")
     if not args.seeds or args.steps < 1 or args.eval_every < 1 or args.eval_windows < 1:
         parser.error("--seeds needs one seed or more; --steps, --eval-every and --eval-windows "
                      "must be >= 1")

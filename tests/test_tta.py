@@ -128,6 +128,29 @@ def test_a_variant_hook_is_the_defaults_under_a_policy():
     assert tta.known_hook(hook) and tta.known_hook("fp16_hook")
     assert not tta.known_hook("dqcoll:") and not tta.known_hook("fp8_hook")
     assert tta.variant_policy("dqcoll") is None and tta.hook_label("dqcoll") == tta.HOOKS["dqcoll"]
+    fsdp = "fsdp2_dqcoll:gradients=int4_block;min_nbytes=0"
+    assert tta.family(fsdp) == "fsdp2" and tta.family(hook) == "ddp" and tta.known_hook(fsdp)
+    policy = tta.fsdp2_policy(fsdp)
+    assert (policy.gradients.scheme, policy.min_nbytes) == ("int4_block", 0)
+    assert policy.weights == tta.fsdp2_policy("fsdp2_dqcoll").weights  # the rest: the defaults
+
+
+def test_each_family_has_its_own_target_and_16_bit_peer():
+    """FSDP2 hooks are targeted at the ``fsdp2`` run's final loss and paired with
+    ``fsdp2_bf16``; DDP hooks at ``ddp``'s and the fp16 hook's, in the same result."""
+    runs = [_run("ddp", 0, 2.0, [10.0, 40.0]), _run("fp16_hook", 0, 2.0, [10.0, 30.0]),
+            _run("fsdp2", 0, 2.5, [10.0, 50.0]), _run("fsdp2_bf16", 0, 2.5, [10.0, 40.0]),
+            _run("fsdp2_dqcoll", 0, 2.5, [10.0, 20.0])]
+    summary = tta.summarize(runs)
+    assert runs[0]["target"] == pytest.approx(2.02)
+    assert runs[2]["target"] == pytest.approx(2.525) and runs[4]["target"] == pytest.approx(2.525)
+    assert summary["fsdp2_dqcoll"]["speedup_vs_fp16_s"] == pytest.approx(2.0)
+    assert summary["fsdp2"]["speedup_vs_fp16_s"] == pytest.approx(0.8)
+    assert summary["fp16_hook"]["speedup_vs_fp16_s"] == pytest.approx(1.0)
+    assert summary["fsdp2_dqcoll"]["final_vs_ref"] == pytest.approx(0.0)
+    assert "| vs 16-bit peer |" in tta.render_markdown(
+        {"provenance": {"params": 1e6, "world_size": 2, "link": "x", "steps": 2, "commit": "c",
+                        "device": "d", "torch_version": "t"}, "summary": summary})
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +178,9 @@ def test_tiny_run_reports_every_hook_with_provenance(tiny):
     assert prov["corpus"]["train_files"] > 100 and prov["corpus"]["heldout_files"] > 5
     runs = result["runs"]
     assert [(r["seed"], r["hook"]) for r in runs if r["seed"] == 0] == [
-        (0, h) for h in tta.HOOKS]
-    assert {r["hook"] for r in runs if r["seed"] == 1} == set(tta.HOOKS)
-    assert next(r["hook"] for r in runs if r["seed"] == 1) == list(tta.HOOKS)[1]  # rotated
+        (0, h) for h in tta.DDP_HOOKS]
+    assert {r["hook"] for r in runs if r["seed"] == 1} == set(tta.DDP_HOOKS)
+    assert next(r["hook"] for r in runs if r["seed"] == 1) == list(tta.DDP_HOOKS)[1]  # rotated
     for run in runs:
         if run["hook"] == "auto" and run["status"].startswith("not available"):
             continue
@@ -169,7 +192,7 @@ def test_tiny_run_reports_every_hook_with_provenance(tiny):
         assert run["bytes_per_step"] > 0 and run["vnmse"] >= 0
         assert run["target"] is not None
     summary = result["summary"]
-    assert list(summary) == list(tta.HOOKS) and summary["ddp"]["reached"] == 2
+    assert list(summary) == list(tta.DDP_HOOKS) and summary["ddp"]["reached"] == 2
     assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| DDP default (fp32, no hook) |" in stdout
 
@@ -209,3 +232,42 @@ def test_tiny_run_dqcoll_sends_fewer_bytes_than_fp32(tiny):
         assert 0 < dq["bytes_per_step"] <= 1.02 * fp32
         for name in ("mxfp8", "int4_block"):
             assert 0 < by[name]["bytes_per_compressed_step"] < fp32 / 2, (name, by[name])
+
+
+@pytest.fixture(scope="module")
+def tiny_fsdp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tta") / "tiny-fsdp2.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tta.py"), "-n", "2", "--model-width", "32",
+         "--layers", "2", "--seq-len", "16", "--batch", "2", "--steps", "10", "--eval-every",
+         "5", "--eval-windows", "8", "--seeds", "0", "--lr", "3e-3", "--json", str(out),
+         "--hooks", "fsdp2,fsdp2_bf16,fsdp2_dqcoll:min_nbytes=0", "--note", "test"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_tiny_fsdp2_run_pairs_its_hooks_and_counts_their_bytes(tiny_fsdp2):
+    """Under FSDP2 every hook starts from the same weights and batch (dqcoll's first forward on
+    its int8 all-gather of them); FSDP2's own fp32
+    collectives average exactly to rounding and learn; its bf16 reduce-scatter sends fewer bytes
+    and adds error; dqcoll's FSDP2 policy (every call compressed: ``min_nbytes=0``) sends fewer
+    bytes than either, counted by its own state; the targets are the ``fsdp2`` run's."""
+    result, stdout = tiny_fsdp2
+    runs = {r["hook"]: r for r in result["runs"]}
+    assert all(r["status"] == "ok" for r in runs.values()), runs
+    assert len({r["initial_loss"] for r in runs.values()}) == 1  # evaluated on exact weights
+    exact, bf16, dq = runs["fsdp2"], runs["fsdp2_bf16"], runs["fsdp2_dqcoll:min_nbytes=0"]
+    # the same first batch on the same weights; dqcoll's forward runs on int8-gathered weights
+    assert exact["train_loss_rank0"][0] == bf16["train_loss_rank0"][0]
+    assert dq["train_loss_rank0"][0] == pytest.approx(exact["train_loss_rank0"][0], rel=1e-3)
+    assert exact["final_loss"] < exact["initial_loss"] and exact["vnmse"] < 1e-12
+    assert exact["vnmse"] < bf16["vnmse"] < 1e-3
+    assert 0 < dq["bytes_per_step"] < bf16["bytes_per_step"] < exact["bytes_per_step"]
+    summary = dq["fsdp2_summary"]["compressed"]
+    # 10 steps: 3 all-gathers forward and 2 backward (the root keeps its weights), 3
+    # reduce-scatters; none of the evaluations' gathers (exact, outside FSDP2's collectives)
+    assert (summary["weights"]["calls"], summary["gradients"]["calls"]) == (50, 30), summary
+    assert summary["weights"]["wire_bytes"] < summary["weights"]["exact_bytes"] / 3
+    assert exact["target"] == pytest.approx(1.01 * exact["final_loss"]) == dq["target"]
+    assert "| vs 16-bit peer |" in stdout
