@@ -33,7 +33,7 @@ TORCH_TIER_TESTS := tests/test_ddp_hook.py tests/test_ddp_warmup.py tests/test_d
 	tests/test_policy_vocabulary.py \
 	tests/test_fsdp.py tests/test_gpu_path.py \
 	tests/test_nccl_transport.py tests/test_framing.py tests/test_nccl_contract.py \
-	tests/test_cuda_host_waits.py \
+	tests/test_cuda_host_waits.py tests/test_tta.py \
 	$(wildcard tests/test_torch_*.py tests/test_fsdp_*.py tests/test_reliability*.py)
 
 .PHONY: demo test test-torch211 test-all lint type bench gpu-check env clean

@@ -14,8 +14,6 @@ FRAME_HEADROOM = 16
 
 
 class ReduceOp(enum.Enum):
-    __hash__ = object.__hash__  # identity (singletons): C speed; enum's hashes the name in Python
-
     SUM = "sum"
     AVG = "avg"
 
@@ -32,8 +30,6 @@ class ReduceOp(enum.Enum):
 
 
 class Collective(enum.Enum):
-    __hash__ = object.__hash__  # identity (singletons): C speed; enum's hashes the name in Python
-
     ALLREDUCE = "allreduce"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"

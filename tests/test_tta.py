@@ -1,11 +1,12 @@
-"""``benchmarks/tta.py``: time to accuracy of a real training job under DDP, paired seeds.
+"""``benchmarks/tta.py``: time to accuracy of a real training job under DDP and FSDP2, paired seeds.
 
 The corpus split, the target and the summary's paired speed-ups are checked on exact inputs; one
 tiny end-to-end run (2 ranks over loopback, a 1-layer 32-wide decoder, 14 steps, two seeds,
-every hook) checks the report's structure and what pairing promises: every hook of a seed starts
-from the same held-out loss and sees the same first batch, the seeds differ, the uncompressed
-hooks learn, and dqcoll's hook sends fewer bytes per step than DDP's fp32 all-reduce. No timing
-is asserted.
+every DDP hook) checks the report's structure and what pairing promises: every hook of a seed
+starts from the same held-out loss and sees the same first batch, the seeds differ, the
+uncompressed hooks learn, and dqcoll's hook sends fewer bytes per step than DDP's fp32
+all-reduce; a second (the FSDP2 hooks, 10 steps) checks the FSDP2 family's pairing, target and
+byte counts. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -153,17 +154,24 @@ def test_each_family_has_its_own_target_and_16_bit_peer():
                         "device": "d", "torch_version": "t"}, "summary": summary})
 
 
+def _tiny_run(out: Path, *options: str) -> tuple[dict, str]:
+    """``benchmarks/tta.py`` on 2 ranks over loopback with a 32-wide decoder; its result and
+    stdout."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tta.py"), "-n", "2", "--model-width", "32",
+         "--seq-len", "16", "--batch", "2", "--eval-windows", "8", "--lr", "3e-3", "--json",
+         str(out), "--note", "test", *options],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tta") / "tiny.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tta.py"), "-n", "2", "--model-width", "32",
-         "--layers", "1", "--seq-len", "16", "--batch", "2", "--steps", "14", "--eval-every",
-         "7", "--eval-windows", "8", "--seeds", "0,1", "--lr", "3e-3", "--json", str(out),
-         "--note", "test"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(out.read_text()), out, done.stdout
+    result, stdout = _tiny_run(out, "--layers", "1", "--steps", "14", "--eval-every", "7",
+                               "--seeds", "0,1")
+    return result, out, stdout
 
 
 def test_tiny_run_reports_every_hook_with_provenance(tiny):
@@ -236,15 +244,9 @@ def test_tiny_run_dqcoll_sends_fewer_bytes_than_fp32(tiny):
 
 @pytest.fixture(scope="module")
 def tiny_fsdp2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tta") / "tiny-fsdp2.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tta.py"), "-n", "2", "--model-width", "32",
-         "--layers", "2", "--seq-len", "16", "--batch", "2", "--steps", "10", "--eval-every",
-         "5", "--eval-windows", "8", "--seeds", "0", "--lr", "3e-3", "--json", str(out),
-         "--hooks", "fsdp2,fsdp2_bf16,fsdp2_dqcoll:min_nbytes=0", "--note", "test"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(out.read_text()), done.stdout
+    return _tiny_run(tmp_path_factory.mktemp("tta") / "tiny-fsdp2.json", "--layers", "2",
+                     "--steps", "10", "--eval-every", "5", "--seeds", "0",
+                     "--hooks", "fsdp2,fsdp2_bf16,fsdp2_dqcoll:min_nbytes=0")
 
 
 def test_tiny_fsdp2_run_pairs_its_hooks_and_counts_their_bytes(tiny_fsdp2):

@@ -113,34 +113,26 @@ GROUP_CODE_LEVELS = 16  # scales="hierarchical4": 4-bit group codes
 _ROWS_PER_BLOCK = 256
 
 
-class _Enum(enum.Enum):
-    """An enum hashed by identity (its members are singletons, equal only to themselves): the
-    kernels' launchers look tables up by format ~500 times per all-reduce call, where
-    ``enum.Enum``'s own ``__hash__`` (a Python call hashing the name) cost ~1 ms of CPU."""
-
-    __hash__ = object.__hash__
-
-
-class Levels(_Enum):
+class Levels(enum.Enum):
     NONUNIFORM = "nonuniform"  # the paper's epsilons (EPSILON)
     UNIFORM = "uniform"
     TUNED = "tuned"  # non-uniform with EPSILON_TUNED
 
 
-class Scales(_Enum):
+class Scales(enum.Enum):
     HIERARCHICAL = "hierarchical"  # uint8 code per group of 16 + bf16 unit (18 B)
     FLAT = "flat"  # bf16 scale per 32 coordinates (16 B)
     HIERARCHICAL4X32 = "hierarchical4x32"  # 4-bit code per group of 32 + bf16 unit (6 B)
 
 
-class ProtoScales(_Enum):
+class ProtoScales(enum.Enum):
     """Prototype scale encodings, kept out of :class:`Scales` so that the compiled kernels, which
     iterate over :class:`Scales`, never see them (the scheme runs them on the torch reference)."""
 
     HIERARCHICAL4 = "hierarchical4"  # 4-bit codes per group of 16 (8 + 2 bytes)
 
 
-class RoundingMode(_Enum):
+class RoundingMode(enum.Enum):
     CORRELATED = "correlated"
     INDEPENDENT = "independent"
 
@@ -160,7 +152,6 @@ _SCALE_NBYTES = {Scales.HIERARCHICAL: GROUPS + 2, ProtoScales.HIERARCHICAL4: GRO
                  Scales.HIERARCHICAL4X32: GROUPS // 4 + 2, Scales.FLAT: 2 * SUPER // FLAT_BLOCK}
 
 
-@functools.lru_cache(maxsize=64)  # ~200 look-ups per all-reduce call
 def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
     """Wire bytes of one super-group at ``width`` bits (0 for width 0)."""
     if width == 0:
@@ -169,7 +160,7 @@ def record_nbytes(width: int, scales: Scales = Scales.HIERARCHICAL) -> int:
         return 2 * SUPER + 2  # 256 fp16 values + one bf16 unit, whatever the scales mode
     if width not in FINE_WIDTHS:
         raise ValueError(f"width must be 0 or one of {ALL_WIDTHS}, got {width}")
-    return int(SUPER * width // 8 + _SCALE_NBYTES[scales])  # a Python int, whatever was asked
+    return SUPER * width // 8 + _SCALE_NBYTES[scales]
 
 
 @functools.cache

@@ -112,10 +112,6 @@ def run_rows(kernel: Callable[..., Any], rows: int, *args: Any, threads: int | N
     """``kernel(lo, hi, *args)`` over row ranges that cover ``[0, rows)``, on up to ``threads``
     threads (default :func:`cpu_threads`); the calling thread runs the first range."""
     threads = cpu_threads() if threads is None else threads
-    if threads == 1 or rows < 2 * MIN_ROWS_PER_THREAD:  # one range: no lists, no pool
-        if rows:
-            kernel(0, rows, *args)
-        return
     parts = max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
     cuts = [rows * p // parts for p in range(parts + 1)]
     futures = [_pool.submit(kernel, cuts[p], cuts[p + 1], *args) for p in range(1, parts)]

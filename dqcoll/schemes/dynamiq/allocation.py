@@ -341,13 +341,7 @@ def allocate_widths(
 def count_classes(subtree: Any) -> Classes:
     """Per partial-sum size ``c`` (the executor's ``count``): ``(alpha_c, tau_c)``, the error
     weight (quantizations of a ``c``-rank partial sum per chunk, times ``c``) and the share of
-    the all-reduce's transfers that carry it, from ``subtree[rank][chunk]``, as a plain loop.
-    Computed once per schedule shape (a new dict each call)."""
-    return dict(_count_classes(tuple(tuple(int(v) for v in row) for row in subtree)))
-
-
-@functools.lru_cache(maxsize=64)  # every all-reduce call of a schedule asks (~0.5 ms each)
-def _count_classes(subtree: tuple[tuple[int, ...], ...]) -> Classes:
+    the all-reduce's transfers that carry it, from ``subtree[rank][chunk]``, as a plain loop."""
     sizes = np.asarray(subtree, dtype=np.int64)
     n = len(subtree)
     chunks = sizes.shape[1] if sizes.ndim == 2 else 0
