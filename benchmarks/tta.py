@@ -135,8 +135,8 @@ from dqcoll.schemes.seeds import derived_seed  # noqa: E402
 from dqcoll.transports.base import ring_allreduce_nbytes  # noqa: E402
 from dqcoll_lab.eval.tinylm import LMConfig, TinyLM  # noqa: E402
 
-__all__ = ["HOOKS", "Corpus", "is_heldout", "load_corpus", "lr_factor", "main", "reach",
-           "render_markdown", "summarize"]
+__all__ = ["DDP_HOOKS", "FSDP2_HOOKS", "HOOKS", "Corpus", "family", "is_heldout", "load_corpus",
+           "lr_factor", "main", "reach", "render_markdown", "summarize"]
 
 # hook name -> label; DDP's hooks, in the default order
 DDP_HOOKS: dict[str, str] = {
