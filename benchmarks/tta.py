@@ -312,7 +312,7 @@ def warm_up_schemes(hooks: Sequence[str], world_size: int) -> None:
     wanted = {DQCOLL_SCHEMES.get(h) or "dynamiq" for h in hooks
               if family(h) == "ddp" and (h in DQCOLL_SCHEMES or variant_policy(h))}
     for hook in hooks:
-        if family(hook) == "fsdp2" and hook.startswith("fsdp2_dqcoll"):
+        if hook.startswith("fsdp2_dqcoll"):
             try:
                 policy = fsdp2_policy(hook)
             except Exception:  # refused: its runs say so
@@ -462,9 +462,11 @@ def bucket_nbytes(ddp: nn.parallel.DistributedDataParallel) -> list[int]:
 
 
 def _flat_grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1).double() if p.grad is not None
-                      else torch.zeros(p.numel(), dtype=torch.float64)
-                      for p in model.parameters()])
+    """Every parameter's gradient, flat, in float64 (FSDP2's sharded ones gathered whole)."""
+    return torch.cat([
+        (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1).double()
+        if p.grad is not None else torch.zeros(p.numel(), dtype=torch.float64)
+        for p in model.parameters()])
 
 
 def gradient_vnmse(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
@@ -475,13 +477,7 @@ def gradient_vnmse(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size:
     reference = copy.deepcopy(ddp.module) if exact_copy is None else exact_copy
     ddp.zero_grad(set_to_none=True)
     ddp(x, y).backward()
-    if exact_copy is None:
-        averaged = _flat_grads(ddp.module)
-    else:  # FSDP2: sharded gradients, gathered
-        averaged = torch.cat([
-            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1)
-            .double() if p.grad is not None else torch.zeros(p.numel(), dtype=torch.float64)
-            for p in ddp.parameters()])
+    averaged = _flat_grads(ddp)
     reference(x, y).backward()
     exact = _flat_grads(reference)
     dist.all_reduce(exact)
@@ -554,10 +550,8 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
     # bytes: dqcoll's counters (compressed steps) + warm-up and torch hooks from bucket sizes;
     # FSDP2: its own collectives as counted, or dqcoll's FSDP2 state's counters
     if sharded:
-        world_bytes = 0.0
         counted = float(counted_bytes.nbytes if state is None else fsdp2_sent(state))
     else:
-        world_bytes = sum(ring_allreduce_nbytes(b, world_size) for b in bucket_nbytes(ddp))
         counted = float(sum(c.counters["bytes_sent"] for c in _comms(state)))
     gathered = _every_rank([*step_ms, wall, eval_s, counted])
     steps = args.steps
@@ -579,24 +573,25 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
             "dqcoll's FSDP2 counters: compressed wire bytes and exact calls (mean over ranks)")
         if state is not None:
             out["fsdp2_summary"] = state.summary()
-    elif state is None:
-        out["fp32_bytes_per_step"] = world_bytes
-        out["bytes_per_step"] = world_bytes * WIRE_BYTES[hook] / 4
-        out["bytes_source"] = "computed: 2 (n-1)/n of DDP's bucket bytes, in the wire dtype"
     else:
+        world_bytes = sum(ring_allreduce_nbytes(b, world_size) for b in bucket_nbytes(ddp))
         out["fp32_bytes_per_step"] = world_bytes
-        # the 16-bit steps (the warm-up's, and those auto's step-time check chose) send their
-        # fp32 buckets in fp16 or bf16 on DDP's group, outside dqcoll's counters
-        warm = min(steps, state.sixteen_bit_steps)
-        sent = sum(row[steps + 2] for row in gathered) / len(gathered)  # mean over ranks
-        out["warmup_steps"] = state.warmup_steps
-        out["sixteen_bit_steps"] = warm
-        out["step_choices"] = [dataclasses.asdict(c) for c in state.step_choice.choices]
-        out["sixteen_bit_formats"] = [list(entry) for entry in state.sixteen_bit.history]
-        out["bytes_per_step"] = (sent + warm * world_bytes / 2) / steps
-        out["bytes_per_compressed_step"] = sent / (steps - warm) if steps > warm else None
-        out["bytes_source"] = ("dqcoll counters over the compressed steps (mean over ranks) + "
-                               "the 16-bit steps' all-reduces computed from bucket sizes")
+        if state is None:
+            out["bytes_per_step"] = world_bytes * WIRE_BYTES[hook] / 4
+            out["bytes_source"] = "computed: 2 (n-1)/n of DDP's bucket bytes, in the wire dtype"
+        else:
+            # the 16-bit steps (the warm-up's, and those auto's step-time check chose) send
+            # their fp32 buckets in fp16 or bf16 on DDP's group, outside dqcoll's counters
+            warm = min(steps, state.sixteen_bit_steps)
+            sent = sum(row[steps + 2] for row in gathered) / len(gathered)  # mean over ranks
+            out["warmup_steps"] = state.warmup_steps
+            out["sixteen_bit_steps"] = warm
+            out["step_choices"] = [dataclasses.asdict(c) for c in state.step_choice.choices]
+            out["sixteen_bit_formats"] = [list(entry) for entry in state.sixteen_bit.history]
+            out["bytes_per_step"] = (sent + warm * world_bytes / 2) / steps
+            out["bytes_per_compressed_step"] = sent / (steps - warm) if steps > warm else None
+            out["bytes_source"] = ("dqcoll counters over the compressed steps (mean over ranks) "
+                                   "+ the 16-bit steps' all-reduces computed from bucket sizes")
     x, y = train_batch(corpus, seed, steps, rank, args.batch, args.seq_len)
     out["vnmse"] = gradient_vnmse(ddp, x, y, world_size,
                                   unsharded(ddp, args, seed) if sharded else None)
