@@ -73,6 +73,11 @@ Reported per hook and seed (``runs`` in the JSON) and per hook over the seeds (`
   fp16 for the fp16 hook; FSDP2's own collectives counted as FSDP2 issues them (each
   all-gather's and reduce-scatter's ``(n-1)/n`` of its full buffer, in its dtype);
   ``fsdp2_dqcoll`` from dqcoll's counters (compressed and exact calls);
+* **where a step goes** (each rank's median, mean over the ranks): the process's CPU time per
+  step (every thread: compute, the hook's codec and transfers); for a DDP run with a hook, the
+  time from the step's start to DDP's hand-over of its last bucket (the end of backward, with
+  the averaging that overlapped it) and from there to the step's last completed average (the
+  averaging left exposed after backward);
 * **gradient vNMSE** of one more (untimed) step after training: the gradients DDP (FSDP2,
   gathered whole) left against the exact average (every rank's own gradients of an exact copy of
   the model, all-reduced in float64), ``|g - g_exact|^2 / |g_exact|^2`` over all parameters.
@@ -332,14 +337,49 @@ def warm_up_schemes(hooks: Sequence[str], world_size: int) -> None:
             continue
 
 
-def register_hook(hook: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
-    """Register ``hook`` on ``ddp``; its state (None for torch's hooks)."""
+class StepSplit:
+    """Where a DDP step's time goes, for a hooked run: a wrapper of the hook notes when DDP hands
+    over the step's last bucket (the end of backward) and when the step's last average completes
+    (the latest of its buckets' futures): before the hand-over the step's compute ran (with
+    whatever averaging overlapped it), after it the exposed averaging."""
+
+    def __init__(self) -> None:
+        self.handed = self.done = math.nan
+
+    def wrap(self, hook: Any) -> Any:
+        def timed(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+            if bucket.is_last():
+                self.handed = time.perf_counter()
+            future = hook(state, bucket)
+
+            def finished(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                now = time.perf_counter()
+                self.done = now if math.isnan(self.done) else max(self.done, now)
+                return fut.value()
+
+            return future.then(finished)
+
+        return timed
+
+    def take(self, start: float) -> tuple[float, float]:
+        """(ms from ``start`` to the last hand-over, ms from it to the last average) of the step
+        begun at ``start``, and reset for the next."""
+        split = ((self.handed - start) * 1e3, (self.done - self.handed) * 1e3)
+        self.handed = self.done = math.nan
+        return split
+
+
+def register_hook(hook: str, ddp: nn.parallel.DistributedDataParallel,
+                  split: StepSplit | None = None) -> Any:
+    """Register ``hook`` on ``ddp`` (its function wrapped by ``split``, where given); its state
+    (None for torch's hooks). ``ddp`` runs without a hook: nothing to wrap."""
     if hook == "ddp":
         return None
+    wrap = split.wrap if split is not None else (lambda fn: fn)
     if hook == "fp16_hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, wrap(default_hooks.fp16_compress_hook))
         return None
     from dqcoll.integrations.torch_ddp import DynamiqState, dynamiq_hook
 
@@ -349,7 +389,7 @@ def register_hook(hook: str, ddp: nn.parallel.DistributedDataParallel) -> Any:
                  else DynamiqState() if scheme is None else DynamiqState(scheme=scheme))
     except Exception as exc:  # the same on every rank: the argument check
         raise HookUnavailable(f"{hook_label(hook)} rejected: {_first_line(exc)}") from None
-    ddp.register_comm_hook(state, dynamiq_hook)
+    ddp.register_comm_hook(state, wrap(dynamiq_hook))
     state.prepare()  # communicator, kernels, auto's link probe: before the clock starts
     return state
 
@@ -503,13 +543,15 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
     began = time.perf_counter()
     model = build_model(args, seed)
     sharded = family(hook) == "fsdp2"
+    split = None
     if sharded:
         state = shard(hook, model)
         ddp: nn.Module = model
         counted_bytes = CollectiveBytes()
     else:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
-        state = register_hook(hook, ddp)
+        split = StepSplit() if hook != "ddp" else None
+        state = register_hook(hook, ddp, split)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
     for comm in _comms(state):  # from here on: training's bytes only (not auto's link probe)
@@ -522,13 +564,15 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
 
     curve = [{"step": 0, "wall_s": 0.0, "loss": evaluate()}]
     step_ms: list[float] = []
+    cpu_ms: list[float] = []
+    parts: list[tuple[float, float]] = []  # (to the last bucket, after it) per step
     train_loss: list[float] = []
     wall = eval_s = 0.0
     dist.barrier()
     segment = time.perf_counter()
     for step in range(args.steps):
         x, y = train_batch(corpus, seed, step, rank, args.batch, args.seq_len)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         with counted_bytes if sharded else contextlib.nullcontext():
             loss = ddp(x, y)
@@ -538,6 +582,9 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
         opt.step()
         sched.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
+        cpu_ms.append((time.process_time() - cpu) * 1e3)
+        if split is not None:
+            parts.append(split.take(start))
         train_loss.append(round(float(loss.detach()), 5))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             dist.barrier()
@@ -553,8 +600,10 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
         counted = float(counted_bytes.nbytes if state is None else fsdp2_sent(state))
     else:
         counted = float(sum(c.counters["bytes_sent"] for c in _comms(state)))
-    gathered = _every_rank([*step_ms, wall, eval_s, counted])
     steps = args.steps
+    median = (lambda v: percentile(v, 50)) if steps else (lambda v: math.nan)
+    split_ms = [median([p[k] for p in parts]) if parts else math.nan for k in (0, 1)]
+    gathered = _every_rank([*step_ms, wall, eval_s, counted, median(cpu_ms), *split_ms])
     slowest = max((row[:steps] for row in gathered), key=lambda t: percentile(t, 50))
     out.update(
         status="ok", params=sum(p.numel() for p in model.parameters()),
@@ -565,6 +614,12 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
         wall_s=max(row[steps] for row in gathered),
         eval_s=max(row[steps + 1] for row in gathered),
         train_loss_rank0=train_loss)
+    # where a step goes: each rank's median, then the mean over the ranks
+    rank_cpu, to_last, after = ([row[steps + 3 + k] for row in gathered] for k in range(3))
+    out["cpu_ms"] = sum(rank_cpu) / len(rank_cpu)
+    if split is not None:
+        out["to_last_bucket_ms"] = sum(to_last) / len(to_last)
+        out["after_backward_ms"] = sum(after) / len(after)
     if sharded:
         out["bytes_per_step"] = sum(row[steps + 2] for row in gathered) / len(gathered) / steps
         out["bytes_source"] = (
@@ -660,7 +715,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                  "failed": [f"seed {r['seed']}: {r['status']}" for r in failed]}
         if mine:
             keys = ("median_ms", "final_loss", "initial_loss", "wall_s", "bytes_per_step",
-                    "vnmse", "steps_to_target", "wall_to_target_s", "wall_to_target_interp_s")
+                    "vnmse", "steps_to_target", "wall_to_target_s", "wall_to_target_interp_s",
+                    "cpu_ms", "to_last_bucket_ms", "after_backward_ms")
             for key in keys:
                 entry[key] = _mean([r.get(key) for r in mine])
             entry["reached"] = sum(r["steps_to_target"] is not None for r in mine)
@@ -702,6 +758,14 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{_fmt(entry['wall_to_target_interp_s'], '.1f')} | "
             f"{_fmt(entry['speedup_vs_fp16_interp_s'], '.2f')}x | "
             f"{_fmt(entry['bytes_per_step'], '.2f', 1e-6)} | {_fmt(entry['vnmse'], '.2e')} |")
+    split = [e for e in result["summary"].values() if e.get("cpu_ms") is not None]
+    if split:
+        lines += ["", "| hook | step (ms) | to the last bucket (ms) | after it (ms) | "
+                  "CPU per rank (ms) |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {e['label']} | {_fmt(e['median_ms'], '.0f')} | "
+                  f"{_fmt(e.get('to_last_bucket_ms'), '.0f')} | "
+                  f"{_fmt(e.get('after_backward_ms'), '.0f')} | {_fmt(e['cpu_ms'], '.0f')} |"
+                  for e in split]
     seeds = sorted({s for e in result["summary"].values() for s in e["seeds"]})
     lines += ["", f"{prov['params'] / 1e6:.1f} M parameters, {prov['world_size']} ranks, link "
               f"{prov['link']}" + (f" (tc rate {prov['link_rate_tc']})"

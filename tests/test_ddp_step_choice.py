@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -167,6 +168,45 @@ def test_compressing_must_beat_the_samples_noise() -> None:
         assert agreed[0] == UNMEASURED and agreed[-1] == pytest.approx([1.0, compressed_s, 0.2])
         assert choice.choices[0].mode == expected and choice.mode == expected
         assert choice.choices[0].spread_ms == pytest.approx(200.0)
+
+
+def test_an_inconclusive_trial_is_tried_again_sooner() -> None:
+    """Compressed steps faster than 16-bit ones by less than the spread (the machine slowed
+    during the trial) keep 16 bits but run the trial again after retry_every steps, not
+    recheck_every; another inconclusive one doubles the interval; a trial whose compressed
+    steps are clearly faster then compresses; compressed steps slower than 16-bit ones are no
+    doubt: the next check is recheck_every away. 16-bit steps take 0.7, 1.3 and 1.0 s in turn
+    (any 5 or 6 in a row: median 1.0, spread 0.3)."""
+    warmup, retry = 6, 6
+    decide = warmup + SAMPLES + 1
+
+    def play(compressed: Callable[[int], float], iterations: int
+             ) -> tuple[StepChoice, list[str]]:
+        clock = _Clock()
+        choice = StepChoice(warmup, True, lambda v: v, samples=SAMPLES, recheck_every=100,
+                            retry_every=retry, clock=clock)
+        modes = []
+        for iteration in range(iterations):
+            mode = choice.begin(iteration)
+            modes.append(mode)
+            clock.now += (compressed(iteration) if mode == COMPRESSED
+                          else (0.7, 1.3, 1.0)[iteration % 3])
+        return choice, modes
+
+    # two inconclusive trials (0.9 s), then a clear one (0.5 s)
+    second = decide + retry + SAMPLES + 1
+    third = second + 2 * retry + SAMPLES + 1
+    choice, modes = play(lambda i: 0.9 if i < third - SAMPLES - 1 else 0.5, third + 3)
+    assert [(c.iteration, c.mode, c.next_check) for c in choice.choices] == [
+        (decide, SIXTEEN_BIT, decide + retry), (second, SIXTEEN_BIT, second + 2 * retry),
+        (third, COMPRESSED, third + 100)]
+    assert modes[decide:decide + retry] == [SIXTEEN_BIT] * retry
+    assert modes[decide + retry:second] == [COMPRESSED] * (SAMPLES + 1)
+    assert modes[third:] == [COMPRESSED] * 3
+
+    # compressed slower: no doubt, the usual recheck
+    choice, _ = play(lambda i: 2.0, decide + 2)
+    assert [(c.mode, c.next_check) for c in choice.choices] == [(SIXTEEN_BIT, decide + 100)]
 
 
 def test_untimed_steps_and_disabled_check() -> None:

@@ -199,10 +199,19 @@ def test_tiny_run_reports_every_hook_with_provenance(tiny):
         assert len(run["step_ms"]) == 14 and run["p10_ms"] <= run["median_ms"] <= run["p90_ms"]
         assert run["bytes_per_step"] > 0 and run["vnmse"] >= 0
         assert run["target"] is not None
+        # where a step goes: CPU per step, and for a hooked run the step split at the end of
+        # backward (no hook on DDP's default: nothing to split)
+        assert 0 < run["cpu_ms"]
+        if run["hook"] == "ddp":
+            assert "to_last_bucket_ms" not in run
+        else:
+            assert 0 < run["to_last_bucket_ms"] < run["p90_ms"], run
+            assert 0 <= run["after_backward_ms"] < run["p90_ms"], run
     summary = result["summary"]
     assert list(summary) == list(tta.DDP_HOOKS) and summary["ddp"]["reached"] == 2
     assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| DDP default (fp32, no hook) |" in stdout
+    assert "| to the last bucket (ms) | after it (ms) | CPU per rank (ms) |" in stdout
 
 
 def test_tiny_run_pairs_the_seeds_and_learns(tiny):
@@ -258,6 +267,7 @@ def test_tiny_fsdp2_run_pairs_its_hooks_and_counts_their_bytes(tiny_fsdp2):
     result, stdout = tiny_fsdp2
     runs = {r["hook"]: r for r in result["runs"]}
     assert all(r["status"] == "ok" for r in runs.values()), runs
+    assert all(r["cpu_ms"] > 0 and "to_last_bucket_ms" not in r for r in runs.values())
     assert len({r["initial_loss"] for r in runs.values()}) == 1  # evaluated on exact weights
     exact, bf16, dq = runs["fsdp2"], runs["fsdp2_bf16"], runs["fsdp2_dqcoll:min_nbytes=0"]
     # the same first batch on the same weights; dqcoll's forward runs on int8-gathered weights

@@ -35,6 +35,7 @@ class Choice:
     spread_ms: float = 0.0
     exposed_ms: float = math.nan  # the slowest rank's median exposed 16-bit communication
     gain_ms: float = math.nan  # the most compressing could save: exposure less what it adds
+    next_check: int = -1  # the iteration at which the other mode runs again
 
 
 def _median(periods: list[float]) -> float:
@@ -71,15 +72,23 @@ class StepChoice:
     :meth:`exclude`) makes the sampled mode run one step more, up to ``samples`` more, so that
     the choice rests on ``samples`` steps of the plans the job settles on (which steps are left
     out, and so the decision's iteration, is the same on every rank: the plans are agreed).
+
+    The other mode runs again ``recheck_every`` steps after a decision, or ``retry_every`` steps
+    after an *inconclusive* one (16 bits kept although the compressed median was the lower, by
+    less than the spread: the samples could not tell the modes apart, as when the machine's
+    speed drifts during the trial), doubling after each inconclusive decision in a row up to
+    ``recheck_every``.
     """
 
     def __init__(self, warmup_steps: int, enabled: bool,
                  agree: Callable[[list[float]], Sequence[float]], *, samples: int = 5,
-                 recheck_every: int = 250,
+                 recheck_every: int = 250, retry_every: int = 25,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps = warmup_steps
         self.samples = samples
         self.recheck_every = recheck_every
+        self.retry_every = retry_every
+        self._retry = 0  # the interval after the last inconclusive decision (0: none in a row)
         self.agree = agree
         self.clock = clock
         self.enabled = enabled and warmup_steps >= MIN_WARMUP
@@ -157,10 +166,11 @@ class StepChoice:
         self._gain_ms = gain_s * 1e3 if math.isfinite(gain_s) else math.nan
         if not gain_s <= spread_s:
             return False  # the trial's choice records the exposure too
+        self._retry = 0  # nothing to gain, which is no doubt about the trial
+        self._probe_at = iteration + self.recheck_every
         self.choices.append(Choice(iteration, SIXTEEN_BIT, sixteen_s * 1e3, math.nan,
                                    spread_ms=spread_s * 1e3, exposed_ms=self._exposed_ms,
-                                   gain_ms=self._gain_ms))
-        self._probe_at = iteration + self.recheck_every
+                                   gain_ms=self._gain_ms, next_check=self._probe_at))
         self._decide_at = self._decide_by = -1
         return True
 
@@ -179,10 +189,15 @@ class StepChoice:
             [_median(sixteen), _median(compressed), max(_spread(sixteen), _spread(compressed))]))
         if math.isfinite(sixteen_s) and math.isfinite(compressed_s):
             self.mode = COMPRESSED if compressed_s + spread_s < sixteen_s else SIXTEEN_BIT
+        if self.mode == SIXTEEN_BIT and compressed_s < sixteen_s:  # inconclusive: again soon
+            self._retry = min(2 * self._retry if self._retry else self.retry_every,
+                              self.recheck_every)
+        else:
+            self._retry = 0
+        self._probe_at = iteration + (self._retry or self.recheck_every)
         self.choices.append(Choice(iteration, self.mode, sixteen_s * 1e3, compressed_s * 1e3,
                                    self._trials, spread_s * 1e3, self._exposed_ms,
-                                   self._gain_ms))
-        self._probe_at = iteration + self.recheck_every
+                                   self._gain_ms, self._probe_at))
 
     def compressing(self) -> bool:
         """Whether the iteration begun last runs the compressed mode."""

@@ -215,8 +215,9 @@ class DynamiqState:
                          made.exposed_ms, made.gain_ms, made.spread_ms)
             else:
                 log.info("dqcoll ddp: iteration %d: step %.0f ms in 16 bits, %.0f ms compressed "
-                         "(slowest rank's medians; spread %.0f ms): %s from now on", iteration,
-                         made.sixteen_bit_ms, made.compressed_ms, made.spread_ms, made.mode)
+                         "(slowest rank's medians; spread %.0f ms): %s, the other mode again at "
+                         "iteration %d", iteration, made.sixteen_bit_ms, made.compressed_ms,
+                         made.spread_ms, made.mode, made.next_check)
 
     def compressed_cost_s(self, index: int, buf: torch.Tensor, *, last: bool) -> float:
         """What compressing bucket ``index`` would at least add to the step beyond its 16-bit
