@@ -255,6 +255,7 @@ class Lane(BlockCollectives):
         self.counters = {role: RoleCounters() for role in Role}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"dqcoll-lane {name} rank {rank}")
+        self._last: concurrent.futures.Future[Any] | None = None  # the call queued last
         self._init_blocks()
 
     def _connect(self, store: Any, prefix: str, timeout_s: float, gather_nbytes: int,
@@ -316,8 +317,8 @@ class Lane(BlockCollectives):
     def probe(self, role: Role, numel: int, out_numel: int, dtype: torch.dtype) -> dist.Work:
         """The path check of a call that runs exact elsewhere, queued in issue order; its Work
         raises :class:`MismatchError` where another rank's call was compressed."""
-        done = self._pool.submit(self._check_path, role, False, numel, out_numel, dtype)
-        return LaneWork(done, None)
+        self._last = self._pool.submit(self._check_path, role, False, numel, out_numel, dtype)
+        return LaneWork(self._last, None)
 
     def submit(self, role: Role, tensor_nbytes: int, numel: int, run: Callable[[], Any],
                result: Any, tensors: Sequence[torch.Tensor] = (),
@@ -343,11 +344,16 @@ class Lane(BlockCollectives):
             counters["exact_bytes"] += exact_nbytes(role, tensor_nbytes, self.world_size)
             return done
 
-        return LaneWork(self._pool.submit(job), result, order)
+        self._last = self._pool.submit(job)
+        return LaneWork(self._last, result, order)
 
     def flush(self) -> None:
-        """Return once every call queued so far has run (on CUDA: been queued on the stream)."""
-        self._pool.submit(lambda: None).result()
+        """Return once every call queued so far has run (on CUDA: been queued on the stream):
+        the lane's one thread runs them in order, so once the last one has (nothing queued
+        since the last flush: no hand-off to the thread at all)."""
+        last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])  # its error, if any, is its Work's
 
     def abort(self, reason: str) -> None:
         """Close the lane's connection now (a lost peer): calls blocked on it fail at once."""
