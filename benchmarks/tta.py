@@ -601,9 +601,8 @@ def run_one(hook: str, seed: int, corpus: Corpus, windows: torch.Tensor,
     else:
         counted = float(sum(c.counters["bytes_sent"] for c in _comms(state)))
     steps = args.steps
-    median = (lambda v: percentile(v, 50)) if steps else (lambda v: math.nan)
-    split_ms = [median([p[k] for p in parts]) if parts else math.nan for k in (0, 1)]
-    gathered = _every_rank([*step_ms, wall, eval_s, counted, median(cpu_ms), *split_ms])
+    split_ms = [percentile([p[k] for p in parts], 50) if parts else math.nan for k in (0, 1)]
+    gathered = _every_rank([*step_ms, wall, eval_s, counted, percentile(cpu_ms, 50), *split_ms])
     slowest = max((row[:steps] for row in gathered), key=lambda t: percentile(t, 50))
     out.update(
         status="ok", params=sum(p.numel() for p in model.parameters()),
